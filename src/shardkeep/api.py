@@ -1,0 +1,489 @@
+"""The verbs: ``save`` and ``load`` (and, re-exported, ``read_manifest`` and ``verify``).
+
+``save`` flattens the state, lays tensors out in safetensors data files, writes them in parallel
+under a byte budget with digests computed while writing, and commits through
+:class:`~shardkeep.dist.commit.CheckpointCommit`: staging directory, manifest last, one rename.
+``load`` reads the manifest, checks the file set, memory-maps and verifies every file it needs
+before it builds a single tensor, so a damaged checkpoint raises before anything is modified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
+from shardkeep.dist.commit import CheckpointCommit
+from shardkeep.errors import IntegrityError, ShardkeepError, UnsupportedValueError
+from shardkeep.integrity import seal_manifest
+from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
+from shardkeep.manifest import (
+    FileRecord,
+    Manifest,
+    Sharding,
+    StateSection,
+    TensorEntry,
+    Tier,
+    Training,
+    encode_manifest,
+)
+from shardkeep.tensors.convert import (
+    array_from_buffer,
+    byte_view,
+    contiguous_pieces,
+    data_address,
+    describe_array,
+)
+from shardkeep.tensors.flatten import TensorLeaf, flatten_state, rebuild_state
+from shardkeep.tensors.shardfile import HeaderEntry, build_header
+from shardkeep.verification import file_set_problems, locate, parse_manifest, read_manifest, read_manifest_bytes, verify
+
+__all__ = ["load", "read_manifest", "save", "verify"]
+
+DEFAULT_TIER = "hot"
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)")
+_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
+
+
+class _ArraySource:
+    """A :class:`~shardkeep.io.TensorSource` over one torch tensor or numpy array."""
+
+    __slots__ = ("address", "nbytes", "value")
+
+    def __init__(self, value: Any, nbytes: int) -> None:
+        self.value = value
+        self.nbytes = nbytes
+        self.address: int | None = None
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu" and value.is_contiguous() and not value.is_conj() and not value.is_neg():
+                self.address = value.data_ptr()
+        elif value.flags.c_contiguous:
+            self.address = data_address(value)
+
+    def pieces(self, max_bytes: int) -> Iterator[memoryview]:
+        for piece in contiguous_pieces(self.value, max_bytes):
+            yield byte_view(piece)
+            del piece
+
+
+class _Planned:
+    __slots__ = ("array_type", "dtype", "itemsize", "leaf", "nbytes", "shape")
+
+    def __init__(self, leaf: TensorLeaf) -> None:
+        self.leaf = leaf
+        self.dtype, self.shape, self.nbytes, self.array_type = describe_array(leaf.key, leaf.value)
+        self.itemsize = self.nbytes // math.prod(self.shape) if math.prod(self.shape) else _itemsize_of(leaf.value)
+
+
+def _itemsize_of(value: Any) -> int:
+    return int(value.element_size()) if isinstance(value, torch.Tensor) else int(value.itemsize)
+
+
+def _expert_key(key: str, tier_id: int) -> list[int] | None:
+    match = _EXPERT.search(key)
+    if match is None:
+        return None
+    layer = _LAYER.search(key)
+    return [tier_id, int(layer.group(1)) if layer else 0, int(match.group(1))]
+
+
+def _plan_files(
+    planned: list[_Planned], *, rank: int, target: int, tier: str, tier_id: int
+) -> list[tuple[FileRecord, list[_Planned]]]:
+    """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
+    into files of about ``target`` bytes so that large states are written in parallel."""
+    ordered = sorted(planned, key=lambda p: -p.itemsize)
+    total = sum(p.nbytes for p in ordered)
+    file_count = max(1, math.ceil(total / target))
+    quota = total / file_count
+    groups: list[list[_Planned]] = [[]]
+    group_bytes = 0
+    for item in ordered:
+        if groups[-1] and group_bytes + item.nbytes > quota * 1.05 and len(groups) < file_count:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(item)
+        group_bytes += item.nbytes
+    result: list[tuple[FileRecord, list[_Planned]]] = []
+    for index, group in enumerate(groups):
+        name = (
+            f"shards/rank_{rank:05d}.safetensors" if index == 0 else f"shards/rank_{rank:05d}_p{index:03d}.safetensors"
+        )
+        record = FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier)
+        result.append((record, group))
+    return result
+
+
+def _layout(record: FileRecord, group: list[_Planned], tier_id: int) -> bytes:
+    """Fill ``record`` with tensor entries and its size; return the safetensors header."""
+    header_entries: list[HeaderEntry] = []
+    position = 0
+    for item in group:
+        header_entries.append(HeaderEntry(item.leaf.key, item.dtype, item.shape, position, position + item.nbytes))
+        position += item.nbytes
+    header = build_header(header_entries)
+    base = len(header)
+    for item, header_entry in zip(group, header_entries, strict=True):
+        expert = _expert_key(item.leaf.key, tier_id)
+        record.tensors.append(
+            TensorEntry(
+                key=item.leaf.key,
+                path=list(item.leaf.path),
+                dtype=item.dtype,
+                shape=list(item.shape),
+                offset=base + header_entry.begin,
+                nbytes=item.nbytes,
+                kind="expert" if expert else "dense",
+                expert_key=expert,
+                array_type=item.array_type,  # type: ignore[arg-type]  # "torch" or "numpy"
+                order=item.leaf.order,
+            )
+        )
+    record.size = base + position
+    return header
+
+
+def _sections(state: Mapping[str, Any], keys: list[str]) -> tuple[StateSection | None, StateSection | None, Training]:
+    optim_prefixes = sorted(
+        str(name)
+        for name, value in state.items()
+        if isinstance(value, torch.optim.Optimizer) or name in ("optim", "optimizer")
+    )
+    router_prefixes = sorted(
+        {key[: match.end()] for key in keys if (match := re.search(r"(?:^|\.)router(?=\.|$)", key))}
+    )
+    training = Training()
+    for name in optim_prefixes:
+        optimizer = state.get(name)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            training.optimizer_type = type(optimizer).__name__
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            training.learning_rate = float(lr) if isinstance(lr, (int, float)) else None
+            break
+    optim = StateSection(prefixes=optim_prefixes, description="optimizer state") if optim_prefixes else None
+    router = StateSection(prefixes=router_prefixes, description="router weights and state") if router_prefixes else None
+    return optim, router, training
+
+
+def _progress_bar(
+    total: int, description: str, enabled: bool
+) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
+    return bar.update, bar.close
+
+
+def _ensure_directory(path: str) -> None:
+    """Create ``path`` and missing parents, fsyncing each parent whose entries changed."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        _ensure_directory(parent)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise ShardkeepError(f"cannot create directory {path!r}: {exc.strerror}") from exc
+    fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    digest: str = "blake3",
+    byte_budget: int = SaveOptions.byte_budget,
+    io_threads: int = SaveOptions.io_threads,
+    file_size_target: int = SaveOptions.file_size_target,
+    model_id: str | None = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    training: Mapping[str, Any] | None = None,
+    sharding_strategy: str = "none",
+    custom_fields: Mapping[str, Any] | None = None,
+    progress: bool = False,
+    budget: ByteBudget | None = None,
+) -> Manifest:
+    """Save ``state`` as a new committed checkpoint at ``path`` and return its manifest.
+
+    ``state`` is a mapping whose leaves are tensors, numpy arrays or JSON values; objects with
+    ``state_dict()`` are expanded. The checkpoint appears at ``path`` atomically, or not at all;
+    saving onto an existing checkpoint raises :class:`~shardkeep.errors.CheckpointExistsError`.
+    ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
+    observe its high-water mark.
+    """
+    options = SaveOptions(
+        digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
+    )
+    location = locate(path)
+    flat = flatten_state(state)
+    planned = [_Planned(leaf) for leaf in flat.tensors]
+    tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
+    groups = _plan_files(planned, rank=0, target=options.file_size_target, tier=tier.name, tier_id=tier.tier_id)
+    plans: list[ShardPlan] = []
+    commit = CheckpointCommit(location.store, location.name)
+    for record, group in groups:
+        header = _layout(record, group, tier.tier_id)
+        sources = [_ArraySource(item.leaf.value, item.nbytes) for item in group]
+        plans.append(ShardPlan(path=commit.staged(record.path), header=header, sources=sources, record=record))
+
+    optim, router, detected = _sections(state, [leaf.key for leaf in flat.tensors])
+    if training:
+        unknown = set(training) - {"learning_rate", "optimizer_type"}
+        if unknown:
+            raise UnsupportedValueError(
+                f"training= has unknown fields {sorted(unknown)}; known: learning_rate, optimizer_type"
+            )
+        detected = Training(
+            learning_rate=training.get("learning_rate", detected.learning_rate),
+            optimizer_type=training.get("optimizer_type", detected.optimizer_type),
+        )
+    float_bytes: dict[str, int] = {}
+    for item in planned:
+        if item.dtype in _PRECISION:
+            float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
+    precision = _PRECISION[max(float_bytes, key=lambda k: float_bytes[k])] if float_bytes else None
+
+    _ensure_directory(getattr(location.store, "root", "."))
+    commit.begin()
+    budget = budget or ByteBudget(options.byte_budget)
+    if budget.limit != options.byte_budget:
+        raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
+    update, close = _progress_bar(sum(item.nbytes for item in planned), f"save {location.name}", progress)
+    try:
+        records = write_shards(
+            location.store,
+            plans,
+            algorithm=options.digest,
+            budget=budget,
+            io_threads=options.io_threads,
+            on_bytes=update,
+        )
+        manifest = Manifest(
+            model_id=model_id,
+            step=step,
+            epoch=epoch,
+            world_size=1,
+            digest_algorithm=options.digest,
+            sharding=Sharding(strategy=sharding_strategy, shard_count=len(records), precision=precision),
+            training=detected,
+            tiers=[tier],
+            files=records,
+            optim_state=optim,
+            router_state=router,
+            structure=flat.containers,
+            values=flat.values,
+            custom_fields=dict(custom_fields or {}),
+        )
+        commit.commit(seal_manifest(encode_manifest(manifest), options.digest))
+    except BaseException:
+        commit.abort()
+        raise
+    finally:
+        close()
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike[str],
+    into: Any = None,
+    *,
+    verify: bool = True,
+    mmap: bool = True,
+    io_threads: int = LoadOptions.io_threads,
+    progress: bool = False,
+    limits: ManifestLimits | None = None,
+) -> Any:
+    """Load the checkpoint at ``path``.
+
+    Without ``into``, returns the saved state as a new nested dict (tensors view the files'
+    memory maps when ``mmap``; writes to them never reach the files). With ``into``, fills that
+    state in place (tensors are copied into, objects get ``load_state_dict``) and returns it.
+    With ``verify`` (the default) the file set, every size, digest and shard header are checked
+    before any tensor is built or any target modified.
+    """
+    options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
+    location = locate(path)
+    manifest = parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
+    problems: list[str] = []
+    if options.verify:
+        problems.extend(file_set_problems(location, manifest))
+    update, close = _progress_bar(sum(r.size for r in manifest.files), f"load {location.name}", progress)
+
+    def read(record: FileRecord) -> tuple[memoryview | None, list[str]]:
+        return check_shard(
+            location.store,
+            f"{location.name}/{record.path}",
+            record,
+            verify=options.verify,
+            keep=True,
+            use_mmap=options.mmap,
+            on_bytes=update,
+        )
+
+    try:
+        with ThreadPoolExecutor(
+            max(1, min(options.io_threads, len(manifest.files) or 1)), thread_name_prefix="shardkeep-read"
+        ) as pool:
+            results = list(pool.map(read, manifest.files))
+    finally:
+        close()
+    for _, file_problems in results:
+        problems.extend(file_problems)
+    if problems:
+        raise IntegrityError(f"checkpoint {location} failed verification: " + "; ".join(problems), problems)
+
+    tensors: list[tuple[list[str | int], int, Any]] = []
+    for record, (buffer, _) in zip(manifest.files, results, strict=True):
+        assert buffer is not None
+        for entry in record.tensors:
+            tensors.append(
+                (
+                    entry.path,
+                    entry.order,
+                    array_from_buffer(
+                        buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
+                    ),
+                )
+            )
+    loaded = rebuild_state(manifest.structure, manifest.values, tensors)
+    if into is None:
+        return loaded
+    _fill_into(into, loaded)
+    return into
+
+
+def _fill_into(target: Any, loaded: dict[str, Any]) -> None:
+    """Check every target first, then copy: a mismatch raises before anything is modified."""
+    actions: list[Callable[[], None]] = []
+    _plan_fill(target, loaded, "", actions)
+    with torch.no_grad():
+        for action in actions:
+            action()
+
+
+def _describe_mismatch(key: str, expected: Any, found: Any) -> str:
+    return f"{key!r}: the target has {expected} but the checkpoint has {found}"
+
+
+def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[], None]]) -> None:
+    if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
+        raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
+    missing = [key for key in target if key not in loaded]
+    if missing:
+        raise UnsupportedValueError(f"keys {[_join(prefix, k) for k in missing]} of into= are not in the checkpoint")
+    for key, new in loaded.items():
+        name = _join(prefix, key)
+        if key not in target:
+            if not hasattr(target, "__setitem__"):
+                raise UnsupportedValueError(f"{name!r} is in the checkpoint but not in into=, which is read-only")
+            actions.append(_assign(target, key, new))
+            continue
+        current = target[key]
+        if isinstance(current, torch.Tensor):
+            if not isinstance(new, torch.Tensor):
+                raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
+            if current.shape != new.shape or current.dtype != new.dtype:
+                raise UnsupportedValueError(
+                    _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
+                )
+            actions.append(_copy_tensor(current, new))
+        elif isinstance(current, np.ndarray):
+            if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
+                raise UnsupportedValueError(
+                    _describe_mismatch(
+                        name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new))
+                    )
+                )
+            actions.append(_copy_array(current, new))
+        elif isinstance(current, torch.nn.Module):
+            if not isinstance(new, Mapping):
+                raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
+            _check_module(current, new, name)
+            actions.append(_load_state(current, new))
+        elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
+            actions.append(_load_state(current, new))
+        elif isinstance(current, Mapping) and isinstance(new, Mapping):
+            _plan_fill(current, new, name, actions)
+        else:
+            if not hasattr(target, "__setitem__"):
+                raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
+            actions.append(_assign(target, key, new))
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(new))
+    unexpected = sorted(set(new) - set(expected))
+    if missing or unexpected:
+        raise UnsupportedValueError(
+            f"{name!r}: module keys differ from the checkpoint: missing {missing}, unexpected {unexpected}"
+        )
+    for key, tensor in expected.items():
+        found = new[key]
+        if isinstance(tensor, torch.Tensor) and (
+            not isinstance(found, torch.Tensor) or found.shape != tensor.shape or found.dtype != tensor.dtype
+        ):
+            raise UnsupportedValueError(
+                _describe_mismatch(
+                    f"{name}.{key}",
+                    f"{tensor.dtype}{list(tensor.shape)}",
+                    f"{getattr(found, 'dtype', type(found).__name__)}{list(getattr(found, 'shape', []))}",
+                )
+            )
+
+
+def _assign(target: Any, key: Any, value: Any) -> Callable[[], None]:
+    def run() -> None:
+        target[key] = value
+
+    return run
+
+
+def _copy_tensor(current: torch.Tensor, new: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        current.copy_(new)
+
+    return run
+
+
+def _copy_array(current: np.ndarray, new: np.ndarray) -> Callable[[], None]:
+    return lambda: np.copyto(current, new)
+
+
+def _load_state(obj: Any, new: Any) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            obj.load_state_dict(new)
+        except ShardkeepError:
+            raise
+        except Exception as exc:
+            raise UnsupportedValueError(f"{type(obj).__name__}.load_state_dict failed: {exc}") from exc
+
+    return run

@@ -1,0 +1,214 @@
+"""The ``shardkeep`` command line: argument parsing and printing. Imports without torch.
+
+Exit status: 0 on success, 1 when ``verify`` finds a problem, 2 on bad usage or when the
+checkpoint cannot be read at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import msgspec
+
+from shardkeep import __version__
+from shardkeep.errors import ShardkeepError
+from shardkeep.manifest import Manifest
+from shardkeep.verification import read_manifest, verify
+
+__all__ = ["build_parser", "main"]
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardkeep",
+        description="Inspect and verify shardkeep checkpoints.",
+        epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardkeep {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    inspect = commands.add_parser(
+        "inspect", help="summarize a checkpoint: tensors, dtypes, sizes, files, tiers, training fields"
+    )
+    inspect.add_argument("path", metavar="PATH", help="a committed checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="print the manifest and a summary as JSON")
+    inspect.add_argument(
+        "--max-tensors", type=int, default=40, metavar="N", help="list at most N tensors (default 40; 0 for none)"
+    )
+    inspect.add_argument("--all", action="store_true", help="list every tensor")
+
+    check = commands.add_parser(
+        "verify", help="check the file set, sizes, digests and headers; exit 0 only if all is well"
+    )
+    check.add_argument("path", metavar="PATH", help="a committed checkpoint directory")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--quiet", "-q", action="store_true", help="print only problems")
+    check.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="show a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    return parser
+
+
+def summary(manifest: Manifest) -> dict[str, Any]:
+    """A machine-readable summary of a manifest's contents."""
+    by_dtype: Counter[str] = Counter()
+    bytes_by_dtype: Counter[str] = Counter()
+    for _, entry in manifest.iter_tensors():
+        by_dtype[entry.dtype] += 1
+        bytes_by_dtype[entry.dtype] += entry.nbytes
+    return {
+        "tensor_count": sum(len(record.tensors) for record in manifest.files),
+        "tensor_bytes": manifest.total_tensor_bytes,
+        "file_count": len(manifest.files),
+        "file_bytes": sum(record.size for record in manifest.files),
+        "value_count": len(manifest.values),
+        "dtypes": {name: {"count": by_dtype[name], "bytes": bytes_by_dtype[name]} for name in sorted(by_dtype)},
+    }
+
+
+def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO) -> None:
+    info = summary(manifest)
+    w = out.write
+    w(f"checkpoint   {path}\n")
+    w(f"created      {manifest.created_at.isoformat()}   metadata_version {manifest.metadata_version}\n")
+    w(f"model_id     {manifest.model_id or '-'}   step {_dash(manifest.step)}   epoch {_dash(manifest.epoch)}\n")
+    w(
+        f"sharding     {manifest.sharding.strategy}, world_size {manifest.world_size}, "
+        f"{manifest.sharding.shard_count} shard file(s), precision {manifest.sharding.precision or '-'}\n"
+    )
+    w(
+        f"training     learning_rate {_dash(manifest.training.learning_rate)}   "
+        f"optimizer {manifest.training.optimizer_type or '-'}\n"
+    )
+    w(f"digest       {manifest.digest_algorithm}\n")
+    for tier in manifest.tiers:
+        w(
+            f"tier         {tier.name} (id {tier.tier_id}, {tier.placement_policy}, "
+            f"budget {tier.size_budget or 'none'}, location {tier.location or 'with the manifest'})\n"
+        )
+    w(f"files        {info['file_count']} file(s), {human_bytes(info['file_bytes'])}\n")
+    for record in manifest.files:
+        w(
+            f"  {record.path}  rank {record.rank}  tier {record.tier}  v{record.version}  "
+            f"{human_bytes(record.size)}  {len(record.tensors)} tensor(s)  {(record.digest or 'NO DIGEST')[:24]}...\n"
+        )
+    w(f"tensors      {info['tensor_count']} tensor(s), {human_bytes(info['tensor_bytes'])}\n")
+    for name, stats in info["dtypes"].items():
+        w(f"  {name:<12} {stats['count']:>8} tensor(s)  {human_bytes(stats['bytes'])}\n")
+    entries = manifest.iter_tensors()
+    shown = entries if limit is None else entries[:limit]
+    if shown:
+        width = min(60, max(len(entry.key) for _, entry in shown))
+        for record, entry in shown:
+            kind = f"expert{entry.expert_key}" if entry.kind == "expert" else "dense"
+            w(
+                f"  {entry.key:<{width}}  {entry.dtype:<6} {entry.shape!s:<18} {human_bytes(entry.nbytes):>10}  {kind}  {record.path}\n"
+            )
+        if len(shown) < len(entries):
+            w(f"  ... {len(entries) - len(shown)} more (use --all)\n")
+    w(f"values       {info['value_count']} JSON leaf/leaves\n")
+    for value in manifest.values[: limit if limit is not None else len(manifest.values)]:
+        rendered = value.special or json.dumps(value.value)
+        w(f"  {value.key} = {rendered if len(rendered) < 80 else rendered[:77] + '...'}\n")
+    if manifest.optim_state:
+        w(f"optim_state  {', '.join(manifest.optim_state.prefixes)}\n")
+    if manifest.router_state:
+        w(f"router_state {', '.join(manifest.router_state.prefixes)}\n")
+    if manifest.custom_fields:
+        w(f"custom       {json.dumps(manifest.custom_fields, sort_keys=True)}\n")
+    if manifest.unknown_fields:
+        w(
+            f"unknown      {len(manifest.unknown_fields)} field(s) from a newer minor version, ignored: {', '.join(manifest.unknown_fields)}\n"
+        )
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _run_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    manifest = read_manifest(args.path)
+    if args.json:
+        document = {"path": args.path, "summary": summary(manifest), "manifest": msgspec.to_builtins(manifest)}
+        out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+        return 0
+    limit = None if args.all else max(0, args.max_tensors)
+    _print_inspect(manifest, args.path, limit, out)
+    return 0
+
+
+def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    show_bar = args.progress == "always" or (args.progress == "auto" and err.isatty() and not args.json)
+    bar = None
+    on_bytes = None
+    if show_bar:
+        from tqdm import tqdm
+
+        try:
+            total = sum(record.size for record in read_manifest(args.path).files)
+        except ShardkeepError:
+            total = None
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=err, leave=False)
+        on_bytes = bar.update
+    try:
+        report = verify(args.path, on_bytes=on_bytes)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        document = {
+            "path": report.path,
+            "ok": report.ok,
+            "problems": report.problems,
+            "warnings": report.warnings,
+            "files_checked": report.files_checked,
+            "bytes_checked": report.bytes_checked,
+        }
+        out.write(json.dumps(document, indent=2) + "\n")
+        return 0 if report.ok else 1
+    for problem in report.problems:
+        out.write(f"PROBLEM  {problem}\n")
+    if not args.quiet:
+        for warning in report.warnings:
+            out.write(f"warning  {warning}\n")
+    if report.ok:
+        if not args.quiet:
+            out.write(
+                f"OK  {report.path}: {report.files_checked} file(s), {human_bytes(report.bytes_checked)} verified\n"
+            )
+        return 0
+    out.write(f"FAILED  {report.path}: {len(report.problems)} problem(s)\n")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _run_inspect(args, out)
+        if args.command == "verify":
+            return _run_verify(args, out, err)
+    except ShardkeepError as exc:
+        err.write(f"shardkeep {args.command}: error: {exc}\n")
+        return 2
+    except BrokenPipeError:
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")

@@ -1,0 +1,94 @@
+"""Frozen option objects: the validated settings of a save, a load and the manifest parser.
+
+Public functions take plain keyword arguments and build one of these objects, so every option is
+checked in one place and a bad value produces an error that names the option and the value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from shardkeep.errors import UnsupportedValueError
+
+__all__ = [
+    "DIGEST_ALGORITHMS",
+    "LoadOptions",
+    "ManifestLimits",
+    "SaveOptions",
+]
+
+MiB = 1 << 20
+
+#: Digest algorithms that can be recorded in a manifest. The first is the default.
+DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedValueError(f"option {name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestLimits:
+    """Bounds enforced before and while a manifest is parsed (RELIABILITY.md rule 16)."""
+
+    max_bytes: int = 512 * MiB
+    max_depth: int = 32
+    max_files: int = 1_000_000
+    max_tensors: int = 20_000_000
+    max_key_bytes: int = 4096
+    max_ndim: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_depth", "max_files", "max_tensors", "max_key_bytes", "max_ndim"):
+            _require_positive_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save writes its files.
+
+    ``byte_budget`` bounds the memory a save holds beyond the caller's own tensors (contiguous
+    copies, device-to-host copies and the buffer that coalesces small tensors). ``io_threads``
+    bounds concurrent file writes (backpressure). A data file is closed and a new one started
+    once it holds ``file_size_target`` bytes, so large states are written as several files in
+    parallel.
+    """
+
+    digest: str = "blake3"
+    byte_budget: int = 256 * MiB
+    io_threads: int = 2
+    file_size_target: int = 512 * MiB
+
+    def __post_init__(self) -> None:
+        if self.digest not in DIGEST_ALGORITHMS:
+            raise UnsupportedValueError(
+                f"option digest={self.digest!r} is not supported; choose one of " + ", ".join(DIGEST_ALGORITHMS)
+            )
+        _require_positive_int("byte_budget", self.byte_budget)
+        _require_positive_int("io_threads", self.io_threads)
+        _require_positive_int("file_size_target", self.file_size_target)
+        if self.byte_budget < 1 * MiB:
+            raise UnsupportedValueError(f"option byte_budget={self.byte_budget!r} is below the 1 MiB minimum")
+
+    @staticmethod
+    def default_io_threads() -> int:
+        """A sensible thread count for this machine: the core count, between 2 and 8."""
+        return max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load reads its files.
+
+    ``verify`` checks the file set, every size and every digest while reading; ``mmap`` maps
+    files into memory instead of copying them, so tensors share the page cache.
+    """
+
+    verify: bool = True
+    mmap: bool = True
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _require_positive_int("io_threads", self.io_threads)

@@ -1,0 +1,92 @@
+"""The exception tree: every error shardkeep raises derives from :class:`ShardkeepError`.
+
+::
+
+    ShardkeepError
+    ├── ManifestError            malformed, invalid or oversized manifest
+    │   └── ManifestVersionError a manifest from a newer major format version
+    ├── IntegrityError           sizes, digests, headers or the file set disagree with the manifest
+    ├── CheckpointNotFoundError  no committed checkpoint (or file) where one was expected
+    ├── CheckpointExistsError    saving onto a checkpoint that is already committed
+    ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
+    ├── UnsupportedValueError    a state leaf, dtype or option value shardkeep cannot store
+    ├── StorageError             an I/O operation failed (write, fsync, rename, read ...)
+    └── CoordinationError        one or more ranks failed a collective step
+
+Third-party errors (``OSError``, ``msgspec.DecodeError`` ...) are mapped at the boundary and
+chained with ``raise ... from``, so the original cause is always in ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "IntegrityError",
+    "ManifestError",
+    "ManifestVersionError",
+    "ShardkeepError",
+    "StorageError",
+    "UnsafePathError",
+    "UnsupportedValueError",
+]
+
+
+class ShardkeepError(Exception):
+    """Root of every error shardkeep raises."""
+
+
+class ManifestError(ShardkeepError):
+    """The manifest is malformed, violates the schema, or exceeds a parsing limit."""
+
+
+class ManifestVersionError(ManifestError):
+    """The manifest was written by a newer, incompatible major format version."""
+
+    def __init__(self, found: str, supported: str) -> None:
+        super().__init__(
+            f"manifest metadata_version {found} is newer than this shardkeep supports "
+            f"(major version of {supported}); upgrade shardkeep to read it"
+        )
+        self.found = found
+        self.supported = supported
+
+
+class IntegrityError(ShardkeepError):
+    """Data on storage does not match what the manifest records."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = list(problems) if problems else [message]
+
+
+class CheckpointNotFoundError(ShardkeepError):
+    """No committed checkpoint, or no file, exists at the given location."""
+
+
+class CheckpointExistsError(ShardkeepError):
+    """A committed checkpoint already exists at the destination; it is never overwritten."""
+
+
+class UnsafePathError(ShardkeepError):
+    """A path is absolute, climbs out with ``..``, or names a symlink or special file."""
+
+
+class UnsupportedValueError(ShardkeepError):
+    """A value (state leaf, dtype, option) cannot be stored; the message names its key."""
+
+
+class StorageError(ShardkeepError):
+    """A storage operation (write, fsync, close, rename, read, delete) failed."""
+
+
+class CoordinationError(ShardkeepError):
+    """One or more ranks failed a collective step; raised on every rank.
+
+    ``failures`` maps each failed rank to a one-line summary of its error.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures) if failures else {}

@@ -1,0 +1,312 @@
+"""Bounded parallel shard I/O: writing data files with streamed digests, and reading them back
+with verification.
+
+One concurrency model (STYLE.md rule 11): a bounded thread pool writes or reads whole files, and
+a :class:`ByteBudget` bounds the bytes held in copies and buffers across all threads. Each file's
+digest is computed from the same buffers that are written, in a second thread, so hashing
+overlaps with the write and the data is never read twice.
+
+This module does not import torch: tensors reach it as :class:`TensorSource` objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
+from shardkeep.integrity import digests_equal, format_digest, new_digester
+from shardkeep.manifest import FileRecord
+from shardkeep.storage.base import ByteStore, ReadHandle
+from shardkeep.tensors.shardfile import check_header, header_length, parse_header
+
+__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "write_shards"]
+
+MiB = 1 << 20
+#: Tensors up to this size are copied into a shared buffer and written together.
+SMALL_TENSOR_BYTES = 256 * 1024
+_HASH_SLICE = 16 * MiB
+
+
+class TensorSource(Protocol):
+    """The bytes of one tensor, as the writer needs them.
+
+    ``address`` is the address of the tensor's bytes when they are already contiguous in host
+    memory (``None`` otherwise); ``pieces`` yields contiguous byte views of at most ``max_bytes``
+    each (one row may be larger), in order. The source keeps its tensor alive.
+    """
+
+    nbytes: int
+
+    @property
+    def address(self) -> int | None: ...
+
+    def pieces(self, max_bytes: int) -> Iterator[memoryview]: ...
+
+
+class ByteBudget:
+    """A counting limit on bytes held in copies and buffers; ``peak`` records the high-water mark."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._condition = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        if nbytes > self.limit:
+            raise UnsupportedValueError(f"a single buffer of {nbytes} bytes exceeds the byte budget of {self.limit}")
+        with self._condition:
+            while self.held + nbytes > self.limit:
+                self._condition.wait()
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._condition:
+            self.held -= nbytes
+            self._condition.notify_all()
+
+
+@dataclass
+class ShardPlan:
+    """One data file to write: its path (relative to the store), header and tensor sources."""
+
+    path: str
+    header: bytes
+    sources: Sequence[TensorSource]
+    record: FileRecord
+
+
+class _Sink:
+    """Writes buffers to a handle while a second thread digests the same buffers."""
+
+    def __init__(self, handle: object, digester: object, hash_pool: ThreadPoolExecutor) -> None:
+        self._handle = handle
+        self._digester = digester
+        self._hash_pool = hash_pool
+        self.size = 0
+
+    def put(self, view: memoryview) -> None:
+        if len(view) == 0:
+            return
+        if len(view) >= MiB:
+            pending: Future[object] = self._hash_pool.submit(self._digester.update, view)  # type: ignore[attr-defined]  # Digester protocol
+            try:
+                self._handle.write(view)  # type: ignore[attr-defined]  # WriteHandle protocol
+            finally:
+                pending.result()
+        else:
+            self._digester.update(view)  # type: ignore[attr-defined]  # Digester protocol
+            self._handle.write(view)  # type: ignore[attr-defined]  # WriteHandle protocol
+        self.size += len(view)
+
+
+def _write_one(
+    store: ByteStore,
+    plan: ShardPlan,
+    algorithm: str,
+    budget: ByteBudget,
+    share: int,
+    hash_pool: ThreadPoolExecutor,
+    on_bytes: Callable[[int], None] | None,
+) -> FileRecord:
+    digester = new_digester(algorithm)
+    handle = store.open_write(plan.path)
+    try:
+        sink = _Sink(handle, digester, hash_pool)
+        sink.put(memoryview(plan.header))
+        chunk_size = max(64 * 1024, min(8 * MiB, share // 2))
+        piece_max = max(MiB, share - chunk_size)
+        buffer: bytearray | None = None
+        filled = 0
+        try:
+            for source in plan.sources:
+                address = source.address
+                if address is not None and source.nbytes <= SMALL_TENSOR_BYTES and source.nbytes <= chunk_size:
+                    if buffer is None:
+                        budget.acquire(chunk_size)
+                        buffer = bytearray(chunk_size)
+                        buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+                    if filled + source.nbytes > chunk_size:
+                        sink.put(memoryview(buffer)[:filled])
+                        filled = 0
+                    ctypes.memmove(buffer_address + filled, address, source.nbytes)
+                    filled += source.nbytes
+                    continue
+                if filled:
+                    assert buffer is not None
+                    sink.put(memoryview(buffer)[:filled])
+                    filled = 0
+                if address is not None:
+                    if source.nbytes:
+                        sink.put(memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B"))
+                    if on_bytes:
+                        on_bytes(source.nbytes)
+                    continue
+                pieces = source.pieces(piece_max)
+                while True:
+                    budget.acquire(piece_max)
+                    try:
+                        piece = next(pieces, None)
+                        if piece is None:
+                            break
+                        sink.put(piece)
+                        del piece
+                    finally:
+                        budget.release(piece_max)
+                if on_bytes:
+                    on_bytes(source.nbytes)
+            if filled:
+                assert buffer is not None
+                sink.put(memoryview(buffer)[:filled])
+        finally:
+            if buffer is not None:
+                del buffer
+                budget.release(chunk_size)
+        if sink.size != plan.record.size:
+            raise StorageError(
+                f"{plan.path}: wrote {sink.size} bytes but planned {plan.record.size}; a tensor changed size while saving"
+            )
+        handle.commit()
+    except BaseException:
+        handle.abort()
+        raise
+    plan.record.digest = format_digest(algorithm, digester.hexdigest())
+    return plan.record
+
+
+def write_shards(
+    store: ByteStore,
+    plans: Sequence[ShardPlan],
+    *,
+    algorithm: str,
+    budget: ByteBudget,
+    io_threads: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[FileRecord]:
+    """Write every planned file (at most ``io_threads`` at once), fsync each, and return their
+    records with digests filled in. The first failure is raised after all writers stop."""
+    if not plans:
+        return []
+    workers = min(io_threads, len(plans))
+    share = budget.limit // workers
+    with (
+        ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-write") as pool,
+        ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-hash") as hash_pool,
+    ):
+        futures = [
+            pool.submit(_write_one, store, plan, algorithm, budget, share, hash_pool, on_bytes) for plan in plans
+        ]
+        records: list[FileRecord] = []
+        first_error: BaseException | None = None
+        for future in futures:
+            try:
+                records.append(future.result())
+            except BaseException as exc:
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def _digest_view(algorithm: str, view: memoryview) -> str:
+    digester = new_digester(algorithm)
+    for start in range(0, len(view), _HASH_SLICE):
+        digester.update(view[start : start + _HASH_SLICE])
+    return format_digest(algorithm, digester.hexdigest())
+
+
+def _stream_digest(handle: ReadHandle, algorithm: str, on_bytes: Callable[[int], None] | None) -> tuple[str, bytes]:
+    """Digest a file by streaming reads through one reused buffer; also return its first bytes."""
+    digester = new_digester(algorithm)
+    buffer = bytearray(min(_HASH_SLICE, max(handle.size, 1)))
+    view = memoryview(buffer)
+    head = b""
+    offset = 0
+    while offset < handle.size:
+        count = min(len(view), handle.size - offset)
+        handle.read_into(offset, view[:count])
+        if offset == 0:
+            head = bytes(view[: min(count, 1 << 20)])
+        digester.update(view[:count])
+        offset += count
+        if on_bytes:
+            on_bytes(count)
+    return format_digest(algorithm, digester.hexdigest()), head
+
+
+def check_shard(
+    store: ByteStore,
+    path: str,
+    record: FileRecord,
+    *,
+    verify: bool,
+    keep: bool,
+    use_mmap: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
+) -> tuple[memoryview | None, list[str]]:
+    """Open a data file and check it against its manifest record.
+
+    Returns the file's bytes (when ``keep``: a private memory map, or a copy when ``use_mmap`` is
+    false) and every problem found: size, digest, and safetensors header disagreements. With
+    ``verify`` false only the size and header are checked.
+    """
+    problems: list[str] = []
+    try:
+        handle = store.open_read(path)
+    except ShardkeepError as exc:
+        return None, [f"{record.path}: {exc}"]
+    try:
+        if handle.size != record.size:
+            return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.size}"]
+        data: memoryview | None = None
+        if keep:
+            if use_mmap:
+                data = handle.map()
+            else:
+                data = memoryview(bytearray(handle.size))
+                if handle.size:
+                    handle.read_into(0, data)
+            head: bytes | memoryview = data
+            if verify and record.digest:
+                actual = _digest_view(record.digest.partition(":")[0], data)
+                if on_bytes:
+                    on_bytes(handle.size)
+                if not digests_equal(record.digest, actual):
+                    problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        elif verify and record.digest:
+            actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes)
+            if not digests_equal(record.digest, actual):
+                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        else:
+            head_buffer = memoryview(bytearray(min(handle.size, 1 << 20)))
+            handle.read_into(0, head_buffer)
+            head = head_buffer
+        if verify and not record.digest:
+            problems.append(f"{record.path}: has no digest, so it cannot be verified")
+        try:
+            length = header_length(head, handle.size)
+            if len(head) < 8 + length:
+                extra = memoryview(bytearray(8 + length))
+                handle.read_into(0, extra)
+                head = extra
+            problems.extend(check_header(parse_header(head[: 8 + length]), record))
+        except IntegrityError as exc:
+            problems.append(f"{record.path}: {exc}")
+        return data, problems
+    except ShardkeepError as exc:
+        problems.append(f"{record.path}: {exc}")
+        return None, problems
+    finally:
+        handle.close()

@@ -1,0 +1,567 @@
+"""The checkpoint manifest: its schema, strict bounded JSON encoding and decoding, and validation.
+
+The manifest is versioned data (``metadata_version`` is ``"MAJOR.MINOR"``). A reader accepts any
+minor version of its own major version: fields it does not know are kept in
+:attr:`Manifest.unknown_fields` and otherwise ignored. A newer major version is refused with
+:class:`~shardkeep.errors.ManifestVersionError`. Decoding never mutates its input, enforces the
+limits in :class:`~shardkeep.config.ManifestLimits` before building objects, and raises only
+:class:`~shardkeep.errors.ManifestError` (or a subclass) on bad input.
+
+This module does not import torch. The field-by-field description is in ``docs/manifest.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
+from shardkeep.errors import ManifestError, ManifestVersionError
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "FORMAT_NAME",
+    "MANIFEST_FILENAME",
+    "METADATA_VERSION",
+    "SIGNATURE_FILENAME",
+    "STAGING_MARKER",
+    "ContainerEntry",
+    "FileRecord",
+    "Manifest",
+    "Sharding",
+    "StateSection",
+    "TensorEntry",
+    "Tier",
+    "Training",
+    "ValidationResult",
+    "ValueEntry",
+    "decode_manifest",
+    "encode_manifest",
+    "is_staging_name",
+    "unsafe_path_reason",
+    "validate_manifest",
+]
+
+FORMAT_NAME = "shardkeep"
+METADATA_VERSION = "1.0"
+MANIFEST_FILENAME = "manifest.json"
+SIGNATURE_FILENAME = "manifest.sig"
+#: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
+STAGING_MARKER = ".tmp-"
+#: The sealing trailer's key. It is the last member of the top-level object; see ``integrity``.
+SEAL_FIELD = "manifest_digest"
+
+#: Bytes per element for every safetensors dtype name shardkeep writes.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "C64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+_DIGEST_HEX_LENGTH = {"blake3": 64, "xxh3-128": 32, "sha256": 64}
+
+KeyPath = list[str | int]
+
+
+class Tier(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A storage tier. ``location`` ``None`` means the directory that holds the manifest."""
+
+    tier_id: int
+    name: str
+    size_budget: str | None = None
+    placement_policy: str = "prioritized"
+    location: str | None = None
+
+
+class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One tensor, or one chunk of a larger tensor, stored in a data file.
+
+    ``offset`` is the absolute byte offset in the file (past the safetensors header) and
+    ``nbytes`` the stored size. ``global_shape``/``global_offset`` are set when the entry is a
+    chunk of a tensor sharded across ranks.
+    """
+
+    key: str
+    path: KeyPath
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    kind: Literal["dense", "expert"] = msgspec.field(default="dense", name="type")
+    expert_key: list[int] | None = None
+    global_shape: list[int] | None = None
+    global_offset: list[int] | None = None
+    array_type: Literal["torch", "numpy"] = "torch"
+    order: int = 0
+
+
+class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One data file (a valid safetensors file), relative to its tier's location."""
+
+    path: str
+    rank: int
+    size: int
+    digest: str | None
+    version: int = 1
+    tier: str = "hot"
+    tensors: list[TensorEntry] = msgspec.field(default_factory=list)
+
+
+class Sharding(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How the state was split across ranks. ``shard_count`` equals the number of files."""
+
+    strategy: str = "none"
+    shard_count: int = 0
+    precision: str | None = None
+    strategy_info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Training(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Training fields recorded for humans and tools; the state itself holds the truth."""
+
+    learning_rate: float | None = None
+    optimizer_type: str | None = None
+
+
+class StateSection(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where a kind of state (optimizer, router) lives: the key prefixes that hold it."""
+
+    prefixes: list[str]
+    description: str | None = None
+
+
+class ContainerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A container in the saved state tree, so that load rebuilds it exactly (even when empty)."""
+
+    path: KeyPath
+    kind: Literal["dict", "list", "tuple", "state_dict"] = "dict"
+    order: int = 0
+
+
+class ValueEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A JSON leaf of the state. ``special`` encodes non-finite floats (``nan``, ``inf``, ``-inf``)."""
+
+    key: str
+    path: KeyPath
+    value: Any = None
+    special: Literal["nan", "inf", "-inf"] | None = None
+    order: int = 0
+
+
+def _utc_now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.UTC)
+
+
+class Manifest(msgspec.Struct, kw_only=True, dict=True):
+    """The record of one committed checkpoint. Written last; its presence means committed.
+
+    ``unknown_fields`` holds fields a newer minor version wrote that this version does not know,
+    keyed by their location (``files[0].new_field``); they are kept for inspection and ignored.
+    """
+
+    metadata_version: str = METADATA_VERSION
+    format: str = FORMAT_NAME
+    model_id: str | None = None
+    created_at: _dt.datetime = msgspec.field(default_factory=_utc_now)
+    epoch: int | None = None
+    step: int | None = None
+    world_size: int = 1
+    coordinator_rank: int = 0
+    digest_algorithm: str = "blake3"
+    sharding: Sharding = msgspec.field(default_factory=Sharding)
+    training: Training = msgspec.field(default_factory=Training)
+    tiers: list[Tier] = msgspec.field(default_factory=list)
+    files: list[FileRecord] = msgspec.field(default_factory=list)
+    optim_state: StateSection | None = None
+    router_state: StateSection | None = None
+    structure: list[ContainerEntry] = msgspec.field(default_factory=list)
+    values: list[ValueEntry] = msgspec.field(default_factory=list)
+    custom_fields: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def unknown_fields(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.__dict__.get("_unknown_fields", {})
+        return found
+
+    def iter_tensors(self) -> list[tuple[FileRecord, TensorEntry]]:
+        """Every (file, tensor entry) pair, in file order."""
+        return [(record, entry) for record in self.files for entry in record.tensors]
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(entry.nbytes for record in self.files for entry in record.tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """The manifest as compact UTF-8 JSON (not yet sealed; see ``integrity.seal_manifest``)."""
+    try:
+        return _encoder.encode(manifest)
+    except (msgspec.EncodeError, OverflowError, TypeError) as exc:
+        raise ManifestError(f"cannot encode manifest: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_INNERMOST_PAIR = re.compile(rb"\{\}|\[\]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"{}[]")
+
+
+def _check_depth(data: bytes, max_depth: int) -> None:
+    """Refuse input nested deeper than ``max_depth`` without recursing.
+
+    Strings are removed, then innermost ``{}``/``[]`` pairs are peeled away one level per pass;
+    each pass is a single C-speed regex substitution, so the cost is bounded by the limit.
+    """
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return
+        peeled = _INNERMOST_PAIR.sub(b"", brackets)
+        if peeled == brackets:
+            raise ManifestError("manifest JSON is malformed: unbalanced brackets")
+        brackets = peeled
+    if brackets:
+        raise ManifestError(f"manifest JSON is nested deeper than the limit of {max_depth}")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ManifestError(f"manifest JSON has a duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ManifestError(f"manifest JSON contains {name}, which is not valid JSON")
+
+
+def _parse_version(text: object) -> tuple[int, int]:
+    if not isinstance(text, str):
+        raise ManifestError(f"metadata_version must be a string like '1.0', got {text!r}")
+    match = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", text)
+    if match is None:
+        raise ManifestError(f"metadata_version {text!r} is not of the form MAJOR.MINOR")
+    return int(match.group(1)), int(match.group(2))
+
+
+def parse_json_strict(data: bytes, limits: ManifestLimits) -> Any:
+    """Parse JSON bytes, refusing oversized or deep input, duplicate keys, NaN and bad UTF-8."""
+    if len(data) > limits.max_bytes:
+        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
+    _check_depth(data, limits.max_depth)
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except ManifestError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"manifest JSON is malformed: {exc}") from exc
+
+
+_CHILD_STRUCTS: dict[type, dict[str, tuple[type, bool]]] = {}
+
+
+def _children(cls: type) -> dict[str, tuple[type, bool]]:
+    """Encoded field name -> (struct type, is_list) for the nested structs of ``cls``."""
+    return _CHILD_STRUCTS.get(cls, {})
+
+
+def _collect_unknown(raw: Any, cls: type, where: str, out: dict[str, Any]) -> None:
+    if not isinstance(raw, dict):
+        return
+    known = {f.encode_name for f in msgspec.structs.fields(cls)}
+    for key, value in raw.items():
+        if key not in known:
+            out[f"{where}.{key}" if where else key] = value
+    for name, (child, is_list) in _children(cls).items():
+        value = raw.get(name)
+        if is_list and isinstance(value, list):
+            for index, item in enumerate(value):
+                _collect_unknown(item, child, f"{where + '.' if where else ''}{name}[{index}]", out)
+        elif not is_list:
+            _collect_unknown(value, child, f"{where + '.' if where else ''}{name}", out)
+
+
+def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Manifest:
+    """Decode manifest JSON bytes into a :class:`Manifest`.
+
+    Raises :class:`ManifestVersionError` for a newer major version and :class:`ManifestError`
+    for anything malformed, oversized or not matching the schema.
+    """
+    limits = limits or ManifestLimits()
+    raw = parse_json_strict(data, limits)
+    if not isinstance(raw, dict):
+        raise ManifestError("manifest JSON must be an object")
+    if raw.get("format", FORMAT_NAME) != FORMAT_NAME:
+        raise ManifestError(f"not a shardkeep manifest: format is {raw.get('format')!r}")
+    major, _minor = _parse_version(raw.get("metadata_version"))
+    supported_major, _ = _parse_version(METADATA_VERSION)
+    if major > supported_major:
+        raise ManifestVersionError(str(raw["metadata_version"]), METADATA_VERSION)
+    if major < 1:
+        raise ManifestError(f"metadata_version {raw['metadata_version']!r} is not supported")
+    files = raw.get("files", [])
+    if isinstance(files, list):
+        if len(files) > limits.max_files:
+            raise ManifestError(f"manifest lists {len(files)} files, over the limit of {limits.max_files}")
+        tensor_count = sum(
+            len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list)
+        )
+        if tensor_count > limits.max_tensors:
+            raise ManifestError(f"manifest lists {tensor_count} tensors, over the limit of {limits.max_tensors}")
+    unknown: dict[str, Any] = {}
+    _collect_unknown(raw, Manifest, "", unknown)
+    unknown.pop(SEAL_FIELD, None)
+    raw_known = {k: v for k, v in raw.items() if k not in unknown and k != SEAL_FIELD}
+    try:
+        manifest = msgspec.convert(raw_known, Manifest, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ManifestError(f"manifest does not match the schema: {exc}") from exc
+    if unknown:
+        manifest.__dict__["_unknown_fields"] = unknown
+    return manifest
+
+
+_CHILD_STRUCTS.update(
+    {
+        Manifest: {
+            "sharding": (Sharding, False),
+            "training": (Training, False),
+            "tiers": (Tier, True),
+            "files": (FileRecord, True),
+            "optim_state": (StateSection, False),
+            "router_state": (StateSection, False),
+            "structure": (ContainerEntry, True),
+            "values": (ValueEntry, True),
+        },
+        FileRecord: {"tensors": (TensorEntry, True)},
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValidationResult:
+    """Errors make a manifest unusable; warnings are worth a look but do not block loading."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def is_valid(self) -> bool:
+        return not self.errors
+
+    def add_error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def add_warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+_WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def unsafe_path_reason(path: str) -> str | None:
+    """Why ``path`` is not a safe relative path inside a checkpoint, or ``None`` if it is.
+
+    Safe means: relative, ``/``-separated, no empty, ``.`` or ``..`` component, no backslash,
+    no NUL or control character, and not longer than 1024 bytes.
+    """
+    if not isinstance(path, str) or not path:
+        return "path is empty"
+    if len(path.encode("utf-8", "surrogatepass")) > 1024:
+        return "path is longer than 1024 bytes"
+    if path.startswith("/"):
+        return "path is absolute"
+    if "\\" in path:
+        return "path contains a backslash"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in path):
+        return "path contains a NUL or control character"
+    if _WINDOWS_DRIVE.match(path):
+        return "path starts with a drive letter"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return f"path has a {part or 'empty'!r} component" if part else "path has an empty component"
+    return None
+
+
+def is_staging_name(name: str) -> bool:
+    """True for a staging directory name, which is never read as a checkpoint."""
+    return STAGING_MARKER in name
+
+
+def _key_path_repr(path: KeyPath) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = None) -> ValidationResult:
+    """Check a decoded manifest for internal consistency. Never raises for bad content."""
+    limits = limits or ManifestLimits()
+    result = ValidationResult()
+    err = result.add_error
+
+    try:
+        _parse_version(manifest.metadata_version)
+    except ManifestError as exc:
+        err(str(exc))
+    if manifest.world_size < 1:
+        err(f"world_size must be >= 1, got {manifest.world_size}")
+    if not 0 <= manifest.coordinator_rank < max(manifest.world_size, 1):
+        err(f"coordinator_rank {manifest.coordinator_rank} is outside world_size {manifest.world_size}")
+    if manifest.digest_algorithm not in DIGEST_ALGORITHMS:
+        err(f"digest_algorithm {manifest.digest_algorithm!r} is not one of {', '.join(DIGEST_ALGORITHMS)}")
+    if manifest.sharding.shard_count != len(manifest.files):
+        err(
+            f"shard count mismatch: sharding.shard_count is {manifest.sharding.shard_count} "
+            f"but the manifest lists {len(manifest.files)} files"
+        )
+
+    tier_names: set[str] = set()
+    tier_ids: set[int] = set()
+    for tier in manifest.tiers:
+        if tier.name in tier_names:
+            err(f"tier name {tier.name!r} is defined twice")
+        if tier.tier_id in tier_ids:
+            err(f"tier_id {tier.tier_id} is defined twice")
+        tier_names.add(tier.name)
+        tier_ids.add(tier.tier_id)
+
+    seen_paths: set[str] = set()
+    seen_keys: dict[tuple[str, tuple[int, ...]], str] = {}
+    for record in manifest.files:
+        where = f"file {record.path!r}"
+        reason = unsafe_path_reason(record.path)
+        if reason is not None:
+            err(f"unsafe path {record.path!r}: {reason}")
+        elif record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
+            err(f"unsafe path {record.path!r}: data files may not use a reserved name")
+        if record.path in seen_paths:
+            err(f"{where} is listed twice")
+        seen_paths.add(record.path)
+        if not 0 <= record.rank < max(manifest.world_size, 1):
+            err(f"{where} has rank {record.rank}, outside world_size {manifest.world_size}")
+        if record.size < 0:
+            err(f"{where} has a negative size {record.size}")
+        if record.version < 0:
+            err(f"{where} has a negative version {record.version}")
+        if tier_names and record.tier not in tier_names:
+            err(f"{where} is on tier {record.tier!r}, which the manifest does not define")
+        if record.digest is None or record.digest == "":
+            result.add_warning(f"{where} has no digest; its contents cannot be verified")
+        else:
+            algorithm, _, hex_digest = record.digest.partition(":")
+            expected_len = _DIGEST_HEX_LENGTH.get(algorithm)
+            if expected_len is None:
+                err(f"{where} has a digest with unknown algorithm {algorithm!r}")
+            elif len(hex_digest) != expected_len or not re.fullmatch(r"[0-9a-f]+", hex_digest):
+                err(f"{where} has a malformed {algorithm} digest")
+        ranges: list[tuple[int, int, str]] = []
+        for entry in record.tensors:
+            _validate_tensor(entry, record, where, limits, result)
+            ranges.append((entry.offset, entry.offset + entry.nbytes, entry.key))
+            chunk = tuple(entry.global_offset or ())
+            previous = seen_keys.get((entry.key, chunk))
+            if previous is not None:
+                err(f"duplicate key {entry.key!r} (in {previous} and {record.path!r})")
+            else:
+                seen_keys[(entry.key, chunk)] = repr(record.path)
+        ranges.sort()
+        for (start_a, end_a, key_a), (start_b, _end_b, key_b) in itertools.pairwise(ranges):
+            if start_b < end_a and end_a > start_a:
+                err(f"{where}: byte ranges of {key_a!r} and {key_b!r} overlap")
+
+    tensor_keys = {key for key, _ in seen_keys}
+    value_keys: set[str] = set()
+    for value in manifest.values:
+        if value.key in value_keys or value.key in tensor_keys:
+            err(f"duplicate key {value.key!r} in values")
+        value_keys.add(value.key)
+        if value.special is not None and value.value is not None:
+            err(f"value {value.key!r} sets both value and special")
+    container_paths: set[str] = set()
+    for container in manifest.structure:
+        rendered = repr(container.path)
+        if rendered in container_paths:
+            err(f"container {_key_path_repr(container.path)!r} is listed twice")
+        container_paths.add(rendered)
+    return result
+
+
+def _validate_tensor(
+    entry: TensorEntry, record: FileRecord, where: str, limits: ManifestLimits, result: ValidationResult
+) -> None:
+    err = result.add_error
+    label = f"tensor {entry.key!r} in {where}"
+    if len(entry.key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
+        err(f"{label}: key is longer than {limits.max_key_bytes} bytes")
+    itemsize = DTYPE_ITEMSIZE.get(entry.dtype)
+    if itemsize is None:
+        err(f"{label}: unknown dtype {entry.dtype!r}")
+    if len(entry.shape) > limits.max_ndim:
+        err(f"{label}: {len(entry.shape)} dimensions, over the limit of {limits.max_ndim}")
+        return
+    if any(d < 0 for d in entry.shape):
+        err(f"{label}: negative dimension in shape {entry.shape}")
+        return
+    if itemsize is not None and math.prod(entry.shape) * itemsize != entry.nbytes:
+        err(
+            f"{label}: shape {entry.shape} of {entry.dtype} needs {math.prod(entry.shape) * itemsize} bytes, not {entry.nbytes}"
+        )
+    if entry.offset < 0 or entry.nbytes < 0:
+        err(f"{label}: negative byte offset or size")
+    elif entry.offset + entry.nbytes > record.size:
+        err(
+            f"{label}: byte range [{entry.offset}, {entry.offset + entry.nbytes}) is beyond the file size {record.size}"
+        )
+    if entry.kind == "expert" and entry.expert_key is None:
+        result.add_warning(f"{label}: expert tensor without an expert_key")
+    if (entry.global_shape is None) != (entry.global_offset is None):
+        err(f"{label}: global_shape and global_offset must be given together")
+    elif entry.global_shape is not None and entry.global_offset is not None:
+        if not len(entry.global_shape) == len(entry.global_offset) == len(entry.shape):
+            err(f"{label}: shape, global_shape and global_offset have different ranks")
+        elif any(
+            o < 0 or o + s > g for o, s, g in zip(entry.global_offset, entry.shape, entry.global_shape, strict=True)
+        ):
+            err(f"{label}: chunk at {entry.global_offset} of shape {entry.shape} lies outside {entry.global_shape}")

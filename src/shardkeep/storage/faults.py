@@ -1,0 +1,127 @@
+"""A fault-injecting wrapper for any byte store: fail the N-th operation, on purpose.
+
+Used by the tests and ``bench/reliability.py`` to prove that a failure at any point of a save
+produces a typed error and leaves nothing that looks committed. Every store call and every
+handle call (``write``, ``commit``, ``read_into``, ``map``) counts as one operation.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+from shardkeep.errors import StorageError
+from shardkeep.storage.base import ByteStore, EntryInfo, ReadHandle, WriteHandle
+
+__all__ = ["FaultInjectingStore", "InjectedFault"]
+
+
+class InjectedFault(StorageError):
+    """The failure a :class:`FaultInjectingStore` raises at its chosen operation."""
+
+
+class _Counter:
+    def __init__(self, fail_at: int | None, code: int) -> None:
+        self.fail_at = fail_at
+        self.code = code
+        self.count = 0
+        self.operations: list[str] = []
+        self._lock = threading.Lock()
+
+    def tick(self, operation: str) -> None:
+        with self._lock:
+            self.count += 1
+            self.operations.append(operation)
+            if self.fail_at is not None and self.count == self.fail_at:
+                raise InjectedFault(
+                    f"injected {errno.errorcode.get(self.code, self.code)} at operation {self.count} ({operation})"
+                )
+
+
+class _FaultyWriter:
+    def __init__(self, inner: WriteHandle, counter: _Counter, path: str) -> None:
+        self._inner = inner
+        self._counter = counter
+        self._path = path
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        self._counter.tick(f"write {self._path}")
+        self._inner.write(data)
+
+    def commit(self) -> None:
+        try:
+            self._counter.tick(f"commit {self._path}")
+        except InjectedFault:
+            self._inner.abort()
+            raise
+        self._inner.commit()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+class _FaultyReader:
+    def __init__(self, inner: ReadHandle, counter: _Counter, path: str) -> None:
+        self._inner = inner
+        self._counter = counter
+        self._path = path
+        self.size = inner.size
+
+    def map(self) -> memoryview:
+        self._counter.tick(f"map {self._path}")
+        return self._inner.map()
+
+    def read_into(self, offset: int, buffer: memoryview, /) -> None:
+        self._counter.tick(f"read {self._path}")
+        self._inner.read_into(offset, buffer)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class FaultInjectingStore:
+    """Wraps ``inner`` and raises :class:`InjectedFault` at operation number ``fail_at`` (1-based).
+
+    With ``fail_at=None`` it only counts, so a first run can learn how many operations a save
+    takes; ``operations`` lists them in order. ``remove_tree`` is not counted, so cleanup after an
+    injected failure still runs.
+    """
+
+    def __init__(self, inner: ByteStore, *, fail_at: int | None = None, code: int = errno.EIO) -> None:
+        self.inner = inner
+        self._counter = _Counter(fail_at, code)
+
+    @property
+    def operation_count(self) -> int:
+        return self._counter.count
+
+    @property
+    def operations(self) -> list[str]:
+        return list(self._counter.operations)
+
+    def open_write(self, path: str) -> WriteHandle:
+        self._counter.tick(f"open_write {path}")
+        return _FaultyWriter(self.inner.open_write(path), self._counter, path)
+
+    def open_read(self, path: str) -> ReadHandle:
+        self._counter.tick(f"open_read {path}")
+        return _FaultyReader(self.inner.open_read(path), self._counter, path)
+
+    def stat(self, path: str) -> EntryInfo | None:
+        self._counter.tick(f"stat {path}")
+        return self.inner.stat(path)
+
+    def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
+        self._counter.tick(f"list_files {path}")
+        return self.inner.list_files(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._counter.tick(f"rename {src} -> {dst}")
+        self.inner.rename(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self._counter.tick(f"sync_dir {path}")
+        self.inner.sync_dir(path)
+
+    def remove_tree(self, path: str) -> None:
+        self.inner.remove_tree(path)

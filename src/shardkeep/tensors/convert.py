@@ -1,0 +1,185 @@
+"""Dtype mapping and raw-byte access for torch tensors and numpy arrays.
+
+Saving reads tensor memory in place (no copy) when it is a contiguous CPU tensor, and otherwise
+produces contiguous pieces of bounded size, so a non-contiguous or device tensor never needs a
+full-size temporary copy. Loading views tensors directly in the file's memory map.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardkeep.errors import UnsupportedValueError
+
+__all__ = [
+    "NUMPY_TO_NAME",
+    "TORCH_TO_NAME",
+    "array_from_buffer",
+    "contiguous_pieces",
+    "describe_array",
+]
+
+TORCH_TO_NAME: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+NAME_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
+
+NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.complex64): "C64",
+}
+NAME_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in NUMPY_TO_NAME.items()}
+
+
+def describe_array(key: str, value: Any) -> tuple[str, tuple[int, ...], int, str]:
+    """(dtype name, shape, nbytes, array type) of a leaf, or an error naming ``key``."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise UnsupportedValueError(
+                f"tensor {key!r} has layout {value.layout}; only dense (strided) tensors are supported"
+            )
+        if value.is_quantized:
+            raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it before saving")
+        name = TORCH_TO_NAME.get(value.dtype)
+        if name is None:
+            raise UnsupportedValueError(f"tensor {key!r} has dtype {value.dtype}, which safetensors cannot store")
+        if value.device.type == "meta":
+            raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data")
+        shape = tuple(value.shape)
+        return name, shape, math.prod(shape) * value.element_size(), "torch"
+    if isinstance(value, np.ndarray):
+        np_name = NUMPY_TO_NAME.get(value.dtype.newbyteorder("=")) if value.dtype.byteorder in "=|<" else None
+        if np_name is None:
+            raise UnsupportedValueError(f"array {key!r} has dtype {value.dtype}, which safetensors cannot store")
+        return np_name, tuple(value.shape), int(value.nbytes), "numpy"
+    raise UnsupportedValueError(f"value at {key!r} of type {type(value).__name__} is not a tensor")
+
+
+def contiguous_pieces(value: Any, max_bytes: int) -> Iterator[Any]:
+    """Contiguous CPU pieces that together hold ``value``'s bytes in C order.
+
+    A contiguous CPU tensor or array is yielded as itself (no copy). Anything else is copied
+    in pieces of at most ``max_bytes`` (or one row of the innermost dimension, if larger), so the
+    memory held at once stays bounded.
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.is_conj():
+            tensor = tensor.resolve_conj()
+        if tensor.is_neg():
+            tensor = tensor.resolve_neg()
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            yield tensor
+            return
+        yield from _torch_pieces(tensor, max_bytes)
+        return
+    array = value
+    if array.flags.c_contiguous:
+        yield array
+        return
+    yield from _numpy_pieces(array, max_bytes)
+
+
+def _torch_pieces(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes <= max_bytes or tensor.dim() == 0:
+        yield tensor.to("cpu").contiguous()
+        return
+    row_bytes = nbytes // tensor.shape[0]
+    if row_bytes <= max_bytes or tensor.dim() == 1:
+        rows = max(1, max_bytes // max(row_bytes, 1))
+        for start in range(0, tensor.shape[0], rows):
+            yield tensor[start : start + rows].to("cpu").contiguous()
+    else:
+        for index in range(tensor.shape[0]):
+            yield from _torch_pieces(tensor[index], max_bytes)
+
+
+def _numpy_pieces(array: np.ndarray, max_bytes: int) -> Iterator[np.ndarray]:
+    if array.nbytes <= max_bytes or array.ndim == 0:
+        yield np.ascontiguousarray(array)
+        return
+    row_bytes = array.nbytes // array.shape[0]
+    if row_bytes <= max_bytes or array.ndim == 1:
+        rows = max(1, max_bytes // max(row_bytes, 1))
+        for start in range(0, array.shape[0], rows):
+            yield np.ascontiguousarray(array[start : start + rows])
+    else:
+        for index in range(array.shape[0]):
+            yield from _numpy_pieces(array[index], max_bytes)
+
+
+def data_address(piece: Any) -> int:
+    """The address of a contiguous CPU piece's first byte."""
+    if isinstance(piece, torch.Tensor):
+        return int(piece.data_ptr())
+    return int(piece.__array_interface__["data"][0])
+
+
+def piece_nbytes(piece: Any) -> int:
+    if isinstance(piece, torch.Tensor):
+        return piece.numel() * piece.element_size()
+    return int(piece.nbytes)
+
+
+def byte_view(piece: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU piece. The caller keeps ``piece`` alive."""
+    nbytes = piece_nbytes(piece)
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(data_address(piece))).cast("B")
+
+
+def array_from_buffer(
+    buffer: memoryview, dtype_name: str, shape: list[int], offset: int, nbytes: int, array_type: str, key: str
+) -> Any:
+    """A tensor or array viewing ``buffer[offset:offset+nbytes]`` without copying when aligned."""
+    if array_type == "numpy":
+        np_dtype = NAME_TO_NUMPY.get(dtype_name)
+        if np_dtype is None:
+            raise UnsupportedValueError(f"{key!r}: dtype {dtype_name} cannot be loaded as a numpy array")
+        count = nbytes // np_dtype.itemsize if np_dtype.itemsize else 0
+        return np.frombuffer(buffer, dtype=np_dtype, count=count, offset=offset).reshape(shape)
+    dtype = NAME_TO_TORCH.get(dtype_name)
+    if dtype is None:
+        raise UnsupportedValueError(f"{key!r}: dtype {dtype_name} is not supported by this torch")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    if offset % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)

@@ -1,0 +1,224 @@
+"""The state tree: flattening a nested state into tensor leaves, JSON leaves and containers, and
+rebuilding it on load.
+
+A leaf's *key* is its path joined with dots (``model.layers.0.weight``). Its *path* keeps the
+exact components, with ``int`` dict keys kept as ints, so optimizer state round-trips. A subtree
+without tensors that is plain JSON (string keys, lists, finite floats) is stored as one JSON
+leaf; anything else (tuples, int keys, non-finite floats, tensors) is expanded and every container
+is recorded, empty ones included, so load rebuilds the tree exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from shardkeep.errors import ManifestError, UnsupportedValueError
+from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry
+
+__all__ = ["FlatState", "TensorLeaf", "flatten_state", "key_of", "rebuild_state"]
+
+#: Deeper nesting than this is refused on save (and catches reference cycles).
+MAX_PATH_DEPTH = 64
+_INT64_MIN = -(1 << 63)
+_UINT64_MAX = (1 << 64) - 1
+
+
+@dataclass
+class TensorLeaf:
+    key: str
+    path: tuple[str | int, ...]
+    value: Any
+    order: int = 0
+
+
+@dataclass
+class FlatState:
+    tensors: list[TensorLeaf] = field(default_factory=list)
+    values: list[ValueEntry] = field(default_factory=list)
+    containers: list[ContainerEntry] = field(default_factory=list)
+
+
+def key_of(path: tuple[str | int, ...] | KeyPath) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def _is_plain_json(value: Any, depth: int) -> bool:
+    """True when ``value`` survives a JSON round trip exactly."""
+    if depth > MAX_PATH_DEPTH:
+        return False
+    if value is None or isinstance(value, (str, bool)):
+        return True
+    if isinstance(value, int):
+        return _INT64_MIN <= value <= _UINT64_MAX
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if type(value) is list:
+        return all(_is_plain_json(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and _is_plain_json(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _has_state_dict(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.flat = FlatState()
+        self.keys: dict[str, tuple[str | int, ...]] = {}
+        self.order = 0
+
+    def next_order(self) -> int:
+        self.order += 1
+        return self.order
+
+    def claim(self, path: tuple[str | int, ...]) -> str:
+        key = key_of(path)
+        previous = self.keys.get(key)
+        if previous is not None:
+            raise UnsupportedValueError(
+                f"state paths {list(previous)} and {list(path)} both flatten to the key {key!r}; rename one"
+            )
+        self.keys[key] = path
+        return key
+
+    def visit(self, value: Any, path: tuple[str | int, ...]) -> None:
+        if len(path) > MAX_PATH_DEPTH:
+            raise UnsupportedValueError(
+                f"state is nested deeper than {MAX_PATH_DEPTH} levels at {key_of(path[:8])!r}... (a reference cycle?)"
+            )
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            self.flat.tensors.append(TensorLeaf(self.claim(path), path, value, self.next_order()))
+            return
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            special: Literal["nan", "inf", "-inf"] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            self.flat.values.append(
+                ValueEntry(key=self.claim(path), path=list(path), special=special, order=self.next_order())
+            )
+            return
+        if _is_plain_json(value, len(path)) and path:
+            self.flat.values.append(
+                ValueEntry(key=self.claim(path), path=list(path), value=value, order=self.next_order())
+            )
+            return
+        if _has_state_dict(value) and not isinstance(value, Mapping):
+            state = value.state_dict()
+            if not isinstance(state, Mapping):
+                raise UnsupportedValueError(
+                    f"{type(value).__name__}.state_dict() at {key_of(path)!r} returned {type(state).__name__}, not a mapping"
+                )
+            self._mapping(state, path, "state_dict")
+            return
+        if isinstance(value, Mapping):
+            self._mapping(value, path, "dict")
+            return
+        if isinstance(value, (list, tuple)):
+            self.flat.containers.append(
+                ContainerEntry(
+                    path=list(path), kind="tuple" if isinstance(value, tuple) else "list", order=self.next_order()
+                )
+            )
+            for index, item in enumerate(value):
+                self.visit(item, (*path, index))
+            return
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise UnsupportedValueError(f"integer at {key_of(path)!r} does not fit in 64 bits")
+        raise UnsupportedValueError(
+            f"value at {key_of(path) or '<root>'!r} has type {type(value).__module__}.{type(value).__qualname__}, "
+            "which shardkeep does not store: use tensors, numpy arrays, JSON values, or objects "
+            "with state_dict()/load_state_dict()"
+        )
+
+    def _mapping(self, mapping: Mapping[Any, Any], path: tuple[str | int, ...], kind: str) -> None:
+        self.flat.containers.append(ContainerEntry(path=list(path), kind=kind, order=self.next_order()))  # type: ignore[arg-type]  # kind is one of the Literal values
+        for key, item in mapping.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise UnsupportedValueError(
+                    f"key {key!r} under {key_of(path) or '<root>'!r} has type {type(key).__name__}; keys must be str or int"
+                )
+            self.visit(item, (*path, key))
+
+
+def flatten_state(state: Mapping[str, Any]) -> FlatState:
+    """Split ``state`` into tensor leaves, JSON leaves and containers (root included)."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(f"state must be a mapping (a dict), got {type(state).__name__}")
+    flattener = _Flattener()
+    flattener.visit(state, ())
+    return flattener.flat
+
+
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class _Node:
+    __slots__ = ("children", "kind", "order")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.children: dict[str | int, Any] = {}
+        self.order: dict[str | int, int] = {}
+
+
+def rebuild_state(
+    containers: list[ContainerEntry], values: list[ValueEntry], tensors: list[tuple[KeyPath, int, Any]]
+) -> dict[str, Any]:
+    """The nested state described by a manifest's containers, values and loaded tensors."""
+    root = _Node("dict")
+    nodes: dict[tuple[str | int, ...], _Node] = {(): root}
+    for container in sorted(containers, key=lambda c: len(c.path)):
+        path = tuple(container.path)
+        if not path:
+            continue
+        node = _Node(container.kind)
+        _place(nodes, path, node, container.order)
+        nodes[path] = node
+    for entry in values:
+        _place(nodes, tuple(entry.path), _SPECIAL[entry.special] if entry.special else entry.value, entry.order)
+    for tensor_path, order, tensor in tensors:
+        _place(nodes, tuple(tensor_path), tensor, order)
+    result = _finish(root)
+    assert isinstance(result, dict)
+    return result
+
+
+def _place(nodes: dict[tuple[str | int, ...], _Node], path: tuple[str | int, ...], value: Any, order: int) -> None:
+    parent = _parent_node(nodes, path)
+    parent.children[path[-1]] = value
+    parent.order[path[-1]] = order
+
+
+def _parent_node(nodes: dict[tuple[str | int, ...], _Node], path: tuple[str | int, ...]) -> _Node:
+    if not path:
+        raise ManifestError("a state leaf has an empty path")
+    parent = nodes.get(path[:-1])
+    if parent is None:
+        raise ManifestError(f"state leaf {key_of(path)!r} has no recorded parent container")
+    if path[-1] in parent.children:
+        raise ManifestError(f"state path {key_of(path)!r} is defined twice")
+    return parent
+
+
+def _finish(node: _Node) -> Any:
+    keys = sorted(node.children, key=node.order.__getitem__)
+    children: dict[str | int, Any] = {}
+    for key in keys:
+        child = node.children[key]
+        children[key] = _finish(child) if isinstance(child, _Node) else child
+    if node.kind in ("list", "tuple"):
+        if sorted(children, key=repr) != sorted(range(len(children)), key=repr) or not all(
+            isinstance(k, int) for k in children
+        ):
+            raise ManifestError("a list in the state tree has missing or non-integer indices")
+        items = [children[index] for index in range(len(children))]
+        return tuple(items) if node.kind == "tuple" else items
+    return children

@@ -1,0 +1,121 @@
+"""The shard file format: a valid safetensors file (8-byte header length, JSON header, raw bytes).
+
+Tensors are laid out by decreasing element size and the header is padded with spaces to a
+multiple of 8 bytes, so every tensor starts at an offset aligned to its own element size and
+can be viewed in place from a memory map. Any safetensors reader can open a shard; the manifest
+records the absolute offset of each tensor so shardkeep never needs the header to find data, but
+every load and verify cross-checks the header against the manifest.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgspec
+
+from shardkeep.config import ManifestLimits
+from shardkeep.errors import IntegrityError, ManifestError
+from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, parse_json_strict
+
+__all__ = ["HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
+
+HEADER_ALIGNMENT = 8
+#: safetensors refuses headers above 100 MB; so do we.
+MAX_HEADER_BYTES = 100_000_000
+_LENGTH = struct.Struct("<Q")
+_METADATA = {"format": "pt", "writer": "shardkeep"}
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as safetensors describes it; offsets are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    data_start: int
+    entries: dict[str, HeaderEntry]
+
+
+def build_header(entries: list[HeaderEntry]) -> bytes:
+    """The length prefix and padded JSON header for tensors laid out as ``entries`` describe."""
+    header: dict[str, object] = {"__metadata__": _METADATA}
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [entry.begin, entry.end],
+        }
+    body = msgspec.json.encode(header)
+    padding = (-(len(body) + _LENGTH.size)) % HEADER_ALIGNMENT
+    body += b" " * padding
+    return _LENGTH.pack(len(body)) + body
+
+
+def header_length(prefix: bytes | memoryview, file_size: int) -> int:
+    """The JSON header's length from the first 8 bytes of a shard, checked against the file size."""
+    if len(prefix) < _LENGTH.size:
+        raise IntegrityError("shard file is shorter than the 8-byte safetensors length prefix")
+    (length,) = _LENGTH.unpack(bytes(prefix[: _LENGTH.size]))
+    if length > MAX_HEADER_BYTES or _LENGTH.size + length > file_size:
+        raise IntegrityError(f"safetensors header length {length} does not fit in a file of {file_size} bytes")
+    return int(length)
+
+
+def parse_header(data: bytes | memoryview) -> ShardHeader:
+    """Parse a safetensors header from the start of a shard (``data`` holds at least the header)."""
+    length = header_length(data, len(data))
+    raw_bytes = bytes(data[_LENGTH.size : _LENGTH.size + length])
+    try:
+        raw = parse_json_strict(raw_bytes, ManifestLimits(max_bytes=MAX_HEADER_BYTES, max_depth=4))
+    except ManifestError as exc:
+        raise IntegrityError(f"safetensors header is malformed: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise IntegrityError("safetensors header is not a JSON object")
+    entries: dict[str, HeaderEntry] = {}
+    for name, spec in raw.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = spec["dtype"]
+            shape = tuple(int(d) for d in spec["shape"])
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"safetensors header entry {name!r} is malformed") from exc
+        if not isinstance(dtype, str):
+            raise IntegrityError(f"safetensors header entry {name!r} has a non-string dtype")
+        entries[name] = HeaderEntry(name, dtype, shape, begin, end)
+    return ShardHeader(data_start=_LENGTH.size + length, entries=entries)
+
+
+def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
+    """Every disagreement between a shard's safetensors header and its manifest record."""
+    problems: list[str] = []
+    where = f"{record.path}"
+    if len(header.entries) != len(record.tensors):
+        problems.append(f"{where}: header lists {len(header.entries)} tensors, manifest lists {len(record.tensors)}")
+    for entry in record.tensors:
+        found = header.entries.get(entry.key)
+        if found is None:
+            problems.append(f"{where}: tensor {entry.key!r} is missing from the safetensors header")
+            continue
+        if found.dtype != entry.dtype or list(found.shape) != entry.shape:
+            problems.append(
+                f"{where}: tensor {entry.key!r} is {found.dtype}{list(found.shape)} in the header "
+                f"but {entry.dtype}{entry.shape} in the manifest"
+            )
+        if header.data_start + found.begin != entry.offset or found.end - found.begin != entry.nbytes:
+            problems.append(f"{where}: tensor {entry.key!r} has different byte offsets in header and manifest")
+        itemsize = DTYPE_ITEMSIZE.get(found.dtype)
+        if itemsize is None:
+            problems.append(f"{where}: tensor {entry.key!r} has unknown dtype {found.dtype!r}")
+    return problems
