@@ -34,6 +34,8 @@ from shardkeep.manifest import (
     Training,
     encode_manifest,
 )
+from shardkeep.storage.base import ByteStore
+from shardkeep.storage.local import LocalStore
 from shardkeep.tensors.convert import (
     array_from_buffer,
     byte_view,
@@ -100,6 +102,8 @@ def _plan_files(
 ) -> list[tuple[FileRecord, list[_Planned]]]:
     """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
     into files of about ``target`` bytes so that large states are written in parallel."""
+    if not planned:
+        return []
     ordered = sorted(planned, key=lambda p: -p.itemsize)
     total = sum(p.nbytes for p in ordered)
     file_count = max(1, math.ceil(total / target))
@@ -220,6 +224,7 @@ def save(
     custom_fields: Mapping[str, Any] | None = None,
     progress: bool = False,
     budget: ByteBudget | None = None,
+    storage: ByteStore | None = None,
 ) -> Manifest:
     """Save ``state`` as a new committed checkpoint at ``path`` and return its manifest.
 
@@ -227,12 +232,13 @@ def save(
     ``state_dict()`` are expanded. The checkpoint appears at ``path`` atomically, or not at all;
     saving onto an existing checkpoint raises :class:`~shardkeep.errors.CheckpointExistsError`.
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
-    observe its high-water mark.
+    observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's
+    name inside that store.
     """
     options = SaveOptions(
         digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
     )
-    location = locate(path)
+    location = locate(path, storage)
     flat = flatten_state(state)
     planned = [_Planned(leaf) for leaf in flat.tensors]
     tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
@@ -261,7 +267,8 @@ def save(
             float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
     precision = _PRECISION[max(float_bytes, key=lambda k: float_bytes[k])] if float_bytes else None
 
-    _ensure_directory(getattr(location.store, "root", "."))
+    if isinstance(location.store, LocalStore):
+        _ensure_directory(location.store.root)
     commit.begin()
     budget = budget or ByteBudget(options.byte_budget)
     if budget.limit != options.byte_budget:
@@ -314,6 +321,7 @@ def load(
     mmap: bool = True,
     io_threads: int = LoadOptions.io_threads,
     progress: bool = False,
+    storage: ByteStore | None = None,
     limits: ManifestLimits | None = None,
 ) -> Any:
     """Load the checkpoint at ``path``.
@@ -325,7 +333,7 @@ def load(
     before any tensor is built or any target modified.
     """
     options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
-    location = locate(path)
+    location = locate(path, storage)
     manifest = parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
     problems: list[str] = []
     if options.verify:

@@ -15,7 +15,6 @@ from typing import Any, TextIO
 
 import msgspec
 
-from shardkeep import __version__
 from shardkeep.errors import ShardkeepError
 from shardkeep.manifest import Manifest
 from shardkeep.verification import read_manifest, verify
@@ -31,13 +30,22 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardkeep")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkeep",
         description="Inspect and verify shardkeep checkpoints.",
         epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint.",
     )
-    parser.add_argument("--version", action="version", version=f"shardkeep {__version__}")
+    parser.add_argument("--version", action="version", version=f"shardkeep {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     inspect = commands.add_parser(

@@ -39,9 +39,18 @@ class ManifestLimits:
     max_tensors: int = 20_000_000
     max_key_bytes: int = 4096
     max_ndim: int = 64
+    max_path_components: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_depth", "max_files", "max_tensors", "max_key_bytes", "max_ndim"):
+        for name in (
+            "max_bytes",
+            "max_depth",
+            "max_files",
+            "max_tensors",
+            "max_key_bytes",
+            "max_ndim",
+            "max_path_components",
+        ):
             _require_positive_int(name, getattr(self, name))
 
 

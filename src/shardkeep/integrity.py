@@ -79,7 +79,7 @@ def seal_manifest(body: bytes, algorithm: str) -> bytes:
     return sealed_prefix + b'"' + SEAL_FIELD.encode() + b'":"' + digest.encode() + b'"}\n'
 
 
-_SEAL = re.compile(rb'"' + SEAL_FIELD.encode() + rb'":"([a-z0-9-]{1,16}):([0-9a-f]{1,128})"\}\n?\Z')
+_SEAL = re.compile(rb'"' + SEAL_FIELD.encode() + rb'":"([a-z0-9-]{1,16}):([0-9a-f]{1,128})"\}\n\Z')
 
 
 def unseal_manifest(data: bytes) -> None:

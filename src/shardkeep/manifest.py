@@ -45,6 +45,7 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "is_staging_name",
+    "key_for_path",
     "unsafe_path_reason",
     "validate_manifest",
 ]
@@ -431,8 +432,17 @@ def is_staging_name(name: str) -> bool:
     return STAGING_MARKER in name
 
 
-def _key_path_repr(path: KeyPath) -> str:
-    return ".".join(str(p) for p in path)
+def key_for_path(path: KeyPath | tuple[str | int, ...]) -> str:
+    """The dotted key of a state path: ``["model", "layers.0.weight"]`` -> ``"model.layers.0.weight"``."""
+    return ".".join(str(part) for part in path)
+
+
+def _path_problem(key: str, path: KeyPath, limits: ManifestLimits) -> str | None:
+    if len(path) > limits.max_path_components:
+        return f"key {key[:80]!r}: path is nested deeper than {limits.max_path_components} components"
+    if key_for_path(path) != key:
+        return f"key {key[:80]!r} does not match its path {path[:8]!r}"
+    return None
 
 
 def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = None) -> ValidationResult:
@@ -519,12 +529,17 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         value_keys.add(value.key)
         if value.special is not None and value.value is not None:
             err(f"value {value.key!r} sets both value and special")
+        problem = _path_problem(value.key, value.path, limits)
+        if problem:
+            err(problem)
     container_paths: set[str] = set()
     for container in manifest.structure:
         rendered = repr(container.path)
         if rendered in container_paths:
-            err(f"container {_key_path_repr(container.path)!r} is listed twice")
+            err(f"container {key_for_path(container.path)!r} is listed twice")
         container_paths.add(rendered)
+        if len(container.path) > limits.max_path_components:
+            err(f"container {key_for_path(container.path[:8])!r}...: path is nested too deeply")
     return result
 
 
@@ -535,6 +550,9 @@ def _validate_tensor(
     label = f"tensor {entry.key!r} in {where}"
     if len(entry.key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
         err(f"{label}: key is longer than {limits.max_key_bytes} bytes")
+    problem = _path_problem(entry.key, entry.path, limits)
+    if problem:
+        err(problem)
     itemsize = DTYPE_ITEMSIZE.get(entry.dtype)
     if itemsize is None:
         err(f"{label}: unknown dtype {entry.dtype!r}")

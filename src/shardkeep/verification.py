@@ -19,6 +19,7 @@ from shardkeep.errors import (
     IntegrityError,
     ManifestError,
     ShardkeepError,
+    UnsafePathError,
     UnsupportedValueError,
 )
 from shardkeep.integrity import unseal_manifest
@@ -29,6 +30,7 @@ from shardkeep.manifest import (
     Manifest,
     decode_manifest,
     is_staging_name,
+    unsafe_path_reason,
     validate_manifest,
 )
 from shardkeep.storage.base import ByteStore
@@ -49,9 +51,17 @@ class CheckpointLocation:
         return f"{root}/{self.name}"
 
 
-def locate(path: str | os.PathLike[str]) -> CheckpointLocation:
-    """Split a checkpoint path into its parent store and name."""
+def locate(path: str | os.PathLike[str], storage: ByteStore | None = None) -> CheckpointLocation:
+    """Split a checkpoint path into its parent store and name.
+
+    With ``storage``, ``path`` is the checkpoint's name inside that store (one safe component).
+    """
     text = os.fspath(path)
+    if storage is not None:
+        reason = unsafe_path_reason(text)
+        if reason is not None or "/" in text:
+            raise UnsafePathError(f"checkpoint name {text!r} must be a single safe path component")
+        return CheckpointLocation(storage, text)
     if "://" in text:
         raise UnsupportedValueError(
             f"{text!r}: object-store URLs are not supported yet; use a local or shared filesystem path"
@@ -99,9 +109,11 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
     return manifest
 
 
-def read_manifest(path: str | os.PathLike[str], *, limits: ManifestLimits | None = None) -> Manifest:
+def read_manifest(
+    path: str | os.PathLike[str], *, storage: ByteStore | None = None, limits: ManifestLimits | None = None
+) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``."""
-    location = locate(path)
+    location = locate(path, storage)
     return parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
 
 
@@ -145,6 +157,7 @@ def verify(
     *,
     io_threads: int = 2,
     on_bytes: Callable[[int], None] | None = None,
+    storage: ByteStore | None = None,
     limits: ManifestLimits | None = None,
 ) -> VerifyReport:
     """Check a checkpoint completely and report every problem; never raises for bad content.
@@ -152,7 +165,7 @@ def verify(
     Checks the manifest's seal, schema and consistency, that the file set on disk equals the
     manifest's, and each file's size, digest and safetensors header.
     """
-    location = locate(path)
+    location = locate(path, storage)
     report = VerifyReport(path=str(location))
     try:
         data = read_manifest_bytes(location, limits)

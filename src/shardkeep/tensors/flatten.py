@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shardkeep.errors import ManifestError, UnsupportedValueError
-from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry
+from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry, key_for_path
 
 __all__ = ["FlatState", "TensorLeaf", "flatten_state", "key_of", "rebuild_state"]
 
@@ -44,8 +44,7 @@ class FlatState:
     containers: list[ContainerEntry] = field(default_factory=list)
 
 
-def key_of(path: tuple[str | int, ...] | KeyPath) -> str:
-    return ".".join(str(part) for part in path)
+key_of = key_for_path
 
 
 def _is_plain_json(value: Any, depth: int) -> bool:

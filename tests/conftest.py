@@ -1,0 +1,55 @@
+"""Shared fixtures: small deterministic states and helpers that damage checkpoints on disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    """A small training-like state: a module, an optimizer with state, JSON leaves, odd tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8, generator=generator)).sum().backward()
+    optimizer.step()
+    return {
+        "model": model,
+        "optim": optimizer,
+        "step": 7 + seed,
+        "best_val_loss": float("inf"),
+        "config": {"name": "tiny", "layers": [8, 6, 2], "dropout": 0.0},
+        "ema": {"0.weight": torch.randn(6, 8, generator=generator)},
+        "rng": torch.get_rng_state(),
+    }
+
+
+@pytest.fixture
+def state() -> dict[str, Any]:
+    return make_state()
+
+
+def flip_bit(path: Path, byte_index: int, bit: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(byte_index)
+        value = handle.read(1)[0]
+        handle.seek(byte_index)
+        handle.write(bytes([value ^ (1 << bit)]))
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def tree_listing(root: Path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, name), root) for d, dirs, files in os.walk(root) for name in dirs + files
+    )

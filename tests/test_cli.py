@@ -1,0 +1,91 @@
+"""The command line: inspect and verify, exit codes, JSON output, and no torch import."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardkeep as sk
+from conftest import flip_bit, make_state
+from shardkeep.cli import main
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "step_00000007"
+    sk.save(make_state(), path, step=7, epoch=1, model_id="tiny")
+    return path
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_inspect_prints_a_readable_summary(checkpoint: Path) -> None:
+    code, out, _ = run("inspect", str(checkpoint))
+    assert code == 0
+    for expected in (
+        "step 7",
+        "epoch 1",
+        "tiny",
+        "AdamW",
+        "blake3",
+        "tier         hot",
+        "rank_00000.safetensors",
+        "model.0.weight",
+        "F32",
+        "optim_state  optim",
+    ):
+        assert expected in out, expected
+
+
+def test_inspect_json_is_machine_readable(checkpoint: Path) -> None:
+    code, out, _ = run("inspect", str(checkpoint), "--json")
+    assert code == 0
+    document = json.loads(out)
+    assert document["manifest"]["step"] == 7
+    assert document["summary"]["tensor_count"] == sum(len(f.tensors) for f in sk.read_manifest(checkpoint).files)
+    assert "F32" in document["summary"]["dtypes"]
+
+
+def test_verify_exit_codes(checkpoint: Path, tmp_path: Path) -> None:
+    code, out, _ = run("verify", str(checkpoint))
+    assert code == 0 and out.startswith("OK")
+    shard = checkpoint / "shards" / "rank_00000.safetensors"
+    flip_bit(shard, shard.stat().st_size - 3, 3)  # in the data, past the header
+    (checkpoint / "junk").write_text("x")
+    code, out, _ = run("verify", str(checkpoint))
+    assert code == 1
+    assert "PROBLEM  shards/rank_00000.safetensors: digest mismatch" in out
+    assert "PROBLEM  junk: extra file" in out
+    code, out, _ = run("verify", str(checkpoint), "--json")
+    assert code == 1 and json.loads(out)["ok"] is False and len(json.loads(out)["problems"]) == 2
+    code, _, err = run("inspect", str(tmp_path / "missing"))
+    assert code == 2 and "no checkpoint" in err
+    code, out, _ = run("verify", str(tmp_path / "missing"))
+    assert code == 1 and "no checkpoint" in out
+
+
+def test_cli_does_not_import_torch_and_module_entry_point_works(checkpoint: Path) -> None:
+    program = (
+        "import sys\n"
+        "from shardkeep.cli import main\n"
+        f"a = main(['inspect', {str(checkpoint)!r}])\n"
+        f"b = main(['verify', {str(checkpoint)!r}])\n"
+        "assert (a, b) == (0, 0)\n"
+        "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, capture_output=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardkeep", "verify", str(checkpoint)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "OK" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "shardkeep", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "inspect" in result.stdout and "verify" in result.stdout

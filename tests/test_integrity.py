@@ -1,0 +1,180 @@
+"""Damage detection: every single-bit flip, every truncation, extra and missing files, and
+hostile paths in a manifest are caught by both ``load`` and ``verify``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardkeep as sk
+from conftest import checkpoint_files, flip_bit
+from shardkeep.integrity import seal_manifest
+
+
+def _tiny_checkpoint(path: Path) -> None:
+    sk.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2]), "step": 3}, path)
+
+
+def _damage_detected(path: Path) -> tuple[bool, bool]:
+    """(verify failed, load raised a ShardkeepError)."""
+    verify_failed = not sk.verify(path).ok
+    try:
+        sk.load(path)
+    except sk.ShardkeepError:
+        load_failed = True
+    else:
+        load_failed = False
+    return verify_failed, load_failed
+
+
+def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path) -> None:
+    pristine = tmp_path / "pristine"
+    _tiny_checkpoint(pristine)
+    work = tmp_path / "work"
+    shutil.copytree(pristine, work)
+    assert _damage_detected(work) == (False, False)
+    undetected: list[str] = []
+    flips = 0
+    for original in checkpoint_files(pristine):
+        relative = original.relative_to(pristine)
+        target = work / relative
+        content = original.read_bytes()
+        for byte_index in range(len(content)):
+            for bit in range(8):
+                flip_bit(target, byte_index, bit)
+                flips += 1
+                verify_failed, load_failed = _damage_detected(work)
+                if not (verify_failed and load_failed):
+                    undetected.append(f"{relative}[{byte_index}] bit {bit}: verify={verify_failed} load={load_failed}")
+                flip_bit(target, byte_index, bit)
+    assert flips > 8000
+    assert undetected == []
+    assert _damage_detected(work) == (False, False)
+
+
+def test_every_truncation_is_detected(tmp_path: Path) -> None:
+    pristine = tmp_path / "pristine"
+    _tiny_checkpoint(pristine)
+    work = tmp_path / "work"
+    undetected: list[str] = []
+    for original in checkpoint_files(pristine):
+        relative = original.relative_to(pristine)
+        content = original.read_bytes()
+        for length in range(len(content)):
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(pristine, work)
+            (work / relative).write_bytes(content[:length])
+            if _damage_detected(work) != (True, True):
+                undetected.append(f"{relative} truncated to {length}")
+    assert undetected == []
+
+
+def test_extra_and_missing_files_are_reported(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint)
+    (checkpoint / "shards" / "stray.bin").write_bytes(b"x")
+    report = sk.verify(checkpoint)
+    assert report.problems == ["shards/stray.bin: extra file not listed in the manifest"]
+    with pytest.raises(sk.IntegrityError, match=r"stray\.bin"):
+        sk.load(checkpoint)
+    (checkpoint / "shards" / "stray.bin").unlink()
+    (checkpoint / "shards" / "rank_00000.safetensors").unlink()
+    report = sk.verify(checkpoint)
+    assert report.problems[0] == "shards/rank_00000.safetensors: missing (listed in the manifest)"
+    with pytest.raises(sk.IntegrityError, match="missing"):
+        sk.load(checkpoint)
+
+
+def test_verify_reports_every_problem_at_once(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save({f"t{i}": torch.full((1000,), float(i)) for i in range(4)}, checkpoint, file_size_target=4000)
+    files = sorted((checkpoint / "shards").iterdir())
+    assert len(files) == 4
+    flip_bit(files[0], files[0].stat().st_size - 1, 0)
+    flip_bit(files[2], files[2].stat().st_size - 1, 0)
+    (checkpoint / "extra").write_bytes(b"")
+    report = sk.verify(checkpoint)
+    assert len(report.problems) == 3, report.problems
+    assert report.files_checked == 4
+
+
+def _rewrite_manifest(checkpoint: Path, mutate) -> None:  # type: ignore[no-untyped-def]
+    """Change the manifest and re-seal it, as an attacker who can write the directory could."""
+    raw = json.loads((checkpoint / "manifest.json").read_bytes())
+    raw.pop("manifest_digest")
+    mutate(raw)
+    data = seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
+    os.chmod(checkpoint / "manifest.json", 0o644)
+    (checkpoint / "manifest.json").write_bytes(data)
+
+
+@pytest.mark.parametrize(
+    "hostile", ["../outside.safetensors", "/etc/passwd", "shards/../../outside.safetensors", "shards\\x", "a\x00b"]
+)
+def test_hostile_paths_in_a_manifest_are_rejected_without_reading(tmp_path: Path, hostile: str) -> None:
+    checkpoint = tmp_path / "root" / "ckpt"
+    _tiny_checkpoint(checkpoint)
+    outside = tmp_path / "root" / "outside.safetensors"
+    shutil.copy(checkpoint / "shards" / "rank_00000.safetensors", outside)
+
+    def point_outside(raw: dict) -> None:  # type: ignore[type-arg]
+        raw["files"][0]["path"] = hostile
+
+    _rewrite_manifest(checkpoint, point_outside)
+    with pytest.raises(sk.ManifestError, match="unsafe path"):
+        sk.load(checkpoint)
+    with pytest.raises(sk.ManifestError, match="unsafe path"):
+        sk.read_manifest(checkpoint)
+    report = sk.verify(checkpoint)
+    assert not report.ok and any("unsafe path" in p for p in report.problems)
+
+
+def test_symlinked_shard_or_directory_is_refused(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint)
+    shard = checkpoint / "shards" / "rank_00000.safetensors"
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(shard, elsewhere)
+    shard.symlink_to(elsewhere)  # identical bytes, but reached through a symlink
+    with pytest.raises(sk.ShardkeepError, match="symlink"):
+        sk.load(checkpoint)
+    assert any("symlink" in p for p in sk.verify(checkpoint).problems)
+
+    shard.unlink()
+    shutil.move(checkpoint / "shards", tmp_path / "real_shards")
+    shutil.move(elsewhere, tmp_path / "real_shards" / "rank_00000.safetensors")
+    (checkpoint / "shards").symlink_to(tmp_path / "real_shards")
+    with pytest.raises(sk.ShardkeepError, match="symlink"):
+        sk.load(checkpoint)
+    assert not sk.verify(checkpoint).ok
+
+
+def test_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint)
+    shard = checkpoint / "shards" / "rank_00000.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(sk.ShardkeepError, match=r"special file|not a regular file"):
+        sk.load(checkpoint)
+    assert not sk.verify(checkpoint).ok
+
+
+def test_header_that_disagrees_with_the_manifest_is_caught(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint)
+
+    def relabel(raw: dict) -> None:  # type: ignore[type-arg]
+        for entry in raw["files"][0]["tensors"]:
+            if entry["key"] == "w":
+                entry["shape"] = [3, 2]
+
+    _rewrite_manifest(checkpoint, relabel)
+    with pytest.raises(sk.IntegrityError, match="header"):
+        sk.load(checkpoint)
+    assert any("header" in p for p in sk.verify(checkpoint).problems)

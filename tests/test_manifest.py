@@ -1,0 +1,405 @@
+"""The manifest: schema round trip, strict bounded decoding, versioning, validation, golden files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardkeep as sk
+from shardkeep.config import ManifestLimits
+from shardkeep.integrity import seal_manifest, unseal_manifest
+from shardkeep.manifest import (
+    METADATA_VERSION,
+    ContainerEntry,
+    FileRecord,
+    Manifest,
+    Sharding,
+    StateSection,
+    TensorEntry,
+    Tier,
+    Training,
+    ValueEntry,
+    decode_manifest,
+    encode_manifest,
+    unsafe_path_reason,
+    validate_manifest,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+DIGEST = "blake3:" + "ab" * 32
+
+
+def full_manifest() -> Manifest:
+    """A manifest that sets every field of the schema."""
+    return Manifest(
+        model_id="lite-llm-base",
+        epoch=5,
+        step=10_000,
+        world_size=2,
+        coordinator_rank=0,
+        digest_algorithm="blake3",
+        sharding=Sharding(strategy="fsdp", shard_count=2, precision="bf16", strategy_info={"mesh": [2]}),
+        training=Training(learning_rate=3e-4, optimizer_type="AdamW"),
+        tiers=[
+            Tier(tier_id=1, name="hot", size_budget="40GB", placement_policy="prioritized"),
+            Tier(tier_id=2, name="warm", size_budget="200GB", placement_policy="lru", location="/mnt/warm"),
+        ],
+        files=[
+            FileRecord(
+                path="shards/rank_00000.safetensors",
+                rank=0,
+                size=4096,
+                digest=DIGEST,
+                version=1,
+                tier="hot",
+                tensors=[
+                    TensorEntry(
+                        key="attention_q",
+                        path=["attention_q"],
+                        dtype="BF16",
+                        shape=[8, 16],
+                        offset=128,
+                        nbytes=256,
+                        global_shape=[16, 16],
+                        global_offset=[0, 0],
+                    ),
+                ],
+            ),
+            FileRecord(
+                path="shards/rank_00001.safetensors",
+                rank=1,
+                size=4096,
+                digest=DIGEST,
+                version=0,
+                tier="warm",
+                tensors=[
+                    TensorEntry(
+                        key="attention_q",
+                        path=["attention_q"],
+                        dtype="BF16",
+                        shape=[8, 16],
+                        offset=128,
+                        nbytes=256,
+                        global_shape=[16, 16],
+                        global_offset=[8, 0],
+                    ),
+                    TensorEntry(
+                        key="layers.2.experts.1.w",
+                        path=["layers.2.experts.1.w"],
+                        dtype="F32",
+                        shape=[4],
+                        offset=384,
+                        nbytes=16,
+                        kind="expert",
+                        expert_key=[2, 0, 1],
+                    ),
+                ],
+            ),
+        ],
+        optim_state=StateSection(prefixes=["optim"], description="optimizer state"),
+        router_state=StateSection(prefixes=["router"]),
+        structure=[ContainerEntry(path=[], kind="dict")],
+        values=[
+            ValueEntry(key="step", path=["step"], value=10_000),
+            ValueEntry(key="best", path=["best"], special="inf"),
+        ],
+        custom_fields={"owner": "team", "nested": {"a": [1, 2]}},
+    )
+
+
+def test_full_manifest_round_trips_and_validates() -> None:
+    manifest = full_manifest()
+    data = encode_manifest(manifest)
+    assert decode_manifest(data) == manifest
+    result = validate_manifest(manifest)
+    assert result.errors == [] and result.warnings == []
+    assert result.is_valid
+
+
+def test_encoding_is_snake_case_json_with_type_field() -> None:
+    raw = json.loads(encode_manifest(full_manifest()))
+    assert raw["metadata_version"] == METADATA_VERSION
+    tensor = raw["files"][1]["tensors"][1]
+    assert tensor["type"] == "expert" and tensor["expert_key"] == [2, 0, 1]
+    assert {
+        "model_id",
+        "epoch",
+        "step",
+        "world_size",
+        "sharding",
+        "training",
+        "tiers",
+        "files",
+        "optim_state",
+        "router_state",
+        "custom_fields",
+        "values",
+        "structure",
+        "created_at",
+    } <= set(raw)
+
+
+def _sealed(raw: dict[str, object]) -> bytes:
+    return seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
+
+
+def test_unknown_fields_of_a_newer_minor_are_kept_and_ignored() -> None:
+    raw = json.loads(encode_manifest(full_manifest()))
+    raw["metadata_version"] = "1.7"
+    raw["new_top"] = {"x": 1}
+    raw["files"][0]["new_file_field"] = "y"
+    raw["files"][1]["tensors"][0]["new_tensor_field"] = [3]
+    raw["sharding"]["new_sharding_field"] = True
+    manifest = decode_manifest(json.dumps(raw).encode())
+    assert manifest.unknown_fields == {
+        "new_top": {"x": 1},
+        "files[0].new_file_field": "y",
+        "files[1].tensors[0].new_tensor_field": [3],
+        "sharding.new_sharding_field": True,
+    }
+    assert manifest.files[1].tensors[0].key == "attention_q"
+    assert manifest.metadata_version == "1.7"
+
+
+def test_newer_major_version_is_refused_naming_both_versions() -> None:
+    raw = json.loads(encode_manifest(full_manifest()))
+    raw["metadata_version"] = "3.0"
+    with pytest.raises(sk.ManifestVersionError, match=r"3\.0.*1\.0") as info:
+        decode_manifest(json.dumps(raw).encode())
+    assert info.value.found == "3.0" and info.value.supported == METADATA_VERSION
+    assert isinstance(info.value, sk.ManifestError)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"metadata_version":"1.0","step":1,"step":2}', "duplicate key 'step'"),
+        (b'{"metadata_version":"1.0","training":{"learning_rate":NaN}}', "NaN"),
+        (b'{"metadata_version":"1.0","epoch":Infinity}', "Infinity"),
+        (b'{"metadata_version":"1.0","model_id":"\xff"}', "UTF-8"),
+        (b'{"metadata_version":"1.0",' + b'"custom_fields":' + b'{"a":' * 40 + b"1" + b"}" * 41, "nested deeper"),
+        (b'{"metadata_version":"1.0"', "malformed"),
+        (b"[1,2]", "must be an object"),
+        (b'{"metadata_version":1}', "string"),
+        (b'{"metadata_version":"1.0","step":"ten"}', "schema"),
+        (b'{"metadata_version":"1.0","files":[{"path":"a"}]}', "schema"),
+        (b'{"metadata_version":"1.0","format":"other"}', "not a shardkeep manifest"),
+        (b'{"metadata_version":"1.0","step":' + b"9" * 5000 + b"}", "malformed"),
+    ],
+)
+def test_strict_decoding_rejects_bad_json(data: bytes, message: str) -> None:
+    with pytest.raises(sk.ManifestError, match=message):
+        decode_manifest(data)
+
+
+def test_decoding_is_bounded_in_size_and_counts() -> None:
+    data = encode_manifest(full_manifest())
+    with pytest.raises(sk.ManifestError, match="over the limit"):
+        decode_manifest(data, limits=ManifestLimits(max_bytes=100))
+    with pytest.raises(sk.ManifestError, match="files, over the limit"):
+        decode_manifest(data, limits=ManifestLimits(max_files=1))
+    with pytest.raises(sk.ManifestError, match="tensors, over the limit"):
+        decode_manifest(data, limits=ManifestLimits(max_tensors=2))
+    deep = b'{"metadata_version":"1.0","custom_fields":{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    with pytest.raises(sk.ManifestError, match="nested deeper"):
+        decode_manifest(deep)
+
+
+def test_decoding_never_mutates_input() -> None:
+    data = bytearray(encode_manifest(full_manifest()))
+    copy = bytes(data)
+    decode_manifest(bytes(data))
+    assert bytes(data) == copy
+
+
+def _errors(manifest: Manifest) -> list[str]:
+    return validate_manifest(manifest).errors
+
+
+def test_validator_reports_duplicate_keys() -> None:
+    manifest = full_manifest()
+    manifest.files[1].tensors[0].global_offset = [0, 0]
+    assert any("duplicate key 'attention_q'" in e for e in _errors(manifest))
+    manifest = full_manifest()
+    manifest.values.append(ValueEntry(key="step", path=["step"], value=1))
+    assert any("duplicate key 'step'" in e for e in _errors(manifest))
+
+
+def test_validator_reports_overlapping_and_out_of_file_ranges() -> None:
+    manifest = full_manifest()
+    manifest.files[1].tensors[1].offset = 200
+    assert any("overlap" in e for e in _errors(manifest))
+    manifest = full_manifest()
+    manifest.files[1].tensors[1].offset = 4090
+    assert any("beyond the file size 4096" in e for e in _errors(manifest))
+
+
+def test_validator_reports_shard_count_mismatch() -> None:
+    manifest = full_manifest()
+    manifest.sharding.shard_count = 3
+    assert any("shard count mismatch" in e for e in _errors(manifest))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../escape.bin",
+        "/etc/passwd",
+        "shards/../../x",
+        "a\\b",
+        "a\x00b",
+        "shards//x",
+        "./x",
+        "C:/x",
+        "manifest.json",
+        "",
+    ],
+)
+def test_validator_reports_unsafe_paths(path: str) -> None:
+    manifest = full_manifest()
+    manifest.files[0].path = path
+    assert any("unsafe path" in e for e in _errors(manifest)), path
+
+
+def test_missing_digest_is_a_warning_not_an_error() -> None:
+    manifest = full_manifest()
+    manifest.files[0].digest = None
+    result = validate_manifest(manifest)
+    assert result.errors == []
+    assert result.warnings == ["file 'shards/rank_00000.safetensors' has no digest; its contents cannot be verified"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: setattr(m.files[0].tensors[0], "dtype", "F99"), "unknown dtype"),
+        (lambda m: setattr(m.files[0].tensors[0], "nbytes", 10), "needs 256 bytes"),
+        (lambda m: setattr(m.files[0], "tier", "cold"), "does not define"),
+        (lambda m: setattr(m.files[0], "rank", 5), "outside world_size"),
+        (lambda m: setattr(m.files[0], "digest", "md5:00"), "unknown algorithm"),
+        (lambda m: setattr(m.files[0], "digest", "blake3:zz"), "malformed"),
+        (lambda m: setattr(m.files[0].tensors[0], "global_offset", [12, 0]), "outside"),
+        (lambda m: setattr(m.files[0].tensors[0], "global_offset", None), "together"),
+        (lambda m: setattr(m, "world_size", 0), "world_size"),
+        (lambda m: setattr(m.files[1], "path", m.files[0].path), "listed twice"),
+        (lambda m: setattr(m.files[0].tensors[0], "shape", [-1, 16]), "negative"),
+        (lambda m: setattr(m.files[0].tensors[0], "key", "other"), "does not match its path"),
+        (lambda m: setattr(m.files[0].tensors[0], "path", ["a"] * 100), "deeper"),
+        (lambda m: m.tiers.append(Tier(tier_id=1, name="hot")), "defined twice"),
+    ],
+)
+def test_validator_reports_inconsistencies(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    manifest = full_manifest()
+    mutate(manifest)
+    errors = _errors(manifest)
+    assert any(message in e for e in errors), errors
+
+
+def test_unsafe_path_reason_accepts_plain_relative_paths() -> None:
+    assert unsafe_path_reason("shards/rank_00000.safetensors") is None
+    assert unsafe_path_reason("a/b/c.d") is None
+    assert unsafe_path_reason("..") is not None
+
+
+def test_seal_detects_any_change_and_truncation() -> None:
+    sealed = seal_manifest(encode_manifest(full_manifest()), "blake3")
+    unseal_manifest(sealed)
+    changed = sealed.replace(b'"step":10000', b'"step":10001')
+    assert changed != sealed
+    with pytest.raises(sk.IntegrityError):
+        unseal_manifest(changed)
+    with pytest.raises(sk.IntegrityError):
+        unseal_manifest(sealed[:-5])
+
+
+# ---------------------------------------------------------------------------------------------
+# golden files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_golden_v1_0_checkpoint_still_reads_verifies_and_loads(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "step_00000042"
+    shutil.copytree(GOLDEN / "v1.0" / "step_00000042", checkpoint)
+    manifest = sk.read_manifest(checkpoint)
+    assert manifest.metadata_version == "1.0"
+    assert (manifest.step, manifest.epoch, manifest.model_id) == (42, 3, "golden-model")
+    assert manifest.custom_fields == {"owner": "tests"}
+    assert sk.verify(checkpoint).ok
+    import torch
+
+    loaded = sk.load(checkpoint)
+    assert torch.equal(loaded["model"]["weight"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(loaded["model"]["bias"], torch.tensor([1, 2, 3]))
+    assert torch.equal(loaded["half"], torch.tensor([0.5, -2.0], dtype=torch.bfloat16))
+    assert loaded["step"] == 42 and loaded["config"] == {"lr": 0.1, "name": "golden"}
+    assert loaded["pair"] == (1, 2) and loaded["best"] == float("inf")
+
+
+def test_golden_newer_minor_manifest_decodes_with_unknown_fields() -> None:
+    data = (GOLDEN / "manifest-v1.1-unknown-fields.json").read_bytes()
+    unseal_manifest(data)
+    manifest = decode_manifest(data)
+    assert manifest.metadata_version == "1.1"
+    assert manifest.unknown_fields == {
+        "future_top_level": {"hint": "added in 1.1"},
+        "files[0].future_file_field": 7,
+        "files[0].tensors[0].future_tensor_field": [1, 2],
+    }
+    assert validate_manifest(manifest).errors == []
+
+
+def test_golden_newer_major_manifest_is_refused() -> None:
+    data = (GOLDEN / "manifest-v2.0-newer-major.json").read_bytes()
+    with pytest.raises(sk.ManifestVersionError, match=r"2\.0"):
+        decode_manifest(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzzing: the parser raises only its own error types
+# ---------------------------------------------------------------------------------------------
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=400))
+def test_fuzz_arbitrary_bytes_raise_only_manifest_errors(data: bytes) -> None:
+    try:
+        decode_manifest(data)
+    except sk.ManifestError:
+        pass
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.sampled_from(["metadata_version", "files", "step", "tiers", "sharding", "values", "structure", "x"]),
+        _json_values,
+        max_size=6,
+    )
+)
+def test_fuzz_json_objects_raise_only_manifest_errors(raw: dict[str, object]) -> None:
+    raw.setdefault("metadata_version", "1.0")
+    try:
+        manifest = decode_manifest(msgspec.json.encode(raw))
+    except sk.ManifestError:
+        return
+    validate_manifest(manifest)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_fuzz_path_checker_never_raises(path: str) -> None:
+    reason = unsafe_path_reason(path)
+    if reason is None:
+        assert not path.startswith("/") and ".." not in path.split("/")

@@ -1,0 +1,128 @@
+"""The public API is small and pinned; layers import one way; light modules never import torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import shardkeep as sk
+
+PACKAGE = Path(sk.__file__).parent
+
+EXPECTED_ALL = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "IntegrityError",
+    "Manifest",
+    "ManifestError",
+    "ManifestVersionError",
+    "ShardkeepError",
+    "StorageError",
+    "UnsafePathError",
+    "UnsupportedValueError",
+    "ValidationResult",
+    "VerifyReport",
+    "__version__",
+    "load",
+    "read_manifest",
+    "save",
+    "validate_manifest",
+    "verify",
+]
+
+# Lower numbers are lower layers (DESIGN.md). Within a layer, a module may use the ones listed
+# before it; a subpackage's modules may import each other.
+LAYER_ORDER = [
+    "errors",
+    "config",
+    "manifest",
+    "storage",
+    "integrity",
+    "tensors",
+    "io",
+    "dist",
+    "verification",
+    "api",
+    "cli",
+    "__init__",
+    "__main__",
+]
+
+TORCH_FREE = [
+    "shardkeep",
+    "shardkeep.errors",
+    "shardkeep.config",
+    "shardkeep.manifest",
+    "shardkeep.storage",
+    "shardkeep.integrity",
+    "shardkeep.tensors.shardfile",
+    "shardkeep.io",
+    "shardkeep.dist.commit",
+    "shardkeep.verification",
+    "shardkeep.cli",
+]
+
+
+def test_public_names_are_exactly_the_pinned_list() -> None:
+    assert sorted(sk.__all__) == sorted(EXPECTED_ALL)
+    for name in sk.__all__:
+        assert getattr(sk, name) is not None, name
+
+
+def test_every_error_derives_from_the_root() -> None:
+    errors = [getattr(sk, name) for name in sk.__all__ if name.endswith("Error")]
+    assert len(errors) >= 10
+    for error in errors:
+        assert issubclass(error, sk.ShardkeepError), error
+
+
+def _top(module_path: Path) -> str:
+    relative = module_path.relative_to(PACKAGE)
+    return relative.parts[0].removesuffix(".py")
+
+
+def _shardkeep_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardkeep"):
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names if alias.name.startswith("shardkeep"))
+    return found
+
+
+def test_layers_import_only_downwards() -> None:
+    violations: list[str] = []
+    for path in PACKAGE.rglob("*.py"):
+        mine = _top(path)
+        assert mine in LAYER_ORDER, f"{path} is not placed in a layer"
+        for module in _shardkeep_imports(path):
+            parts = module.split(".")
+            theirs = parts[1] if len(parts) > 1 else "__init__"
+            if theirs == mine and path.parent != PACKAGE:
+                continue  # inside one subpackage
+            if LAYER_ORDER.index(theirs) >= LAYER_ORDER.index(mine):
+                violations.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert violations == []
+
+
+def test_light_modules_import_without_torch_or_threads() -> None:
+    program = (
+        "import sys, threading, importlib\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "heavy = [m for m in ('torch', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True)
+
+
+def test_no_grab_bag_modules() -> None:
+    names = {path.stem for path in PACKAGE.rglob("*.py")}
+    assert not names & {"utils", "helpers", "misc", "common"}
+    assert not [n for n in names if n.endswith("_ops")]

@@ -1,0 +1,288 @@
+"""save/load round trips: every dtype and shape, nested state, in-place loading, options."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import shardkeep as sk
+from conftest import make_state, tree_listing
+from shardkeep.io import ByteBudget
+from shardkeep.tensors.convert import TORCH_TO_NAME
+
+ALL_TORCH_DTYPES = list(TORCH_TO_NAME)
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -1000), min(info.max, 1000)
+    return torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe) of two tensors of the same dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)))
+
+
+@pytest.mark.parametrize("dtype", ALL_TORCH_DTYPES, ids=str)
+def test_every_dtype_and_shape_round_trips(tmp_path: Path, dtype: torch.dtype) -> None:
+    base = _random(dtype, (6, 5, 4))
+    state = {
+        "scalar": _random(dtype, ()),
+        "empty": _random(dtype, (0, 3)),
+        "vector": _random(dtype, (17,)),
+        "matrix": base[0],
+        "non_contiguous": base.transpose(0, 2),
+        "strided": base[::2, 1:, ::3],
+        "expanded": _random(dtype, (1, 4)).expand(3, 4),
+    }
+    sk.save(state, tmp_path / "ckpt")
+    loaded = sk.load(tmp_path / "ckpt")
+    assert set(loaded) == set(state)
+    for key, tensor in state.items():
+        assert _same(loaded[key], tensor), key
+    # Every shard is a valid safetensors file that the safetensors library reads back exactly.
+    with safe_open(str(tmp_path / "ckpt" / "shards" / "rank_00000.safetensors"), framework="pt") as handle:
+        for key, tensor in state.items():
+            assert _same(handle.get_tensor(key), tensor.contiguous()), key
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.bool_,
+        np.uint8,
+        np.int8,
+        np.int16,
+        np.uint16,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+    ],
+)
+def test_numpy_arrays_round_trip_as_numpy(tmp_path: Path, dtype: Any) -> None:
+    array = (np.arange(60).reshape(3, 4, 5) % 7).astype(dtype)
+    state = {
+        "array": array,
+        "view": array[:, ::2, 1:],
+        "zero_d": np.array(3, dtype=dtype),
+        "empty": np.zeros((0, 2), dtype),
+    }
+    sk.save(state, tmp_path / "ckpt")
+    loaded = sk.load(tmp_path / "ckpt")
+    for key, value in state.items():
+        assert isinstance(loaded[key], np.ndarray), key
+        assert loaded[key].dtype == value.dtype and loaded[key].shape == value.shape
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_nested_state_round_trips_exactly(tmp_path: Path) -> None:
+    state = {
+        "ints": {0: torch.ones(2), 1: {"deep": torch.zeros(1)}},
+        "tuple": (1, "two", torch.arange(3)),
+        "list": [1.5, [2, 3], {"a": None}],
+        "specials": [math.inf, -math.inf],
+        "nan": math.nan,
+        "empty_dict": {},
+        "empty_list": [],
+        "bools": [True, False],
+        "big": 2**63 - 1,
+        "text": "héllo ✓",
+        "np_scalar": np.float32(2.5),
+    }
+    sk.save(state, tmp_path / "ckpt")
+    loaded = sk.load(tmp_path / "ckpt")
+    assert list(loaded) == list(state)  # key order is preserved
+    assert torch.equal(loaded["ints"][0], torch.ones(2))
+    assert torch.equal(loaded["ints"][1]["deep"], torch.zeros(1))
+    assert isinstance(loaded["tuple"], tuple) and loaded["tuple"][:2] == (1, "two")
+    assert torch.equal(loaded["tuple"][2], torch.arange(3))
+    assert loaded["list"] == [1.5, [2, 3], {"a": None}]
+    assert loaded["specials"] == [math.inf, -math.inf]
+    assert math.isnan(loaded["nan"])
+    assert loaded["empty_dict"] == {} and loaded["empty_list"] == []
+    assert loaded["bools"] == [True, False] and loaded["big"] == 2**63 - 1
+    assert loaded["text"] == "héllo ✓"
+    assert loaded["np_scalar"] == 2.5
+
+
+def test_modules_and_optimizers_expand_and_load_in_place(tmp_path: Path) -> None:
+    original = make_state(seed=1)
+    sk.save(original, tmp_path / "ckpt")
+    target = make_state(seed=2)
+    weight_before = target["model"][0].weight
+    result = sk.load(tmp_path / "ckpt", into=target)
+    assert result is target
+    assert target["model"][0].weight is weight_before  # filled in place, not replaced
+    for (name, mine), (_, theirs) in zip(
+        target["model"].state_dict().items(), original["model"].state_dict().items(), strict=True
+    ):
+        assert torch.equal(mine, theirs), name
+    loaded_optim = target["optim"].state_dict()
+    original_optim = original["optim"].state_dict()
+    for index, values in original_optim["state"].items():
+        for name, tensor in values.items():
+            assert torch.equal(loaded_optim["state"][index][name], tensor), (index, name)
+    assert loaded_optim["param_groups"][0]["betas"] == original_optim["param_groups"][0]["betas"]
+    assert target["step"] == original["step"]
+    assert torch.equal(target["ema"]["0.weight"], original["ema"]["0.weight"])
+    assert torch.equal(target["rng"], original["rng"])
+
+
+def test_load_into_checks_everything_before_modifying_anything(tmp_path: Path) -> None:
+    sk.save(make_state(seed=1), tmp_path / "ckpt")
+    target = make_state(seed=2)
+    target["model"] = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    ema_before = target["ema"]["0.weight"].clone()
+    with pytest.raises(sk.UnsupportedValueError, match=r"model\.2\.weight"):
+        sk.load(tmp_path / "ckpt", into=target)
+    assert torch.equal(target["ema"]["0.weight"], ema_before)
+    with pytest.raises(sk.UnsupportedValueError, match="not_saved"):
+        sk.load(tmp_path / "ckpt", into={**make_state(), "not_saved": torch.zeros(1)})
+    wrong_dtype = make_state()
+    wrong_dtype["ema"]["0.weight"] = torch.zeros(6, 8, dtype=torch.float64)
+    with pytest.raises(sk.UnsupportedValueError, match=r"ema\.0\.weight"):
+        sk.load(tmp_path / "ckpt", into=wrong_dtype)
+
+
+def test_unsupported_values_are_refused_with_their_key(tmp_path: Path) -> None:
+    with pytest.raises(sk.UnsupportedValueError, match=r"'config\.callback'"):
+        sk.save({"config": {"callback": print}}, tmp_path / "a")
+    with pytest.raises(sk.UnsupportedValueError, match="keys must be str or int"):
+        sk.save({"bad": {(1, 2): 3}}, tmp_path / "b")
+    with pytest.raises(sk.UnsupportedValueError, match=r"both flatten to the key 'a\.b'"):
+        sk.save({"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}, tmp_path / "c")
+    with pytest.raises(sk.UnsupportedValueError, match=r"sparse|layout"):
+        sk.save({"sparse": torch.eye(3).to_sparse()}, tmp_path / "d")
+    with pytest.raises(sk.UnsupportedValueError, match="state must be a mapping"):
+        sk.save([torch.zeros(1)], tmp_path / "e")  # type: ignore[arg-type]  # deliberately wrong type
+    with pytest.raises(sk.UnsupportedValueError, match="digest"):
+        sk.save({"x": torch.zeros(1)}, tmp_path / "f", digest="md5")
+    cycle: dict[str, Any] = {}
+    cycle["self"] = [cycle, torch.zeros(1)]
+    with pytest.raises(sk.UnsupportedValueError, match="deeper"):
+        sk.save(cycle, tmp_path / "g")
+    # Nothing was left behind by any refused save.
+    assert os.listdir(tmp_path) == []
+
+
+def test_saving_onto_a_committed_checkpoint_raises_and_changes_nothing(tmp_path: Path) -> None:
+    sk.save({"x": torch.ones(3)}, tmp_path / "ckpt")
+    before = (tmp_path / "ckpt" / "manifest.json").read_bytes()
+    with pytest.raises(sk.CheckpointExistsError, match="ckpt"):
+        sk.save({"x": torch.zeros(3)}, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "manifest.json").read_bytes() == before
+    assert torch.equal(sk.load(tmp_path / "ckpt")["x"], torch.ones(3))
+    assert tree_listing(tmp_path) == ["ckpt", "ckpt/manifest.json", "ckpt/shards", "ckpt/shards/rank_00000.safetensors"]
+
+
+@pytest.mark.parametrize("digest", ["blake3", "xxh3-128", "sha256"])
+def test_digest_algorithm_is_selectable_and_recorded(tmp_path: Path, digest: str) -> None:
+    manifest = sk.save({"x": torch.arange(10)}, tmp_path / "ckpt", digest=digest)
+    assert manifest.digest_algorithm == digest
+    assert all(record.digest and record.digest.startswith(digest + ":") for record in manifest.files)
+    assert sk.read_manifest(tmp_path / "ckpt").files[0].digest == manifest.files[0].digest
+    assert sk.verify(tmp_path / "ckpt").ok
+    assert torch.equal(sk.load(tmp_path / "ckpt")["x"], torch.arange(10))
+
+
+def test_large_states_split_into_several_aligned_files(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(256, 256) for i in range(8)}
+    state.update({f"h{i}": torch.randn(100).half() for i in range(5)})
+    state["flag"] = torch.tensor([True, False, True])
+    manifest = sk.save(state, tmp_path / "ckpt", file_size_target=600_000)
+    assert len(manifest.files) >= 3
+    assert manifest.sharding.shard_count == len(manifest.files)
+    for record in manifest.files:
+        for entry in record.tensors:
+            itemsize = entry.nbytes // max(1, math.prod(entry.shape))
+            assert entry.offset % max(itemsize, 1) == 0, entry.key
+        loaded = load_file(str(tmp_path / "ckpt" / record.path))
+        for entry in record.tensors:
+            assert torch.equal(loaded[entry.key], state[entry.key])
+    result = sk.load(tmp_path / "ckpt", mmap=False)
+    assert all(torch.equal(result[k], v) for k, v in state.items())
+
+
+def test_manifest_records_absolute_offsets_and_training_fields(tmp_path: Path, state: dict[str, Any]) -> None:
+    manifest = sk.save(state, tmp_path / "ckpt", step=7, epoch=2, model_id="tiny-mlp", custom_fields={"run": "abc"})
+    data = (tmp_path / "ckpt" / manifest.files[0].path).read_bytes()
+    weight = state["model"][0].weight.detach()
+    entry = next(e for e in manifest.files[0].tensors if e.key == "model.0.weight")
+    assert data[entry.offset : entry.offset + entry.nbytes] == weight.numpy().tobytes()
+    assert (manifest.step, manifest.epoch, manifest.model_id) == (7, 2, "tiny-mlp")
+    assert manifest.training.optimizer_type == "AdamW" and manifest.training.learning_rate == pytest.approx(1e-3)
+    assert manifest.optim_state is not None and manifest.optim_state.prefixes == ["optim"]
+    assert manifest.sharding.precision == "fp32"
+    assert sk.read_manifest(tmp_path / "ckpt").custom_fields == {"run": "abc"}
+
+
+def test_expert_and_router_tensors_are_classified(tmp_path: Path) -> None:
+    state = {
+        "layers.3.experts.5.w1": torch.zeros(2),
+        "layers.3.router.weight": torch.zeros(2),
+        "layers.0.attn.q": torch.zeros(2),
+    }
+    manifest = sk.save(state, tmp_path / "ckpt")
+    entries = {entry.key: entry for _, entry in manifest.iter_tensors()}
+    assert entries["layers.3.experts.5.w1"].kind == "expert"
+    assert entries["layers.3.experts.5.w1"].expert_key == [1, 3, 5]
+    assert entries["layers.0.attn.q"].kind == "dense"
+    assert manifest.router_state is not None and manifest.router_state.prefixes == ["layers.3.router"]
+
+
+def test_byte_budget_bounds_copies_of_non_contiguous_tensors(tmp_path: Path) -> None:
+    big = torch.randn(2048, 1024).t()  # 8 MiB, non-contiguous: must be copied to be written
+    small = {f"s{i}": torch.randn(64) for i in range(500)}
+    budget = ByteBudget(2 << 20)
+    sk.save({"big": big, **small}, tmp_path / "ckpt", byte_budget=2 << 20, budget=budget)
+    assert 0 < budget.peak <= 2 << 20
+    assert torch.equal(sk.load(tmp_path / "ckpt")["big"], big)
+
+
+def test_loaded_tensors_are_writable_and_never_write_back(tmp_path: Path) -> None:
+    sk.save({"x": torch.zeros(4)}, tmp_path / "ckpt")
+    loaded = sk.load(tmp_path / "ckpt")
+    loaded["x"] += 1
+    assert torch.equal(sk.load(tmp_path / "ckpt")["x"], torch.zeros(4))
+    assert sk.verify(tmp_path / "ckpt").ok
+
+
+def test_state_with_only_json_leaves(tmp_path: Path) -> None:
+    manifest = sk.save({"epoch": 3, "note": "no tensors"}, tmp_path / "ckpt")
+    assert manifest.sharding.shard_count == len(manifest.files) == 0
+    assert sk.load(tmp_path / "ckpt") == {"epoch": 3, "note": "no tensors"}
+    assert sk.verify(tmp_path / "ckpt").ok
+
+
+def test_load_of_missing_or_staging_path_raises_not_found(tmp_path: Path) -> None:
+    with pytest.raises(sk.CheckpointNotFoundError, match="nothing_here"):
+        sk.load(tmp_path / "nothing_here")
+    (tmp_path / "step_1.tmp-abc").mkdir()
+    with pytest.raises(sk.CheckpointNotFoundError, match="staging"):
+        sk.load(tmp_path / "step_1.tmp-abc")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sk.CheckpointNotFoundError, match=r"manifest\.json"):
+        sk.read_manifest(tmp_path / "empty")
