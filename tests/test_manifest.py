@@ -403,3 +403,16 @@ def test_fuzz_path_checker_never_raises(path: str) -> None:
     reason = unsafe_path_reason(path)
     if reason is None:
         assert not path.startswith("/") and ".." not in path.split("/")
+
+
+def test_fast_and_strict_decoding_paths_agree() -> None:
+    manifest = full_manifest()
+    canonical = seal_manifest(encode_manifest(manifest), "blake3")
+    reformatted = json.dumps(json.loads(canonical), indent=2).encode()
+    assert decode_manifest(canonical) == decode_manifest(reformatted) == manifest
+    # A duplicate key spliced into otherwise canonical bytes is still refused.
+    duplicated = canonical.replace(b'"step":10000,', b'"step":10000,"step":10000,', 1)
+    with pytest.raises(sk.ManifestError, match="duplicate key 'step'"):
+        decode_manifest(duplicated)
+    trailing = canonical[:-2] + b',"extra":1}\n'
+    assert decode_manifest(trailing).unknown_fields == {"extra": 1}

@@ -86,7 +86,7 @@ _DIGEST_HEX_LENGTH = {"blake3": 64, "xxh3-128": 32, "sha256": 64}
 KeyPath = list[str | int]
 
 
-class Tier(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Tier(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """A storage tier. ``location`` ``None`` means the directory that holds the manifest."""
 
     tier_id: int
@@ -96,7 +96,7 @@ class Tier(msgspec.Struct, kw_only=True, omit_defaults=True):
     location: str | None = None
 
 
-class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One tensor, or one chunk of a larger tensor, stored in a data file.
 
     ``offset`` is the absolute byte offset in the file (past the safetensors header) and
@@ -118,7 +118,7 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     order: int = 0
 
 
-class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One data file (a valid safetensors file), relative to its tier's location."""
 
     path: str
@@ -130,7 +130,7 @@ class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     tensors: list[TensorEntry] = msgspec.field(default_factory=list)
 
 
-class Sharding(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Sharding(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """How the state was split across ranks. ``shard_count`` equals the number of files."""
 
     strategy: str = "none"
@@ -139,21 +139,21 @@ class Sharding(msgspec.Struct, kw_only=True, omit_defaults=True):
     strategy_info: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class Training(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Training(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Training fields recorded for humans and tools; the state itself holds the truth."""
 
     learning_rate: float | None = None
     optimizer_type: str | None = None
 
 
-class StateSection(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StateSection(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Where a kind of state (optimizer, router) lives: the key prefixes that hold it."""
 
     prefixes: list[str]
     description: str | None = None
 
 
-class ContainerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ContainerEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """A container in the saved state tree, so that load rebuilds it exactly (even when empty)."""
 
     path: KeyPath
@@ -161,7 +161,7 @@ class ContainerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     order: int = 0
 
 
-class ValueEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ValueEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """A JSON leaf of the state. ``special`` encodes non-finite floats (``nan``, ``inf``, ``-inf``)."""
 
     key: str
@@ -304,13 +304,25 @@ def _children(cls: type) -> dict[str, tuple[type, bool]]:
     return _CHILD_STRUCTS.get(cls, {})
 
 
+_KNOWN_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def _known_fields(cls: type) -> frozenset[str]:
+    known = _KNOWN_FIELDS.get(cls)
+    if known is None:
+        known = frozenset(f.encode_name for f in msgspec.structs.fields(cls))
+        _KNOWN_FIELDS[cls] = known
+    return known
+
+
 def _collect_unknown(raw: Any, cls: type, where: str, out: dict[str, Any]) -> None:
     if not isinstance(raw, dict):
         return
-    known = {f.encode_name for f in msgspec.structs.fields(cls)}
-    for key, value in raw.items():
-        if key not in known:
-            out[f"{where}.{key}" if where else key] = value
+    known = _known_fields(cls)
+    if not known.issuperset(raw):
+        for key, value in raw.items():
+            if key not in known:
+                out[f"{where}.{key}" if where else key] = value
     for name, (child, is_list) in _children(cls).items():
         value = raw.get(name)
         if is_list and isinstance(value, list):
@@ -320,6 +332,65 @@ def _collect_unknown(raw: Any, cls: type, where: str, out: dict[str, Any]) -> No
             _collect_unknown(value, child, f"{where + '.' if where else ''}{name}", out)
 
 
+_CANONICAL_START = re.compile(rb'\{"metadata_version":"(\d{1,6})\.\d{1,6}","format":"shardkeep",')
+_CANONICAL_SEAL = re.compile(rb'"' + SEAL_FIELD.encode() + rb'":"[a-z0-9-]{1,16}:[0-9a-f]{1,128}"\}\n\Z')
+_typed_decoder = msgspec.json.Decoder(Manifest)
+
+
+def _json_depth_exceeds(value: Any, limit: int) -> bool:
+    """True if a decoded JSON value nests deeper than ``limit`` (recursion is bounded by it)."""
+    if limit < 0:
+        return True
+    if isinstance(value, dict):
+        return any(_json_depth_exceeds(item, limit - 1) for item in value.values())
+    if isinstance(value, list):
+        return any(_json_depth_exceeds(item, limit - 1) for item in value)
+    return False
+
+
+def _check_counts(file_count: int, tensor_count: int, limits: ManifestLimits) -> None:
+    if file_count > limits.max_files:
+        raise ManifestError(f"manifest lists {file_count} files, over the limit of {limits.max_files}")
+    if tensor_count > limits.max_tensors:
+        raise ManifestError(f"manifest lists {tensor_count} tensors, over the limit of {limits.max_tensors}")
+
+
+def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
+    """The fast path for bytes exactly as this library encodes them, or ``None``.
+
+    A typed decode followed by a re-encode that must reproduce the input byte for byte (plus the
+    seal): that proves there are no duplicate keys, no unknown fields and nothing malformed, so
+    the strict slow path is only needed for manifests written some other way.
+    """
+    match = _CANONICAL_START.match(data)
+    if match is None or int(match.group(1)) != int(METADATA_VERSION.split(".")[0]):
+        return None
+    try:
+        manifest = _typed_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    encoded = _encoder.encode(manifest)
+    if data != encoded:
+        body = len(encoded) - 1
+        if not (
+            data[:body] == encoded[:body]
+            and data[body : body + 1] == b","
+            and _CANONICAL_SEAL.match(data, body + 1) is not None
+        ):
+            return None
+    depth_budget = limits.max_depth - 4
+    if (
+        _json_depth_exceeds(manifest.custom_fields, depth_budget)
+        or _json_depth_exceeds(manifest.sharding.strategy_info, depth_budget)
+        or any(
+            isinstance(v.value, (dict, list)) and _json_depth_exceeds(v.value, depth_budget) for v in manifest.values
+        )
+    ):
+        raise ManifestError(f"manifest JSON is nested deeper than the limit of {limits.max_depth}")
+    _check_counts(len(manifest.files), sum(len(record.tensors) for record in manifest.files), limits)
+    return manifest
+
+
 def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Manifest:
     """Decode manifest JSON bytes into a :class:`Manifest`.
 
@@ -327,6 +398,11 @@ def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Man
     for anything malformed, oversized or not matching the schema.
     """
     limits = limits or ManifestLimits()
+    if len(data) > limits.max_bytes:
+        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+    fast = _decode_canonical(data, limits)
+    if fast is not None:
+        return fast
     raw = parse_json_strict(data, limits)
     if not isinstance(raw, dict):
         raise ManifestError("manifest JSON must be an object")
@@ -340,13 +416,11 @@ def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Man
         raise ManifestError(f"metadata_version {raw['metadata_version']!r} is not supported")
     files = raw.get("files", [])
     if isinstance(files, list):
-        if len(files) > limits.max_files:
-            raise ManifestError(f"manifest lists {len(files)} files, over the limit of {limits.max_files}")
-        tensor_count = sum(
-            len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list)
+        _check_counts(
+            len(files),
+            sum(len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list)),
+            limits,
         )
-        if tensor_count > limits.max_tensors:
-            raise ManifestError(f"manifest lists {tensor_count} tensors, over the limit of {limits.max_tensors}")
     unknown: dict[str, Any] = {}
     _collect_unknown(raw, Manifest, "", unknown)
     unknown.pop(SEAL_FIELD, None)
@@ -355,6 +429,8 @@ def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Man
         manifest = msgspec.convert(raw_known, Manifest, strict=True)
     except msgspec.ValidationError as exc:
         raise ManifestError(f"manifest does not match the schema: {exc}") from exc
+    if "created_at" not in raw:
+        raise ManifestError("manifest does not match the schema: created_at is missing")
     if unknown:
         manifest.__dict__["_unknown_fields"] = unknown
     return manifest
@@ -546,40 +622,43 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
 def _validate_tensor(
     entry: TensorEntry, record: FileRecord, where: str, limits: ManifestLimits, result: ValidationResult
 ) -> None:
-    err = result.add_error
-    label = f"tensor {entry.key!r} in {where}"
-    if len(entry.key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
-        err(f"{label}: key is longer than {limits.max_key_bytes} bytes")
-    problem = _path_problem(entry.key, entry.path, limits)
-    if problem:
-        err(problem)
+    """Checks for one tensor entry. This runs for every tensor on every load, so the common
+    (valid) case does no string formatting and no generator expressions."""
+
+    def err(message: str) -> None:
+        result.add_error(f"tensor {entry.key!r} in {where}: {message}")
+
+    key = entry.key
+    if len(key) * 4 > limits.max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
+        err(f"key is longer than {limits.max_key_bytes} bytes")
+    path = entry.path
+    if len(path) > limits.max_path_components or (key != path[0] if len(path) == 1 else key != key_for_path(path)):
+        problem = _path_problem(key, path, limits)
+        if problem:
+            result.add_error(problem)
     itemsize = DTYPE_ITEMSIZE.get(entry.dtype)
     if itemsize is None:
-        err(f"{label}: unknown dtype {entry.dtype!r}")
-    if len(entry.shape) > limits.max_ndim:
-        err(f"{label}: {len(entry.shape)} dimensions, over the limit of {limits.max_ndim}")
+        err(f"unknown dtype {entry.dtype!r}")
+    shape = entry.shape
+    if len(shape) > limits.max_ndim:
+        err(f"{len(shape)} dimensions, over the limit of {limits.max_ndim}")
         return
-    if any(d < 0 for d in entry.shape):
-        err(f"{label}: negative dimension in shape {entry.shape}")
+    if shape and min(shape) < 0:
+        err(f"negative dimension in shape {shape}")
         return
-    if itemsize is not None and math.prod(entry.shape) * itemsize != entry.nbytes:
-        err(
-            f"{label}: shape {entry.shape} of {entry.dtype} needs {math.prod(entry.shape) * itemsize} bytes, not {entry.nbytes}"
-        )
+    if itemsize is not None and math.prod(shape) * itemsize != entry.nbytes:
+        err(f"shape {shape} of {entry.dtype} needs {math.prod(shape) * itemsize} bytes, not {entry.nbytes}")
     if entry.offset < 0 or entry.nbytes < 0:
-        err(f"{label}: negative byte offset or size")
+        err("negative byte offset or size")
     elif entry.offset + entry.nbytes > record.size:
-        err(
-            f"{label}: byte range [{entry.offset}, {entry.offset + entry.nbytes}) is beyond the file size {record.size}"
-        )
+        err(f"byte range [{entry.offset}, {entry.offset + entry.nbytes}) is beyond the file size {record.size}")
     if entry.kind == "expert" and entry.expert_key is None:
-        result.add_warning(f"{label}: expert tensor without an expert_key")
-    if (entry.global_shape is None) != (entry.global_offset is None):
-        err(f"{label}: global_shape and global_offset must be given together")
-    elif entry.global_shape is not None and entry.global_offset is not None:
-        if not len(entry.global_shape) == len(entry.global_offset) == len(entry.shape):
-            err(f"{label}: shape, global_shape and global_offset have different ranks")
-        elif any(
-            o < 0 or o + s > g for o, s, g in zip(entry.global_offset, entry.shape, entry.global_shape, strict=True)
-        ):
-            err(f"{label}: chunk at {entry.global_offset} of shape {entry.shape} lies outside {entry.global_shape}")
+        result.add_warning(f"tensor {key!r} in {where}: expert tensor without an expert_key")
+    if entry.global_shape is None and entry.global_offset is None:
+        return
+    if entry.global_shape is None or entry.global_offset is None:
+        err("global_shape and global_offset must be given together")
+    elif not len(entry.global_shape) == len(entry.global_offset) == len(shape):
+        err("shape, global_shape and global_offset have different ranks")
+    elif any(o < 0 or o + s > g for o, s, g in zip(entry.global_offset, shape, entry.global_shape, strict=True)):
+        err(f"chunk at {entry.global_offset} of shape {shape} lies outside {entry.global_shape}")

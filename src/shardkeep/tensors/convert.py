@@ -8,7 +8,6 @@ full-size temporary copy. Loading views tensors directly in the file's memory ma
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,27 +64,37 @@ NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
 NAME_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in NUMPY_TO_NAME.items()}
 
 
-def describe_array(key: str, value: Any) -> tuple[str, tuple[int, ...], int, str]:
-    """(dtype name, shape, nbytes, array type) of a leaf, or an error naming ``key``."""
+def describe_array(key: str, value: Any) -> tuple[str, list[int], int, int, str, int | None]:
+    """Describe a leaf as (dtype name, shape, nbytes, itemsize, array type, address).
+
+    ``address`` is where the bytes already lie contiguously in host memory, or ``None`` when the
+    writer must produce contiguous pieces. Raises an error naming ``key`` for anything
+    safetensors cannot store. This runs once per tensor on every save, so it keeps to the
+    cheapest torch attribute reads.
+    """
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise UnsupportedValueError(
-                f"tensor {key!r} has layout {value.layout}; only dense (strided) tensors are supported"
-            )
-        if value.is_quantized:
-            raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it before saving")
         name = TORCH_TO_NAME.get(value.dtype)
-        if name is None:
+        if name is None or value.layout != torch.strided:
+            if value.layout != torch.strided:
+                raise UnsupportedValueError(
+                    f"tensor {key!r} has layout {value.layout}; only dense (strided) tensors are supported"
+                )
+            if value.is_quantized:
+                raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it before saving")
             raise UnsupportedValueError(f"tensor {key!r} has dtype {value.dtype}, which safetensors cannot store")
-        if value.device.type == "meta":
+        address: int | None = None
+        if value.is_cpu:
+            if value.is_contiguous() and (name != "C64" or not (value.is_conj() or value.is_neg())):
+                address = value.data_ptr()
+        elif value.is_meta:
             raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data")
-        shape = tuple(value.shape)
-        return name, shape, math.prod(shape) * value.element_size(), "torch"
+        return name, list(value.shape), value.nbytes, value.itemsize, "torch", address
     if isinstance(value, np.ndarray):
         np_name = NUMPY_TO_NAME.get(value.dtype.newbyteorder("=")) if value.dtype.byteorder in "=|<" else None
         if np_name is None:
             raise UnsupportedValueError(f"array {key!r} has dtype {value.dtype}, which safetensors cannot store")
-        return np_name, tuple(value.shape), int(value.nbytes), "numpy"
+        array_address = data_address(value) if value.flags.c_contiguous else None
+        return np_name, list(value.shape), int(value.nbytes), int(value.itemsize), "numpy", array_address
     raise UnsupportedValueError(f"value at {key!r} of type {type(value).__name__} is not a tensor")
 
 
@@ -179,7 +188,12 @@ def array_from_buffer(
         raise UnsupportedValueError(f"{key!r}: dtype {dtype_name} is not supported by this torch")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-    if offset % dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(dtype).reshape(shape)
+    itemsize = dtype.itemsize
+    if offset % itemsize:
+        # Unaligned (a shard written by another tool): copy into an aligned tensor.
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).clone()
+        return raw.view(dtype).reshape(shape)
+    flat = torch.frombuffer(buffer, dtype=dtype, count=nbytes // itemsize, offset=offset)
+    if len(shape) == 1:
+        return flat
+    return flat.view(*shape) if shape else flat.view(())

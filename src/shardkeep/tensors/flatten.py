@@ -21,20 +21,30 @@ import torch
 from shardkeep.errors import ManifestError, UnsupportedValueError
 from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry, key_for_path
 
-__all__ = ["FlatState", "TensorLeaf", "flatten_state", "key_of", "rebuild_state"]
+__all__ = ["FlatState", "TensorLeaf", "flatten_state", "is_plain_json", "key_of", "rebuild_state"]
 
-#: Deeper nesting than this is refused on save (and catches reference cycles).
+#: Deeper nesting than this is refused on save (and catches reference cycles). It equals the
+#: manifest's default ``max_path_components``.
 MAX_PATH_DEPTH = 64
+#: A JSON subtree nested deeper than this is expanded into containers rather than stored as one
+#: value, so the manifest stays within the parser's depth limit.
+MAX_VALUE_DEPTH = 24
+#: Keys longer than this (in UTF-8) are refused; it equals the manifest's ``max_key_bytes``.
+MAX_KEY_BYTES = 4096
 _INT64_MIN = -(1 << 63)
 _UINT64_MAX = (1 << 64) - 1
 
 
-@dataclass
 class TensorLeaf:
-    key: str
-    path: tuple[str | int, ...]
-    value: Any
-    order: int = 0
+    """A tensor (or numpy array) found in the state, with its key, exact path and position."""
+
+    __slots__ = ("key", "order", "path", "value")
+
+    def __init__(self, key: str, path: tuple[str | int, ...], value: Any, order: int) -> None:
+        self.key = key
+        self.path = path
+        self.value = value
+        self.order = order
 
 
 @dataclass
@@ -48,8 +58,8 @@ key_of = key_for_path
 
 
 def _is_plain_json(value: Any, depth: int) -> bool:
-    """True when ``value`` survives a JSON round trip exactly."""
-    if depth > MAX_PATH_DEPTH:
+    """True when ``value`` survives a JSON round trip exactly and nests at most MAX_VALUE_DEPTH."""
+    if depth > MAX_VALUE_DEPTH:
         return False
     if value is None or isinstance(value, (str, bool)):
         return True
@@ -62,6 +72,11 @@ def _is_plain_json(value: Any, depth: int) -> bool:
     if type(value) is dict:
         return all(isinstance(k, str) and _is_plain_json(v, depth + 1) for k, v in value.items())
     return False
+
+
+def is_plain_json(value: Any) -> bool:
+    """True when ``value`` survives a JSON round trip exactly (string keys, finite floats, lists)."""
+    return _is_plain_json(value, 0)
 
 
 def _has_state_dict(value: Any) -> bool:
@@ -78,8 +93,11 @@ class _Flattener:
         self.order += 1
         return self.order
 
-    def claim(self, path: tuple[str | int, ...]) -> str:
-        key = key_of(path)
+    def claim(self, path: tuple[str | int, ...], key: str | None = None) -> str:
+        if key is None:
+            key = key_of(path)
+        if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+            raise UnsupportedValueError(f"key {key[:60]!r}... is longer than {MAX_KEY_BYTES} bytes")
         previous = self.keys.get(key)
         if previous is not None:
             raise UnsupportedValueError(
@@ -104,7 +122,7 @@ class _Flattener:
                 ValueEntry(key=self.claim(path), path=list(path), special=special, order=self.next_order())
             )
             return
-        if _is_plain_json(value, len(path)) and path:
+        if path and _is_plain_json(value, 0):
             self.flat.values.append(
                 ValueEntry(key=self.claim(path), path=list(path), value=value, order=self.next_order())
             )
@@ -139,12 +157,20 @@ class _Flattener:
 
     def _mapping(self, mapping: Mapping[Any, Any], path: tuple[str | int, ...], kind: str) -> None:
         self.flat.containers.append(ContainerEntry(path=list(path), kind=kind, order=self.next_order()))  # type: ignore[arg-type]  # kind is one of the Literal values
+        prefix = key_of(path) + "." if path else ""
+        tensors = self.flat.tensors
         for key, item in mapping.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise UnsupportedValueError(
                     f"key {key!r} under {key_of(path) or '<root>'!r} has type {type(key).__name__}; keys must be str or int"
                 )
-            self.visit(item, (*path, key))
+            if isinstance(item, torch.Tensor):
+                # The common case, kept short: most leaves of a training state are tensors.
+                child = (*path, key)
+                self.order += 1
+                tensors.append(TensorLeaf(self.claim(child, prefix + str(key)), child, item, self.order))
+            else:
+                self.visit(item, (*path, key))
 
 
 def flatten_state(state: Mapping[str, Any]) -> FlatState:

@@ -12,13 +12,13 @@ This module does not import torch.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from shardkeep.config import ManifestLimits
-from shardkeep.errors import IntegrityError, ManifestError
-from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, parse_json_strict
+from shardkeep.errors import IntegrityError
+from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord
 
 __all__ = ["HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
 
@@ -27,6 +27,8 @@ HEADER_ALIGNMENT = 8
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH = struct.Struct("<Q")
 _METADATA = {"format": "pt", "writer": "shardkeep"}
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,15 @@ class HeaderEntry:
 
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: list[int]
     begin: int
     end: int
+
+
+class _HeaderSpec(msgspec.Struct, gc=False):
+    dtype: str
+    shape: list[int]
+    data_offsets: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -46,16 +54,13 @@ class ShardHeader:
     entries: dict[str, HeaderEntry]
 
 
-def build_header(entries: list[HeaderEntry]) -> bytes:
-    """The length prefix and padded JSON header for tensors laid out as ``entries`` describe."""
+def build_header(spans: Sequence[tuple[str, str, list[int], int, int]]) -> bytes:
+    """The length prefix and padded JSON header for tensors laid out as ``spans`` describe:
+    (name, dtype, shape, begin, end), offsets relative to the data section."""
     header: dict[str, object] = {"__metadata__": _METADATA}
-    for entry in entries:
-        header[entry.name] = {
-            "dtype": entry.dtype,
-            "shape": list(entry.shape),
-            "data_offsets": [entry.begin, entry.end],
-        }
-    body = msgspec.json.encode(header)
+    for name, dtype, shape, begin, end in spans:
+        header[name] = _HeaderSpec(dtype, shape, (begin, end))
+    body = _ENCODER.encode(header)
     padding = (-(len(body) + _LENGTH.size)) % HEADER_ALIGNMENT
     body += b" " * padding
     return _LENGTH.pack(len(body)) + body
@@ -72,12 +77,16 @@ def header_length(prefix: bytes | memoryview, file_size: int) -> int:
 
 
 def parse_header(data: bytes | memoryview) -> ShardHeader:
-    """Parse a safetensors header from the start of a shard (``data`` holds at least the header)."""
+    """Parse a safetensors header from the start of a shard (``data`` holds at least the header).
+
+    Duplicate tensor names are refused: the number of entries must equal the number of
+    ``"data_offsets":`` members in the text (an escaped name cannot contain that sequence).
+    """
     length = header_length(data, len(data))
     raw_bytes = bytes(data[_LENGTH.size : _LENGTH.size + length])
     try:
-        raw = parse_json_strict(raw_bytes, ManifestLimits(max_bytes=MAX_HEADER_BYTES, max_depth=4))
-    except ManifestError as exc:
+        raw = _DECODER.decode(raw_bytes)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"safetensors header is malformed: {exc}") from exc
     if not isinstance(raw, dict):
         raise IntegrityError("safetensors header is not a JSON object")
@@ -87,13 +96,15 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
             continue
         try:
             dtype = spec["dtype"]
-            shape = tuple(int(d) for d in spec["shape"])
+            shape = [int(d) for d in spec["shape"]]
             begin, end = (int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise IntegrityError(f"safetensors header entry {name!r} is malformed") from exc
         if not isinstance(dtype, str):
             raise IntegrityError(f"safetensors header entry {name!r} has a non-string dtype")
         entries[name] = HeaderEntry(name, dtype, shape, begin, end)
+    if raw_bytes.count(b'"data_offsets":') != len(entries):
+        raise IntegrityError("safetensors header has duplicate tensor names")
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries)
 
 
@@ -108,7 +119,7 @@ def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
         if found is None:
             problems.append(f"{where}: tensor {entry.key!r} is missing from the safetensors header")
             continue
-        if found.dtype != entry.dtype or list(found.shape) != entry.shape:
+        if found.dtype != entry.dtype or found.shape != entry.shape:
             problems.append(
                 f"{where}: tensor {entry.key!r} is {found.dtype}{list(found.shape)} in the header "
                 f"but {entry.dtype}{entry.shape} in the manifest"
