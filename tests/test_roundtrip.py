@@ -286,3 +286,23 @@ def test_load_of_missing_or_staging_path_raises_not_found(tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     with pytest.raises(sk.CheckpointNotFoundError, match=r"manifest\.json"):
         sk.read_manifest(tmp_path / "empty")
+
+
+def test_peak_memory_of_a_save_stays_within_the_byte_budget(tmp_path: Path) -> None:
+    """Measured in a fresh process: saving a 256 MiB non-contiguous tensor (which must be copied
+    to be written) with a 16 MiB budget grows the peak RSS by far less than the tensor."""
+    program = f"""
+import resource, torch, shardkeep as sk
+tensor = torch.ones(8192, 8192).t()  # 256 MiB, transposed: not contiguous
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sk.save({{"t": tensor}}, {str(tmp_path / "ckpt")!r}, byte_budget=16 << 20)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) // 1024)
+"""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
+    growth_mib = int(result.stdout.strip())
+    assert growth_mib < 64, f"peak RSS grew by {growth_mib} MiB for a 16 MiB budget"
+    assert sk.verify(tmp_path / "ckpt").ok

@@ -23,7 +23,7 @@ import torch
 
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
 from shardkeep.dist.commit import CheckpointCommit
-from shardkeep.errors import IntegrityError, ShardkeepError, UnsupportedValueError
+from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
 from shardkeep.integrity import seal_manifest
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
 from shardkeep.manifest import (
@@ -204,12 +204,15 @@ def _ensure_directory(path: str) -> None:
     except FileExistsError:
         return
     except OSError as exc:
-        raise ShardkeepError(f"cannot create directory {path!r}: {exc.strerror}") from exc
-    fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+        raise StorageError(f"cannot create directory {path!r}: {exc.strerror}") from exc
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StorageError(f"fsync of directory {parent!r} failed: {exc.strerror}") from exc
 
 
 def save(
