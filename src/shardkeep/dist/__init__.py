@@ -1,0 +1,1 @@
+"""Cross-rank coordination and the commit protocol. Importing this package does not import torch."""
