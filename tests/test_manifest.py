@@ -267,6 +267,20 @@ def test_validator_reports_unsafe_paths(path: str) -> None:
     assert any("unsafe path" in e for e in _errors(manifest)), path
 
 
+def test_remote_and_absolute_tier_locations_are_accepted() -> None:
+    manifest = full_manifest()
+    manifest.tiers[1].location = "s3://bucket/prefix/step_00001000"
+    assert validate_manifest(manifest).errors == []
+
+
+def test_a_file_digest_with_another_algorithm_is_a_warning() -> None:
+    manifest = full_manifest()
+    manifest.files[0].digest = "sha256:" + "cd" * 32
+    result = validate_manifest(manifest)
+    assert result.errors == []
+    assert result.warnings == ["file 'shards/rank_00000.safetensors' uses digest sha256, not the manifest's blake3"]
+
+
 def test_missing_digest_is_a_warning_not_an_error() -> None:
     manifest = full_manifest()
     manifest.files[0].digest = None
@@ -292,6 +306,8 @@ def test_missing_digest_is_a_warning_not_an_error() -> None:
         (lambda m: setattr(m.files[0].tensors[0], "key", "other"), "does not match its path"),
         (lambda m: setattr(m.files[0].tensors[0], "path", ["a"] * 100), "deeper"),
         (lambda m: m.tiers.append(Tier(tier_id=1, name="hot")), "defined twice"),
+        (lambda m: setattr(m.tiers[1], "location", "../warm"), "absolute path or a URL"),
+        (lambda m: setattr(m.tiers[1], "location", "s3://bucket/../other"), "absolute path or a URL"),
     ],
 )
 def test_validator_reports_inconsistencies(mutate, message: str) -> None:  # type: ignore[no-untyped-def]

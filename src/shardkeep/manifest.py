@@ -503,6 +503,18 @@ def unsafe_path_reason(path: str) -> str | None:
     return None
 
 
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://[^\x00-\x1f]+$")
+
+
+def _is_safe_location(location: str) -> bool:
+    """A tier location is an absolute local path or a URL (``s3://bucket/prefix``)."""
+    if any(ord(ch) < 0x20 for ch in location):
+        return False
+    if _URL.match(location):
+        return ".." not in location.split("://", 1)[1].split("/")
+    return location.startswith("/") and ".." not in location.split("/")
+
+
 def is_staging_name(name: str) -> bool:
     """True for a staging directory name, which is never read as a checkpoint."""
     return STAGING_MARKER in name
@@ -552,6 +564,8 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
             err(f"tier_id {tier.tier_id} is defined twice")
         tier_names.add(tier.name)
         tier_ids.add(tier.tier_id)
+        if tier.location is not None and not _is_safe_location(tier.location):
+            err(f"tier {tier.name!r} has location {tier.location!r}: it must be an absolute path or a URL")
 
     seen_paths: set[str] = set()
     seen_keys: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -582,6 +596,8 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
                 err(f"{where} has a digest with unknown algorithm {algorithm!r}")
             elif len(hex_digest) != expected_len or not re.fullmatch(r"[0-9a-f]+", hex_digest):
                 err(f"{where} has a malformed {algorithm} digest")
+            elif algorithm != manifest.digest_algorithm:
+                result.add_warning(f"{where} uses digest {algorithm}, not the manifest's {manifest.digest_algorithm}")
         ranges: list[tuple[int, int, str]] = []
         for entry in record.tensors:
             _validate_tensor(entry, record, where, limits, result)
