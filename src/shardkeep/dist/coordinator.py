@@ -1,0 +1,177 @@
+"""The one coordination wrapper: every cross-rank step of a checkpoint goes through it.
+
+:class:`Coordinator` wraps a ``torch.distributed`` process group. With no process group
+initialized it is a no-op of world size 1, so a single process runs exactly the same code path.
+
+Errors are values: :meth:`Coordinator.step` runs a function on every rank, gathers each rank's
+outcome, and if any rank failed raises the same :class:`~shardkeep.errors.CoordinationError`
+on every rank, naming each failed rank and its message. Every collective has a deadline (the
+group's timeout): a dead or hung rank produces an error, never a hang.
+
+By default checkpoint traffic uses a dedicated gloo group created once per default group and
+timeout, so it never interleaves with the user's own collectives (which may run on NCCL).
+Collectives are only ever called from the thread that called ``save``/``load``; background
+completion of an async save waits on a store-based barrier, never on a collective.
+
+Who calls what: every rank constructs a ``Coordinator`` and calls the same methods in the
+same order. Not thread-safe; one operation at a time per process.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from shardkeep.errors import CoordinationError, ShardkeepError
+
+__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "RankFailure"]
+
+T = TypeVar("T")
+
+#: Seconds any single collective may wait before the operation fails with a deadline error.
+DEFAULT_TIMEOUT = 300.0
+
+_groups: dict[tuple[int, float], Any] = {}
+_groups_lock = threading.Lock()
+
+
+class RankFailure:
+    """One rank's failed outcome, as exchanged between ranks (picklable, no live exception)."""
+
+    __slots__ = ("error_type", "message", "rank")
+
+    def __init__(self, rank: int, error_type: str, message: str) -> None:
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, {self.error_type}: {self.message})"
+
+
+def _torch_distributed() -> Any:
+    """``torch.distributed`` if a process group is initialized, else ``None`` (imports lazily)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+class Coordinator:
+    """Cross-rank steps over ``process_group`` (or a dedicated gloo group; or none at all).
+
+    ``timeout`` is the deadline in seconds for each collective. The coordinator is the lowest
+    rank of the group; it alone writes the manifest and commits.
+    """
+
+    def __init__(self, process_group: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if timeout <= 0:
+            raise ShardkeepError(f"timeout={timeout!r} must be positive")
+        self.timeout = float(timeout)
+        self._dist = _torch_distributed()
+        if self._dist is None:
+            if process_group is not None:
+                raise ShardkeepError("process_group= was given but torch.distributed is not initialized")
+            self.group: Any = None
+            self.rank = 0
+            self.world_size = 1
+            return
+        self.group = process_group if process_group is not None else self._dedicated_group()
+        self.rank = self._dist.get_rank(self.group)
+        self.world_size = self._dist.get_world_size(self.group)
+
+    def _dedicated_group(self) -> Any:
+        dist = self._dist
+        key = (id(dist.group.WORLD), self.timeout)
+        with _groups_lock:
+            group = _groups.get(key)
+            if group is None:
+                # new_group is itself a collective: every rank reaches this line in the same order.
+                group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=self.timeout))
+                _groups[key] = group
+            return group
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives --------------------------------------------------------------------------
+    def _collective(self, label: str, run: Callable[[], T]) -> T:
+        try:
+            return run()
+        except ShardkeepError:
+            raise
+        except Exception as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            raise CoordinationError(
+                f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke: {exc}",
+                {},
+            ) from exc
+
+    def all_gather(self, value: T, *, label: str = "all_gather") -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        self._collective(label, lambda: self._dist.all_gather_object(gathered, value, group=self.group))
+        return gathered
+
+    def broadcast(self, value: T | None, *, label: str = "broadcast") -> T:
+        """The coordinator's ``value`` on every rank (other ranks pass anything, e.g. ``None``)."""
+        if not self.distributed:
+            assert value is not None
+            return value
+        box: list[Any] = [value if self.is_coordinator else None]
+        source = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._collective(label, lambda: self._dist.broadcast_object_list(box, src=source, group=self.group))
+        return box[0]  # type: ignore[no-any-return]  # the coordinator's value, typed T
+
+    def barrier(self, *, label: str = "barrier") -> None:
+        """Wait until every rank arrives, or fail at the deadline naming the missing ranks."""
+        if not self.distributed:
+            return
+        self._collective(
+            label,
+            lambda: self._dist.monitored_barrier(
+                group=self.group, timeout=_dt.timedelta(seconds=self.timeout), wait_all_ranks=True
+            ),
+        )
+
+    # -- errors as values ---------------------------------------------------------------------
+    def step(self, label: str, work: Callable[[], T]) -> list[T]:
+        """Run ``work`` on every rank and return every rank's result, in rank order.
+
+        If ``work`` raises on any rank, every rank raises one :class:`CoordinationError` that
+        names each failed rank with its error; a local failure is chained as ``__cause__``.
+        With one process the error from ``work`` propagates unchanged.
+        """
+        if not self.distributed:
+            return [work()]  # one process: the original error, with its own type
+        local_error: BaseException | None = None
+        try:
+            outcome: Any = ("ok", work())
+        except Exception as exc:
+            local_error = exc
+            summary = str(exc).splitlines()[0] if str(exc) else traceback.format_exception_only(exc)[-1].strip()
+            outcome = ("error", RankFailure(self.rank, type(exc).__name__, summary[:2000]))
+        outcomes = self.all_gather(outcome, label=label)
+        failures = {index: payload for index, (kind, payload) in enumerate(outcomes) if kind == "error"}
+        if failures:
+            details = "; ".join(f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items())
+            error = CoordinationError(
+                f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}",
+                {rank: f"{failure.error_type}: {failure.message}" for rank, failure in failures.items()},
+            )
+            if local_error is not None:
+                raise error from local_error
+            raise error
+        return [payload for _, payload in outcomes]

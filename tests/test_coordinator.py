@@ -1,0 +1,93 @@
+"""The coordination wrapper over real gloo process groups (forked ranks on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import shardkeep as sk
+from distributed_harness import results_or_raise, run_ranks
+from shardkeep.dist.coordinator import Coordinator
+
+
+def test_without_a_process_group_it_is_a_no_op() -> None:
+    coordinator = Coordinator()
+    assert (coordinator.rank, coordinator.world_size, coordinator.is_coordinator) == (0, 1, True)
+    assert coordinator.all_gather(5) == [5]
+    assert coordinator.broadcast("x") == "x"
+    coordinator.barrier()
+    assert coordinator.step("work", lambda: 7) == [7]
+
+
+def _collectives(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    coordinator = Coordinator(timeout=30)
+    assert coordinator.group is not dist.group.WORLD  # checkpoint traffic has its own group
+    gathered = coordinator.all_gather({"rank": rank})
+    chosen = coordinator.broadcast(f"from {rank}" if coordinator.is_coordinator else None)
+    coordinator.barrier()
+    results = coordinator.step("square", lambda: rank * rank)
+    again = Coordinator(timeout=30)
+    return {
+        "gathered": gathered,
+        "chosen": chosen,
+        "results": results,
+        "same_group": again.group is coordinator.group,
+        "rank": coordinator.rank,
+    }
+
+
+def test_collectives_on_three_ranks(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(3, _collectives, outbox=tmp_path))
+    for rank, result in enumerate(results):
+        assert result["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        assert result["chosen"] == "from 0"
+        assert result["results"] == [0, 1, 4]
+        assert result["same_group"] is True
+        assert result["rank"] == rank
+
+
+def _one_rank_fails(rank: int, world_size: int) -> dict[str, Any]:
+    coordinator = Coordinator(timeout=30)
+
+    def work() -> int:
+        if rank == 1:
+            raise ValueError("disk on fire")
+        return rank
+
+    try:
+        coordinator.step("write shards", work)
+    except sk.CoordinationError as exc:
+        return {"message": str(exc), "failures": exc.failures, "cause": type(exc.__cause__).__name__}
+    return {"message": None}
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(3, _one_rank_fails, outbox=tmp_path))
+    for rank, result in enumerate(results):
+        assert result["failures"] == {1: "ValueError: disk on fire"}, rank
+        assert "write shards failed on rank(s) [1] of 3" in result["message"]
+        assert result["cause"] == ("ValueError" if rank == 1 else "NoneType")
+
+
+def _one_rank_hangs(rank: int, world_size: int) -> dict[str, Any]:
+    coordinator = Coordinator(timeout=3)
+    if rank == 1:
+        time.sleep(60)  # hung: never reaches the collective; the harness kills it
+    started = time.monotonic()
+    try:
+        coordinator.step("write shards", lambda: rank)
+    except sk.CoordinationError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path) -> None:
+    outcomes = run_ranks(3, _one_rank_hangs, outbox=tmp_path, timeout=45, allow_unfinished=frozenset({1}))
+    for rank in (0, 2):
+        kind, result = outcomes[rank]
+        assert kind == "ok", result
+        assert result["error"] is not None and "deadline" in result["error"], result
+        assert result["seconds"] < 30
