@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
 from shardkeep.dist.commit import CheckpointCommit
+from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.dist.plan import ItemDescriptor, assign_writers, coverage_problems
 from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
 from shardkeep.integrity import seal_manifest
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
@@ -44,8 +47,10 @@ from shardkeep.tensors.convert import (
     byte_view,
     contiguous_pieces,
     describe_array,
+    dtensor_chunk,
+    local_region,
 )
-from shardkeep.tensors.flatten import TensorLeaf, flatten_state, is_plain_json, rebuild_state
+from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
 from shardkeep.tensors.shardfile import build_header
 from shardkeep.verification import file_set_problems, locate, parse_manifest, read_manifest, read_manifest_bytes, verify
 
@@ -59,20 +64,53 @@ _PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64", "F8_E
 
 
 class _Planned:
-    """One tensor leaf to write: its description, and a :class:`~shardkeep.io.TensorSource`."""
+    """One tensor (or DTensor chunk) to write: its description, and a
+    :class:`~shardkeep.io.TensorSource` over its bytes."""
 
-    __slots__ = ("address", "array_type", "dtype", "itemsize", "leaf", "nbytes", "shape")
+    __slots__ = (
+        "address",
+        "array",
+        "array_type",
+        "dtype",
+        "global_offset",
+        "global_shape",
+        "itemsize",
+        "leaf",
+        "nbytes",
+        "shape",
+    )
 
     def __init__(self, leaf: TensorLeaf) -> None:
         self.leaf = leaf
+        value = leaf.value
+        chunk = dtensor_chunk(leaf.key, value) if type(value) not in _PLAIN_ARRAYS else None
+        self.global_shape: list[int] | None = None
+        self.global_offset: list[int] | None = None
+        if chunk is not None:
+            value, self.global_shape, self.global_offset = chunk
+        self.array = value
         self.dtype, self.shape, self.nbytes, self.itemsize, self.array_type, self.address = describe_array(
-            leaf.key, leaf.value
+            leaf.key, value
+        )
+
+    @property
+    def descriptor(self) -> ItemDescriptor:
+        return ItemDescriptor(
+            self.leaf.key,
+            self.dtype,
+            tuple(self.shape),
+            self.nbytes,
+            None if self.global_shape is None else tuple(self.global_shape),
+            None if self.global_offset is None else tuple(self.global_offset),
         )
 
     def pieces(self, max_bytes: int) -> Iterator[memoryview]:
-        for piece in contiguous_pieces(self.leaf.value, max_bytes):
+        for piece in contiguous_pieces(self.array, max_bytes):
             yield byte_view(piece)
             del piece
+
+
+_PLAIN_ARRAYS = (torch.Tensor, np.ndarray)
 
 
 def _expert_key(key: str, tier_id: int) -> list[int] | None:
@@ -136,6 +174,8 @@ def _layout(record: FileRecord, group: list[_Planned], tier_id: int) -> bytes:
                 nbytes=item.nbytes,
                 kind="expert" if expert else "dense",
                 expert_key=expert,
+                global_shape=item.global_shape,
+                global_offset=item.global_offset,
                 array_type=item.array_type,  # type: ignore[arg-type]  # "torch" or "numpy"
                 order=item.leaf.order,
             )
@@ -227,17 +267,29 @@ def save(
     step: int | None = None,
     epoch: int | None = None,
     training: Mapping[str, Any] | None = None,
-    sharding_strategy: str = "none",
+    sharding_strategy: str | None = None,
     custom_fields: Mapping[str, Any] | None = None,
     progress: bool = False,
     budget: ByteBudget | None = None,
     storage: ByteStore | None = None,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Manifest:
-    """Save ``state`` as a new committed checkpoint at ``path`` and return its manifest.
+    r"""Save ``state`` as a new committed checkpoint at ``path`` and return its manifest.
 
-    ``state`` is a mapping whose leaves are tensors, numpy arrays or JSON values; objects with
-    ``state_dict()`` are expanded. The checkpoint appears at ``path`` atomically, or not at all;
-    saving onto an existing checkpoint raises :class:`~shardkeep.errors.CheckpointExistsError`.
+    ``state`` is a mapping whose leaves are tensors, ``DTensor``\ s, numpy arrays or JSON
+    values; objects with ``state_dict()`` are expanded. The checkpoint appears at ``path``
+    atomically, or not at all; saving onto an existing checkpoint raises
+    :class:`~shardkeep.errors.CheckpointExistsError`.
+
+    When ``torch.distributed`` is initialized, every rank calls ``save`` with the same ``path``
+    on a shared filesystem. Plain tensors are taken to be replicated (as in DDP) and are written
+    once in total, spread across ranks; ``DTensor`` leaves are written as the chunks each rank
+    holds, with their global shape and offset. JSON values and the tree structure come from the
+    coordinator (the lowest rank). If any rank fails, every rank raises the same
+    :class:`~shardkeep.errors.CoordinationError` and nothing is committed. ``process_group``
+    picks the group (default: a dedicated gloo group); ``timeout`` bounds every wait.
+
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
     observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's
     name inside that store.
@@ -245,48 +297,73 @@ def save(
     options = SaveOptions(
         digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
     )
+    coordinator = Coordinator(process_group, timeout=timeout)
+    rank = coordinator.rank
     location = locate(path, storage)
-    custom = _plain_json_mapping("custom_fields", custom_fields)
+    tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
+
+    flat = FlatState()
+    planned: list[_Planned] = []
+
+    def prepare() -> list[ItemDescriptor]:
+        nonlocal flat, planned
+        with _collector_paused():
+            flat = flatten_state(state)
+            planned = [_Planned(leaf) for leaf in flat.tensors]
+            return [item.descriptor for item in planned]
+
+    held = coordinator.step("prepare the save", prepare)
+    if coordinator.distributed:
+        mine = assign_writers(held)[rank]
+        planned_here = [item for item in planned if (item.leaf.key, _offset_key(item.global_offset)) in mine]
+    else:
+        planned_here = planned
+
+    def begin() -> str | None:
+        if not coordinator.is_coordinator:
+            return None
+        if isinstance(location.store, LocalStore):
+            _ensure_directory(location.store.root)
+        opening = CheckpointCommit(location.store, location.name)
+        opening.begin()
+        return opening.staging
+
+    staging = coordinator.step("begin the save", begin)[0]
+    commit = CheckpointCommit(location.store, location.name, staging)
     with _collector_paused():
-        flat = flatten_state(state)
-        planned = [_Planned(leaf) for leaf in flat.tensors]
-        tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
-        groups = _plan_files(planned, rank=0, target=options.file_size_target, tier=tier.name, tier_id=tier.tier_id)
         plans: list[ShardPlan] = []
-        commit = CheckpointCommit(location.store, location.name)
+        groups = _plan_files(
+            planned_here, rank=rank, target=options.file_size_target, tier=tier.name, tier_id=tier.tier_id
+        )
         for record, group in groups:
             header = _layout(record, group, tier.tier_id)
             plans.append(ShardPlan(path=commit.staged(record.path), header=header, sources=group, record=record))
-        optim, router, detected = _sections(state, [leaf.key for leaf in flat.tensors])
-        manifest = Manifest(
+        manifest = _manifest_for(
+            state,
+            flat,
+            [plan.record for plan in plans],
+            held,
+            world_size=coordinator.world_size,
+            digest=options.digest,
+            tier=tier,
             model_id=model_id,
             step=step,
             epoch=epoch,
-            world_size=1,
-            digest_algorithm=options.digest,
-            sharding=Sharding(strategy=sharding_strategy, shard_count=len(plans), precision=_precision(planned)),
-            training=_training_fields(training, detected),
-            tiers=[tier],
-            files=[plan.record for plan in plans],
-            optim_state=optim,
-            router_state=router,
-            structure=flat.containers,
-            values=flat.values,
-            custom_fields=custom,
+            training=training,
+            sharding_strategy=sharding_strategy,
+            custom_fields=custom_fields,
         )
-        # Never commit what load would refuse: check the manifest before writing anything.
-        errors = validate_manifest(manifest).errors
-    if errors:
-        raise UnsupportedValueError(f"cannot save {location}: " + "; ".join(errors[:5]))
 
-    if isinstance(location.store, LocalStore):
-        _ensure_directory(location.store.root)
-    commit.begin()
     budget = budget or ByteBudget(options.byte_budget)
     if budget.limit != options.byte_budget:
         raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
-    update, close = _progress_bar(manifest.total_tensor_bytes, f"save {location.name}", progress)
-    try:
+    update, close = _progress_bar(sum(p.nbytes for p in planned_here), f"save {location.name}", progress)
+
+    def write() -> list[FileRecord]:
+        # Never write what load would refuse: this rank's part of the manifest is checked first.
+        errors = validate_manifest(manifest).errors if coordinator.is_coordinator or plans else []
+        if errors:
+            raise UnsupportedValueError(f"cannot save {location}: " + "; ".join(errors[:5]))
         write_shards(
             location.store,
             plans,
@@ -295,15 +372,76 @@ def save(
             io_threads=options.io_threads,
             on_bytes=update,
         )
+        return [plan.record for plan in plans]
+
+    def finish(records: list[list[FileRecord]]) -> Manifest | None:
+        if not coordinator.is_coordinator:
+            return None
+        if coordinator.distributed:
+            manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
+            manifest.sharding.shard_count = len(manifest.files)
+            problems = coverage_problems(manifest) + validate_manifest(manifest).errors
+            if problems:
+                raise UnsupportedValueError(f"cannot commit {location}: " + "; ".join(problems[:5]))
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), options.digest)
         commit.commit(sealed)
+        return manifest
+
+    try:
+        try:
+            records = coordinator.step("write the shards", write)
+        finally:
+            close()
+        committed = coordinator.step("commit the checkpoint", lambda: finish(records))[0]
     except BaseException:
-        commit.abort()
+        if coordinator.is_coordinator:
+            commit.abort()
         raise
-    finally:
-        close()
-    return manifest
+    assert committed is not None
+    return committed
+
+
+def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:
+    return None if offset is None else tuple(offset)
+
+
+def _manifest_for(
+    state: Mapping[str, Any],
+    flat: FlatState,
+    records: list[FileRecord],
+    held: list[list[ItemDescriptor]],
+    *,
+    world_size: int,
+    digest: str,
+    tier: Tier,
+    model_id: str | None,
+    step: int | None,
+    epoch: int | None,
+    training: Mapping[str, Any] | None,
+    sharding_strategy: str | None,
+    custom_fields: Mapping[str, Any] | None,
+) -> Manifest:
+    """The manifest of this save, with this rank's file records (the coordinator merges all)."""
+    optim, router, detected = _sections(state, [leaf.key for leaf in flat.tensors])
+    chunked = any(item.global_offset is not None for items in held for item in items)
+    strategy = sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
+    return Manifest(
+        model_id=model_id,
+        step=step,
+        epoch=epoch,
+        world_size=world_size,
+        digest_algorithm=digest,
+        sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
+        training=_training_fields(training, detected),
+        tiers=[tier],
+        files=records,
+        optim_state=optim,
+        router_state=router,
+        structure=flat.containers,
+        values=flat.values,
+        custom_fields=_plain_json_mapping("custom_fields", custom_fields),
+    )
 
 
 def _plain_json_mapping(name: str, value: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -339,12 +477,13 @@ def _training_fields(given: Mapping[str, Any] | None, detected: Training) -> Tra
     )
 
 
-def _precision(planned: list[_Planned]) -> str | None:
+def _precision(held: list[list[ItemDescriptor]]) -> str | None:
     """The floating-point dtype holding the most bytes, as fp32/bf16/fp16/fp64/fp8."""
     float_bytes: dict[str, int] = {}
-    for item in planned:
-        if item.dtype in _PRECISION:
-            float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
+    for items in held:
+        for item in items:
+            if item.dtype in _PRECISION:
+                float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
 
 
@@ -407,18 +546,39 @@ def load(
 
     with _collector_paused():
         tensors: list[tuple[list[str | int], int, Any]] = []
+        chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
         for record, (buffer, _) in zip(manifest.files, results, strict=True):
             assert buffer is not None
             for entry in record.tensors:
                 array = array_from_buffer(
                     buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
                 )
-                tensors.append((entry.path, entry.order, array))
+                if entry.global_offset is None:
+                    tensors.append((entry.path, entry.order, array))
+                else:
+                    chunks.setdefault(entry.key, []).append((entry, array))
+        for parts in chunks.values():
+            tensors.append(_assemble(parts))
         loaded = rebuild_state(manifest.structure, manifest.values, tensors)
     if into is None:
         return loaded
     _fill_into(into, loaded)
     return into
+
+
+def _assemble(parts: list[tuple[TensorEntry, Any]]) -> tuple[list[str | int], int, Any]:
+    """One full tensor from the chunks that tile it (coverage was checked with the manifest)."""
+    first, sample = parts[0]
+    assert first.global_shape is not None
+    full = torch.empty(first.global_shape, dtype=sample.dtype)
+    for entry, array in parts:
+        assert entry.global_offset is not None
+        full[_region(entry.global_offset, entry.shape)].copy_(array)
+    return first.path, first.order, full
+
+
+def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
 def _fill_into(target: Any, loaded: dict[str, Any]) -> None:
@@ -448,7 +608,9 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
             actions.append(_assign(target, key, new))
             continue
         current = target[key]
-        if isinstance(current, torch.Tensor):
+        if isinstance(current, DTensor):
+            actions.append(_fill_dtensor(current, new, name))
+        elif isinstance(current, torch.Tensor):
             if not isinstance(new, torch.Tensor):
                 raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
             if current.shape != new.shape or current.dtype != new.dtype:
@@ -468,7 +630,14 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
             if not isinstance(new, Mapping):
                 raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
             _check_module(current, new, name)
-            actions.append(_load_state(current, new))
+            own = current.state_dict()
+            if any(isinstance(tensor, DTensor) for tensor in own.values()):
+                # Sharded parameters (FSDP2, tensor parallel): copy each rank's region in place.
+                _plan_fill(dict(own), new, name, actions)
+            else:
+                actions.append(_load_state(current, new))
+        elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
+            actions.append(_load_state(current, _shard_optimizer_state(current, new, name)))
         elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
             actions.append(_load_state(current, new))
         elif isinstance(current, Mapping) and isinstance(new, Mapping):
@@ -477,6 +646,57 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
             actions.append(_assign(target, key, new))
+
+
+def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:
+    """Copy this rank's region of the full loaded tensor into a DTensor's local shard."""
+    if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
+        found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
+        raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
+    offset, local_shape = local_region(current)
+    return _copy_tensor(current.to_local(), new[_region(offset, local_shape)])
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """Loaded optimizer state holds full tensors; for sharded (DTensor) parameters, turn each
+    state tensor shaped like its parameter into a DTensor with the parameter's placement,
+    keeping only this rank's region. Other optimizers get the state unchanged."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if not any(isinstance(param, DTensor) for param in params):
+        return new
+    groups = new.get("param_groups")
+    state = new.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
+    ids = [index for group in groups for index in group.get("params", [])]
+    if len(ids) != len(params):
+        raise UnsupportedValueError(
+            f"{name!r}: the optimizer has {len(params)} parameters but the checkpoint has {len(ids)}"
+        )
+    by_id = dict(zip(ids, params, strict=True))
+    sharded: dict[Any, Any] = {}
+    for index, values in state.items():
+        param = by_id.get(index)
+        converted: dict[str, Any] = {}
+        for field_name, value in values.items():
+            if (
+                isinstance(param, DTensor)
+                and isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and tuple(value.shape) == tuple(param.shape)
+            ):
+                offset, local_shape = local_region(param)
+                value = DTensor.from_local(
+                    value[_region(offset, local_shape)].clone(),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            converted[field_name] = value
+        sharded[index] = converted
+    return {**new, "state": sharded}
 
 
 def _join(prefix: str, key: Any) -> str:

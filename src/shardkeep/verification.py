@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shardkeep.config import ManifestLimits
+from shardkeep.dist.plan import coverage_problems
 from shardkeep.errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -103,9 +104,9 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
     except IntegrityError as exc:
         raise IntegrityError(f"{where}: {exc}") from exc
     manifest = decode_manifest(data, limits=limits)
-    result = validate_manifest(manifest, limits=limits)
-    if result.errors:
-        raise ManifestError(f"{where}: invalid manifest: " + "; ".join(result.errors))
+    errors = validate_manifest(manifest, limits=limits).errors + coverage_problems(manifest)
+    if errors:
+        raise ManifestError(f"{where}: invalid manifest: " + "; ".join(errors))
     return manifest
 
 
@@ -176,6 +177,7 @@ def verify(
         return report
     report.manifest = manifest
     validation = validate_manifest(manifest, limits=limits)
+    validation.errors.extend(coverage_problems(manifest))
     report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in validation.errors)
     report.warnings.extend(validation.warnings)
     if validation.errors:

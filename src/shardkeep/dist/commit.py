@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import uuid
 
-from shardkeep.errors import CheckpointExistsError
+from shardkeep.errors import CheckpointExistsError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, STAGING_MARKER
 from shardkeep.storage.base import ByteStore
 
@@ -38,10 +38,13 @@ __all__ = ["CheckpointCommit"]
 class CheckpointCommit:
     """One save attempt of checkpoint ``final`` (a name directly under the store's root)."""
 
-    def __init__(self, store: ByteStore, final: str) -> None:
+    def __init__(self, store: ByteStore, final: str, staging: str | None = None) -> None:
+        """``staging`` is given on non-coordinator ranks: the name the coordinator chose."""
         self.store = store
         self.final = final
-        self.staging = f"{final}{STAGING_MARKER}{uuid.uuid4().hex}"
+        self.staging = staging or f"{final}{STAGING_MARKER}{uuid.uuid4().hex}"
+        if not self.staging.startswith(f"{final}{STAGING_MARKER}"):
+            raise UnsafePathError(f"staging name {self.staging!r} does not belong to {final!r}")
         self.data_dirs: set[str] = set()
 
     def begin(self) -> None:

@@ -93,7 +93,10 @@ class Coordinator:
             group = _groups.get(key)
             if group is None:
                 # new_group is itself a collective: every rank reaches this line in the same order.
-                group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=self.timeout))
+                group = self._collective(
+                    "creating the checkpoint process group",
+                    lambda: dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=self.timeout)),
+                )
                 _groups[key] = group
             return group
 

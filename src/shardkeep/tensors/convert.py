@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the helper DCP uses
+from torch.distributed.tensor.placement_types import Partial
 
 from shardkeep.errors import UnsupportedValueError
 
@@ -62,6 +65,30 @@ NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
     np.dtype(np.complex64): "C64",
 }
 NAME_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in NUMPY_TO_NAME.items()}
+
+
+def dtensor_chunk(key: str, value: Any) -> tuple[torch.Tensor, list[int], list[int]] | None:
+    """For a ``DTensor``: (local tensor, global shape, global offset of the local chunk).
+
+    ``None`` for anything else. ``Partial`` placements (pending reductions) are refused.
+    """
+    if not isinstance(value, DTensor):
+        return None
+    if any(isinstance(placement, Partial) for placement in value.placements):
+        raise UnsupportedValueError(f"DTensor {key!r} has a Partial placement; reduce it (e.g. redistribute) first")
+    local_shape, global_offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    local = value.to_local()
+    if list(local.shape) != list(local_shape):
+        raise UnsupportedValueError(
+            f"DTensor {key!r}: local shape {list(local.shape)} differs from its placement's {list(local_shape)}"
+        )
+    return local, list(value.shape), list(global_offset)
+
+
+def local_region(value: Any) -> tuple[list[int], list[int]]:
+    """(global offset, local shape) of a DTensor's local chunk."""
+    local_shape, global_offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return list(global_offset), list(local_shape)
 
 
 def describe_array(key: str, value: Any) -> tuple[str, list[int], int, int, str, int | None]:

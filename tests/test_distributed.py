@@ -1,0 +1,214 @@
+"""Distributed save and load over real gloo process groups (forked ranks on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardkeep as sk
+from distributed_harness import results_or_raise, run_ranks
+from shardkeep.manifest import is_staging_name
+
+ROWS = 10  # deliberately not divisible by 3 or 4: uneven chunks
+
+
+def replicated_state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(11)
+    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(64 * (i + 1), 32, generator=generator) for i in range(6)}
+    state["bias"] = torch.randn(7, generator=generator)
+    state["step"] = 42
+    return state
+
+
+def _save_replicated(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    manifest = sk.save(replicated_state(), os.path.join(root, "ckpt"), step=42)
+    return {
+        "world_size": manifest.world_size,
+        "strategy": manifest.sharding.strategy,
+        "by_rank": {record.rank: [entry.key for entry in record.tensors] for record in manifest.files},
+        "bytes_by_rank": {record.rank: sum(e.nbytes for e in record.tensors) for record in manifest.files},
+    }
+
+
+def test_replicated_tensors_are_written_once_spread_across_ranks(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(3, _save_replicated, str(tmp_path), outbox=tmp_path / "out"))
+    assert all(result == results[0] for result in results)  # every rank returns the same manifest
+    result = results[0]
+    assert result["world_size"] == 3 and result["strategy"] == "replicated"
+    written = [key for keys in result["by_rank"].values() for key in keys]
+    expected = replicated_state()
+    assert sorted(written) == sorted(k for k, v in expected.items() if isinstance(v, torch.Tensor))
+    assert set(result["by_rank"]) == {0, 1, 2}  # every rank wrote a share
+    largest = max(v.nbytes for v in expected.values() if isinstance(v, torch.Tensor))
+    assert max(result["bytes_by_rank"].values()) - min(result["bytes_by_rank"].values()) <= largest
+    loaded = sk.load(tmp_path / "ckpt")
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        else:
+            assert loaded[key] == value
+    assert sk.verify(tmp_path / "ckpt").ok
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Full tensors, and the AdamW state after one step with a fixed gradient."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(ROWS, 6, generator=generator)
+    bias = torch.randn(ROWS, generator=generator)
+    params = [torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    for param in params:
+        param.grad = torch.full_like(param, 0.5)
+    optimizer.step()
+    state = optimizer.state_dict()["state"]
+    return {
+        "weight": params[0].detach(),
+        "bias": params[1].detach(),
+        "exp_avg.0": state[0]["exp_avg"],
+        "exp_avg_sq.0": state[0]["exp_avg_sq"],
+        "exp_avg.1": state[1]["exp_avg"],
+        "step.0": state[0]["step"],
+    }
+
+
+def _sharded_training_state(world_size: int, *, trained: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(ROWS, 6, generator=generator)
+    bias = torch.randn(ROWS, generator=generator)
+    if not trained:
+        weight, bias = torch.zeros_like(weight), torch.zeros_like(bias)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    module.bias = torch.nn.Parameter(distribute_tensor(bias, mesh, [Shard(0)]))
+    optimizer = torch.optim.AdamW([module.weight, module.bias], lr=0.1)
+    if trained:
+        for param in (module.weight, module.bias):
+            param.grad = distribute_tensor(torch.full(param.shape, 0.5), mesh, [Shard(0)])
+        optimizer.step()
+    return module, optimizer
+
+
+def _save_sharded(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    module, optimizer = _sharded_training_state(world_size, trained=True)
+    manifest = sk.save({"model": module, "optim": optimizer, "note": "sharded"}, path)
+    chunks = [(e.key, e.global_offset, e.shape) for _, e in manifest.iter_tensors() if e.global_offset is not None]
+    return {"strategy": manifest.sharding.strategy, "chunks": sorted(chunks, key=str), "files": len(manifest.files)}
+
+
+def _load_sharded(rank: int, world_size: int, path: str) -> dict[str, bool]:
+    from torch.distributed.tensor import DTensor
+
+    module, optimizer = _sharded_training_state(world_size, trained=False)
+    target = {"model": module, "optim": optimizer, "note": ""}
+    sk.load(path, into=target)
+    reference = _reference()
+    checks: dict[str, bool] = {"note": target["note"] == "sharded"}
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        assert isinstance(tensor, DTensor)
+        return tensor.full_tensor()
+
+    checks["weight"] = torch.equal(local(module.weight.detach()), reference["weight"])
+    checks["bias"] = torch.equal(local(module.bias.detach()), reference["bias"])
+    state = optimizer.state_dict()["state"]
+    checks["exp_avg.0"] = torch.equal(local(state[0]["exp_avg"]), reference["exp_avg.0"])
+    checks["exp_avg_sq.0"] = torch.equal(local(state[0]["exp_avg_sq"]), reference["exp_avg_sq.0"])
+    checks["exp_avg.1"] = torch.equal(local(state[1]["exp_avg"]), reference["exp_avg.1"])
+    checks["step"] = float(state[0]["step"]) == float(reference["step.0"])
+    checks["local_is_shard"] = module.weight.to_local().shape[0] < ROWS
+    return checks
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, [1, 3, 4]), (4, [2])])
+def test_dtensor_state_reshards_across_world_sizes(tmp_path: Path, saved_on: int, loaded_on: list[int]) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = results_or_raise(run_ranks(saved_on, _save_sharded, path, outbox=tmp_path / "save"))
+    assert saved[0]["strategy"] == "dtensor"
+    weight_chunks = [chunk for chunk in saved[0]["chunks"] if chunk[0] == "model.weight"]
+    assert len(weight_chunks) == saved_on  # one chunk per rank, with its global offset
+    assert sk.verify(path).ok
+    reference = _reference()
+    for world_size in loaded_on:
+        if world_size == 1:
+            loaded = sk.load(path)  # no process group: full tensors
+            assert torch.equal(loaded["model"]["weight"], reference["weight"])
+            assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], reference["exp_avg.0"])
+            continue
+        checks = results_or_raise(run_ranks(world_size, _load_sharded, path, outbox=tmp_path / f"load{world_size}"))
+        for rank, result in enumerate(checks):
+            assert all(result.values()), (world_size, rank, result)
+
+
+def _one_rank_cannot_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    state = replicated_state()
+    if rank == 2:
+        state["bad"] = object()  # refused on rank 2 only
+    try:
+        sk.save(state, os.path.join(root, "ckpt"))
+    except sk.CoordinationError as exc:
+        return {"failures": exc.failures}
+    return {"failures": None}
+
+
+def test_a_failing_rank_fails_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    sk.save({"previous": torch.ones(3)}, root / "previous")
+    results = results_or_raise(run_ranks(3, _one_rank_cannot_save, str(root), outbox=tmp_path / "out"))
+    for result in results:
+        assert list(result["failures"]) == [2]
+        assert "UnsupportedValueError" in result["failures"][2] and "'bad'" in result["failures"][2]
+    assert sorted(os.listdir(root)) == ["previous"]
+    assert sk.verify(root / "previous").ok
+
+
+def _one_rank_fails_while_writing(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from shardkeep.storage import FaultInjectingStore, LocalStore
+
+    store = FaultInjectingStore(LocalStore(root), fail_at=2 if rank == 1 else None)
+    try:
+        sk.save(replicated_state(), "ckpt", storage=store)
+    except sk.CoordinationError as exc:
+        return {"failures": exc.failures}
+    return {"failures": None}
+
+
+def test_an_io_error_on_one_rank_aborts_the_whole_save(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    results = results_or_raise(run_ranks(2, _one_rank_fails_while_writing, str(root), outbox=tmp_path / "out"))
+    for result in results:
+        assert list(result["failures"]) == [1] and "injected" in result["failures"][1]
+    assert os.listdir(root) == []  # the staging directory was removed; nothing committed
+
+
+def _one_rank_hangs_during_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    if rank == 1:
+        time.sleep(60)  # never joins the save; the harness kills it
+    started = time.monotonic()
+    try:
+        sk.save(replicated_state(), os.path.join(root, "ckpt"), timeout=3)
+    except sk.CoordinationError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_hung_rank_gives_a_deadline_error(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    outcomes = run_ranks(
+        2, _one_rank_hangs_during_save, str(root), outbox=tmp_path / "out", timeout=60, allow_unfinished=frozenset({1})
+    )
+    kind, result = outcomes[0]
+    assert kind == "ok", result
+    assert result["error"] is not None and "deadline" in result["error"]
+    assert result["seconds"] < 45
+    assert not any(not is_staging_name(name) for name in os.listdir(root))  # nothing committed
