@@ -212,3 +212,76 @@ def test_a_hung_rank_gives_a_deadline_error(tmp_path: Path) -> None:
     assert result["error"] is not None and "deadline" in result["error"]
     assert result["seconds"] < 45
     assert not any(not is_staging_name(name) for name in os.listdir(root))  # nothing committed
+
+
+class RecordingStore:
+    """A LocalStore that records which files are opened and which byte ranges are read."""
+
+    def __init__(self, root: str) -> None:
+        from shardkeep.storage import LocalStore
+
+        self.inner = LocalStore(root)
+        self.reads: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def open_read(self, path: str) -> Any:
+        handle = self.inner.open_read(path)
+        reads = self.reads
+
+        class Recorded:
+            size = handle.size
+
+            def read_into(self, offset: int, buffer: memoryview) -> None:
+                reads.append((path, offset, len(buffer)))
+                handle.read_into(offset, buffer)
+
+            def map(self) -> memoryview:
+                raise AssertionError("this test loads with mmap=False")
+
+            def close(self) -> None:
+                handle.close()
+
+        return Recorded()
+
+
+def _load_recording_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    module, optimizer = _sharded_training_state(world_size, trained=False)
+    store = RecordingStore(root)
+    sk.load("ckpt", into={"model": module, "optim": optimizer, "note": ""}, storage=store, mmap=False)
+    manifest = sk.read_manifest(os.path.join(root, "ckpt"))
+    sizes = {record.path: record.size for record in manifest.files}
+    read_by_file: dict[str, int] = {}
+    for path, _, length in store.reads:
+        name = path.split("/", 1)[1]
+        if name in sizes:
+            read_by_file[name] = read_by_file.get(name, 0) + length
+    weight = _reference()["weight"]
+    offset = module.weight.to_local()
+    return {
+        "read_by_file": read_by_file,
+        "sizes": sizes,
+        "weight_ok": torch.equal(offset, weight[rank * 3 : rank * 3 + offset.shape[0]]),
+    }
+
+
+def test_each_loading_rank_reads_only_the_chunks_that_overlap_its_shard(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    results_or_raise(run_ranks(2, _save_sharded, str(root / "ckpt"), outbox=tmp_path / "save"))
+    loads = results_or_raise(run_ranks(4, _load_recording_reads, str(root), outbox=tmp_path / "load"))
+    for rank, result in enumerate(loads):
+        assert result["weight_ok"], rank
+        sharded = {name: size for name, size in result["sizes"].items() if "_sharded" in name}
+        assert len(sharded) == 2
+        # Rows 0-2 and 3-5 lie in the first saved chunk (rows 0-4) only... except rank 1's rows
+        # 3-5, which straddle both; rows 6-8 and 9 lie in the second only.
+        overlapping = {0: ["rank_00000"], 1: ["rank_00000", "rank_00001"], 2: ["rank_00001"], 3: ["rank_00001"]}[rank]
+        for name in sharded:
+            touched = result["read_by_file"].get(name, 0)
+            if any(stem in name for stem in overlapping):
+                assert 0 < touched <= sharded[name], (rank, name, touched)
+            else:
+                assert touched == 0, (rank, name, touched)  # never opened
+        if rank != 1:
+            assert sum(result["read_by_file"].get(name, 0) for name in sharded) < sum(sharded.values())

@@ -78,6 +78,7 @@ class _Planned:
         "leaf",
         "nbytes",
         "shape",
+        "wants_digest",
     )
 
     def __init__(self, leaf: TensorLeaf) -> None:
@@ -89,6 +90,7 @@ class _Planned:
         if chunk is not None:
             value, self.global_shape, self.global_offset = chunk
         self.array = value
+        self.wants_digest = chunk is not None
         self.dtype, self.shape, self.nbytes, self.itemsize, self.array_type, self.address = describe_array(
             leaf.key, value
         )
@@ -127,10 +129,26 @@ def _plan_files(
     planned: list[_Planned], *, rank: int, target: int, tier: str, tier_id: int
 ) -> list[tuple[FileRecord, list[_Planned]]]:
     """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
-    into files of about ``target`` bytes so that large states are written in parallel."""
-    if not planned:
+    into files of about ``target`` bytes so that large states are written in parallel.
+
+    Chunks of sharded tensors go to their own files (``rank_NNNNN_sharded``), apart from whole
+    tensors: every loading rank needs every whole tensor, but only the chunks that overlap its
+    own shard, and it can then skip the other chunk files' bytes entirely.
+    """
+    whole = [item for item in planned if item.global_offset is None]
+    chunks = [item for item in planned if item.global_offset is not None]
+    result: list[tuple[FileRecord, list[_Planned]]] = []
+    for items, stem in ((whole, f"shards/rank_{rank:05d}"), (chunks, f"shards/rank_{rank:05d}_sharded")):
+        for index, group in enumerate(_split(items, target)):
+            name = f"{stem}.safetensors" if index == 0 else f"{stem}_p{index:03d}.safetensors"
+            result.append((FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier), group))
+    return result
+
+
+def _split(items: list[_Planned], target: int) -> list[list[_Planned]]:
+    if not items:
         return []
-    ordered = sorted(planned, key=lambda p: -p.itemsize)
+    ordered = sorted(items, key=lambda p: -p.itemsize)
     total = sum(p.nbytes for p in ordered)
     file_count = max(1, math.ceil(total / target))
     quota = total / file_count
@@ -142,14 +160,7 @@ def _plan_files(
             group_bytes = 0
         groups[-1].append(item)
         group_bytes += item.nbytes
-    result: list[tuple[FileRecord, list[_Planned]]] = []
-    for index, group in enumerate(groups):
-        name = (
-            f"shards/rank_{rank:05d}.safetensors" if index == 0 else f"shards/rank_{rank:05d}_p{index:03d}.safetensors"
-        )
-        record = FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier)
-        result.append((record, group))
-    return result
+    return groups
 
 
 def _layout(record: FileRecord, group: list[_Planned], tier_id: int) -> bytes:
@@ -521,7 +532,13 @@ def load(
         problems.extend(file_set_problems(location, manifest))
     update, close = _progress_bar(sum(r.size for r in manifest.files), f"load {location.name}", progress)
 
-    def read(record: FileRecord) -> tuple[memoryview | None, list[str]]:
+    wanted = _wanted_regions(into, manifest) if into is not None else {}
+    needed = [_needed_entries(record, wanted) for record in manifest.files]
+
+    def read(index: int) -> tuple[memoryview | None, list[str]]:
+        record = manifest.files[index]
+        if needed[index] == []:
+            return None, []  # nothing in this file overlaps what this rank loads
         return check_shard(
             location.store,
             f"{location.name}/{record.path}",
@@ -529,6 +546,7 @@ def load(
             verify=options.verify,
             keep=True,
             use_mmap=options.mmap,
+            needed=needed[index],
             on_bytes=update,
         )
 
@@ -536,7 +554,7 @@ def load(
         with ThreadPoolExecutor(
             max(1, min(options.io_threads, len(manifest.files) or 1)), thread_name_prefix="shardkeep-read"
         ) as pool:
-            results = list(pool.map(read, manifest.files))
+            results = list(pool.map(read, range(len(manifest.files))))
     finally:
         close()
     for _, file_problems in results:
@@ -547,9 +565,11 @@ def load(
     with _collector_paused():
         tensors: list[tuple[list[str | int], int, Any]] = []
         chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
-        for record, (buffer, _) in zip(manifest.files, results, strict=True):
-            assert buffer is not None
-            for entry in record.tensors:
+        for record, (buffer, _), wanted_here in zip(manifest.files, results, needed, strict=True):
+            if buffer is None:
+                continue
+            for index in range(len(record.tensors)) if wanted_here is None else wanted_here:
+                entry = record.tensors[index]
                 array = array_from_buffer(
                     buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
                 )
@@ -557,8 +577,8 @@ def load(
                     tensors.append((entry.path, entry.order, array))
                 else:
                     chunks.setdefault(entry.key, []).append((entry, array))
-        for parts in chunks.values():
-            tensors.append(_assemble(parts))
+        for key, parts in chunks.items():
+            tensors.append(_assemble(parts, wanted.get(key)))
         loaded = rebuild_state(manifest.structure, manifest.values, tensors)
     if into is None:
         return loaded
@@ -566,15 +586,104 @@ def load(
     return into
 
 
-def _assemble(parts: list[tuple[TensorEntry, Any]]) -> tuple[list[str | int], int, Any]:
-    """One full tensor from the chunks that tile it (coverage was checked with the manifest)."""
+class _Region:
+    """This rank's region of a sharded tensor, assembled from only the chunks that overlap it."""
+
+    __slots__ = ("global_shape", "offset", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, offset: list[int], global_shape: list[int]) -> None:
+        self.tensor = tensor
+        self.offset = offset
+        self.global_shape = global_shape
+
+
+def _assemble(
+    parts: list[tuple[TensorEntry, Any]], region: tuple[list[int], list[int]] | None
+) -> tuple[list[str | int], int, Any]:
+    """The full tensor (``region`` None), or just ``region`` = (offset, shape) of it, from the
+    chunks that tile it (coverage was checked with the manifest)."""
     first, sample = parts[0]
     assert first.global_shape is not None
-    full = torch.empty(first.global_shape, dtype=sample.dtype)
+    if region is None:
+        full = torch.empty(first.global_shape, dtype=sample.dtype)
+        for entry, array in parts:
+            assert entry.global_offset is not None
+            full[_region(entry.global_offset, entry.shape)].copy_(array)
+        return first.path, first.order, full
+    offset, shape = region
+    local = torch.empty(shape, dtype=sample.dtype)
     for entry, array in parts:
         assert entry.global_offset is not None
-        full[_region(entry.global_offset, entry.shape)].copy_(array)
-    return first.path, first.order, full
+        overlap = _overlap(entry.global_offset, entry.shape, offset, shape)
+        if overlap is None:
+            continue
+        start, size = overlap
+        source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, entry.global_offset, size, strict=True))
+        target = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, offset, size, strict=True))
+        local[target].copy_(array[source])
+    return first.path, first.order, _Region(local, offset, first.global_shape)
+
+
+def _overlap(
+    offset_a: list[int], shape_a: list[int], offset_b: list[int], shape_b: list[int]
+) -> tuple[list[int], list[int]] | None:
+    """The intersection (start, size) of two boxes, or None if they do not overlap."""
+    start = [max(a, b) for a, b in zip(offset_a, offset_b, strict=True)]
+    end = [min(a + sa, b + sb) for a, sa, b, sb in zip(offset_a, shape_a, offset_b, shape_b, strict=True)]
+    if any(e <= s for s, e in zip(start, end, strict=True)):
+        return None
+    return start, [e - s for s, e in zip(start, end, strict=True)]
+
+
+def _needed_entries(record: FileRecord, wanted: dict[str, tuple[list[int], list[int]]]) -> list[int] | None:
+    """Indices of the entries of ``record`` this load uses, or None for all of them."""
+    if not wanted:
+        return None
+    indices: list[int] = []
+    for index, entry in enumerate(record.tensors):
+        region = wanted.get(entry.key)
+        if (
+            region is None
+            or entry.global_offset is None
+            or (entry.nbytes and _overlap(entry.global_offset, entry.shape, *region) is not None)
+        ):
+            indices.append(index)
+    return None if len(indices) == len(record.tensors) else indices
+
+
+def _wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], list[int]]]:
+    """For each sharded key whose target in ``into`` is a DTensor: that rank's (offset, shape)."""
+    regions: dict[str, tuple[list[int], list[int]]] = {}
+    state_dicts: dict[int, Mapping[str, Any]] = {}
+    for _, entry in manifest.iter_tensors():
+        if entry.global_shape is None or entry.key in regions:
+            continue
+        target = _resolve_target(into, entry.path, state_dicts)
+        if isinstance(target, DTensor) and list(target.shape) == entry.global_shape:
+            regions[entry.key] = local_region(target)
+    return regions
+
+
+def _resolve_target(node: Any, path: list[str | int], state_dicts: dict[int, Mapping[str, Any]]) -> Any:
+    """The object in ``into`` at a saved state path, looking through modules and optimizers."""
+    for position, part in enumerate(path):
+        if isinstance(node, torch.optim.Optimizer):
+            # ["state", <param index>, <field>]: a state tensor is shaped like its parameter.
+            if part != "state" or position + 1 >= len(path):
+                return None
+            params = [param for group in node.param_groups for param in group["params"]]
+            index = path[position + 1]
+            return params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if isinstance(node, torch.nn.Module):
+            own = state_dicts.get(id(node))
+            if own is None:
+                own = state_dicts[id(node)] = node.state_dict()
+            return own.get(str(part)) if position == len(path) - 1 else None
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        else:
+            return None
+    return node
 
 
 def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
@@ -649,11 +758,19 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
 
 
 def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:
-    """Copy this rank's region of the full loaded tensor into a DTensor's local shard."""
+    """Copy this rank's region of the loaded tensor into a DTensor's local shard."""
+    offset, local_shape = local_region(current)
+    if isinstance(new, _Region):
+        if new.global_shape != list(current.shape) or new.offset != offset or new.tensor.dtype != current.dtype:
+            raise UnsupportedValueError(
+                _describe_mismatch(
+                    name, f"DTensor {current.dtype}{list(current.shape)}", f"{new.tensor.dtype}{new.global_shape}"
+                )
+            )
+        return _copy_tensor(current.to_local(), new.tensor)
     if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
         found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
         raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
-    offset, local_shape = local_region(current)
     return _copy_tensor(current.to_local(), new[_region(offset, local_shape)])
 
 
@@ -679,7 +796,16 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
         param = by_id.get(index)
         converted: dict[str, Any] = {}
         for field_name, value in values.items():
-            if (
+            if isinstance(value, _Region) and isinstance(param, DTensor):
+                value = DTensor.from_local(
+                    value.tensor,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            elif (
                 isinstance(param, DTensor)
                 and isinstance(value, torch.Tensor)
                 and not isinstance(value, DTensor)
@@ -713,6 +839,8 @@ def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) ->
         )
     for key, tensor in expected.items():
         found = new[key]
+        if isinstance(found, _Region):
+            continue  # a sharded region: _fill_dtensor checks it against the parameter
         if isinstance(tensor, torch.Tensor) and (
             not isinstance(found, torch.Tensor) or found.shape != tensor.shape or found.dtype != tensor.dtype
         ):

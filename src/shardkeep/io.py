@@ -14,14 +14,14 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
-from shardkeep.integrity import digests_equal, format_digest, new_digester
+from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
 from shardkeep.manifest import FileRecord
-from shardkeep.storage.base import ByteStore, ReadHandle
+from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
 from shardkeep.tensors.shardfile import check_header, header_length, parse_header
 
 __all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "write_shards"]
@@ -37,10 +37,13 @@ class TensorSource(Protocol):
 
     ``address`` is the address of the tensor's bytes when they are already contiguous in host
     memory (``None`` otherwise); ``pieces`` yields contiguous byte views of at most ``max_bytes``
-    each (one row may be larger), in order. The source keeps its tensor alive.
+    each (one row may be larger), in order. The source keeps its tensor alive. With
+    ``wants_digest``, the tensor gets a digest of its own (chunks, which a loading rank may read
+    without reading the rest of their file).
     """
 
     nbytes: int
+    wants_digest: bool
 
     @property
     def address(self) -> int | None: ...
@@ -83,26 +86,32 @@ class ShardPlan:
 
 
 class _Sink:
-    """Writes buffers to a handle while a second thread digests the same buffers."""
+    """Writes buffers to a handle while other threads digest the same buffers: the file's
+    digest, and for a chunk that may be read on its own, the chunk's digest too."""
 
-    def __init__(self, handle: object, digester: object, hash_pool: ThreadPoolExecutor) -> None:
+    def __init__(self, handle: WriteHandle, digester: Digester, hash_pool: ThreadPoolExecutor) -> None:
         self._handle = handle
         self._digester = digester
         self._hash_pool = hash_pool
         self.size = 0
 
-    def put(self, view: memoryview) -> None:
+    def put(self, view: memoryview, entry_digester: Digester | None = None) -> None:
         if len(view) == 0:
             return
         if len(view) >= MiB:
-            pending: Future[object] = self._hash_pool.submit(self._digester.update, view)  # type: ignore[attr-defined]  # Digester protocol
+            pending = [self._hash_pool.submit(self._digester.update, view)]
+            if entry_digester is not None:
+                pending.append(self._hash_pool.submit(entry_digester.update, view))
             try:
-                self._handle.write(view)  # type: ignore[attr-defined]  # WriteHandle protocol
+                self._handle.write(view)
             finally:
-                pending.result()
+                for future in pending:
+                    future.result()
         else:
-            self._digester.update(view)  # type: ignore[attr-defined]  # Digester protocol
-            self._handle.write(view)  # type: ignore[attr-defined]  # WriteHandle protocol
+            self._digester.update(view)
+            if entry_digester is not None:
+                entry_digester.update(view)
+            self._handle.write(view)
         self.size += len(view)
 
 
@@ -125,8 +134,9 @@ def _write_one(
         buffer: bytearray | None = None
         filled = 0
         try:
-            for source in plan.sources:
+            for index, source in enumerate(plan.sources):
                 address = source.address
+                entry_digester = new_digester(algorithm) if source.wants_digest else None
                 if address is not None and source.nbytes <= SMALL_TENSOR_BYTES and source.nbytes <= chunk_size:
                     if buffer is None:
                         budget.acquire(chunk_size)
@@ -136,29 +146,35 @@ def _write_one(
                         sink.put(memoryview(buffer)[:filled])
                         filled = 0
                     ctypes.memmove(buffer_address + filled, address, source.nbytes)
+                    if entry_digester is not None:
+                        entry_digester.update(memoryview(buffer)[filled : filled + source.nbytes])
                     filled += source.nbytes
-                    continue
-                if filled:
-                    assert buffer is not None
-                    sink.put(memoryview(buffer)[:filled])
-                    filled = 0
-                if address is not None:
+                elif address is not None:
+                    if filled:
+                        assert buffer is not None
+                        sink.put(memoryview(buffer)[:filled])
+                        filled = 0
                     if source.nbytes:
-                        sink.put(memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B"))
-                    if on_bytes:
-                        on_bytes(source.nbytes)
-                    continue
-                pieces = source.pieces(piece_max)
-                while True:
-                    budget.acquire(piece_max)
-                    try:
-                        piece = next(pieces, None)
-                        if piece is None:
-                            break
-                        sink.put(piece)
-                        del piece
-                    finally:
-                        budget.release(piece_max)
+                        view = memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B")
+                        sink.put(view, entry_digester)
+                else:
+                    if filled:
+                        assert buffer is not None
+                        sink.put(memoryview(buffer)[:filled])
+                        filled = 0
+                    pieces = source.pieces(piece_max)
+                    while True:
+                        budget.acquire(piece_max)
+                        try:
+                            piece = next(pieces, None)
+                            if piece is None:
+                                break
+                            sink.put(piece, entry_digester)
+                            del piece
+                        finally:
+                            budget.release(piece_max)
+                if entry_digester is not None:
+                    plan.record.tensors[index].digest = format_digest(algorithm, entry_digester.hexdigest())
                 if on_bytes:
                     on_bytes(source.nbytes)
             if filled:
@@ -197,7 +213,7 @@ def write_shards(
     share = budget.limit // workers
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-write") as pool,
-        ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-hash") as hash_pool,
+        ThreadPoolExecutor(2 * workers, thread_name_prefix="shardkeep-hash") as hash_pool,
     ):
         futures = [
             pool.submit(_write_one, store, plan, algorithm, budget, share, hash_pool, on_bytes) for plan in plans
@@ -246,6 +262,32 @@ def _stream_digest(handle: ReadHandle, algorithm: str, on_bytes: Callable[[int],
     return format_digest(algorithm, digester.hexdigest()), head
 
 
+def _header_problems(handle: ReadHandle, head: bytes | memoryview, record: FileRecord) -> list[str]:
+    """Cross-check the safetensors header (read from ``head``, or the file) with the record."""
+    try:
+        length = header_length(head, handle.size)
+        if len(head) < 8 + length:
+            extra = memoryview(bytearray(8 + length))
+            handle.read_into(0, extra)
+            head = extra
+        return check_header(parse_header(head[: 8 + length]), record)
+    except IntegrityError as exc:
+        return [f"{record.path}: {exc}"]
+
+
+def _read_ranges(handle: ReadHandle, record: FileRecord, needed: list[int], use_mmap: bool) -> memoryview:
+    """The file's bytes where only the needed entries (and the header) are read: a lazy memory
+    map whose other pages are never touched, or a buffer filled only at those ranges."""
+    if use_mmap:
+        return handle.map()
+    data = memoryview(bytearray(handle.size))
+    for index in needed:
+        entry = record.tensors[index]
+        if entry.nbytes:
+            handle.read_into(entry.offset, data[entry.offset : entry.offset + entry.nbytes])
+    return data
+
+
 def check_shard(
     store: ByteStore,
     path: str,
@@ -254,6 +296,7 @@ def check_shard(
     verify: bool,
     keep: bool,
     use_mmap: bool = True,
+    needed: list[int] | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[memoryview | None, list[str]]:
     """Open a data file and check it against its manifest record.
@@ -261,6 +304,10 @@ def check_shard(
     Returns the file's bytes (when ``keep``: a private memory map, or a copy when ``use_mmap`` is
     false) and every problem found: size, digest, and safetensors header disagreements. With
     ``verify`` false only the size and header are checked.
+
+    ``needed`` lists the indices of the tensor entries the caller will use (``None``: all). When
+    it leaves some out and every needed entry has a digest of its own, only the header and the
+    needed byte ranges are read and verified; the other bytes of the file are never touched.
     """
     problems: list[str] = []
     try:
@@ -271,6 +318,28 @@ def check_shard(
         if handle.size != record.size:
             return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.size}"]
         data: memoryview | None = None
+        partial = (
+            keep
+            and needed is not None
+            and len(needed) < len(record.tensors)
+            and all(record.tensors[index].digest for index in needed)
+        )
+        if partial:
+            assert needed is not None
+            data = _read_ranges(handle, record, needed, use_mmap)
+            if verify:
+                for index in needed:
+                    entry = record.tensors[index]
+                    assert entry.digest is not None
+                    actual = _digest_view(
+                        entry.digest.partition(":")[0], data[entry.offset : entry.offset + entry.nbytes]
+                    )
+                    if not digests_equal(entry.digest, actual):
+                        problems.append(f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
+                if on_bytes:
+                    on_bytes(sum(record.tensors[index].nbytes for index in needed))
+            problems.extend(_header_problems(handle, data, record))
+            return data, problems
         if keep:
             if use_mmap:
                 data = handle.map()
@@ -295,15 +364,7 @@ def check_shard(
             head = head_buffer
         if verify and not record.digest:
             problems.append(f"{record.path}: has no digest, so it cannot be verified")
-        try:
-            length = header_length(head, handle.size)
-            if len(head) < 8 + length:
-                extra = memoryview(bytearray(8 + length))
-                handle.read_into(0, extra)
-                head = extra
-            problems.extend(check_header(parse_header(head[: 8 + length]), record))
-        except IntegrityError as exc:
-            problems.append(f"{record.path}: {exc}")
+        problems.extend(_header_problems(handle, head, record))
         return data, problems
     except ShardkeepError as exc:
         problems.append(f"{record.path}: {exc}")

@@ -101,7 +101,8 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
     ``offset`` is the absolute byte offset in the file (past the safetensors header) and
     ``nbytes`` the stored size. ``global_shape``/``global_offset`` are set when the entry is a
-    chunk of a tensor sharded across ranks.
+    chunk of a tensor sharded across ranks; a chunk also has its own ``digest``, so a rank that
+    needs only some chunks of a file can read and verify just those byte ranges.
     """
 
     key: str
@@ -116,6 +117,7 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     global_offset: list[int] | None = None
     array_type: Literal["torch", "numpy"] = "torch"
     order: int = 0
+    digest: str | None = None
 
 
 class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -590,12 +592,10 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         if record.digest is None or record.digest == "":
             result.add_warning(f"{where} has no digest; its contents cannot be verified")
         else:
-            algorithm, _, hex_digest = record.digest.partition(":")
-            expected_len = _DIGEST_HEX_LENGTH.get(algorithm)
-            if expected_len is None:
-                err(f"{where} has a digest with unknown algorithm {algorithm!r}")
-            elif len(hex_digest) != expected_len or not re.fullmatch(r"[0-9a-f]+", hex_digest):
-                err(f"{where} has a malformed {algorithm} digest")
+            algorithm = record.digest.partition(":")[0]
+            problem = _digest_problem(record.digest)
+            if problem:
+                err(f"{where} has {problem}")
             elif algorithm != manifest.digest_algorithm:
                 result.add_warning(f"{where} uses digest {algorithm}, not the manifest's {manifest.digest_algorithm}")
         ranges: list[tuple[int, int, str]] = []
@@ -635,6 +635,16 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
     return result
 
 
+def _digest_problem(digest: str) -> str | None:
+    algorithm, _, hex_digest = digest.partition(":")
+    expected_len = _DIGEST_HEX_LENGTH.get(algorithm)
+    if expected_len is None:
+        return f"a digest with unknown algorithm {algorithm!r}"
+    if len(hex_digest) != expected_len or not re.fullmatch(r"[0-9a-f]+", hex_digest):
+        return f"a malformed {algorithm} digest"
+    return None
+
+
 def _validate_tensor(
     entry: TensorEntry, record: FileRecord, where: str, limits: ManifestLimits, result: ValidationResult
 ) -> None:
@@ -668,6 +678,10 @@ def _validate_tensor(
         err("negative byte offset or size")
     elif entry.offset + entry.nbytes > record.size:
         err(f"byte range [{entry.offset}, {entry.offset + entry.nbytes}) is beyond the file size {record.size}")
+    if entry.digest is not None:
+        problem = _digest_problem(entry.digest)
+        if problem:
+            err(f"has {problem}")
     if entry.kind == "expert" and entry.expert_key is None:
         result.add_warning(f"tensor {key!r} in {where}: expert tensor without an expert_key")
     if entry.global_shape is None and entry.global_offset is None:
