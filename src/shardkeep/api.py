@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,7 +52,15 @@ from shardkeep.tensors.convert import (
 )
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
 from shardkeep.tensors.shardfile import build_header
-from shardkeep.verification import file_set_problems, locate, parse_manifest, read_manifest, read_manifest_bytes, verify
+from shardkeep.verification import (
+    CheckpointLocation,
+    file_set_problems,
+    locate,
+    parse_manifest,
+    read_manifest,
+    read_manifest_bytes,
+    verify,
+)
 
 __all__ = ["load", "read_manifest", "save", "verify"]
 
@@ -308,109 +316,167 @@ def save(
     options = SaveOptions(
         digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
     )
-    coordinator = Coordinator(process_group, timeout=timeout)
-    rank = coordinator.rank
-    location = locate(path, storage)
-    tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
+    job = _SaveJob(
+        state,
+        locate(path, storage),
+        options,
+        Coordinator(process_group, timeout=timeout),
+        budget=budget,
+        progress=progress,
+        metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+    )
+    job.prepare()
+    coordinator = job.coordinator
+    try:
+        records = coordinator.step("write the shards", job.write)
+        committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
+    except BaseException:
+        job.abort()
+        raise
+    assert committed is not None
+    return committed
 
-    flat = FlatState()
-    planned: list[_Planned] = []
 
-    def prepare() -> list[ItemDescriptor]:
-        nonlocal flat, planned
+class _SaveMetadata(NamedTuple):
+    model_id: str | None
+    step: int | None
+    epoch: int | None
+    training: Mapping[str, Any] | None
+    sharding_strategy: str | None
+    custom_fields: Mapping[str, Any] | None
+
+
+class _SaveJob:
+    """One save, split into its phases so that ``save`` and ``async_save`` share them.
+
+    ``prepare`` (every rank, collectives) describes the state, assigns writers and opens the
+    staging directory; ``write`` (every rank, no collectives) writes this rank's files; ``finish``
+    (coordinator only) merges every rank's records, checks coverage, writes the manifest and
+    commits; ``abort`` (coordinator only) removes the staging directory.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        location: CheckpointLocation,
+        options: SaveOptions,
+        coordinator: Coordinator,
+        *,
+        budget: ByteBudget | None,
+        progress: bool,
+        metadata: _SaveMetadata,
+        sections: tuple[StateSection | None, StateSection | None, Training] | None = None,
+    ) -> None:
+        self.state = state
+        self.location = location
+        self.options = options
+        self.coordinator = coordinator
+        self.budget = budget or ByteBudget(options.byte_budget)
+        if self.budget.limit != options.byte_budget:
+            raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
+        self.progress = progress
+        self.metadata = metadata
+        self.sections = sections
+        self.tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
+        self.flat = FlatState()
+        self.planned: list[_Planned] = []
+        self.plans: list[ShardPlan] = []
+        self.commit: CheckpointCommit | None = None
+        self.manifest: Manifest | None = None
+
+    def _describe(self) -> list[ItemDescriptor]:
         with _collector_paused():
-            flat = flatten_state(state)
-            planned = [_Planned(leaf) for leaf in flat.tensors]
-            return [item.descriptor for item in planned]
+            self.flat = flatten_state(self.state)
+            self.planned = [_Planned(leaf) for leaf in self.flat.tensors]
+            return [item.descriptor for item in self.planned]
 
-    held = coordinator.step("prepare the save", prepare)
-    if coordinator.distributed:
-        mine = assign_writers(held)[rank]
-        planned_here = [item for item in planned if (item.leaf.key, _offset_key(item.global_offset)) in mine]
-    else:
-        planned_here = planned
-
-    def begin() -> str | None:
-        if not coordinator.is_coordinator:
+    def _begin(self) -> str | None:
+        if not self.coordinator.is_coordinator:
             return None
-        if isinstance(location.store, LocalStore):
-            _ensure_directory(location.store.root)
-        opening = CheckpointCommit(location.store, location.name)
+        store = self.location.store
+        if isinstance(store, LocalStore):
+            _ensure_directory(store.root)
+        opening = CheckpointCommit(store, self.location.name)
         opening.begin()
         return opening.staging
 
-    staging = coordinator.step("begin the save", begin)[0]
-    commit = CheckpointCommit(location.store, location.name, staging)
-    with _collector_paused():
-        plans: list[ShardPlan] = []
-        groups = _plan_files(
-            planned_here, rank=rank, target=options.file_size_target, tier=tier.name, tier_id=tier.tier_id
-        )
-        for record, group in groups:
-            header = _layout(record, group, tier.tier_id)
-            plans.append(ShardPlan(path=commit.staged(record.path), header=header, sources=group, record=record))
-        manifest = _manifest_for(
-            state,
-            flat,
-            [plan.record for plan in plans],
-            held,
-            world_size=coordinator.world_size,
-            digest=options.digest,
-            tier=tier,
-            model_id=model_id,
-            step=step,
-            epoch=epoch,
-            training=training,
-            sharding_strategy=sharding_strategy,
-            custom_fields=custom_fields,
-        )
-
-    budget = budget or ByteBudget(options.byte_budget)
-    if budget.limit != options.byte_budget:
-        raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
-    update, close = _progress_bar(sum(p.nbytes for p in planned_here), f"save {location.name}", progress)
-
-    def write() -> list[FileRecord]:
-        # Never write what load would refuse: this rank's part of the manifest is checked first.
-        errors = validate_manifest(manifest).errors if coordinator.is_coordinator or plans else []
-        if errors:
-            raise UnsupportedValueError(f"cannot save {location}: " + "; ".join(errors[:5]))
-        write_shards(
-            location.store,
-            plans,
-            algorithm=options.digest,
-            budget=budget,
-            io_threads=options.io_threads,
-            on_bytes=update,
-        )
-        return [plan.record for plan in plans]
-
-    def finish(records: list[list[FileRecord]]) -> Manifest | None:
-        if not coordinator.is_coordinator:
-            return None
+    def prepare(self) -> None:
+        coordinator = self.coordinator
+        held = coordinator.step("prepare the save", self._describe)
         if coordinator.distributed:
+            mine = assign_writers(held)[coordinator.rank]
+            planned_here = [p for p in self.planned if (p.leaf.key, _offset_key(p.global_offset)) in mine]
+        else:
+            planned_here = self.planned
+        staging = coordinator.step("begin the save", self._begin)[0]
+        self.commit = CheckpointCommit(self.location.store, self.location.name, staging)
+        with _collector_paused():
+            groups = _plan_files(
+                planned_here,
+                rank=coordinator.rank,
+                target=self.options.file_size_target,
+                tier=self.tier.name,
+                tier_id=self.tier.tier_id,
+            )
+            for record, group in groups:
+                header = _layout(record, group, self.tier.tier_id)
+                self.plans.append(
+                    ShardPlan(path=self.commit.staged(record.path), header=header, sources=group, record=record)
+                )
+            self.manifest = _manifest_for(
+                self.state,
+                self.flat,
+                [plan.record for plan in self.plans],
+                held,
+                world_size=coordinator.world_size,
+                digest=self.options.digest,
+                tier=self.tier,
+                metadata=self.metadata,
+                sections=self.sections,
+            )
+
+    def write(self) -> list[FileRecord]:
+        assert self.manifest is not None
+        # Never write what load would refuse: this rank's part of the manifest is checked first.
+        if self.coordinator.is_coordinator or self.plans:
+            errors = validate_manifest(self.manifest).errors
+            if errors:
+                raise UnsupportedValueError(f"cannot save {self.location}: " + "; ".join(errors[:5]))
+        update, close = _progress_bar(
+            sum(plan.record.size for plan in self.plans), f"save {self.location.name}", self.progress
+        )
+        try:
+            write_shards(
+                self.location.store,
+                self.plans,
+                algorithm=self.options.digest,
+                budget=self.budget,
+                io_threads=self.options.io_threads,
+                on_bytes=update,
+            )
+        finally:
+            close()
+        return [plan.record for plan in self.plans]
+
+    def finish(self, records: list[list[FileRecord]]) -> Manifest | None:
+        if not self.coordinator.is_coordinator:
+            return None
+        manifest = self.manifest
+        assert manifest is not None and self.commit is not None
+        if self.coordinator.distributed:
             manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
             manifest.sharding.shard_count = len(manifest.files)
             problems = coverage_problems(manifest) + validate_manifest(manifest).errors
             if problems:
-                raise UnsupportedValueError(f"cannot commit {location}: " + "; ".join(problems[:5]))
+                raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         with _collector_paused():
-            sealed = seal_manifest(encode_manifest(manifest), options.digest)
-        commit.commit(sealed)
+            sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
+        self.commit.commit(sealed)
         return manifest
 
-    try:
-        try:
-            records = coordinator.step("write the shards", write)
-        finally:
-            close()
-        committed = coordinator.step("commit the checkpoint", lambda: finish(records))[0]
-    except BaseException:
-        if coordinator.is_coordinator:
-            commit.abort()
-        raise
-    assert committed is not None
-    return committed
+    def abort(self) -> None:
+        if self.coordinator.is_coordinator and self.commit is not None:
+            self.commit.abort()
 
 
 def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:
@@ -426,32 +492,28 @@ def _manifest_for(
     world_size: int,
     digest: str,
     tier: Tier,
-    model_id: str | None,
-    step: int | None,
-    epoch: int | None,
-    training: Mapping[str, Any] | None,
-    sharding_strategy: str | None,
-    custom_fields: Mapping[str, Any] | None,
+    metadata: _SaveMetadata,
+    sections: tuple[StateSection | None, StateSection | None, Training] | None,
 ) -> Manifest:
     """The manifest of this save, with this rank's file records (the coordinator merges all)."""
-    optim, router, detected = _sections(state, [leaf.key for leaf in flat.tensors])
+    optim, router, detected = sections or _sections(state, [leaf.key for leaf in flat.tensors])
     chunked = any(item.global_offset is not None for items in held for item in items)
-    strategy = sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
+    strategy = metadata.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
-        model_id=model_id,
-        step=step,
-        epoch=epoch,
+        model_id=metadata.model_id,
+        step=metadata.step,
+        epoch=metadata.epoch,
         world_size=world_size,
         digest_algorithm=digest,
         sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
-        training=_training_fields(training, detected),
+        training=_training_fields(metadata.training, detected),
         tiers=[tier],
         files=records,
         optim_state=optim,
         router_state=router,
         structure=flat.containers,
         values=flat.values,
-        custom_fields=_plain_json_mapping("custom_fields", custom_fields),
+        custom_fields=_plain_json_mapping("custom_fields", metadata.custom_fields),
     )
 
 
