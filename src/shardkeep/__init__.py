@@ -15,6 +15,7 @@ from shardkeep.errors import (
     IntegrityError,
     ManifestError,
     ManifestVersionError,
+    SaveInProgressError,
     ShardkeepError,
     StorageError,
     UnsafePathError,
@@ -24,7 +25,7 @@ from shardkeep.manifest import Manifest, ValidationResult, validate_manifest
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
-    from shardkeep.api import load, save
+    from shardkeep.api import SaveHandle, async_save, load, save
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,8 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ManifestVersionError",
+    "SaveHandle",
+    "SaveInProgressError",
     "ShardkeepError",
     "StorageError",
     "UnsafePathError",
@@ -43,6 +46,7 @@ __all__ = [
     "ValidationResult",
     "VerifyReport",
     "__version__",
+    "async_save",
     "load",
     "read_manifest",
     "save",
@@ -50,7 +54,7 @@ __all__ = [
     "verify",
 ]
 
-_LAZY = {"save": "shardkeep.api", "load": "shardkeep.api"}
+_LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
 
 
 def __getattr__(name: str) -> Any:

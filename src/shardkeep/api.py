@@ -10,13 +10,16 @@ before it builds a single tensor, so a damaged checkpoint raises before anything
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import gc
 import math
 import os
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -26,7 +29,14 @@ from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
 from shardkeep.dist.commit import CheckpointCommit
 from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.dist.plan import ItemDescriptor, assign_writers, coverage_problems
-from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
+from shardkeep.errors import (
+    CoordinationError,
+    IntegrityError,
+    SaveInProgressError,
+    ShardkeepError,
+    StorageError,
+    UnsupportedValueError,
+)
 from shardkeep.integrity import seal_manifest
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
 from shardkeep.manifest import (
@@ -40,6 +50,7 @@ from shardkeep.manifest import (
     encode_manifest,
     validate_manifest,
 )
+from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.storage.base import ByteStore
 from shardkeep.storage.local import LocalStore
 from shardkeep.tensors.convert import (
@@ -62,7 +73,7 @@ from shardkeep.verification import (
     verify,
 )
 
-__all__ = ["load", "read_manifest", "save", "verify"]
+__all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save", "verify"]
 
 DEFAULT_TIER = "hot"
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
@@ -477,6 +488,202 @@ class _SaveJob:
     def abort(self) -> None:
         if self.coordinator.is_coordinator and self.commit is not None:
             self.commit.abort()
+
+
+class SaveHandle:
+    """The result of :func:`async_save`: the state is already staged when you get one.
+
+    ``done()`` tells whether the background write and commit have finished; ``result(timeout)``
+    waits and returns the committed :class:`~shardkeep.manifest.Manifest`, or raises the
+    failure with its own type (a :class:`~shardkeep.errors.CoordinationError` when ranks
+    failed). ``wait_staged()`` returns at once: staging finished before ``async_save`` returned.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._finished = threading.Event()
+        self._manifest: Manifest | None = None
+        self._error: BaseException | None = None
+        self.blocked_seconds = 0.0
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"SaveHandle({self.path!r}, {state})"
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the save of {self.path} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._manifest is not None
+        return self._manifest
+
+    def _complete(self, manifest: Manifest | None, error: BaseException | None) -> None:
+        self._manifest = manifest
+        self._error = error
+        self._finished.set()
+
+
+_inflight_lock = threading.Lock()
+_inflight: SaveHandle | None = None
+_arena = StagingArena()
+
+
+def async_save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    wait: bool = True,
+    staging_budget: int | None = None,
+    digest: str = "blake3",
+    byte_budget: int = SaveOptions.byte_budget,
+    io_threads: int = SaveOptions.io_threads,
+    file_size_target: int = SaveOptions.file_size_target,
+    model_id: str | None = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    training: Mapping[str, Any] | None = None,
+    sharding_strategy: str | None = None,
+    custom_fields: Mapping[str, Any] | None = None,
+    storage: ByteStore | None = None,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> SaveHandle:
+    """Snapshot ``state`` into reusable host buffers, then write and commit in the background.
+
+    Returns once the snapshot is taken: training may change its tensors at once without
+    changing what is saved. Options are those of :func:`save`. At most one save is in flight
+    per process: a second call waits for the first (``wait=True``) or raises
+    :class:`~shardkeep.errors.SaveInProgressError`. ``staging_budget`` (bytes) refuses states
+    larger than that instead of growing the staging buffer.
+
+    With several ranks, every rank calls ``async_save``; the collectives (planning, opening the
+    staging directory) run here, on the caller's thread. The background thread runs none: each
+    rank posts its outcome to the process group's key-value store, and the coordinator commits
+    once every rank has reported (or fails at the ``timeout`` deadline).
+    """
+    global _inflight
+    started = time.perf_counter()
+    with _inflight_lock:
+        previous = _inflight
+    if previous is not None and not previous.done():
+        if not wait:
+            raise SaveInProgressError(f"a save of {previous.path} is still in flight; pass wait=True to queue")
+        previous._finished.wait()
+    options = SaveOptions(
+        digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
+    )
+    coordinator = Coordinator(process_group, timeout=timeout)
+    location = locate(path, storage)
+    staged: dict[str, Any] = {}
+
+    def stage() -> None:
+        nonlocal staged
+        with _collector_paused():
+            staged = snapshot_state(state, _arena, budget=staging_budget)
+
+    coordinator.step("stage the state", stage)
+    job = _SaveJob(
+        staged,
+        location,
+        options,
+        coordinator,
+        budget=None,
+        progress=False,
+        metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+        sections=_sections(state, []),
+    )
+    job.prepare()
+    handle = SaveHandle(str(location))
+    with _inflight_lock:
+        _inflight = handle
+    worker = threading.Thread(target=_finish_in_background, args=(job, handle), name="shardkeep-async-save")
+    worker.start()
+    handle.blocked_seconds = time.perf_counter() - started
+    return handle
+
+
+def _finish_in_background(job: _SaveJob, handle: SaveHandle) -> None:
+    """Write this rank's files and complete the commit without any collective."""
+    coordinator = job.coordinator
+    if not coordinator.distributed:
+        try:
+            records = job.write()
+            manifest = job.finish([records])
+        except BaseException as exc:
+            job.abort()
+            handle._complete(None, exc)
+            return
+        handle._complete(manifest, None)
+        return
+    try:
+        manifest = _finish_through_store(job)
+    except BaseException as exc:
+        handle._complete(None, exc)
+        return
+    handle._complete(manifest, None)
+
+
+def _finish_through_store(job: _SaveJob) -> Manifest:
+    """Exchange outcomes through the process group's key-value store: every rank posts its
+    records or its error; the coordinator waits for all (with the deadline), commits or aborts,
+    and posts the result, which the other ranks wait for."""
+    import pickle
+
+    from torch.distributed import distributed_c10d
+
+    coordinator = job.coordinator
+    store = distributed_c10d._get_default_store()
+    assert job.commit is not None
+    prefix = f"shardkeep/{job.commit.staging}"
+    deadline = _dt.timedelta(seconds=coordinator.timeout)
+    try:
+        outcome: tuple[str, Any] = ("ok", job.write())
+    except Exception as exc:
+        outcome = ("error", f"{type(exc).__name__}: {exc}")
+    store.set(f"{prefix}/rank{coordinator.rank}", pickle.dumps(outcome))  # type: ignore[arg-type]  # Store.set takes bytes too
+    result: tuple[str, Any]
+    if coordinator.is_coordinator:
+        try:
+            keys = [f"{prefix}/rank{rank}" for rank in range(coordinator.world_size)]
+            store.wait(keys, deadline)
+            outcomes = [pickle.loads(store.get(key)) for key in keys]
+            failures = {rank: text for rank, (kind, text) in enumerate(outcomes) if kind == "error"}
+            if failures:
+                raise CoordinationError(
+                    f"writing the shards failed on rank(s) {sorted(failures)} of {coordinator.world_size}: "
+                    + "; ".join(f"rank {rank}: {text}" for rank, text in failures.items()),
+                    failures,
+                )
+            manifest = job.finish([records for _, records in outcomes])
+            assert manifest is not None
+            result = ("ok", manifest)
+        except BaseException as exc:
+            job.abort()
+            failures = exc.failures if isinstance(exc, CoordinationError) else {0: f"{type(exc).__name__}: {exc}"}
+            message = str(exc) if isinstance(exc, CoordinationError) else f"committing failed on rank 0: {exc}"
+            if "deadline" not in message and not isinstance(exc, ShardkeepError):
+                message = f"{message} (a rank may have missed the {coordinator.timeout:.0f} s deadline)"
+            result = ("error", (message, failures))
+        store.set(f"{prefix}/result", pickle.dumps(result))  # type: ignore[arg-type]  # Store.set takes bytes too
+    else:
+        try:
+            store.wait([f"{prefix}/result"], deadline)
+            result = pickle.loads(store.get(f"{prefix}/result"))
+        except Exception as exc:
+            raise CoordinationError(
+                f"the coordinator did not report the commit within the {coordinator.timeout:.0f} s deadline: {exc}"
+            ) from exc
+    if result[0] == "ok":
+        return cast(Manifest, result[1])
+    error_message, error_failures = cast(tuple[str, dict[int, str]], result[1])
+    raise CoordinationError(error_message, error_failures)
 
 
 def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:

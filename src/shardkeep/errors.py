@@ -11,6 +11,7 @@
     ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
     ├── UnsupportedValueError    a state leaf, dtype or option value shardkeep cannot store
     ├── StorageError             an I/O operation failed (write, fsync, rename, read ...)
+    ├── SaveInProgressError      async_save(wait=False) while another save is still in flight
     └── CoordinationError        one or more ranks failed a collective step
 
 Third-party errors (``OSError``, ``msgspec.DecodeError`` ...) are mapped at the boundary and
@@ -26,6 +27,7 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "ManifestVersionError",
+    "SaveInProgressError",
     "ShardkeepError",
     "StorageError",
     "UnsafePathError",
@@ -79,6 +81,10 @@ class UnsupportedValueError(ShardkeepError):
 
 class StorageError(ShardkeepError):
     """A storage operation (write, fsync, close, rename, read, delete) failed."""
+
+
+class SaveInProgressError(ShardkeepError):
+    """``async_save(..., wait=False)`` was called while this process's previous save runs."""
 
 
 class CoordinationError(ShardkeepError):
