@@ -145,7 +145,7 @@ def _expert_key(key: str, tier_id: int) -> list[int] | None:
 
 
 def _plan_files(
-    planned: list[_Planned], *, rank: int, target: int, tier: str, tier_id: int
+    planned: list[_Planned], *, rank: int, target: int, tier: str, tier_id: int, suffix: str = ".safetensors"
 ) -> list[tuple[FileRecord, list[_Planned]]]:
     """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
     into files of about ``target`` bytes so that large states are written in parallel.
@@ -159,7 +159,7 @@ def _plan_files(
     result: list[tuple[FileRecord, list[_Planned]]] = []
     for items, stem in ((whole, f"shards/rank_{rank:05d}"), (chunks, f"shards/rank_{rank:05d}_sharded")):
         for index, group in enumerate(_split(items, target)):
-            name = f"{stem}.safetensors" if index == 0 else f"{stem}_p{index:03d}.safetensors"
+            name = f"{stem}{suffix}" if index == 0 else f"{stem}_p{index:03d}{suffix}"
             result.append((FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier), group))
     return result
 
@@ -293,6 +293,8 @@ def save(
     byte_budget: int = SaveOptions.byte_budget,
     io_threads: int = SaveOptions.io_threads,
     file_size_target: int = SaveOptions.file_size_target,
+    compression: str | None = None,
+    compression_level: int = SaveOptions.compression_level,
     model_id: str | None = None,
     step: int | None = None,
     epoch: int | None = None,
@@ -325,7 +327,12 @@ def save(
     name inside that store.
     """
     options = SaveOptions(
-        digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
+        digest=digest,
+        byte_budget=byte_budget,
+        io_threads=io_threads,
+        file_size_target=file_size_target,
+        compression=compression,
+        compression_level=compression_level,
     )
     job = _SaveJob(
         state,
@@ -428,6 +435,7 @@ class _SaveJob:
                 target=self.options.file_size_target,
                 tier=self.tier.name,
                 tier_id=self.tier.tier_id,
+                suffix=".safetensors.zst" if self.options.compression else ".safetensors",
             )
             for record, group in groups:
                 header = _layout(record, group, self.tier.tier_id)
@@ -464,6 +472,7 @@ class _SaveJob:
                 budget=self.budget,
                 io_threads=self.options.io_threads,
                 on_bytes=update,
+                compression_level=self.options.compression_level if self.options.compression else None,
             )
         finally:
             close()
@@ -545,6 +554,8 @@ def async_save(
     byte_budget: int = SaveOptions.byte_budget,
     io_threads: int = SaveOptions.io_threads,
     file_size_target: int = SaveOptions.file_size_target,
+    compression: str | None = None,
+    compression_level: int = SaveOptions.compression_level,
     model_id: str | None = None,
     step: int | None = None,
     epoch: int | None = None,
@@ -577,7 +588,12 @@ def async_save(
             raise SaveInProgressError(f"a save of {previous.path} is still in flight; pass wait=True to queue")
         previous._finished.wait()
     options = SaveOptions(
-        digest=digest, byte_budget=byte_budget, io_threads=io_threads, file_size_target=file_size_target
+        digest=digest,
+        byte_budget=byte_budget,
+        io_threads=io_threads,
+        file_size_target=file_size_target,
+        compression=compression,
+        compression_level=compression_level,
     )
     coordinator = Coordinator(process_group, timeout=timeout)
     location = locate(path, storage)

@@ -69,8 +69,20 @@ class SaveOptions:
     byte_budget: int = 256 * MiB
     io_threads: int = 2
     file_size_target: int = 512 * MiB
+    compression: str | None = None
+    compression_level: int = 3
 
     def __post_init__(self) -> None:
+        if self.compression not in (None, "zstd"):
+            raise UnsupportedValueError(f"option compression={self.compression!r} must be None or 'zstd'")
+        if (
+            isinstance(self.compression_level, bool)
+            or not isinstance(self.compression_level, int)
+            or not (-7 <= self.compression_level <= 22)
+        ):
+            raise UnsupportedValueError(
+                f"option compression_level={self.compression_level!r} must be an integer from -7 to 22"
+            )
         if self.digest not in DIGEST_ALGORITHMS:
             raise UnsupportedValueError(
                 f"option digest={self.digest!r} is not supported; choose one of " + ", ".join(DIGEST_ALGORITHMS)

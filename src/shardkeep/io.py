@@ -18,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import zstandard
+
 from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
 from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
-from shardkeep.manifest import FileRecord
+from shardkeep.manifest import Compression, FileRecord
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
 from shardkeep.tensors.shardfile import check_header, header_length, parse_header
 
@@ -115,6 +117,36 @@ class _Sink:
         self.size += len(view)
 
 
+class _CompressingWriter:
+    """A :class:`WriteHandle` that zstd-compresses everything written to ``inner``.
+
+    Single-threaded with a fixed level and no dictionary, so the same bytes always produce the
+    same compressed file; the frame records the content size, and no checksum (the manifest's
+    digest of the uncompressed bytes is the check)."""
+
+    def __init__(self, inner: WriteHandle, level: int, size: int) -> None:
+        self._inner = inner
+        compressor = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+        self._compressor = compressor.compressobj(size=size)
+        self.stored_size = 0
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        out = self._compressor.compress(data)
+        if out:
+            self._inner.write(out)
+            self.stored_size += len(out)
+
+    def commit(self) -> None:
+        tail = self._compressor.flush()
+        if tail:
+            self._inner.write(tail)
+            self.stored_size += len(tail)
+        self._inner.commit()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
 def _write_one(
     store: ByteStore,
     plan: ShardPlan,
@@ -123,9 +155,15 @@ def _write_one(
     share: int,
     hash_pool: ThreadPoolExecutor,
     on_bytes: Callable[[int], None] | None,
+    compression_level: int | None,
 ) -> FileRecord:
     digester = new_digester(algorithm)
-    handle = store.open_write(plan.path)
+    handle: WriteHandle = store.open_write(plan.path)
+    compressing = (
+        _CompressingWriter(handle, compression_level, plan.record.size) if compression_level is not None else None
+    )
+    if compressing is not None:
+        handle = compressing
     try:
         sink = _Sink(handle, digester, hash_pool)
         sink.put(memoryview(plan.header))
@@ -193,6 +231,11 @@ def _write_one(
         handle.abort()
         raise
     plan.record.digest = format_digest(algorithm, digester.hexdigest())
+    if compressing is not None:
+        assert compression_level is not None
+        plan.record.compression = Compression(
+            codec="zstd", level=compression_level, stored_size=compressing.stored_size
+        )
     return plan.record
 
 
@@ -204,9 +247,11 @@ def write_shards(
     budget: ByteBudget,
     io_threads: int,
     on_bytes: Callable[[int], None] | None = None,
+    compression_level: int | None = None,
 ) -> list[FileRecord]:
     """Write every planned file (at most ``io_threads`` at once), fsync each, and return their
-    records with digests filled in. The first failure is raised after all writers stop."""
+    records with digests filled in. The first failure is raised after all writers stop.
+    With ``compression_level``, each file is zstd-compressed at that level as it is written."""
     if not plans:
         return []
     workers = min(io_threads, len(plans))
@@ -216,7 +261,8 @@ def write_shards(
         ThreadPoolExecutor(2 * workers, thread_name_prefix="shardkeep-hash") as hash_pool,
     ):
         futures = [
-            pool.submit(_write_one, store, plan, algorithm, budget, share, hash_pool, on_bytes) for plan in plans
+            pool.submit(_write_one, store, plan, algorithm, budget, share, hash_pool, on_bytes, compression_level)
+            for plan in plans
         ]
         records: list[FileRecord] = []
         first_error: BaseException | None = None
@@ -288,6 +334,38 @@ def _read_ranges(handle: ReadHandle, record: FileRecord, needed: list[int], use_
     return data
 
 
+def _check_compressed(
+    handle: ReadHandle,
+    record: FileRecord,
+    *,
+    verify: bool,
+    keep: bool,
+    on_bytes: Callable[[int], None] | None,
+) -> tuple[memoryview | None, list[str]]:
+    """Decompress a whole file, never beyond the size the manifest declares (a compression bomb
+    is refused), then check its digest and header like an uncompressed file."""
+    stored = memoryview(bytearray(handle.size))
+    if handle.size:
+        handle.read_into(0, stored)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=record.size)
+    except zstandard.ZstdError as exc:
+        return None, [f"{record.path}: cannot be decompressed ({exc})"]
+    if len(raw) != record.size:
+        return None, [f"{record.path}: decompresses to {len(raw)} bytes, manifest says {record.size}"]
+    data = memoryview(bytearray(raw))
+    problems: list[str] = []
+    if verify:
+        if not record.digest:
+            problems.append(f"{record.path}: has no digest, so it cannot be verified")
+        elif not digests_equal(record.digest, _digest_view(record.digest.partition(":")[0], data)):
+            problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        if on_bytes:
+            on_bytes(handle.size)
+    problems.extend(_header_problems(handle, data, record))
+    return (data if keep else None), problems
+
+
 def check_shard(
     store: ByteStore,
     path: str,
@@ -315,8 +393,10 @@ def check_shard(
     except ShardkeepError as exc:
         return None, [f"{record.path}: {exc}"]
     try:
-        if handle.size != record.size:
-            return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.size}"]
+        if handle.size != record.stored_size:
+            return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.stored_size}"]
+        if record.compression is not None:
+            return _check_compressed(handle, record, verify=verify, keep=keep, on_bytes=on_bytes)
         data: memoryview | None = None
         partial = (
             keep

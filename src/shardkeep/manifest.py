@@ -32,6 +32,7 @@ __all__ = [
     "METADATA_VERSION",
     "SIGNATURE_FILENAME",
     "STAGING_MARKER",
+    "Compression",
     "ContainerEntry",
     "FileRecord",
     "Manifest",
@@ -120,8 +121,18 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     digest: str | None = None
 
 
+class Compression(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """How a data file is compressed on storage. ``stored_size`` is the compressed size; the
+    file record's ``size`` and ``digest`` describe the uncompressed safetensors bytes."""
+
+    codec: Literal["zstd"]
+    level: int
+    stored_size: int
+
+
 class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """One data file (a valid safetensors file), relative to its tier's location."""
+    """One data file (a valid safetensors file, or one compressed as ``compression`` says),
+    relative to its tier's location."""
 
     path: str
     rank: int
@@ -130,6 +141,12 @@ class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     version: int = 1
     tier: str = "hot"
     tensors: list[TensorEntry] = msgspec.field(default_factory=list)
+    compression: Compression | None = None
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes on storage: the compressed size, or ``size``."""
+        return self.compression.stored_size if self.compression is not None else self.size
 
 
 class Sharding(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -450,7 +467,7 @@ _CHILD_STRUCTS.update(
             "structure": (ContainerEntry, True),
             "values": (ValueEntry, True),
         },
-        FileRecord: {"tensors": (TensorEntry, True)},
+        FileRecord: {"tensors": (TensorEntry, True), "compression": (Compression, False)},
     }
 )
 
@@ -585,6 +602,10 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
             err(f"{where} has rank {record.rank}, outside world_size {manifest.world_size}")
         if record.size < 0:
             err(f"{where} has a negative size {record.size}")
+        if record.compression is not None and (
+            record.compression.stored_size < 0 or not -7 <= record.compression.level <= 22
+        ):
+            err(f"{where} has invalid compression settings {msgspec.to_builtins(record.compression)}")
         if record.version < 0:
             err(f"{where} has a negative version {record.version}")
         if tier_names and record.tier not in tier_names:
