@@ -872,21 +872,45 @@ def load(
 
 
 class _Region:
-    """This rank's region of a sharded tensor, assembled from only the chunks that overlap it."""
+    """This rank's region of a sharded tensor, to be filled from only the chunks overlapping it.
 
-    __slots__ = ("global_shape", "offset", "tensor")
+    Nothing is copied until :meth:`copy_into` (straight into the target's local shard, so a
+    load makes one copy) or :meth:`materialize`.
+    """
 
-    def __init__(self, tensor: torch.Tensor, offset: list[int], global_shape: list[int]) -> None:
-        self.tensor = tensor
+    __slots__ = ("dtype", "global_shape", "offset", "parts", "shape")
+
+    def __init__(
+        self, parts: list[tuple[TensorEntry, Any]], offset: list[int], shape: list[int], global_shape: list[int]
+    ) -> None:
+        self.parts = parts
         self.offset = offset
+        self.shape = shape
         self.global_shape = global_shape
+        self.dtype = parts[0][1].dtype
+
+    def copy_into(self, local: torch.Tensor) -> None:
+        for entry, array in self.parts:
+            assert entry.global_offset is not None
+            overlap = _overlap(entry.global_offset, entry.shape, self.offset, self.shape)
+            if overlap is None:
+                continue
+            start, size = overlap
+            source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, entry.global_offset, size, strict=True))
+            target = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, self.offset, size, strict=True))
+            local[target].copy_(array[source])
+
+    def materialize(self) -> torch.Tensor:
+        local = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(local)
+        return local
 
 
 def _assemble(
     parts: list[tuple[TensorEntry, Any]], region: tuple[list[int], list[int]] | None
 ) -> tuple[list[str | int], int, Any]:
-    """The full tensor (``region`` None), or just ``region`` = (offset, shape) of it, from the
-    chunks that tile it (coverage was checked with the manifest)."""
+    """The full tensor (``region`` None), or a lazy :class:`_Region` = (offset, shape) of it,
+    from the chunks that tile it (coverage was checked with the manifest)."""
     first, sample = parts[0]
     assert first.global_shape is not None
     if region is None:
@@ -896,17 +920,7 @@ def _assemble(
             full[_region(entry.global_offset, entry.shape)].copy_(array)
         return first.path, first.order, full
     offset, shape = region
-    local = torch.empty(shape, dtype=sample.dtype)
-    for entry, array in parts:
-        assert entry.global_offset is not None
-        overlap = _overlap(entry.global_offset, entry.shape, offset, shape)
-        if overlap is None:
-            continue
-        start, size = overlap
-        source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, entry.global_offset, size, strict=True))
-        target = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, offset, size, strict=True))
-        local[target].copy_(array[source])
-    return first.path, first.order, _Region(local, offset, first.global_shape)
+    return first.path, first.order, _Region(parts, offset, shape, first.global_shape)
 
 
 def _overlap(
@@ -1046,13 +1060,14 @@ def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:
     """Copy this rank's region of the loaded tensor into a DTensor's local shard."""
     offset, local_shape = local_region(current)
     if isinstance(new, _Region):
-        if new.global_shape != list(current.shape) or new.offset != offset or new.tensor.dtype != current.dtype:
+        if new.global_shape != list(current.shape) or new.offset != offset or new.dtype != current.dtype:
             raise UnsupportedValueError(
                 _describe_mismatch(
-                    name, f"DTensor {current.dtype}{list(current.shape)}", f"{new.tensor.dtype}{new.global_shape}"
+                    name, f"DTensor {current.dtype}{list(current.shape)}", f"{new.dtype}{new.global_shape}"
                 )
             )
-        return _copy_tensor(current.to_local(), new.tensor)
+        local = current.to_local()
+        return lambda: new.copy_into(local)
     if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
         found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
         raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
@@ -1083,7 +1098,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
         for field_name, value in values.items():
             if isinstance(value, _Region) and isinstance(param, DTensor):
                 value = DTensor.from_local(
-                    value.tensor,
+                    value.materialize(),
                     param.device_mesh,
                     param.placements,
                     run_check=False,
