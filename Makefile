@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test lint typecheck unit demo bench clean
+.PHONY: test lint typecheck unit demo bench bench-distributed clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/save_load.py
+
+bench-distributed: $(STAMP)
+	$(PY) bench/distributed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -134,3 +134,13 @@ def test_async_save_across_ranks_commits_through_the_store(tmp_path: Path) -> No
     assert torch.equal(loaded["replicated"], torch.full((6,), 3.0))
     assert not (tmp_path / "broken").exists()
     assert [name for name in os.listdir(tmp_path) if name.startswith("broken")] == []
+
+
+def test_async_manifest_records_the_same_sections_as_a_sync_save(tmp_path: Path) -> None:
+    state = make_state(seed=2)
+    state["layers.0.router.weight"] = torch.zeros(2)
+    synchronous = sk.save(state, tmp_path / "sync")
+    asynchronous = sk.async_save(state, tmp_path / "async").result(timeout=60)
+    assert asynchronous.optim_state == synchronous.optim_state
+    assert asynchronous.router_state == synchronous.router_state
+    assert asynchronous.training == synchronous.training

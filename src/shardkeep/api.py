@@ -719,7 +719,11 @@ def _manifest_for(
     sections: tuple[StateSection | None, StateSection | None, Training] | None,
 ) -> Manifest:
     """The manifest of this save, with this rank's file records (the coordinator merges all)."""
-    optim, router, detected = sections or _sections(state, [leaf.key for leaf in flat.tensors])
+    optim, router, detected = _sections(state, [leaf.key for leaf in flat.tensors])
+    if sections is not None:
+        # An async save describes a snapshot, where modules and optimizers are plain dicts: the
+        # optimizer section and training fields come from the caller's original state.
+        optim, _, detected = sections
     chunked = any(item.global_offset is not None for items in held for item in items)
     strategy = metadata.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(

@@ -6,7 +6,6 @@ checked in one place and a bad value produces an error that names the option and
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from shardkeep.errors import UnsupportedValueError
@@ -92,11 +91,6 @@ class SaveOptions:
         _require_positive_int("file_size_target", self.file_size_target)
         if self.byte_budget < 1 * MiB:
             raise UnsupportedValueError(f"option byte_budget={self.byte_budget!r} is below the 1 MiB minimum")
-
-    @staticmethod
-    def default_io_threads() -> int:
-        """A sensible thread count for this machine: the core count, between 2 and 8."""
-        return max(2, min(8, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True, kw_only=True)

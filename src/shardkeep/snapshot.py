@@ -39,10 +39,6 @@ class StagingArena:
         self._buffer: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self._buffer is None else int(self._buffer.numel())
-
     def reserve(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (grown by a quarter more when too small)."""
         with self._lock:

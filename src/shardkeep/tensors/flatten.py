@@ -21,7 +21,7 @@ import torch
 from shardkeep.errors import ManifestError, UnsupportedValueError
 from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry, key_for_path
 
-__all__ = ["FlatState", "TensorLeaf", "flatten_state", "is_plain_json", "key_of", "rebuild_state"]
+__all__ = ["FlatState", "TensorLeaf", "flatten_state", "is_plain_json", "rebuild_state"]
 
 #: Deeper nesting than this is refused on save (and catches reference cycles). It equals the
 #: manifest's default ``max_path_components``.
@@ -52,9 +52,6 @@ class FlatState:
     tensors: list[TensorLeaf] = field(default_factory=list)
     values: list[ValueEntry] = field(default_factory=list)
     containers: list[ContainerEntry] = field(default_factory=list)
-
-
-key_of = key_for_path
 
 
 def _is_plain_json(value: Any, depth: int) -> bool:
@@ -95,7 +92,7 @@ class _Flattener:
 
     def claim(self, path: tuple[str | int, ...], key: str | None = None) -> str:
         if key is None:
-            key = key_of(path)
+            key = key_for_path(path)
         if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
             raise UnsupportedValueError(f"key {key[:60]!r}... is longer than {MAX_KEY_BYTES} bytes")
         previous = self.keys.get(key)
@@ -109,7 +106,7 @@ class _Flattener:
     def visit(self, value: Any, path: tuple[str | int, ...]) -> None:
         if len(path) > MAX_PATH_DEPTH:
             raise UnsupportedValueError(
-                f"state is nested deeper than {MAX_PATH_DEPTH} levels at {key_of(path[:8])!r}... (a reference cycle?)"
+                f"state is nested deeper than {MAX_PATH_DEPTH} levels at {key_for_path(path[:8])!r}... (a reference cycle?)"
             )
         if isinstance(value, (torch.Tensor, np.ndarray)):
             self.flat.tensors.append(TensorLeaf(self.claim(path), path, value, self.next_order()))
@@ -131,7 +128,7 @@ class _Flattener:
             state = value.state_dict()
             if not isinstance(state, Mapping):
                 raise UnsupportedValueError(
-                    f"{type(value).__name__}.state_dict() at {key_of(path)!r} returned {type(state).__name__}, not a mapping"
+                    f"{type(value).__name__}.state_dict() at {key_for_path(path)!r} returned {type(state).__name__}, not a mapping"
                 )
             self._mapping(state, path, "state_dict")
             return
@@ -148,21 +145,21 @@ class _Flattener:
                 self.visit(item, (*path, index))
             return
         if isinstance(value, int) and not isinstance(value, bool):
-            raise UnsupportedValueError(f"integer at {key_of(path)!r} does not fit in 64 bits")
+            raise UnsupportedValueError(f"integer at {key_for_path(path)!r} does not fit in 64 bits")
         raise UnsupportedValueError(
-            f"value at {key_of(path) or '<root>'!r} has type {type(value).__module__}.{type(value).__qualname__}, "
+            f"value at {key_for_path(path) or '<root>'!r} has type {type(value).__module__}.{type(value).__qualname__}, "
             "which shardkeep does not store: use tensors, numpy arrays, JSON values, or objects "
             "with state_dict()/load_state_dict()"
         )
 
     def _mapping(self, mapping: Mapping[Any, Any], path: tuple[str | int, ...], kind: str) -> None:
         self.flat.containers.append(ContainerEntry(path=list(path), kind=kind, order=self.next_order()))  # type: ignore[arg-type]  # kind is one of the Literal values
-        prefix = key_of(path) + "." if path else ""
+        prefix = key_for_path(path) + "." if path else ""
         tensors = self.flat.tensors
         for key, item in mapping.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise UnsupportedValueError(
-                    f"key {key!r} under {key_of(path) or '<root>'!r} has type {type(key).__name__}; keys must be str or int"
+                    f"key {key!r} under {key_for_path(path) or '<root>'!r} has type {type(key).__name__}; keys must be str or int"
                 )
             if isinstance(item, torch.Tensor):
                 # The common case, kept short: most leaves of a training state are tensors.
@@ -227,9 +224,9 @@ def _parent_node(nodes: dict[tuple[str | int, ...], _Node], path: tuple[str | in
         raise ManifestError("a state leaf has an empty path")
     parent = nodes.get(path[:-1])
     if parent is None:
-        raise ManifestError(f"state leaf {key_of(path)!r} has no recorded parent container")
+        raise ManifestError(f"state leaf {key_for_path(path)!r} has no recorded parent container")
     if path[-1] in parent.children:
-        raise ManifestError(f"state path {key_of(path)!r} is defined twice")
+        raise ManifestError(f"state path {key_for_path(path)!r} is defined twice")
     return parent
 
 
