@@ -48,6 +48,7 @@ LAYER_ORDER = [
     "snapshot",
     "io",
     "dist",
+    "retention",
     "verification",
     "api",
     "cli",
@@ -66,6 +67,7 @@ TORCH_FREE = [
     "shardkeep.io",
     "shardkeep.dist.commit",
     "shardkeep.verification",
+    "shardkeep.retention",
     "shardkeep.cli",
 ]
 
