@@ -54,6 +54,7 @@ from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.storage.base import ByteStore
 from shardkeep.storage.local import LocalStore
 from shardkeep.tensors.convert import (
+    NAME_TO_TORCH,
     array_from_buffer,
     byte_view,
     contiguous_pieces,
@@ -486,9 +487,15 @@ class _SaveJob:
         if self.coordinator.distributed:
             manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
             manifest.sharding.shard_count = len(manifest.files)
-            problems = coverage_problems(manifest) + validate_manifest(manifest).errors
-            if problems:
-                raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
+            problems = validate_manifest(manifest).errors
+        else:
+            problems = []
+        # Never commit what load would refuse: every tensor tiled exactly once, every leaf placed.
+        problems += coverage_problems(manifest)
+        if problems:
+            raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
+        for record in manifest.files:
+            self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
         self.commit.commit(sealed)
@@ -527,7 +534,7 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> Manifest:
         if not self._finished.wait(timeout):
-            raise TimeoutError(f"the save of {self.path} did not finish within {timeout} s")
+            raise SaveInProgressError(f"the save of {self.path} is still running after {timeout} s")
         if self._error is not None:
             raise self._error
         assert self._manifest is not None
@@ -539,7 +546,7 @@ class SaveHandle:
         self._finished.set()
 
 
-_inflight_lock = threading.Lock()
+_submit_lock = threading.Lock()
 _inflight: SaveHandle | None = None
 _arena = StagingArena()
 
@@ -579,22 +586,56 @@ def async_save(
     rank posts its outcome to the process group's key-value store, and the coordinator commits
     once every rank has reported (or fails at the ``timeout`` deadline).
     """
-    global _inflight
     started = time.perf_counter()
-    with _inflight_lock:
-        previous = _inflight
+    # One save at a time, from the snapshot until the handle is registered: two threads must
+    # never stage into the shared arena together.
+    if not _submit_lock.acquire(blocking=wait, timeout=timeout if wait else -1):
+        raise SaveInProgressError("another async_save is staging in this process; pass wait=True to queue")
+    try:
+        return _submit(
+            state,
+            path,
+            started=started,
+            wait=wait,
+            staging_budget=staging_budget,
+            options=SaveOptions(
+                digest=digest,
+                byte_budget=byte_budget,
+                io_threads=io_threads,
+                file_size_target=file_size_target,
+                compression=compression,
+                compression_level=compression_level,
+            ),
+            metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+            storage=storage,
+            process_group=process_group,
+            timeout=timeout,
+        )
+    finally:
+        _submit_lock.release()
+
+
+def _submit(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    started: float,
+    wait: bool,
+    staging_budget: int | None,
+    options: SaveOptions,
+    metadata: _SaveMetadata,
+    storage: ByteStore | None,
+    process_group: Any,
+    timeout: float,
+) -> SaveHandle:
+    """The body of :func:`async_save`, run while holding ``_submit_lock``."""
+    global _inflight
+    previous = _inflight
     if previous is not None and not previous.done():
         if not wait:
             raise SaveInProgressError(f"a save of {previous.path} is still in flight; pass wait=True to queue")
-        previous._finished.wait()
-    options = SaveOptions(
-        digest=digest,
-        byte_budget=byte_budget,
-        io_threads=io_threads,
-        file_size_target=file_size_target,
-        compression=compression,
-        compression_level=compression_level,
-    )
+        if not previous._finished.wait(timeout):
+            raise SaveInProgressError(f"the previous save of {previous.path} is still running after {timeout:.0f} s")
     coordinator = Coordinator(process_group, timeout=timeout)
     location = locate(path, storage)
     staged: dict[str, Any] = {}
@@ -612,13 +653,16 @@ def async_save(
         coordinator,
         budget=None,
         progress=False,
-        metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+        metadata=metadata,
         sections=_sections(state, []),
     )
-    job.prepare()
+    try:
+        job.prepare()
+    except BaseException:
+        job.abort()
+        raise
     handle = SaveHandle(str(location))
-    with _inflight_lock:
-        _inflight = handle
+    _inflight = handle
     worker = threading.Thread(target=_finish_in_background, args=(job, handle), name="shardkeep-async-save")
     worker.start()
     handle.blocked_seconds = time.perf_counter() - started
@@ -626,24 +670,23 @@ def async_save(
 
 
 def _finish_in_background(job: _SaveJob, handle: SaveHandle) -> None:
-    """Write this rank's files and complete the commit without any collective."""
-    coordinator = job.coordinator
-    if not coordinator.distributed:
-        try:
-            records = job.write()
-            manifest = job.finish([records])
-        except BaseException as exc:
-            job.abort()
-            handle._complete(None, exc)
-            return
-        handle._complete(manifest, None)
-        return
+    """Write this rank's files and complete the commit without any collective. The handle is
+    always completed, even when cleaning up after a failure fails too."""
+    manifest: Manifest | None = None
+    error: BaseException | None = None
     try:
-        manifest = _finish_through_store(job)
+        if job.coordinator.distributed:
+            manifest = _finish_through_store(job)
+        else:
+            try:
+                manifest = job.finish([job.write()])
+            except BaseException:
+                job.abort()
+                raise
     except BaseException as exc:
-        handle._complete(None, exc)
-        return
-    handle._complete(manifest, None)
+        error = exc
+    finally:
+        handle._complete(manifest, error)
 
 
 def _finish_through_store(job: _SaveJob) -> Manifest:
@@ -670,6 +713,8 @@ def _finish_through_store(job: _SaveJob) -> Manifest:
             keys = [f"{prefix}/rank{rank}" for rank in range(coordinator.world_size)]
             store.wait(keys, deadline)
             outcomes = [pickle.loads(store.get(key)) for key in keys]
+            for key in keys:
+                store.delete_key(key)
             failures = {rank: text for rank, (kind, text) in enumerate(outcomes) if kind == "error"}
             if failures:
                 raise CoordinationError(
@@ -679,25 +724,34 @@ def _finish_through_store(job: _SaveJob) -> Manifest:
                 )
             manifest = job.finish([records for _, records in outcomes])
             assert manifest is not None
-            result = ("ok", manifest)
+            result = ("ok", None)  # a small key: the other ranks read the committed manifest
         except BaseException as exc:
-            job.abort()
             failures = exc.failures if isinstance(exc, CoordinationError) else {0: f"{type(exc).__name__}: {exc}"}
             message = str(exc) if isinstance(exc, CoordinationError) else f"committing failed on rank 0: {exc}"
             if "deadline" not in message and not isinstance(exc, ShardkeepError):
                 message = f"{message} (a rank may have missed the {coordinator.timeout:.0f} s deadline)"
+            try:
+                job.abort()
+            except ShardkeepError as cleanup:
+                message = f"{message}; removing the staging directory failed too: {cleanup}"
             result = ("error", (message, failures))
         store.set(f"{prefix}/result", pickle.dumps(result))  # type: ignore[arg-type]  # Store.set takes bytes too
+        if result[0] == "ok":
+            return cast(Manifest, job.manifest)
     else:
         try:
-            store.wait([f"{prefix}/result"], deadline)
+            # The coordinator may spend up to one deadline waiting for the slowest rank and then
+            # commit: wait for two, so a slow but successful commit is not reported as failed.
+            store.wait([f"{prefix}/result"], 2 * deadline)
             result = pickle.loads(store.get(f"{prefix}/result"))
         except Exception as exc:
             raise CoordinationError(
-                f"the coordinator did not report the commit within the {coordinator.timeout:.0f} s deadline: {exc}"
+                f"the coordinator did not report the outcome within twice the {coordinator.timeout:.0f} s "
+                f"deadline; the checkpoint may or may not have been committed ({exc})"
             ) from exc
+
     if result[0] == "ok":
-        return cast(Manifest, result[1])
+        return read_manifest(job.location.name, storage=job.location.store)
     error_message, error_failures = cast(tuple[str, dict[int, str]], result[1])
     raise CoordinationError(error_message, error_failures)
 
@@ -868,6 +922,12 @@ def load(
                     chunks.setdefault(entry.key, []).append((entry, array))
         for key, parts in chunks.items():
             tensors.append(_assemble(parts, wanted.get(key)))
+        for key in wanted.keys() - chunks.keys():
+            # This rank's region is empty (fewer rows than ranks): no chunk overlaps it.
+            first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
+            assert first.global_shape is not None
+            offset, shape = wanted[key]
+            tensors.append((first.path, first.order, _Region([], offset, shape, first.global_shape, first.dtype)))
         loaded = rebuild_state(manifest.structure, manifest.values, tensors)
     if into is None:
         return loaded
@@ -885,13 +945,18 @@ class _Region:
     __slots__ = ("dtype", "global_shape", "offset", "parts", "shape")
 
     def __init__(
-        self, parts: list[tuple[TensorEntry, Any]], offset: list[int], shape: list[int], global_shape: list[int]
+        self,
+        parts: list[tuple[TensorEntry, Any]],
+        offset: list[int],
+        shape: list[int],
+        global_shape: list[int],
+        dtype_name: str,
     ) -> None:
         self.parts = parts
         self.offset = offset
         self.shape = shape
         self.global_shape = global_shape
-        self.dtype = parts[0][1].dtype
+        self.dtype = NAME_TO_TORCH[dtype_name]
 
     def copy_into(self, local: torch.Tensor) -> None:
         for entry, array in self.parts:
@@ -924,7 +989,7 @@ def _assemble(
             full[_region(entry.global_offset, entry.shape)].copy_(array)
         return first.path, first.order, full
     offset, shape = region
-    return first.path, first.order, _Region(parts, offset, shape, first.global_shape)
+    return first.path, first.order, _Region(parts, offset, shape, first.global_shape, first.dtype)
 
 
 def _overlap(

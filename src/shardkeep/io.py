@@ -167,8 +167,10 @@ def _write_one(
     try:
         sink = _Sink(handle, digester, hash_pool)
         sink.put(memoryview(plan.header))
-        chunk_size = max(64 * 1024, min(8 * MiB, share // 2))
-        piece_max = max(MiB, share - chunk_size)
+        # This thread holds at most one buffer of small tensors and one copied piece at once;
+        # both fit in its share of the budget, so no thread ever waits on its own bytes.
+        chunk_size = max(4096, min(8 * MiB, share // 4))
+        piece_max = max(4096, min(8 * MiB, share - chunk_size))
         buffer: bytearray | None = None
         filled = 0
         try:
@@ -254,7 +256,7 @@ def write_shards(
     With ``compression_level``, each file is zstd-compressed at that level as it is written."""
     if not plans:
         return []
-    workers = min(io_threads, len(plans))
+    workers = max(1, min(io_threads, len(plans), budget.limit // (64 * 1024)))
     share = budget.limit // workers
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-write") as pool,
@@ -327,6 +329,10 @@ def _read_ranges(handle: ReadHandle, record: FileRecord, needed: list[int], use_
     if use_mmap:
         return handle.map()
     data = memoryview(bytearray(handle.size))
+    prefix = min(handle.size, 8)
+    handle.read_into(0, data[:prefix])
+    header_end = min(handle.size, 8 + header_length(data[:prefix], handle.size))
+    handle.read_into(0, data[:header_end])
     for index in needed:
         entry = record.tensors[index]
         if entry.nbytes:
@@ -347,13 +353,25 @@ def _check_compressed(
     stored = memoryview(bytearray(handle.size))
     if handle.size:
         handle.read_into(0, stored)
+    data = memoryview(bytearray(record.size))
     try:
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=record.size)
-    except zstandard.ZstdError as exc:
+        declared = zstandard.get_frame_parameters(stored).content_size
+        if declared not in (record.size, zstandard.CONTENTSIZE_UNKNOWN):
+            return None, [f"{record.path}: would decompress to {declared} bytes, manifest says {record.size}"]
+        # Stream into a buffer of exactly the declared size, asking for one byte more: output
+        # beyond the manifest's size is never produced, whatever the frame claims.
+        with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True) as reader:
+            filled = reader.readinto(data)
+            while filled < record.size:
+                more = reader.readinto(data[filled:])
+                if more == 0:
+                    break
+                filled += more
+            extra = reader.read(1)
+    except (zstandard.ZstdError, OSError) as exc:
         return None, [f"{record.path}: cannot be decompressed ({exc})"]
-    if len(raw) != record.size:
-        return None, [f"{record.path}: decompresses to {len(raw)} bytes, manifest says {record.size}"]
-    data = memoryview(bytearray(raw))
+    if filled != record.size or extra:
+        return None, [f"{record.path}: decompresses to a different size than the manifest's {record.size} bytes"]
     problems: list[str] = []
     if verify:
         if not record.digest:

@@ -634,6 +634,18 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
             if start_b < end_a and end_a > start_a:
                 err(f"{where}: byte ranges of {key_a!r} and {key_b!r} overlap")
 
+    containers = {tuple(container.path) for container in manifest.structure}
+    if containers:
+        orphans = [
+            entry.key
+            for record in manifest.files
+            for entry in record.tensors
+            if tuple(entry.path[:-1]) not in containers
+        ]
+        orphans += [value.key for value in manifest.values if tuple(value.path[:-1]) not in containers]
+        orphans += [key_for_path(c.path) for c in manifest.structure if c.path and tuple(c.path[:-1]) not in containers]
+        if orphans:
+            err(f"{len(orphans)} state path(s) have no parent container in structure, e.g. {orphans[0]!r}")
     tensor_keys = {key for key, _ in seen_keys}
     value_keys: set[str] = set()
     for value in manifest.values:
@@ -707,6 +719,8 @@ def _validate_tensor(
         result.add_warning(f"tensor {key!r} in {where}: expert tensor without an expert_key")
     if entry.global_shape is None and entry.global_offset is None:
         return
+    if entry.array_type != "torch":
+        err("a chunk of a sharded tensor must be a torch tensor")
     if entry.global_shape is None or entry.global_offset is None:
         err("global_shape and global_offset must be given together")
     elif not len(entry.global_shape) == len(entry.global_offset) == len(shape):
