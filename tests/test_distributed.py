@@ -285,3 +285,38 @@ def test_each_loading_rank_reads_only_the_chunks_that_overlap_its_shard(tmp_path
                 assert touched == 0, (rank, name, touched)  # never opened
         if rank != 1:
             assert sum(result["read_by_file"].get(name, 0) for name in sharded) < sum(sharded.values())
+
+
+def _recover_after_a_missed_deadline(rank: int, world_size: int, root: str) -> list[str]:
+    import torch.distributed as dist
+
+    from shardkeep.storage import LocalStore
+
+    class SlowStore(LocalStore):
+        def __init__(self, path: str, delay: float) -> None:
+            super().__init__(path)
+            self.delay = delay
+
+        def open_write(self, path: str) -> Any:
+            time.sleep(self.delay)
+            return super().open_write(path)
+
+    outcomes = []
+    for attempt, delay in enumerate((4.0, 0.0)):
+        store = SlowStore(root, delay if rank == 0 else 0.0)
+        try:
+            sk.save({"a": torch.ones(1000)}, f"ck{attempt}", storage=store, timeout=2.0)
+            outcomes.append("ok")
+        except sk.CoordinationError:
+            outcomes.append("deadline")
+        # The user's own group is untouched by the broken checkpoint group: resynchronize on it.
+        dist.barrier()
+    return outcomes
+
+
+def test_saves_work_again_after_a_missed_deadline(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    results = results_or_raise(run_ranks(2, _recover_after_a_missed_deadline, str(root), outbox=tmp_path / "out"))
+    assert results == [["deadline", "ok"], ["deadline", "ok"]]
+    assert sk.verify(root / "ck1").ok and not (root / "ck0").exists()

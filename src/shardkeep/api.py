@@ -344,9 +344,9 @@ def save(
         progress=progress,
         metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
     )
-    job.prepare()
     coordinator = job.coordinator
     try:
+        job.prepare()
         records = coordinator.step("write the shards", job.write)
         committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
     except BaseException:
@@ -429,6 +429,11 @@ class _SaveJob:
             planned_here = self.planned
         staging = coordinator.step("begin the save", self._begin)[0]
         self.commit = CheckpointCommit(self.location.store, self.location.name, staging)
+        coordinator.step("lay out the files", lambda: self._lay_out(planned_here, held))
+
+    def _lay_out(self, planned_here: list[_Planned], held: list[list[ItemDescriptor]]) -> None:
+        coordinator = self.coordinator
+        assert self.commit is not None
         with _collector_paused():
             groups = _plan_files(
                 planned_here,

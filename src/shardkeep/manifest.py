@@ -245,7 +245,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
     """The manifest as compact UTF-8 JSON (not yet sealed; see ``integrity.seal_manifest``)."""
     try:
         return _encoder.encode(manifest)
-    except (msgspec.EncodeError, OverflowError, TypeError) as exc:
+    except (msgspec.EncodeError, OverflowError, TypeError, UnicodeEncodeError) as exc:
         raise ManifestError(f"cannot encode manifest: {exc}") from exc
 
 

@@ -35,7 +35,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 300.0
 
 _groups: dict[tuple[int, float], Any] = {}
-_groups_lock = threading.Lock()
+_groups_lock = threading.RLock()
 
 
 class RankFailure:
@@ -100,6 +100,14 @@ class Coordinator:
                 _groups[key] = group
             return group
 
+    def _forget_group(self) -> None:
+        """A gloo group that timed out stays broken: drop it so the next save makes a new one.
+        Every rank gets the same error and drops it too, so all create the next one together."""
+        with _groups_lock:
+            for key, group in list(_groups.items()):
+                if group is self.group:
+                    del _groups[key]
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
@@ -115,6 +123,7 @@ class Coordinator:
         except ShardkeepError:
             raise
         except Exception as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            self._forget_group()
             raise CoordinationError(
                 f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke: {exc}",
                 {},

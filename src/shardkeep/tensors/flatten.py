@@ -93,7 +93,12 @@ class _Flattener:
     def claim(self, path: tuple[str | int, ...], key: str | None = None) -> str:
         if key is None:
             key = key_for_path(path)
-        if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise UnsupportedValueError(f"key {key!r} is not valid Unicode text (a lone surrogate?)") from exc
+        if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8")) > MAX_KEY_BYTES:
             raise UnsupportedValueError(f"key {key[:60]!r}... is longer than {MAX_KEY_BYTES} bytes")
         previous = self.keys.get(key)
         if previous is not None:
