@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardkeep as sk
 from conftest import flip_bit, make_state
@@ -89,3 +90,12 @@ def test_cli_does_not_import_torch_and_module_entry_point_works(checkpoint: Path
     assert result.returncode == 0 and "OK" in result.stdout
     result = subprocess.run([sys.executable, "-m", "shardkeep", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "inspect" in result.stdout and "verify" in result.stdout
+
+
+def test_inspect_escapes_control_characters_from_the_manifest(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    sk.save({"evil\x1b[2Jkey": torch.zeros(1)}, path, model_id="m\x1b]0;title\x07")
+    code, out, _ = run("inspect", str(path))
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out
+    assert "evil\\x1b[2Jkey" in out

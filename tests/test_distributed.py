@@ -320,3 +320,36 @@ def test_saves_work_again_after_a_missed_deadline(tmp_path: Path) -> None:
     results = results_or_raise(run_ranks(2, _recover_after_a_missed_deadline, str(root), outbox=tmp_path / "out"))
     assert results == [["deadline", "ok"], ["deadline", "ok"]]
     assert sk.verify(root / "ck1").ok and not (root / "ck0").exists()
+
+
+def test_coverage_check_finds_gaps_and_overlaps_quickly() -> None:
+    from shardkeep.dist.plan import coverage_problems
+    from shardkeep.manifest import FileRecord, Manifest, TensorEntry
+
+    def manifest_with(chunks: list[tuple[list[int], list[int]]], global_shape: list[int]) -> Manifest:
+        entries = [
+            TensorEntry(
+                key="w",
+                path=["w"],
+                dtype="F32",
+                shape=shape,
+                offset=0,
+                nbytes=0,
+                global_shape=global_shape,
+                global_offset=offset,
+            )
+            for offset, shape in chunks
+        ]
+        return Manifest(files=[FileRecord(path="f", rank=0, size=0, digest=None, tensors=entries)])
+
+    rows = [([i, 0], [1, 8]) for i in range(4096)]
+    started = time.monotonic()
+    assert coverage_problems(manifest_with(rows, [4096, 8])) == []
+    columns = [([0, i], [8, 1]) for i in range(4096)]
+    assert coverage_problems(manifest_with(columns, [8, 4096])) == []
+    assert time.monotonic() - started < 5
+    # Same total volume as the whole tensor, but two chunks share element (0, 1) and (1, 1) is missing.
+    overlapping = [([0, 0], [1, 2]), ([0, 1], [2, 1])]
+    assert any("overlap" in p for p in coverage_problems(manifest_with(overlapping, [2, 2])))
+    gap = [([0, 0], [1, 4]), ([2, 0], [1, 4])]
+    assert any("cover" in p for p in coverage_problems(manifest_with(gap, [3, 4])))

@@ -178,3 +178,15 @@ def test_header_that_disagrees_with_the_manifest_is_caught(tmp_path: Path) -> No
     with pytest.raises(sk.IntegrityError, match="header"):
         sk.load(checkpoint)
     assert any("header" in p for p in sk.verify(checkpoint).problems)
+
+
+def test_a_very_deep_directory_tree_inside_a_checkpoint_is_a_typed_problem(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint)
+    deep = checkpoint
+    for _ in range(200):  # far deeper than any legitimate layout; walked without recursion
+        deep = deep / "a"
+    deep.mkdir(parents=True)
+    assert not sk.verify(checkpoint).ok
+    with pytest.raises(sk.IntegrityError):
+        sk.load(checkpoint)

@@ -307,3 +307,29 @@ print((after - before) // 1024)
     growth_mib = int(result.stdout.strip())
     assert growth_mib < 64, f"peak RSS grew by {growth_mib} MiB for a 16 MiB budget"
     assert sk.verify(tmp_path / "ckpt").ok
+
+
+def test_targets_that_cannot_be_filled_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=0.1)
+    sk.save({"model": model, "optim": optimizer, "a": torch.ones(3), "n": np.ones(3)}, tmp_path / "ckpt")
+
+    fresh = torch.nn.Linear(4, 2)
+    before = fresh.weight.detach().clone()
+    one_group = torch.optim.SGD([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    with pytest.raises(sk.UnsupportedValueError, match="parameter groups"):
+        sk.load(tmp_path / "ckpt", into={"model": fresh, "optim": one_group, "a": torch.zeros(3), "n": np.zeros(3)})
+    assert torch.equal(fresh.weight, before)
+
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    plain = torch.zeros(3)
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    for bad, message in ((frozen, "inference"), (torch.zeros(1).expand(3), "expanded")):
+        with pytest.raises(sk.UnsupportedValueError, match=message):
+            sk.load(tmp_path / "ckpt", into={"model": fresh, "optim": optimizer, "a": bad, "n": np.zeros(3)})
+    with pytest.raises(sk.UnsupportedValueError, match="read-only"):
+        sk.load(tmp_path / "ckpt", into={"model": fresh, "optim": optimizer, "a": plain, "n": read_only})
+    assert torch.equal(fresh.weight, before) and torch.equal(plain, torch.zeros(3))

@@ -1064,12 +1064,41 @@ def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
 
 
 def _fill_into(target: Any, loaded: dict[str, Any]) -> None:
-    """Check every target first, then copy: a mismatch raises before anything is modified."""
+    """Check every target first, then fill: a mismatch raises before anything is modified.
+
+    ``load_state_dict`` calls (which run the object's own checks) go first, and tensor copies,
+    which cannot fail once checked, last; an object that still refuses its state raises a typed
+    error before any tensor of ``into`` has changed.
+    """
     actions: list[Callable[[], None]] = []
     _plan_fill(target, loaded, "", actions)
+    actions.sort(key=lambda action: 0 if getattr(action, "loads_state", False) else 1)
     with torch.no_grad():
         for action in actions:
             action()
+
+
+def _check_writable(current: Any, name: str) -> None:
+    """Refuse targets that a copy would fail on (or silently corrupt) before touching anything."""
+    if isinstance(current, torch.Tensor):
+        if current.is_inference():
+            raise UnsupportedValueError(f"{name!r}: the target is an inference-mode tensor and cannot be written")
+        if any(stride == 0 and size > 1 for stride, size in zip(current.stride(), current.shape, strict=True)):
+            raise UnsupportedValueError(f"{name!r}: the target is an expanded view (stride 0) and cannot be written")
+    elif isinstance(current, np.ndarray) and not current.flags.writeable:
+        raise UnsupportedValueError(f"{name!r}: the target numpy array is read-only")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> None:
+    groups = new.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(new.get("state"), Mapping):
+        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
+    mine = [len(group["params"]) for group in optimizer.param_groups]
+    theirs = [len(group.get("params", [])) if isinstance(group, Mapping) else -1 for group in groups]
+    if mine != theirs:
+        raise UnsupportedValueError(
+            f"{name!r}: the optimizer has parameter groups of sizes {mine}, the checkpoint {theirs}"
+        )
 
 
 def _describe_mismatch(key: str, expected: Any, found: Any) -> str:
@@ -1099,6 +1128,7 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
                 raise UnsupportedValueError(
                     _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
                 )
+            _check_writable(current, name)
             actions.append(_copy_tensor(current, new))
         elif isinstance(current, np.ndarray):
             if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
@@ -1107,6 +1137,7 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
                         name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new))
                     )
                 )
+            _check_writable(current, name)
             actions.append(_copy_array(current, new))
         elif isinstance(current, torch.nn.Module):
             if not isinstance(new, Mapping):
@@ -1119,6 +1150,7 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
             else:
                 actions.append(_load_state(current, new))
         elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
+            _check_optimizer(current, new, name)
             actions.append(_load_state(current, _shard_optimizer_state(current, new, name)))
         elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
             actions.append(_load_state(current, new))
@@ -1159,7 +1191,9 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
     state = new.get("state")
     if not isinstance(groups, list) or not isinstance(state, Mapping):
         raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
-    ids = [index for group in groups for index in group.get("params", [])]
+    if not all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in groups):
+        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer param_groups are malformed")
+    ids = [index for group in groups for index in group["params"]]
     if len(ids) != len(params):
         raise UnsupportedValueError(
             f"{name!r}: the optimizer has {len(params)} parameters but the checkpoint has {len(ids)}"
@@ -1168,6 +1202,8 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
     sharded: dict[Any, Any] = {}
     for index, values in state.items():
         param = by_id.get(index)
+        if not isinstance(values, Mapping):
+            raise UnsupportedValueError(f"{name!r}: optimizer state {index!r} in the checkpoint is not a mapping")
         converted: dict[str, Any] = {}
         for field_name, value in values.items():
             if isinstance(value, _Region) and isinstance(param, DTensor):
@@ -1254,4 +1290,5 @@ def _load_state(obj: Any, new: Any) -> Callable[[], None]:
         except Exception as exc:
             raise UnsupportedValueError(f"{type(obj).__name__}.load_state_dict failed: {exc}") from exc
 
+    run.loads_state = True  # type: ignore[attr-defined]  # marks the actions _fill_into runs first
     return run

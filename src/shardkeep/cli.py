@@ -90,9 +90,20 @@ def summary(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+_CONTROL = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)] if code != 0x0A}
+
+
+def _printable(text: str) -> str:
+    """Escape control characters, so names from a hostile manifest cannot drive the terminal."""
+    return text.translate(_CONTROL)
+
+
 def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO) -> None:
     info = summary(manifest)
-    w = out.write
+
+    def w(text: str) -> None:
+        out.write(_printable(text))
+
     w(f"checkpoint   {path}\n")
     w(f"created      {manifest.created_at.isoformat()}   metadata_version {manifest.metadata_version}\n")
     w(f"model_id     {manifest.model_id or '-'}   step {_dash(manifest.step)}   epoch {_dash(manifest.epoch)}\n")
@@ -191,10 +202,10 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(json.dumps(document, indent=2) + "\n")
         return 0 if report.ok else 1
     for problem in report.problems:
-        out.write(f"PROBLEM  {problem}\n")
+        out.write(f"PROBLEM  {_printable(problem)}\n")
     if not args.quiet:
         for warning in report.warnings:
-            out.write(f"warning  {warning}\n")
+            out.write(f"warning  {_printable(warning)}\n")
     if report.ok:
         if not args.quiet:
             out.write(

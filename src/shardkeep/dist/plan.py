@@ -88,11 +88,33 @@ def coverage_problems(manifest: Manifest) -> list[str]:
         if covered != math.prod(global_shape):
             problems.append(f"chunks of {key!r} cover {covered} of {math.prod(global_shape)} elements")
             continue
-        for index, (offset_a, shape_a, _) in enumerate(parts):
-            for offset_b, shape_b, _ in parts[index + 1 :]:
-                if all(
-                    a < b + sb and b < a + sa and sa > 0 and sb > 0
-                    for a, sa, b, sb in zip(offset_a, shape_a, offset_b, shape_b, strict=True)
-                ):
-                    problems.append(f"chunks of {key!r} at {offset_a} and {offset_b} overlap")
+        overlap = _first_overlap(parts)
+        if overlap is not None:
+            problems.append(f"chunks of {key!r} at {overlap[0]} and {overlap[1]} overlap")
     return problems
+
+
+def _first_overlap(parts: list[tuple[list[int], list[int], list[int]]]) -> tuple[list[int], list[int]] | None:
+    """Two chunks that overlap, or None. A sweep along the dimension with the most distinct
+    offsets: only chunks whose intervals overlap there are compared, so the usual shardings
+    (row-, column- or grid-wise) cost about n log n rather than n squared."""
+    boxes = [(offset, shape) for offset, shape, _ in parts if all(size > 0 for size in shape)]
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+    if ndim == 0:
+        return (boxes[0][0], boxes[1][0])
+    axis = max(range(ndim), key=lambda d: len({offset[d] for offset, _ in boxes}))
+    boxes.sort(key=lambda box: box[0][axis])
+    active: list[tuple[list[int], list[int]]] = []
+    for offset, shape in boxes:
+        start = offset[axis]
+        active = [box for box in active if box[0][axis] + box[1][axis] > start]
+        for other_offset, other_shape in active:
+            if all(
+                a < b + sb and b < a + sa
+                for a, sa, b, sb in zip(offset, shape, other_offset, other_shape, strict=True)
+            ):
+                return (other_offset, offset)
+        active.append((offset, shape))
+    return None

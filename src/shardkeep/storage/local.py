@@ -36,6 +36,8 @@ _RENAME_NOREPLACE = 1
 _SYNC_FILE_RANGE_WRITE = 2
 #: Start writeback after this many new bytes (see ``_LocalWriter._start_writeback``).
 _WRITEBACK_CHUNK = 32 << 20
+#: Directories nested deeper than this inside a checkpoint are not descended (none are legitimate).
+_MAX_WALK_DEPTH = 16
 
 
 def _storage_error(action: str, path: str, exc: OSError) -> StorageError:
@@ -309,24 +311,40 @@ class LocalStore:
         return found
 
     def _walk(self, dir_fd: int, prefix: str, found: list[tuple[str, EntryInfo]]) -> None:
+        """List below ``dir_fd`` without recursion, never following symlinks; a tree deeper than
+        ``_MAX_WALK_DEPTH`` is reported as one ``other`` entry instead of being descended."""
+        pending: list[tuple[int, str, int]] = [(os.dup(dir_fd), prefix, 0)]
         try:
-            names = os.listdir(dir_fd)
-        except OSError as exc:
-            raise _storage_error("listing", prefix or self.root, exc) from exc
-        for name in names:
-            relative = f"{prefix}{name}"
-            try:
-                info = _entry_info(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
-            except FileNotFoundError:
-                continue
-            if info.kind == "dir":
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            while pending:
+                fd, at, depth = pending.pop()
                 try:
-                    self._walk(child, relative + "/", found)
+                    try:
+                        names = os.listdir(fd)
+                    except OSError as exc:
+                        raise _storage_error("listing", at or self.root, exc) from exc
+                    for name in names:
+                        relative = f"{at}{name}"
+                        try:
+                            info = _entry_info(os.stat(name, dir_fd=fd, follow_symlinks=False))
+                        except FileNotFoundError:
+                            continue
+                        except OSError as exc:
+                            raise _storage_error("stat of", relative, exc) from exc
+                        if info.kind != "dir":
+                            found.append((relative, info))
+                        elif depth >= _MAX_WALK_DEPTH:
+                            found.append((relative, EntryInfo(kind="other", size=0)))
+                        else:
+                            try:
+                                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                            except OSError as exc:
+                                raise _storage_error("opening directory", relative, exc) from exc
+                            pending.append((child, relative + "/", depth + 1))
                 finally:
-                    os.close(child)
-            else:
-                found.append((relative, info))
+                    os.close(fd)
+        finally:
+            for fd, _, _ in pending:
+                os.close(fd)
 
     def rename(self, src: str, dst: str) -> None:
         src_parts = self._split(src)
