@@ -49,12 +49,20 @@ def test_same_iteration_last_and_best_is_kept_once() -> None:
     assert kept == [2] and last == [2] and best == [2]
 
 
-def test_max_mode_and_ties_prefer_the_newer_step() -> None:
-    assert run([1.0, 9.0, 9.0, 2.0], 1, 1, mode="max")[2] == [2]
+def test_max_mode_and_ties_keep_the_older_step() -> None:
+    # best changes only when the metric strictly improves
+    assert run([1.0, 9.0, 9.0, 2.0], 1, 1, mode="max")[2] == [1]
 
 
-def test_missing_and_nan_metrics_never_rank_as_best() -> None:
+def test_missing_and_nan_metrics_rank_below_measured_ones() -> None:
     assert run([None, math.nan, 4.0, None], 1, 1)[2] == [2]
+    assert run([None, math.nan, 4.0, None], 1, 3)[2] == [0, 1, 2]
+
+
+def test_the_first_checkpoint_without_a_metric_is_both_last_and_best() -> None:
+    kept, last, best = run([None], 1, 1)
+    assert kept == last == best == [0]
+    assert run([None, None, None], 1, 1)[2] == [0]  # no improvement was ever measured
 
 
 def test_unverified_checkpoints_are_never_last_or_best() -> None:
@@ -108,8 +116,8 @@ def test_invariants_over_random_histories(
     if verified:  # the newest verified checkpoint always survives
         assert verified[0].name in decision.keep
     assert list(decision.last) == [c.name for c in verified[:keep_last]]
-    ranked = [c for c in verified if c.metric is not None]
-    assert len(decision.best) == min(keep_best, len(ranked))
+    ranked = [c for c in verified if c.metric is not None and not math.isnan(c.metric)]
+    assert len(decision.best) == min(keep_best, len(verified))
     if decision.best and ranked:  # the best is the true best
         sign = 1 if mode == "min" else -1
         true_best = min(sign * c.metric for c in ranked)  # type: ignore[operator]  # metric is not None here

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardkeep.catalog import CheckpointEntry
 from shardkeep.errors import (
     CheckpointExistsError,
+    CheckpointFieldError,
     CheckpointNotFoundError,
+    ConfigError,
     CoordinationError,
+    FingerprintMismatchError,
     IntegrityError,
     ManifestError,
     ManifestVersionError,
+    RetentionError,
+    RunMismatchError,
     SaveInProgressError,
     ShardkeepError,
     StorageError,
@@ -22,25 +28,38 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import Manifest, ValidationResult, validate_manifest
+from shardkeep.retention import RetentionPolicy
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
+    from shardkeep.manager import CheckpointManager, PendingSave, Restored, TrainingCheckpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointEntry",
     "CheckpointExistsError",
+    "CheckpointFieldError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
+    "ConfigError",
     "CoordinationError",
+    "FingerprintMismatchError",
     "IntegrityError",
     "Manifest",
     "ManifestError",
     "ManifestVersionError",
+    "PendingSave",
+    "Restored",
+    "RetentionError",
+    "RetentionPolicy",
+    "RunMismatchError",
     "SaveHandle",
     "SaveInProgressError",
     "ShardkeepError",
     "StorageError",
+    "TrainingCheckpoint",
     "UnsafePathError",
     "UnsupportedValueError",
     "ValidationResult",
@@ -55,6 +74,9 @@ __all__ = [
 ]
 
 _LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
+_LAZY.update(
+    {name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint")}
+)
 
 
 def __getattr__(name: str) -> Any:

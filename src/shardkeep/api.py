@@ -42,6 +42,7 @@ from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
 from shardkeep.manifest import (
     FileRecord,
     Manifest,
+    RunInfo,
     Sharding,
     StateSection,
     TensorEntry,
@@ -302,6 +303,8 @@ def save(
     training: Mapping[str, Any] | None = None,
     sharding_strategy: str | None = None,
     custom_fields: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float | None] | None = None,
+    run: RunInfo | None = None,
     progress: bool = False,
     budget: ByteBudget | None = None,
     storage: ByteStore | None = None,
@@ -323,6 +326,9 @@ def save(
     :class:`~shardkeep.errors.CoordinationError` and nothing is committed. ``process_group``
     picks the group (default: a dedicated gloo group); ``timeout`` bounds every wait.
 
+    ``metrics`` (name to number; NaN and infinities are recorded as null) and ``run`` (a
+    :class:`~shardkeep.manifest.RunInfo`) go into the manifest; the checkpoint manager sets them.
+
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
     observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's
     name inside that store.
@@ -342,7 +348,9 @@ def save(
         Coordinator(process_group, timeout=timeout),
         budget=budget,
         progress=progress,
-        metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+        metadata=_SaveMetadata(
+            model_id, step, epoch, training, sharding_strategy, custom_fields, _metric_values(metrics), run
+        ),
     )
     coordinator = job.coordinator
     try:
@@ -363,6 +371,8 @@ class _SaveMetadata(NamedTuple):
     training: Mapping[str, Any] | None
     sharding_strategy: str | None
     custom_fields: Mapping[str, Any] | None
+    metrics: dict[str, float | None]
+    run: RunInfo | None
 
 
 class _SaveJob:
@@ -574,9 +584,12 @@ def async_save(
     training: Mapping[str, Any] | None = None,
     sharding_strategy: str | None = None,
     custom_fields: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float | None] | None = None,
+    run: RunInfo | None = None,
     storage: ByteStore | None = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    after_commit: Callable[[Manifest], None] | None = None,
 ) -> SaveHandle:
     """Snapshot ``state`` into reusable host buffers, then write and commit in the background.
 
@@ -590,6 +603,10 @@ def async_save(
     staging directory) run here, on the caller's thread. The background thread runs none: each
     rank posts its outcome to the process group's key-value store, and the coordinator commits
     once every rank has reported (or fails at the ``timeout`` deadline).
+
+    ``after_commit``, if given, is called on every rank in the background thread with the
+    committed manifest before the handle completes; an exception from it becomes the handle's
+    error (the checkpoint manager runs retention there).
     """
     started = time.perf_counter()
     # One save at a time, from the snapshot until the handle is registered: two threads must
@@ -611,10 +628,13 @@ def async_save(
                 compression=compression,
                 compression_level=compression_level,
             ),
-            metadata=_SaveMetadata(model_id, step, epoch, training, sharding_strategy, custom_fields),
+            metadata=_SaveMetadata(
+                model_id, step, epoch, training, sharding_strategy, custom_fields, _metric_values(metrics), run
+            ),
             storage=storage,
             process_group=process_group,
             timeout=timeout,
+            after_commit=after_commit,
         )
     finally:
         _submit_lock.release()
@@ -632,6 +652,7 @@ def _submit(
     storage: ByteStore | None,
     process_group: Any,
     timeout: float,
+    after_commit: Callable[[Manifest], None] | None,
 ) -> SaveHandle:
     """The body of :func:`async_save`, run while holding ``_submit_lock``."""
     global _inflight
@@ -668,15 +689,20 @@ def _submit(
         raise
     handle = SaveHandle(str(location))
     _inflight = handle
-    worker = threading.Thread(target=_finish_in_background, args=(job, handle), name="shardkeep-async-save")
+    worker = threading.Thread(
+        target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
+    )
     worker.start()
     handle.blocked_seconds = time.perf_counter() - started
     return handle
 
 
-def _finish_in_background(job: _SaveJob, handle: SaveHandle) -> None:
-    """Write this rank's files and complete the commit without any collective. The handle is
-    always completed, even when cleaning up after a failure fails too."""
+def _finish_in_background(
+    job: _SaveJob, handle: SaveHandle, after_commit: Callable[[Manifest], None] | None = None
+) -> None:
+    """Write this rank's files and complete the commit without any collective, then run
+    ``after_commit``. The handle is always completed, even when cleaning up after a failure
+    fails too."""
     manifest: Manifest | None = None
     error: BaseException | None = None
     try:
@@ -688,6 +714,9 @@ def _finish_in_background(job: _SaveJob, handle: SaveHandle) -> None:
             except BaseException:
                 job.abort()
                 raise
+        if after_commit is not None:
+            assert manifest is not None
+            after_commit(manifest)
     except BaseException as exc:
         error = exc
     finally:
@@ -800,7 +829,30 @@ def _manifest_for(
         structure=flat.containers,
         values=flat.values,
         custom_fields=_plain_json_mapping("custom_fields", metadata.custom_fields),
+        metrics=metadata.metrics,
+        run=metadata.run,
     )
+
+
+def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Metrics as recorded: finite floats, or ``None`` for NaN and infinities."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics= must be a mapping of names to numbers, got {type(metrics).__name__}")
+    recorded: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise UnsupportedValueError(f"metric name {name!r} must be a non-empty string")
+        if value is not None and hasattr(value, "item") and callable(value.item):
+            value = value.item()  # a 0-d tensor or numpy scalar
+        if value is None:
+            recorded[name] = None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UnsupportedValueError(f"metric {name!r}={value!r} must be a number")
+        else:
+            recorded[name] = float(value) if math.isfinite(value) else None
+    return recorded
 
 
 def _plain_json_mapping(name: str, value: Mapping[str, Any] | None) -> dict[str, Any]:

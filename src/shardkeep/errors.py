@@ -10,6 +10,11 @@
     ├── CheckpointExistsError    saving onto a checkpoint that is already committed
     ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
     ├── UnsupportedValueError    a state leaf, dtype or option value shardkeep cannot store
+    │   └── ConfigError          a checkpoint-manager configuration that is invalid
+    ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
+    ├── RunMismatchError         a manager asked to write into a root another run owns
+    ├── FingerprintMismatchError restoring a checkpoint whose model args or config differ
+    ├── RetentionError           the save committed, but pruning old checkpoints failed
     ├── StorageError             an I/O operation failed (write, fsync, rename, read ...)
     ├── SaveInProgressError      async_save(wait=False) while another save is still in flight
     └── CoordinationError        one or more ranks failed a collective step
@@ -22,11 +27,16 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointFieldError",
     "CheckpointNotFoundError",
+    "ConfigError",
     "CoordinationError",
+    "FingerprintMismatchError",
     "IntegrityError",
     "ManifestError",
     "ManifestVersionError",
+    "RetentionError",
+    "RunMismatchError",
     "SaveInProgressError",
     "ShardkeepError",
     "StorageError",
@@ -96,3 +106,51 @@ class CoordinationError(ShardkeepError):
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures) if failures else {}
+
+
+class ConfigError(UnsupportedValueError):
+    """A checkpoint-manager configuration is invalid; the message names the key and value."""
+
+
+class CheckpointFieldError(ShardkeepError):
+    """A :class:`~shardkeep.manager.TrainingCheckpoint` field is missing or has the wrong type.
+
+    ``field`` names it (``"iteration"``, ``"model_args"`` ...).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"TrainingCheckpoint field {field!r}: {message}")
+        self.field = field
+
+
+class RunMismatchError(ShardkeepError):
+    """A checkpoint manager was asked to write into a root whose checkpoints belong to another
+    run. ``owner`` is that run's id."""
+
+    def __init__(self, message: str, owner: str | None = None) -> None:
+        super().__init__(message)
+        self.owner = owner
+
+
+class FingerprintMismatchError(ShardkeepError):
+    """The model args or config recorded in a checkpoint differ from the caller's.
+
+    ``differences`` lists one ``(field, checkpoint value, current value)`` per changed field;
+    a missing side is ``"<absent>"``.
+    """
+
+    def __init__(self, message: str, differences: list[tuple[str, str, str]]) -> None:
+        super().__init__(message)
+        self.differences = list(differences)
+
+
+class RetentionError(ShardkeepError):
+    """A checkpoint committed, but deleting old checkpoints or updating pointers failed.
+
+    The new checkpoint is safe and usable; ``checkpoint`` names it. Nothing is deleted unless it
+    was first un-committed (renamed), so a failure here never leaves a half-valid checkpoint.
+    """
+
+    def __init__(self, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint

@@ -30,12 +30,16 @@ __all__ = [
     "FORMAT_NAME",
     "MANIFEST_FILENAME",
     "METADATA_VERSION",
+    "RUN_ID_PATTERN",
     "SIGNATURE_FILENAME",
+    "DELETING_MARKER",
     "STAGING_MARKER",
     "Compression",
     "ContainerEntry",
     "FileRecord",
     "Manifest",
+    "RetentionRecord",
+    "RunInfo",
     "Sharding",
     "StateSection",
     "TensorEntry",
@@ -52,11 +56,13 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardkeep"
-METADATA_VERSION = "1.0"
+METADATA_VERSION = "1.1"
 MANIFEST_FILENAME = "manifest.json"
 SIGNATURE_FILENAME = "manifest.sig"
 #: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
 STAGING_MARKER = ".tmp-"
+#: A checkpoint being deleted is first renamed to ``<name>.deleting-<uuid>`` (un-committed).
+DELETING_MARKER = ".deleting-"
 #: The sealing trailer's key. It is the last member of the top-level object; see ``integrity``.
 SEAL_FIELD = "manifest_digest"
 
@@ -194,6 +200,29 @@ def _utc_now() -> _dt.datetime:
     return _dt.datetime.now(_dt.UTC)
 
 
+class RetentionRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The retention policy of the manager that wrote a checkpoint (added in 1.1)."""
+
+    keep_last: int
+    keep_best: int
+    metric: str
+    mode: Literal["min", "max"] = "min"
+
+
+class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Which training run wrote a checkpoint (added in 1.1; written by ``CheckpointManager``).
+
+    ``fingerprint`` is a digest of the run's model args and config; ``fingerprint_fields``
+    holds their leaves by dotted path (``config.optimizer.lr``) so that a change can be shown
+    field by field.
+    """
+
+    run_id: str
+    fingerprint: str | None = None
+    fingerprint_fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    retention: RetentionRecord | None = None
+
+
 class Manifest(msgspec.Struct, kw_only=True, dict=True):
     """The record of one committed checkpoint. Written last; its presence means committed.
 
@@ -219,6 +248,8 @@ class Manifest(msgspec.Struct, kw_only=True, dict=True):
     structure: list[ContainerEntry] = msgspec.field(default_factory=list)
     values: list[ValueEntry] = msgspec.field(default_factory=list)
     custom_fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    metrics: dict[str, float | None] = msgspec.field(default_factory=dict)
+    run: RunInfo | None = None
 
     @property
     def unknown_fields(self) -> dict[str, Any]:
@@ -401,6 +432,7 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
     if (
         _json_depth_exceeds(manifest.custom_fields, depth_budget)
         or _json_depth_exceeds(manifest.sharding.strategy_info, depth_budget)
+        or (manifest.run is not None and _json_depth_exceeds(manifest.run.fingerprint_fields, depth_budget))
         or any(
             isinstance(v.value, (dict, list)) and _json_depth_exceeds(v.value, depth_budget) for v in manifest.values
         )
@@ -535,8 +567,8 @@ def _is_safe_location(location: str) -> bool:
 
 
 def is_staging_name(name: str) -> bool:
-    """True for a staging directory name, which is never read as a checkpoint."""
-    return STAGING_MARKER in name
+    """True for a staging or being-deleted directory name, which is never read as a checkpoint."""
+    return STAGING_MARKER in name or DELETING_MARKER in name
 
 
 def key_for_path(path: KeyPath | tuple[str | int, ...]) -> str:
@@ -657,6 +689,7 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         problem = _path_problem(value.key, value.path, limits)
         if problem:
             err(problem)
+    _validate_run(manifest, limits, result)
     container_paths: set[str] = set()
     for container in manifest.structure:
         rendered = repr(container.path)
@@ -666,6 +699,38 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         if len(container.path) > limits.max_path_components:
             err(f"container {key_for_path(container.path[:8])!r}...: path is nested too deeply")
     return result
+
+
+#: A run id: 1-128 characters of letters, digits, ``.``, ``_`` or ``-``, starting alphanumeric.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _validate_run(manifest: Manifest, limits: ManifestLimits, result: ValidationResult) -> None:
+    """Metrics and the run record (1.1): names are bounded, numbers finite or null."""
+    err = result.add_error
+    for name, value in manifest.metrics.items():
+        if not name or len(name.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
+            err(f"metric name {name[:64]!r} must be non-empty and at most {limits.max_key_bytes} bytes")
+        if value is not None and not math.isfinite(value):
+            err(f"metric {name!r} is {value}; non-finite metrics are recorded as null")
+    run = manifest.run
+    if run is None:
+        return
+    if not RUN_ID_PATTERN.fullmatch(run.run_id):
+        err(f"run_id {run.run_id[:64]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+    if run.fingerprint is not None:
+        problem = _digest_problem(run.fingerprint)
+        if problem:
+            err(f"run fingerprint has {problem}")
+    for name, value in run.fingerprint_fields.items():
+        if isinstance(value, (dict, list)):
+            err(f"fingerprint field {name!r} must be a scalar (nested values are flattened to dotted paths)")
+    if run.retention is not None:
+        policy = run.retention
+        if policy.keep_last < 0 or policy.keep_best < 0:
+            err(f"retention keep_last={policy.keep_last} and keep_best={policy.keep_best} must be >= 0")
+        if not policy.metric:
+            err("retention metric must be a non-empty string")
 
 
 def _digest_problem(digest: str) -> str | None:

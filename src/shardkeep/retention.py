@@ -5,7 +5,10 @@ The rules (RELIABILITY.md rule 9 and the checkpointing requirements):
 
 - the ``keep_last`` newest verified checkpoints are kept as *last*;
 - the ``keep_best`` verified checkpoints with the best metric are kept as *best* (lower is
-  better with ``mode="min"``; ties go to the newer step); 0 means none;
+  better with ``mode="min"``). A tie goes to the older step: *best* changes only when the
+  metric strictly improves. A checkpoint without the metric (or with NaN) ranks below every
+  checkpoint that has it, older first, so the first checkpoint of a run, saved right after
+  model init and before any validation, is *best* until a measured one exists. 0 means none;
 - the newest verified checkpoint is always kept, whatever the policy, so a run can resume;
 - a checkpoint that a kept checkpoint references is kept;
 - a checkpoint that fails verification is never counted as last or best; it is deleted only
@@ -17,12 +20,14 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from shardkeep.errors import UnsupportedValueError
+from shardkeep.errors import ConfigError, UnsupportedValueError
 
-__all__ = ["CheckpointInfo", "RetentionDecision", "RetentionPolicy", "decide"]
+__all__ = ["CheckpointInfo", "RetentionDecision", "RetentionPolicy", "decide", "policy_from_config"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,11 @@ class RetentionPolicy:
         for name in ("keep_last", "keep_best"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UnsupportedValueError(f"{name}={value!r} must be an integer >= 0")
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
         if not isinstance(self.metric, str) or not self.metric:
-            raise UnsupportedValueError(f"metric={self.metric!r} must be a non-empty string")
+            raise ConfigError(f"metric={self.metric!r} must be a non-empty string")
         if self.mode not in ("min", "max"):
-            raise UnsupportedValueError(f"mode={self.mode!r} must be 'min' or 'max'")
+            raise ConfigError(f"mode={self.mode!r} must be 'min' or 'max'")
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,11 @@ class RetentionDecision:
     newest_verified: str | None
 
 
-def _better_first(policy: RetentionPolicy, checkpoint: CheckpointInfo) -> tuple[float, int]:
-    assert checkpoint.metric is not None
-    score = checkpoint.metric if policy.mode == "min" else -checkpoint.metric
-    return (score, -checkpoint.step)
+def _better_first(policy: RetentionPolicy, checkpoint: CheckpointInfo) -> tuple[int, float, int]:
+    metric = checkpoint.metric
+    if metric is None or math.isnan(metric):
+        return (1, 0.0, checkpoint.step)
+    return (0, metric if policy.mode == "min" else -metric, checkpoint.step)
 
 
 def decide(checkpoints: list[CheckpointInfo], policy: RetentionPolicy) -> RetentionDecision:
@@ -82,10 +88,7 @@ def decide(checkpoints: list[CheckpointInfo], policy: RetentionPolicy) -> Retent
     newest_first = sorted(checkpoints, key=lambda c: (-c.step, c.name))
     verified = [checkpoint for checkpoint in newest_first if checkpoint.verified]
     last = [checkpoint.name for checkpoint in verified[: policy.keep_last]]
-    ranked = sorted(
-        (c for c in verified if c.metric is not None and c.metric == c.metric),  # NaN never ranks
-        key=lambda c: _better_first(policy, c),
-    )
+    ranked = sorted(verified, key=lambda c: _better_first(policy, c))
     best = [checkpoint.name for checkpoint in ranked[: policy.keep_best]]
     newest_verified = verified[0] if verified else None
     keep = set(last) | set(best)
@@ -107,3 +110,45 @@ def decide(checkpoints: list[CheckpointInfo], policy: RetentionPolicy) -> Retent
         best=tuple(best),
         newest_verified=newest_verified.name if newest_verified else None,
     )
+
+
+_SECTION_KEYS = ("keep", "metric", "mode")
+_KEEP_KEYS = ("last", "best")
+
+
+def policy_from_config(config: Mapping[str, Any], *, where: str = "checkpointing") -> RetentionPolicy:
+    """A policy from a mapping shaped like the seed's ``RuntimeConfig.checkpointing``.
+
+    ``{"keep": {"last": N, "best": M}, "metric": "val_loss", "mode": "min"}``; every key is
+    optional (defaults 1, 1, ``val_loss``, ``min``). Validation is strict: counts are integers
+    >= 0 (not booleans, floats or strings), unknown keys are refused, and each error names the
+    dotted key and the bad value. There are no legacy spellings and no fallbacks.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(config).__name__}")
+    _refuse_unknown(config, _SECTION_KEYS, where)
+    keep = config.get("keep", {})
+    if not isinstance(keep, Mapping):
+        raise ConfigError(f"{where}.keep must be a mapping with 'last' and/or 'best', got {keep!r}")
+    _refuse_unknown(keep, _KEEP_KEYS, f"{where}.keep")
+    counts = {}
+    for name in _KEEP_KEYS:
+        value = keep.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where}.keep.{name}={value!r}: must be an integer >= 0")
+        counts[name] = value
+    metric = config.get("metric", "val_loss")
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(f"{where}.metric={metric!r}: must be a non-empty string")
+    mode = config.get("mode", "min")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"{where}.mode={mode!r}: must be 'min' or 'max'")
+    return RetentionPolicy(keep_last=counts["last"], keep_best=counts["best"], metric=metric, mode=mode)
+
+
+def _refuse_unknown(mapping: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    for key in mapping:
+        if key not in known:
+            raise ConfigError(
+                f"{where}.{key}: unknown key (value {mapping[key]!r}); expected one of: {', '.join(known)}"
+            )

@@ -74,6 +74,17 @@ class ByteStore(Protocol):
         Symlinks and special files are listed with kind ``"other"`` and not descended into."""
         ...
 
+    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
+        """The entries directly inside directory ``path`` (``""`` is the root), as (name, info),
+        sorted by name; nothing is descended into."""
+        ...
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Replace the small file ``path`` with ``data`` atomically and durably: a reader sees the
+        old bytes or the new ones, never a mix (temp file, fsync, replacing rename, directory
+        fsync on a filesystem; a single PUT on an object store)."""
+        ...
+
     def rename(self, src: str, dst: str) -> None:
         """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``, then make
         the change durable (fsync of the directories involved)."""

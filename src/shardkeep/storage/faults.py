@@ -115,6 +115,14 @@ class FaultInjectingStore:
         self._counter.tick(f"list_files {path}")
         return self.inner.list_files(path)
 
+    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
+        self._counter.tick(f"list_dir {path}")
+        return self.inner.list_dir(path)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        self._counter.tick(f"put_atomic {path}")
+        self.inner.put_atomic(path, data)
+
     def rename(self, src: str, dst: str) -> None:
         self._counter.tick(f"rename {src} -> {dst}")
         self.inner.rename(src, dst)

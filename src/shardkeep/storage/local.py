@@ -15,6 +15,7 @@ import mmap
 import os
 import stat as stat_module
 import threading
+import uuid
 from typing import Any
 
 from shardkeep.errors import (
@@ -23,7 +24,7 @@ from shardkeep.errors import (
     StorageError,
     UnsafePathError,
 )
-from shardkeep.manifest import unsafe_path_reason
+from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
 from shardkeep.storage.base import EntryInfo
 
 __all__ = ["LocalStore"]
@@ -345,6 +346,48 @@ class LocalStore:
         finally:
             for fd, _, _ in pending:
                 os.close(fd)
+
+    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
+        fd = self._open_parent([*self._split(path), "."], create=False) if path else self._open_root()
+        found: list[tuple[str, EntryInfo]] = []
+        try:
+            try:
+                names = os.listdir(fd)
+            except OSError as exc:
+                raise _storage_error("listing", path or self.root, exc) from exc
+            for name in names:
+                try:
+                    found.append((name, _entry_info(os.stat(name, dir_fd=fd, follow_symlinks=False))))
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise _storage_error("stat of", name, exc) from exc
+        finally:
+            os.close(fd)
+        found.sort(key=lambda item: item[0])
+        return found
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        parts = self._split(path)
+        temporary = f"{parts[-1]}{STAGING_MARKER}{uuid.uuid4().hex}"
+        writer = self.open_write("/".join([*parts[:-1], temporary]))
+        try:
+            writer.write(data)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            self.remove_tree("/".join([*parts[:-1], temporary]))
+            raise
+        dir_fd = self._open_parent(parts, create=False)
+        try:
+            try:
+                os.rename(temporary, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError as exc:
+                os.unlink(temporary, dir_fd=dir_fd)
+                raise _storage_error(f"replacing {path!r} with", temporary, exc) from exc
+            _fsync_fd(dir_fd, path)
+        finally:
+            os.close(dir_fd)
 
     def rename(self, src: str, dst: str) -> None:
         src_parts = self._split(src)

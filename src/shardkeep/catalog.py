@@ -1,0 +1,381 @@
+"""A root of checkpoints, as the checkpoint manager and ``shardkeep ls``/``prune`` see it.
+
+The truth about a root is its committed checkpoints and their manifests, never a listing alone
+and never the pointer files: ``step_<N>/`` directories whose ``manifest.json`` verifies. Each
+manifest written by a :class:`~shardkeep.manager.CheckpointManager` carries the run id, the
+metrics and the retention policy, so everything here (latest, best, what to keep) is rebuilt
+from the checkpoints themselves after any restart.
+
+What this module does to storage, always as the coordinator alone:
+
+- retention (RELIABILITY.md rule 9): only after a commit is durable; a checkpoint is deleted by
+  first *un-committing* it, a no-replace rename to ``<name>.deleting-<uuid>`` with an fsync of the
+  root, and only then removing the tree. A crash at any point leaves either a whole committed
+  checkpoint or a ``.deleting-`` directory that nothing reads as a checkpoint;
+- the ``last`` and ``best`` pointer files: small JSON files replaced atomically (never
+  symlinks). They are hints for humans and tools; nothing here trusts them;
+- leftovers (rule 7): ``.deleting-`` directories are removed; staging directories
+  (``.tmp-``) only once nothing in them has changed for the lease.
+
+Checkpoints of other runs, and checkpoints whose manifest cannot be read (so their run is
+unknown), are never deleted. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardkeep.config import ManifestLimits
+from shardkeep.errors import ConfigError, ShardkeepError
+from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
+from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
+from shardkeep.storage.base import ByteStore
+from shardkeep.storage.local import LocalStore
+from shardkeep.verification import CheckpointLocation, file_set_problems, parse_manifest, read_manifest_bytes, verify
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "POINTERS",
+    "CheckpointEntry",
+    "CheckpointRoot",
+    "checkpoint_name",
+    "load_config_file",
+]
+
+logger = logging.getLogger("shardkeep")
+
+#: Committed checkpoints in a managed root are named ``step_<step, 8+ digits>``.
+CHECKPOINT_NAME = re.compile(r"step_(\d{8,20})")
+#: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
+POINTERS = ("last", "best")
+#: Staging directories untouched for this long are leftovers of crashed saves.
+DEFAULT_LEASE = 3600.0
+
+
+def checkpoint_name(step: int) -> str:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step={step!r} must be an integer >= 0")
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One committed checkpoint of a root, as :meth:`CheckpointManager.list` returns it.
+
+    ``verified`` is ``True`` when every file's digest was checked, ``None`` when only the
+    manifest (seal, schema) and the file set and sizes were checked, ``False`` when a check
+    failed (``problems`` says which). ``is_last``/``is_best`` follow the retention policy;
+    ``is_newest`` marks the newest verified checkpoint, the resume point that is always kept.
+    ``metric`` is the value of the policy's metric; ``metrics`` holds every recorded metric.
+    """
+
+    name: str
+    path: str
+    step: int
+    metric: float | None = None
+    metrics: Mapping[str, float | None] = field(default_factory=dict)
+    is_last: bool = False
+    is_best: bool = False
+    is_newest: bool = False
+    verified: bool | None = None
+    problems: tuple[str, ...] = ()
+    size: int = 0
+    run_id: str | None = None
+    created_at: _dt.datetime | None = None
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        """No check has failed (``verified`` is ``True`` or ``None``)."""
+        return self.verified is not False
+
+
+@dataclass
+class _Found:
+    name: str
+    step: int
+    manifest: Manifest | None
+    problems: list[str]
+    full: bool = False
+
+
+class CheckpointRoot:
+    """The committed checkpoints in one store, with retention, pointers and leftover cleanup."""
+
+    def __init__(self, store: ByteStore, *, display: str | None = None, limits: ManifestLimits | None = None) -> None:
+        self.store = store
+        self.display = display or str(getattr(store, "root", repr(store)))
+        self.limits = limits
+
+    @classmethod
+    def at(cls, path: str | os.PathLike[str]) -> CheckpointRoot:
+        return cls(LocalStore(path), display=os.path.abspath(os.fspath(path)))
+
+    def path_of(self, name: str) -> str:
+        return f"{self.display.rstrip('/')}/{name}"
+
+    # -- reading ---------------------------------------------------------------------------
+    def scan(self) -> list[_Found]:
+        """Every ``step_<N>`` directory, oldest first, with its manifest (or why there is none)
+        and the problems a quick check finds: file set and sizes against the manifest."""
+        found: list[_Found] = []
+        for name, info in self.store.list_dir(""):
+            match = CHECKPOINT_NAME.fullmatch(name)
+            if match is None:
+                continue
+            step = int(match.group(1))
+            if info.kind != "dir":
+                found.append(_Found(name, step, None, [f"{name} is not a directory"]))
+                continue
+            location = CheckpointLocation(self.store, name)
+            try:
+                data = read_manifest_bytes(location, self.limits)
+                manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
+            except ShardkeepError as exc:
+                found.append(_Found(name, step, None, [str(exc)]))
+                continue
+            problems = self._quick_problems(location, manifest)
+            if manifest.step is not None and manifest.step != step:
+                problems.append(f"the manifest records step {manifest.step}, not {step}")
+            found.append(_Found(name, step, manifest, problems))
+        found.sort(key=lambda item: (item.step, item.name))
+        return found
+
+    def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> list[str]:
+        try:
+            problems = file_set_problems(location, manifest)
+            sizes = {relative: info.size for relative, info in self.store.list_files(location.name)}
+        except ShardkeepError as exc:
+            return [str(exc)]
+        for record in manifest.files:
+            size = sizes.get(record.path)
+            if size is not None and size != record.stored_size:
+                problems.append(f"{record.path}: size {size}, the manifest says {record.stored_size}")
+        return problems
+
+    def verify_fully(self, item: _Found, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Check every digest of ``item`` and record its problems (none means verified)."""
+        if item.manifest is None or item.problems or item.full:
+            return
+        report = verify(item.name, storage=self.store, limits=self.limits, on_bytes=on_bytes)
+        item.problems.extend(report.problems)
+        item.full = True
+
+    # -- ownership --------------------------------------------------------------------------
+    @staticmethod
+    def owner(found: list[_Found]) -> str | None:
+        """The run that owns the root: that of the newest checkpoint recording a run id."""
+        for item in reversed(found):
+            if item.manifest is not None and item.manifest.run is not None:
+                return item.manifest.run.run_id
+        return None
+
+    @staticmethod
+    def run_of(item: _Found) -> str | None:
+        return item.manifest.run.run_id if item.manifest is not None and item.manifest.run is not None else None
+
+    @staticmethod
+    def recorded_policy(found: list[_Found], run_id: str | None = None) -> RetentionPolicy | None:
+        """The retention policy recorded by the newest checkpoint (of ``run_id`` if given)."""
+        for item in reversed(found):
+            run = item.manifest.run if item.manifest is not None else None
+            if run is None or run.retention is None or (run_id is not None and run.run_id != run_id):
+                continue
+            record = run.retention
+            return RetentionPolicy(
+                keep_last=record.keep_last, keep_best=record.keep_best, metric=record.metric, mode=record.mode
+            )
+        return None
+
+    # -- deciding ---------------------------------------------------------------------------
+    def decide(
+        self,
+        found: list[_Found],
+        policy: RetentionPolicy,
+        run_id: str | None,
+        *,
+        verify_newest: bool = True,
+    ) -> tuple[list[CheckpointEntry], RetentionDecision]:
+        """Entries for every checkpoint in ``found`` and the retention decision over those of
+        ``run_id`` (every readable one when ``run_id`` is ``None``).
+
+        With ``verify_newest``, the run's checkpoints are verified fully, newest first, until
+        one passes: that one is the newest verified checkpoint, which is never deleted.
+        """
+        mine = [item for item in found if item.manifest is not None and (run_id is None or self.run_of(item) == run_id)]
+        if verify_newest:
+            for item in reversed(mine):
+                self.verify_fully(item)
+                if not item.problems:
+                    break
+        infos = [
+            CheckpointInfo(
+                name=item.name,
+                step=item.step,
+                metric=_metric(item.manifest, policy.metric),
+                verified=not item.problems,
+            )
+            for item in mine
+        ]
+        decision = decide(infos, policy)
+        last, best = set(decision.last), set(decision.best)
+        entries = [
+            self._entry(
+                item,
+                policy.metric,
+                is_last=item.name in last,
+                is_best=item.name in best,
+                is_newest=item.name == decision.newest_verified,
+            )
+            for item in found
+        ]
+        return entries, decision
+
+    def _entry(self, item: _Found, metric: str, *, is_last: bool, is_best: bool, is_newest: bool) -> CheckpointEntry:
+        manifest = item.manifest
+        verified: bool | None = False if item.problems else (True if item.full else None)
+        return CheckpointEntry(
+            name=item.name,
+            path=self.path_of(item.name),
+            step=item.step,
+            metric=_metric(manifest, metric),
+            metrics=dict(manifest.metrics) if manifest is not None else {},
+            is_last=is_last,
+            is_best=is_best,
+            is_newest=is_newest,
+            verified=verified,
+            problems=tuple(item.problems),
+            size=sum(record.stored_size for record in manifest.files) if manifest is not None else 0,
+            run_id=self.run_of(item),
+            created_at=manifest.created_at if manifest is not None else None,
+            manifest=manifest,
+        )
+
+    # -- changing storage (coordinator only) -----------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Un-commit ``name`` (rename to ``<name>.deleting-<uuid>``, durable), then remove it."""
+        doomed = f"{name}{DELETING_MARKER}{uuid.uuid4().hex}"
+        self.store.rename(name, doomed)
+        self.store.remove_tree(doomed)
+
+    def apply(self, decision: RetentionDecision) -> list[str]:
+        """Delete what ``decision`` says, oldest first; return the names deleted."""
+        deleted: list[str] = []
+        for name in sorted(decision.delete):
+            self.delete(name)
+            deleted.append(name)
+            logger.info("retention deleted checkpoint %s", self.path_of(name))
+        return deleted
+
+    def write_pointers(self, entries: list[CheckpointEntry], decision: RetentionDecision, metric: str) -> None:
+        """Point ``last`` at the newest verified checkpoint and ``best`` at the best one; remove
+        a pointer that has nothing to name."""
+        by_name = {entry.name: entry for entry in entries}
+        newest = by_name.get(decision.newest_verified or "")
+        best = by_name.get(decision.best[0]) if decision.best else None
+        for pointer, entry in (("last", newest), ("best", best)):
+            if entry is None:
+                self.store.remove_tree(pointer)
+                continue
+            body = {
+                "checkpoint": entry.name,
+                "step": entry.step,
+                "run_id": entry.run_id,
+                "metric": metric,
+                "value": entry.metric,
+                "updated_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            }
+            self.store.put_atomic(pointer, (json.dumps(body, indent=1) + "\n").encode())
+
+    def read_pointer(self, pointer: str) -> dict[str, Any] | None:
+        """A pointer file's contents, or ``None`` if it is absent or unreadable (it is a hint)."""
+        info = self.store.stat(pointer)
+        if info is None or info.kind != "file" or info.size > 65536:
+            return None
+        handle = self.store.open_read(pointer)
+        try:
+            buffer = bytearray(handle.size)
+            handle.read_into(0, memoryview(buffer))
+        finally:
+            handle.close()
+        try:
+            body = json.loads(buffer)
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def collect_leftovers(self, *, lease: float = DEFAULT_LEASE, now: float | None = None) -> list[str]:
+        """Remove ``.deleting-`` directories, and staging leftovers (``.tmp-``) in which nothing
+        changed for ``lease`` seconds. Never follows symlinks. Returns the names removed."""
+        now = time.time() if now is None else now
+        removed: list[str] = []
+        for name, info in self.store.list_dir(""):
+            if DELETING_MARKER in name:
+                self.store.remove_tree(name)
+            elif STAGING_MARKER in name:
+                newest = info.mtime
+                if info.kind == "dir":
+                    try:
+                        newest = max([newest, *(child.mtime for _, child in self.store.list_files(name))])
+                    except ShardkeepError:
+                        continue  # vanished or unreadable: leave it for the next pass
+                if now - newest < lease:
+                    continue
+                self.store.remove_tree(name)
+            else:
+                continue
+            removed.append(name)
+            logger.info("removed leftover %s", self.path_of(name))
+        return removed
+
+
+def _metric(manifest: Manifest | None, metric: str) -> float | None:
+    if manifest is None:
+        return None
+    value = manifest.metrics.get(metric)
+    return None if value is None or not math.isfinite(value) else value
+
+
+def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
+    """A retention policy from a YAML file: either the ``checkpointing`` section itself, or a
+    ``RuntimeConfig`` file with a top-level ``checkpointing:`` key (other keys belong to the
+    rest of the run's config and are not read). Duplicate keys are refused."""
+    import yaml
+
+    class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type stubs
+        pass
+
+    def construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        mapping: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in mapping:
+                raise ConfigError(f"{os.fspath(path)}: duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            mapping[key] = loader.construct_object(value_node, deep=deep)
+        return mapping
+
+    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            document = yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{os.fspath(path)}: invalid YAML: {exc}") from exc
+    if document is None:
+        document = {}
+    if isinstance(document, Mapping) and "checkpointing" in document:
+        return policy_from_config(document["checkpointing"])
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{os.fspath(path)}: the config must be a mapping, got {type(document).__name__}")
+    return policy_from_config(document)

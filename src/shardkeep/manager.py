@@ -1,0 +1,919 @@
+"""The training-loop layer: :class:`TrainingCheckpoint` and :class:`CheckpointManager`.
+
+A manager owns a root directory of checkpoints named ``step_<N>``. Each save goes through
+:func:`shardkeep.save` (sharded and distributed like any other save), and its manifest records
+the run id, a fingerprint of the model args and config, the metrics and the retention policy.
+Everything the manager decides (latest, best, what to keep, who owns the root) is rebuilt from
+those manifests, so a restarted run enforces the same policy. See ``docs/manager.md``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import datetime as _dt
+import json
+import logging
+import os
+import random
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import numpy as np
+import torch
+
+import shardkeep.api as api
+from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot, _Found, checkpoint_name, load_config_file
+from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.errors import (
+    CheckpointExistsError,
+    CheckpointFieldError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CoordinationError,
+    FingerprintMismatchError,
+    IntegrityError,
+    ManifestError,
+    RetentionError,
+    RunMismatchError,
+    ShardkeepError,
+    StorageError,
+)
+from shardkeep.integrity import digest_bytes
+from shardkeep.manifest import RUN_ID_PATTERN, Manifest, RetentionRecord, RunInfo
+from shardkeep.retention import RetentionPolicy, policy_from_config
+from shardkeep.storage.base import ByteStore
+from shardkeep.storage.local import LocalStore
+from shardkeep.tensors.flatten import is_plain_json, rebuild_state
+
+__all__ = ["CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint"]
+
+logger = logging.getLogger("shardkeep")
+
+#: The ``schema`` value that marks a saved :class:`TrainingCheckpoint`.
+TRAINING_CHECKPOINT_SCHEMA = "shardkeep.TrainingCheckpoint/1"
+_REQUIRED = ("model", "optimizer", "model_args", "iteration", "best_val_loss", "config")
+_OPTIONAL = ("ema", "scheduler", "rng", "data_position")
+_SAVE_OPTIONS = frozenset(
+    {
+        "digest",
+        "byte_budget",
+        "io_threads",
+        "file_size_target",
+        "compression",
+        "compression_level",
+        "model_id",
+        "epoch",
+        "training",
+        "sharding_strategy",
+        "custom_fields",
+    }
+)
+_CORRUPT_MARKER = ".corrupt-"
+
+
+# --------------------------------------------------------------------------------------------
+# TrainingCheckpoint
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TrainingCheckpoint:
+    """The whole state of a training run, as a typed object.
+
+    ``model``, ``optimizer``, ``ema`` and ``scheduler`` may be live objects (a module, an
+    optimizer, anything with ``state_dict``) or state dicts. ``model_args`` and ``config`` are
+    mappings (or dataclasses) of plain JSON values; they also form the run's fingerprint.
+    ``rng`` holds RNG states (see :meth:`capture_rng`), ``data_position`` any JSON value (an
+    epoch and batch index, a sampler offset ...). Every field is checked on construction and on
+    load; an error names the field.
+    """
+
+    model: Any
+    optimizer: Any
+    model_args: Mapping[str, Any]
+    iteration: int
+    best_val_loss: float | None
+    config: Mapping[str, Any]
+    ema: Any = None
+    scheduler: Any = None
+    rng: Mapping[str, Any] | None = None
+    data_position: Any = None
+
+    def __post_init__(self) -> None:
+        self.model_args = _json_mapping("model_args", self.model_args)
+        self.config = _json_mapping("config", self.config)
+        _check_fields(self.__dict__, loaded=False)
+
+    def to_state(self) -> dict[str, Any]:
+        """The state mapping saved for this checkpoint (live objects are kept as they are)."""
+        _check_fields(self.__dict__, loaded=False)
+        state: dict[str, Any] = {"schema": TRAINING_CHECKPOINT_SCHEMA}
+        for name in _REQUIRED:
+            state[name] = getattr(self, name)
+        state["model_args"] = dict(self.model_args)
+        state["config"] = dict(self.config)
+        for name in _OPTIONAL:
+            value = getattr(self, name)
+            if value is not None:
+                state[name] = value
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> TrainingCheckpoint:
+        """Build a checkpoint from a loaded state, checking every field."""
+        check_training_state(state)
+        return cls(**{name: state[name] for name in (*_REQUIRED, *_OPTIONAL) if name in state})
+
+    def fingerprint_source(self) -> dict[str, Any]:
+        return {"model_args": dict(self.model_args), "config": dict(self.config)}
+
+    def _update_from(self, state: Mapping[str, Any]) -> None:
+        """After an in-place load: take the plain fields from ``state`` (live objects were filled
+        in place and are kept)."""
+        for name in (*_REQUIRED, *_OPTIONAL):
+            if name not in state:
+                continue
+            current = getattr(self, name)
+            if _is_live(current):
+                continue
+            setattr(self, name, state[name])
+
+    @staticmethod
+    def capture_rng() -> dict[str, Any]:
+        """The RNG states of Python's ``random``, numpy's global generator and torch's CPU
+        generator, as a value for ``rng=``."""
+        python_state = random.getstate()
+        return {
+            "python": [python_state[0], list(python_state[1]), python_state[2]],
+            "numpy": _numpy_rng_state(),
+            "torch": torch.get_rng_state(),
+        }
+
+    @staticmethod
+    def restore_rng(rng: Mapping[str, Any]) -> None:
+        """Put back RNG states captured by :meth:`capture_rng` (as loaded from a checkpoint)."""
+        try:
+            version, internal, gauss = rng["python"]
+            random.setstate((version, tuple(internal), gauss))
+            numpy_state = rng["numpy"]
+            np.random.set_state(
+                (
+                    numpy_state["bit_generator"],
+                    np.asarray(numpy_state["key"], dtype=np.uint32),
+                    numpy_state["pos"],
+                    numpy_state["has_gauss"],
+                    numpy_state["cached_gaussian"],
+                )
+            )
+            torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointFieldError("rng", f"cannot restore the RNG states: {exc}") from exc
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    name, key, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    return {
+        "bit_generator": name,
+        "key": key.copy(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _is_live(value: Any) -> bool:
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
+        callable(getattr(value, "load_state_dict", None)) and not isinstance(value, Mapping)
+    )
+
+
+def _json_mapping(name: str, value: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, Mapping):
+        raise CheckpointFieldError(name, f"must be a mapping or a dataclass, got {type(value).__name__}")
+    as_dict = dict(value)
+    if not is_plain_json(as_dict):
+        raise CheckpointFieldError(
+            name, "must hold only plain JSON values (string keys, numbers, strings, lists, dicts)"
+        )
+    return as_dict
+
+
+def _check_fields(fields: Mapping[str, Any], *, loaded: bool) -> None:
+    """Type checks shared by construction (live objects allowed) and load (state dicts)."""
+    for name in ("model", "optimizer"):
+        value = fields.get(name)
+        if not isinstance(value, Mapping) and (loaded or not callable(getattr(value, "state_dict", None))):
+            expected = "a state dict" if loaded else "a module/optimizer or its state dict"
+            raise CheckpointFieldError(name, f"must be {expected}, got {type(value).__name__}")
+    for name in ("ema", "scheduler"):
+        value = fields.get(name)
+        if (
+            value is not None
+            and not isinstance(value, Mapping)
+            and (loaded or not callable(getattr(value, "state_dict", None)))
+        ):
+            raise CheckpointFieldError(
+                name, f"must be None, an object with state_dict() or a state dict, got {type(value).__name__}"
+            )
+    iteration = fields.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointFieldError("iteration", f"must be an integer >= 0, got {iteration!r}")
+    loss = fields.get("best_val_loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        raise CheckpointFieldError("best_val_loss", f"must be a number or None, got {loss!r}")
+    for name in ("model_args", "config"):
+        if not isinstance(fields.get(name), Mapping):
+            raise CheckpointFieldError(name, f"must be a mapping, got {type(fields.get(name)).__name__}")
+    rng = fields.get("rng")
+    if rng is not None and not isinstance(rng, Mapping):
+        raise CheckpointFieldError("rng", f"must be None or a mapping of RNG states, got {type(rng).__name__}")
+
+
+def check_training_state(state: Mapping[str, Any]) -> None:
+    """Check a loaded (or skeleton) state against the TrainingCheckpoint schema; the error
+    names the first bad field."""
+    if not isinstance(state, Mapping):
+        raise CheckpointFieldError(
+            "<root>", f"a TrainingCheckpoint state must be a mapping, got {type(state).__name__}"
+        )
+    schema = state.get("schema")
+    if schema != TRAINING_CHECKPOINT_SCHEMA:
+        raise CheckpointFieldError("schema", f"expected {TRAINING_CHECKPOINT_SCHEMA!r}, got {schema!r}")
+    for name in _REQUIRED:
+        if name not in state:
+            raise CheckpointFieldError(name, "is missing from the checkpoint")
+    unknown = sorted(set(state) - {"schema", *_REQUIRED, *_OPTIONAL})
+    if unknown:
+        raise CheckpointFieldError(unknown[0], f"is not a TrainingCheckpoint field (unknown fields: {unknown})")
+    _check_fields(state, loaded=True)
+
+
+class _TensorStub:
+    """Stands for a tensor when checking a state's shape from its manifest alone."""
+
+
+def skeleton(manifest: Manifest) -> dict[str, Any]:
+    """The saved state with every tensor replaced by a stub: enough to check field types
+    before loading a single byte of tensor data."""
+    seen: set[str] = set()
+    tensors: list[tuple[list[str | int], int, Any]] = []
+    for _, entry in manifest.iter_tensors():
+        if entry.key not in seen:
+            seen.add(entry.key)
+            tensors.append((entry.path, entry.order, _TensorStub()))
+    return rebuild_state(manifest.structure, manifest.values, tensors)
+
+
+def is_training_checkpoint(manifest: Manifest) -> bool:
+    return any(value.path == ["schema"] and value.value == TRAINING_CHECKPOINT_SCHEMA for value in manifest.values)
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprints
+# --------------------------------------------------------------------------------------------
+
+
+def fingerprint_fields(source: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"config": {"lr": 0.1}}`` -> ``{"config.lr": 0.1}``; list items by index; empty
+    containers as ``{}``/``[]`` strings so that they still show in a diff."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            if not value:
+                flat[prefix] = "{}"
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                flat[prefix] = "[]"
+            for index, item in enumerate(value):
+                walk(f"{prefix}.{index}", item)
+        else:
+            flat[prefix] = value
+
+    walk("", source)
+    return flat
+
+
+def fingerprint_of(fields: Mapping[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    return digest_bytes("blake3", canonical)
+
+
+def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    absent = object()
+    differences = []
+    for name in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(name, absent), current.get(name, absent)
+        if old is absent or new is absent or (type(old) is not type(new) and not _same_number(old, new)) or old != new:
+            differences.append(
+                (
+                    name,
+                    "<absent>" if old is absent else json.dumps(old),
+                    "<absent>" if new is absent else json.dumps(new),
+                )
+            )
+    return differences
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    numbers = (int, float)
+    return isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool)
+
+
+# --------------------------------------------------------------------------------------------
+# CheckpointManager
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Restored:
+    """What :meth:`CheckpointManager.restore` loaded: the entry, the state (the ``into`` object,
+    a :class:`TrainingCheckpoint`, or a dict), and the newer checkpoints it skipped, with why."""
+
+    entry: CheckpointEntry
+    state: Any
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.entry.step
+
+
+class PendingSave:
+    """A save started by :meth:`CheckpointManager.async_save`. ``result()`` waits for the commit
+    and for retention, and returns the new entry (or raises what failed)."""
+
+    def __init__(self, manager: CheckpointManager, handle: api.SaveHandle, name: str) -> None:
+        self._manager = manager
+        self._handle = handle
+        self.name = name
+        self.blocked_seconds = handle.blocked_seconds
+
+    def __repr__(self) -> str:
+        return f"PendingSave({self.name!r}, {'done' if self.done() else 'running'})"
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def result(self, timeout: float | None = None) -> CheckpointEntry:
+        manifest = self._handle.result(timeout)
+        return self._manager._entry_after_save(self.name, manifest)
+
+
+class CheckpointManager:
+    """Keeps the last and best checkpoints of a training run in ``root``.
+
+    ``keep_last``/``keep_best`` checkpoints are kept (0 means none), ranked by ``metric``
+    (``mode`` ``"min"`` or ``"max"``). Whatever the policy, the newest checkpoint that verifies
+    is never deleted, and neither is anything another run wrote. Options:
+
+    - ``run_id``: this run's id. By default a new run gets a fresh id at its first save, and a
+      resumed run takes the id of the checkpoint :meth:`restore` loads.
+    - ``allow_other_runs``: write into a root whose newest checkpoint belongs to another run.
+    - ``fingerprint``: a mapping of the model args and config for plain-mapping states (a
+      :class:`TrainingCheckpoint` supplies its own).
+    - ``verify_newest`` (default true): before deleting anything, read back and verify the
+      newest checkpoint fully.
+    - ``staging_lease``: seconds after which an untouched staging directory counts as a
+      leftover of a crashed save and is removed (by the coordinator).
+    - ``storage``: a byte store rooted at ``root`` (instead of the local directory).
+    - ``process_group``, ``timeout``: as for :func:`shardkeep.save`.
+    - any :func:`shardkeep.save` option (``digest``, ``compression``, ``io_threads`` ...).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep_last: int = 1,
+        keep_best: int = 1,
+        metric: str = "val_loss",
+        mode: Literal["min", "max"] = "min",
+        *,
+        run_id: str | None = None,
+        allow_other_runs: bool = False,
+        fingerprint: Mapping[str, Any] | None = None,
+        verify_newest: bool = True,
+        staging_lease: float = DEFAULT_LEASE,
+        storage: ByteStore | None = None,
+        process_group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        progress: bool = False,
+        **save_options: Any,
+    ) -> None:
+        self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+        unknown = sorted(set(save_options) - _SAVE_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(_SAVE_OPTIONS))}"
+            )
+        if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id)):
+            raise ConfigError(
+                f"run_id={run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', starting alphanumeric"
+            )
+        if isinstance(staging_lease, bool) or not isinstance(staging_lease, (int, float)) or staging_lease < 0:
+            raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
+        self.root = os.fspath(root)
+        if storage is None:
+            if "://" in self.root:
+                raise ConfigError(
+                    f"root {self.root!r}: object-store roots are not supported yet; use a filesystem path"
+                )
+            os.makedirs(self.root, exist_ok=True)
+            storage = LocalStore(self.root)
+            display = os.path.abspath(self.root)
+        else:
+            display = self.root
+        self.store = storage
+        self.catalog = CheckpointRoot(storage, display=display)
+        self._run_id = run_id
+        self.allow_other_runs = allow_other_runs
+        self._fingerprint = _json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
+        self.verify_newest = verify_newest
+        self.staging_lease = float(staging_lease)
+        self.process_group = process_group
+        self.timeout = timeout
+        self.progress = progress
+        self.save_options = save_options
+        self._pending: PendingSave | None = None
+        self._lock = threading.RLock()
+        self._flags: dict[str, tuple[bool, bool, bool, bool | None]] = {}
+
+    @classmethod
+    def from_config(
+        cls, root: str | os.PathLike[str], config: Mapping[str, Any] | str | os.PathLike[str], **options: Any
+    ) -> CheckpointManager:
+        """A manager whose policy comes from a ``checkpointing`` mapping
+        (``{"keep": {"last": N, "best": M}}``, optionally ``metric`` and ``mode``) or from a YAML
+        file holding that section (or a whole RuntimeConfig with a ``checkpointing:`` key)."""
+        is_file = isinstance(config, (str, os.PathLike))
+        policy = load_config_file(config) if is_file else policy_from_config(config)  # type: ignore[arg-type]  # a mapping here
+        clashing = sorted({"keep_last", "keep_best", "metric", "mode"} & set(options))
+        if clashing:
+            raise ConfigError(f"{clashing} come from the config; do not pass them to from_config as well")
+        return cls(root, policy.keep_last, policy.keep_best, policy.metric, policy.mode, **options)
+
+    def __repr__(self) -> str:
+        p = self.policy
+        return (
+            f"CheckpointManager({self.catalog.display!r}, keep_last={p.keep_last}, keep_best={p.keep_best}, "
+            f"metric={p.metric!r}, mode={p.mode!r}, run_id={self._run_id!r})"
+        )
+
+    @property
+    def run_id(self) -> str | None:
+        """This run's id: given, adopted by :meth:`restore`, or created by the first save."""
+        return self._run_id
+
+    def _coordinator(self) -> Coordinator:
+        return Coordinator(self.process_group, timeout=self.timeout)
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(
+        self, state: TrainingCheckpoint | Mapping[str, Any], *, step: int, metrics: Mapping[str, Any] | None = None
+    ) -> CheckpointEntry:
+        """Save ``state`` as checkpoint ``step``, then apply retention; return the new entry.
+
+        Every rank calls it when distributed. Retention runs only after the commit is durable;
+        if it fails, :class:`~shardkeep.errors.RetentionError` is raised and the new checkpoint
+        is still committed and usable.
+        """
+        with self._lock:
+            self.wait()
+            coordinator = self._coordinator()
+            name, payload, run = self._prepare(state, step, metrics, coordinator)
+            manifest = api.save(
+                payload,
+                self._path(name),
+                step=step,
+                metrics=metrics,
+                run=run,
+                storage=self.store,
+                process_group=self.process_group,
+                timeout=self.timeout,
+                progress=self.progress,
+                **self.save_options,
+            )
+            outcome = coordinator.step("apply retention", lambda: self._retain(name, coordinator))
+            _raise_shared(outcome[0])
+            return self._entry_after_save(name, manifest)
+
+    def async_save(
+        self,
+        state: TrainingCheckpoint | Mapping[str, Any],
+        *,
+        step: int,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> PendingSave:
+        """Snapshot ``state`` and return at once; writing, commit and then retention run in the
+        background. A previous pending save is waited for first. ``result()`` on the returned
+        :class:`PendingSave` gives the entry."""
+        with self._lock:
+            self.wait()
+            coordinator = self._coordinator()
+            name, payload, run = self._prepare(state, step, metrics, coordinator)
+
+            def after_commit(manifest: Manifest) -> None:
+                _raise_shared(self._retain(name, coordinator))
+
+            handle = api.async_save(
+                payload,
+                self._path(name),
+                step=step,
+                metrics=metrics,
+                run=run,
+                storage=self.store,
+                process_group=self.process_group,
+                timeout=self.timeout,
+                after_commit=after_commit,
+                **self.save_options,
+            )
+            self._pending = PendingSave(self, handle, name)
+            return self._pending
+
+    def wait(self, timeout: float | None = None) -> CheckpointEntry | None:
+        """Wait for the pending async save (if any) and return its entry, or raise its error."""
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.result(timeout)
+        finally:
+            if pending.done():
+                self._pending = None
+
+    def _path(self, name: str) -> str:
+        return name
+
+    def _prepare(
+        self,
+        state: TrainingCheckpoint | Mapping[str, Any],
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        coordinator: Coordinator,
+    ) -> tuple[str, Mapping[str, Any], RunInfo]:
+        """Check the arguments and the root's owner (coordinator), agree on the run id."""
+        name = checkpoint_name(step)
+        if metrics is not None:
+            if not isinstance(metrics, Mapping):
+                raise ConfigError(f"metrics= must be a mapping of names to numbers, got {type(metrics).__name__}")
+            if metrics and self.policy.metric not in metrics:
+                raise ConfigError(
+                    f"metrics has no {self.policy.metric!r}, the metric this manager ranks by; got {sorted(metrics)}"
+                )
+        if isinstance(state, TrainingCheckpoint):
+            payload: Mapping[str, Any] = state.to_state()
+            source: Mapping[str, Any] | None = state.fingerprint_source()
+        elif isinstance(state, Mapping):
+            payload = state
+            source = self._fingerprint
+        else:
+            raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
+        outcome = coordinator.step("check the checkpoint root", lambda: self._claim(name, coordinator))
+        kind, detail = outcome[0]
+        if kind != "ok":
+            _raise_shared(outcome[0])
+        self._run_id = detail
+        fields = fingerprint_fields(source) if source is not None else {}
+        run = RunInfo(
+            run_id=detail,
+            fingerprint=fingerprint_of(fields) if source is not None else None,
+            fingerprint_fields=fields,
+            retention=RetentionRecord(
+                keep_last=self.policy.keep_last,
+                keep_best=self.policy.keep_best,
+                metric=self.policy.metric,
+                mode=self.policy.mode,
+            ),
+        )
+        return name, payload, run
+
+    def _claim(self, name: str, coordinator: Coordinator) -> tuple[str, Any]:
+        """On the coordinator: refuse a root owned by another run, move a corrupt checkpoint of
+        this run out of the way of ``name``, and collect leftovers. Errors are returned as
+        values so that every rank raises the same typed error."""
+        if not coordinator.is_coordinator:
+            return ("ok", None)
+        try:
+            found = self.catalog.scan()
+            owner = CheckpointRoot.owner(found)
+            run_id = self._run_id
+            if owner is not None and owner != run_id and not self.allow_other_runs:
+                newest = next(item for item in reversed(found) if CheckpointRoot.run_of(item) == owner)
+                hint = (
+                    f"call restore() to resume run {owner!r}, pass run_id={owner!r} to continue it"
+                    if run_id is None
+                    else f"this manager is run {run_id!r}"
+                )
+                return (
+                    "RunMismatchError",
+                    f"{self.catalog.display} belongs to run {owner!r} (newest checkpoint {newest.name}); {hint}, "
+                    "or pass allow_other_runs=True to write beside it",
+                )
+            if run_id is None:
+                run_id = _new_run_id()
+            existing = next((item for item in found if item.name == name), None)
+            if existing is not None:
+                if CheckpointRoot.run_of(existing) == run_id:
+                    self.catalog.verify_fully(existing)
+                if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
+                    aside = f"{name}{_CORRUPT_MARKER}{uuid.uuid4().hex[:12]}"
+                    self.store.rename(name, aside)
+                    logger.warning(
+                        "checkpoint %s fails verification (%s); moved it to %s for inspection and saving afresh",
+                        self.catalog.path_of(name),
+                        "; ".join(existing.problems[:3]),
+                        aside,
+                    )
+                else:
+                    return (
+                        "CheckpointExistsError",
+                        f"checkpoint {self.catalog.path_of(name)} already exists; committed checkpoints are never overwritten",
+                    )
+            self.catalog.collect_leftovers(lease=self.staging_lease)
+            return ("ok", run_id)
+        except ShardkeepError as exc:
+            return (type(exc).__name__, str(exc))
+
+    def _retain(self, name: str, coordinator: Coordinator) -> tuple[str, Any]:
+        """On the coordinator, after ``name`` committed: delete what the policy no longer keeps,
+        update the pointers, remove leftovers. Returns the new entry's flags, or an error."""
+        if not coordinator.is_coordinator:
+            return ("ok", None)
+        try:
+            found = self.catalog.scan()
+            entries, decision = self.catalog.decide(found, self.policy, self._run_id, verify_newest=self.verify_newest)
+            mine = {item.name for item in found if CheckpointRoot.run_of(item) == self._run_id}
+            skipped = [item.name for item in found if item.manifest is None]
+            if skipped:
+                logger.warning(
+                    "retention leaves %s alone: unreadable manifest(s), owner unknown (%s)",
+                    ", ".join(skipped),
+                    "; ".join(item.problems[0] for item in found if item.manifest is None)[:500],
+                )
+            self.catalog.apply(decision)
+            self.catalog.write_pointers(entries, decision, self.policy.metric)
+            self.catalog.collect_leftovers(lease=self.staging_lease)
+            entry = next((entry for entry in entries if entry.name == name), None)
+            if entry is None or name not in mine:
+                return ("RetentionError", f"checkpoint {name} committed but is missing from {self.catalog.display}")
+            self._flags[name] = (entry.is_last, entry.is_best, entry.is_newest, entry.verified)
+            if entry.verified is False:
+                return (
+                    "RetentionError",
+                    f"checkpoint {entry.path} committed but fails verification: {'; '.join(entry.problems[:3])}",
+                )
+            return ("ok", None)
+        except ShardkeepError as exc:
+            return (
+                "RetentionError",
+                f"checkpoint {self.catalog.path_of(name)} committed, but retention failed: {type(exc).__name__}: {exc}",
+            )
+
+    def _entry_after_save(self, name: str, manifest: Manifest) -> CheckpointEntry:
+        flags = self._flags.pop(name, None)
+        if flags is None:  # not the coordinator: the decision is rebuilt from the manifests
+            entry = next((entry for entry in self._entries(verify=False) if entry.name == name), None)
+            if entry is not None:
+                return entry
+            flags = (self.policy.keep_last > 0, False, True, None)
+        is_last, is_best, is_newest, verified = flags
+        return CheckpointEntry(
+            name=name,
+            path=self.catalog.path_of(name),
+            step=manifest.step if manifest.step is not None else -1,
+            metric=manifest.metrics.get(self.policy.metric),
+            metrics=dict(manifest.metrics),
+            is_last=is_last,
+            is_best=is_best,
+            is_newest=is_newest,
+            verified=verified,
+            size=sum(record.stored_size for record in manifest.files),
+            run_id=self._run_id,
+            created_at=manifest.created_at,
+            manifest=manifest,
+        )
+
+    # -- reading ----------------------------------------------------------------------------
+    def _scope(self, found: builtins.list[_Found]) -> str | None:
+        return self._run_id if self._run_id is not None else CheckpointRoot.owner(found)
+
+    def _entries(self, *, verify: bool) -> builtins.list[CheckpointEntry]:
+        found = self.catalog.scan()
+        if verify:
+            for item in found:
+                self.catalog.verify_fully(item)
+        entries, _ = self.catalog.decide(found, self.policy, self._scope(found), verify_newest=False)
+        return entries
+
+    def list(self, *, verify: bool = False) -> builtins.list[CheckpointEntry]:
+        """Every committed checkpoint in the root, oldest first (other runs' too: see
+        ``run_id``). With ``verify``, every digest is checked; otherwise the manifest, the file
+        set and the sizes."""
+        self.wait()
+        return self._entries(verify=verify)
+
+    def latest(self, *, verify: bool = False) -> CheckpointEntry | None:
+        """The newest checkpoint of this run (or of the root's owner before the first save or
+        restore) that passes the checks; with ``verify``, that passes a full verification."""
+        self.wait()
+        found = self.catalog.scan()
+        scope = self._scope(found)
+        for item in reversed(found):
+            if CheckpointRoot.run_of(item) != scope and scope is not None:
+                continue
+            if verify:
+                self.catalog.verify_fully(item)
+            if not item.problems:
+                entries, _ = self.catalog.decide(found, self.policy, scope, verify_newest=False)
+                return next(entry for entry in entries if entry.name == item.name)
+        return None
+
+    def best(self, *, verify: bool = False) -> CheckpointEntry | None:
+        """The best checkpoint under the policy's metric and mode (``None`` if keep_best is 0
+        or there is none)."""
+        entries = self.list(verify=verify)
+        found = [entry for entry in entries if entry.is_best]
+        if not found:
+            return None
+        sign = 1.0 if self.policy.mode == "min" else -1.0
+        return min(found, key=lambda e: (e.metric is None, sign * e.metric if e.metric is not None else 0.0, e.step))
+
+    def prune(self) -> builtins.list[str]:
+        """Apply retention now (coordinator only; other ranks return ``[]``) and return the names
+        deleted. Saves do this on their own; this is for a policy that changed."""
+        self.wait()
+        coordinator = self._coordinator()
+        if not coordinator.is_coordinator:
+            return []
+        found = self.catalog.scan()
+        scope = self._scope(found)
+        entries, decision = self.catalog.decide(found, self.policy, scope, verify_newest=self.verify_newest)
+        deleted = self.catalog.apply(decision)
+        self.catalog.write_pointers(entries, decision, self.policy.metric)
+        self.catalog.collect_leftovers(lease=self.staging_lease)
+        return deleted
+
+    # -- restoring --------------------------------------------------------------------------
+    def restore(
+        self,
+        into: Any = None,
+        *,
+        step: int | None = None,
+        allow_fingerprint_change: bool = False,
+    ) -> Restored:
+        """Load the newest checkpoint that verifies (or checkpoint ``step``).
+
+        If the newest fails verification, fall back to the previous one with a logged warning;
+        raise :class:`~shardkeep.errors.IntegrityError` if none verifies, and
+        :class:`~shardkeep.errors.CheckpointNotFoundError` if there is none. With a
+        :class:`TrainingCheckpoint` as ``into``, its modules and optimizer are filled in place
+        and its other fields replaced; ``into=None`` returns a new TrainingCheckpoint (for a
+        checkpoint saved from one) or a dict. A checkpoint whose model args or config differ
+        from ``into``'s (or the manager's ``fingerprint``) raises
+        :class:`~shardkeep.errors.FingerprintMismatchError` with a field-by-field diff, unless
+        ``allow_fingerprint_change``. A resumed run takes the restored checkpoint's run id.
+        """
+        with self._lock:
+            self.wait()
+            coordinator = self._coordinator()
+            candidates = coordinator.broadcast(
+                self._candidates(step) if coordinator.is_coordinator else None, label="list checkpoints"
+            )
+            if isinstance(candidates, str):
+                raise CheckpointNotFoundError(candidates)
+            skipped: builtins.list[tuple[str, str]] = []
+            for name in candidates:
+                kind, detail, result = self._try_load(name, into, allow_fingerprint_change)
+                outcomes = coordinator.all_gather((kind, detail), label=f"restore {name}")
+                errors = [(rank, d) for rank, (k, d) in enumerate(outcomes) if k == "error"]
+                if errors:
+                    if kind == "error":
+                        assert isinstance(result, BaseException)
+                        raise result
+                    raise CoordinationError(
+                        f"restoring {name} failed on rank(s) {[rank for rank, _ in errors]}: {errors[0][1]}",
+                        dict(errors),
+                    )
+                corrupt = [(rank, d) for rank, (k, d) in enumerate(outcomes) if k == "corrupt"]
+                if corrupt:
+                    reason = (
+                        "; ".join(f"rank {rank}: {d}" for rank, d in corrupt)
+                        if coordinator.distributed
+                        else corrupt[0][1]
+                    )
+                    logger.warning(
+                        "checkpoint %s cannot be restored (%s); falling back to the previous checkpoint",
+                        self.catalog.path_of(name),
+                        reason[:2000],
+                    )
+                    skipped.append((name, reason))
+                    continue
+                manifest, state = result
+                if self._run_id is None and manifest.run is not None:
+                    self._run_id = manifest.run.run_id
+                entry = self._restored_entry(name, manifest)
+                return Restored(entry=entry, state=state, skipped=skipped)
+            details = "; ".join(f"{name}: {reason}" for name, reason in skipped)
+            raise IntegrityError(
+                f"no checkpoint in {self.catalog.display} verifies ({len(skipped)} tried): {details}",
+                [f"{name}: {reason}" for name, reason in skipped],
+            )
+
+    def _candidates(self, step: int | None) -> builtins.list[str] | str:
+        found = self.catalog.scan()
+        scope = self._scope(found)
+        names = [
+            item.name
+            for item in reversed(found)
+            if scope is None or CheckpointRoot.run_of(item) == scope or item.manifest is None
+        ]
+        if step is not None:
+            wanted = checkpoint_name(step)
+            names = [name for name in names if name == wanted]
+        if not names:
+            which = f"checkpoint step {step}" if step is not None else "checkpoints"
+            of_run = f" of run {scope!r}" if scope is not None else ""
+            return f"no {which}{of_run} in {self.catalog.display}"
+        return names
+
+    def _try_load(self, name: str, into: Any, allow_fingerprint_change: bool) -> tuple[str, str, Any]:
+        """Load ``name`` on this rank: ("ok", "", (manifest, state)), ("corrupt", why, None) to
+        fall back, or ("error", why, exception) for an error that must not be skipped."""
+        try:
+            manifest = api.read_manifest(name, storage=self.store)
+            if manifest.run is not None and self._run_id is not None and manifest.run.run_id != self._run_id:
+                raise RunMismatchError(f"{name} belongs to run {manifest.run.run_id!r}, not {self._run_id!r}")
+            self._check_fingerprint(name, manifest, into, allow_fingerprint_change)
+            training = is_training_checkpoint(manifest)
+            if isinstance(into, TrainingCheckpoint) or (into is None and training):
+                check_training_state(skeleton(manifest))
+            if isinstance(into, TrainingCheckpoint):
+                target = into.to_state()
+                api.load(name, into=target, storage=self.store, progress=self.progress)
+                into._update_from(target)
+                state: Any = into
+            elif into is None and training:
+                state = TrainingCheckpoint.from_state(api.load(name, storage=self.store, progress=self.progress))
+            else:
+                state = api.load(name, into=into, storage=self.store, progress=self.progress)
+        except (IntegrityError, ManifestError, CheckpointNotFoundError, StorageError) as exc:
+            return ("corrupt", f"{type(exc).__name__}: {exc}", None)
+        except ShardkeepError as exc:
+            return ("error", f"{type(exc).__name__}: {exc}", exc)
+        return ("ok", "", (manifest, state))
+
+    def _check_fingerprint(self, name: str, manifest: Manifest, into: Any, allowed: bool) -> None:
+        source = into.fingerprint_source() if isinstance(into, TrainingCheckpoint) else self._fingerprint
+        if source is None or manifest.run is None or manifest.run.fingerprint is None or allowed:
+            return
+        current = fingerprint_fields(source)
+        if fingerprint_of(current) == manifest.run.fingerprint:
+            return
+        differences = fingerprint_differences(manifest.run.fingerprint_fields, current)
+        lines = "\n".join(f"  {field}: checkpoint {old}, now {new}" for field, old, new in differences[:50])
+        more = f"\n  ... and {len(differences) - 50} more" if len(differences) > 50 else ""
+        raise FingerprintMismatchError(
+            f"{self.catalog.path_of(name)} was saved with different model args or config "
+            f"({len(differences)} field(s) differ):\n{lines}{more}\n"
+            "pass allow_fingerprint_change=True to restore it anyway",
+            differences,
+        )
+
+    def _restored_entry(self, name: str, manifest: Manifest) -> CheckpointEntry:
+        for entry in self._entries(verify=False):
+            if entry.name == name:
+                return dataclasses.replace(entry, verified=True)
+        return CheckpointEntry(name=name, path=self.catalog.path_of(name), step=manifest.step or 0, verified=True)
+
+
+def _new_run_id() -> str:
+    now = _dt.datetime.now(_dt.UTC)
+    return f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+_SHARED_ERRORS: dict[str, type[ShardkeepError]] = {
+    "RunMismatchError": RunMismatchError,
+    "CheckpointExistsError": CheckpointExistsError,
+    "RetentionError": RetentionError,
+}
+
+
+def _raise_shared(outcome: tuple[str, Any]) -> None:
+    """Raise the coordinator's error, with its type, on this rank."""
+    kind, detail = outcome
+    if kind == "ok":
+        return
+    error_type = _SHARED_ERRORS.get(kind)
+    if error_type is RetentionError:
+        raise RetentionError(detail)
+    if error_type is not None:
+        raise error_type(detail)
+    raise CoordinationError(f"the coordinator failed: {kind}: {detail}", {0: f"{kind}: {detail}"})
