@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import ConfigError, ShardkeepError
+from shardkeep.errors import ConfigError, ShardkeepError, StorageError
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage.base import ByteStore
@@ -141,6 +141,8 @@ class CheckpointRoot:
             try:
                 data = read_manifest_bytes(location, self.limits)
                 manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
+            except StorageError:
+                raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
             except ShardkeepError as exc:
                 found.append(_Found(name, step, None, [str(exc)]))
                 continue
@@ -155,6 +157,8 @@ class CheckpointRoot:
         try:
             problems = file_set_problems(location, manifest)
             sizes = {relative: info.size for relative, info in self.store.list_files(location.name)}
+        except StorageError:
+            raise
         except ShardkeepError as exc:
             return [str(exc)]
         for record in manifest.files:

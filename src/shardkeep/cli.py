@@ -1,7 +1,7 @@
 """The ``shardkeep`` command line: argument parsing and printing. Imports without torch.
 
-Exit status: 0 on success, 1 when ``verify`` finds a problem, 2 on bad usage or when the
-checkpoint cannot be read at all.
+Exit status: 0 on success, 1 when ``verify`` (or ``ls``) finds a problem, 2 on bad usage or
+when the checkpoint or root cannot be read at all.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any, TextIO
 
 import msgspec
 
+from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot
 from shardkeep.errors import ShardkeepError
-from shardkeep.manifest import Manifest
+from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
+from shardkeep.retention import RetentionDecision, RetentionPolicy
 from shardkeep.verification import read_manifest, verify
 
 __all__ = ["build_parser", "main"]
@@ -42,7 +44,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkeep",
-        description="Inspect and verify shardkeep checkpoints.",
+        description="Inspect, verify, list and prune shardkeep checkpoints.",
         epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint.",
     )
     parser.add_argument("--version", action="version", version=f"shardkeep {_version()}")
@@ -70,7 +72,54 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="show a progress bar on stderr (default: when stderr is a terminal)",
     )
+
+    listing = commands.add_parser(
+        "ls",
+        help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
+        description="List the committed checkpoints of a checkpoint-manager root. Marks and the policy come from "
+        "the manifests (the newest one records the manager's policy); --keep-last/--keep-best/--metric/--mode "
+        "override it. Exit 1 if a checkpoint fails a check.",
+    )
+    listing.add_argument("root", metavar="ROOT", help="a directory of step_<N> checkpoints")
+    listing.add_argument("--verify", action="store_true", help="check every digest (reads everything)")
+    listing.add_argument("--json", action="store_true", help="print the entries as JSON")
+    _policy_arguments(listing)
+
+    prune = commands.add_parser(
+        "prune",
+        help="delete checkpoints that the retention policy no longer keeps (dry run unless --apply)",
+        description="Apply a retention policy to a root. Without --apply, only print what would be deleted. "
+        "Never deletes the newest verified checkpoint, another run's checkpoints, or one whose manifest is "
+        "unreadable. Deletion renames a checkpoint to <name>.deleting-<uuid> before removing it.",
+    )
+    prune.add_argument("root", metavar="ROOT", help="a directory of step_<N> checkpoints")
+    prune.add_argument("--apply", action="store_true", help="delete for real (default: dry run)")
+    prune.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE,
+        metavar="SECONDS",
+        help=f"with --apply, also remove staging leftovers untouched for this long (default {DEFAULT_LEASE:.0f})",
+    )
+    _policy_arguments(prune)
     return parser
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-last", type=_count, metavar="N", help="last checkpoints to keep (default: recorded)")
+    parser.add_argument("--keep-best", type=_count, metavar="M", help="best checkpoints to keep (default: recorded)")
+    parser.add_argument("--metric", help="metric ranking the best (default: recorded, else val_loss)")
+    parser.add_argument(
+        "--mode", choices=("min", "max"), help="lower or higher is better (default: recorded, else min)"
+    )
+    parser.add_argument("--run", metavar="RUN_ID", help="the run whose checkpoints count (default: the root's owner)")
 
 
 def summary(manifest: Manifest) -> dict[str, Any]:
@@ -151,6 +200,10 @@ def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO
         w(f"router_state {', '.join(manifest.router_state.prefixes)}\n")
     if manifest.custom_fields:
         w(f"custom       {json.dumps(manifest.custom_fields, sort_keys=True)}\n")
+    if manifest.metrics:
+        w(f"metrics      {json.dumps(manifest.metrics, sort_keys=True)}\n")
+    if manifest.run is not None:
+        w(f"run          {manifest.run.run_id}   fingerprint {(manifest.run.fingerprint or '-')[:24]}\n")
     if manifest.unknown_fields:
         w(
             f"unknown      {len(manifest.unknown_fields)} field(s) from a newer minor version, ignored: {', '.join(manifest.unknown_fields)}\n"
@@ -216,6 +269,138 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 1
 
 
+def _policy_for(args: argparse.Namespace, root: CheckpointRoot, found: list[Any], run: str | None) -> RetentionPolicy:
+    recorded = root.recorded_policy(found, run) or RetentionPolicy()
+    return RetentionPolicy(
+        keep_last=recorded.keep_last if args.keep_last is None else args.keep_last,
+        keep_best=recorded.keep_best if args.keep_best is None else args.keep_best,
+        metric=args.metric or recorded.metric,
+        mode=args.mode or recorded.mode,
+    )
+
+
+def _marks(entry: CheckpointEntry, decision: RetentionDecision, scoped: bool) -> str:
+    marks = [name for name, on in (("last", entry.is_last), ("best", entry.is_best)) if on]
+    if entry.is_newest and not entry.is_last:
+        marks.append("newest")
+    if entry.name in decision.delete:
+        marks.append("prunable")
+    if not scoped:
+        marks.append("other-run")
+    return ",".join(marks) or "-"
+
+
+def _state(entry: CheckpointEntry) -> str:
+    if entry.verified is False:
+        return "CORRUPT: " + (entry.problems[0] if entry.problems else "?")
+    return "verified" if entry.verified else "ok"
+
+
+def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
+    root = CheckpointRoot.at(args.root)
+    found = root.scan()
+    run = args.run or root.owner(found)
+    policy = _policy_for(args, root, found, run)
+    if args.verify:
+        for item in found:
+            root.verify_fully(item)
+    entries, decision = root.decide(found, policy, run, verify_newest=False)
+    leftovers = [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
+    pointers = {name: root.read_pointer(name) for name in ("last", "best")}
+    failed = any(entry.verified is False for entry in entries)
+    if args.json:
+        document = {
+            "root": root.display,
+            "run": run,
+            "policy": {
+                "keep_last": policy.keep_last,
+                "keep_best": policy.keep_best,
+                "metric": policy.metric,
+                "mode": policy.mode,
+            },
+            "checkpoints": [
+                {
+                    "name": entry.name,
+                    "path": entry.path,
+                    "step": entry.step,
+                    "metric": entry.metric,
+                    "metrics": dict(entry.metrics),
+                    "size": entry.size,
+                    "is_last": entry.is_last,
+                    "is_best": entry.is_best,
+                    "is_newest": entry.is_newest,
+                    "prunable": entry.name in decision.delete,
+                    "verified": entry.verified,
+                    "problems": list(entry.problems),
+                    "run_id": entry.run_id,
+                    "created_at": entry.created_at.isoformat() if entry.created_at else None,
+                }
+                for entry in entries
+            ],
+            "pointers": pointers,
+            "leftovers": leftovers,
+        }
+        out.write(json.dumps(document, indent=2) + "\n")
+        return 1 if failed else 0
+
+    def w(text: str) -> None:
+        out.write(_printable(text))
+
+    w(f"root    {root.display}\n")
+    w(
+        f"policy  keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} mode={policy.mode}"
+        f"   run {run or '-'}\n"
+    )
+    if not entries:
+        w("no checkpoints\n")
+    else:
+        metric_header = policy.metric[:16]
+        w(f"{'NAME':<16} {'STEP':>10} {metric_header:>16} {'SIZE':>10}  {'MARKS':<22} {'CREATED':<20} STATE\n")
+        for entry in entries:
+            metric = "-" if entry.metric is None else f"{entry.metric:.6g}"
+            created = entry.created_at.strftime("%Y-%m-%d %H:%M:%S") if entry.created_at else "-"
+            scoped = run is None or entry.run_id == run or entry.manifest is None
+            w(
+                f"{entry.name:<16} {entry.step:>10} {metric:>16} {human_bytes(entry.size):>10}  "
+                f"{_marks(entry, decision, scoped):<22} {created:<20} {_state(entry)}\n"
+            )
+    for name, pointer in pointers.items():
+        target = pointer.get("checkpoint") if pointer else None
+        expected = decision.newest_verified if name == "last" else (decision.best[0] if decision.best else None)
+        status = "ok" if target == expected else f"stale (truth: {expected or 'none'})"
+        w(f"pointer {name} -> {target or 'none'}  {status}\n")
+    if leftovers:
+        w(f"leftovers {len(leftovers)}: {', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}\n")
+    return 1 if failed else 0
+
+
+def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
+    root = CheckpointRoot.at(args.root)
+    found = root.scan()
+    run = args.run or root.owner(found)
+    policy = _policy_for(args, root, found, run)
+    entries, decision = root.decide(found, policy, run, verify_newest=True)
+    verb = "deleting" if args.apply else "would delete"
+    out.write(
+        _printable(
+            f"policy keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} "
+            f"mode={policy.mode}   run {run or '-'}\n"
+        )
+    )
+    for name in decision.keep:
+        out.write(_printable(f"keep          {name}\n"))
+    for name in decision.delete:
+        out.write(_printable(f"{verb:<13} {name}\n"))
+    if not args.apply:
+        out.write(f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; pass --apply to delete them\n")
+        return 0
+    root.apply(decision)
+    root.write_pointers(entries, decision, policy.metric)
+    removed = root.collect_leftovers(lease=args.lease)
+    out.write(f"deleted {len(decision.delete)} checkpoint(s), removed {len(removed)} leftover(s)\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
@@ -225,6 +410,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
             return _run_inspect(args, out)
         if args.command == "verify":
             return _run_verify(args, out, err)
+        if args.command == "ls":
+            return _run_ls(args, out)
+        if args.command == "prune":
+            return _run_prune(args, out)
     except ShardkeepError as exc:
         err.write(f"shardkeep {args.command}: error: {exc}\n")
         return 2

@@ -57,6 +57,8 @@ logger = logging.getLogger("shardkeep")
 TRAINING_CHECKPOINT_SCHEMA = "shardkeep.TrainingCheckpoint/1"
 _REQUIRED = ("model", "optimizer", "model_args", "iteration", "best_val_loss", "config")
 _OPTIONAL = ("ema", "scheduler", "rng", "data_position")
+#: Fields whose objects ``restore(into=...)`` fills in place; the others are replaced.
+_FILLED = ("model", "optimizer", "ema", "scheduler")
 _SAVE_OPTIONS = frozenset(
     {
         "digest",
@@ -775,7 +777,8 @@ class CheckpointManager:
         raise :class:`~shardkeep.errors.IntegrityError` if none verifies, and
         :class:`~shardkeep.errors.CheckpointNotFoundError` if there is none. With a
         :class:`TrainingCheckpoint` as ``into``, its modules and optimizer are filled in place
-        and its other fields replaced; ``into=None`` returns a new TrainingCheckpoint (for a
+        and its iteration, best_val_loss, rng and data_position replaced (model_args and config
+        stay as given); ``into=None`` returns a new TrainingCheckpoint (for a
         checkpoint saved from one) or a dict. A checkpoint whose model args or config differ
         from ``into``'s (or the manager's ``fingerprint``) raises
         :class:`~shardkeep.errors.FingerprintMismatchError` with a field-by-field diff, unless
@@ -856,9 +859,12 @@ class CheckpointManager:
             if isinstance(into, TrainingCheckpoint) or (into is None and training):
                 check_training_state(skeleton(manifest))
             if isinstance(into, TrainingCheckpoint):
-                target = into.to_state()
+                # Objects are filled in place; plain fields are taken from the checkpoint, except
+                # model_args and config, which stay the caller's (they matched, or the change
+                # was allowed).
+                target = {k: v for k, v in into.to_state().items() if k in _FILLED and v is not None}
                 api.load(name, into=target, storage=self.store, progress=self.progress)
-                into._update_from(target)
+                into._update_from({k: v for k, v in target.items() if k not in ("model_args", "config")})
                 state: Any = into
             elif into is None and training:
                 state = TrainingCheckpoint.from_state(api.load(name, storage=self.store, progress=self.progress))
