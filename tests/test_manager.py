@@ -265,7 +265,7 @@ def test_corrupt_newest_falls_back_to_the_previous_with_a_warning(tmp_path: Path
     # every checkpoint corrupt: an error, never a silent fresh start
     for step in (0, 1):
         (data_file(tmp_path / f"step_{step:08d}")).write_bytes(b"garbage")
-    with pytest.raises(sk.IntegrityError, match="no checkpoint .* verifies"):
+    with pytest.raises(sk.IntegrityError, match=r"no checkpoint .* verifies"):
         sk.CheckpointManager(tmp_path).restore()
 
 
