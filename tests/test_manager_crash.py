@@ -104,7 +104,7 @@ def test_kill_9_at_every_operation_of_a_managed_save(tmp_path: Path) -> None:
         tiny(3), step=3, metrics={"val_loss": 0.5}
     )
     operations = counting.operations
-    commit_index = next(i for i, op in enumerate(operations, 1) if op.startswith("rename step_00000003.tmp-"))
+    commit_index = next(i for i, op in enumerate(operations, 1) if op.endswith("-> step_00000003"))
     killed_in_retention = 0
     for kill_at in range(1, len(operations) + 1):
         root = tmp_path / f"kill-{kill_at}"
@@ -114,7 +114,7 @@ def test_kill_9_at_every_operation_of_a_managed_save(tmp_path: Path) -> None:
         _check_after_crash(root)
         shutil.rmtree(root)
     # retention deletes two checkpoints, rewrites two pointers and looks for leftovers
-    assert killed_in_retention >= 8, operations[commit_index:]
+    assert killed_in_retention >= 25, operations[commit_index:]
 
 
 def test_kill_9_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
