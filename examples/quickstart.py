@@ -1,4 +1,5 @@
-"""The main job until the full training demo lands: save, inspect, verify, load, and catch damage.
+"""The main job until the full training demo lands: save, inspect, verify, load, catch damage,
+and keep the last and best checkpoints of a short training run with a CheckpointManager.
 
 Run it with ``make demo`` (or ``.venv/bin/python examples/quickstart.py``). It writes into
 ``demo-output/`` and prints what each step shows.
@@ -97,6 +98,40 @@ def main() -> None:
     except sk.CheckpointExistsError as exc:
         print(f"refused: {exc}")
     assert sk.verify(checkpoint).ok
+
+    banner("7. a CheckpointManager: keep the last 2 and the best 1 by validation loss")
+    root = out / "managed"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpoint_state = sk.TrainingCheckpoint(
+        model=model,
+        optimizer=optimizer,
+        model_args={"layers": [64, 32, 1]},
+        iteration=0,
+        best_val_loss=None,
+        config={"lr": 1e-3},
+        rng=sk.TrainingCheckpoint.capture_rng(),
+    )
+    manager = sk.CheckpointManager(root, keep_last=2, keep_best=1)
+    manager.save(checkpoint_state, step=0)  # right after init: both last and best
+    for step, val_loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5)]:
+        train_a_little(model, optimizer, steps=2)
+        checkpoint_state.iteration = step
+        checkpoint_state.best_val_loss = min(val_loss, checkpoint_state.best_val_loss or val_loss)
+        entry = manager.save(checkpoint_state, step=step, metrics={"val_loss": val_loss})
+        print(f"saved {entry.name}: last={entry.is_last} best={entry.is_best}")
+    assert cli("ls", str(root)) == 0
+
+    banner("8. the newest checkpoint is damaged: restore falls back to the previous one")
+    newest = root / "step_00000040"
+    shard = next(newest.rglob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0x01
+    shard.write_bytes(bytes(data))
+    resumed = sk.CheckpointManager(root, keep_last=2, keep_best=1)
+    restored = resumed.restore()
+    print(f"restored step {restored.step}; skipped {[name for name, _ in restored.skipped]}")
+    assert restored.step == 30 and isinstance(restored.state, sk.TrainingCheckpoint)
     print("\nquickstart finished: all steps behaved as expected")
 
 

@@ -121,14 +121,14 @@ def _async_on_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         broken.result(timeout=60)
         error = None
     except sk.CoordinationError as exc:
-        error = {"failures": list(exc.failures)}
+        error = {"failures": list(exc.failures), "msg": str(exc)}
     return {"files": len(manifest.files), "error": error}
 
 
 def test_async_save_across_ranks_commits_through_the_store(tmp_path: Path) -> None:
     results = results_or_raise(run_ranks(2, _async_on_ranks, str(tmp_path), outbox=tmp_path / "out"))
     for result in results:
-        assert result["error"] == {"failures": [1]}
+        assert result["error"]["failures"] == [1], result["error"]
     loaded = sk.load(tmp_path / "ckpt")
     assert torch.equal(loaded["sharded"], torch.arange(40, dtype=torch.float32).reshape(10, 4))
     assert torch.equal(loaded["replicated"], torch.full((6,), 3.0))

@@ -17,4 +17,12 @@ def test_quickstart_runs_and_reports_every_step(tmp_path: Path) -> None:
     assert "weights identical after load: True" in result.stdout
     assert "PROBLEM  shards/rank_00000.safetensors: digest mismatch" in result.stdout
     assert "quickstart finished" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step_00000050", "step_00000050-damaged"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["managed", "step_00000050", "step_00000050-damaged"]
+    assert "restored step 30; skipped ['step_00000040']" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "out" / "managed").iterdir()) == [
+        "best",
+        "last",
+        "step_00000020",
+        "step_00000030",
+        "step_00000040",
+    ]

@@ -770,6 +770,7 @@ def _finish_through_store(job: _SaveJob) -> Manifest:
                 message = f"{message}; removing the staging directory failed too: {cleanup}"
             result = ("error", (message, failures))
         store.set(f"{prefix}/result", pickle.dumps(result))  # type: ignore[arg-type]  # Store.set takes bytes too
+        _await_acknowledgements(store, prefix, coordinator.world_size, deadline)
         if result[0] == "ok":
             return cast(Manifest, job.manifest)
     else:
@@ -778,6 +779,7 @@ def _finish_through_store(job: _SaveJob) -> Manifest:
             # commit: wait for two, so a slow but successful commit is not reported as failed.
             store.wait([f"{prefix}/result"], 2 * deadline)
             result = pickle.loads(store.get(f"{prefix}/result"))
+            store.set(f"{prefix}/ack{coordinator.rank}", b"1")  # type: ignore[arg-type]  # Store.set takes bytes too
         except Exception as exc:
             raise CoordinationError(
                 f"the coordinator did not report the outcome within twice the {coordinator.timeout:.0f} s "
@@ -788,6 +790,18 @@ def _finish_through_store(job: _SaveJob) -> Manifest:
         return read_manifest(job.location.name, storage=job.location.store)
     error_message, error_failures = cast(tuple[str, dict[int, str]], result[1])
     raise CoordinationError(error_message, error_failures)
+
+
+def _await_acknowledgements(store: Any, prefix: str, world_size: int, deadline: _dt.timedelta) -> None:
+    """The coordinator hosts the key-value store in the usual TCP setup: before its handle
+    completes (after which the process may exit), wait until every other rank has read the
+    outcome. A rank that never acknowledges is not waited for beyond the deadline."""
+    keys = [f"{prefix}/ack{rank}" for rank in range(1, world_size)]
+    with contextlib.suppress(Exception):
+        store.wait(keys, deadline)
+    with contextlib.suppress(Exception):
+        for key in [*keys, f"{prefix}/result"]:
+            store.delete_key(key)
 
 
 def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:

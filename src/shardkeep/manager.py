@@ -682,7 +682,10 @@ class CheckpointManager:
     def _entry_after_save(self, name: str, manifest: Manifest) -> CheckpointEntry:
         flags = self._flags.pop(name, None)
         if flags is None:  # not the coordinator: the decision is rebuilt from the manifests
-            entry = next((entry for entry in self._entries(verify=False) if entry.name == name), None)
+            try:
+                entry = next((entry for entry in self._entries(verify=False) if entry.name == name), None)
+            except ShardkeepError:  # the coordinator's retention is changing the root right now
+                entry = None
             if entry is not None:
                 return entry
             flags = (self.policy.keep_last > 0, False, True, None)
