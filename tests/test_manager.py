@@ -315,6 +315,8 @@ def test_a_root_owned_by_another_run_is_refused(tmp_path: Path) -> None:
     assert owner.run_id is not None and owner.run_id in str(info.value)
     with pytest.raises(sk.RunMismatchError):
         sk.CheckpointManager(tmp_path, run_id="someone-else").save(tiny(1), step=1)
+    with pytest.raises(sk.RunMismatchError, match="before pruning"):
+        sk.CheckpointManager(tmp_path, keep_last=0, keep_best=0).prune()
     assert on_disk(tmp_path) == [0]
 
     # told to: it writes beside the other run and never deletes the other run's checkpoints

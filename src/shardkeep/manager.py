@@ -760,6 +760,12 @@ class CheckpointManager:
             return []
         found = self.catalog.scan()
         scope = self._scope(found)
+        if self._run_id is None and scope is not None and not self.allow_other_runs:
+            raise RunMismatchError(
+                f"{self.catalog.display} belongs to run {scope!r}; restore() it or pass run_id={scope!r} "
+                "before pruning its checkpoints with this manager's policy",
+                owner=scope,
+            )
         entries, decision = self.catalog.decide(found, self.policy, scope, verify_newest=self.verify_newest)
         deleted = self.catalog.apply(decision)
         self.catalog.write_pointers(entries, decision, self.policy.metric)
