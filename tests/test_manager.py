@@ -544,3 +544,15 @@ def test_an_io_error_at_every_operation_of_a_managed_save(tmp_path: Path) -> Non
         assert not [p for p in root.iterdir() if ".tmp-" in p.name or ".deleting-" in p.name]
         shutil.rmtree(root)
     assert outcomes["save failed"] > 0 and outcomes["retention failed"] > 0
+
+
+def test_a_step_below_a_valid_newer_checkpoint_is_refused(tmp_path: Path) -> None:
+    manager = sk.CheckpointManager(tmp_path, keep_last=1, keep_best=1)
+    for step, loss in [(100, 1.0), (200, 0.5), (300, 0.9)]:
+        manager.save(tiny(step), step=step, metrics={"val_loss": loss})
+    assert manager.restore(step=200).step == 200
+    with pytest.raises(sk.CheckpointExistsError, match="newer checkpoint that verifies, step_00000300"):
+        manager.save(tiny(250), step=250, metrics={"val_loss": 0.7})
+    assert on_disk(tmp_path) == [200, 300]
+    with pytest.raises(sk.ConfigError, match="step=-1"):
+        manager.restore(step=-1)

@@ -858,14 +858,18 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise UnsupportedValueError(f"metric name {name!r} must be a non-empty string")
-        if value is not None and hasattr(value, "item") and callable(value.item):
-            value = value.item()  # a 0-d tensor or numpy scalar
-        if value is None:
-            recorded[name] = None
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UnsupportedValueError(f"metric {name!r}={value!r} must be a number")
-        else:
-            recorded[name] = float(value) if math.isfinite(value) else None
+        try:
+            if value is not None and hasattr(value, "item") and callable(value.item):
+                value = value.item()  # a 0-d tensor or numpy scalar
+            if value is None:
+                recorded[name] = None
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UnsupportedValueError(f"metric {name!r}={value!r} must be a number")
+            else:
+                number = float(value)
+                recorded[name] = number if math.isfinite(number) else None
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise UnsupportedValueError(f"metric {name!r} must be a single finite-size number: {exc}") from exc
     return recorded
 
 

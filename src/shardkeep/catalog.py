@@ -314,7 +314,7 @@ class CheckpointRoot:
             handle.close()
         try:
             body = json.loads(buffer)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return body if isinstance(body, dict) else None
 

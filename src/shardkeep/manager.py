@@ -40,7 +40,6 @@ from shardkeep.errors import (
     RetentionError,
     RunMismatchError,
     ShardkeepError,
-    StorageError,
 )
 from shardkeep.integrity import digest_bytes
 from shardkeep.manifest import RUN_ID_PATTERN, Manifest, RetentionRecord, RunInfo
@@ -547,6 +546,11 @@ class CheckpointManager:
             return None
         try:
             return pending.result(timeout)
+        except RetentionError as exc:
+            # Only the coordinator sees it (it alone prunes); raising here would desynchronize
+            # the ranks at the next collective. The checkpoint itself committed.
+            logger.error("retention after the async save of %s failed: %s", pending.name, exc)
+            return None
         finally:
             if pending.done():
                 self._pending = None
@@ -621,6 +625,18 @@ class CheckpointManager:
                 )
             if run_id is None:
                 run_id = _new_run_id()
+            step = int(name[5:])
+            for newer in reversed(found):
+                if newer.step <= step or CheckpointRoot.run_of(newer) != run_id:
+                    continue
+                self.catalog.verify_fully(newer)
+                if not newer.problems:
+                    return (
+                        "CheckpointExistsError",
+                        f"run {run_id!r} already has a newer checkpoint that verifies, {newer.name}; a save of "
+                        f"step {step} would never be resumed from. Save with a step above {newer.step}, or "
+                        "remove the newer checkpoints first",
+                    )
             existing = next((item for item in found if item.name == name), None)
             if existing is not None:
                 if CheckpointRoot.run_of(existing) == run_id:
@@ -659,6 +675,12 @@ class CheckpointManager:
                     "retention leaves %s alone: unreadable manifest(s), owner unknown (%s)",
                     ", ".join(skipped),
                     "; ".join(item.problems[0] for item in found if item.manifest is None)[:500],
+                )
+            if name in decision.delete:  # never delete the checkpoint this save just committed
+                decision = dataclasses.replace(
+                    decision,
+                    keep=(*decision.keep, name),
+                    delete=tuple(other for other in decision.delete if other != name),
                 )
             self.catalog.apply(decision)
             self.catalog.write_pointers(entries, decision, self.policy.metric)
@@ -795,12 +817,16 @@ class CheckpointManager:
         """
         with self._lock:
             self.wait()
+            if step is not None:
+                checkpoint_name(step)  # a bad step fails on every rank alike
             coordinator = self._coordinator()
             candidates = coordinator.broadcast(
                 self._candidates(step) if coordinator.is_coordinator else None, label="list checkpoints"
             )
             if isinstance(candidates, str):
                 raise CheckpointNotFoundError(candidates)
+            if isinstance(candidates, tuple):
+                _raise_shared(candidates)
             skipped: builtins.list[tuple[str, str]] = []
             for name in candidates:
                 kind, detail, result = self._try_load(name, into, allow_fingerprint_change)
@@ -839,8 +865,11 @@ class CheckpointManager:
                 [f"{name}: {reason}" for name, reason in skipped],
             )
 
-    def _candidates(self, step: int | None) -> builtins.list[str] | str:
-        found = self.catalog.scan()
+    def _candidates(self, step: int | None) -> builtins.list[str] | str | tuple[str, str]:
+        try:
+            found = self.catalog.scan()
+        except ShardkeepError as exc:
+            return (type(exc).__name__, str(exc))
         scope = self._scope(found)
         names = [
             item.name
@@ -879,7 +908,7 @@ class CheckpointManager:
                 state = TrainingCheckpoint.from_state(api.load(name, storage=self.store, progress=self.progress))
             else:
                 state = api.load(name, into=into, storage=self.store, progress=self.progress)
-        except (IntegrityError, ManifestError, CheckpointNotFoundError, StorageError) as exc:
+        except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             return ("corrupt", f"{type(exc).__name__}: {exc}", None)
         except ShardkeepError as exc:
             return ("error", f"{type(exc).__name__}: {exc}", exc)

@@ -383,7 +383,10 @@ class LocalStore:
             try:
                 os.rename(temporary, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except OSError as exc:
-                os.unlink(temporary, dir_fd=dir_fd)
+                try:
+                    os.unlink(temporary, dir_fd=dir_fd)
+                except OSError:
+                    pass  # the leftover is a staging name, collected later
                 raise _storage_error(f"replacing {path!r} with", temporary, exc) from exc
             _fsync_fd(dir_fd, path)
         finally:
