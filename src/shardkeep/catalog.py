@@ -155,8 +155,9 @@ class CheckpointRoot:
 
     def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> list[str]:
         try:
-            problems = file_set_problems(location, manifest)
-            sizes = {relative: info.size for relative, info in self.store.list_files(location.name)}
+            listing = self.store.list_files(location.name)
+            problems = file_set_problems(location, manifest, listing)
+            sizes = {relative: info.size for relative, info in listing}
         except StorageError:
             raise
         except ShardkeepError as exc:

@@ -490,18 +490,7 @@ class CheckpointManager:
             self.wait()
             coordinator = self._coordinator()
             name, payload, run = self._prepare(state, step, metrics, coordinator)
-            manifest = api.save(
-                payload,
-                self._path(name),
-                step=step,
-                metrics=metrics,
-                run=run,
-                storage=self.store,
-                process_group=self.process_group,
-                timeout=self.timeout,
-                progress=self.progress,
-                **self.save_options,
-            )
+            manifest = api.save(payload, name, progress=self.progress, **self._save_arguments(step, metrics, run))
             outcome = coordinator.step("apply retention", lambda: self._retain(name, coordinator))
             _raise_shared(outcome[0])
             return self._entry_after_save(name, manifest)
@@ -525,16 +514,7 @@ class CheckpointManager:
                 _raise_shared(self._retain(name, coordinator))
 
             handle = api.async_save(
-                payload,
-                self._path(name),
-                step=step,
-                metrics=metrics,
-                run=run,
-                storage=self.store,
-                process_group=self.process_group,
-                timeout=self.timeout,
-                after_commit=after_commit,
-                **self.save_options,
+                payload, name, after_commit=after_commit, **self._save_arguments(step, metrics, run)
             )
             self._pending = PendingSave(self, handle, name)
             return self._pending
@@ -555,8 +535,17 @@ class CheckpointManager:
             if pending.done():
                 self._pending = None
 
-    def _path(self, name: str) -> str:
-        return name
+    def _save_arguments(self, step: int, metrics: Mapping[str, Any] | None, run: RunInfo) -> dict[str, Any]:
+        """The keyword arguments ``save`` and ``async_save`` share."""
+        return {
+            "step": step,
+            "metrics": metrics,
+            "run": run,
+            "storage": self.store,
+            "process_group": self.process_group,
+            "timeout": self.timeout,
+            **self.save_options,
+        }
 
     def _prepare(
         self,

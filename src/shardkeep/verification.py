@@ -34,7 +34,7 @@ from shardkeep.manifest import (
     unsafe_path_reason,
     validate_manifest,
 )
-from shardkeep.storage.base import ByteStore
+from shardkeep.storage.base import ByteStore, EntryInfo
 from shardkeep.storage.local import LocalStore
 
 __all__ = ["CheckpointLocation", "VerifyReport", "locate", "read_manifest", "verify"]
@@ -118,13 +118,16 @@ def read_manifest(
     return parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
 
 
-def file_set_problems(location: CheckpointLocation, manifest: Manifest) -> list[str]:
-    """Missing, extra and non-regular entries: the files on disk must equal the manifest's."""
+def file_set_problems(
+    location: CheckpointLocation, manifest: Manifest, listing: list[tuple[str, EntryInfo]] | None = None
+) -> list[str]:
+    """Missing, extra and non-regular entries: the files on disk must equal the manifest's.
+    ``listing`` is the checkpoint directory's ``list_files`` when the caller already has it."""
     expected = {record.path: record for record in manifest.files}
     allowed = {MANIFEST_FILENAME, SIGNATURE_FILENAME}
     problems: list[str] = []
     found: set[str] = set()
-    for relative, info in location.store.list_files(location.name):
+    for relative, info in location.store.list_files(location.name) if listing is None else listing:
         if info.kind != "file":
             problems.append(f"{relative}: is a symlink or special file, not a regular file")
             continue
