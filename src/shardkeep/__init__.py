@@ -17,6 +17,10 @@ from shardkeep.errors import (
     CoordinationError,
     FingerprintMismatchError,
     IntegrityError,
+    LedgerError,
+    LedgerMismatchError,
+    LedgerStateError,
+    ManifestCorruptedError,
     ManifestError,
     ManifestVersionError,
     RetentionError,
@@ -27,12 +31,14 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
+from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, ValidationResult, validate_manifest
 from shardkeep.retention import RetentionPolicy
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
+    from shardkeep.batches import iter_batches, load_batch, save_batch
     from shardkeep.manager import CheckpointManager, PendingSave, Restored, TrainingCheckpoint
 
 __version__ = "0.1.0"
@@ -47,10 +53,15 @@ __all__ = [
     "CoordinationError",
     "FingerprintMismatchError",
     "IntegrityError",
+    "LedgerError",
+    "LedgerMismatchError",
+    "LedgerStateError",
     "Manifest",
+    "ManifestCorruptedError",
     "ManifestError",
     "ManifestVersionError",
     "PendingSave",
+    "ProgressLedger",
     "Restored",
     "RetentionError",
     "RetentionPolicy",
@@ -66,14 +77,18 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "async_save",
+    "iter_batches",
     "load",
+    "load_batch",
     "read_manifest",
     "save",
+    "save_batch",
     "validate_manifest",
     "verify",
 ]
 
 _LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
+_LAZY.update({name: "shardkeep.batches" for name in ("save_batch", "load_batch", "iter_batches")})
 _LAZY.update(
     {name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint")}
 )

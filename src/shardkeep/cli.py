@@ -17,6 +17,7 @@ import msgspec
 
 from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot
 from shardkeep.errors import ShardkeepError
+from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
 from shardkeep.retention import RetentionDecision, RetentionPolicy
 from shardkeep.verification import read_manifest, verify
@@ -44,7 +45,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkeep",
-        description="Inspect, verify, list and prune shardkeep checkpoints.",
+        description="Inspect, verify, list and prune shardkeep checkpoints; show and change progress ledgers.",
         epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint.",
     )
     parser.add_argument("--version", action="version", version=f"shardkeep {_version()}")
@@ -102,6 +103,45 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --apply, also remove staging leftovers untouched for this long (default {DEFAULT_LEASE:.0f})",
     )
     _policy_arguments(prune)
+
+    ledger = commands.add_parser(
+        "ledger",
+        help="show or change a progress ledger of a multi-worker batch job",
+        description="Work with a ProgressLedger file (the per-shard progress of a sharded batch job).",
+    )
+    ledger_commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
+    status = ledger_commands.add_parser(
+        "status",
+        help="a table per shard with totals; marks stale and orphaned shards",
+        description="Print each shard's status, assigned worker, last recorded batch, sequences, age of the last "
+        "batch and retries, with totals. STALE: in progress with no recorded batch for longer than the threshold. "
+        "ORPHANED: failed at least --max-retries times. Exit 0 when readable, 2 when no copy of the ledger is valid.",
+    )
+    status.add_argument("path", metavar="PATH", help="the ledger's JSON file")
+    status.add_argument("--json", action="store_true", help="print the ledger and the progress summary as JSON")
+    status.add_argument(
+        "--stale-after",
+        type=float,
+        default=DEFAULT_STALENESS_SEC,
+        metavar="SECONDS",
+        help=f"staleness threshold (default {DEFAULT_STALENESS_SEC:.0f})",
+    )
+    status.add_argument(
+        "--max-retries",
+        type=int,
+        default=MAX_ORPHANED_RETRIES,
+        metavar="N",
+        help=f"failures after which a failed shard is orphaned (default {MAX_ORPHANED_RETRIES})",
+    )
+    reassign = ledger_commands.add_parser(
+        "reassign",
+        help="give a shard to another worker (its original rank is kept)",
+        description="Assign SHARD to worker RANK. A failed shard becomes in progress again; a complete shard "
+        "cannot be reassigned. The previous worker's later updates are refused when it passes worker=.",
+    )
+    reassign.add_argument("path", metavar="PATH", help="the ledger's JSON file")
+    reassign.add_argument("shard", metavar="SHARD", type=int, help="the shard (its original rank)")
+    reassign.add_argument("rank", metavar="RANK", type=int, help="the worker that takes it over")
     return parser
 
 
@@ -401,6 +441,81 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
+    ledger = ProgressLedger(args.path, staleness_threshold_sec=args.stale_after, max_retries=args.max_retries)
+    state = ledger.read()
+    progress = ledger.get_global_progress()
+    if args.json:
+        document = {"ledger": msgspec.to_builtins(state), "progress": progress}
+        out.write(json.dumps(document, indent=2) + "\n")
+        return 0
+
+    def w(text: str) -> None:
+        out.write(_printable(text))
+
+    now = ledger.clock()
+    w(
+        f"ledger  {args.path}   version {state.version}   sequence {state.sequence}   updated {state.updated_at}\n"
+        f"run     input {state.input_fingerprint or '-'}   model {state.model_config_hash or '-'}\n"
+    )
+    w(
+        f"{'SHARD':>5} {'ORIG':>4} {'WORKER':>6}  {'STATUS':<11} {'LAST BATCH':>10} {'BATCHES':>7} "
+        f"{'SEQUENCES':>11} {'AGE':>6} {'RETRIES':>7}  MARKS / ERROR\n"
+    )
+    stale = set(progress["stale_shards"])
+    orphaned = set(progress["orphaned_shards"])
+    for key in sorted(state.shards, key=int):
+        entry = state.shards[key]
+        shard = int(key)
+        activity = ledger.last_activity(entry)
+        marks = []
+        if shard in stale:
+            marks.append("STALE")
+        if shard in orphaned:
+            marks.append("ORPHANED")
+        if entry.assigned_rank != entry.original_rank:
+            marks.append(f"reassigned {entry.original_rank}->{entry.assigned_rank}")
+        if entry.error and entry.status == "failed":
+            marks.append(f"error: {entry.error}")
+        last = "-" if entry.last_checkpoint_batch < 0 else str(entry.last_checkpoint_batch)
+        w(
+            f"{shard:>5} {entry.original_rank:>4} {entry.assigned_rank:>6}  {entry.status:<11} {last:>10} "
+            f"{len(entry.checkpoints):>7} {entry.total_sequences:>11,} {_age(None if activity is None else now - activity):>6} "
+            f"{entry.retry_count:>7}  {' '.join(marks) or '-'}\n"
+        )
+    w(
+        f"total   {progress['total_shards']} shards: {progress['completed']} complete, {progress['in_progress']} in "
+        f"progress, {progress['failed']} failed; {progress['stale']} stale, {progress['orphaned']} orphaned; "
+        f"{progress['total_batches']:,} batches, {progress['total_sequences_checkpointed']:,} sequences\n"
+    )
+    latest = ledger.get_latest_global_checkpoint()
+    if latest is not None:
+        w(f"barrier {latest['checkpoint_id']} at {latest['timestamp']} ({len(state.global_checkpoints)} recorded)\n")
+    return 0
+
+
+def _run_ledger_reassign(args: argparse.Namespace, out: TextIO) -> int:
+    ledger = ProgressLedger(args.path)
+    before = ledger.get_shard_status(args.shard)
+    ledger.reassign_shard(args.shard, args.rank)
+    previous = before["assigned_rank"] if before else "?"
+    out.write(f"shard {args.shard} (original rank {before['original_rank'] if before else '?'}): worker {previous} -> {args.rank}\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
@@ -414,6 +529,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
             return _run_ls(args, out)
         if args.command == "prune":
             return _run_prune(args, out)
+        if args.command == "ledger" and args.ledger_command == "status":
+            return _run_ledger_status(args, out)
+        if args.command == "ledger" and args.ledger_command == "reassign":
+            return _run_ledger_reassign(args, out)
     except ShardkeepError as exc:
         err.write(f"shardkeep {args.command}: error: {exc}\n")
         return 2

@@ -17,7 +17,15 @@
     ├── RetentionError           the save committed, but pruning old checkpoints failed
     ├── StorageError             an I/O operation failed (write, fsync, rename, read ...)
     ├── SaveInProgressError      async_save(wait=False) while another save is still in flight
-    └── CoordinationError        one or more ranks failed a collective step
+    ├── CoordinationError        one or more ranks failed a collective step
+    └── LedgerError              a progress-ledger operation failed
+        ├── ManifestCorruptedError     no copy of the ledger (primary, .tmp, .backup) is valid
+        ├── LedgerNotFoundError        the ledger was never initialized (also a FileNotFoundError)
+        ├── LedgerMismatchError        input fingerprint, model hash or world size differ from the run's
+        ├── LedgerStateError           a change the ledger refuses: unknown shard, finished shard,
+        │                              a batch recorded twice, a worker the shard is not assigned to
+        ├── BatchFileMissingError      recording a batch whose file does not exist (a FileNotFoundError)
+        └── LedgerLockTimeoutError     the ledger's lock was not acquired in time (a TimeoutError)
 
 Third-party errors (``OSError``, ``msgspec.DecodeError`` ...) are mapped at the boundary and
 chained with ``raise ... from``, so the original cause is always in ``__cause__``.
@@ -32,7 +40,14 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "FingerprintMismatchError",
+    "BatchFileMissingError",
     "IntegrityError",
+    "LedgerError",
+    "LedgerLockTimeoutError",
+    "LedgerMismatchError",
+    "LedgerNotFoundError",
+    "LedgerStateError",
+    "ManifestCorruptedError",
     "ManifestError",
     "ManifestVersionError",
     "RetentionError",
@@ -154,3 +169,52 @@ class RetentionError(ShardkeepError):
     def __init__(self, message: str, checkpoint: str | None = None) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+
+
+class LedgerError(ShardkeepError):
+    """A :class:`~shardkeep.ledger.ProgressLedger` operation failed; the ledger is unchanged."""
+
+
+class ManifestCorruptedError(LedgerError):
+    """No copy of the progress ledger is valid: the primary, ``.tmp`` and ``.backup`` files are all
+    missing, torn or fail their checksum.
+
+    ``manifest_path`` is the ledger's primary path; ``problems`` maps each copy to what is wrong.
+    """
+
+    def __init__(self, message: str, manifest_path: str, problems: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.manifest_path = manifest_path
+        self.problems: dict[str, str] = dict(problems) if problems else {}
+
+
+class LedgerNotFoundError(LedgerError, FileNotFoundError):
+    """The ledger file does not exist: call ``initialize()`` first."""
+
+
+class LedgerMismatchError(LedgerError):
+    """The caller's run (input fingerprint, model config hash, world size) differs from the one the
+    ledger records. ``differences`` lists ``(field, recorded, current)`` for each field."""
+
+    def __init__(self, message: str, differences: list[tuple[str, str, str]]) -> None:
+        super().__init__(message)
+        self.differences = list(differences)
+
+
+class LedgerStateError(LedgerError):
+    """The ledger refuses a change: an unknown or finished shard, a batch at or below the last
+    recorded one, or a worker that the shard is no longer assigned to. ``shard`` names the shard
+    when there is one."""
+
+    def __init__(self, message: str, shard: int | None = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+
+
+class BatchFileMissingError(LedgerError, FileNotFoundError):
+    """A batch was to be recorded, but its checkpoint file (or committed checkpoint directory) does
+    not exist, so the ledger would name data that is not durable. Nothing was recorded."""
+
+
+class LedgerLockTimeoutError(LedgerError, TimeoutError):
+    """The ledger's lock file stayed locked by another process for longer than ``lock_timeout``."""

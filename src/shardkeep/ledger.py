@@ -1,0 +1,1144 @@
+"""The progress ledger: one locked, checksummed JSON file with the per-shard progress of a
+multi-worker batch job (RELIABILITY.md rule 10). Imports without torch.
+
+N worker processes each own a shard of the input and record every batch they finish. When a
+worker crashes or hangs, the job resumes its shard from the last recorded batch, or hands the
+shard to a healthy worker, without redoing finished work and without losing a recorded batch.
+
+Files, next to each other::
+
+    progress.json          the ledger (schema version 2.0)
+    progress.json.backup   the previous version, kept before every replace
+    progress.json.tmp      the next version while it is being written
+    progress.json.lock     the lock file: locked with ``flock``, never renamed or removed
+
+Every version carries an increasing ``sequence`` number and a self-checksum (blake3 over the
+file's exact bytes with the checksum's hex digits zeroed). A read takes the valid copy with the
+highest sequence number among the primary, ``.tmp`` and ``.backup``; it raises
+:class:`~shardkeep.errors.ManifestCorruptedError` only when none is valid. Reads take no lock:
+every file is either replaced whole by a rename or detected as torn by its checksum.
+
+An update, under the exclusive lock:
+
+1. read the current version (the highest valid copy);
+2. keep it as ``.backup``: hard-link the primary as ``.tmp`` (or write the recovered bytes there
+   and fsync them) and rename it over ``.backup``;
+3. write the new version to ``.tmp`` and fsync it;
+4. rename ``.tmp`` over the primary and fsync the directory. Only then does the call return.
+
+Crash windows: before step 4's rename, the primary still holds the old version (and ``.backup``
+too), so the update is simply absent. After the rename, the new version is the primary. A valid
+``.tmp`` left by a crash after its fsync has the highest sequence and is adopted: that update
+completed everything except the rename. A torn ``.tmp`` fails its checksum and is ignored. The
+lock is released by the kernel when a holder dies, even with kill -9.
+
+``flock`` locks belong to the open file description, so two threads or processes opening the
+lock file exclude each other, and closing another descriptor does not drop the lock (unlike
+``lockf``). On NFS, Lustre and other network filesystems locks may not exclude across machines:
+the ledger warns once with :class:`LedgerLockWarning`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import msgspec
+
+from shardkeep.errors import (
+    BatchFileMissingError,
+    LedgerError,
+    LedgerLockTimeoutError,
+    LedgerMismatchError,
+    LedgerNotFoundError,
+    LedgerStateError,
+    ManifestCorruptedError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from shardkeep.integrity import digest_bytes, digests_equal
+from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER
+
+__all__ = [
+    "DEFAULT_STALENESS_SEC",
+    "LEDGER_VERSION",
+    "MAX_ORPHANED_RETRIES",
+    "BatchRecord",
+    "GlobalCheckpoint",
+    "LedgerLockWarning",
+    "LedgerState",
+    "ProgressLedger",
+    "Reassignment",
+    "ShardEntry",
+    "filesystem_type",
+]
+
+logger = logging.getLogger(__name__)
+
+LEDGER_VERSION = "2.0"
+DEFAULT_STALENESS_SEC = 600.0
+MAX_ORPHANED_RETRIES = 3
+DEFAULT_LOCK_TIMEOUT = 120.0
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "9p",
+        "ceph",
+        "fuse.ceph",
+        "fuse.sshfs",
+        "gpfs",
+        "beegfs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "afs",
+        "ocfs2",
+        "gfs2",
+    }
+)
+
+Status = Literal["in_progress", "complete", "failed"]
+_CHECKSUM_ALGORITHM = "blake3"
+_CHECKSUM_HEAD = re.compile(rb'\A\{\s*"checksum"\s*:\s*"blake3:([0-9a-f]{64})"\s*,\s*"sequence"\s*:\s*(\d{1,19})\s*,')
+_PLACEHOLDER = "blake3:" + "0" * 64
+
+
+class LedgerLockWarning(UserWarning):
+    """The ledger lives on a network filesystem where file locks may not exclude other machines."""
+
+
+class BatchRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One recorded batch: its index, size, file (relative to the checkpoint directory) and time."""
+
+    batch_idx: int
+    num_sequences: int
+    file: str
+    timestamp: str
+    sequence_range: str | None = None
+    removed_at: str | None = None
+
+
+class Reassignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A shard moved from one worker to another."""
+
+    from_rank: int
+    to_rank: int
+    timestamp: str
+
+
+class ShardEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Progress of one shard. ``original_rank`` never changes; ``assigned_rank`` is the worker that
+    processes it now."""
+
+    status: Status
+    original_rank: int
+    assigned_rank: int
+    last_checkpoint_batch: int = -1
+    total_sequences: int = 0
+    last_checkpoint_time: str | None = None
+    retry_count: int = 0
+    error: str | None = None
+    checkpoints: list[BatchRecord] = msgspec.field(default_factory=list)
+    completed_at: str | None = None
+    failed_at: str | None = None
+    reassignments: list[Reassignment] = msgspec.field(default_factory=list)
+
+
+class GlobalCheckpoint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A barrier: every listed shard had recorded at least the given batch."""
+
+    checkpoint_id: str
+    timestamp: str
+    batch_boundaries: dict[str, int]
+
+
+class LedgerState(msgspec.Struct, kw_only=True):
+    """The whole ledger. ``checksum`` and ``sequence`` come first in the file."""
+
+    checksum: str
+    sequence: int
+    version: str
+    world_size: int
+    created_at: str
+    updated_at: str
+    input_fingerprint: str = ""
+    model_config_hash: str = ""
+    global_checkpoints: list[GlobalCheckpoint] = msgspec.field(default_factory=list)
+    shards: dict[str, ShardEntry] = msgspec.field(default_factory=dict)
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(LedgerState, strict=True)
+
+
+def encode_state(state: LedgerState) -> bytes:
+    """The exact bytes of ``state`` as a ledger file, with ``state.checksum`` filled in."""
+    state.checksum = _PLACEHOLDER
+    raw = bytearray(msgspec.json.format(_ENCODER.encode(state), indent=1))
+    raw += b"\n"
+    match = _CHECKSUM_HEAD.match(raw)
+    if match is None:  # pragma: no cover - the encoder puts checksum and sequence first
+        raise LedgerError("ledger encoding lost its checksum header")
+    digest = digest_bytes(_CHECKSUM_ALGORITHM, raw)
+    hex_digits = digest.split(":", 1)[1].encode()
+    raw[match.start(1) : match.end(1)] = hex_digits
+    state.checksum = digest
+    return bytes(raw)
+
+
+def checked_sequence(raw: bytes) -> int:
+    """The sequence number of a ledger file whose checksum matches its bytes.
+
+    Raises :class:`LedgerError` with the reason when the file is torn, edited or not a ledger.
+    """
+    match = _CHECKSUM_HEAD.match(raw)
+    if match is None:
+        raise LedgerError("no checksum header (torn, empty or not a ledger file)")
+    recorded = match.group(1).decode()
+    blanked = bytearray(raw)
+    blanked[match.start(1) : match.end(1)] = b"0" * 64
+    actual = digest_bytes(_CHECKSUM_ALGORITHM, blanked).split(":", 1)[1]
+    if not digests_equal(recorded, actual):
+        raise LedgerError("checksum mismatch (torn or modified file)")
+    return int(match.group(2))
+
+
+def decode_state(raw: bytes) -> LedgerState:
+    """Decode a checksum-verified ledger file and check that it is internally consistent."""
+    try:
+        state = _DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise LedgerError(f"schema violation: {exc}") from exc
+    major = state.version.split(".", 1)[0]
+    if major != LEDGER_VERSION.split(".", 1)[0]:
+        raise LedgerError(f"ledger schema version {state.version} is not supported (this shardkeep writes {LEDGER_VERSION})")
+    expected = {str(shard) for shard in range(state.world_size)}
+    if state.world_size < 1 or set(state.shards) != expected:
+        raise LedgerError(f"shards {sorted(state.shards)} do not match world_size {state.world_size}")
+    return state
+
+
+def filesystem_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
+    """The filesystem type (``ext4``, ``nfs4``, ``lustre`` ...) of the mount holding ``path``,
+    from ``/proc/self/mountinfo`` (or the given text); ``None`` when it cannot be told."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+                mountinfo = handle.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        fstype = line.split(" - ", 1)[1].split()[0]
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= best[0]):
+            best = (len(mount_point), fstype)
+    return best[1] if best else None
+
+
+def _now_iso(clock: Callable[[], float]) -> str:
+    return datetime.fromtimestamp(clock(), tz=UTC).isoformat()
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp).timestamp()
+
+
+def _check_index(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UnsupportedValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class _LedgerFiles:
+    """The file operations of one update, in order. A seam for crash tests: each method is one
+    step that a test can interrupt."""
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def link(self, source: str, target: str) -> None:
+        os.link(source, target)
+
+    def write(self, path: str, data: bytes) -> None:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(descriptor, view)
+                view = view[written:]
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+    def rename(self, source: str, target: str) -> None:
+        os.replace(source, target)
+
+    def sync_dir(self, directory: str) -> None:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+class ProgressLedger:
+    """Cross-process progress of a sharded batch job: which batch each shard has finished, who
+    processes it, and whether it is complete, failed, stale or orphaned.
+
+    ``path`` is the ledger's JSON file; ``world_size`` the number of shards (one per worker at the
+    start). Pass ``world_size=None`` to open an existing ledger with whatever it records.
+
+    Keyword options:
+
+    - ``staleness_threshold_sec`` (600): an in-progress shard with no recorded batch (or
+      reassignment) for longer than this is *stale*: its worker may be hung.
+    - ``max_retries`` (3): a failed shard with this many failures is *orphaned*.
+    - ``checkpoint_dir``: the directory batch files are recorded relative to (default: the
+      ledger's directory). Recorded files must lie inside it.
+    - ``clock``: a function returning seconds since the epoch (default ``time.time``), for tests.
+    - ``lock_timeout`` (120 s): how long a change waits for the lock before
+      :class:`~shardkeep.errors.LedgerLockTimeoutError`.
+    - ``max_bytes``: refuse to read a ledger file larger than this.
+
+    Every method that changes the ledger takes the lock, re-reads the newest valid version, applies
+    the change, and writes it durably before returning. Methods that only read take no lock.
+    Processes started with ``spawn`` each construct their own ``ProgressLedger`` on the same path.
+    """
+
+    MAX_ORPHANED_RETRIES = MAX_ORPHANED_RETRIES
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        world_size: int | None = None,
+        *,
+        staleness_threshold_sec: float = DEFAULT_STALENESS_SEC,
+        max_retries: int = MAX_ORPHANED_RETRIES,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] | None = None,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        self.manifest_path = Path(path)
+        if self.manifest_path.name in ("", ".", ".."):
+            raise UnsupportedValueError(f"ledger path must name a file, got {str(path)!r}")
+        if world_size is not None:
+            _check_index("world_size", world_size)
+            if world_size < 1:
+                raise UnsupportedValueError(f"world_size must be at least 1, got {world_size}")
+        if not staleness_threshold_sec > 0:
+            raise UnsupportedValueError(f"staleness_threshold_sec must be positive, got {staleness_threshold_sec!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
+            raise UnsupportedValueError(f"max_retries must be a positive int, got {max_retries!r}")
+        self.world_size = world_size
+        self.staleness_threshold_sec = float(staleness_threshold_sec)
+        self.max_retries = max_retries
+        base = Path(checkpoint_dir) if checkpoint_dir is not None else self.manifest_path.parent
+        self.checkpoint_dir = Path(os.path.abspath(base))
+        self.clock: Callable[[], float] = clock or time.time
+        self.lock_timeout = lock_timeout
+        self.max_bytes = max_bytes
+        name = self.manifest_path.name
+        self.tmp_path = self.manifest_path.with_name(name + ".tmp")
+        self.backup_path = self.manifest_path.with_name(name + ".backup")
+        self.lock_path = self.manifest_path.with_name(name + ".lock")
+        self._files = _LedgerFiles()
+        self._warned_filesystem = False
+
+    def __repr__(self) -> str:
+        return f"ProgressLedger({str(self.manifest_path)!r}, world_size={self.world_size})"
+
+    # ----------------------------------------------------------------------------------------
+    # Reading
+
+    def exists(self) -> bool:
+        """Whether any copy of the ledger exists (it may still need recovery)."""
+        return any(path.exists() for path in (self.manifest_path, self.tmp_path, self.backup_path))
+
+    def _read_copy(self, path: Path) -> bytes | None:
+        try:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size > self.max_bytes:
+                    raise LedgerError(f"{size} bytes exceeds the limit of {self.max_bytes}")
+                return handle.read(self.max_bytes + 1)
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError as exc:
+            raise LedgerError("is a directory") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
+
+    def _load(self, *, check_world_size: bool = True) -> tuple[LedgerState, bytes, str]:
+        """The newest valid version: (state, its exact bytes, which copy it came from)."""
+        candidates: list[tuple[int, int, str, bytes]] = []
+        problems: dict[str, str] = {}
+        present = 0
+        order = {"primary": 2, "tmp": 1, "backup": 0}
+        for label, path in (("primary", self.manifest_path), ("tmp", self.tmp_path), ("backup", self.backup_path)):
+            try:
+                raw = self._read_copy(path)
+            except LedgerError as exc:
+                present += 1
+                problems[str(path)] = str(exc)
+                continue
+            if raw is None:
+                continue
+            present += 1
+            try:
+                sequence = checked_sequence(raw)
+            except LedgerError as exc:
+                problems[str(path)] = str(exc)
+                continue
+            candidates.append((sequence, order[label], label, raw))
+        if present == 0:
+            raise LedgerNotFoundError(
+                f"no progress ledger at {self.manifest_path}; call initialize() first"
+            )
+        for sequence, _, label, raw in sorted(candidates, reverse=True):
+            try:
+                state = decode_state(raw)
+            except LedgerError as exc:
+                problems[str(self._path_of(label))] = str(exc)
+                continue
+            if state.sequence != sequence:  # pragma: no cover - the header is the decoded field
+                problems[str(self._path_of(label))] = "sequence header disagrees with the body"
+                continue
+            if check_world_size and self.world_size is not None and state.world_size != self.world_size:
+                raise LedgerMismatchError(
+                    f"ledger {self.manifest_path} has world_size {state.world_size}, "
+                    f"this ledger was opened with world_size {self.world_size}",
+                    [("world_size", str(state.world_size), str(self.world_size))],
+                )
+            if label != "primary":
+                logger.warning(
+                    "progress ledger %s: primary copy unusable (%s); using sequence %d from %s",
+                    self.manifest_path,
+                    problems.get(str(self.manifest_path), "missing"),
+                    sequence,
+                    self._path_of(label).name,
+                )
+            return state, raw, label
+        listing = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
+        raise ManifestCorruptedError(
+            f"progress ledger {self.manifest_path} is corrupted: no valid copy among the primary, .tmp and "
+            f".backup ({listing}). Restore it from an archive, or re-initialize and redo the work.",
+            manifest_path=str(self.manifest_path),
+            problems=problems,
+        )
+
+    def _path_of(self, label: str) -> Path:
+        return {"primary": self.manifest_path, "tmp": self.tmp_path, "backup": self.backup_path}[label]
+
+    def read(self) -> LedgerState:
+        """The newest valid version of the ledger, as a typed structure (a fresh copy)."""
+        return self._load()[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The newest valid version as plain JSON data (the file's fields)."""
+        result: dict[str, Any] = msgspec.to_builtins(self.read())
+        return result
+
+    # ----------------------------------------------------------------------------------------
+    # Writing
+
+    def _warn_if_network_filesystem(self) -> None:
+        if self._warned_filesystem:
+            return
+        self._warned_filesystem = True
+        fstype = filesystem_type(self.manifest_path.parent)
+        if fstype is not None and fstype.lower() in NETWORK_FILESYSTEMS:
+            warnings.warn(
+                f"progress ledger {self.manifest_path} is on a {fstype} filesystem, where file locks may not "
+                "exclude processes on other machines; run all workers on one machine or keep the ledger on a "
+                "local disk",
+                LedgerLockWarning,
+                stacklevel=4,
+            )
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the exclusive ``flock`` on the dedicated lock file."""
+        self._warn_if_network_filesystem()
+        try:
+            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError as exc:
+            raise LedgerNotFoundError(f"the ledger's directory {self.manifest_path.parent} does not exist") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot open the ledger lock file {self.lock_path}: {exc}") from exc
+        try:
+            self._acquire(descriptor)
+            try:
+                yield
+            finally:
+                fcntl.flock(descriptor, fcntl.LOCK_UN)
+        finally:
+            os.close(descriptor)
+
+    def _acquire(self, descriptor: int) -> None:
+        if self.lock_timeout is None:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            return
+        deadline = time.monotonic() + self.lock_timeout
+        pause = 0.0005
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EINTR):
+                    raise StorageError(f"cannot lock {self.lock_path}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise LedgerLockTimeoutError(
+                    f"the progress ledger lock {self.lock_path} was held by another process for more than "
+                    f"{self.lock_timeout:g} s; is a process stopped while holding it?"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _write(self, state: LedgerState, previous: bytes | None, source: str | None) -> None:
+        """Steps 2-4 of an update (see the module docstring). Caller holds the lock."""
+        raw = encode_state(state)
+        files = self._files
+        primary, tmp, backup = str(self.manifest_path), str(self.tmp_path), str(self.backup_path)
+        try:
+            if previous is not None and source != "backup":
+                if source == "tmp":
+                    files.rename(tmp, backup)
+                else:
+                    files.remove(tmp)
+                    try:
+                        files.link(primary, tmp)
+                    except OSError:
+                        files.write(tmp, previous)
+                    files.rename(tmp, backup)
+            else:
+                files.remove(tmp)
+            files.write(tmp, raw)
+            files.rename(tmp, primary)
+            files.sync_dir(str(self.manifest_path.parent))
+        except OSError as exc:
+            raise StorageError(
+                f"cannot write the progress ledger {self.manifest_path}: {exc}; the previous version is intact"
+            ) from exc
+
+    def _mutate(self, change: Callable[[LedgerState], Any]) -> Any:
+        """Apply ``change`` to the newest version under the lock and write the result durably."""
+        with self._locked():
+            state, raw, source = self._load()
+            if state.version != LEDGER_VERSION:
+                raise LedgerError(
+                    f"ledger {self.manifest_path} has schema version {state.version}, newer than this shardkeep "
+                    f"writes ({LEDGER_VERSION}); it is read-only here: upgrade shardkeep to change it"
+                )
+            result = change(state)
+            state.sequence += 1
+            state.updated_at = _now_iso(self.clock)
+            self._write(state, raw, source)
+            return result
+
+    # ----------------------------------------------------------------------------------------
+    # Lifecycle and run compatibility
+
+    def initialize(
+        self,
+        world_size: int | None = None,
+        input_fingerprint: str = "",
+        model_config_hash: str = "",
+        *,
+        overwrite: bool = False,
+    ) -> dict[str, Any]:
+        """Create the ledger with one in-progress shard per worker, and return it as a dict.
+
+        If a ledger already exists it is kept: its world size, input fingerprint and model config
+        hash must match the ones given (``LedgerMismatchError`` lists the differences), and empty
+        recorded values are filled in. So a restarted driver can call ``initialize`` again without
+        losing progress. ``overwrite=True`` starts afresh (the sequence number keeps increasing, so
+        an old copy never wins recovery).
+        """
+        size = world_size if world_size is not None else self.world_size
+        if size is None:
+            raise UnsupportedValueError("initialize() needs a world_size (here or in the constructor)")
+        _check_index("world_size", size)
+        if size < 1:
+            raise UnsupportedValueError(f"world_size must be at least 1, got {size}")
+        if self.world_size is not None and size != self.world_size:
+            raise UnsupportedValueError(
+                f"initialize(world_size={size}) disagrees with the constructor's world_size={self.world_size}"
+            )
+        for name, value in (("input_fingerprint", input_fingerprint), ("model_config_hash", model_config_hash)):
+            if not isinstance(value, str):
+                raise UnsupportedValueError(f"{name} must be a str, got {type(value).__name__}")
+        try:
+            self.manifest_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the ledger directory {self.manifest_path.parent}: {exc}") from exc
+        with self._locked():
+            previous: tuple[LedgerState, bytes, str] | None
+            try:
+                previous = self._load(check_world_size=False)
+            except (LedgerNotFoundError, ManifestCorruptedError) as exc:
+                if isinstance(exc, ManifestCorruptedError) and not overwrite:
+                    raise
+                previous = None
+            if previous is not None and not overwrite:
+                state, raw, source = previous
+                differences = self._differences(state, size, input_fingerprint, model_config_hash)
+                if differences:
+                    raise self._mismatch(differences)
+                if (input_fingerprint and not state.input_fingerprint) or (
+                    model_config_hash and not state.model_config_hash
+                ):
+                    state.input_fingerprint = state.input_fingerprint or input_fingerprint
+                    state.model_config_hash = state.model_config_hash or model_config_hash
+                    state.sequence += 1
+                    state.updated_at = _now_iso(self.clock)
+                    self._write(state, raw, source)
+                self.world_size = state.world_size
+                return dict(msgspec.to_builtins(state))
+            now = _now_iso(self.clock)
+            state = LedgerState(
+                checksum="",
+                sequence=(previous[0].sequence + 1) if previous else 1,
+                version=LEDGER_VERSION,
+                world_size=size,
+                created_at=now,
+                updated_at=now,
+                input_fingerprint=input_fingerprint,
+                model_config_hash=model_config_hash,
+                shards={
+                    str(rank): ShardEntry(status="in_progress", original_rank=rank, assigned_rank=rank)
+                    for rank in range(size)
+                },
+            )
+            self._write(state, previous[1] if previous else None, previous[2] if previous else None)
+            self.world_size = size
+            logger.info("initialized progress ledger %s with %d shards", self.manifest_path, size)
+            return dict(msgspec.to_builtins(state))
+
+    @staticmethod
+    def _differences(
+        state: LedgerState, world_size: int | None, input_fingerprint: str, model_config_hash: str
+    ) -> list[tuple[str, str, str]]:
+        differences: list[tuple[str, str, str]] = []
+        if world_size is not None and state.world_size != world_size:
+            differences.append(("world_size", str(state.world_size), str(world_size)))
+        if input_fingerprint and state.input_fingerprint and state.input_fingerprint != input_fingerprint:
+            differences.append(("input_fingerprint", state.input_fingerprint, input_fingerprint))
+        if model_config_hash and state.model_config_hash and state.model_config_hash != model_config_hash:
+            differences.append(("model_config_hash", state.model_config_hash, model_config_hash))
+        return differences
+
+    def _mismatch(self, differences: list[tuple[str, str, str]]) -> LedgerMismatchError:
+        lines = "\n".join(f"  {field}: recorded {old!r}, now {new!r}" for field, old, new in differences)
+        return LedgerMismatchError(
+            f"this run differs from the one recorded in {self.manifest_path}:\n{lines}\n"
+            "resuming would mix results of different inputs or models; use a new ledger path, or "
+            "initialize(..., overwrite=True) to start over",
+            differences,
+        )
+
+    def set_global_metadata(self, input_fingerprint: str, model_config_hash: str) -> None:
+        """Record the run's input fingerprint and model config hash (replacing earlier values)."""
+        for name, value in (("input_fingerprint", input_fingerprint), ("model_config_hash", model_config_hash)):
+            if not isinstance(value, str):
+                raise UnsupportedValueError(f"{name} must be a str, got {type(value).__name__}")
+
+        def change(state: LedgerState) -> None:
+            state.input_fingerprint = input_fingerprint
+            state.model_config_hash = model_config_hash
+
+        self._mutate(change)
+
+    def validate_run_compatibility(self, input_fingerprint: str, model_config_hash: str) -> tuple[bool, list[str]]:
+        """``(compatible, messages)``: one readable message per field that differs from the
+        recorded run. Fields the ledger does not record yet are not compared."""
+        differences = self._differences(self.read(), None, input_fingerprint, model_config_hash)
+        hints = {
+            "input_fingerprint": "the input files may have changed",
+            "model_config_hash": "the model weights or config may have changed",
+        }
+        messages = [
+            f"{field} mismatch: recorded {old!r}, current {new!r} ({hints[field]})" for field, old, new in differences
+        ]
+        return not messages, messages
+
+    def check_run_compatibility(self, input_fingerprint: str, model_config_hash: str) -> None:
+        """Raise :class:`~shardkeep.errors.LedgerMismatchError` (with a field-by-field diff) if
+        this run differs from the recorded one."""
+        differences = self._differences(self.read(), None, input_fingerprint, model_config_hash)
+        if differences:
+            raise self._mismatch(differences)
+
+    # ----------------------------------------------------------------------------------------
+    # Shard updates
+
+    def _shard(self, state: LedgerState, rank: int) -> ShardEntry:
+        _check_index("shard", rank)
+        entry = state.shards.get(str(rank))
+        if entry is None:
+            raise LedgerStateError(
+                f"unknown shard {rank}: ledger {self.manifest_path} has shards 0..{state.world_size - 1}", rank
+            )
+        return entry
+
+    @staticmethod
+    def _fence(entry: ShardEntry, rank: int, worker: int | None) -> None:
+        if worker is not None and entry.assigned_rank != worker:
+            raise LedgerStateError(
+                f"shard {rank} is assigned to worker {entry.assigned_rank}, not worker {worker}: it was reassigned, "
+                f"so worker {worker}'s update is refused",
+                rank,
+            )
+
+    def resolve_file(self, checkpoint_file: str | os.PathLike[str]) -> tuple[str, Path]:
+        """``(recorded name, absolute path)`` of a batch file given relative to the checkpoint
+        directory or as an absolute path inside it. Raises ``UnsafePathError`` otherwise."""
+        text = os.fspath(checkpoint_file)
+        if not isinstance(text, str) or not text or "\x00" in text:
+            raise UnsafePathError(f"invalid checkpoint file name {checkpoint_file!r}")
+        if os.path.isabs(text):
+            absolute = os.path.normpath(text)
+            relative = os.path.relpath(absolute, self.checkpoint_dir)
+        else:
+            relative = text
+        parts = PurePosixPath(relative.replace(os.sep, "/")).parts
+        if not parts or ".." in parts or parts[0] == "/" or "\\" in relative:
+            raise UnsafePathError(
+                f"checkpoint file {text!r} is outside the checkpoint directory {self.checkpoint_dir}; "
+                "record files inside it (pass checkpoint_dir= to change it)"
+            )
+        name = "/".join(part for part in parts if part != ".")
+        return name, self.checkpoint_dir / name
+
+    @staticmethod
+    def _is_durable(path: Path) -> bool:
+        if path.is_dir():
+            return (path / MANIFEST_FILENAME).is_file()
+        return path.is_file()
+
+    def update_shard_checkpoint(
+        self,
+        rank: int,
+        batch_idx: int,
+        num_sequences: int,
+        checkpoint_file: str | os.PathLike[str],
+        sequence_range: str | None = None,
+        *,
+        worker: int | None = None,
+    ) -> None:
+        """Record that shard ``rank`` finished batch ``batch_idx`` with ``num_sequences`` sequences,
+        stored in ``checkpoint_file`` (relative to the checkpoint directory, or absolute inside it;
+        a file, or a committed shardkeep checkpoint directory).
+
+        Refused, with nothing recorded, when: the file does not exist
+        (:class:`~shardkeep.errors.BatchFileMissingError`); the shard is complete, ``batch_idx`` is
+        not above the last recorded batch, or ``worker`` is given and the shard is assigned to
+        another worker (:class:`~shardkeep.errors.LedgerStateError`). Recording the same batch and
+        file again is a no-op, so a retried call is safe. A failed shard that records a batch is in
+        progress again. ``sequence_range`` is kept for diagnostics only.
+        """
+        _check_index("batch_idx", batch_idx)
+        _check_index("num_sequences", num_sequences)
+        if sequence_range is not None and not isinstance(sequence_range, str):
+            raise UnsupportedValueError(f"sequence_range must be a str or None, got {type(sequence_range).__name__}")
+        name, absolute = self.resolve_file(checkpoint_file)
+        if not self._is_durable(absolute):
+            what = "is a directory without a committed manifest" if absolute.is_dir() else "does not exist"
+            raise BatchFileMissingError(
+                f"cannot record batch {batch_idx} of shard {rank}: checkpoint {absolute} {what}; write it (and let "
+                "the write finish) before recording it"
+            )
+
+        def change(state: LedgerState) -> None:
+            entry = self._shard(state, rank)
+            self._fence(entry, rank, worker)
+            last = entry.checkpoints[-1] if entry.checkpoints else None
+            if last is not None and last.batch_idx == batch_idx and last.file == name:
+                raise _AlreadyRecorded
+            if entry.status == "complete":
+                raise LedgerStateError(f"shard {rank} is complete; batch {batch_idx} cannot be recorded", rank)
+            if batch_idx <= entry.last_checkpoint_batch:
+                raise LedgerStateError(
+                    f"shard {rank} already recorded batch {entry.last_checkpoint_batch}; batch {batch_idx} is not "
+                    f"after it (resume from batch {entry.last_checkpoint_batch + 1})",
+                    rank,
+                )
+            now = _now_iso(self.clock)
+            entry.checkpoints.append(
+                BatchRecord(
+                    batch_idx=batch_idx,
+                    num_sequences=num_sequences,
+                    file=name,
+                    timestamp=now,
+                    sequence_range=sequence_range,
+                )
+            )
+            entry.last_checkpoint_batch = batch_idx
+            entry.total_sequences += num_sequences
+            entry.last_checkpoint_time = now
+            entry.status = "in_progress"
+
+        with contextlib.suppress(_AlreadyRecorded):
+            self._mutate(change)
+
+    def mark_shard_complete(self, rank: int, *, worker: int | None = None) -> None:
+        """Mark shard ``rank`` complete (a no-op if it already is)."""
+
+        def change(state: LedgerState) -> None:
+            entry = self._shard(state, rank)
+            self._fence(entry, rank, worker)
+            if entry.status == "complete":
+                raise _AlreadyRecorded
+            entry.status = "complete"
+            entry.completed_at = _now_iso(self.clock)
+
+        with contextlib.suppress(_AlreadyRecorded):
+            self._mutate(change)
+        logger.info("progress ledger %s: shard %d complete", self.manifest_path, rank)
+
+    def mark_shard_failed(self, rank: int, error: str, *, worker: int | None = None) -> None:
+        """Mark shard ``rank`` failed with ``error`` and count a retry. Its recorded batches stay;
+        after ``max_retries`` failures the shard is orphaned. A complete shard cannot fail."""
+        if not isinstance(error, str):
+            raise UnsupportedValueError(f"error must be a str, got {type(error).__name__}")
+
+        def change(state: LedgerState) -> None:
+            entry = self._shard(state, rank)
+            self._fence(entry, rank, worker)
+            if entry.status == "complete":
+                raise LedgerStateError(f"shard {rank} is complete; it cannot be marked failed", rank)
+            entry.status = "failed"
+            entry.error = error
+            entry.failed_at = _now_iso(self.clock)
+            entry.retry_count += 1
+
+        self._mutate(change)
+        logger.warning("progress ledger %s: shard %d failed: %s", self.manifest_path, rank, error)
+
+    # ----------------------------------------------------------------------------------------
+    # Queries
+
+    def get_shard_status(self, rank: int) -> dict[str, Any] | None:
+        """Shard ``rank``'s entry as a dict, or ``None`` if there is no such shard."""
+        entry = self.read().shards.get(str(rank))
+        return None if entry is None else dict(msgspec.to_builtins(entry))
+
+    def get_incomplete_shard_ranks(self) -> list[int]:
+        """Shards that are in progress or failed, in order."""
+        return sorted(int(key) for key, entry in self.read().shards.items() if entry.status != "complete")
+
+    def get_resumable_shards(self) -> list[int]:
+        """The same as :meth:`get_incomplete_shard_ranks`."""
+        return self.get_incomplete_shard_ranks()
+
+    def get_completed_shards(self) -> list[int]:
+        return sorted(int(key) for key, entry in self.read().shards.items() if entry.status == "complete")
+
+    def get_assigned_shards(self, worker: int) -> list[int]:
+        """Unfinished shards currently assigned to ``worker`` (its own, plus any reassigned to it)."""
+        return sorted(
+            int(key)
+            for key, entry in self.read().shards.items()
+            if entry.assigned_rank == worker and entry.status != "complete"
+        )
+
+    def get_resume_info(self, rank: int) -> dict[str, Any]:
+        """Where shard ``rank`` resumes: ``resume_from_batch`` (the batch after the last recorded
+        one), ``last_completed_batch``, ``last_checkpoint_file``, ``total_sequences_completed``,
+        ``status``, ``original_rank``, ``assigned_rank``, ``retry_count``, ``last_checkpoint_time``
+        and ``stale``. An unknown shard gives ``{"rank": rank, "status": "unknown"}``."""
+        state = self.read()
+        entry = state.shards.get(str(rank))
+        if entry is None:
+            return {"rank": rank, "status": "unknown"}
+        last_file = entry.checkpoints[-1].file if entry.checkpoints else None
+        return {
+            "rank": rank,
+            "resume_from_batch": entry.last_checkpoint_batch + 1,
+            "last_completed_batch": entry.last_checkpoint_batch,
+            "last_checkpoint_file": last_file,
+            "total_sequences_completed": entry.total_sequences,
+            "status": entry.status,
+            "original_rank": entry.original_rank,
+            "assigned_rank": entry.assigned_rank,
+            "retry_count": entry.retry_count,
+            "last_checkpoint_time": entry.last_checkpoint_time,
+            "stale": self._stale(entry, self.clock(), self.staleness_threshold_sec),
+        }
+
+    def get_resume_points(self) -> dict[int, int]:
+        """For every unfinished shard, the batch to restart from."""
+        return {
+            int(key): entry.last_checkpoint_batch + 1
+            for key, entry in sorted(self.read().shards.items(), key=lambda item: int(item[0]))
+            if entry.status != "complete"
+        }
+
+    @staticmethod
+    def last_activity(entry: ShardEntry) -> float | None:
+        """Seconds since the epoch of the shard's last recorded batch or reassignment."""
+        times = [_seconds(entry.last_checkpoint_time)] if entry.last_checkpoint_time else []
+        if entry.reassignments:
+            times.append(_seconds(entry.reassignments[-1].timestamp))
+        return max(times) if times else None
+
+    @classmethod
+    def _stale(cls, entry: ShardEntry, now: float, threshold: float) -> bool:
+        if entry.status != "in_progress":
+            return False
+        activity = cls.last_activity(entry)
+        return activity is not None and now - activity > threshold
+
+    def is_shard_stale(self, rank: int, threshold_sec: float | None = None) -> bool:
+        """Whether shard ``rank`` is in progress and has recorded nothing (no batch, no
+        reassignment) for more than ``threshold_sec`` (default: the ledger's threshold). A shard
+        that has not recorded its first batch yet is not stale: its worker may be starting up."""
+        entry = self.read().shards.get(str(rank))
+        if entry is None:
+            return False
+        threshold = self.staleness_threshold_sec if threshold_sec is None else float(threshold_sec)
+        return self._stale(entry, self.clock(), threshold)
+
+    def get_orphaned_shards(self) -> list[int]:
+        """Failed shards with at least ``max_retries`` failures: candidates for reassignment."""
+        return self._orphaned(self.read())
+
+    def _orphaned(self, state: LedgerState) -> list[int]:
+        return sorted(
+            int(key)
+            for key, entry in state.shards.items()
+            if entry.status == "failed" and entry.retry_count >= self.max_retries
+        )
+
+    def get_global_progress(self) -> dict[str, Any]:
+        """Counts over all shards: ``total_shards``, ``completed``, ``in_progress``, ``failed``,
+        ``stale`` and ``stale_shards``, ``orphaned`` and ``orphaned_shards``,
+        ``total_sequences_checkpointed``, ``total_batches``, the run's ``input_fingerprint`` and
+        ``model_config_hash``, and the ledger's ``sequence``."""
+        state = self.read()
+        now = self.clock()
+        statuses = [entry.status for entry in state.shards.values()]
+        stale = sorted(
+            int(key)
+            for key, entry in state.shards.items()
+            if self._stale(entry, now, self.staleness_threshold_sec)
+        )
+        orphaned = self._orphaned(state)
+        return {
+            "total_shards": state.world_size,
+            "completed": statuses.count("complete"),
+            "in_progress": statuses.count("in_progress"),
+            "failed": statuses.count("failed"),
+            "stale": len(stale),
+            "stale_shards": stale,
+            "orphaned": len(orphaned),
+            "orphaned_shards": orphaned,
+            "total_sequences_checkpointed": sum(entry.total_sequences for entry in state.shards.values()),
+            "total_batches": sum(len(entry.checkpoints) for entry in state.shards.values()),
+            "input_fingerprint": state.input_fingerprint,
+            "model_config_hash": state.model_config_hash,
+            "sequence": state.sequence,
+        }
+
+    # ----------------------------------------------------------------------------------------
+    # Redistribution
+
+    def reassign_shard(self, shard_rank: int, new_assigned_rank: int) -> None:
+        """Give shard ``shard_rank`` to worker ``new_assigned_rank``. ``original_rank`` never
+        changes; the move is kept in the shard's ``reassignments``. A failed shard becomes in
+        progress again (its retry count is kept); a complete shard cannot be reassigned. Updates
+        from the previous worker that pass ``worker=`` are refused from now on."""
+        _check_index("new_assigned_rank", new_assigned_rank)
+
+        def change(state: LedgerState) -> None:
+            entry = self._shard(state, shard_rank)
+            if new_assigned_rank >= state.world_size:
+                raise LedgerStateError(
+                    f"cannot reassign shard {shard_rank} to worker {new_assigned_rank}: workers are "
+                    f"0..{state.world_size - 1}",
+                    shard_rank,
+                )
+            if entry.status == "complete":
+                raise LedgerStateError(f"shard {shard_rank} is complete; there is nothing to reassign", shard_rank)
+            if entry.assigned_rank == new_assigned_rank and entry.status != "failed":
+                raise _AlreadyRecorded
+            entry.reassignments.append(
+                Reassignment(from_rank=entry.assigned_rank, to_rank=new_assigned_rank, timestamp=_now_iso(self.clock))
+            )
+            entry.assigned_rank = new_assigned_rank
+            entry.status = "in_progress"
+
+        with contextlib.suppress(_AlreadyRecorded):
+            self._mutate(change)
+        logger.info("progress ledger %s: shard %d assigned to worker %d", self.manifest_path, shard_rank, new_assigned_rank)
+
+    # ----------------------------------------------------------------------------------------
+    # Global barriers
+
+    def record_global_checkpoint(self, checkpoint_id: str, batch_boundaries: Mapping[int, int]) -> None:
+        """Record a barrier named ``checkpoint_id``: for each shard, the batch it had reached. A
+        shard cannot be claimed past its last recorded batch, and ids are unique."""
+        if not isinstance(checkpoint_id, str) or not checkpoint_id:
+            raise UnsupportedValueError(f"checkpoint_id must be a non-empty str, got {checkpoint_id!r}")
+        boundaries = {int(_check_index("shard", rank)): _check_index("batch", batch) for rank, batch in batch_boundaries.items()}
+
+        def change(state: LedgerState) -> None:
+            if any(existing.checkpoint_id == checkpoint_id for existing in state.global_checkpoints):
+                raise LedgerStateError(f"global checkpoint {checkpoint_id!r} is already recorded")
+            for rank, batch in boundaries.items():
+                entry = self._shard(state, rank)
+                if batch > entry.last_checkpoint_batch:
+                    raise LedgerStateError(
+                        f"global checkpoint {checkpoint_id!r} claims batch {batch} of shard {rank}, which has only "
+                        f"recorded up to batch {entry.last_checkpoint_batch}",
+                        rank,
+                    )
+            state.global_checkpoints.append(
+                GlobalCheckpoint(
+                    checkpoint_id=checkpoint_id,
+                    timestamp=_now_iso(self.clock),
+                    batch_boundaries={str(rank): batch for rank, batch in sorted(boundaries.items())},
+                )
+            )
+
+        self._mutate(change)
+
+    def get_latest_global_checkpoint(self) -> dict[str, Any] | None:
+        """The most recent barrier as a dict, or ``None``."""
+        checkpoints = self.read().global_checkpoints
+        return dict(msgspec.to_builtins(checkpoints[-1])) if checkpoints else None
+
+    # ----------------------------------------------------------------------------------------
+    # After completion
+
+    def _require_complete(self, state: LedgerState, action: str) -> None:
+        incomplete = sorted(int(key) for key, entry in state.shards.items() if entry.status != "complete")
+        if incomplete:
+            raise LedgerStateError(f"cannot {action}: shards {incomplete} are not complete")
+
+    def archive_manifest(self, archive_dir: str | os.PathLike[str]) -> Path:
+        """Copy the final ledger to ``archive_dir/<name>_final.json`` (durably) and return that
+        path. Every shard must be complete. The copy is itself a valid ledger file."""
+        directory = Path(archive_dir)
+        with self._locked():
+            state, raw, _ = self._load()
+            self._require_complete(state, "archive the ledger")
+            target = directory / f"{self.manifest_path.stem}_final.json"
+            staging = directory / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                self._files.write(str(staging), raw)
+                self._files.rename(str(staging), str(target))
+                self._files.sync_dir(str(directory))
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(staging)
+                raise StorageError(f"cannot archive the ledger to {target}: {exc}") from exc
+        logger.info("progress ledger %s archived to %s", self.manifest_path, target)
+        return target
+
+    def cleanup_checkpoints(self, keep_final_only: bool = True, *, force: bool = False) -> int:
+        """Delete recorded batch files to reclaim space, and return how many were deleted.
+
+        With ``keep_final_only`` the last batch of each shard is kept. Every shard must be
+        complete unless ``force=True`` (then a shard's last batch is always kept, so it can still
+        resume). Deleted batches stay in the ledger with ``removed_at`` set. Leftovers of
+        interrupted saves (``*.tmp-*``, ``*.deleting-*``) next to the batch files are removed
+        too. A shardkeep checkpoint directory is renamed to ``*.deleting-<id>`` before removal,
+        so it is never left half-deleted but looking committed.
+        """
+        removed_total = 0
+
+        def change(state: LedgerState) -> None:
+            nonlocal removed_total
+            if not force:
+                self._require_complete(state, "clean up batch files")
+            now = _now_iso(self.clock)
+            directories: set[Path] = set()
+            for entry in state.shards.values():
+                keep_last = keep_final_only or force or entry.status != "complete"
+                victims = entry.checkpoints[:-1] if keep_last else entry.checkpoints
+                for record in victims:
+                    if record.removed_at is not None:
+                        continue
+                    _, absolute = self.resolve_file(record.file)
+                    directories.add(absolute.parent)
+                    if self._delete_path(absolute):
+                        removed_total += 1
+                    record.removed_at = now
+            if not force:
+                for directory in directories:
+                    self._remove_leftovers(directory)
+
+        self._mutate(change)
+        logger.info("progress ledger %s: removed %d batch files", self.manifest_path, removed_total)
+        return removed_total
+
+    @staticmethod
+    def _delete_path(path: Path) -> bool:
+        try:
+            if path.is_symlink() or not path.is_dir():
+                path.unlink()
+                return True
+            doomed = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:12]}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot delete batch file {path}: {exc}") from exc
+
+    @staticmethod
+    def _remove_leftovers(directory: Path) -> None:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot list {directory}: {exc}") from exc
+        for name in names:
+            if STAGING_MARKER not in name and DELETING_MARKER not in name:
+                continue
+            leftover = directory / name
+            try:
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+                else:
+                    leftover.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise StorageError(f"cannot remove leftover {leftover}: {exc}") from exc
+
+
+class _AlreadyRecorded(Exception):
+    """Internal: the change is already in the ledger; nothing to write."""
