@@ -23,7 +23,8 @@ An update, under the exclusive lock:
 1. read the current version (the highest valid copy);
 2. keep it as ``.backup``: hard-link the primary as ``.tmp`` (or write the recovered bytes there
    and fsync them) and rename it over ``.backup``;
-3. write the new version to ``.tmp`` and fsync it;
+3. write the new version to a fresh ``.tmp`` (created exclusively, never truncated: a leftover
+   ``.tmp`` may be a hard link to the primary) and fsync it;
 4. rename ``.tmp`` over the primary and fsync the directory. Only then does the call return.
 
 Crash windows: before step 4's rename, the primary still holds the old version (and ``.backup``
@@ -229,7 +230,10 @@ def decode_state(raw: bytes) -> LedgerState:
         raise LedgerError(f"schema violation: {exc}") from exc
     major = state.version.split(".", 1)[0]
     if major != LEDGER_VERSION.split(".", 1)[0]:
-        raise LedgerError(f"ledger schema version {state.version} is not supported (this shardkeep writes {LEDGER_VERSION})")
+        raise _UnsupportedVersion(
+            f"ledger schema version {state.version} is not supported (this shardkeep reads and writes "
+            f"{LEDGER_VERSION}); use the shardkeep release that wrote it"
+        )
     expected = {str(shard) for shard in range(state.world_size)}
     if state.world_size < 1 or set(state.shards) != expected:
         raise LedgerError(f"shards {sorted(state.shards)} do not match world_size {state.world_size}")
@@ -285,7 +289,8 @@ class _LedgerFiles:
         os.link(source, target)
 
     def write(self, path: str, data: bytes) -> None:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # O_EXCL: never truncate an existing file, which may share its inode with another copy.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -423,6 +428,8 @@ class ProgressLedger:
         for sequence, _, label, raw in sorted(candidates, reverse=True):
             try:
                 state = decode_state(raw)
+            except _UnsupportedVersion:
+                raise  # never fall back to an older copy and overwrite a newer format
             except LedgerError as exc:
                 problems[str(self._path_of(label))] = str(exc)
                 continue
@@ -539,8 +546,9 @@ class ProgressLedger:
                     except OSError:
                         files.write(tmp, previous)
                     files.rename(tmp, backup)
-            else:
-                files.remove(tmp)
+            # Always a fresh inode: after a crash, .tmp may be a hard link to the primary, and a
+            # rename between two links of one inode does nothing (POSIX), leaving it in place.
+            files.remove(tmp)
             files.write(tmp, raw)
             files.rename(tmp, primary)
             files.sync_dir(str(self.manifest_path.parent))
@@ -558,7 +566,12 @@ class ProgressLedger:
                     f"ledger {self.manifest_path} has schema version {state.version}, newer than this shardkeep "
                     f"writes ({LEDGER_VERSION}); it is read-only here: upgrade shardkeep to change it"
                 )
-            result = change(state)
+            try:
+                result = change(state)
+            except _AlreadyRecorded:
+                if source == "primary":
+                    raise
+                result = None  # nothing to change, but rewrite the primary from the recovered copy
             state.sequence += 1
             state.updated_at = _now_iso(self.clock)
             self._write(state, raw, source)
@@ -1138,6 +1151,10 @@ class ProgressLedger:
                 continue
             except OSError as exc:
                 raise StorageError(f"cannot remove leftover {leftover}: {exc}") from exc
+
+
+class _UnsupportedVersion(LedgerError):
+    """A checksum-valid ledger of another major schema version."""
 
 
 class _AlreadyRecorded(Exception):

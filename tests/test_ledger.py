@@ -1,0 +1,723 @@
+"""ProgressLedger, one process: operations, refusals, on-disk format, recovery, crash windows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardkeep as sk
+from shardkeep.errors import (
+    BatchFileMissingError,
+    LedgerLockTimeoutError,
+    LedgerNotFoundError,
+    LedgerStateError,
+    ShardkeepError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from shardkeep.ledger import (
+    LedgerLockWarning,
+    ProgressLedger,
+    _LedgerFiles,
+    checked_sequence,
+    filesystem_type,
+)
+
+
+class FakeClock:
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_ledger(tmp_path: Path, world_size: int = 4, **options: Any) -> ProgressLedger:
+    ledger = ProgressLedger(tmp_path / "progress.json", world_size, **options)
+    ledger.initialize()
+    return ledger
+
+
+def batch_file(tmp_path: Path, shard: int, batch: int) -> str:
+    name = f"shard_{shard}/batch_{batch:05d}.bin"
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"result")
+    return name
+
+
+def record(ledger: ProgressLedger, tmp_path: Path, shard: int, batch: int, sequences: int = 10) -> None:
+    ledger.update_shard_checkpoint(shard, batch, sequences, batch_file(tmp_path, shard, batch))
+
+
+# --------------------------------------------------------------------------------------------
+# Lifecycle and compatibility
+
+
+def test_initialize_creates_one_in_progress_shard_per_worker(tmp_path: Path) -> None:
+    ledger = ProgressLedger(tmp_path / "run" / "progress.json", 3)
+    assert not ledger.exists()
+    document = ledger.initialize(input_fingerprint="in-1", model_config_hash="model-1")
+    assert ledger.exists()
+    assert document["version"] == "2.0"
+    assert document["world_size"] == 3
+    assert document["input_fingerprint"] == "in-1"
+    on_disk = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert list(on_disk)[:2] == ["checksum", "sequence"]
+    assert on_disk["shards"]["2"] == {
+        "status": "in_progress",
+        "original_rank": 2,
+        "assigned_rank": 2,
+        "last_checkpoint_batch": -1,
+        "total_sequences": 0,
+        "last_checkpoint_time": None,
+        "retry_count": 0,
+        "error": None,
+        "checkpoints": [],
+        "completed_at": None,
+        "failed_at": None,
+        "reassignments": [],
+    }
+    assert ledger.get_incomplete_shard_ranks() == [0, 1, 2]
+    assert ledger.get_completed_shards() == []
+
+
+def test_initialize_again_keeps_progress_and_fills_missing_metadata(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 1, 0)
+    again = ProgressLedger(tmp_path / "progress.json", 4)
+    document = again.initialize(input_fingerprint="in-1")
+    assert document["shards"]["1"]["last_checkpoint_batch"] == 0
+    assert again.read().input_fingerprint == "in-1"
+    assert again.get_resume_info(1)["resume_from_batch"] == 1
+
+
+def test_initialize_overwrite_starts_afresh_with_a_higher_sequence(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 1, 0)
+    before = ledger.read().sequence
+    ledger.initialize(overwrite=True)
+    state = ledger.read()
+    assert state.sequence == before + 1
+    assert state.shards["1"].checkpoints == []
+    # The backup holds the old version, with a lower sequence: it never wins recovery.
+    assert checked_sequence(ledger.backup_path.read_bytes()) == before
+
+
+def test_run_mismatch_gives_a_readable_diff(tmp_path: Path) -> None:
+    ledger = ProgressLedger(tmp_path / "progress.json", 4)
+    ledger.initialize(input_fingerprint="sha256:aaa", model_config_hash="cfg-1")
+    ok, messages = ledger.validate_run_compatibility("sha256:aaa", "cfg-1")
+    assert (ok, messages) == (True, [])
+    ok, messages = ledger.validate_run_compatibility("sha256:bbb", "cfg-2")
+    assert not ok
+    assert len(messages) == 2
+    assert "input_fingerprint mismatch: recorded 'sha256:aaa', current 'sha256:bbb'" in messages[0]
+    assert "model_config_hash" in messages[1]
+    with pytest.raises(sk.LedgerMismatchError) as caught:
+        ledger.check_run_compatibility("sha256:bbb", "cfg-1")
+    assert caught.value.differences == [("input_fingerprint", "sha256:aaa", "sha256:bbb")]
+    with pytest.raises(sk.LedgerMismatchError) as caught:
+        ProgressLedger(tmp_path / "progress.json", 8).initialize(input_fingerprint="sha256:bbb")
+    text = str(caught.value)
+    assert "world_size: recorded '4', now '8'" in text
+    assert "input_fingerprint: recorded 'sha256:aaa', now 'sha256:bbb'" in text
+    assert ledger.read().input_fingerprint == "sha256:aaa"  # nothing changed
+    ledger.set_global_metadata("sha256:bbb", "cfg-2")
+    assert ledger.validate_run_compatibility("sha256:bbb", "cfg-2") == (True, [])
+
+
+def test_opening_with_the_wrong_world_size_is_refused(tmp_path: Path) -> None:
+    make_ledger(tmp_path, 4)
+    with pytest.raises(sk.LedgerMismatchError, match="world_size 4"):
+        ProgressLedger(tmp_path / "progress.json", 2).get_global_progress()
+    assert ProgressLedger(tmp_path / "progress.json").get_global_progress()["total_shards"] == 4
+
+
+def test_reading_a_missing_ledger_says_to_initialize(tmp_path: Path) -> None:
+    ledger = ProgressLedger(tmp_path / "progress.json", 2)
+    with pytest.raises(LedgerNotFoundError, match="initialize"):
+        ledger.get_global_progress()
+    with pytest.raises(FileNotFoundError):  # the seed's callers catch this
+        ledger.mark_shard_complete(0)
+
+
+def test_bad_options_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedValueError, match="world_size"):
+        ProgressLedger(tmp_path / "p.json", 0)
+    with pytest.raises(UnsupportedValueError, match="staleness_threshold_sec"):
+        ProgressLedger(tmp_path / "p.json", 2, staleness_threshold_sec=0)
+    with pytest.raises(UnsupportedValueError, match="max_retries"):
+        ProgressLedger(tmp_path / "p.json", 2, max_retries=0)
+    with pytest.raises(UnsupportedValueError, match="needs a world_size"):
+        ProgressLedger(tmp_path / "p.json").initialize()
+
+
+# --------------------------------------------------------------------------------------------
+# Shard updates
+
+
+def test_update_records_batches_and_resume_info(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ledger = make_ledger(tmp_path, clock=clock)
+    ledger.update_shard_checkpoint(2, 0, 100, batch_file(tmp_path, 2, 0), "seq_0-seq_99")
+    clock.now += 5
+    ledger.update_shard_checkpoint(2, 1, 50, batch_file(tmp_path, 2, 1))
+    status = ledger.get_shard_status(2)
+    assert status is not None
+    assert status["last_checkpoint_batch"] == 1
+    assert status["total_sequences"] == 150
+    assert [c["batch_idx"] for c in status["checkpoints"]] == [0, 1]
+    assert status["checkpoints"][0]["sequence_range"] == "seq_0-seq_99"
+    assert status["checkpoints"][0]["file"] == "shard_2/batch_00000.bin"
+    info = ledger.get_resume_info(2)
+    assert info["resume_from_batch"] == 2
+    assert info["last_completed_batch"] == 1
+    assert info["last_checkpoint_file"] == "shard_2/batch_00001.bin"
+    assert info["total_sequences_completed"] == 150
+    assert info["last_checkpoint_time"].startswith("2027-01-15T08:00:05")
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 0
+    assert ledger.get_resume_info(99) == {"rank": 99, "status": "unknown"}
+    assert ledger.get_shard_status(99) is None
+    assert ledger.get_resume_points() == {0: 0, 1: 0, 2: 2, 3: 0}
+
+
+def test_update_refuses_a_missing_file_and_records_nothing(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    sequence = ledger.read().sequence
+    with pytest.raises(BatchFileMissingError, match="does not exist") as caught:
+        ledger.update_shard_checkpoint(0, 0, 10, "shard_0/never_written.pt")
+    assert isinstance(caught.value, FileNotFoundError)
+    assert isinstance(caught.value, ShardkeepError)
+    (tmp_path / "half_saved").mkdir()
+    with pytest.raises(BatchFileMissingError, match="without a committed manifest"):
+        ledger.update_shard_checkpoint(0, 0, 10, "half_saved")
+    assert ledger.read().sequence == sequence
+    assert ledger.get_shard_status(0)["checkpoints"] == []  # type: ignore[index]
+
+
+def test_update_accepts_absolute_paths_inside_and_refuses_escapes(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path / "job")
+    name = batch_file(tmp_path / "job", 0, 0)
+    ledger.update_shard_checkpoint(0, 0, 1, tmp_path / "job" / name)
+    assert ledger.get_resume_info(0)["last_checkpoint_file"] == name
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    for bad in ("../outside.bin", str(tmp_path / "outside.bin"), "a/../../outside.bin", ""):
+        with pytest.raises(UnsafePathError):
+            ledger.update_shard_checkpoint(0, 1, 1, bad)
+
+
+def test_update_refuses_regressions_finished_shards_and_unknown_shards(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    record(ledger, tmp_path, 0, 3)  # gaps are allowed
+    sequence = ledger.read().sequence
+    record(ledger, tmp_path, 0, 3)  # the same batch and file again: a retried call, a no-op
+    assert ledger.read().sequence == sequence
+    with pytest.raises(LedgerStateError, match="resume from batch 4") as caught:
+        record(ledger, tmp_path, 0, 2)
+    assert caught.value.shard == 0
+    with pytest.raises(LedgerStateError, match="unknown shard 7"):
+        record(ledger, tmp_path, 7, 0)
+    ledger.mark_shard_complete(0)
+    with pytest.raises(LedgerStateError, match="complete"):
+        record(ledger, tmp_path, 0, 4)
+    with pytest.raises(UnsupportedValueError, match="batch_idx"):
+        ledger.update_shard_checkpoint(1, -1, 1, batch_file(tmp_path, 1, 0))
+    with pytest.raises(UnsupportedValueError, match="num_sequences"):
+        ledger.update_shard_checkpoint(1, 0, True, batch_file(tmp_path, 1, 0))  # type: ignore[arg-type]
+    assert ledger.get_shard_status(0)["last_checkpoint_batch"] == 3  # type: ignore[index]
+
+
+def test_complete_and_failed_count_retries(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 1, 0)
+    ledger.mark_shard_failed(1, "CUDA out of memory")
+    status = ledger.get_shard_status(1)
+    assert status is not None
+    assert (status["status"], status["retry_count"], status["error"]) == ("failed", 1, "CUDA out of memory")
+    assert status["failed_at"] is not None
+    assert ledger.get_incomplete_shard_ranks() == [0, 1, 2, 3]
+    assert ledger.get_resumable_shards() == [0, 1, 2, 3]
+    # A retry that records a batch is in progress again; the failure count stays.
+    record(ledger, tmp_path, 1, 1)
+    assert ledger.get_shard_status(1)["status"] == "in_progress"  # type: ignore[index]
+    assert ledger.get_shard_status(1)["retry_count"] == 1  # type: ignore[index]
+    ledger.mark_shard_complete(1)
+    ledger.mark_shard_complete(1)  # idempotent
+    assert ledger.get_completed_shards() == [1]
+    assert ledger.get_incomplete_shard_ranks() == [0, 2, 3]
+    with pytest.raises(LedgerStateError, match="complete"):
+        ledger.mark_shard_failed(1, "late error from a zombie")
+    progress = ledger.get_global_progress()
+    assert (progress["completed"], progress["in_progress"], progress["failed"]) == (1, 3, 0)
+    assert progress["total_sequences_checkpointed"] == 20
+    assert progress["total_batches"] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Staleness, reassignment, orphans, barriers
+
+
+def test_staleness_uses_the_injected_clock_and_threshold(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ledger = make_ledger(tmp_path, clock=clock, staleness_threshold_sec=600)
+    record(ledger, tmp_path, 0, 0)
+    record(ledger, tmp_path, 1, 0)
+    clock.now += 300
+    record(ledger, tmp_path, 1, 1)
+    assert ledger.get_global_progress()["stale_shards"] == []
+    clock.now += 301  # shard 0: 601 s since its last batch; shard 1: 301 s
+    assert ledger.is_shard_stale(0)
+    assert not ledger.is_shard_stale(1)
+    assert ledger.is_shard_stale(1, threshold_sec=300)
+    assert not ledger.is_shard_stale(2)  # no batch yet: maybe still starting up
+    assert not ledger.is_shard_stale(42)
+    progress = ledger.get_global_progress()
+    assert (progress["stale"], progress["stale_shards"]) == (1, [0])
+    assert ledger.get_resume_info(0)["stale"] is True
+    clock.now += 300
+    assert ledger.get_global_progress()["stale_shards"] == [0, 1]
+    # Finished and failed shards are never stale.
+    ledger.mark_shard_complete(0)
+    ledger.mark_shard_failed(1, "hung")
+    assert ledger.get_global_progress()["stale_shards"] == []
+    # The default threshold is ten minutes.
+    assert ProgressLedger(tmp_path / "progress.json").staleness_threshold_sec == 600
+
+
+def test_reassign_keeps_the_original_rank_and_fences_the_old_worker(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ledger = make_ledger(tmp_path, clock=clock)
+    ledger.update_shard_checkpoint(2, 0, 10, batch_file(tmp_path, 2, 0), worker=2)
+    clock.now += 1000  # worker 2 hangs
+    assert ledger.get_global_progress()["stale_shards"] == [2]
+    ledger.reassign_shard(2, 0)
+    status = ledger.get_shard_status(2)
+    assert status is not None
+    assert (status["original_rank"], status["assigned_rank"]) == (2, 0)
+    assert status["reassignments"][0]["from_rank"] == 2
+    assert ledger.get_global_progress()["stale_shards"] == []  # the reassignment is activity
+    assert ledger.get_assigned_shards(0) == [0, 2]
+    assert ledger.get_assigned_shards(2) == []
+    # The hung worker wakes up: its update is refused; the new owner's is accepted.
+    with pytest.raises(LedgerStateError, match="assigned to worker 0, not worker 2"):
+        ledger.update_shard_checkpoint(2, 1, 10, batch_file(tmp_path, 2, 1), worker=2)
+    with pytest.raises(LedgerStateError, match="not worker 2"):
+        ledger.mark_shard_complete(2, worker=2)
+    ledger.update_shard_checkpoint(2, 1, 10, batch_file(tmp_path, 2, 1), worker=0)
+    assert ledger.get_resume_info(2)["resume_from_batch"] == 2
+    with pytest.raises(LedgerStateError, match=r"workers are 0\.\.3"):
+        ledger.reassign_shard(2, 4)
+    ledger.mark_shard_complete(2, worker=0)
+    with pytest.raises(LedgerStateError, match="nothing to reassign"):
+        ledger.reassign_shard(2, 1)
+    assert ledger.get_shard_status(2)["original_rank"] == 2  # type: ignore[index]
+
+
+def test_orphans_are_failed_three_times_and_reassignment_revives_them(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 3, 0)
+    for attempt in range(2):
+        ledger.mark_shard_failed(3, f"attempt {attempt}")
+    assert ledger.get_orphaned_shards() == []
+    ledger.mark_shard_failed(3, "attempt 2")
+    assert ledger.get_orphaned_shards() == [3]
+    progress = ledger.get_global_progress()
+    assert (progress["orphaned"], progress["orphaned_shards"], progress["failed"]) == (1, [3], 1)
+    ledger.reassign_shard(3, 1)
+    assert ledger.get_orphaned_shards() == []
+    info = ledger.get_resume_info(3)
+    assert (info["status"], info["assigned_rank"], info["retry_count"], info["resume_from_batch"]) == (
+        "in_progress",
+        1,
+        3,
+        1,
+    )
+    # A custom limit.
+    assert ProgressLedger(tmp_path / "progress.json", max_retries=4).get_orphaned_shards() == []
+
+
+def test_global_checkpoints_record_barriers_that_exist(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, 2)
+    assert ledger.get_latest_global_checkpoint() is None
+    record(ledger, tmp_path, 0, 0)
+    record(ledger, tmp_path, 1, 0)
+    record(ledger, tmp_path, 1, 1)
+    ledger.record_global_checkpoint("barrier_1", {0: 0, 1: 0})
+    ledger.record_global_checkpoint("barrier_2", {0: 0, 1: 1})
+    latest = ledger.get_latest_global_checkpoint()
+    assert latest is not None
+    assert (latest["checkpoint_id"], latest["batch_boundaries"]) == ("barrier_2", {"0": 0, "1": 1})
+    with pytest.raises(LedgerStateError, match="already recorded"):
+        ledger.record_global_checkpoint("barrier_2", {0: 0})
+    with pytest.raises(LedgerStateError, match="claims batch 5 of shard 0"):
+        ledger.record_global_checkpoint("barrier_3", {0: 5})
+    with pytest.raises(LedgerStateError, match="unknown shard 9"):
+        ledger.record_global_checkpoint("barrier_3", {9: 0})
+    assert len(ledger.read().global_checkpoints) == 2
+
+
+def test_archive_and_cleanup_after_completion(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, 2)
+    for batch in range(3):
+        record(ledger, tmp_path, 0, batch)
+        record(ledger, tmp_path, 1, batch)
+    with pytest.raises(LedgerStateError, match=r"shards \[0, 1\] are not complete"):
+        ledger.archive_manifest(tmp_path / "archive")
+    with pytest.raises(LedgerStateError, match="not complete"):
+        ledger.cleanup_checkpoints()
+    # A leftover of an interrupted save next to the batch files.
+    leftover = tmp_path / "shard_0" / "batch_00003.bin.tmp-0123abcd"
+    leftover.mkdir()
+    ledger.mark_shard_complete(0)
+    ledger.mark_shard_complete(1)
+    archived = ledger.archive_manifest(tmp_path / "archive")
+    assert archived == tmp_path / "archive" / "progress_final.json"
+    assert ProgressLedger(archived).get_global_progress()["completed"] == 2  # a valid ledger itself
+    assert ledger.cleanup_checkpoints() == 4
+    assert sorted(p.name for p in (tmp_path / "shard_0").iterdir()) == ["batch_00002.bin"]
+    assert not leftover.exists()
+    status = ledger.get_shard_status(0)
+    assert status is not None
+    assert [c["removed_at"] is not None for c in status["checkpoints"]] == [True, True, False]
+    assert ledger.cleanup_checkpoints(keep_final_only=False) == 2
+    assert list((tmp_path / "shard_1").iterdir()) == []
+    assert ledger.cleanup_checkpoints(keep_final_only=False) == 0
+
+
+def test_cleanup_force_keeps_what_resume_needs(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, 1)
+    for batch in range(3):
+        record(ledger, tmp_path, 0, batch)
+    assert ledger.cleanup_checkpoints(keep_final_only=False, force=True) == 2
+    assert (tmp_path / "shard_0" / "batch_00002.bin").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# On-disk format, locking, recovery
+
+
+def test_every_write_bumps_the_sequence_and_keeps_the_previous_as_backup(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    lock_inode = os.stat(ledger.lock_path).st_ino
+    sequences = []
+    for batch in range(3):
+        record(ledger, tmp_path, 0, batch)
+        sequences.append(checked_sequence(ledger.manifest_path.read_bytes()))
+        assert checked_sequence(ledger.backup_path.read_bytes()) == sequences[-1] - 1
+        assert not ledger.tmp_path.exists(), kill_at
+    assert sequences == [2, 3, 4]
+    assert os.stat(ledger.lock_path).st_ino == lock_inode  # never renamed or recreated
+
+
+def test_any_edit_breaks_the_checksum(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    raw = ledger.manifest_path.read_bytes()
+    edited = raw.replace(b'"world_size": 4', b'"world_size": 5')
+    assert edited != raw
+    with pytest.raises(sk.LedgerError, match="checksum mismatch"):
+        checked_sequence(edited)
+    with pytest.raises(sk.LedgerError, match="no checksum header"):
+        checked_sequence(raw[: len(raw) // 2].replace(b'"checksum"', b'"checksun"'))
+
+
+def _corrupt(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x20
+    path.write_bytes(bytes(raw))
+
+
+def test_corrupted_primary_recovers_from_backup_and_is_repaired(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    record(ledger, tmp_path, 0, 1)
+    _corrupt(ledger.manifest_path)
+    with caplog.at_level(logging.WARNING, logger="shardkeep.ledger"):
+        info = ledger.get_resume_info(0)
+    assert info["resume_from_batch"] == 1  # the backup is the version before the last update
+    assert "primary copy unusable" in caplog.text
+    record(ledger, tmp_path, 0, 1)  # the worker redoes batch 1; the primary is rewritten
+    assert checked_sequence(ledger.manifest_path.read_bytes()) == ledger.read().sequence
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 2
+
+
+def test_torn_or_missing_primary_recovers(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    raw = ledger.manifest_path.read_bytes()
+    ledger.manifest_path.write_bytes(raw[: len(raw) // 3])
+    assert ledger.read().sequence == 1  # the initialize version, from .backup
+    ledger.manifest_path.unlink()
+    assert ledger.read().sequence == 1
+
+
+def test_corrupted_backup_is_ignored(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    _corrupt(ledger.backup_path)
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    record(ledger, tmp_path, 0, 1)
+    assert checked_sequence(ledger.backup_path.read_bytes()) == ledger.read().sequence - 1
+
+
+def test_all_copies_corrupted_raises_manifest_corrupted(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    ledger.tmp_path.write_bytes(ledger.manifest_path.read_bytes()[:100])
+    _corrupt(ledger.manifest_path)
+    _corrupt(ledger.backup_path)
+    with pytest.raises(sk.ManifestCorruptedError) as caught:
+        ledger.get_global_progress()
+    error = caught.value
+    assert isinstance(error, ShardkeepError)
+    assert error.manifest_path == str(ledger.manifest_path)
+    assert set(error.problems) == {str(ledger.manifest_path), str(ledger.tmp_path), str(ledger.backup_path)}
+    assert "no valid copy" in str(error)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(sk.ManifestCorruptedError):
+        record(ledger, tmp_path, 0, 1)
+    with pytest.raises(sk.ManifestCorruptedError):
+        ledger.initialize()
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert before == after  # nothing was overwritten
+    ledger.initialize(overwrite=True)
+    assert ledger.get_global_progress()["total_batches"] == 0
+
+
+def test_a_valid_tmp_with_a_higher_sequence_wins(tmp_path: Path) -> None:
+    """A writer that died after fsyncing .tmp but before the rename: that version is adopted."""
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    old_primary = ledger.backup_path.read_bytes()  # the version before the update
+    newest = ledger.manifest_path.read_bytes()
+    ledger.manifest_path.write_bytes(old_primary)
+    ledger.tmp_path.write_bytes(newest)
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    record(ledger, tmp_path, 0, 1)
+    assert not ledger.tmp_path.exists()
+    assert [c.batch_idx for c in ledger.read().shards["0"].checkpoints] == [0, 1]
+
+
+def test_a_newer_minor_version_is_read_only_and_another_major_is_refused(tmp_path: Path) -> None:
+    from shardkeep.ledger import encode_state
+
+    ledger = make_ledger(tmp_path)
+    state = ledger.read()
+    state.version = "2.1"
+    ledger.manifest_path.write_bytes(encode_state(state))
+    assert ledger.get_global_progress()["total_shards"] == 4
+    with pytest.raises(sk.LedgerError, match="read-only here"):
+        ledger.mark_shard_complete(0)
+    state.version = "3.0"
+    state.sequence += 10
+    ledger.manifest_path.write_bytes(encode_state(state))
+    with pytest.raises(sk.LedgerError, match="schema version 3.0 is not supported") as caught:
+        ledger.read()
+    assert not isinstance(caught.value, sk.ManifestCorruptedError)  # an older copy never replaces it
+    with pytest.raises(sk.LedgerError, match="3.0"):
+        ledger.mark_shard_complete(0)
+
+
+def _hold_lock(path: str, ready: Any, release: Any) -> None:
+    import fcntl
+
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    ready.set()
+    release.wait(30)
+
+
+def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, lock_timeout=0.3)
+    context = multiprocessing.get_context("fork")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(str(ledger.lock_path), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(10)
+        started = time.monotonic()
+        with pytest.raises(LedgerLockTimeoutError, match="held by another process"):
+            ledger.mark_shard_complete(0)
+        assert time.monotonic() - started < 5
+        assert ledger.get_global_progress()["completed"] == 0  # reads need no lock
+    finally:
+        release.set()
+        holder.join(10)
+    ledger.mark_shard_complete(0)  # the holder exited: the kernel released its lock
+    assert ledger.get_completed_shards() == [0]
+
+
+def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mountinfo = (
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "40 22 0:35 / /scratch rw,relatime shared:20 - lustre 10.0.0.1@tcp:/scratch rw\n"
+        "41 22 0:36 / /home/my\\040data rw - nfs4 server:/home rw\n"
+    )
+    assert filesystem_type("/scratch/job/progress.json", mountinfo) == "lustre"
+    assert filesystem_type("/home/my data/x", mountinfo) == "nfs4"
+    assert filesystem_type("/scratchpad/x", mountinfo) == "ext4"
+    assert filesystem_type(tmp_path) is not None  # this machine's /proc/self/mountinfo parses
+
+    import shardkeep.ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "filesystem_type", lambda path, mountinfo=None: "nfs4")
+    ledger = ProgressLedger(tmp_path / "progress.json", 1)
+    with pytest.warns(LedgerLockWarning, match="nfs4 filesystem, where file locks may not exclude"):
+        ledger.initialize()
+    record(ledger, tmp_path, 0, 0)  # warned once per ledger object, not on every update
+
+
+# --------------------------------------------------------------------------------------------
+# kill -9 at every file operation of an update
+
+
+class _KillAt(_LedgerFiles):
+    """Counts the file operations of an update and kills the process before the chosen one (or,
+    with ``torn``, halfway through the chosen write)."""
+
+    def __init__(self, kill_at: int, *, torn: bool = False) -> None:
+        self.count = 0
+        self.kill_at = kill_at
+        self.torn = torn
+
+    def _reached(self) -> bool:
+        reached = self.count == self.kill_at
+        self.count += 1
+        if reached and not self.torn:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return reached
+
+    def remove(self, path: str) -> None:
+        self._reached()
+        super().remove(path)
+
+    def link(self, source: str, target: str) -> None:
+        self._reached()
+        super().link(source, target)
+
+    def write(self, path: str, data: bytes) -> None:
+        if self._reached():
+            with open(path, "wb") as handle:
+                handle.write(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().write(path, data)
+
+    def rename(self, source: str, target: str) -> None:
+        self._reached()
+        super().rename(source, target)
+
+    def sync_dir(self, directory: str) -> None:
+        self._reached()
+        super().sync_dir(directory)
+
+
+def _update_and_die(path: str, kill_at: int, torn: bool, action: Callable[[ProgressLedger], None]) -> None:
+    ledger = ProgressLedger(path)
+    ledger._files = _KillAt(kill_at, torn=torn)
+    action(ledger)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("start", ["clean", "primary_corrupted", "primary_missing", "tmp_newer"])
+def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, start: str) -> None:
+    ledger = make_ledger(tmp_path, 2)
+    record(ledger, tmp_path, 0, 0)
+    if start == "primary_corrupted":
+        record(ledger, tmp_path, 1, 0)
+        _corrupt(ledger.manifest_path)  # the backup (shard 0 at batch 0) is the newest valid copy
+    elif start == "primary_missing":
+        record(ledger, tmp_path, 1, 0)
+        ledger.manifest_path.unlink()
+    elif start == "tmp_newer":
+        # A writer died after fsyncing its .tmp: that version (shard 1 at batch 0) is the newest.
+        record(ledger, tmp_path, 1, 0)
+        os.replace(ledger.manifest_path, ledger.tmp_path)
+        os.link(ledger.backup_path, ledger.manifest_path)
+    name = batch_file(tmp_path, 0, 1)
+    shard_1_before = [c.batch_idx for c in ProgressLedger(ledger.manifest_path).read().shards["1"].checkpoints]
+    assert shard_1_before == ([0] if start == "tmp_newer" else [])
+
+    def update(target: ProgressLedger) -> None:
+        target.update_shard_checkpoint(0, 1, 10, name)
+
+    copies = (ledger.manifest_path, ledger.tmp_path, ledger.backup_path)
+    snapshot = {path: path.read_bytes() for path in copies if path.exists()}
+
+    def roll_back() -> None:
+        for path in copies:
+            path.unlink(missing_ok=True)
+        for path, data in snapshot.items():
+            path.write_bytes(data)
+
+    counter = _KillAt(-1)
+    ledger._files = counter
+    update(ledger)
+    ledger._files = _LedgerFiles()
+    roll_back()
+    operations = counter.count
+    if start == "clean":
+        # remove .tmp, link the primary as .tmp, rename it to .backup, remove .tmp, write .tmp,
+        # rename it to the primary, fsync the directory
+        assert operations == 7
+    writes = [index for index in range(operations) if index not in (0, 1, 2, 3, 5, 6)] if start == "clean" else []
+    context = multiprocessing.get_context("fork")
+    present = []
+    points = [(index, False) for index in range(operations)] + [(index, True) for index in range(operations)]
+    for kill_at, torn in points:
+        child = context.Process(target=_update_and_die, args=(str(ledger.manifest_path), kill_at, torn, update))
+        child.start()
+        child.join(30)
+        if torn and child.exitcode == 0:
+            roll_back()
+            continue  # that operation is not a write
+        assert child.exitcode == -signal.SIGKILL, (kill_at, child.exitcode)
+        state = ProgressLedger(ledger.manifest_path).read()  # always readable
+        batches = [c.batch_idx for c in state.shards["0"].checkpoints]
+        assert batches in ([0], [0, 1]), (kill_at, batches)
+        # What the starting state had is never lost.
+        assert [c.batch_idx for c in state.shards["1"].checkpoints] == shard_1_before, kill_at
+        if torn:
+            assert batches == [0], kill_at  # a torn write is never adopted
+        else:
+            present.append(batches == [0, 1])
+        # The next writer repairs whatever was left, then the update goes through.
+        repaired = ProgressLedger(ledger.manifest_path)
+        repaired.update_shard_checkpoint(0, 1, 10, name)
+        assert [c.batch_idx for c in repaired.read().shards["0"].checkpoints] == [0, 1]
+        assert checked_sequence(ledger.manifest_path.read_bytes()) == repaired.read().sequence
+        assert not ledger.tmp_path.exists(), kill_at
+        roll_back()
+    # Absent until the new version is fsynced in .tmp, present from then on.
+    first = present.index(True)
+    assert present == [False] * first + [True] * (operations - first)
+    assert present[-2:] == [True, True]  # killed before the rename onto the primary, and after it
+    if start == "clean":
+        assert writes == [4]
+        assert first == 5
+
+
+def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+
+    class FailingWrite(_LedgerFiles):
+        def write(self, path: str, data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+    ledger._files = FailingWrite()
+    with pytest.raises(StorageError, match="No space left on device; the previous version is intact"):
+        record(ledger, tmp_path, 0, 0)
+    ledger._files = _LedgerFiles()
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 0
+    record(ledger, tmp_path, 0, 0)
+    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
