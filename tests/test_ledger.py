@@ -424,7 +424,7 @@ def test_every_write_bumps_the_sequence_and_keeps_the_previous_as_backup(tmp_pat
 def test_any_edit_breaks_the_checksum(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     raw = ledger.manifest_path.read_bytes()
-    edited = raw.replace(b'"world_size": 4', b'"world_size": 5')
+    edited = raw.replace(b'"world_size":4', b'"world_size":5')
     assert edited != raw
     with pytest.raises(sk.LedgerError, match="checksum mismatch"):
         checked_sequence(edited)

@@ -193,7 +193,7 @@ _DECODER = msgspec.json.Decoder(LedgerState, strict=True)
 def encode_state(state: LedgerState) -> bytes:
     """The exact bytes of ``state`` as a ledger file, with ``state.checksum`` filled in."""
     state.checksum = _PLACEHOLDER
-    raw = bytearray(msgspec.json.format(_ENCODER.encode(state), indent=1))
+    raw = bytearray(_ENCODER.encode(state))
     raw += b"\n"
     match = _CHECKSUM_HEAD.match(raw)
     if match is None:  # pragma: no cover - the encoder puts checksum and sequence first
@@ -400,41 +400,47 @@ class ProgressLedger:
             raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
 
     def _load(self, *, check_world_size: bool = True) -> tuple[LedgerState, bytes, str]:
-        """The newest valid version: (state, its exact bytes, which copy it came from)."""
-        candidates: list[tuple[int, int, str, bytes]] = []
+        """The newest valid version: (state, its exact bytes, which copy it came from).
+
+        Copies are read in the order ``.tmp``, primary, ``.backup``, the order in which a version
+        moves between them (a rename moves ``.tmp`` onto the primary; the next update copies the
+        primary to ``.backup``), so a reader without the lock never sees the sequence go back.
+        They are then tried by the sequence their header claims, highest first (the primary wins
+        a tie); the first whose checksum and schema hold is the answer.
+        """
+        present: list[tuple[int, int, str, bytes]] = []
         problems: dict[str, str] = {}
-        present = 0
-        order = {"primary": 2, "tmp": 1, "backup": 0}
-        for label, path in (("primary", self.manifest_path), ("tmp", self.tmp_path), ("backup", self.backup_path)):
+        found = 0
+        primary_missing = False
+        preference = {"primary": 2, "tmp": 1, "backup": 0}
+        for label in ("tmp", "primary", "backup"):
+            path = self._path_of(label)
             try:
                 raw = self._read_copy(path)
             except LedgerError as exc:
-                present += 1
+                found += 1
                 problems[str(path)] = str(exc)
                 continue
             if raw is None:
+                primary_missing = primary_missing or label == "primary"
                 continue
-            present += 1
-            try:
-                sequence = checked_sequence(raw)
-            except LedgerError as exc:
-                problems[str(path)] = str(exc)
+            found += 1
+            match = _CHECKSUM_HEAD.match(raw)
+            if match is None:
+                problems[str(path)] = "no checksum header (torn, empty or not a ledger file)"
                 continue
-            candidates.append((sequence, order[label], label, raw))
-        if present == 0:
-            raise LedgerNotFoundError(
-                f"no progress ledger at {self.manifest_path}; call initialize() first"
-            )
-        for sequence, _, label, raw in sorted(candidates, reverse=True):
+            present.append((int(match.group(2)), preference[label], label, raw))
+        if found == 0:
+            raise LedgerNotFoundError(f"no progress ledger at {self.manifest_path}; call initialize() first")
+        for sequence, _, label, raw in sorted(present, reverse=True):
+            path = self._path_of(label)
             try:
+                checked_sequence(raw)
                 state = decode_state(raw)
             except _UnsupportedVersion:
                 raise  # never fall back to an older copy and overwrite a newer format
             except LedgerError as exc:
-                problems[str(self._path_of(label))] = str(exc)
-                continue
-            if state.sequence != sequence:  # pragma: no cover - the header is the decoded field
-                problems[str(self._path_of(label))] = "sequence header disagrees with the body"
+                problems[str(path)] = str(exc)
                 continue
             if check_world_size and self.world_size is not None and state.world_size != self.world_size:
                 raise LedgerMismatchError(
@@ -442,13 +448,15 @@ class ProgressLedger:
                     f"this ledger was opened with world_size {self.world_size}",
                     [("world_size", str(state.world_size), str(self.world_size))],
                 )
-            if label != "primary":
+            # A reader without the lock may legitimately find a newer version in .tmp or .backup
+            # than in the primary it read a moment earlier; only a broken primary is worth a warning.
+            if label != "primary" and (primary_missing or str(self.manifest_path) in problems):
                 logger.warning(
                     "progress ledger %s: primary copy unusable (%s); using sequence %d from %s",
                     self.manifest_path,
                     problems.get(str(self.manifest_path), "missing"),
                     sequence,
-                    self._path_of(label).name,
+                    path.name,
                 )
             return state, raw, label
         listing = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
@@ -512,7 +520,7 @@ class ProgressLedger:
             fcntl.flock(descriptor, fcntl.LOCK_EX)
             return
         deadline = time.monotonic() + self.lock_timeout
-        pause = 0.0005
+        pause = 0.0002
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -528,7 +536,7 @@ class ProgressLedger:
                     f"{self.lock_timeout:g} s; is a process stopped while holding it?"
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.002)
 
     def _write(self, state: LedgerState, previous: bytes | None, source: str | None) -> None:
         """Steps 2-4 of an update (see the module docstring). Caller holds the lock."""
