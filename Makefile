@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test lint typecheck unit demo bench bench-distributed clean
+.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench: $(STAMP)
 
 bench-distributed: $(STAMP)
 	$(PY) bench/distributed.py
+
+bench-ledger: $(STAMP)
+	$(PY) bench/ledger.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -416,7 +416,7 @@ def test_every_write_bumps_the_sequence_and_keeps_the_previous_as_backup(tmp_pat
         record(ledger, tmp_path, 0, batch)
         sequences.append(checked_sequence(ledger.manifest_path.read_bytes()))
         assert checked_sequence(ledger.backup_path.read_bytes()) == sequences[-1] - 1
-        assert not ledger.tmp_path.exists(), kill_at
+        assert not ledger.tmp_path.exists()
     assert sequences == [2, 3, 4]
     assert os.stat(ledger.lock_path).st_ino == lock_inode  # never renamed or recreated
 
@@ -438,7 +438,9 @@ def _corrupt(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-def test_corrupted_primary_recovers_from_backup_and_is_repaired(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupted_primary_recovers_from_backup_and_is_repaired(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
     record(ledger, tmp_path, 0, 1)
@@ -522,10 +524,10 @@ def test_a_newer_minor_version_is_read_only_and_another_major_is_refused(tmp_pat
     state.version = "3.0"
     state.sequence += 10
     ledger.manifest_path.write_bytes(encode_state(state))
-    with pytest.raises(sk.LedgerError, match="schema version 3.0 is not supported") as caught:
+    with pytest.raises(sk.LedgerError, match=r"schema version 3\.0 is not supported") as caught:
         ledger.read()
     assert not isinstance(caught.value, sk.ManifestCorruptedError)  # an older copy never replaces it
-    with pytest.raises(sk.LedgerError, match="3.0"):
+    with pytest.raises(sk.LedgerError, match=r"3\.0"):
         ledger.mark_shard_complete(0)
 
 
@@ -673,6 +675,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
     writes = [index for index in range(operations) if index not in (0, 1, 2, 3, 5, 6)] if start == "clean" else []
     context = multiprocessing.get_context("fork")
     present = []
+    skipped = 0
     points = [(index, False) for index in range(operations)] + [(index, True) for index in range(operations)]
     for kill_at, torn in points:
         child = context.Process(target=_update_and_die, args=(str(ledger.manifest_path), kill_at, torn, update))
@@ -680,6 +683,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
         child.join(30)
         if torn and child.exitcode == 0:
             roll_back()
+            skipped += 1
             continue  # that operation is not a write
         assert child.exitcode == -signal.SIGKILL, (kill_at, child.exitcode)
         state = ProgressLedger(ledger.manifest_path).read()  # always readable
@@ -698,6 +702,8 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
         assert checked_sequence(ledger.manifest_path.read_bytes()) == repaired.read().sequence
         assert not ledger.tmp_path.exists(), kill_at
         roll_back()
+    kills = len(present) + sum(1 for kill_at, torn in points if torn) - skipped
+    print(f"\nledger crash windows from a {start} start: {operations} operations, {kills} kills")
     # Absent until the new version is fsynced in .tmp, present from then on.
     first = present.index(True)
     assert present == [False] * first + [True] * (operations - first)

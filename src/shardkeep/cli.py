@@ -512,7 +512,9 @@ def _run_ledger_reassign(args: argparse.Namespace, out: TextIO) -> int:
     before = ledger.get_shard_status(args.shard)
     ledger.reassign_shard(args.shard, args.rank)
     previous = before["assigned_rank"] if before else "?"
-    out.write(f"shard {args.shard} (original rank {before['original_rank'] if before else '?'}): worker {previous} -> {args.rank}\n")
+    out.write(
+        f"shard {args.shard} (original rank {before['original_rank'] if before else '?'}): worker {previous} -> {args.rank}\n"
+    )
     return 0
 
 

@@ -198,7 +198,7 @@ def encode_state(state: LedgerState) -> bytes:
     match = _CHECKSUM_HEAD.match(raw)
     if match is None:  # pragma: no cover - the encoder puts checksum and sequence first
         raise LedgerError("ledger encoding lost its checksum header")
-    digest = digest_bytes(_CHECKSUM_ALGORITHM, raw)
+    digest = digest_bytes(_CHECKSUM_ALGORITHM, memoryview(raw))
     hex_digits = digest.split(":", 1)[1].encode()
     raw[match.start(1) : match.end(1)] = hex_digits
     state.checksum = digest
@@ -216,7 +216,7 @@ def checked_sequence(raw: bytes) -> int:
     recorded = match.group(1).decode()
     blanked = bytearray(raw)
     blanked[match.start(1) : match.end(1)] = b"0" * 64
-    actual = digest_bytes(_CHECKSUM_ALGORITHM, blanked).split(":", 1)[1]
+    actual = digest_bytes(_CHECKSUM_ALGORITHM, memoryview(blanked)).split(":", 1)[1]
     if not digests_equal(recorded, actual):
         raise LedgerError("checksum mismatch (torn or modified file)")
     return int(match.group(2))
@@ -968,9 +968,7 @@ class ProgressLedger:
         now = self.clock()
         statuses = [entry.status for entry in state.shards.values()]
         stale = sorted(
-            int(key)
-            for key, entry in state.shards.items()
-            if self._stale(entry, now, self.staleness_threshold_sec)
+            int(key) for key, entry in state.shards.items() if self._stale(entry, now, self.staleness_threshold_sec)
         )
         orphaned = self._orphaned(state)
         return {
@@ -1019,7 +1017,9 @@ class ProgressLedger:
 
         with contextlib.suppress(_AlreadyRecorded):
             self._mutate(change)
-        logger.info("progress ledger %s: shard %d assigned to worker %d", self.manifest_path, shard_rank, new_assigned_rank)
+        logger.info(
+            "progress ledger %s: shard %d assigned to worker %d", self.manifest_path, shard_rank, new_assigned_rank
+        )
 
     # ----------------------------------------------------------------------------------------
     # Global barriers
@@ -1029,7 +1029,9 @@ class ProgressLedger:
         shard cannot be claimed past its last recorded batch, and ids are unique."""
         if not isinstance(checkpoint_id, str) or not checkpoint_id:
             raise UnsupportedValueError(f"checkpoint_id must be a non-empty str, got {checkpoint_id!r}")
-        boundaries = {int(_check_index("shard", rank)): _check_index("batch", batch) for rank, batch in batch_boundaries.items()}
+        boundaries = {
+            int(_check_index("shard", rank)): _check_index("batch", batch) for rank, batch in batch_boundaries.items()
+        }
 
         def change(state: LedgerState) -> None:
             if any(existing.checkpoint_id == checkpoint_id for existing in state.global_checkpoints):
