@@ -77,10 +77,13 @@ def prepare(directory: Path, records: int) -> tuple[ProgressLedger, Path]:
     state = ledger.read()
     for index in range(records):
         shard, batch = index % SHARDS, index // SHARDS
-        now = datetime.now(UTC).isoformat()
+        moment = datetime.now(UTC)
+        now = moment.isoformat()
         entry = state.shards[str(shard)]
         entry.checkpoints.append(
-            BatchRecord(batch_idx=batch, num_sequences=1, file="r.bin", timestamp=now, sequence_range=f"{batch}")
+            BatchRecord(
+                batch_idx=batch, num_sequences=1, file=f"r{index}.bin", timestamp=moment, sequence_range=f"{batch}"
+            )
         )
         entry.last_checkpoint_batch = batch
         seed["shards"][str(shard)]["checkpoints"].append(  # type: ignore[index]

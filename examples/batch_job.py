@@ -63,6 +63,9 @@ def worker_main(worker: int, ledger_path: str, batches: int, batch_size: int, de
     ledger = sk.ProgressLedger(ledger_path)
     weights = model_weights()
     for shard in ledger.get_assigned_shards(worker):
+        # The claim makes this process the shard's only writer: a replaced process's late
+        # updates (same rank or not) are refused.
+        claim = ledger.claim_shard(shard, worker)
         start = ledger.get_resume_info(shard)["resume_from_batch"]
         print(f"  worker {worker}: shard {shard} from batch {start}", flush=True)
         for batch_idx in range(start, batches):
@@ -76,9 +79,10 @@ def worker_main(worker: int, ledger_path: str, batches: int, batch_size: int, de
                 num_sequences=batch_size,
                 sequence_range=f"seq_{first}-seq_{first + batch_size - 1}",
                 worker=worker,
+                claim=claim,
             )
             time.sleep(delay)  # stands in for the rest of a real batch's work
-        ledger.mark_shard_complete(shard, worker=worker)
+        ledger.mark_shard_complete(shard, worker=worker, claim=claim)
 
 
 def run_workers(

@@ -6,6 +6,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -87,6 +88,8 @@ def test_initialize_creates_one_in_progress_shard_per_worker(tmp_path: Path) -> 
         "completed_at": None,
         "failed_at": None,
         "reassignments": [],
+        "claim": 0,
+        "claimed_at": None,
     }
     assert ledger.get_incomplete_shard_ranks() == [0, 1, 2]
     assert ledger.get_completed_shards() == []
@@ -386,14 +389,48 @@ def test_archive_and_cleanup_after_completion(tmp_path: Path) -> None:
     assert archived == tmp_path / "archive" / "progress_final.json"
     assert ProgressLedger(archived).get_global_progress()["completed"] == 2  # a valid ledger itself
     assert ledger.cleanup_checkpoints() == 4
+    assert sorted(p.name for p in (tmp_path / "shard_0").iterdir()) == ["batch_00002.bin", leftover.name]
+    # Leftovers go only once untouched for the lease (default one hour): a save may be running.
+    two_hours_ago = time.time() - 7200
+    os.utime(leftover, (two_hours_ago, two_hours_ago))
+    assert ledger.cleanup_checkpoints() == 0
     assert sorted(p.name for p in (tmp_path / "shard_0").iterdir()) == ["batch_00002.bin"]
-    assert not leftover.exists()
     status = ledger.get_shard_status(0)
     assert status is not None
     assert [c["removed_at"] is not None for c in status["checkpoints"]] == [True, True, False]
     assert ledger.cleanup_checkpoints(keep_final_only=False) == 2
     assert list((tmp_path / "shard_1").iterdir()) == []
     assert ledger.cleanup_checkpoints(keep_final_only=False) == 0
+
+
+def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, 1)
+    for batch in range(3):
+        record(ledger, tmp_path, 0, batch)
+    ledger.mark_shard_complete(0)
+
+    class FailingDirectorySync(_LedgerFiles):
+        def sync_dir(self, directory: str) -> None:
+            raise OSError(5, "Input/output error")
+
+    files = sorted((tmp_path / "shard_0").iterdir())
+    ledger._files = FailingDirectorySync()
+    with pytest.raises(StorageError, match="may not survive a power loss"):
+        ledger.cleanup_checkpoints()
+    assert all(path.exists() for path in files)  # the marking failed: nothing deleted yet
+    ledger._files = _LedgerFiles()
+    assert ledger.cleanup_checkpoints() == 2
+    assert [path.exists() for path in files] == [False, False, True]
+
+
+def test_cleanup_keeps_a_file_that_a_kept_record_names(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, 1)
+    (tmp_path / "accumulated.bin").write_bytes(b"all results so far")
+    for batch in range(3):
+        ledger.update_shard_checkpoint(0, batch, 1, "accumulated.bin")
+    ledger.mark_shard_complete(0)
+    assert ledger.cleanup_checkpoints() == 0
+    assert (tmp_path / "accumulated.bin").exists()
 
 
 def test_cleanup_force_keeps_what_resume_needs(tmp_path: Path) -> None:
@@ -727,3 +764,225 @@ def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
     assert ledger.get_resume_info(0)["resume_from_batch"] == 0
     record(ledger, tmp_path, 0, 0)
     assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Failed writes, foreign versions, odd input
+
+
+def _reseal(raw: bytes) -> bytes:
+    """Recompute the checksum of an edited ledger file, as a newer shardkeep would write it."""
+    import re
+
+    from shardkeep.integrity import digest_bytes
+
+    match = re.match(rb'\{"checksum":"blake3:([0-9a-f]{64})"', raw)
+    assert match is not None
+    blanked = raw[: match.start(1)] + b"0" * 64 + raw[match.end(1) :]
+    digest = digest_bytes("blake3", blanked).split(":", 1)[1].encode()
+    return raw[: match.start(1)] + digest + raw[match.end(1) :]
+
+
+def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+
+    class FsyncFails(_LedgerFiles):
+        def write(self, path: str, data: bytes) -> None:
+            with open(path, "xb") as handle:
+                handle.write(data)  # the bytes are there; only the fsync fails
+            raise OSError(5, "Input/output error")
+
+    ledger._files = FsyncFails()
+    with pytest.raises(StorageError, match="the previous version is intact"):
+        ledger.mark_shard_failed(0, "oom")
+    assert not ledger.tmp_path.exists()
+    assert ledger.get_shard_status(0)["retry_count"] == 0  # type: ignore[index]
+    ledger._files = _LedgerFiles()
+    ledger.mark_shard_failed(0, "oom")  # the caller's retry counts once
+    assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
+
+
+def test_a_failed_directory_fsync_says_the_outcome_is_uncertain(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+
+    class DirectorySyncFails(_LedgerFiles):
+        def sync_dir(self, directory: str) -> None:
+            raise OSError(5, "Input/output error")
+
+    ledger._files = DirectorySyncFails()
+    with pytest.raises(StorageError, match="re-read the ledger before retrying"):
+        ledger.mark_shard_failed(0, "oom")
+    ledger._files = _LedgerFiles()
+    assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
+
+
+def test_a_newer_minor_version_with_new_fields_is_never_replaced_by_an_older_copy(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)
+    raw = ledger.manifest_path.read_bytes()
+    newer = _reseal(
+        raw.replace(b'"version":"2.0"', b'"version":"2.1"').replace(
+            b'"status":"in_progress"', b'"status":"in_progress","priority":5', 1
+        )
+    )
+    ledger.manifest_path.write_bytes(newer)
+    with pytest.raises(sk.LedgerError, match=r"schema version 2\.1\) has fields or values this shardkeep"):
+        ledger.get_global_progress()
+    with pytest.raises(sk.LedgerError, match=r"2\.1"):
+        record(ledger, tmp_path, 0, 1)
+    with pytest.raises(sk.LedgerError, match=r"2\.1"):
+        ledger.initialize(input_fingerprint="x")
+    assert ledger.manifest_path.read_bytes() == newer
+
+
+def test_a_checksummed_file_with_a_bad_timestamp_is_a_typed_error(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    raw = ledger.manifest_path.read_bytes()
+    broken = _reseal(re.sub(rb'"created_at":"[^"]+"', b'"created_at":"yesterday"', raw))
+    ledger.manifest_path.write_bytes(broken)
+    with pytest.raises(sk.ManifestCorruptedError, match="created_at"):
+        ledger.get_global_progress()
+
+
+def test_odd_file_arguments_are_typed_errors(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    with pytest.raises(ShardkeepError):
+        ledger.update_shard_checkpoint(0, 0, 1, "x" * 300)
+    with pytest.raises(UnsupportedValueError, match="checkpoint_file must be a str or path"):
+        ledger.update_shard_checkpoint(0, 0, 1, 42)  # type: ignore[arg-type]
+
+
+def test_a_claimed_shard_that_records_nothing_becomes_stale(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ledger = make_ledger(tmp_path, clock=clock)
+    assert ledger.claim_shard(1, 1) == 1
+    clock.now += 601
+    assert ledger.is_shard_stale(1)  # claimed, then hung before its first batch
+    assert not ledger.is_shard_stale(0)  # never started: not stale
+    ledger.claim_shard(1, 1)  # the restarted worker claims it again
+    assert not ledger.is_shard_stale(1)
+    with pytest.raises(LedgerStateError, match="assigned to worker 1, not worker 0"):
+        ledger.claim_shard(1, 0)
+    ledger.mark_shard_complete(1)
+    with pytest.raises(LedgerStateError, match="nothing to claim"):
+        ledger.claim_shard(1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Power loss: a simulated disk that keeps only what was fsynced
+
+
+class PowerLossFiles(_LedgerFiles):
+    """Performs every operation for real and models what a power cut would keep: a file's data
+    only once fsynced, directory entries (creates, links, renames, removals) only once the
+    directory is fsynced. ``skip`` removes one kind of fsync (the mutation check)."""
+
+    def __init__(self, directory: Path, skip: str | None = None) -> None:
+        self.directory = directory
+        self.skip = skip
+        self.operations = 0
+        self.crash_at: int | None = None
+        self.inodes: dict[int, bytes | None] = {}  # durable data of each inode
+        self.current: dict[str, int] = {}
+        self.durable: dict[str, int] = {}
+        for path in sorted(directory.iterdir()):
+            if path.name.startswith("progress.json") and path.name != "progress.json.lock":
+                inode = os.stat(path).st_ino
+                self.inodes[inode] = path.read_bytes()
+                self.current[path.name] = inode
+        self.durable = dict(self.current)
+
+    def _step(self) -> None:
+        if self.crash_at is not None and self.operations == self.crash_at:
+            raise _PowerCut
+        self.operations += 1
+
+    def remove(self, path: str) -> None:
+        self._step()
+        super().remove(path)
+        self.current.pop(os.path.basename(path), None)
+
+    def link(self, source: str, target: str) -> None:
+        self._step()
+        super().link(source, target)
+        self.current[os.path.basename(target)] = self.current[os.path.basename(source)]
+
+    def write(self, path: str, data: bytes) -> None:
+        self._step()
+        super().write(path, data)
+        inode = os.stat(path).st_ino
+        self.inodes[inode] = None if self.skip == "file" else data
+        self.current[os.path.basename(path)] = inode
+
+    def rename(self, source: str, target: str) -> None:
+        self._step()
+        super().rename(source, target)
+        self.current[os.path.basename(target)] = self.current.pop(os.path.basename(source))
+
+    def sync_dir(self, directory: str) -> None:
+        self._step()
+        super().sync_dir(directory)
+        if self.skip != "directory":
+            self.durable = dict(self.current)
+
+    def materialize(self) -> None:
+        """Replace the ledger's files with what survived the power cut."""
+        for path in self.directory.iterdir():
+            if path.name.startswith("progress.json") and path.name != "progress.json.lock":
+                path.unlink()
+        for name, inode in self.durable.items():
+            data = self.inodes.get(inode)
+            (self.directory / name).write_bytes(data if data is not None else b"")
+
+
+class _PowerCut(Exception):
+    pass
+
+
+def _power_loss_violations(tmp_path: Path, skip: str | None) -> tuple[int, int]:
+    """Cut the power at every operation of three updates; count cut points after which the
+    ledger is unreadable or lost an update that had returned."""
+    points = violations = 0
+    crash_at = 0
+    while True:
+        directory = tmp_path / f"{skip}-{crash_at}"
+        directory.mkdir()
+        ledger = make_ledger(directory, 1)
+        names = [batch_file(directory, 0, batch) for batch in range(3)]
+        files = PowerLossFiles(directory, skip)
+        files.crash_at = crash_at
+        ledger._files = files
+        returned = []
+        try:
+            for batch, name in enumerate(names):
+                ledger.update_shard_checkpoint(0, batch, 1, name)
+                returned.append(batch)
+        except _PowerCut:
+            pass
+        if files.crash_at is not None and files.operations < crash_at:
+            return points, violations  # every operation has been a cut point
+        points += 1
+        files.materialize()
+        try:
+            survived = [c.batch_idx for c in ProgressLedger(directory / "progress.json").read().shards["0"].checkpoints]
+        except sk.LedgerError:
+            violations += 1
+        else:
+            if survived[: len(returned)] != returned:
+                violations += 1
+        crash_at += 1
+
+
+def test_power_loss_at_every_operation_keeps_every_returned_update(tmp_path: Path) -> None:
+    points, violations = _power_loss_violations(tmp_path, None)
+    print(f"\nledger power loss: {points} cut points, {violations} violations")
+    assert points == 3 * 7 + 1  # before each of the 7 operations of 3 updates, and after the last
+    assert violations == 0
+
+
+@pytest.mark.parametrize("skip", ["file", "directory"])
+def test_power_loss_check_fails_without_each_fsync(tmp_path: Path, skip: str) -> None:
+    """The mutation check: drop the file fsync, or the directory fsync, and the test above finds
+    violations; so it would catch the removal of either."""
+    _, violations = _power_loss_violations(tmp_path, skip)
+    assert violations > 0

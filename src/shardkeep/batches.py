@@ -4,52 +4,42 @@ result that is not durable.
 
 A worker's loop::
 
+    claim = ledger.claim_shard(shard, worker)
     for batch_idx in range(ledger.get_resume_info(shard)["resume_from_batch"], num_batches):
         result = process(batch_idx)
         save_batch(ledger, {"result": result}, shard=shard, batch_idx=batch_idx,
-                   num_sequences=len(result), worker=worker)
-    ledger.mark_shard_complete(shard, worker=worker)
+                   num_sequences=len(result), worker=worker, claim=claim)
+    ledger.mark_shard_complete(shard, worker=worker, claim=claim)
 
-Crash windows: before :func:`shardkeep.save` commits, nothing is recorded and at most a
-``*.tmp-*`` staging directory is left (removed by ``cleanup_checkpoints``). After the commit but
-before the ledger records it, the batch is committed but unrecorded: the resumed worker redoes
-that batch, and :func:`save_batch` un-commits (renames, then removes) the unrecorded copy before
-writing the new one. After the ledger records it, the batch is done and never redone.
+Every attempt at a batch gets its own checkpoint directory, ``batch_<N>-<attempt id>``, and
+nothing here ever deletes one. Crash windows: before :func:`shardkeep.save` commits, nothing is
+recorded and at most a ``*.tmp-*`` staging directory is left. After the commit but before the
+ledger records it, the attempt is committed but unrecorded: the resumed worker redoes the batch
+under a new name, and the old attempt is left for ``cleanup_checkpoints`` (after a lease). A
+zombie worker whose shard was reassigned can at worst leave such an unrecorded attempt: its
+record is refused (``worker=``/``claim=`` fencing) and it never touches the new owner's files.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from shardkeep.api import load, save
-from shardkeep.errors import LedgerStateError, StorageError, UnsupportedValueError
+from shardkeep.errors import LedgerStateError, UnsupportedValueError
 from shardkeep.ledger import ProgressLedger
-from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, Manifest
+from shardkeep.manifest import Manifest
 
-__all__ = ["batch_path", "iter_batches", "load_batch", "save_batch"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["iter_batches", "load_batch", "new_batch_path", "save_batch"]
 
 
-def batch_path(ledger: ProgressLedger, shard: int, batch_idx: int) -> Path:
-    """Where :func:`save_batch` puts a batch by default:
-    ``<checkpoint_dir>/shard_<shard:05d>/batch_<batch_idx:08d>``."""
-    return ledger.checkpoint_dir / f"shard_{shard:05d}" / f"batch_{batch_idx:08d}"
-
-
-def _uncommit(path: Path) -> None:
-    doomed = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:12]}")
-    try:
-        os.rename(path, doomed)
-        shutil.rmtree(doomed)
-    except OSError as exc:
-        raise StorageError(f"cannot remove the unrecorded batch checkpoint {path}: {exc}") from exc
+def new_batch_path(ledger: ProgressLedger, shard: int, batch_idx: int) -> Path:
+    """A fresh path for one attempt at a batch:
+    ``<checkpoint_dir>/shard_<shard:05d>/batch_<batch_idx:08d>-<12 hex digits>``."""
+    return ledger.checkpoint_dir / f"shard_{shard:05d}" / f"batch_{batch_idx:08d}-{uuid.uuid4().hex[:12]}"
 
 
 def save_batch(
@@ -61,21 +51,24 @@ def save_batch(
     num_sequences: int,
     sequence_range: str | None = None,
     worker: int | None = None,
+    claim: int | None = None,
     path: str | os.PathLike[str] | None = None,
     **save_options: Any,
 ) -> Manifest:
     """Save one batch result with :func:`shardkeep.save` (committed, fsynced), then record it in
     the ledger. Returns the checkpoint's manifest.
 
-    ``path`` defaults to :func:`batch_path`; it must lie inside the ledger's checkpoint directory.
-    ``worker`` (the calling worker's rank) fences the update: if the shard was reassigned to
-    another worker, the ledger refuses it. ``save_options`` go to :func:`shardkeep.save`
-    (``compression=``, ``digest=`` ...). A batch the ledger already records is refused before
+    ``path`` defaults to :func:`new_batch_path`; a given one must lie inside the ledger's
+    checkpoint directory and not exist (committed checkpoints are never replaced). ``worker``
+    (the calling worker's rank) and ``claim`` (from :meth:`ProgressLedger.claim_shard`) fence
+    the update: if the shard was reassigned or claimed again, the ledger refuses it.
+    ``save_options`` go to :func:`shardkeep.save` (``compression=``, ``digest=`` ...). A batch
+    the ledger already records, or a shard this worker no longer holds, is refused before
     anything is written (:class:`~shardkeep.errors.LedgerStateError`).
     """
     if "process_group" not in save_options:
         _refuse_implicit_group()
-    target = Path(path) if path is not None else batch_path(ledger, shard, batch_idx)
+    target = Path(path) if path is not None else new_batch_path(ledger, shard, batch_idx)
     name, absolute = ledger.resolve_file(target)
     info = ledger.get_resume_info(shard)
     if info["status"] == "unknown":
@@ -86,17 +79,19 @@ def save_batch(
             f"{batch_idx}",
             shard,
         )
+    if claim is not None and info["claim"] != claim:
+        raise LedgerStateError(
+            f"shard {shard} was claimed again (claim {info['claim']}) after claim {claim}; not saving batch {batch_idx}",
+            shard,
+        )
     if batch_idx < info["resume_from_batch"]:
         raise LedgerStateError(
             f"shard {shard} already recorded batch {info['last_completed_batch']}; batch {batch_idx} is done "
             f"(resume from batch {info['resume_from_batch']})",
             shard,
         )
-    if (absolute / MANIFEST_FILENAME).exists():
-        logger.warning("removing batch checkpoint %s: committed by an earlier attempt but never recorded", absolute)
-        _uncommit(absolute)
     manifest = save(state, absolute, **save_options)
-    ledger.update_shard_checkpoint(shard, batch_idx, num_sequences, name, sequence_range, worker=worker)
+    ledger.update_shard_checkpoint(shard, batch_idx, num_sequences, name, sequence_range, worker=worker, claim=claim)
     return manifest
 
 

@@ -457,7 +457,7 @@ def _age(seconds: float | None) -> str:
 def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
     ledger = ProgressLedger(args.path, staleness_threshold_sec=args.stale_after, max_retries=args.max_retries)
     state = ledger.read()
-    progress = ledger.get_global_progress()
+    progress = ledger.progress_of(state)  # the table, totals and barrier come from one read
     if args.json:
         document = {"ledger": msgspec.to_builtins(state), "progress": progress}
         out.write(json.dumps(document, indent=2) + "\n")
@@ -468,7 +468,7 @@ def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
 
     now = ledger.clock()
     w(
-        f"ledger  {args.path}   version {state.version}   sequence {state.sequence}   updated {state.updated_at}\n"
+        f"ledger  {args.path}   version {state.version}   sequence {state.sequence}   updated {state.updated_at.isoformat()}\n"
         f"run     input {state.input_fingerprint or '-'}   model {state.model_config_hash or '-'}\n"
     )
     w(
@@ -501,9 +501,12 @@ def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
         f"progress, {progress['failed']} failed; {progress['stale']} stale, {progress['orphaned']} orphaned; "
         f"{progress['total_batches']:,} batches, {progress['total_sequences_checkpointed']:,} sequences\n"
     )
-    latest = ledger.get_latest_global_checkpoint()
-    if latest is not None:
-        w(f"barrier {latest['checkpoint_id']} at {latest['timestamp']} ({len(state.global_checkpoints)} recorded)\n")
+    if state.global_checkpoints:
+        latest = state.global_checkpoints[-1]
+        w(
+            f"barrier {latest.checkpoint_id} at {latest.timestamp.isoformat()} "
+            f"({len(state.global_checkpoints)} recorded)\n"
+        )
     return 0
 
 

@@ -54,7 +54,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -94,6 +94,9 @@ DEFAULT_STALENESS_SEC = 600.0
 MAX_ORPHANED_RETRIES = 3
 DEFAULT_LOCK_TIMEOUT = 120.0
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+DEFAULT_LEFTOVER_LEASE = 3600.0
+# The name save_batch gives each attempt at a batch: batch_<index>-<attempt id>.
+UNRECORDED_BATCH = re.compile(r"batch_\d{8,20}-[0-9a-f]{12}")
 NETWORK_FILESYSTEMS = frozenset(
     {
         "nfs",
@@ -117,6 +120,7 @@ NETWORK_FILESYSTEMS = frozenset(
 )
 
 Status = Literal["in_progress", "complete", "failed"]
+Timestamp = Annotated[datetime, msgspec.Meta(tz=True)]
 _CHECKSUM_ALGORITHM = "blake3"
 _CHECKSUM_HEAD = re.compile(rb'\A\{\s*"checksum"\s*:\s*"blake3:([0-9a-f]{64})"\s*,\s*"sequence"\s*:\s*(\d{1,19})\s*,')
 _PLACEHOLDER = "blake3:" + "0" * 64
@@ -132,9 +136,9 @@ class BatchRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_idx: int
     num_sequences: int
     file: str
-    timestamp: str
+    timestamp: Timestamp
     sequence_range: str | None = None
-    removed_at: str | None = None
+    removed_at: Timestamp | None = None
 
 
 class Reassignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -142,7 +146,7 @@ class Reassignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     from_rank: int
     to_rank: int
-    timestamp: str
+    timestamp: Timestamp
 
 
 class ShardEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -154,20 +158,22 @@ class ShardEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     assigned_rank: int
     last_checkpoint_batch: int = -1
     total_sequences: int = 0
-    last_checkpoint_time: str | None = None
+    last_checkpoint_time: Timestamp | None = None
     retry_count: int = 0
     error: str | None = None
     checkpoints: list[BatchRecord] = msgspec.field(default_factory=list)
-    completed_at: str | None = None
-    failed_at: str | None = None
+    completed_at: Timestamp | None = None
+    failed_at: Timestamp | None = None
     reassignments: list[Reassignment] = msgspec.field(default_factory=list)
+    claim: int = 0
+    claimed_at: Timestamp | None = None
 
 
 class GlobalCheckpoint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A barrier: every listed shard had recorded at least the given batch."""
 
     checkpoint_id: str
-    timestamp: str
+    timestamp: Timestamp
     batch_boundaries: dict[str, int]
 
 
@@ -178,8 +184,8 @@ class LedgerState(msgspec.Struct, kw_only=True):
     sequence: int
     version: str
     world_size: int
-    created_at: str
-    updated_at: str
+    created_at: Timestamp
+    updated_at: Timestamp
     input_fingerprint: str = ""
     model_config_hash: str = ""
     global_checkpoints: list[GlobalCheckpoint] = msgspec.field(default_factory=list)
@@ -240,6 +246,16 @@ def decode_state(raw: bytes) -> LedgerState:
     return state
 
 
+def _claimed_version(raw: bytes) -> str | None:
+    """The ``version`` field of a checksum-valid file that does not fit the schema."""
+    try:
+        document = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    version = document.get("version") if isinstance(document, dict) else None
+    return version if isinstance(version, str) else None
+
+
 def filesystem_type(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
     """The filesystem type (``ext4``, ``nfs4``, ``lustre`` ...) of the mount holding ``path``,
     from ``/proc/self/mountinfo`` (or the given text); ``None`` when it cannot be told."""
@@ -263,12 +279,12 @@ def filesystem_type(path: str | os.PathLike[str], mountinfo: str | None = None) 
     return best[1] if best else None
 
 
-def _now_iso(clock: Callable[[], float]) -> str:
-    return datetime.fromtimestamp(clock(), tz=UTC).isoformat()
+def _now(clock: Callable[[], float]) -> datetime:
+    return datetime.fromtimestamp(clock(), tz=UTC)
 
 
-def _seconds(timestamp: str) -> float:
-    return datetime.fromisoformat(timestamp).timestamp()
+def _iso(timestamp: datetime | None) -> str | None:
+    return None if timestamp is None else timestamp.isoformat()
 
 
 def _check_index(name: str, value: object) -> int:
@@ -436,10 +452,21 @@ class ProgressLedger:
             path = self._path_of(label)
             try:
                 checked_sequence(raw)
+            except LedgerError as exc:
+                problems[str(path)] = str(exc)
+                continue
+            try:
                 state = decode_state(raw)
             except _UnsupportedVersion:
                 raise  # never fall back to an older copy and overwrite a newer format
             except LedgerError as exc:
+                version = _claimed_version(raw)
+                if version != LEDGER_VERSION:
+                    # Intact (the checksum holds) but written by another shardkeep version.
+                    raise _UnsupportedVersion(
+                        f"ledger {path} (schema version {version}) has fields or values this shardkeep "
+                        f"({LEDGER_VERSION}) does not know ({exc}); upgrade shardkeep to read it"
+                    ) from exc
                 problems[str(path)] = str(exc)
                 continue
             if check_world_size and self.world_size is not None and state.world_size != self.world_size:
@@ -517,7 +544,10 @@ class ProgressLedger:
 
     def _acquire(self, descriptor: int) -> None:
         if self.lock_timeout is None:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
+            except OSError as exc:
+                raise StorageError(f"cannot lock {self.lock_path}: {exc}") from exc
             return
         deadline = time.monotonic() + self.lock_timeout
         pause = 0.0002
@@ -543,6 +573,7 @@ class ProgressLedger:
         raw = encode_state(state)
         files = self._files
         primary, tmp, backup = str(self.manifest_path), str(self.tmp_path), str(self.backup_path)
+        wrote_tmp = renamed = False
         try:
             if previous is not None and source != "backup":
                 if source == "tmp":
@@ -552,28 +583,43 @@ class ProgressLedger:
                     try:
                         files.link(primary, tmp)
                     except OSError:
+                        wrote_tmp = True
                         files.write(tmp, previous)
                     files.rename(tmp, backup)
             # Always a fresh inode: after a crash, .tmp may be a hard link to the primary, and a
             # rename between two links of one inode does nothing (POSIX), leaving it in place.
             files.remove(tmp)
+            wrote_tmp = True
             files.write(tmp, raw)
             files.rename(tmp, primary)
+            renamed = True
             files.sync_dir(str(self.manifest_path.parent))
         except OSError as exc:
+            if renamed:
+                raise StorageError(
+                    f"the progress ledger {self.manifest_path} was replaced, but fsyncing its directory failed "
+                    f"({exc}): the change may not survive a power loss; re-read the ledger before retrying"
+                ) from exc
+            if wrote_tmp:
+                # A .tmp whose write or fsync failed must never be adopted by a later read.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             raise StorageError(
                 f"cannot write the progress ledger {self.manifest_path}: {exc}; the previous version is intact"
             ) from exc
+
+    def _check_writable(self, state: LedgerState) -> None:
+        if state.version != LEDGER_VERSION:
+            raise LedgerError(
+                f"ledger {self.manifest_path} has schema version {state.version}, newer than this shardkeep "
+                f"writes ({LEDGER_VERSION}); it is read-only here: upgrade shardkeep to change it"
+            )
 
     def _mutate(self, change: Callable[[LedgerState], Any]) -> Any:
         """Apply ``change`` to the newest version under the lock and write the result durably."""
         with self._locked():
             state, raw, source = self._load()
-            if state.version != LEDGER_VERSION:
-                raise LedgerError(
-                    f"ledger {self.manifest_path} has schema version {state.version}, newer than this shardkeep "
-                    f"writes ({LEDGER_VERSION}); it is read-only here: upgrade shardkeep to change it"
-                )
+            self._check_writable(state)
             try:
                 result = change(state)
             except _AlreadyRecorded:
@@ -581,7 +627,7 @@ class ProgressLedger:
                     raise
                 result = None  # nothing to change, but rewrite the primary from the recovered copy
             state.sequence += 1
-            state.updated_at = _now_iso(self.clock)
+            state.updated_at = _now(self.clock)
             self._write(state, raw, source)
             return result
 
@@ -634,17 +680,18 @@ class ProgressLedger:
                 differences = self._differences(state, size, input_fingerprint, model_config_hash)
                 if differences:
                     raise self._mismatch(differences)
+                self.world_size = state.world_size
                 if (input_fingerprint and not state.input_fingerprint) or (
                     model_config_hash and not state.model_config_hash
                 ):
                     state.input_fingerprint = state.input_fingerprint or input_fingerprint
                     state.model_config_hash = state.model_config_hash or model_config_hash
+                    self._check_writable(state)
                     state.sequence += 1
-                    state.updated_at = _now_iso(self.clock)
+                    state.updated_at = _now(self.clock)
                     self._write(state, raw, source)
-                self.world_size = state.world_size
                 return dict(msgspec.to_builtins(state))
-            now = _now_iso(self.clock)
+            now = _now(self.clock)
             state = LedgerState(
                 checksum="",
                 sequence=(previous[0].sequence + 1) if previous else 1,
@@ -731,39 +778,57 @@ class ProgressLedger:
         return entry
 
     @staticmethod
-    def _fence(entry: ShardEntry, rank: int, worker: int | None) -> None:
+    def _fence(entry: ShardEntry, rank: int, worker: int | None, claim: int | None) -> None:
         if worker is not None and entry.assigned_rank != worker:
             raise LedgerStateError(
                 f"shard {rank} is assigned to worker {entry.assigned_rank}, not worker {worker}: it was reassigned, "
                 f"so worker {worker}'s update is refused",
                 rank,
             )
+        if claim is not None and entry.claim != claim:
+            raise LedgerStateError(
+                f"shard {rank} was claimed again (claim {entry.claim}) after claim {claim}: the process holding "
+                f"claim {claim} was replaced, so its update is refused",
+                rank,
+            )
 
     def resolve_file(self, checkpoint_file: str | os.PathLike[str]) -> tuple[str, Path]:
         """``(recorded name, absolute path)`` of a batch file given relative to the checkpoint
-        directory or as an absolute path inside it. Raises ``UnsafePathError`` otherwise."""
-        text = os.fspath(checkpoint_file)
+        directory or as an absolute path inside it. Raises ``UnsafePathError`` for anything that
+        is, or through a symlink resolves to, a place outside it."""
+        try:
+            text = os.fspath(checkpoint_file)
+        except TypeError as exc:
+            raise UnsupportedValueError(
+                f"checkpoint_file must be a str or path, got {type(checkpoint_file).__name__}"
+            ) from exc
         if not isinstance(text, str) or not text or "\x00" in text:
             raise UnsafePathError(f"invalid checkpoint file name {checkpoint_file!r}")
-        if os.path.isabs(text):
-            absolute = os.path.normpath(text)
-            relative = os.path.relpath(absolute, self.checkpoint_dir)
-        else:
-            relative = text
+        relative = os.path.relpath(os.path.normpath(text), self.checkpoint_dir) if os.path.isabs(text) else text
         parts = PurePosixPath(relative.replace(os.sep, "/")).parts
+        outside = UnsafePathError(
+            f"checkpoint file {text!r} is outside the checkpoint directory {self.checkpoint_dir}; "
+            "record files inside it (pass checkpoint_dir= to change it)"
+        )
         if not parts or ".." in parts or parts[0] == "/" or "\\" in relative:
-            raise UnsafePathError(
-                f"checkpoint file {text!r} is outside the checkpoint directory {self.checkpoint_dir}; "
-                "record files inside it (pass checkpoint_dir= to change it)"
-            )
+            raise outside
         name = "/".join(part for part in parts if part != ".")
-        return name, self.checkpoint_dir / name
+        absolute = self.checkpoint_dir / name
+        root = os.path.realpath(self.checkpoint_dir)
+        if os.path.commonpath([root, os.path.realpath(absolute.parent)]) != root:
+            raise outside  # a symlinked directory leads out of the checkpoint directory
+        return name, absolute
 
     @staticmethod
     def _is_durable(path: Path) -> bool:
-        if path.is_dir():
-            return (path / MANIFEST_FILENAME).is_file()
-        return path.is_file()
+        try:
+            if path.is_symlink():
+                return False
+            if path.is_dir():
+                return (path / MANIFEST_FILENAME).is_file()
+            return path.is_file()
+        except OSError as exc:
+            raise StorageError(f"cannot check batch file {path}: {exc}") from exc
 
     def update_shard_checkpoint(
         self,
@@ -774,6 +839,7 @@ class ProgressLedger:
         sequence_range: str | None = None,
         *,
         worker: int | None = None,
+        claim: int | None = None,
     ) -> None:
         """Record that shard ``rank`` finished batch ``batch_idx`` with ``num_sequences`` sequences,
         stored in ``checkpoint_file`` (relative to the checkpoint directory, or absolute inside it;
@@ -781,9 +847,9 @@ class ProgressLedger:
 
         Refused, with nothing recorded, when: the file does not exist
         (:class:`~shardkeep.errors.BatchFileMissingError`); the shard is complete, ``batch_idx`` is
-        not above the last recorded batch, or ``worker`` is given and the shard is assigned to
-        another worker (:class:`~shardkeep.errors.LedgerStateError`). Recording the same batch and
-        file again is a no-op, so a retried call is safe. A failed shard that records a batch is in
+        not above the last recorded batch, ``worker`` is given and the shard is assigned to another worker, or ``claim`` is given and the shard
+        was claimed again since (:class:`~shardkeep.errors.LedgerStateError`). Recording the same
+        batch and file again is a no-op, so a retried call is safe. A failed shard that records a batch is in
         progress again. ``sequence_range`` is kept for diagnostics only.
         """
         _check_index("batch_idx", batch_idx)
@@ -792,15 +858,14 @@ class ProgressLedger:
             raise UnsupportedValueError(f"sequence_range must be a str or None, got {type(sequence_range).__name__}")
         name, absolute = self.resolve_file(checkpoint_file)
         if not self._is_durable(absolute):
-            what = "is a directory without a committed manifest" if absolute.is_dir() else "does not exist"
             raise BatchFileMissingError(
-                f"cannot record batch {batch_idx} of shard {rank}: checkpoint {absolute} {what}; write it (and let "
-                "the write finish) before recording it"
+                f"cannot record batch {batch_idx} of shard {rank}: {absolute} does not exist, or is a symlink or a "
+                "directory without a committed manifest.json; write it (and let the write finish) before recording it"
             )
 
         def change(state: LedgerState) -> None:
             entry = self._shard(state, rank)
-            self._fence(entry, rank, worker)
+            self._fence(entry, rank, worker, claim)
             last = entry.checkpoints[-1] if entry.checkpoints else None
             if last is not None and last.batch_idx == batch_idx and last.file == name:
                 raise _AlreadyRecorded
@@ -812,7 +877,7 @@ class ProgressLedger:
                     f"after it (resume from batch {entry.last_checkpoint_batch + 1})",
                     rank,
                 )
-            now = _now_iso(self.clock)
+            now = _now(self.clock)
             entry.checkpoints.append(
                 BatchRecord(
                     batch_idx=batch_idx,
@@ -830,22 +895,43 @@ class ProgressLedger:
         with contextlib.suppress(_AlreadyRecorded):
             self._mutate(change)
 
-    def mark_shard_complete(self, rank: int, *, worker: int | None = None) -> None:
+    def claim_shard(self, rank: int, worker: int) -> int:
+        """Called by a worker when it starts (or restarts) processing shard ``rank``: checks that
+        the shard is assigned to ``worker`` and unfinished, marks it in progress, counts the shard
+        as active now (for staleness), and returns a new claim number. Pass it as ``claim=`` to
+        later updates: once the shard is claimed again (a restarted worker) or reassigned, updates
+        from the old claim are refused, even from a process with the same rank."""
+        _check_index("worker", worker)
+
+        def change(state: LedgerState) -> int:
+            entry = self._shard(state, rank)
+            self._fence(entry, rank, worker, None)
+            if entry.status == "complete":
+                raise LedgerStateError(f"shard {rank} is complete; there is nothing to claim", rank)
+            entry.claim += 1
+            entry.claimed_at = _now(self.clock)
+            entry.status = "in_progress"
+            return entry.claim
+
+        claim: int = self._mutate(change)
+        return claim
+
+    def mark_shard_complete(self, rank: int, *, worker: int | None = None, claim: int | None = None) -> None:
         """Mark shard ``rank`` complete (a no-op if it already is)."""
 
         def change(state: LedgerState) -> None:
             entry = self._shard(state, rank)
-            self._fence(entry, rank, worker)
+            self._fence(entry, rank, worker, claim)
             if entry.status == "complete":
                 raise _AlreadyRecorded
             entry.status = "complete"
-            entry.completed_at = _now_iso(self.clock)
+            entry.completed_at = _now(self.clock)
 
         with contextlib.suppress(_AlreadyRecorded):
             self._mutate(change)
         logger.info("progress ledger %s: shard %d complete", self.manifest_path, rank)
 
-    def mark_shard_failed(self, rank: int, error: str, *, worker: int | None = None) -> None:
+    def mark_shard_failed(self, rank: int, error: str, *, worker: int | None = None, claim: int | None = None) -> None:
         """Mark shard ``rank`` failed with ``error`` and count a retry. Its recorded batches stay;
         after ``max_retries`` failures the shard is orphaned. A complete shard cannot fail."""
         if not isinstance(error, str):
@@ -853,12 +939,12 @@ class ProgressLedger:
 
         def change(state: LedgerState) -> None:
             entry = self._shard(state, rank)
-            self._fence(entry, rank, worker)
+            self._fence(entry, rank, worker, claim)
             if entry.status == "complete":
                 raise LedgerStateError(f"shard {rank} is complete; it cannot be marked failed", rank)
             entry.status = "failed"
             entry.error = error
-            entry.failed_at = _now_iso(self.clock)
+            entry.failed_at = _now(self.clock)
             entry.retry_count += 1
 
         self._mutate(change)
@@ -911,7 +997,8 @@ class ProgressLedger:
             "original_rank": entry.original_rank,
             "assigned_rank": entry.assigned_rank,
             "retry_count": entry.retry_count,
-            "last_checkpoint_time": entry.last_checkpoint_time,
+            "last_checkpoint_time": _iso(entry.last_checkpoint_time),
+            "claim": entry.claim,
             "stale": self._stale(entry, self.clock(), self.staleness_threshold_sec),
         }
 
@@ -925,10 +1012,12 @@ class ProgressLedger:
 
     @staticmethod
     def last_activity(entry: ShardEntry) -> float | None:
-        """Seconds since the epoch of the shard's last recorded batch or reassignment."""
-        times = [_seconds(entry.last_checkpoint_time)] if entry.last_checkpoint_time else []
+        """Seconds since the epoch of the shard's last recorded batch, claim or reassignment."""
+        times = [entry.last_checkpoint_time.timestamp()] if entry.last_checkpoint_time else []
         if entry.reassignments:
-            times.append(_seconds(entry.reassignments[-1].timestamp))
+            times.append(entry.reassignments[-1].timestamp.timestamp())
+        if entry.claimed_at is not None:
+            times.append(entry.claimed_at.timestamp())
         return max(times) if times else None
 
     @classmethod
@@ -939,9 +1028,11 @@ class ProgressLedger:
         return activity is not None and now - activity > threshold
 
     def is_shard_stale(self, rank: int, threshold_sec: float | None = None) -> bool:
-        """Whether shard ``rank`` is in progress and has recorded nothing (no batch, no
-        reassignment) for more than ``threshold_sec`` (default: the ledger's threshold). A shard
-        that has not recorded its first batch yet is not stale: its worker may be starting up."""
+        """Whether shard ``rank`` is in progress and has shown no activity (a recorded batch, a
+        claim by its worker, a reassignment) for more than ``threshold_sec`` (default: the
+        ledger's threshold). A shard with no activity at all yet is not stale: no worker has
+        started it. A worker that claims its shard (:meth:`claim_shard`) and then hangs before its
+        first batch becomes stale; so does a resumed shard whose worker does not claim it."""
         entry = self.read().shards.get(str(rank))
         if entry is None:
             return False
@@ -964,7 +1055,10 @@ class ProgressLedger:
         ``stale`` and ``stale_shards``, ``orphaned`` and ``orphaned_shards``,
         ``total_sequences_checkpointed``, ``total_batches``, the run's ``input_fingerprint`` and
         ``model_config_hash``, and the ledger's ``sequence``."""
-        state = self.read()
+        return self.progress_of(self.read())
+
+    def progress_of(self, state: LedgerState) -> dict[str, Any]:
+        """:meth:`get_global_progress` of a version already read (one consistent snapshot)."""
         now = self.clock()
         statuses = [entry.status for entry in state.shards.values()]
         stale = sorted(
@@ -1010,9 +1104,10 @@ class ProgressLedger:
             if entry.assigned_rank == new_assigned_rank and entry.status != "failed":
                 raise _AlreadyRecorded
             entry.reassignments.append(
-                Reassignment(from_rank=entry.assigned_rank, to_rank=new_assigned_rank, timestamp=_now_iso(self.clock))
+                Reassignment(from_rank=entry.assigned_rank, to_rank=new_assigned_rank, timestamp=_now(self.clock))
             )
             entry.assigned_rank = new_assigned_rank
+            entry.claim += 1  # the previous worker's claim is void
             entry.status = "in_progress"
 
         with contextlib.suppress(_AlreadyRecorded):
@@ -1047,7 +1142,7 @@ class ProgressLedger:
             state.global_checkpoints.append(
                 GlobalCheckpoint(
                     checkpoint_id=checkpoint_id,
-                    timestamp=_now_iso(self.clock),
+                    timestamp=_now(self.clock),
                     batch_boundaries={str(rank): batch for rank, batch in sorted(boundaries.items())},
                 )
             )
@@ -1088,45 +1183,59 @@ class ProgressLedger:
         logger.info("progress ledger %s archived to %s", self.manifest_path, target)
         return target
 
-    def cleanup_checkpoints(self, keep_final_only: bool = True, *, force: bool = False) -> int:
+    def cleanup_checkpoints(
+        self, keep_final_only: bool = True, *, force: bool = False, lease: float = DEFAULT_LEFTOVER_LEASE
+    ) -> int:
         """Delete recorded batch files to reclaim space, and return how many were deleted.
 
         With ``keep_final_only`` the last batch of each shard is kept. Every shard must be
         complete unless ``force=True`` (then a shard's last batch is always kept, so it can still
-        resume). Deleted batches stay in the ledger with ``removed_at`` set. Leftovers of
-        interrupted saves (``*.tmp-*``, ``*.deleting-*``) next to the batch files are removed
-        too. A shardkeep checkpoint directory is renamed to ``*.deleting-<id>`` before removal,
-        so it is never left half-deleted but looking committed.
-        """
-        removed_total = 0
+        resume). First the ledger durably marks the batches it will delete (``removed_at``), then
+        the files go, so a crash or error never leaves the ledger naming a deleted file as
+        present; calling again finishes an interrupted cleanup. A shardkeep checkpoint directory
+        is renamed to ``*.deleting-<id>`` before removal. Symlinks are removed, never followed.
 
-        def change(state: LedgerState) -> None:
-            nonlocal removed_total
+        When every shard is complete (and not ``force``), leftovers next to the batch files that
+        no record names are removed too, once untouched for ``lease`` seconds (default one hour):
+        interrupted saves (``*.tmp-*``, ``*.deleting-*``) and batch checkpoints that were saved but
+        never recorded (``batch_<N>-<id>``, see :func:`shardkeep.save_batch`).
+        """
+
+        def mark(state: LedgerState) -> None:
             if not force:
                 self._require_complete(state, "clean up batch files")
-            now = _now_iso(self.clock)
-            directories: set[Path] = set()
+            now = _now(self.clock)
             for entry in state.shards.values():
                 keep_last = keep_final_only or force or entry.status != "complete"
-                victims = entry.checkpoints[:-1] if keep_last else entry.checkpoints
-                for record in victims:
-                    if record.removed_at is not None:
-                        continue
+                for record in entry.checkpoints[:-1] if keep_last else entry.checkpoints:
+                    if record.removed_at is None:
+                        record.removed_at = now
+
+        self._mutate(mark)
+        removed = 0
+        with self._locked():
+            state = self._load()[0]
+            directories: set[Path] = set()
+            kept = {
+                record.file for entry in state.shards.values() for record in entry.checkpoints if not record.removed_at
+            }
+            for entry in state.shards.values():
+                for record in entry.checkpoints:
                     _, absolute = self.resolve_file(record.file)
                     directories.add(absolute.parent)
-                    if self._delete_path(absolute):
-                        removed_total += 1
-                    record.removed_at = now
-            if not force:
-                for directory in directories:
-                    self._remove_leftovers(directory)
-
-        self._mutate(change)
-        logger.info("progress ledger %s: removed %d batch files", self.manifest_path, removed_total)
-        return removed_total
+                    # A file that a kept record also names (one file rewritten per batch) stays.
+                    if record.removed_at is not None and record.file not in kept and self._delete_path(absolute):
+                        removed += 1
+            if not force and all(entry.status == "complete" for entry in state.shards.values()):
+                names = {record.file for entry in state.shards.values() for record in entry.checkpoints}
+                for directory in sorted(directories):
+                    self._remove_leftovers(directory, names, lease)
+        logger.info("progress ledger %s: removed %d batch files", self.manifest_path, removed)
+        return removed
 
     @staticmethod
     def _delete_path(path: Path) -> bool:
+        """Remove a file, symlink or directory without following symlinks; ``False`` if absent."""
         try:
             if path.is_symlink() or not path.is_dir():
                 path.unlink()
@@ -1140,27 +1249,36 @@ class ProgressLedger:
         except OSError as exc:
             raise StorageError(f"cannot delete batch file {path}: {exc}") from exc
 
-    @staticmethod
-    def _remove_leftovers(directory: Path) -> None:
+    def _remove_leftovers(self, directory: Path, recorded: set[str], lease: float) -> None:
         try:
-            names = os.listdir(directory)
+            if directory.is_symlink():
+                return
+            entries = list(os.scandir(directory))
         except FileNotFoundError:
             return
         except OSError as exc:
             raise StorageError(f"cannot list {directory}: {exc}") from exc
-        for name in names:
-            if STAGING_MARKER not in name and DELETING_MARKER not in name:
+        now = time.time()
+        for item in entries:
+            leftover = directory / item.name
+            is_leftover = STAGING_MARKER in item.name or DELETING_MARKER in item.name
+            if not is_leftover and UNRECORDED_BATCH.fullmatch(item.name):
+                is_leftover = self.resolve_file(leftover)[0] not in recorded
+            if not is_leftover:
                 continue
-            leftover = directory / name
             try:
-                if leftover.is_dir() and not leftover.is_symlink():
-                    shutil.rmtree(leftover)
-                else:
-                    leftover.unlink()
+                touched = item.stat(follow_symlinks=False).st_mtime
+                if item.is_dir(follow_symlinks=False):
+                    touched = max(
+                        [touched, *(child.stat(follow_symlinks=False).st_mtime for child in os.scandir(leftover))]
+                    )
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                raise StorageError(f"cannot remove leftover {leftover}: {exc}") from exc
+                raise StorageError(f"cannot inspect leftover {leftover}: {exc}") from exc
+            if now - touched < lease:
+                continue
+            self._delete_path(leftover)
 
 
 class _UnsupportedVersion(LedgerError):
