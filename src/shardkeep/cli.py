@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="a table per shard with totals; marks stale and orphaned shards",
         description="Print each shard's status, assigned worker, last recorded batch, sequences, age of the last "
-        "batch and retries, with totals. STALE: in progress with no recorded batch for longer than the threshold. "
+        "batch and retries, with totals. STALE: in progress with no activity (a recorded batch, a claim or a reassignment) for longer than "
+        "the threshold. "
         "ORPHANED: failed at least --max-retries times. Exit 0 when readable, 2 when no copy of the ledger is valid.",
     )
     status.add_argument("path", metavar="PATH", help="the ledger's JSON file")
