@@ -70,8 +70,10 @@ class ByteStore(Protocol):
         ...
 
     def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
-        """Every entry below directory ``path``, recursively, as (relative path, info), sorted.
-        Symlinks and special files are listed with kind ``"other"`` and not descended into."""
+        """Every entry below directory ``path`` (``""`` is the root), recursively, as (relative
+        path, info), sorted; directories themselves are not listed. Symlinks and special files
+        are listed with kind ``"other"`` and not descended into. A missing directory is a
+        :class:`~shardkeep.errors.CheckpointNotFoundError`."""
         ...
 
     def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
@@ -86,12 +88,14 @@ class ByteStore(Protocol):
         ...
 
     def rename(self, src: str, dst: str) -> None:
-        """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``, then make
-        the change durable (fsync of the directories involved)."""
+        """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``
+        (:class:`~shardkeep.errors.CheckpointExistsError`), then make the change durable (fsync
+        of the directories involved). A missing ``src`` is a
+        :class:`~shardkeep.errors.CheckpointNotFoundError`."""
         ...
 
     def sync_dir(self, path: str) -> None:
-        """Make the entries of directory ``path`` durable."""
+        """Make the entries of directory ``path`` (``""`` is the root) durable."""
         ...
 
     def remove_tree(self, path: str) -> None:

@@ -298,9 +298,8 @@ class LocalStore:
         return _entry_info(info)
 
     def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
-        parts = self._split(path)
         try:
-            fd = self._open_parent([*parts, "."], create=False)
+            fd = self._open_parent([*self._split(path), "."], create=False) if path else self._open_root()
         except OSError as exc:
             raise _storage_error("listing", path, exc) from exc
         found: list[tuple[str, EntryInfo]] = []
@@ -406,6 +405,8 @@ class LocalStore:
                         raise CheckpointExistsError(
                             f"{dst!r} already exists in {self.root!r}; it is never overwritten"
                         ) from exc
+                    if exc.errno == errno.ENOENT:
+                        raise CheckpointNotFoundError(f"{src!r} does not exist in {self.root!r}") from exc
                     raise _storage_error(f"renaming {src!r} to", dst, exc) from exc
                 _fsync_fd(dst_fd, dst)
                 if src_parts[:-1] != dst_parts[:-1]:
@@ -416,8 +417,7 @@ class LocalStore:
             os.close(src_fd)
 
     def sync_dir(self, path: str) -> None:
-        parts = self._split(path)
-        fd = self._open_parent([*parts, "."], create=False)
+        fd = self._open_parent([*self._split(path), "."], create=False) if path else self._open_root()
         try:
             _fsync_fd(fd, path)
         finally:
