@@ -70,26 +70,7 @@ def save_batch(
         _refuse_implicit_group()
     target = Path(path) if path is not None else new_batch_path(ledger, shard, batch_idx)
     name, absolute = ledger.resolve_file(target)
-    info = ledger.get_resume_info(shard)
-    if info["status"] == "unknown":
-        raise LedgerStateError(f"unknown shard {shard} in ledger {ledger.manifest_path}", shard)
-    if worker is not None and info["assigned_rank"] != worker:
-        raise LedgerStateError(
-            f"shard {shard} is assigned to worker {info['assigned_rank']}, not worker {worker}; not saving batch "
-            f"{batch_idx}",
-            shard,
-        )
-    if claim is not None and info["claim"] != claim:
-        raise LedgerStateError(
-            f"shard {shard} was claimed again (claim {info['claim']}) after claim {claim}; not saving batch {batch_idx}",
-            shard,
-        )
-    if batch_idx < info["resume_from_batch"]:
-        raise LedgerStateError(
-            f"shard {shard} already recorded batch {info['last_completed_batch']}; batch {batch_idx} is done "
-            f"(resume from batch {info['resume_from_batch']})",
-            shard,
-        )
+    ledger.check_batch(shard, batch_idx, worker=worker, claim=claim)
     manifest = save(state, absolute, **save_options)
     ledger.update_shard_checkpoint(shard, batch_idx, num_sequences, name, sequence_range, worker=worker, claim=claim)
     return manifest

@@ -869,14 +869,7 @@ class ProgressLedger:
             last = entry.checkpoints[-1] if entry.checkpoints else None
             if last is not None and last.batch_idx == batch_idx and last.file == name:
                 raise _AlreadyRecorded
-            if entry.status == "complete":
-                raise LedgerStateError(f"shard {rank} is complete; batch {batch_idx} cannot be recorded", rank)
-            if batch_idx <= entry.last_checkpoint_batch:
-                raise LedgerStateError(
-                    f"shard {rank} already recorded batch {entry.last_checkpoint_batch}; batch {batch_idx} is not "
-                    f"after it (resume from batch {entry.last_checkpoint_batch + 1})",
-                    rank,
-                )
+            self._check_progress(entry, rank, batch_idx)
             now = _now(self.clock)
             entry.checkpoints.append(
                 BatchRecord(
@@ -894,6 +887,27 @@ class ProgressLedger:
 
         with contextlib.suppress(_AlreadyRecorded):
             self._mutate(change)
+
+    @staticmethod
+    def _check_progress(entry: ShardEntry, rank: int, batch_idx: int) -> None:
+        if entry.status == "complete":
+            raise LedgerStateError(f"shard {rank} is complete; batch {batch_idx} cannot be recorded", rank)
+        if batch_idx <= entry.last_checkpoint_batch:
+            raise LedgerStateError(
+                f"shard {rank} already recorded batch {entry.last_checkpoint_batch}; batch {batch_idx} is done "
+                f"(resume from batch {entry.last_checkpoint_batch + 1})",
+                rank,
+            )
+
+    def check_batch(self, rank: int, batch_idx: int, *, worker: int | None = None, claim: int | None = None) -> None:
+        """Raise the :class:`~shardkeep.errors.LedgerStateError` that recording batch
+        ``batch_idx`` of shard ``rank`` would raise now (unknown or finished shard, batch already
+        done, another worker or claim), without changing anything. For checking before the
+        batch's result is written."""
+        _check_index("batch_idx", batch_idx)
+        entry = self._shard(self.read(), rank)
+        self._fence(entry, rank, worker, claim)
+        self._check_progress(entry, rank, batch_idx)
 
     def claim_shard(self, rank: int, worker: int) -> int:
         """Called by a worker when it starts (or restarts) processing shard ``rank``: checks that
