@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, cast
 
@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
-from shardkeep.dist.commit import CheckpointCommit
+from shardkeep.dist.commit import ATTEMPT_PREFIX, CheckpointCommit
 from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.dist.plan import ItemDescriptor, assign_writers, coverage_problems
 from shardkeep.errors import (
@@ -38,7 +38,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.integrity import seal_manifest
-from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
+from shardkeep.io import ByteBudget, ShardPlan, check_shard, digest_of, write_shards
 from shardkeep.manifest import (
     FileRecord,
     Manifest,
@@ -52,8 +52,7 @@ from shardkeep.manifest import (
     validate_manifest,
 )
 from shardkeep.snapshot import StagingArena, snapshot_state
-from shardkeep.storage.base import ByteStore
-from shardkeep.storage.local import LocalStore
+from shardkeep.storage import ByteStore, LocalStore, open_store
 from shardkeep.tensors.convert import (
     NAME_TO_TORCH,
     array_from_buffer,
@@ -65,6 +64,7 @@ from shardkeep.tensors.convert import (
 )
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
 from shardkeep.tensors.shardfile import build_header
+from shardkeep.tiers import Placement, check_tiers, place
 from shardkeep.verification import (
     CheckpointLocation,
     file_set_problems,
@@ -147,7 +147,16 @@ def _expert_key(key: str, tier_id: int) -> list[int] | None:
 
 
 def _plan_files(
-    planned: list[_Planned], *, rank: int, target: int, tier: str, tier_id: int, suffix: str = ".safetensors"
+    planned: list[_Planned],
+    *,
+    rank: int,
+    target: int,
+    tier: str,
+    tier_id: int,
+    suffix: str = ".safetensors",
+    directory: str = "shards",
+    sections: Mapping[str, str] | None = None,
+    per_expert: bool = False,
 ) -> list[tuple[FileRecord, list[_Planned]]]:
     """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
     into files of about ``target`` bytes so that large states are written in parallel.
@@ -155,13 +164,31 @@ def _plan_files(
     Chunks of sharded tensors go to their own files (``rank_NNNNN_sharded``), apart from whole
     tensors: every loading rank needs every whole tensor, but only the chunks that overlap its
     own shard, and it can then skip the other chunk files' bytes entirely.
+
+    ``sections`` (key to ``"optim"``/``"router"``) puts optimizer and router state in files of
+    their own (``rank_NNNNN_optim``), so that each section loads on its own. With
+    ``per_expert`` (incremental saves), each expert's tensors get a file of their own
+    (``rank_NNNNN_L003_E007``): a frozen expert's file is then unchanged from one save to the
+    next, and referenced instead of written again.
     """
-    whole = [item for item in planned if item.global_offset is None]
-    chunks = [item for item in planned if item.global_offset is not None]
+    groups: dict[str, list[_Planned]] = {}
+    for item in planned:
+        key = item.leaf.key
+        sharded = "_sharded" if item.global_offset is not None else ""
+        section = (sections or {}).get(key)
+        if section is not None:
+            stem = f"_{section}{sharded}"
+        elif per_expert and (match := _EXPERT.search(key)):
+            layer = _LAYER.search(key)
+            stem = f"_L{int(layer.group(1)) if layer else 0:03d}_E{int(match.group(1)):03d}{sharded}"
+        else:
+            stem = sharded
+        groups.setdefault(stem, []).append(item)
     result: list[tuple[FileRecord, list[_Planned]]] = []
-    for items, stem in ((whole, f"shards/rank_{rank:05d}"), (chunks, f"shards/rank_{rank:05d}_sharded")):
-        for index, group in enumerate(_split(items, target)):
-            name = f"{stem}{suffix}" if index == 0 else f"{stem}_p{index:03d}{suffix}"
+    for stem in sorted(groups):
+        base = f"{directory}/rank_{rank:05d}{stem}"
+        for index, group in enumerate(_split(groups[stem], target)):
+            name = f"{base}{suffix}" if index == 0 else f"{base}_p{index:03d}{suffix}"
             result.append((FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier), group))
     return result
 
@@ -185,15 +212,17 @@ def _split(items: list[_Planned], target: int) -> list[list[_Planned]]:
 
 
 def _layout(record: FileRecord, group: list[_Planned], tier_id: int) -> bytes:
-    """Fill ``record`` with tensor entries and its size; return the safetensors header."""
+    """Fill ``record`` with tensor entries and its size; return the safetensors header (which
+    records ``record.version``)."""
     spans: list[tuple[str, str, list[int], int, int]] = []
     position = 0
     for item in group:
         spans.append((item.leaf.key, item.dtype, item.shape, position, position + item.nbytes))
         position += item.nbytes
-    header = build_header(spans)
+    header = build_header(spans, record.version)
     base = len(header)
     tensors = record.tensors
+    tensors.clear()
     for item, (key, _, _, begin, _) in zip(group, spans, strict=True):
         expert = _expert_key(key, tier_id)
         tensors.append(
@@ -308,6 +337,10 @@ def save(
     progress: bool = False,
     budget: ByteBudget | None = None,
     storage: ByteStore | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    tiers: Sequence[Tier] | None = None,
+    placement: Placement | None = None,
+    incremental: bool | str | os.PathLike[str] = False,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Manifest:
@@ -331,7 +364,21 @@ def save(
 
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
     observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's
-    name inside that store.
+    name inside that store. ``path`` may be a URL (``s3://bucket/prefix/step_00001000``);
+    ``storage_options`` then go to fsspec (credentials, endpoint; the AWS environment variables
+    are used otherwise). An object store has no rename: data objects go under a fresh
+    ``attempt-<id>/`` prefix and the manifest is written last, create-only.
+
+    ``tiers`` (a list of :class:`~shardkeep.manifest.Tier`) and ``placement`` (ordered
+    ``(glob on the key, tier name)`` rules, or a callable taking a
+    :class:`~shardkeep.tiers.PlacementInfo`) put each tensor on a tier; a tier's files go to
+    its ``location`` (``None``: beside the manifest). Size budgets are enforced as each tier's
+    ``placement_policy`` says (``"prioritized"`` spills to the next tier, ``"strict"`` refuses).
+
+    ``incremental``: ``True`` lays files out so that unchanged parts can be referenced later
+    (one file per expert); a path (an earlier checkpoint in the same root) also compares each
+    file's digest with that checkpoint's and, where they are equal, records a reference to the
+    existing file instead of writing it again.
     """
     options = SaveOptions(
         digest=digest,
@@ -343,7 +390,7 @@ def save(
     )
     job = _SaveJob(
         state,
-        locate(path, storage),
+        locate(path, storage, storage_options),
         options,
         Coordinator(process_group, timeout=timeout),
         budget=budget,
@@ -351,6 +398,7 @@ def save(
         metadata=_SaveMetadata(
             model_id, step, epoch, training, sharding_strategy, custom_fields, _metric_values(metrics), run
         ),
+        layout=_Layout(tiers, placement, incremental, storage_options),
     )
     coordinator = job.coordinator
     try:
@@ -375,6 +423,15 @@ class _SaveMetadata(NamedTuple):
     run: RunInfo | None
 
 
+class _Layout(NamedTuple):
+    """Where a save puts its tensors: tiers, placement rules, incremental base."""
+
+    tiers: Sequence[Tier] | None = None
+    placement: Placement | None = None
+    incremental: bool | str | os.PathLike[str] = False
+    storage_options: Mapping[str, Any] | None = None
+
+
 class _SaveJob:
     """One save, split into its phases so that ``save`` and ``async_save`` share them.
 
@@ -395,7 +452,9 @@ class _SaveJob:
         progress: bool,
         metadata: _SaveMetadata,
         sections: tuple[StateSection | None, StateSection | None, Training] | None = None,
+        layout: _Layout | None = None,
     ) -> None:
+        layout = layout or _Layout()
         self.state = state
         self.location = location
         self.options = options
@@ -406,7 +465,24 @@ class _SaveJob:
         self.progress = progress
         self.metadata = metadata
         self.sections = sections
-        self.tier = Tier(tier_id=1, name=DEFAULT_TIER, placement_policy="prioritized")
+        self.default_tiers = not layout.tiers
+        self.tiers = check_tiers(layout.tiers) if layout.tiers else [Tier(tier_id=1, name=DEFAULT_TIER)]
+        self.placement = layout.placement
+        if layout.placement is not None and not layout.tiers:
+            raise UnsupportedValueError("placement= needs tiers=: define the tiers the rules name")
+        self.tier_stores = {
+            tier.name: open_store(tier.location, layout.storage_options)
+            for tier in self.tiers
+            if tier.location is not None
+        }
+        self.incremental = layout.incremental is not False
+        self.base: CheckpointLocation | None = None
+        if layout.incremental is not False and layout.incremental is not True:
+            if options.compression:
+                raise UnsupportedValueError("incremental saves cannot be compressed yet; pass compression=None")
+            self.base = _sibling(layout.incremental, location, layout.storage_options)
+        self.base_manifest: Manifest | None = None
+        self.tier_of: dict[str, str] = {}
         self.flat = FlatState()
         self.planned: list[_Planned] = []
         self.plans: list[ShardPlan] = []
@@ -425,9 +501,42 @@ class _SaveJob:
         store = self.location.store
         if isinstance(store, LocalStore):
             _ensure_directory(store.root)
-        opening = CheckpointCommit(store, self.location.name)
+        opening = CheckpointCommit(store, self.location.name, tier_stores=self.tier_stores)
         opening.begin()
         return opening.staging
+
+    def _sections_of(self) -> tuple[StateSection | None, StateSection | None, Training]:
+        """Optimizer and router sections (as :func:`_manifest_for` records them)."""
+        optim, router, training = _sections(self.state, [leaf.key for leaf in self.flat.tensors])
+        if self.sections is not None:
+            # An async save describes a snapshot: the optimizer section comes from the original state.
+            optim, _, training = self.sections
+        return optim, router, training
+
+    def _place(self, held: list[list[ItemDescriptor]]) -> None:
+        """Every tensor's tier, decided from the global list (the same on every rank)."""
+        totals: dict[str, list[Any]] = {}
+        seen: set[tuple[str, tuple[int, ...] | None]] = set()
+        for items in held:
+            for item in items:
+                identity = (item.key, item.global_offset)
+                if identity in seen:
+                    continue  # a replicated tensor held by several ranks is written once
+                seen.add(identity)
+                entry = totals.setdefault(item.key, [0, item.dtype])
+                entry[0] += item.nbytes
+        optim, _, _ = self._sections_of()
+        self.tier_of = place(
+            [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
+            self.tiers,
+            self.placement,
+            optim.prefixes if optim is not None else (),
+        )
+
+    def _read_base(self) -> Manifest | None:
+        if self.base is None:
+            return None
+        return parse_manifest(read_manifest_bytes(self.base), where=str(self.base))
 
     def prepare(self) -> None:
         coordinator = self.coordinator
@@ -437,40 +546,84 @@ class _SaveJob:
             planned_here = [p for p in self.planned if (p.leaf.key, _offset_key(p.global_offset)) in mine]
         else:
             planned_here = self.planned
+        coordinator.step("place the tensors on tiers", lambda: self._place(held))
         staging = coordinator.step("begin the save", self._begin)[0]
-        self.commit = CheckpointCommit(self.location.store, self.location.name, staging)
+        self.commit = CheckpointCommit(self.location.store, self.location.name, staging, tier_stores=self.tier_stores)
+        if self.base is not None:
+            self.base_manifest = coordinator.step("read the incremental base", self._read_base)[coordinator.rank]
         coordinator.step("lay out the files", lambda: self._lay_out(planned_here, held))
 
     def _lay_out(self, planned_here: list[_Planned], held: list[list[ItemDescriptor]]) -> None:
         coordinator = self.coordinator
         assert self.commit is not None
+        optim, router, _ = self._sections_of()
+        section_of: dict[str, str] = {}
+        for item in planned_here:
+            key = item.leaf.key
+            if optim is not None and any(key == p or key.startswith(f"{p}.") for p in optim.prefixes):
+                section_of[key] = "optim"
+            elif router is not None and any(key == p or key.startswith(f"{p}.") for p in router.prefixes):
+                section_of[key] = "router"
+        previous = _previous_files(self.base_manifest, self.tiers) if self.base_manifest is not None else {}
+        records: list[FileRecord] = []
         with _collector_paused():
-            groups = _plan_files(
-                planned_here,
-                rank=coordinator.rank,
-                target=self.options.file_size_target,
-                tier=self.tier.name,
-                tier_id=self.tier.tier_id,
-                suffix=".safetensors.zst" if self.options.compression else ".safetensors",
-            )
-            for record, group in groups:
-                header = _layout(record, group, self.tier.tier_id)
-                self.plans.append(
-                    ShardPlan(path=self.commit.staged(record.path), header=header, sources=group, record=record)
+            by_tier: dict[str, list[_Planned]] = {}
+            for item in planned_here:
+                by_tier.setdefault(self.tier_of[item.leaf.key], []).append(item)
+            for tier in self.tiers:
+                groups = _plan_files(
+                    by_tier.get(tier.name, []),
+                    rank=coordinator.rank,
+                    target=self.options.file_size_target,
+                    tier=tier.name,
+                    tier_id=tier.tier_id,
+                    suffix=".safetensors.zst" if self.options.compression else ".safetensors",
+                    directory="shards" if self.default_tiers else f"shards/{tier.name}",
+                    sections=section_of,
+                    per_expert=self.incremental,
                 )
+                for record, group in groups:
+                    header = self._lay_out_one(record, group, tier, previous)
+                    records.append(record)
+                    if header is None:
+                        continue  # unchanged: the record references the earlier file
+                    record.path, store, store_path = self.commit.place(record.path, tier.name)
+                    self.plans.append(
+                        ShardPlan(path=store_path, header=header, sources=group, record=record, store=store)
+                    )
             self.manifest = _manifest_for(
                 self.state,
                 self.flat,
-                [plan.record for plan in self.plans],
+                records,
                 held,
                 world_size=coordinator.world_size,
                 digest=self.options.digest,
-                tier=self.tier,
+                tiers=self.tiers,
                 metadata=self.metadata,
                 sections=self.sections,
             )
 
+    def _lay_out_one(
+        self, record: FileRecord, group: list[_Planned], tier: Tier, previous: dict[tuple[str, str], FileRecord]
+    ) -> bytes | None:
+        """Lay out one file; return its header, or ``None`` when the file equals the base
+        checkpoint's file of the same name (which ``record`` then references)."""
+        earlier = previous.get((tier.name, record.path))
+        if earlier is not None and earlier.digest and earlier.compression is None:
+            algorithm = earlier.digest.partition(":")[0]
+            record.version = earlier.version
+            header = _layout(record, group, tier.tier_id)
+            if algorithm == self.options.digest and digest_of(header, group, algorithm) == earlier.digest:
+                assert self.base is not None
+                record.ref = earlier.ref or self.base.name
+                record.path = earlier.path
+                record.digest = earlier.digest
+                return None
+            record.version = earlier.version + 1
+        return _layout(record, group, tier.tier_id)
+
     def write(self) -> list[FileRecord]:
+        """Write this rank's files; return every record of this rank (written or referenced)."""
         assert self.manifest is not None
         # Never write what load would refuse: this rank's part of the manifest is checked first.
         if self.coordinator.is_coordinator or self.plans:
@@ -492,7 +645,7 @@ class _SaveJob:
             )
         finally:
             close()
-        return [plan.record for plan in self.plans]
+        return list(self.manifest.files)
 
     def finish(self, records: list[list[FileRecord]]) -> Manifest | None:
         if not self.coordinator.is_coordinator:
@@ -510,7 +663,8 @@ class _SaveJob:
         if problems:
             raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         for record in manifest.files:
-            self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
+            if record.ref is None and record.tier not in self.tier_stores and not self.commit.object_store:
+                self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
         self.commit.commit(sealed)
@@ -587,6 +741,10 @@ def async_save(
     metrics: Mapping[str, float | None] | None = None,
     run: RunInfo | None = None,
     storage: ByteStore | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    tiers: Sequence[Tier] | None = None,
+    placement: Placement | None = None,
+    incremental: bool | str | os.PathLike[str] = False,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     after_commit: Callable[[Manifest], None] | None = None,
@@ -632,6 +790,7 @@ def async_save(
                 model_id, step, epoch, training, sharding_strategy, custom_fields, _metric_values(metrics), run
             ),
             storage=storage,
+            layout=_Layout(tiers, placement, incremental, storage_options),
             process_group=process_group,
             timeout=timeout,
             after_commit=after_commit,
@@ -650,6 +809,7 @@ def _submit(
     options: SaveOptions,
     metadata: _SaveMetadata,
     storage: ByteStore | None,
+    layout: _Layout,
     process_group: Any,
     timeout: float,
     after_commit: Callable[[Manifest], None] | None,
@@ -663,7 +823,7 @@ def _submit(
         if not previous._finished.wait(timeout):
             raise SaveInProgressError(f"the previous save of {previous.path} is still running after {timeout:.0f} s")
     coordinator = Coordinator(process_group, timeout=timeout)
-    location = locate(path, storage)
+    location = locate(path, storage, layout.storage_options)
     staged: dict[str, Any] = {}
 
     def stage() -> None:
@@ -681,6 +841,7 @@ def _submit(
         progress=False,
         metadata=metadata,
         sections=_sections(state, []),
+        layout=layout,
     )
     try:
         job.prepare()
@@ -804,6 +965,41 @@ def _await_acknowledgements(store: Any, prefix: str, world_size: int, deadline: 
             store.delete_key(key)
 
 
+def _sibling(
+    path: str | os.PathLike[str], location: CheckpointLocation, storage_options: Mapping[str, Any] | None
+) -> CheckpointLocation:
+    """The incremental base: a checkpoint in the same root as the one being saved (files are
+    referenced by checkpoint name, so both must live side by side)."""
+    text = os.fspath(path)
+    if "/" not in text and os.sep not in text and "://" not in text:
+        return CheckpointLocation(location.store, text)  # a name in the same root
+    base = locate(text, None, storage_options)
+    ours, theirs = getattr(location.store, "root", None), getattr(base.store, "root", None)
+    if ours is None or ours != theirs:
+        raise UnsupportedValueError(
+            f"incremental={text!r} must be a checkpoint in the same root as {location} (its files are referenced by name)"
+        )
+    return CheckpointLocation(location.store, base.name)
+
+
+def _logical(path: str) -> str:
+    """A data file's path without the attempt prefix object stores and tier locations add."""
+    first, _, rest = path.partition("/")
+    return rest if first.startswith(ATTEMPT_PREFIX) and rest else path
+
+
+def _previous_files(manifest: Manifest, tiers: list[Tier]) -> dict[tuple[str, str], FileRecord]:
+    """The base checkpoint's files by (tier, path without attempt prefix), on tiers whose
+    location is unchanged (a file can only be referenced where it already is)."""
+    locations = {tier.name: tier.location for tier in tiers}
+    theirs = {tier.name: tier.location for tier in manifest.tiers}
+    found: dict[tuple[str, str], FileRecord] = {}
+    for record in manifest.files:
+        if record.tier in locations and theirs.get(record.tier) == locations[record.tier]:
+            found[(record.tier, _logical(record.path))] = record
+    return found
+
+
 def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:
     return None if offset is None else tuple(offset)
 
@@ -816,7 +1012,7 @@ def _manifest_for(
     *,
     world_size: int,
     digest: str,
-    tier: Tier,
+    tiers: list[Tier],
     metadata: _SaveMetadata,
     sections: tuple[StateSection | None, StateSection | None, Training] | None,
 ) -> Manifest:
@@ -836,7 +1032,7 @@ def _manifest_for(
         digest_algorithm=digest,
         sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
         training=_training_fields(metadata.training, detected),
-        tiers=[tier],
+        tiers=tiers,
         files=records,
         optim_state=optim,
         router_state=router,

@@ -26,7 +26,7 @@ from shardkeep.manifest import Compression, FileRecord
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
 from shardkeep.tensors.shardfile import check_header, header_length, parse_header
 
-__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "write_shards"]
+__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
 
 MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
@@ -85,6 +85,7 @@ class ShardPlan:
     header: bytes
     sources: Sequence[TensorSource]
     record: FileRecord
+    store: ByteStore | None = None  # where it goes, when not the store given to write_shards
 
 
 class _Sink:
@@ -158,7 +159,7 @@ def _write_one(
     compression_level: int | None,
 ) -> FileRecord:
     digester = new_digester(algorithm)
-    handle: WriteHandle = store.open_write(plan.path)
+    handle: WriteHandle = (plan.store or store).open_write(plan.path)
     compressing = (
         _CompressingWriter(handle, compression_level, plan.record.size) if compression_level is not None else None
     )
@@ -277,6 +278,25 @@ def write_shards(
         if first_error is not None:
             raise first_error
     return records
+
+
+def digest_of(header: bytes, sources: Sequence[TensorSource], algorithm: str, piece_bytes: int = 8 * MiB) -> str:
+    """The digest the planned file (``header`` then every source's bytes) would have, computed
+    without writing it: an incremental save compares it with the previous checkpoint's."""
+    digester = new_digester(algorithm)
+    digester.update(memoryview(header))
+    for source in sources:
+        address = source.address
+        if address is not None:
+            if source.nbytes:
+                view = memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B")
+                for start in range(0, len(view), _HASH_SLICE):
+                    digester.update(view[start : start + _HASH_SLICE])
+        else:
+            for piece in source.pieces(piece_bytes):
+                digester.update(piece)
+                del piece
+    return format_digest(algorithm, digester.hexdigest())
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardkeep"
-METADATA_VERSION = "1.1"
+METADATA_VERSION = "1.2"
 MANIFEST_FILENAME = "manifest.json"
 SIGNATURE_FILENAME = "manifest.sig"
 #: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
@@ -137,8 +137,14 @@ class Compression(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """One data file (a valid safetensors file, or one compressed as ``compression`` says),
-    relative to its tier's location."""
+    """One data file (a valid safetensors file, or one compressed as ``compression`` says).
+
+    The file lives at ``<tier location>/<owner>/<path>``: the tier location is the directory
+    (or bucket prefix) holding the checkpoint when the tier has no location of its own, and the
+    owner is ``ref`` when set (an incremental save referencing an unchanged file of an earlier
+    checkpoint in the same root) or this checkpoint. ``version`` counts the file's content
+    changes across incremental saves; the file's safetensors header records it too.
+    """
 
     path: str
     rank: int
@@ -146,6 +152,7 @@ class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     digest: str | None
     version: int = 1
     tier: str = "hot"
+    ref: str | None = None
     tensors: list[TensorEntry] = msgspec.field(default_factory=list)
     compression: Compression | None = None
 
@@ -640,6 +647,8 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
             err(f"{where} has invalid compression settings {msgspec.to_builtins(record.compression)}")
         if record.version < 0:
             err(f"{where} has a negative version {record.version}")
+        if record.ref is not None and (unsafe_path_reason(record.ref) is not None or "/" in record.ref):
+            err(f"{where} references checkpoint {record.ref!r}: it must be a single safe name")
         if tier_names and record.tier not in tier_names:
             err(f"{where} is on tier {record.tier!r}, which the manifest does not define")
         if record.digest is None or record.digest == "":

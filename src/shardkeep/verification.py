@@ -9,14 +9,16 @@ damage at once. The CLI's ``inspect`` and ``verify`` use this module and never i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardkeep.config import ManifestLimits
 from shardkeep.dist.plan import coverage_problems
 from shardkeep.errors import (
     CheckpointNotFoundError,
+    ConfigError,
     IntegrityError,
     ManifestError,
     ShardkeepError,
@@ -28,16 +30,26 @@ from shardkeep.io import check_shard
 from shardkeep.manifest import (
     MANIFEST_FILENAME,
     SIGNATURE_FILENAME,
+    FileRecord,
     Manifest,
     decode_manifest,
     is_staging_name,
     unsafe_path_reason,
     validate_manifest,
 )
-from shardkeep.storage.base import ByteStore, EntryInfo
-from shardkeep.storage.local import LocalStore
+from shardkeep.storage import ByteStore, EntryInfo, LocalStore, is_url, open_store, renames, split_url
 
-__all__ = ["CheckpointLocation", "VerifyReport", "locate", "read_manifest", "verify"]
+__all__ = [
+    "CheckpointLocation",
+    "FileResolver",
+    "VerifyReport",
+    "locate",
+    "read_manifest",
+    "select_files",
+    "verify",
+]
+
+TierLocations = Mapping[str, "str | os.PathLike[str] | ByteStore"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +64,16 @@ class CheckpointLocation:
         return f"{root}/{self.name}"
 
 
-def locate(path: str | os.PathLike[str], storage: ByteStore | None = None) -> CheckpointLocation:
-    """Split a checkpoint path into its parent store and name.
+def locate(
+    path: str | os.PathLike[str],
+    storage: ByteStore | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointLocation:
+    """Split a checkpoint path (a local path, or a URL such as ``s3://bucket/prefix/step_1``)
+    into its parent store and name.
 
     With ``storage``, ``path`` is the checkpoint's name inside that store (one safe component).
+    ``storage_options`` go to the fsspec filesystem of a URL (credentials, endpoint).
     """
     text = os.fspath(path)
     if storage is not None:
@@ -63,10 +81,12 @@ def locate(path: str | os.PathLike[str], storage: ByteStore | None = None) -> Ch
         if reason is not None or "/" in text:
             raise UnsafePathError(f"checkpoint name {text!r} must be a single safe path component")
         return CheckpointLocation(storage, text)
-    if "://" in text:
-        raise UnsupportedValueError(
-            f"{text!r}: object-store URLs are not supported yet; use a local or shared filesystem path"
-        )
+    if is_url(text):
+        protocol, rest = split_url(text)
+        parent, _, name = rest.rpartition("/")
+        if not parent:
+            raise UnsupportedValueError(f"{text!r} names a bucket, not a checkpoint inside it (s3://bucket/step_1)")
+        return CheckpointLocation(open_store(f"{protocol}://{parent}", storage_options), name)
     absolute = os.path.abspath(text)
     parent, name = os.path.split(absolute.rstrip("/"))
     if not name:
@@ -78,12 +98,14 @@ def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | N
     limits = limits or ManifestLimits()
     if is_staging_name(location.name):
         raise CheckpointNotFoundError(f"{location} is an uncommitted staging directory, not a checkpoint")
-    info = location.store.stat(location.name)
-    if info is None:
-        raise CheckpointNotFoundError(f"no checkpoint at {location}")
-    if info.kind != "dir":
-        raise CheckpointNotFoundError(f"{location} is not a checkpoint directory")
     manifest_path = f"{location.name}/{MANIFEST_FILENAME}"
+    if renames(location.store):
+        info = location.store.stat(location.name)
+        if info is None:
+            raise CheckpointNotFoundError(f"no checkpoint at {location}")
+        if info.kind != "dir":
+            raise CheckpointNotFoundError(f"{location} is not a checkpoint directory")
+    # On an object store only the manifest object itself proves a checkpoint (rule 12).
     if location.store.stat(manifest_path) is None:
         raise CheckpointNotFoundError(f"{location} has no {MANIFEST_FILENAME}: it is not a committed checkpoint")
     handle = location.store.open_read(manifest_path)
@@ -111,19 +133,114 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
 
 
 def read_manifest(
-    path: str | os.PathLike[str], *, storage: ByteStore | None = None, limits: ManifestLimits | None = None
+    path: str | os.PathLike[str],
+    *,
+    storage: ByteStore | None = None,
+    limits: ManifestLimits | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``."""
-    location = locate(path, storage)
+    location = locate(path, storage, storage_options)
     return parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
 
 
+class FileResolver:
+    """Where each file of a checkpoint lives: ``(store, path in that store)``.
+
+    A file is at ``<tier store>/<owner>/<path>``: the tier store is the checkpoint's own store
+    for a tier without a location, else the tier's location (or what ``tier_locations`` remaps
+    it to: a path, a URL or a byte store); the owner is the record's ``ref`` (an earlier
+    checkpoint in the same root whose unchanged file this one references) or the checkpoint.
+    Stores are opened once, when first needed.
+    """
+
+    def __init__(
+        self,
+        location: CheckpointLocation,
+        manifest: Manifest,
+        *,
+        tier_locations: TierLocations | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.location = location
+        self.tiers = {tier.name: tier for tier in manifest.tiers}
+        remapped = dict(tier_locations or {})
+        unknown = sorted(set(remapped) - set(self.tiers))
+        if unknown:
+            raise ConfigError(
+                f"tier_locations names unknown tier(s) {unknown}; the checkpoint defines {sorted(self.tiers)}"
+            )
+        self._remapped = remapped
+        self._options = storage_options
+        self._stores: dict[str, ByteStore] = {}
+
+    def store_of(self, tier: str) -> ByteStore:
+        """The store holding files of ``tier``."""
+        store = self._stores.get(tier)
+        if store is not None:
+            return store
+        given = self._remapped.get(tier)
+        definition = self.tiers.get(tier)
+        if given is None and (definition is None or definition.location is None):
+            store = self.location.store
+        elif given is None:
+            assert definition is not None and definition.location is not None
+            store = open_store(definition.location, self._options)
+        elif isinstance(given, (str, os.PathLike)):
+            store = open_store(given, self._options)
+        else:
+            store = given
+        self._stores[tier] = store
+        return store
+
+    def own_directory(self, record: FileRecord) -> bool:
+        """Whether ``record`` lies inside the checkpoint's own directory."""
+        return record.ref is None and self.store_of(record.tier) is self.location.store
+
+    def __call__(self, record: FileRecord) -> tuple[ByteStore, str]:
+        owner = record.ref or self.location.name
+        return self.store_of(record.tier), f"{owner}/{record.path}"
+
+    def describe(self, record: FileRecord) -> str:
+        store, path = self(record)
+        return f"{getattr(store, 'root', repr(store))}/{path}"
+
+
+def select_files(manifest: Manifest, tiers: Iterable[str] | None) -> list[int]:
+    """Indices of the files on the selected tiers (every file when ``tiers`` is ``None``),
+    refusing tier names the checkpoint does not define."""
+    if tiers is None:
+        return list(range(len(manifest.files)))
+    if isinstance(tiers, str):
+        tiers = {tiers}
+    wanted = set(tiers)
+    defined = {tier.name for tier in manifest.tiers} | {record.tier for record in manifest.files}
+    unknown = sorted(wanted - defined)
+    if unknown:
+        raise ConfigError(
+            f"tiers={sorted(wanted)} names unknown tier(s) {unknown}; the checkpoint defines {sorted(defined)}"
+        )
+    return [index for index, record in enumerate(manifest.files) if record.tier in wanted]
+
+
 def file_set_problems(
-    location: CheckpointLocation, manifest: Manifest, listing: list[tuple[str, EntryInfo]] | None = None
+    location: CheckpointLocation,
+    manifest: Manifest,
+    listing: list[tuple[str, EntryInfo]] | None = None,
+    resolver: FileResolver | None = None,
 ) -> list[str]:
-    """Missing, extra and non-regular entries: the files on disk must equal the manifest's.
-    ``listing`` is the checkpoint directory's ``list_files`` when the caller already has it."""
-    expected = {record.path: record for record in manifest.files}
+    """Missing, extra and non-regular entries in the checkpoint's own directory: its files must
+    equal the manifest's records that live there. ``listing`` is the directory's
+    ``list_files`` when the caller already has it.
+
+    On an object store a listing proves nothing (rule 12) and other attempts' leftovers may sit
+    beside the committed objects: only the committed objects' presence is checked there, by
+    reading each of them.
+    """
+    if not renames(location.store):
+        return []
+    resolver = resolver or FileResolver(location, manifest)
+    expected = {record.path: record for record in manifest.files if resolver.own_directory(record)}
     allowed = {MANIFEST_FILENAME, SIGNATURE_FILENAME}
     problems: list[str] = []
     found: set[str] = set()
@@ -163,13 +280,18 @@ def verify(
     on_bytes: Callable[[int], None] | None = None,
     storage: ByteStore | None = None,
     limits: ManifestLimits | None = None,
+    tiers: Iterable[str] | None = None,
+    tier_locations: TierLocations | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint completely and report every problem; never raises for bad content.
 
     Checks the manifest's seal, schema and consistency, that the file set on disk equals the
-    manifest's, and each file's size, digest and safetensors header.
+    manifest's, and each file's size, digest, version and safetensors header, wherever it lives
+    (tier locations, files referenced from earlier checkpoints). ``tiers`` limits the data
+    checks to those tiers; ``tier_locations`` remaps moved tiers.
     """
-    location = locate(path, storage)
+    location = locate(path, storage, storage_options)
     report = VerifyReport(path=str(location))
     try:
         data = read_manifest_bytes(location, limits)
@@ -186,20 +308,30 @@ def verify(
     if validation.errors:
         return report
     try:
-        report.problems.extend(file_set_problems(location, manifest))
+        selected = select_files(manifest, tiers)
+        resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
+    except ShardkeepError as exc:
+        report.problems.append(str(exc))
+        return report
+    try:
+        report.problems.extend(file_set_problems(location, manifest, resolver=resolver))
     except ShardkeepError as exc:
         report.problems.append(f"{location.name}: {exc}")
 
     def check(record_index: int) -> list[str]:
         record = manifest.files[record_index]
-        _, problems = check_shard(
-            location.store, f"{location.name}/{record.path}", record, verify=True, keep=False, on_bytes=on_bytes
-        )
+        try:
+            store, where = resolver(record)
+        except ShardkeepError as exc:
+            return [f"{record.path}: {exc}"]
+        _, problems = check_shard(store, where, record, verify=True, keep=False, on_bytes=on_bytes)
+        if record.ref is not None or store is not location.store:
+            problems = [f"{problem} (at {resolver.describe(record)})" for problem in problems]
         return problems
 
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardkeep-verify") as pool:
-        for problems in pool.map(check, range(len(manifest.files))):
+        for problems in pool.map(check, selected):
             report.problems.extend(problems)
-    report.files_checked = len(manifest.files)
-    report.bytes_checked = sum(record.size for record in manifest.files)
+    report.files_checked = len(selected)
+    report.bytes_checked = sum(manifest.files[index].size for index in selected)
     return report

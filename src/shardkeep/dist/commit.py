@@ -22,36 +22,88 @@ Crash windows and what recovery sees:
 - after the parent fsync: committed and durable.
 
 A manifest is never visible under the final name without every file it lists being durable.
+
+On an object store (no rename, RELIABILITY.md rules 11-13) the same class follows another
+protocol: ``begin`` refuses if ``<final>/manifest.json`` exists; data objects are written under
+``<final>/attempt-<id>/``, a prefix no other attempt uses, so no object is ever overwritten;
+``commit`` writes the manifest last, create-only (``If-None-Match: *``), so that of two
+coordinators committing the same name one fails; ``abort`` deletes the attempt's prefix and
+aborts its unfinished multipart uploads. A killed attempt leaves objects without a manifest,
+which no reader takes for a checkpoint; cleanup removes them after a lease.
+
+Tiers with a location of their own (another directory, or a bucket) get the object-store
+layout there too, on any kind of store: their files go under ``<final>/attempt-<id>/`` of the
+tier's store, are made durable before the manifest is written, and are removed on abort. The
+manifest, in the main store, is the only commit point.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, STAGING_MARKER
-from shardkeep.storage.base import ByteStore
+from shardkeep.storage.base import ByteStore, renames
 
-__all__ = ["CheckpointCommit"]
+__all__ = ["ATTEMPT_PREFIX", "CheckpointCommit"]
+
+#: Data written by one save attempt on an object store (or a tier location) lives under
+#: ``<checkpoint>/attempt-<id>/``.
+ATTEMPT_PREFIX = "attempt-"
 
 
 class CheckpointCommit:
-    """One save attempt of checkpoint ``final`` (a name directly under the store's root)."""
+    """One save attempt of checkpoint ``final`` (a name directly under the store's root).
 
-    def __init__(self, store: ByteStore, final: str, staging: str | None = None) -> None:
+    ``tier_stores`` maps the names of tiers with a location of their own to their stores;
+    files of other tiers go to the main store.
+    """
+
+    def __init__(
+        self,
+        store: ByteStore,
+        final: str,
+        staging: str | None = None,
+        tier_stores: Mapping[str, ByteStore] | None = None,
+    ) -> None:
         """``staging`` is given on non-coordinator ranks: the name the coordinator chose."""
         self.store = store
         self.final = final
-        self.staging = staging or f"{final}{STAGING_MARKER}{uuid.uuid4().hex}"
-        if not self.staging.startswith(f"{final}{STAGING_MARKER}"):
-            raise UnsafePathError(f"staging name {self.staging!r} does not belong to {final!r}")
+        self.object_store = not renames(store)
+        self.tier_stores = dict(tier_stores or {})
+        if staging is None:
+            attempt = uuid.uuid4().hex
+            staging = f"{final}/{ATTEMPT_PREFIX}{attempt[:16]}" if self.object_store else f"{final}{STAGING_MARKER}{attempt}"
+        expected = f"{final}/{ATTEMPT_PREFIX}" if self.object_store else f"{final}{STAGING_MARKER}"
+        rest = staging[len(expected) :]
+        if not staging.startswith(expected) or not rest or not rest.isalnum():
+            raise UnsafePathError(f"staging name {staging!r} does not belong to {final!r}")
+        self.staging = staging
+        self.attempt = f"{ATTEMPT_PREFIX}{rest[:16]}"
         self.data_dirs: set[str] = set()
+        self.tier_dirs: dict[str, set[str]] = {}
 
     def begin(self) -> None:
-        if self.store.stat(self.final) is not None:
+        committed = f"{self.final}/{MANIFEST_FILENAME}" if self.object_store else self.final
+        if self.store.stat(committed) is not None:
             raise CheckpointExistsError(
                 f"checkpoint {self.final!r} already exists in {self.store!r}; committed checkpoints are never overwritten"
             )
+
+    def place(self, relative: str, tier: str | None = None) -> tuple[str, ByteStore, str]:
+        """Where a new data file goes: (its path in the manifest, its store, its path in that
+        store during the save)."""
+        tier_store = self.tier_stores.get(tier) if tier is not None else None
+        if tier_store is not None:
+            recorded = f"{self.attempt}/{relative}"
+            directory = f"{self.final}/{recorded}".rpartition("/")[0]
+            self.tier_dirs.setdefault(tier or "", set()).add(directory)
+            return recorded, tier_store, f"{self.final}/{recorded}"
+        if self.object_store:
+            recorded = f"{self.attempt}/{relative}"
+            return recorded, self.store, f"{self.final}/{recorded}"
+        return relative, self.store, self.staged(relative)
 
     def staged(self, relative: str) -> str:
         """The store path of a file inside the staging directory."""
@@ -60,8 +112,32 @@ class CheckpointCommit:
             self.data_dirs.add(directory)
         return f"{self.staging}/{relative}"
 
+    def _sync_tier_directories(self) -> None:
+        """Make every new directory of a tier location durable, deepest first, up to its root."""
+        for name, directories in self.tier_dirs.items():
+            tier_store = self.tier_stores[name]
+            if not renames(tier_store):
+                continue  # an object store: a completed upload is durable
+            chain: set[str] = set()
+            for directory in directories:
+                parts = directory.split("/")
+                chain.update("/".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+            for directory in sorted(chain, key=lambda d: -d.count("/")):
+                tier_store.sync_dir(directory)
+            tier_store.sync_dir("")
+
     def commit(self, manifest_bytes: bytes) -> None:
-        """Write the manifest last, then publish the staging directory under its final name."""
+        """Write the manifest last, then (on a filesystem) publish the staging directory."""
+        self._sync_tier_directories()
+        if self.object_store:
+            handle = self.store.open_write(f"{self.final}/{MANIFEST_FILENAME}")  # create-only
+            try:
+                handle.write(manifest_bytes)
+                handle.commit()
+            except BaseException:
+                handle.abort()
+                raise
+            return
         for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
             self.store.sync_dir(f"{self.staging}/{directory}")
         temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
@@ -78,4 +154,18 @@ class CheckpointCommit:
         self.store.rename(self.staging, self.final)
 
     def abort(self) -> None:
-        self.store.remove_tree(self.staging)
+        """Remove what this attempt wrote, and only that; the first failure is raised after
+        every location was tried."""
+        first: BaseException | None = None
+        for tier_store in self.tier_stores.values():
+            try:
+                tier_store.remove_tree(f"{self.final}/{self.attempt}")
+            except Exception as exc:
+                first = first or exc
+        try:
+            self.store.remove_tree(self.staging)
+        except Exception as exc:
+            first = first or exc
+        if first is not None:
+            raise first
+

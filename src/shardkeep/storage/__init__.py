@@ -1,9 +1,46 @@
-"""Storage backends: byte stores that the commit protocol writes through (local filesystem, and
-an in-memory reference; both pass ``tests/test_storage_conformance.py``)."""
+"""Storage backends: byte stores that the commit protocol writes through (local filesystem,
+fsspec object stores such as S3, and an in-memory reference; all pass
+``tests/test_storage_conformance.py``)."""
 
-from shardkeep.storage.base import ByteStore, EntryInfo, ReadHandle, WriteHandle
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from shardkeep.storage.base import ByteStore, EntryInfo, ReadHandle, WriteHandle, renames
 from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
 from shardkeep.storage.memory import MemoryStore
+from shardkeep.storage.remote import FsspecStore, split_url
 
-__all__ = ["ByteStore", "EntryInfo", "FaultInjectingStore", "LocalStore", "MemoryStore", "ReadHandle", "WriteHandle"]
+__all__ = [
+    "ByteStore",
+    "EntryInfo",
+    "FaultInjectingStore",
+    "FsspecStore",
+    "LocalStore",
+    "MemoryStore",
+    "ReadHandle",
+    "WriteHandle",
+    "is_url",
+    "open_store",
+    "renames",
+    "split_url",
+]
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    return "://" in os.fspath(location)
+
+
+def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> ByteStore:
+    """The store rooted at ``location``: a local directory, or a URL such as
+    ``s3://bucket/prefix`` (through fsspec, with ``storage_options``)."""
+    text = os.fspath(location)
+    if is_url(text):
+        protocol, _ = split_url(text)
+        if protocol == "file":
+            return LocalStore(text.partition("://")[2])
+        return FsspecStore(text, storage_options)
+    return LocalStore(os.path.abspath(text))

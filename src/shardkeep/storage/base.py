@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["ByteStore", "EntryInfo", "ReadHandle", "WriteHandle"]
+__all__ = ["ByteStore", "EntryInfo", "ReadHandle", "WriteHandle", "renames"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,12 @@ class ReadHandle(Protocol):
 
 class ByteStore(Protocol):
     """Operations on one root. Every method raises :class:`~shardkeep.errors.StorageError`
-    (or a more specific shardkeep error) on failure, never a bare ``OSError``."""
+    (or a more specific shardkeep error) on failure, never a bare ``OSError``.
+
+    A store may set ``atomic_rename = False`` (object stores): it then has no ``rename``, and
+    the commit protocol writes every object under its final key, the manifest last and
+    create-only (see :func:`renames`).
+    """
 
     def open_write(self, path: str) -> WriteHandle:
         """Create a new file (create-only: an existing path is an error), making parents."""
@@ -101,3 +106,8 @@ class ByteStore(Protocol):
     def remove_tree(self, path: str) -> None:
         """Remove ``path`` and everything below it, never following symlinks. Missing is fine."""
         ...
+
+
+def renames(store: object) -> bool:
+    """Whether ``store`` has an atomic no-replace rename (filesystems) or not (object stores)."""
+    return bool(getattr(store, "atomic_rename", True))

@@ -92,6 +92,16 @@ class FaultInjectingStore:
         self._counter = _Counter(fail_at, code)
 
     @property
+    def atomic_rename(self) -> bool:
+        return bool(getattr(self.inner, "atomic_rename", True))
+
+    def __getattr__(self, name: str) -> object:
+        # Backend-specific operations (abort_uploads, remove_file ...) pass through uncounted.
+        if name.startswith("_") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
     def operation_count(self) -> int:
         return self._counter.count
 

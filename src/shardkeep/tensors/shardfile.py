@@ -27,6 +27,8 @@ HEADER_ALIGNMENT = 8
 MAX_HEADER_BYTES = 100_000_000
 _LENGTH = struct.Struct("<Q")
 _METADATA = {"format": "pt", "writer": "shardkeep"}
+#: The metadata key holding the file's version (a decimal string: safetensors metadata is str).
+VERSION_KEY = "shardkeep.version"
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
 
@@ -52,12 +54,17 @@ class _HeaderSpec(msgspec.Struct, gc=False):
 class ShardHeader:
     data_start: int
     entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
 
 
-def build_header(spans: Sequence[tuple[str, str, list[int], int, int]]) -> bytes:
+def build_header(spans: Sequence[tuple[str, str, list[int], int, int]], version: int | None = None) -> bytes:
     """The length prefix and padded JSON header for tensors laid out as ``spans`` describe:
-    (name, dtype, shape, begin, end), offsets relative to the data section."""
-    header: dict[str, object] = {"__metadata__": _METADATA}
+    (name, dtype, shape, begin, end), offsets relative to the data section. ``version`` (the
+    file's version in the manifest) goes into the metadata as ``shardkeep.version``."""
+    metadata = dict(_METADATA)
+    if version is not None:
+        metadata[VERSION_KEY] = str(version)
+    header: dict[str, object] = {"__metadata__": metadata}
     for name, dtype, shape, begin, end in spans:
         header[name] = _HeaderSpec(dtype, shape, (begin, end))
     body = _ENCODER.encode(header)
@@ -91,8 +98,11 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
     if not isinstance(raw, dict):
         raise IntegrityError("safetensors header is not a JSON object")
     entries: dict[str, HeaderEntry] = {}
+    metadata: dict[str, str] = {}
     for name, spec in raw.items():
         if name == "__metadata__":
+            if isinstance(spec, dict):
+                metadata = {str(k): v for k, v in spec.items() if isinstance(v, str)}
             continue
         try:
             dtype = spec["dtype"]
@@ -105,13 +115,24 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
         entries[name] = HeaderEntry(name, dtype, shape, begin, end)
     if raw_bytes.count(b'"data_offsets":') != len(entries):
         raise IntegrityError("safetensors header has duplicate tensor names")
-    return ShardHeader(data_start=_LENGTH.size + length, entries=entries)
+    return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
 
 
 def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
     """Every disagreement between a shard's safetensors header and its manifest record."""
     problems: list[str] = []
     where = f"{record.path}"
+    on_disk = header.metadata.get(VERSION_KEY)
+    if on_disk is not None:
+        if not on_disk.isdigit() or len(on_disk) > 18:
+            problems.append(f"{where}: header version {on_disk[:40]!r} is not a number")
+        elif int(on_disk) < record.version:
+            problems.append(
+                f"{where}: stale: the file on storage is version {int(on_disk)}, the manifest expects version "
+                f"{record.version}"
+            )
+        elif int(on_disk) > record.version:
+            problems.append(f"{where}: header version {int(on_disk)} is newer than the manifest's {record.version}")
     if len(header.entries) != len(record.tensors):
         problems.append(f"{where}: header lists {len(header.entries)} tensors, manifest lists {len(record.tensors)}")
     for entry in record.tensors:
