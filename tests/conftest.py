@@ -53,3 +53,22 @@ def tree_listing(root: Path) -> list[str]:
     return sorted(
         os.path.relpath(os.path.join(d, name), root) for d, dirs, files in os.walk(root) for name in dirs + files
     )
+
+
+# --------------------------------------------------------------------------------------------
+# A real S3 server (SeaweedFS) for the whole session
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from s3server import running
+
+    with running(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_root(s3_server: Any) -> tuple[str, dict[str, Any]]:
+    """A fresh bucket on the session's S3 server: (``s3://bucket/root``, storage options)."""
+    bucket = s3_server.new_bucket()
+    return f"s3://{bucket}/root", s3_server.storage_options

@@ -67,6 +67,7 @@ LAYER_ORDER = [
     "tensors",
     "snapshot",
     "io",
+    "lazy",
     "dist",
     "retention",
     "ledger",

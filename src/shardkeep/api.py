@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, cast
 
@@ -67,11 +67,14 @@ from shardkeep.tensors.shardfile import build_header
 from shardkeep.tiers import Placement, check_tiers, place
 from shardkeep.verification import (
     CheckpointLocation,
+    FileResolver,
+    TierLocations,
     file_set_problems,
     locate,
     parse_manifest,
     read_manifest,
     read_manifest_bytes,
+    select_files,
     verify,
 )
 
@@ -1117,6 +1120,9 @@ def _precision(held: list[list[ItemDescriptor]]) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+SECTIONS = ("model", "optim", "router")
+
+
 def load(
     path: str | os.PathLike[str],
     into: Any = None,
@@ -1127,35 +1133,69 @@ def load(
     progress: bool = False,
     storage: ByteStore | None = None,
     limits: ManifestLimits | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    tiers: Iterable[str] | None = None,
+    sections: Iterable[str] | None = None,
+    lazy: bool = False,
+    tier_locations: TierLocations | None = None,
 ) -> Any:
-    """Load the checkpoint at ``path``.
+    """Load the checkpoint at ``path`` (a local path or a URL such as ``s3://bucket/p/step_1``).
 
     Without ``into``, returns the saved state as a new nested dict (tensors view the files'
     memory maps when ``mmap``; writes to them never reach the files). With ``into``, fills that
     state in place (tensors are copied into, objects get ``load_state_dict``) and returns it.
-    With ``verify`` (the default) the file set, every size, digest and shard header are checked
-    before any tensor is built or any target modified.
+    With ``verify`` (the default) the file set, every size, digest, version and shard header are
+    checked before any tensor is built or any target modified.
+
+    ``tiers`` (tier names) and ``sections`` (``"model"``, ``"optim"``, ``"router"``) select a
+    part of the checkpoint: only the files holding it are read. Tensors left out are absent from
+    the result (``None`` inside lists), or, with ``lazy=True``, :class:`~shardkeep.lazy.LazyTensor`
+    placeholders that read and verify their file on first use. With ``into``, a partial load
+    fills only what it read and leaves the rest of ``into`` as it is. ``tier_locations`` maps a
+    tier name to where its files are now (a path, URL or byte store), for a tier that moved.
     """
     options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
-    location = locate(path, storage)
+    if lazy and into is not None:
+        raise UnsupportedValueError("lazy=True returns placeholders; it cannot fill into= (load the tiers you need)")
+    location = locate(path, storage, storage_options)
     data = read_manifest_bytes(location, limits)
     with _collector_paused():
         manifest = parse_manifest(data, where=str(location), limits=limits)
+    selected = set(select_files(manifest, tiers))
+    wanted_sections = _check_sections(sections)
+    resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
+    partial = len(selected) < len(manifest.files) or wanted_sections is not None
     problems: list[str] = []
     if options.verify:
-        problems.extend(file_set_problems(location, manifest))
-    update, close = _progress_bar(sum(r.size for r in manifest.files), f"load {location.name}", progress)
+        problems.extend(file_set_problems(location, manifest, resolver=resolver))
 
     wanted = _wanted_regions(into, manifest) if into is not None else {}
-    needed = [_needed_entries(record, wanted) for record in manifest.files]
+    needed: list[list[int] | None] = []
+    section_of = _section_function(manifest)
+    for index, record in enumerate(manifest.files):
+        entries = _needed_entries(record, wanted)
+        if index not in selected:
+            entries = []
+        elif wanted_sections is not None:
+            keep = [
+                i
+                for i in (range(len(record.tensors)) if entries is None else entries)
+                if section_of(record.tensors[i].key) in wanted_sections
+            ]
+            entries = None if entries is None and len(keep) == len(record.tensors) else keep
+        needed.append(entries)
+    update, close = _progress_bar(
+        sum(r.size for i, r in enumerate(manifest.files) if needed[i] != []), f"load {location.name}", progress
+    )
 
     def read(index: int) -> tuple[memoryview | None, list[str]]:
         record = manifest.files[index]
         if needed[index] == []:
-            return None, []  # nothing in this file overlaps what this rank loads
-        return check_shard(
-            location.store,
-            f"{location.name}/{record.path}",
+            return None, []  # not selected, or nothing in it overlaps what this rank loads
+        store, where = resolver(record)
+        buffer, found = check_shard(
+            store,
+            where,
             record,
             verify=options.verify,
             keep=True,
@@ -1163,6 +1203,15 @@ def load(
             needed=needed[index],
             on_bytes=update,
         )
+        if any("stale:" in problem for problem in found):
+            # The spec's rule: a copy older than the manifest is stale and is read again (a
+            # cache or a replica may have caught up); if it is still stale, it is an error.
+            buffer, found = check_shard(
+                store, where, record, verify=options.verify, keep=True, use_mmap=options.mmap, needed=needed[index]
+            )
+        if store is not location.store or record.ref is not None:
+            found = [f"{problem} (at {resolver.describe(record)})" for problem in found]
+        return buffer, found
 
     try:
         with ThreadPoolExecutor(
@@ -1179,11 +1228,19 @@ def load(
     with _collector_paused():
         tensors: list[tuple[list[str | int], int, Any]] = []
         chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
-        for record, (buffer, _), wanted_here in zip(manifest.files, results, needed, strict=True):
-            if buffer is None:
-                continue
-            for index in range(len(record.tensors)) if wanted_here is None else wanted_here:
-                entry = record.tensors[index]
+        loaded_keys: set[str] = set()
+        skipped: dict[str, tuple[TensorEntry, int]] = {}
+        for index, (record, (buffer, _), wanted_here) in enumerate(zip(manifest.files, results, needed, strict=True)):
+            chosen = (range(len(record.tensors)) if wanted_here is None else wanted_here) if buffer is not None else ()
+            if partial:
+                picked = set(chosen)
+                for position, entry in enumerate(record.tensors):
+                    if position not in picked:
+                        skipped.setdefault(entry.key, (entry, index))
+            for position in chosen:
+                assert buffer is not None
+                entry = record.tensors[position]
+                loaded_keys.add(entry.key)
                 array = array_from_buffer(
                     buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
                 )
@@ -1193,17 +1250,95 @@ def load(
                     chunks.setdefault(entry.key, []).append((entry, array))
         for key, parts in chunks.items():
             tensors.append(_assemble(parts, wanted.get(key)))
+        absent = {key: found for key, found in skipped.items() if key not in loaded_keys}
         for key in wanted.keys() - chunks.keys():
+            if key in absent:
+                continue  # on a tier or in a section this partial load leaves out
             # This rank's region is empty (fewer rows than ranks): no chunk overlaps it.
             first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
             assert first.global_shape is not None
             offset, shape = wanted[key]
             tensors.append((first.path, first.order, _Region([], offset, shape, first.global_shape, first.dtype)))
+        tensors.extend(_placeholders(manifest, absent, resolver, lazy=lazy, verify=options.verify))
         loaded = rebuild_state(manifest.structure, manifest.values, tensors)
+        if absent and not lazy:
+            _drop_absent(loaded, [entry for entry, _ in absent.values()])
     if into is None:
         return loaded
-    _fill_into(into, loaded)
+    _fill_into(into, loaded, partial=partial)
     return into
+
+
+def _check_sections(sections: Iterable[str] | None) -> set[str] | None:
+    if sections is None:
+        return None
+    chosen = {sections} if isinstance(sections, str) else set(sections)
+    unknown = sorted(chosen - set(SECTIONS))
+    if unknown:
+        raise UnsupportedValueError(
+            f"sections={sorted(chosen)}: unknown section(s) {unknown}; choose from {list(SECTIONS)}"
+        )
+    return chosen
+
+
+def _section_function(manifest: Manifest) -> Callable[[str], str]:
+    optim = manifest.optim_state.prefixes if manifest.optim_state is not None else []
+    router = manifest.router_state.prefixes if manifest.router_state is not None else []
+
+    def section(key: str) -> str:
+        if any(key == p or key.startswith(f"{p}.") for p in optim):
+            return "optim"
+        if any(key == p or key.startswith(f"{p}.") for p in router):
+            return "router"
+        return "model"
+
+    return section
+
+
+def _placeholders(
+    manifest: Manifest,
+    absent: dict[str, tuple[TensorEntry, int]],
+    resolver: FileResolver,
+    *,
+    lazy: bool,
+    verify: bool,
+) -> list[tuple[list[str | int], int, Any]]:
+    """Leaves for tensors a partial load left out: lazy placeholders, or ``None`` (removed
+    again from mappings by :func:`_drop_absent`; kept inside lists so indices stay right)."""
+    result: list[tuple[list[str | int], int, Any]] = []
+    files: dict[int, Any] = {}
+    for key, (entry, index) in absent.items():
+        if entry.global_offset is not None and lazy:
+            raise UnsupportedValueError(
+                f"tensor {key!r} is stored in chunks; lazy loading of sharded tensors is not supported"
+            )
+        if lazy:
+            from shardkeep.lazy import LazyFile, LazyTensor
+
+            if index not in files:
+                store, where = resolver(manifest.files[index])
+                files[index] = LazyFile(
+                    store,
+                    where,
+                    manifest.files[index],
+                    verify=verify,
+                    describe=resolver.describe(manifest.files[index]),
+                )
+            position = next(i for i, e in enumerate(manifest.files[index].tensors) if e is entry)
+            result.append((entry.path, entry.order, LazyTensor(files[index], position)))
+        else:
+            result.append((entry.path, entry.order, None))
+    return result
+
+
+def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry]) -> None:
+    """Remove the ``None`` placeholders of absent tensors from mappings (lists keep them)."""
+    for entry in absent:
+        node: Any = loaded
+        for part in entry.path[:-1]:
+            node = node[part]
+        if isinstance(node, dict) and node.get(entry.path[-1], 0) is None:
+            del node[entry.path[-1]]
 
 
 class _Region:
@@ -1329,7 +1464,7 @@ def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def _fill_into(target: Any, loaded: dict[str, Any]) -> None:
+def _fill_into(target: Any, loaded: dict[str, Any], *, partial: bool = False) -> None:
     """Check every target first, then fill: a mismatch raises before anything is modified.
 
     ``load_state_dict`` calls (which run the object's own checks) go first, and tensor copies,
@@ -1337,7 +1472,7 @@ def _fill_into(target: Any, loaded: dict[str, Any]) -> None:
     error before any tensor of ``into`` has changed.
     """
     actions: list[Callable[[], None]] = []
-    _plan_fill(target, loaded, "", actions)
+    _plan_fill(target, loaded, "", actions, partial)
     actions.sort(key=lambda action: 0 if getattr(action, "loads_state", False) else 1)
     with torch.no_grad():
         for action in actions:
@@ -1371,11 +1506,13 @@ def _describe_mismatch(key: str, expected: Any, found: Any) -> str:
     return f"{key!r}: the target has {expected} but the checkpoint has {found}"
 
 
-def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[], None]]) -> None:
+def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[], None]], partial: bool = False) -> None:
+    """Check ``loaded`` against ``target`` and queue the copies. ``partial`` (a load of some
+    tiers or sections): what was not loaded is left as it is in ``target``."""
     if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
         raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
     missing = [key for key in target if key not in loaded]
-    if missing:
+    if missing and not partial:
         raise UnsupportedValueError(f"keys {[_join(prefix, k) for k in missing]} of into= are not in the checkpoint")
     for key, new in loaded.items():
         name = _join(prefix, key)
@@ -1408,24 +1545,51 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
         elif isinstance(current, torch.nn.Module):
             if not isinstance(new, Mapping):
                 raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
-            _check_module(current, new, name)
             own = current.state_dict()
+            if partial:
+                # Only what was loaded: each tensor copied into the module's own, in place.
+                unexpected = sorted(set(new) - set(own))
+                if unexpected:
+                    raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
+                _plan_fill(dict(own), new, name, actions, partial)
+                continue
+            _check_module(current, new, name)
             if any(isinstance(tensor, DTensor) for tensor in own.values()):
                 # Sharded parameters (FSDP2, tensor parallel): copy each rank's region in place.
                 _plan_fill(dict(own), new, name, actions)
             else:
                 actions.append(_load_state(current, new))
         elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
+            if partial and not _complete_optimizer_state(new):
+                raise UnsupportedValueError(
+                    f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
+                    "'optim' section, or leave the optimizer out of into="
+                )
             _check_optimizer(current, new, name)
             actions.append(_load_state(current, _shard_optimizer_state(current, new, name)))
         elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
             actions.append(_load_state(current, new))
         elif isinstance(current, Mapping) and isinstance(new, Mapping):
-            _plan_fill(current, new, name, actions)
+            _plan_fill(current, new, name, actions, partial)
         else:
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
             actions.append(_assign(target, key, new))
+
+
+def _complete_optimizer_state(new: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state from a partial load has every parameter's state."""
+    state = new.get("state")
+    return (
+        isinstance(state, Mapping)
+        and all(
+            isinstance(per_param, Mapping)
+            and bool(per_param)
+            and all(value is not None for value in per_param.values())
+            for per_param in state.values()
+        )
+        and "param_groups" in new
+    )
 
 
 def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:

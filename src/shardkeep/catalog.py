@@ -11,11 +11,17 @@ What this module does to storage, always as the coordinator alone:
 - retention (RELIABILITY.md rule 9): only after a commit is durable; a checkpoint is deleted by
   first *un-committing* it, a no-replace rename to ``<name>.deleting-<uuid>`` with an fsync of the
   root, and only then removing the tree. A crash at any point leaves either a whole committed
-  checkpoint or a ``.deleting-`` directory that nothing reads as a checkpoint;
+  checkpoint or a ``.deleting-`` directory that nothing reads as a checkpoint. On an object
+  store (no rename), or when a kept checkpoint references some of its files, un-committing is
+  removing its manifest first; then every file of it that no remaining manifest lists is
+  removed, in the checkpoint's directory, in its tiers' locations, and in the earlier
+  checkpoints it referenced (reference counting derived from the manifests alone);
 - the ``last`` and ``best`` pointer files: small JSON files replaced atomically (never
   symlinks). They are hints for humans and tools; nothing here trusts them;
 - leftovers (rule 7): ``.deleting-`` directories are removed; staging directories
-  (``.tmp-``) only once nothing in them has changed for the lease.
+  (``.tmp-``), and on object stores and tier locations the ``attempt-<id>/`` prefixes that no
+  manifest uses and unfinished multipart uploads, only once nothing in them has changed for
+  the lease.
 
 Checkpoints of other runs, and checkpoints whose manifest cannot be read (so their run is
 unknown), are never deleted. This module does not import torch.
@@ -36,12 +42,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import ConfigError, ShardkeepError, StorageError
-from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
+from shardkeep.dist.commit import ATTEMPT_PREFIX
+from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
+from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
-from shardkeep.storage.base import ByteStore
-from shardkeep.storage.local import LocalStore
-from shardkeep.verification import CheckpointLocation, file_set_problems, parse_manifest, read_manifest_bytes, verify
+from shardkeep.storage import ByteStore, LocalStore, open_store, renames
+from shardkeep.verification import (
+    CheckpointLocation,
+    FileResolver,
+    file_set_problems,
+    parse_manifest,
+    read_manifest_bytes,
+    verify,
+)
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -112,14 +125,36 @@ class _Found:
 class CheckpointRoot:
     """The committed checkpoints in one store, with retention, pointers and leftover cleanup."""
 
-    def __init__(self, store: ByteStore, *, display: str | None = None, limits: ManifestLimits | None = None) -> None:
+    def __init__(
+        self,
+        store: ByteStore,
+        *,
+        display: str | None = None,
+        limits: ManifestLimits | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.store = store
         self.display = display or str(getattr(store, "root", repr(store)))
         self.limits = limits
+        self.storage_options = storage_options
+        self._tier_stores: dict[str, ByteStore] = {}
 
     @classmethod
-    def at(cls, path: str | os.PathLike[str]) -> CheckpointRoot:
-        return cls(LocalStore(path), display=os.path.abspath(os.fspath(path)))
+    def at(cls, path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
+        """The root at a local path or a URL (``s3://bucket/prefix``)."""
+        text = os.fspath(path)
+        if "://" in text:
+            return cls(open_store(text, storage_options), display=text.rstrip("/"), storage_options=storage_options)
+        return cls(LocalStore(path), display=os.path.abspath(text), storage_options=storage_options)
+
+    def tier_store(self, location: str | None) -> ByteStore:
+        """The store of a tier location (``None``: this root's store), opened once."""
+        if location is None:
+            return self.store
+        store = self._tier_stores.get(location)
+        if store is None:
+            store = self._tier_stores[location] = open_store(location, self.storage_options)
+        return store
 
     def path_of(self, name: str) -> str:
         return f"{self.display.rstrip('/')}/{name}"
@@ -143,6 +178,14 @@ class CheckpointRoot:
                 manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
             except StorageError:
                 raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
+            except CheckpointNotFoundError as exc:
+                if not renames(self.store) or self._only_retained_data(name):
+                    # An object-store prefix without a manifest is an unfinished save or
+                    # leftovers (a listing never proves a checkpoint); a directory holding only
+                    # files that later checkpoints reference is retained data, not a checkpoint.
+                    continue
+                found.append(_Found(name, step, None, [str(exc)]))
+                continue
             except ShardkeepError as exc:
                 found.append(_Found(name, step, None, [str(exc)]))
                 continue
@@ -153,18 +196,36 @@ class CheckpointRoot:
         found.sort(key=lambda item: (item.step, item.name))
         return found
 
+    def _only_retained_data(self, name: str) -> bool:
+        """Whether directory ``name`` holds nothing but files that retention kept because a
+        remaining checkpoint references them (its own manifest is gone)."""
+        try:
+            listing = self.store.list_files(name)
+        except ShardkeepError:
+            return False
+        return (
+            bool(listing)
+            and all(info.kind == "file" for _, info in listing)
+            and "_retained" in {relative.rpartition("/")[2] for relative, _ in listing}
+        )
+
     def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> list[str]:
+        resolver = FileResolver(location, manifest, storage_options=self.storage_options)
         try:
             listing = self.store.list_files(location.name)
-            problems = file_set_problems(location, manifest, listing)
+            problems = file_set_problems(location, manifest, listing, resolver)
             sizes = {relative: info.size for relative, info in listing}
         except StorageError:
             raise
         except ShardkeepError as exc:
             return [str(exc)]
         for record in manifest.files:
+            if not resolver.own_directory(record):
+                continue  # in a tier location or an earlier checkpoint: the full verify reads it
             size = sizes.get(record.path)
-            if size is not None and size != record.stored_size:
+            if size is None and not renames(self.store):
+                problems.append(f"{record.path}: missing (listed in the manifest)")
+            elif size is not None and size != record.stored_size:
                 problems.append(f"{record.path}: size {size}, the manifest says {record.stored_size}")
         return problems
 
@@ -267,17 +328,92 @@ class CheckpointRoot:
         )
 
     # -- changing storage (coordinator only) -----------------------------------------------------
-    def delete(self, name: str) -> None:
-        """Un-commit ``name`` (rename to ``<name>.deleting-<uuid>``, durable), then remove it."""
-        doomed = f"{name}{DELETING_MARKER}{uuid.uuid4().hex}"
-        self.store.rename(name, doomed)
-        self.store.remove_tree(doomed)
+    def delete(self, name: str, remaining: list[tuple[str, Manifest]] | None = None) -> None:
+        """Un-commit checkpoint ``name``, then remove every file of it that no manifest in
+        ``remaining`` ((name, manifest) of the checkpoints that stay) lists.
 
-    def apply(self, decision: RetentionDecision) -> list[str]:
-        """Delete what ``decision`` says, oldest first; return the names deleted."""
+        Without references into it, on a filesystem: a no-replace rename to
+        ``<name>.deleting-<uuid>`` (durable), then removal. Otherwise its manifest is removed
+        first (the commit point, undone), then the unlisted files one by one: in its directory,
+        in its tiers' locations, and those it referenced in earlier, already deleted
+        checkpoints. A directory left holding referenced files gets a ``_retained`` marker so
+        that nothing takes it for a broken checkpoint.
+        """
+        if remaining is None:
+            remaining = [
+                (item.name, item.manifest) for item in self.scan() if item.manifest is not None and item.name != name
+            ]
+        location = CheckpointLocation(self.store, name)
+        try:
+            manifest: Manifest | None = parse_manifest(
+                read_manifest_bytes(location, self.limits), where=self.path_of(name), limits=self.limits
+            )
+        except CheckpointNotFoundError:
+            manifest = None
+        live = {other for other, _ in remaining}
+        listed: set[tuple[str | None, str, str]] = set()
+        for other, kept in remaining:
+            locations = {tier.name: tier.location for tier in kept.tiers}
+            for record in kept.files:
+                listed.add((locations.get(record.tier), record.ref or other, record.path))
+        doomed: list[tuple[str | None, str, str]] = []
+        own_listed = False
+        if manifest is not None:
+            locations = {tier.name: tier.location for tier in manifest.tiers}
+            for record in manifest.files:
+                key = (locations.get(record.tier), record.ref or name, record.path)
+                if key in listed:
+                    own_listed = own_listed or (key[0] is None and key[1] == name)
+                    continue
+                if key[1] != name and key[1] in live:
+                    continue  # a live checkpoint's own file: it lists it itself
+                doomed.append(key)
+        if renames(self.store) and not own_listed:
+            moved = f"{name}{DELETING_MARKER}{uuid.uuid4().hex}"
+            self.store.rename(name, moved)
+            doomed = [key for key in doomed if not (key[0] is None and key[1] == name)]
+            self._remove_files(doomed)
+            self.store.remove_tree(moved)
+            return
+        # The commit point first: without its manifest, nothing reads it as a checkpoint.
+        self.store.remove_tree(f"{name}/{MANIFEST_FILENAME}")
+        self.store.remove_tree(f"{name}/{SIGNATURE_FILENAME}")
+        if renames(self.store) and self.store.stat(name) is not None:
+            self.store.sync_dir(name)
+        if own_listed:
+            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by later checkpoints\n")
+        self._remove_files(doomed)
+        if not own_listed:
+            self.store.remove_tree(name)
+
+    def _remove_files(self, files: list[tuple[str | None, str, str]]) -> None:
+        """Remove (tier location, owner, path) files, then their owners' empty directories."""
+        owners: set[tuple[str | None, str]] = set()
+        for location, owner, path in files:
+            self.tier_store(location).remove_tree(f"{owner}/{path}")
+            owners.add((location, owner))
+        for location, owner in owners:
+            store = self.tier_store(location)
+            try:
+                left = [relative for relative, _ in store.list_files(owner) if relative != "_retained"]
+            except CheckpointNotFoundError:
+                continue
+            if not left and (location is not None or store.stat(f"{owner}/{MANIFEST_FILENAME}") is None):
+                store.remove_tree(owner)
+
+    def apply(self, decision: RetentionDecision, found: list[_Found] | None = None) -> list[str]:
+        """Delete what ``decision`` says, oldest first; return the names deleted. Files that a
+        remaining checkpoint references are kept (``found``: the scan the decision came from)."""
+        found = self.scan() if found is None else found
+        doomed = set(decision.delete)
         deleted: list[str] = []
         for name in sorted(decision.delete):
-            self.delete(name)
+            remaining = [
+                (item.name, item.manifest)
+                for item in found
+                if item.manifest is not None and item.name != name and (item.name not in doomed or item.name > name)
+            ]
+            self.delete(name, remaining)
             deleted.append(name)
             logger.info("retention deleted checkpoint %s", self.path_of(name))
         return deleted
@@ -321,27 +457,74 @@ class CheckpointRoot:
 
     def collect_leftovers(self, *, lease: float = DEFAULT_LEASE, now: float | None = None) -> list[str]:
         """Remove ``.deleting-`` directories, and staging leftovers (``.tmp-``) in which nothing
-        changed for ``lease`` seconds. Never follows symlinks. Returns the names removed."""
+        changed for ``lease`` seconds; on object stores and tier locations, ``attempt-<id>/``
+        prefixes that no manifest uses and unfinished multipart uploads, after the same lease.
+        Never follows symlinks. Returns the names removed."""
         now = time.time() if now is None else now
         removed: list[str] = []
         for name, info in self.store.list_dir(""):
             if DELETING_MARKER in name:
                 self.store.remove_tree(name)
             elif STAGING_MARKER in name:
-                newest = info.mtime
-                if info.kind == "dir":
-                    try:
-                        newest = max([newest, *(child.mtime for _, child in self.store.list_files(name))])
-                    except ShardkeepError:
-                        continue  # vanished or unreadable: leave it for the next pass
-                if now - newest < lease:
+                if not self._idle(self.store, name, info.mtime, info.kind, lease, now):
                     continue
                 self.store.remove_tree(name)
             else:
                 continue
             removed.append(name)
             logger.info("removed leftover %s", self.path_of(name))
+        found = [item for item in self.scan() if item.manifest is not None]
+        used: dict[str | None, dict[str, set[str]]] = {}
+        for item in found:
+            assert item.manifest is not None
+            locations = {tier.name: tier.location for tier in item.manifest.tiers}
+            for record in item.manifest.files:
+                first = record.path.partition("/")[0]
+                owners = used.setdefault(locations.get(record.tier), {})
+                owners.setdefault(record.ref or item.name, set()).add(first)
+        stores: dict[str | None, ByteStore] = {None: self.store}
+        for location in used:
+            if location is not None:
+                try:
+                    stores[location] = self.tier_store(location)
+                except ShardkeepError as exc:
+                    logger.warning("cannot open tier location %s to collect leftovers: %s", location, exc)
+        for location, store in stores.items():
+            if location is None and renames(store):
+                continue  # a filesystem root stages with renames: no attempt prefixes there
+            owners = used.get(location, {})
+            for name, info in store.list_dir(""):
+                if CHECKPOINT_NAME.fullmatch(name) is None or info.kind != "dir":
+                    continue
+                try:
+                    attempts = store.list_dir(name)
+                except ShardkeepError:
+                    continue
+                for attempt, attempt_info in attempts:
+                    if not attempt.startswith(ATTEMPT_PREFIX) or attempt in owners.get(name, set()):
+                        continue
+                    if not self._idle(store, f"{name}/{attempt}", attempt_info.mtime, attempt_info.kind, lease, now):
+                        continue
+                    store.remove_tree(f"{name}/{attempt}")
+                    where = f"{location}/{name}/{attempt}" if location else self.path_of(f"{name}/{attempt}")
+                    removed.append(f"{name}/{attempt}" if location is None else where)
+                    logger.info("removed leftover %s", where)
+            abort = getattr(store, "abort_uploads", None)
+            if callable(abort):
+                for key in abort("", older_than=lease):
+                    removed.append(f"upload:{key}")
+                    logger.info("aborted unfinished upload %s", key)
         return removed
+
+    def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:
+        """Whether nothing below ``name`` changed for ``lease`` seconds."""
+        newest = mtime
+        if kind == "dir":
+            try:
+                newest = max([newest, *(child.mtime for _, child in store.list_files(name))])
+            except ShardkeepError:
+                return False  # vanished or unreadable: leave it for the next pass
+        return now - newest >= lease
 
 
 def _metric(manifest: Manifest | None, metric: str) -> float | None:

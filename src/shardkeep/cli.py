@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkeep",
         description="Inspect, verify, list and prune shardkeep checkpoints; show and change progress ledgers.",
-        epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint.",
+        epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint. "
+        "Paths may be s3:// URLs: credentials and endpoint come from the standard AWS environment variables "
+        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION).",
     )
     parser.add_argument("--version", action="version", version=f"shardkeep {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -54,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect", help="summarize a checkpoint: tensors, dtypes, sizes, files, tiers, training fields"
     )
-    inspect.add_argument("path", metavar="PATH", help="a committed checkpoint directory")
+    inspect.add_argument(
+        "path", metavar="PATH", help="a committed checkpoint: a directory or a URL (s3://bucket/prefix/step_N)"
+    )
     inspect.add_argument("--json", action="store_true", help="print the manifest and a summary as JSON")
     inspect.add_argument(
         "--max-tensors", type=int, default=40, metavar="N", help="list at most N tensors (default 40; 0 for none)"
@@ -64,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "verify", help="check the file set, sizes, digests and headers; exit 0 only if all is well"
     )
-    check.add_argument("path", metavar="PATH", help="a committed checkpoint directory")
+    check.add_argument(
+        "path", metavar="PATH", help="a committed checkpoint: a directory or a URL (s3://bucket/prefix/step_N)"
+    )
+    check.add_argument(
+        "--tier",
+        action="append",
+        metavar="NAME",
+        help="check only the files of this tier (repeatable; default: every tier)",
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--quiet", "-q", action="store_true", help="print only problems")
     check.add_argument(
@@ -81,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the manifests (the newest one records the manager's policy); --keep-last/--keep-best/--metric/--mode "
         "override it. Exit 1 if a checkpoint fails a check.",
     )
-    listing.add_argument("root", metavar="ROOT", help="a directory of step_<N> checkpoints")
+    listing.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     listing.add_argument("--verify", action="store_true", help="check every digest (reads everything)")
     listing.add_argument("--json", action="store_true", help="print the entries as JSON")
     _policy_arguments(listing)
@@ -91,16 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete checkpoints that the retention policy no longer keeps (dry run unless --apply)",
         description="Apply a retention policy to a root. Without --apply, only print what would be deleted. "
         "Never deletes the newest verified checkpoint, another run's checkpoints, or one whose manifest is "
-        "unreadable. Deletion renames a checkpoint to <name>.deleting-<uuid> before removing it.",
+        "unreadable, nor any file that a kept checkpoint references (incremental saves). Deletion un-commits a "
+        "checkpoint first (a rename to <name>.deleting-<uuid>, or removing its manifest on an object store or "
+        "when later checkpoints reference its files), then removes what nothing references.",
     )
-    prune.add_argument("root", metavar="ROOT", help="a directory of step_<N> checkpoints")
+    prune.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     prune.add_argument("--apply", action="store_true", help="delete for real (default: dry run)")
     prune.add_argument(
         "--lease",
         type=float,
         default=DEFAULT_LEASE,
         metavar="SECONDS",
-        help=f"with --apply, also remove staging leftovers untouched for this long (default {DEFAULT_LEASE:.0f})",
+        help="with --apply, also remove leftovers of unfinished saves (staging directories, unused attempt-<id>/ "
+        f"prefixes, unfinished multipart uploads) untouched for this long (default {DEFAULT_LEASE:.0f})",
     )
     _policy_arguments(prune)
 
@@ -215,7 +230,9 @@ def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO
     for record in manifest.files:
         w(
             f"  {record.path}  rank {record.rank}  tier {record.tier}  v{record.version}  "
-            f"{human_bytes(record.size)}  {len(record.tensors)} tensor(s)  {(record.digest or 'NO DIGEST')[:24]}...\n"
+            f"{human_bytes(record.size)}  {len(record.tensors)} tensor(s)  {(record.digest or 'NO DIGEST')[:24]}..."
+            + (f"  (unchanged: kept in {record.ref})" if record.ref else "")
+            + "\n"
         )
     w(f"tensors      {info['tensor_count']} tensor(s), {human_bytes(info['tensor_bytes'])}\n")
     for name, stats in info["dtypes"].items():
@@ -280,7 +297,7 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=err, leave=False)
         on_bytes = bar.update
     try:
-        report = verify(args.path, on_bytes=on_bytes)
+        report = verify(args.path, on_bytes=on_bytes, tiers=args.tier)
     finally:
         if bar is not None:
             bar.close()

@@ -44,8 +44,7 @@ from shardkeep.errors import (
 from shardkeep.integrity import digest_bytes
 from shardkeep.manifest import RUN_ID_PATTERN, Manifest, RetentionRecord, RunInfo
 from shardkeep.retention import RetentionPolicy, policy_from_config
-from shardkeep.storage.base import ByteStore
-from shardkeep.storage.local import LocalStore
+from shardkeep.storage import ByteStore, LocalStore, open_store, renames
 from shardkeep.tensors.flatten import is_plain_json, rebuild_state
 
 __all__ = ["CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint"]
@@ -66,6 +65,8 @@ _SAVE_OPTIONS = frozenset(
         "file_size_target",
         "compression",
         "compression_level",
+        "tiers",
+        "placement",
         "model_id",
         "epoch",
         "training",
@@ -404,6 +405,8 @@ class CheckpointManager:
         verify_newest: bool = True,
         staging_lease: float = DEFAULT_LEASE,
         storage: ByteStore | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        incremental: bool = False,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
@@ -421,19 +424,24 @@ class CheckpointManager:
             )
         if isinstance(staging_lease, bool) or not isinstance(staging_lease, (int, float)) or staging_lease < 0:
             raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
+        if not isinstance(incremental, bool):
+            raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
         self.root = os.fspath(root)
         if storage is None:
             if "://" in self.root:
-                raise ConfigError(
-                    f"root {self.root!r}: object-store roots are not supported yet; use a filesystem path"
-                )
-            os.makedirs(self.root, exist_ok=True)
-            storage = LocalStore(self.root)
-            display = os.path.abspath(self.root)
+                storage = open_store(self.root, storage_options)
+                display = self.root.rstrip("/")
+            else:
+                os.makedirs(self.root, exist_ok=True)
+                storage = LocalStore(self.root)
+                display = os.path.abspath(self.root)
         else:
             display = self.root
         self.store = storage
-        self.catalog = CheckpointRoot(storage, display=display)
+        self.storage_options = storage_options
+        self.incremental = incremental
+        self._base: str | None = None
+        self.catalog = CheckpointRoot(storage, display=display, storage_options=storage_options)
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
         self._fingerprint = _json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
@@ -542,6 +550,8 @@ class CheckpointManager:
             "metrics": metrics,
             "run": run,
             "storage": self.store,
+            "storage_options": self.storage_options,
+            "incremental": (self._base or True) if self.incremental else False,
             "process_group": self.process_group,
             "timeout": self.timeout,
             **self.save_options,
@@ -575,6 +585,7 @@ class CheckpointManager:
         kind, detail = outcome[0]
         if kind != "ok":
             _raise_shared(outcome[0])
+        detail, self._base = detail
         self._run_id = detail
         fields = fingerprint_fields(source) if source is not None else {}
         run = RunInfo(
@@ -630,6 +641,13 @@ class CheckpointManager:
             if existing is not None:
                 if CheckpointRoot.run_of(existing) == run_id:
                     self.catalog.verify_fully(existing)
+                if existing.problems and not renames(self.store):
+                    return (
+                        "CheckpointExistsError",
+                        f"checkpoint {self.catalog.path_of(name)} exists but fails verification "
+                        f"({'; '.join(existing.problems[:2])}); an object store cannot move it aside: inspect it, "
+                        "delete it, or save under another step",
+                    )
                 if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
                     aside = f"{name}{_CORRUPT_MARKER}{uuid.uuid4().hex[:12]}"
                     self.store.rename(name, aside)
@@ -645,7 +663,17 @@ class CheckpointManager:
                         f"checkpoint {self.catalog.path_of(name)} already exists; committed checkpoints are never overwritten",
                     )
             self.catalog.collect_leftovers(lease=self.staging_lease)
-            return ("ok", run_id)
+            base = None
+            if self.incremental:
+                # The base of an incremental save: this run's newest checkpoint that verifies.
+                for item in reversed(found):
+                    if item.step >= step or CheckpointRoot.run_of(item) != run_id or item.manifest is None:
+                        continue
+                    self.catalog.verify_fully(item)
+                    if not item.problems:
+                        base = item.name
+                        break
+            return ("ok", (run_id, base))
         except ShardkeepError as exc:
             return (type(exc).__name__, str(exc))
 
@@ -671,7 +699,7 @@ class CheckpointManager:
                     keep=(*decision.keep, name),
                     delete=tuple(other for other in decision.delete if other != name),
                 )
-            self.catalog.apply(decision)
+            self.catalog.apply(decision, found)
             self.catalog.write_pointers(entries, decision, self.policy.metric)
             self.catalog.collect_leftovers(lease=self.staging_lease)
             entry = next((entry for entry in entries if entry.name == name), None)
@@ -778,7 +806,7 @@ class CheckpointManager:
                 owner=scope,
             )
         entries, decision = self.catalog.decide(found, self.policy, scope, verify_newest=self.verify_newest)
-        deleted = self.catalog.apply(decision)
+        deleted = self.catalog.apply(decision, found)
         self.catalog.write_pointers(entries, decision, self.policy.metric)
         self.catalog.collect_leftovers(lease=self.staging_lease)
         return deleted
@@ -890,13 +918,19 @@ class CheckpointManager:
                 # model_args and config, which stay the caller's (they matched, or the change
                 # was allowed).
                 target = {k: v for k, v in into.to_state().items() if k in _FILLED and v is not None}
-                api.load(name, into=target, storage=self.store, progress=self.progress)
+                api.load(
+                    name, into=target, storage=self.store, storage_options=self.storage_options, progress=self.progress
+                )
                 into._update_from({k: v for k, v in target.items() if k not in ("model_args", "config")})
                 state: Any = into
             elif into is None and training:
-                state = TrainingCheckpoint.from_state(api.load(name, storage=self.store, progress=self.progress))
+                state = TrainingCheckpoint.from_state(
+                    api.load(name, storage=self.store, storage_options=self.storage_options, progress=self.progress)
+                )
             else:
-                state = api.load(name, into=into, storage=self.store, progress=self.progress)
+                state = api.load(
+                    name, into=into, storage=self.store, storage_options=self.storage_options, progress=self.progress
+                )
         except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             return ("corrupt", f"{type(exc).__name__}: {exc}", None)
         except ShardkeepError as exc:

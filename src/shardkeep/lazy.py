@@ -1,0 +1,124 @@
+"""Lazy tensors: placeholders for the tensors a partial load left out.
+
+``load(path, tiers={"hot"}, lazy=True)`` returns a :class:`LazyTensor` for every tensor on
+another tier. Nothing of its file is read until first use: ``materialize()``, ``.tensor``, or
+passing it to any torch function (``torch.matmul(x, lazy)``, ``lazy.sum()`` through
+``__torch_function__``). Then its whole file is read once, checked (size, digest, version,
+safetensors header), and every placeholder of that file shares the result. A damaged file raises
+:class:`~shardkeep.errors.IntegrityError` at that moment, naming the file.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from shardkeep.errors import IntegrityError
+from shardkeep.io import check_shard
+from shardkeep.manifest import FileRecord
+from shardkeep.storage.base import ByteStore
+from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
+
+__all__ = ["LazyFile", "LazyTensor"]
+
+
+class LazyFile:
+    """One data file, read and verified at most once, on first use of any of its tensors."""
+
+    def __init__(self, store: ByteStore, path: str, record: FileRecord, *, verify: bool, describe: str) -> None:
+        self.store = store
+        self.path = path
+        self.record = record
+        self.verify = verify
+        self.describe = describe
+        self._lock = threading.Lock()
+        self._buffer: memoryview | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._buffer is not None
+
+    def buffer(self) -> memoryview:
+        with self._lock:
+            if self._buffer is None:
+                data, problems = check_shard(self.store, self.path, self.record, verify=self.verify, keep=True)
+                if any("stale:" in problem for problem in problems):
+                    data, problems = check_shard(self.store, self.path, self.record, verify=self.verify, keep=True)
+                if problems or data is None:
+                    raise IntegrityError(
+                        f"lazy load of {self.describe} failed verification: " + "; ".join(problems), problems
+                    )
+                self._buffer = data
+            return self._buffer
+
+
+class LazyTensor:
+    """A tensor of a tier that was not loaded; read and verified on first use."""
+
+    __slots__ = ("_file", "_index", "_value")
+
+    def __init__(self, file: LazyFile, index: int) -> None:
+        self._file = file
+        self._index = index
+        self._value: Any = None
+
+    @property
+    def key(self) -> str:
+        return self._file.record.tensors[self._index].key
+
+    @property
+    def tier(self) -> str:
+        return self._file.record.tier
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._file.record.tensors[self._index].shape)
+
+    @property
+    def dtype(self) -> torch.dtype | str:
+        name = self._file.record.tensors[self._index].dtype
+        return NAME_TO_TORCH.get(name, name)
+
+    @property
+    def nbytes(self) -> int:
+        return self._file.record.tensors[self._index].nbytes
+
+    @property
+    def loaded(self) -> bool:
+        return self._value is not None
+
+    def materialize(self) -> Any:
+        """The tensor (or numpy array), reading and verifying its file the first time."""
+        if self._value is None:
+            entry = self._file.record.tensors[self._index]
+            self._value = array_from_buffer(
+                self._file.buffer(), entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
+            )
+        return self._value
+
+    @property
+    def tensor(self) -> Any:
+        return self.materialize()
+
+    def __repr__(self) -> str:
+        state = "loaded" if self.loaded else "not loaded"
+        return f"LazyTensor({self.key!r}, tier={self.tier!r}, shape={list(self.shape)}, dtype={self.dtype}, {state})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Tensor methods (x.sum(), x.float() ...) act on the real tensor.
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        def real(value: Any) -> Any:
+            if isinstance(value, LazyTensor):
+                return value.materialize()
+            if isinstance(value, (list, tuple)):
+                return type(value)(real(item) for item in value)
+            return value
+
+        return func(*real(args), **{name: real(value) for name, value in (kwargs or {}).items()})

