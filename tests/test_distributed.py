@@ -272,7 +272,11 @@ def test_each_loading_rank_reads_only_the_chunks_that_overlap_its_shard(tmp_path
     loads = results_or_raise(run_ranks(4, _load_recording_reads, str(root), outbox=tmp_path / "load"))
     for rank, result in enumerate(loads):
         assert result["weight_ok"], rank
-        sharded = {name: size for name, size in result["sizes"].items() if name.endswith("_sharded.safetensors") and "_optim" not in name}
+        sharded = {
+            name: size
+            for name, size in result["sizes"].items()
+            if name.endswith("_sharded.safetensors") and "_optim" not in name
+        }
         assert len(sharded) == 2
         # Rows 0-2 and 3-5 lie in the first saved chunk (rows 0-4) only... except rank 1's rows
         # 3-5, which straddle both; rows 6-8 and 9 lie in the second only.

@@ -192,7 +192,11 @@ class FsspecStore:
 
     # -- files ----------------------------------------------------------------------------------
     def open_write(self, path: str) -> _RemoteWriter:
+        """Create-only: refused at once if the object exists, and enforced again by the server
+        (``If-None-Match: *``) when the upload completes, for a writer that raced us."""
         self._check(path)
+        if self.stat(path) is not None:
+            raise CheckpointExistsError(f"{path!r} already exists in {self.root}; objects are never overwritten")
         return _RemoteWriter(self, path)
 
     def open_read(self, path: str) -> _RemoteReader:
@@ -205,7 +209,7 @@ class FsspecStore:
         return _RemoteReader(self, path, info.size)
 
     def stat(self, path: str) -> EntryInfo | None:
-        self._check(path, allow_root=True)
+        self._check(path)
         try:
             info = self.fs.info(self.full(path))
         except FileNotFoundError:
@@ -248,7 +252,7 @@ class FsspecStore:
                 continue
             result.append((relative, _entry_info(info)))
         if not result:
-            info = self.stat(path)
+            info = self.stat(path) if path else EntryInfo(kind="dir", size=0)
             if info is None or info.kind != "dir":
                 raise CheckpointNotFoundError(f"no directory {path!r} in {self.root}")
         return sorted(result)
