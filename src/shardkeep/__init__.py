@@ -32,13 +32,15 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.ledger import ProgressLedger
-from shardkeep.manifest import Manifest, ValidationResult, validate_manifest
+from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
 from shardkeep.retention import RetentionPolicy
+from shardkeep.tiers import PlacementInfo, TierBudgetError
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
     from shardkeep.batches import iter_batches, load_batch, save_batch
+    from shardkeep.lazy import LazyTensor
     from shardkeep.manager import CheckpointManager, PendingSave, Restored, TrainingCheckpoint
 
 __version__ = "0.1.0"
@@ -53,6 +55,7 @@ __all__ = [
     "CoordinationError",
     "FingerprintMismatchError",
     "IntegrityError",
+    "LazyTensor",
     "LedgerError",
     "LedgerMismatchError",
     "LedgerStateError",
@@ -61,6 +64,7 @@ __all__ = [
     "ManifestError",
     "ManifestVersionError",
     "PendingSave",
+    "PlacementInfo",
     "ProgressLedger",
     "Restored",
     "RetentionError",
@@ -70,6 +74,8 @@ __all__ = [
     "SaveInProgressError",
     "ShardkeepError",
     "StorageError",
+    "Tier",
+    "TierBudgetError",
     "TrainingCheckpoint",
     "UnsafePathError",
     "UnsupportedValueError",
@@ -89,6 +95,7 @@ __all__ = [
 
 _LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
 _LAZY.update({name: "shardkeep.batches" for name in ("save_batch", "load_batch", "iter_batches")})
+_LAZY["LazyTensor"] = "shardkeep.lazy"
 _LAZY.update(
     {name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint")}
 )

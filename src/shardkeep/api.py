@@ -502,8 +502,9 @@ class _SaveJob:
         if not self.coordinator.is_coordinator:
             return None
         store = self.location.store
-        if isinstance(store, LocalStore):
-            _ensure_directory(store.root)
+        for local in (store, *self.tier_stores.values()):
+            if isinstance(local, LocalStore):
+                _ensure_directory(local.root)
         opening = CheckpointCommit(store, self.location.name, tier_stores=self.tier_stores)
         opening.begin()
         return opening.staging

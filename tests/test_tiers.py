@@ -1,0 +1,284 @@
+"""Storage tiers: placement rules and callables, expert keys, size budgets, files written to each
+tier's location (a second directory, or S3), partial and lazy loads that read only what they
+need (bytes counted through a storage wrapper), sections, remapped tier locations, stale files."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardkeep as sk
+from shardkeep.errors import ConfigError, IntegrityError
+from shardkeep.lazy import LazyTensor
+from shardkeep.storage import ByteStore, LocalStore
+from shardkeep.tiers import PlacementInfo, TierBudgetError, parse_size
+
+
+class CountingStore:
+    """Counts the bytes read through a store (every read handle's ``map`` and ``read_into``)."""
+
+    def __init__(self, inner: ByteStore) -> None:
+        self.inner = inner
+        self.read_bytes = 0
+        self.opened: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def open_read(self, path: str) -> Any:
+        handle = self.inner.open_read(path)
+        counter = self
+        with self._lock:
+            self.opened.append(path)
+
+        class Counted:
+            size = handle.size
+
+            def map(self) -> memoryview:
+                with counter._lock:
+                    counter.read_bytes += handle.size
+                return handle.map()
+
+            def read_into(self, offset: int, buffer: memoryview, /) -> None:
+                with counter._lock:
+                    counter.read_bytes += len(buffer.cast("B"))
+                handle.read_into(offset, buffer)
+
+            def close(self) -> None:
+                handle.close()
+
+        return Counted()
+
+
+def moe_state(layers: int = 4, experts: int = 4, width: int = 32) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    model: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        model[f"layers.{layer}.attn.weight"] = torch.randn(width, width, generator=generator)
+        model[f"layers.{layer}.router.weight"] = torch.randn(experts, width, generator=generator)
+        for expert in range(experts):
+            model[f"layers.{layer}.experts.{expert}.w1"] = torch.randn(width, 2 * width, generator=generator)
+    return {"model": model, "optim": {"exp_avg": torch.randn(width, generator=generator)}, "step": 3}
+
+
+TIERS = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold")]
+RULES = [("*.experts.*", "cold"), ("*", "hot")]
+
+
+def test_placement_rules_put_each_tier_in_its_location(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    state = moe_state()
+    manifest = sk.save(state, tmp_path / "root" / "step_00000003", tiers=tiers, placement=RULES)
+    by_key = {entry.key: (record.tier, entry) for record in manifest.files for entry in record.tensors}
+    assert by_key["model.layers.2.experts.3.w1"][0] == "cold"
+    assert by_key["model.layers.2.experts.3.w1"][1].expert_key == [2, 2, 3]  # [tier, group (layer), expert]
+    assert by_key["model.layers.2.experts.3.w1"][1].kind == "expert"
+    assert by_key["model.layers.0.attn.weight"][0] == "hot"
+    assert {tier.name: tier.location for tier in manifest.tiers} == {"hot": None, "cold": str(cold)}
+    cold_files = sorted(p.relative_to(cold).as_posix() for p in cold.rglob("*") if p.is_file())
+    expected = sorted(f"step_00000003/{r.path}" for r in manifest.files if r.tier == "cold")
+    assert cold_files == expected and expected
+    hot_dir = tmp_path / "root" / "step_00000003"
+    assert not [p for p in hot_dir.rglob("*experts*")]
+    assert sk.verify(tmp_path / "root" / "step_00000003").ok
+    loaded = sk.load(tmp_path / "root" / "step_00000003")
+    assert torch.equal(loaded["model"]["layers.1.experts.2.w1"], state["model"]["layers.1.experts.2.w1"])
+
+
+def test_a_placement_callable_sees_kind_layer_and_section(tmp_path: Path) -> None:
+    seen: list[PlacementInfo] = []
+
+    def place(info: PlacementInfo) -> str:
+        seen.append(info)
+        if info.section == "optim":
+            return "cold"
+        return "warm" if info.kind == "expert" and info.layer is not None and info.layer >= 2 else "hot"
+
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="warm"), sk.Tier(tier_id=3, name="cold")]
+    manifest = sk.save(moe_state(), tmp_path / "step_00000001", tiers=tiers, placement=place)
+    tier_of = {entry.key: record.tier for record in manifest.files for entry in record.tensors}
+    assert tier_of["model.layers.3.experts.0.w1"] == "warm"
+    assert tier_of["model.layers.1.experts.0.w1"] == "hot"
+    assert tier_of["optim.exp_avg"] == "cold"
+    info = next(i for i in seen if i.key == "model.layers.3.experts.1.w1")
+    assert (info.kind, info.layer, info.expert, info.section) == ("expert", 3, 1, "model")
+    assert next(i for i in seen if i.key == "model.layers.0.router.weight").section == "router"
+
+
+def test_bad_tier_definitions_and_rules_are_refused_by_name(tmp_path: Path) -> None:
+    state = moe_state(layers=1, experts=1)
+    with pytest.raises(ConfigError, match="unknown tier 'warm'"):
+        sk.save(state, tmp_path / "a", tiers=TIERS, placement=[("*", "warm")])
+    with pytest.raises(ConfigError, match="no placement rule matches tensor 'model.layers.0.attn.weight'"):
+        sk.save(state, tmp_path / "b", tiers=TIERS, placement=[("*.experts.*", "cold")])
+    with pytest.raises(ConfigError, match="defined twice"):
+        sk.save(state, tmp_path / "c", tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="hot")])
+    with pytest.raises(ConfigError, match="placement_policy='lru'"):
+        sk.save(state, tmp_path / "d", tiers=[sk.Tier(tier_id=1, name="hot", placement_policy="lru")])
+    with pytest.raises(ConfigError, match="not a size"):
+        sk.save(state, tmp_path / "e", tiers=[sk.Tier(tier_id=1, name="hot", size_budget="lots")])
+    assert not list(tmp_path.iterdir())  # nothing written for any refused save
+    assert parse_size("40GB") == 40 * 10**9 and parse_size("1.5MiB") == 1572864 and parse_size(7) == 7
+
+
+def test_size_budgets_spill_or_refuse_as_the_policy_says(tmp_path: Path) -> None:
+    state = {"a": torch.zeros(256), "b": torch.zeros(256), "c": torch.zeros(256)}  # 1 KiB each
+    spill = [sk.Tier(tier_id=1, name="hot", size_budget="2KiB"), sk.Tier(tier_id=2, name="cold")]
+    manifest = sk.save(state, tmp_path / "spill", tiers=spill)
+    tier_of = {entry.key: record.tier for record in manifest.files for entry in record.tensors}
+    assert tier_of == {"a": "hot", "b": "hot", "c": "cold"}
+    strict = [
+        sk.Tier(tier_id=1, name="hot", size_budget="2KiB", placement_policy="strict"),
+        sk.Tier(tier_id=2, name="cold"),
+    ]
+    with pytest.raises(TierBudgetError, match=r"tensor 'c' \(1024 bytes\) does not fit in tier 'hot'.*'strict'"):
+        sk.save(state, tmp_path / "strict", tiers=strict)
+    full = [sk.Tier(tier_id=1, name="hot", size_budget="1KiB"), sk.Tier(tier_id=2, name="cold", size_budget="1KiB")]
+    with pytest.raises(TierBudgetError, match="fits in no tier"):
+        sk.save(state, tmp_path / "full", tiers=full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spill"]
+
+
+def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
+    root, cold_dir = tmp_path / "root", tmp_path / "cold"
+    root.mkdir()
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
+    state = moe_state(layers=4, experts=8, width=64)
+    manifest = sk.save(state, "step_00000001", storage=LocalStore(root), tiers=tiers, placement=RULES)
+    hot_bytes = sum(r.size for r in manifest.files if r.tier == "hot")
+    cold_bytes = sum(r.size for r in manifest.files if r.tier == "cold")
+    assert cold_bytes > 5 * hot_bytes
+
+    main, cold = CountingStore(LocalStore(root)), CountingStore(LocalStore(cold_dir))
+    loaded = sk.load("step_00000001", storage=main, tiers={"hot"}, tier_locations={"cold": cold})
+    assert cold.read_bytes == 0 and cold.opened == []
+    manifest_size = (root / "step_00000001" / "manifest.json").stat().st_size
+    assert main.read_bytes == hot_bytes + manifest_size
+    assert "layers.0.experts.0.w1" not in loaded["model"]  # absent: its tier was not loaded
+    assert torch.equal(loaded["model"]["layers.2.attn.weight"], state["model"]["layers.2.attn.weight"])
+
+    main, cold = CountingStore(LocalStore(root)), CountingStore(LocalStore(cold_dir))
+    everything = sk.load("step_00000001", storage=main, tier_locations={"cold": cold})
+    assert cold.read_bytes == cold_bytes
+    assert torch.equal(everything["model"]["layers.3.experts.7.w1"], state["model"]["layers.3.experts.7.w1"])
+    with pytest.raises(ConfigError, match="unknown tier"):
+        sk.load("step_00000001", storage=main, tiers={"warm"})
+
+
+def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
+    cold_dir = tmp_path / "cold"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
+    state = moe_state(layers=2, experts=2)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    cold = CountingStore(LocalStore(cold_dir))
+    loaded = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True, tier_locations={"cold": cold})
+    lazy = loaded["model"]["layers.1.experts.0.w1"]
+    assert isinstance(lazy, LazyTensor) and not lazy.loaded
+    assert lazy.shape == torch.Size([32, 64]) and lazy.dtype == torch.float32 and lazy.tier == "cold"
+    assert cold.read_bytes == 0
+    expected = state["model"]["layers.1.experts.0.w1"]
+    assert torch.equal(torch.add(lazy, 0), expected)  # any torch function materializes it
+    assert torch.equal(lazy.sum(), expected.sum())
+    assert lazy.loaded and cold.read_bytes > 0
+    first = cold.read_bytes
+    assert torch.equal(lazy.materialize(), expected) and cold.read_bytes == first  # read once
+
+    # A damaged cold file fails on first use, naming the file; the hot tier loaded fine.
+    damaged = next(cold_dir.rglob("*.safetensors"))
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.chmod(0o644)
+    damaged.write_bytes(bytes(data))
+    again = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True)
+    lazies = [v for v in again["model"].values() if isinstance(v, LazyTensor)]
+    with pytest.raises(IntegrityError, match="digest mismatch"):
+        for value in lazies:
+            value.materialize()
+
+
+def test_router_and_optimizer_sections_load_on_their_own(tmp_path: Path) -> None:
+    model = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "body": torch.nn.Linear(4, 4)})
+    optimizer = torch.optim.AdamW(model.parameters())
+    model["body"](torch.randn(2, 4)).sum().backward()
+    model["router"](torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    sk.save({"model": model, "optim": optimizer}, tmp_path / "root" / "step_00000001")
+    manifest = sk.read_manifest(tmp_path / "root" / "step_00000001")
+    assert manifest.router_state is not None and manifest.optim_state is not None
+    store = CountingStore(LocalStore(tmp_path / "root"))
+    router_only = sk.load("step_00000001", storage=store, sections={"router"})
+    assert set(router_only["model"]) == {"router.weight", "router.bias"}
+    router_files = [r for r in manifest.files if any(".router." in e.key for e in r.tensors)]
+    manifest_size = (tmp_path / "root" / "step_00000001" / "manifest.json").stat().st_size
+    assert store.read_bytes == sum(r.size for r in router_files) + manifest_size
+    optim_only = sk.load(tmp_path / "root" / "step_00000001", sections={"optim"})
+    assert set(optim_only) == {"optim"} or "model" not in optim_only or not optim_only.get("model")
+    assert torch.equal(optim_only["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    # A partial load into live objects fills what it read and leaves the rest alone.
+    fresh = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "body": torch.nn.Linear(4, 4)})
+    body_before = fresh["body"].weight.detach().clone()
+    sk.load(tmp_path / "root" / "step_00000001", into={"model": fresh}, sections={"router"})
+    assert torch.equal(fresh["router"].weight, model["router"].weight)
+    assert torch.equal(fresh["body"].weight, body_before)
+    with pytest.raises(sk.UnsupportedValueError, match="unknown section"):
+        sk.load(tmp_path / "root" / "step_00000001", sections={"experts"})
+
+
+def test_a_moved_tier_is_remapped_at_load(tmp_path: Path) -> None:
+    old, new = tmp_path / "cold-old", tmp_path / "cold-new"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
+    state = moe_state(layers=1, experts=2)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    old.rename(new)
+    report = sk.verify(tmp_path / "root" / "step_00000001")
+    assert not report.ok and any("cold-old" in problem for problem in report.problems)
+    assert sk.verify(tmp_path / "root" / "step_00000001", tier_locations={"cold": str(new)}).ok
+    loaded = sk.load(tmp_path / "root" / "step_00000001", tier_locations={"cold": str(new)})
+    assert torch.equal(loaded["model"]["layers.0.experts.1.w1"], state["model"]["layers.0.experts.1.w1"])
+    with pytest.raises(ConfigError, match="unknown tier"):
+        sk.load(tmp_path / "root" / "step_00000001", tier_locations={"warm": str(new)})
+
+
+def test_tiers_split_between_a_local_directory_and_s3(tmp_path: Path, s3_root: tuple[str, dict[str, Any]]) -> None:
+    bucket_root, options = s3_root
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=bucket_root)]
+    state = moe_state(layers=2, experts=4)
+    manifest = sk.save(
+        state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES, storage_options=options
+    )
+    assert {r.tier for r in manifest.files} == {"hot", "cold"}
+    local_files = [p for p in (tmp_path / "root" / "step_00000001").rglob("*") if p.is_file()]
+    assert not [p for p in local_files if "_E0" in p.name]  # expert files went to S3
+    assert sk.verify(tmp_path / "root" / "step_00000001", storage_options=options).ok
+    hot = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"})  # no S3 access needed at all
+    assert "layers.0.experts.0.w1" not in hot["model"]
+    full = sk.load(tmp_path / "root" / "step_00000001", storage_options=options)
+    assert torch.equal(full["model"]["layers.1.experts.3.w1"], state["model"]["layers.1.experts.3.w1"])
+
+
+def test_a_stale_file_is_reported_and_read_again(tmp_path: Path) -> None:
+    """A file whose header version is older than the manifest's is stale (SPEC-029 3.2)."""
+    state = {"frozen": torch.ones(64), "moving": torch.zeros(64)}
+    root = tmp_path / "root"
+    sk.save(state, root / "step_00000001", incremental=True)
+    state["moving"] += 1
+    sk.save(state, root / "step_00000002", incremental=root / "step_00000001")
+    second = sk.read_manifest(root / "step_00000002")
+    moving = next(r for r in second.files if any(e.key == "moving" for e in r.tensors))
+    assert moving.version == 2 and moving.ref is None
+    # Put the older version's bytes where version 2 should be: same size, older header.
+    first = sk.read_manifest(root / "step_00000001")
+    old = next(r for r in first.files if any(e.key == "moving" for e in r.tensors))
+    target = root / "step_00000002" / moving.path
+    target.chmod(0o644)
+    target.write_bytes((root / "step_00000001" / old.path).read_bytes())
+    report = sk.verify(root / "step_00000002", io_threads=1)
+    assert any("stale" in p and "version 1" in p and "version 2" in p for p in report.problems), report.problems
+    with pytest.raises(IntegrityError, match="stale"):
+        sk.load(root / "step_00000002")
