@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger clean
+.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-distributed: $(STAMP)
 
 bench-ledger: $(STAMP)
 	$(PY) bench/ledger.py
+
+bench-tiers: $(STAMP)
+	$(PY) bench/tiers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
