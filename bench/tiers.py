@@ -37,10 +37,10 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from save_load import fsync_path, fsync_tree, pretouch, touch_pages  # noqa: E402
+import shardkeep as sk
 
-import shardkeep as sk  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from save_load import fsync_path, fsync_tree, pretouch, touch_pages
 
 RULES = [("*.experts.*", "cold"), ("*", "hot")]
 
@@ -52,7 +52,9 @@ def build_state(layers: int, experts_per_layer: int, width: int) -> dict[str, to
         state[f"layers.{layer}.attn.qkv"] = torch.randn(3 * width, width, generator=generator)
         state[f"layers.{layer}.router.weight"] = torch.randn(experts_per_layer, width, generator=generator)
         for expert in range(experts_per_layer):
-            state[f"layers.{layer}.experts.{expert}.w_in"] = torch.randn(width, width // 2 + width // 4, generator=generator)
+            state[f"layers.{layer}.experts.{expert}.w_in"] = torch.randn(
+                width, width // 2 + width // 4, generator=generator
+            )
     return state
 
 
@@ -74,6 +76,74 @@ def timed(work: Callable[[], Any], pretouch_bytes: int) -> float:
     return time.perf_counter() - started
 
 
+def one_repetition(
+    here: Path,
+    state: dict[str, torch.Tensor],
+    rep: int,
+    pretouch_bytes: int,
+    saves: dict[str, list[float]],
+    loads: dict[str, list[float]],
+    written: list[float],
+) -> None:
+    """Every save, then every load, once, interleaved; the directory is removed afterwards."""
+    cold = here / "cold"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    root = here / "root"
+    total = nbytes(state)
+
+    def torch_save() -> None:
+        with open(here / "model.pt", "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def st_save() -> None:
+        safetensors.torch.save_file(state, str(here / "model.safetensors"))
+        fsync_path(str(here / "model.safetensors"))
+
+    def dcp_save() -> None:
+        dcp.save(state, checkpoint_id=str(here / "dcp"))
+        fsync_tree(str(here / "dcp"))
+
+    def sk_full() -> None:
+        sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True)
+
+    def sk_incremental() -> None:
+        manifest = sk.save(
+            state, root / "step_00000002", tiers=tiers, placement=RULES, incremental=root / "step_00000001"
+        )
+        written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
+
+    here.mkdir()
+    try:
+        for name, work in (
+            ("torch.save", torch_save),
+            ("safetensors", st_save),
+            ("DCP", dcp_save),
+            ("shardkeep full", sk_full),
+        ):
+            saves.setdefault(name, []).append(timed(work, pretouch_bytes))
+        change_experts(state, 0.10, rep)
+        saves.setdefault("shardkeep incremental", []).append(timed(sk_incremental, pretouch_bytes))
+        target = {key: torch.empty_like(value) for key, value in state.items()}
+
+        def dcp_load() -> None:
+            dcp.load(target, checkpoint_id=str(here / "dcp"))
+            touch_pages(target)
+
+        loaders: list[tuple[str, Callable[[], Any]]] = [
+            ("torch.load mmap", lambda: touch_pages(torch.load(here / "model.pt", mmap=True, weights_only=True))),
+            ("safetensors", lambda: touch_pages(safetensors.torch.load_file(str(here / "model.safetensors")))),
+            ("DCP", dcp_load),
+            ("shardkeep full", lambda: touch_pages(sk.load(root / "step_00000002"))),
+            ("shardkeep hot", lambda: touch_pages(sk.load(root / "step_00000002", tiers={"hot"}))),
+        ]
+        for name, work in loaders:
+            loads.setdefault(name, []).append(timed(work, pretouch_bytes))
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small state and 3 repetitions")
@@ -93,52 +163,7 @@ def main() -> None:
     written: list[float] = []
     try:
         for rep in range(repeat):
-            here = scratch / f"rep{rep}"
-            cold = here / "cold"
-            tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-            root = here / "root"
-
-            def torch_save() -> None:
-                with open(here / "model.pt", "wb") as file:
-                    torch.save(state, file)
-                    file.flush()
-                    os.fsync(file.fileno())
-
-            def st_save() -> None:
-                safetensors.torch.save_file(state, str(here / "model.safetensors"))
-                fsync_path(str(here / "model.safetensors"))
-
-            def dcp_save() -> None:
-                dcp.save(state, checkpoint_id=str(here / "dcp"))
-                fsync_tree(str(here / "dcp"))
-
-            def sk_full() -> None:
-                sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True)
-
-            here.mkdir()
-            for name, work in (("torch.save", torch_save), ("safetensors", st_save), ("DCP", dcp_save), ("shardkeep full", sk_full)):
-                saves.setdefault(name, []).append(timed(work, pretouch_bytes))
-            change_experts(state, 0.10, rep)
-
-            def sk_incremental() -> None:
-                manifest = sk.save(
-                    state, root / "step_00000002", tiers=tiers, placement=RULES, incremental=root / "step_00000001"
-                )
-                written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
-
-            saves.setdefault("shardkeep incremental", []).append(timed(sk_incremental, pretouch_bytes))
-
-            target = {key: torch.empty_like(value) for key, value in state.items()}
-            loaders: list[tuple[str, Callable[[], Any]]] = [
-                ("torch.load mmap", lambda: touch_pages(torch.load(here / "model.pt", mmap=True, weights_only=True))),
-                ("safetensors", lambda: touch_pages(safetensors.torch.load_file(str(here / "model.safetensors")))),
-                ("DCP", lambda: (dcp.load(target, checkpoint_id=str(here / "dcp")), touch_pages(target))),
-                ("shardkeep full", lambda: touch_pages(sk.load(root / "step_00000002"))),
-                ("shardkeep hot", lambda: touch_pages(sk.load(root / "step_00000002", tiers={"hot"}))),
-            ]
-            for name, work in loaders:
-                loads.setdefault(name, []).append(timed(work, pretouch_bytes))
-            shutil.rmtree(here)
+            one_repetition(scratch / f"rep{rep}", state, rep, pretouch_bytes, saves, loads, written)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
