@@ -159,3 +159,63 @@ def test_incremental_manager_on_s3(s3_root: tuple[str, dict[str, Any]], s3_serve
     restored = manager.restore()
     assert torch.equal(restored.state["model"]["layers.0.experts.2.w1"], model["layers.0.experts.2.w1"])
     assert [entry.name for entry in manager.list()] == ["step_00000003"]
+
+
+def test_retention_keeps_files_while_a_manifest_cannot_be_read(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = moe(experts=4)
+    sk.save({"model": model}, root / "step_00000001", incremental=True, step=1)
+    model["embed.weight"] += 1
+    sk.save({"model": model}, root / "step_00000002", incremental="step_00000001", step=2)
+    model["embed.weight"] += 1
+    sk.save({"model": model}, root / "step_00000003", incremental=True, step=3)  # references nothing
+    manifest_2 = root / "step_00000002" / "manifest.json"
+    original = manifest_2.read_bytes()
+    manifest_2.chmod(0o644)
+    manifest_2.write_bytes(original[:-20] + b"x" * 20)  # damaged: its references are unknown
+    out = io.StringIO()
+    assert cli_main(
+        ["prune", str(root), "--keep-last", "1", "--keep-best", "0", "--apply"], out=out, err=io.StringIO()
+    ) in (0, 1)
+    assert not (root / "step_00000001" / "manifest.json").exists()  # step 1 was un-committed ...
+    manifest_2.write_bytes(original)  # ... but once step 2's manifest is repaired, it loads
+    assert sk.verify(root / "step_00000002").ok
+    assert sk.verify(root / "step_00000003").ok
+
+
+def test_a_checkpoint_under_another_name_protects_what_it_references(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = moe(experts=4)
+    sk.save({"model": model}, root / "step_00000001", incremental=True, step=1)
+    model["embed.weight"] += 1
+    sk.save({"model": model}, root / "export", incremental="step_00000001")  # not a step_<N> name
+    model["embed.weight"] += 1
+    sk.save({"model": model}, root / "step_00000002", incremental=True, step=2)
+    cli_main(
+        ["prune", str(root), "--keep-last", "1", "--keep-best", "0", "--apply"], out=io.StringIO(), err=io.StringIO()
+    )
+    assert not (root / "step_00000001" / "manifest.json").exists()
+    assert sk.verify(root / "export").ok
+
+
+def test_an_incremental_save_never_references_a_missing_base_file(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = moe(experts=3)
+    first = sk.save({"model": model}, root / "step_00000001", incremental=True)
+    lost = next(record for record in first.files if "_E001" in record.path)
+    (root / "step_00000001" / lost.path).unlink()
+    second = sk.save({"model": model}, root / "step_00000002", incremental="step_00000001")
+    rewritten = next(record for record in second.files if record.path.endswith("_E001.safetensors"))
+    assert rewritten.ref is None  # written again instead of referencing a missing file
+    assert sum(1 for record in second.files if record.ref) == len(second.files) - 1
+    assert sk.verify(root / "step_00000002").ok
+
+
+def test_incremental_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(sk.UnsupportedValueError, match="incremental="):
+        sk.save({"w": torch.ones(2)}, tmp_path / "a", incremental=3)  # type: ignore[arg-type]
+    with pytest.raises(sk.ConfigError, match="compression"):
+        sk.CheckpointManager(tmp_path / "m", incremental=True, compression="zstd")
+    sk.save({"w": torch.ones(2)}, tmp_path / "b" / "step_00000001", incremental=True)
+    with pytest.raises(sk.UnsupportedValueError, match="compressed"):
+        sk.save({"w": torch.ones(2)}, tmp_path / "b" / "step_00000002", incremental="step_00000001", compression="zstd")

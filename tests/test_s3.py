@@ -252,3 +252,44 @@ def test_kill_9_during_an_s3_save_leaves_no_committed_checkpoint(
     catalog.collect_leftovers(lease=0)  # removes the attempt's objects and aborts its uploads
     assert _objects(s3_server, root) == []
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_a_failure_after_the_commit_point_never_deletes_committed_data(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The manifest PUT succeeds but its response is lost: the save reports an error, and the
+    checkpoint it committed stays whole (main store on S3, a tier in a local directory)."""
+    root, options = s3_root
+    store = FsspecStore(root, options)
+
+    class LostResponse(FaultInjectingStore):
+        def open_write(self, path: str) -> Any:
+            handle = self.inner.open_write(path)
+            if not path.endswith("/manifest.json"):
+                return handle
+
+            class Lost:
+                def write(self, data: Any) -> None:
+                    handle.write(data)
+
+                def commit(self) -> None:
+                    handle.commit()
+                    raise sk.StorageError("connection reset while reading the response")
+
+                def abort(self) -> None:
+                    handle.abort()
+
+            return Lost()
+
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(tmp_path / "cold"))]
+    state = {"a.experts.0.w": torch.ones(8), "dense": torch.zeros(8)}
+    with pytest.raises(sk.StorageError, match="connection reset"):
+        sk.save(
+            state,
+            "step_00000001",
+            storage=LostResponse(store),
+            tiers=tiers,
+            placement=[("*.experts.*", "cold"), ("*", "hot")],
+        )
+    assert sk.verify("step_00000001", storage=store).ok
+    assert torch.equal(sk.load("step_00000001", storage=store)["a.experts.0.w"], torch.ones(8))

@@ -282,3 +282,42 @@ def test_a_stale_file_is_reported_and_read_again(tmp_path: Path) -> None:
     assert any("stale" in p and "version 1" in p and "version 2" in p for p in report.problems), report.problems
     with pytest.raises(IntegrityError, match="stale"):
         sk.load(root / "step_00000002")
+
+
+def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp_path: Path) -> None:
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold")]
+    state = {"bufs": [torch.ones(3), torch.full((3,), 2.0)], "n": 1}
+    sk.save(state, tmp_path / "ckpt", tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")])
+    target = {"bufs": [torch.zeros(3), torch.zeros(3)], "n": 0}
+    kept = target["bufs"][1]
+    sk.load(tmp_path / "ckpt", into=target, tiers={"hot"})
+    assert torch.equal(target["bufs"][0], torch.ones(3))
+    assert target["bufs"][1] is kept and torch.equal(kept, torch.zeros(3))  # not loaded: untouched
+    assert target["n"] == 1
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    sk.save(
+        {"model": model, "optim": optimizer},
+        tmp_path / "opt",
+        tiers=tiers,
+        placement=[("*exp_avg_sq", "cold"), ("*", "hot")],
+    )
+    with pytest.raises(sk.UnsupportedValueError, match="optimizer state"):
+        sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, tiers={"hot"})
+
+
+def test_bad_load_options_are_typed_errors(tmp_path: Path) -> None:
+    sk.save({"w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(ConfigError):
+        sk.load(tmp_path / "c", tiers=1)  # type: ignore[arg-type]
+    with pytest.raises(sk.UnsupportedValueError):
+        sk.load(tmp_path / "c", sections=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        sk.load(tmp_path / "c", tier_locations=["hot"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        sk.load(tmp_path / "c", tier_locations={"hot": 5})  # type: ignore[dict-item]
+    with pytest.raises(sk.UnsupportedValueError, match="storage_options"):
+        sk.load("s3://bucket/p/c", storage_options=[1])  # type: ignore[arg-type]

@@ -478,6 +478,14 @@ class _SaveJob:
             for tier in self.tiers
             if tier.location is not None
         }
+        if not isinstance(layout.incremental, (bool, str, os.PathLike)):
+            raise UnsupportedValueError(
+                f"incremental={layout.incremental!r} must be True, False, or the path of an earlier checkpoint"
+            )
+        if layout.tiers is not None and (
+            isinstance(layout.tiers, (str, bytes)) or not isinstance(layout.tiers, Sequence)
+        ):
+            raise UnsupportedValueError("tiers= must be a list of shardkeep.Tier")
         self.incremental = layout.incremental is not False
         self.base: CheckpointLocation | None = None
         if layout.incremental is not False and layout.incremental is not True:
@@ -607,6 +615,15 @@ class _SaveJob:
                 sections=self.sections,
             )
 
+    def _base_file_present(self, earlier: FileRecord, tier: Tier) -> bool:
+        """Whether the base's file is where its manifest says, with its size: a reference to a
+        missing or truncated file would commit a checkpoint that cannot load (its digest is
+        checked on every load and verify)."""
+        assert self.base is not None
+        store = self.tier_stores.get(tier.name, self.location.store)
+        info = store.stat(f"{earlier.ref or self.base.name}/{earlier.path}")
+        return info is not None and info.kind == "file" and info.size == earlier.stored_size
+
     def _lay_out_one(
         self, record: FileRecord, group: list[_Planned], tier: Tier, previous: dict[tuple[str, str], FileRecord]
     ) -> bytes | None:
@@ -617,7 +634,11 @@ class _SaveJob:
             algorithm = earlier.digest.partition(":")[0]
             record.version = earlier.version
             header = _layout(record, group, tier.tier_id)
-            if algorithm == self.options.digest and digest_of(header, group, algorithm) == earlier.digest:
+            if (
+                algorithm == self.options.digest
+                and digest_of(header, group, algorithm) == earlier.digest
+                and self._base_file_present(earlier, tier)
+            ):
                 assert self.base is not None
                 record.ref = earlier.ref or self.base.name
                 record.path = earlier.path
@@ -1266,13 +1287,15 @@ def load(
             _drop_absent(loaded, [entry for entry, _ in absent.values()])
     if into is None:
         return loaded
-    _fill_into(into, loaded, partial=partial)
+    _fill_into(into, loaded, partial=partial, absent=frozenset(absent))
     return into
 
 
 def _check_sections(sections: Iterable[str] | None) -> set[str] | None:
     if sections is None:
         return None
+    if not isinstance(sections, (str, Iterable)):
+        raise UnsupportedValueError(f"sections={sections!r} must be a set of names from {list(SECTIONS)}")
     chosen = {sections} if isinstance(sections, str) else set(sections)
     unknown = sorted(chosen - set(SECTIONS))
     if unknown:
@@ -1465,7 +1488,9 @@ def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def _fill_into(target: Any, loaded: dict[str, Any], *, partial: bool = False) -> None:
+def _fill_into(
+    target: Any, loaded: dict[str, Any], *, partial: bool = False, absent: frozenset[str] = frozenset()
+) -> None:
     """Check every target first, then fill: a mismatch raises before anything is modified.
 
     ``load_state_dict`` calls (which run the object's own checks) go first, and tensor copies,
@@ -1473,7 +1498,7 @@ def _fill_into(target: Any, loaded: dict[str, Any], *, partial: bool = False) ->
     error before any tensor of ``into`` has changed.
     """
     actions: list[Callable[[], None]] = []
-    _plan_fill(target, loaded, "", actions, partial)
+    _plan_fill(target, loaded, "", actions, partial, absent)
     actions.sort(key=lambda action: 0 if getattr(action, "loads_state", False) else 1)
     with torch.no_grad():
         for action in actions:
@@ -1507,9 +1532,30 @@ def _describe_mismatch(key: str, expected: Any, found: Any) -> str:
     return f"{key!r}: the target has {expected} but the checkpoint has {found}"
 
 
-def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[], None]], partial: bool = False) -> None:
+class _ListTarget(dict[int, Any]):
+    """A list seen as a mapping of indices whose writes reach the list (partial loads fill a
+    list element by element, skipping the elements that were not loaded)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        super().__init__(enumerate(items))
+        self._items = items
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._items[key] = value
+
+
+def _plan_fill(
+    target: Any,
+    loaded: Any,
+    prefix: str,
+    actions: list[Callable[[], None]],
+    partial: bool = False,
+    absent: frozenset[str] = frozenset(),
+) -> None:
     """Check ``loaded`` against ``target`` and queue the copies. ``partial`` (a load of some
-    tiers or sections): what was not loaded is left as it is in ``target``."""
+    tiers or sections): what was not loaded (the keys in ``absent``) is left as it is in
+    ``target``."""
     if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
         raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
     missing = [key for key in target if key not in loaded]
@@ -1552,7 +1598,7 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
                 unexpected = sorted(set(new) - set(own))
                 if unexpected:
                     raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
-                _plan_fill(dict(own), new, name, actions, partial)
+                _plan_fill(dict(own), new, name, actions, partial, absent)
                 continue
             _check_module(current, new, name)
             if any(isinstance(tensor, DTensor) for tensor in own.values()):
@@ -1561,7 +1607,7 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
             else:
                 actions.append(_load_state(current, new))
         elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
-            if partial and not _complete_optimizer_state(new):
+            if partial and any(key == name or key.startswith(f"{name}.") for key in absent):
                 raise UnsupportedValueError(
                     f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
                     "'optim' section, or leave the optimizer out of into="
@@ -1571,26 +1617,22 @@ def _plan_fill(target: Any, loaded: Any, prefix: str, actions: list[Callable[[],
         elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
             actions.append(_load_state(current, new))
         elif isinstance(current, Mapping) and isinstance(new, Mapping):
-            _plan_fill(current, new, name, actions, partial)
+            _plan_fill(current, new, name, actions, partial, absent)
+        elif (
+            partial
+            and isinstance(current, list)
+            and isinstance(new, (list, tuple))
+            and len(current) == len(new)
+            and any(key.startswith(f"{name}.") for key in absent)
+        ):
+            # A list part of which was not loaded: fill the loaded elements, keep the others.
+            _plan_fill(
+                _ListTarget(current), {i: v for i, v in enumerate(new) if v is not None}, name, actions, partial, absent
+            )
         else:
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
             actions.append(_assign(target, key, new))
-
-
-def _complete_optimizer_state(new: Mapping[str, Any]) -> bool:
-    """Whether an optimizer state from a partial load has every parameter's state."""
-    state = new.get("state")
-    return (
-        isinstance(state, Mapping)
-        and all(
-            isinstance(per_param, Mapping)
-            and bool(per_param)
-            and all(value is not None for value in per_param.values())
-            for per_param in state.values()
-        )
-        and "param_groups" in new
-    )
 
 
 def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:

@@ -233,7 +233,9 @@ class CheckpointRoot:
         """Check every digest of ``item`` and record its problems (none means verified)."""
         if item.manifest is None or item.problems or item.full:
             return
-        report = verify(item.name, storage=self.store, limits=self.limits, on_bytes=on_bytes)
+        report = verify(
+            item.name, storage=self.store, limits=self.limits, on_bytes=on_bytes, storage_options=self.storage_options
+        )
         item.problems.extend(report.problems)
         item.full = True
 
@@ -328,63 +330,100 @@ class CheckpointRoot:
         )
 
     # -- changing storage (coordinator only) -----------------------------------------------------
-    def delete(self, name: str, remaining: list[tuple[str, Manifest]] | None = None) -> None:
-        """Un-commit checkpoint ``name``, then remove every file of it that no manifest in
-        ``remaining`` ((name, manifest) of the checkpoints that stay) lists.
+    def manifests(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
+        """Every readable manifest in the root, under any directory name (not only
+        ``step_<N>``), and the names whose manifest exists but cannot be read."""
+        readable: list[tuple[str, Manifest]] = []
+        unreadable: list[str] = []
+        for name, info in self.store.list_dir(""):
+            if info.kind != "dir" or DELETING_MARKER in name or STAGING_MARKER in name:
+                continue
+            location = CheckpointLocation(self.store, name)
+            try:
+                data = read_manifest_bytes(location, self.limits)
+            except CheckpointNotFoundError:
+                continue
+            try:
+                readable.append((name, parse_manifest(data, where=self.path_of(name), limits=self.limits)))
+            except StorageError:
+                raise
+            except ShardkeepError:
+                unreadable.append(name)
+        return readable, unreadable
+
+    def delete(self, name: str, doomed_names: frozenset[str] = frozenset()) -> None:
+        """Un-commit checkpoint ``name``, then remove every file of it that no other manifest
+        in the root lists (reference counting from the manifests alone).
 
         Without references into it, on a filesystem: a no-replace rename to
-        ``<name>.deleting-<uuid>`` (durable), then removal. Otherwise its manifest is removed
-        first (the commit point, undone), then the unlisted files one by one: in its directory,
-        in its tiers' locations, and those it referenced in earlier, already deleted
-        checkpoints. A directory left holding referenced files gets a ``_retained`` marker so
-        that nothing takes it for a broken checkpoint.
+        ``<name>.deleting-<uuid>`` (durable), then removal. Otherwise a ``_retained`` marker is
+        written, the manifest removed (the commit point, undone), and the unlisted files removed
+        one by one: in its directory, in its tiers' locations, and those it referenced in
+        earlier checkpoints that were deleted before (``_retained``, no manifest). While any
+        manifest in the root cannot be read, its references are unknown: the checkpoint is
+        un-committed and its files are all kept. ``doomed_names`` are checkpoints this pass
+        deletes after ``name``; their references still count.
         """
-        if remaining is None:
-            remaining = [
-                (item.name, item.manifest) for item in self.scan() if item.manifest is not None and item.name != name
-            ]
-        location = CheckpointLocation(self.store, name)
-        try:
-            manifest: Manifest | None = parse_manifest(
-                read_manifest_bytes(location, self.limits), where=self.path_of(name), limits=self.limits
-            )
-        except CheckpointNotFoundError:
-            manifest = None
-        live = {other for other, _ in remaining}
+        readable, unreadable = self.manifests()
+        manifest = next((m for other, m in readable if other == name), None)
+        remaining = [(other, m) for other, m in readable if other != name]
         listed: set[tuple[str | None, str, str]] = set()
         for other, kept in remaining:
             locations = {tier.name: tier.location for tier in kept.tiers}
             for record in kept.files:
                 listed.add((locations.get(record.tier), record.ref or other, record.path))
+        keep_everything = bool([other for other in unreadable if other != name]) or manifest is None
+        if keep_everything:
+            logger.warning(
+                "deleting %s keeps its files: %s",
+                self.path_of(name),
+                "its manifest is missing"
+                if manifest is None
+                else f"manifest(s) of {sorted(unreadable)} cannot be read, so their references are unknown",
+            )
+        own_listed = keep_everything or any(key[1] == name for key in listed)
         doomed: list[tuple[str | None, str, str]] = []
-        own_listed = False
-        if manifest is not None:
+        if manifest is not None and not keep_everything:
             locations = {tier.name: tier.location for tier in manifest.tiers}
             for record in manifest.files:
                 key = (locations.get(record.tier), record.ref or name, record.path)
                 if key in listed:
-                    own_listed = own_listed or (key[0] is None and key[1] == name)
                     continue
-                if key[1] != name and key[1] in live:
-                    continue  # a live checkpoint's own file: it lists it itself
+                owner = key[1]
+                if owner != name and not self._retired(owner):
+                    continue  # another checkpoint's own file (live, unreadable, or not ours to judge)
                 doomed.append(key)
         if renames(self.store) and not own_listed:
             moved = f"{name}{DELETING_MARKER}{uuid.uuid4().hex}"
             self.store.rename(name, moved)
-            doomed = [key for key in doomed if not (key[0] is None and key[1] == name)]
-            self._remove_files(doomed)
+            self._remove_files([key for key in doomed if not (key[0] is None and key[1] == name)])
             self.store.remove_tree(moved)
             return
-        # The commit point first: without its manifest, nothing reads it as a checkpoint.
-        self.store.remove_tree(f"{name}/{MANIFEST_FILENAME}")
+        if own_listed and self.store.stat(f"{name}/_retained") is None:
+            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by other checkpoints\n")
+        # The commit point next: without its manifest, nothing reads it as a checkpoint.
+        manifest_path = f"{name}/{MANIFEST_FILENAME}"
+        remove_file = getattr(self.store, "remove_file", None)
+        if callable(remove_file):
+            remove_file(manifest_path)
+        else:
+            self.store.remove_tree(manifest_path)
+        if self.store.stat(manifest_path) is not None:
+            raise StorageError(f"removing {self.path_of(manifest_path)} did not take effect; nothing else was deleted")
         self.store.remove_tree(f"{name}/{SIGNATURE_FILENAME}")
-        if renames(self.store) and self.store.stat(name) is not None:
+        if renames(self.store):
             self.store.sync_dir(name)
-        if own_listed:
-            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by later checkpoints\n")
         self._remove_files(doomed)
         if not own_listed:
             self.store.remove_tree(name)
+
+    def _retired(self, owner: str) -> bool:
+        """Whether ``owner`` is a checkpoint that retention deleted earlier and that only holds
+        files kept for others: no manifest, and the ``_retained`` marker."""
+        return (
+            self.store.stat(f"{owner}/{MANIFEST_FILENAME}") is None
+            and self.store.stat(f"{owner}/_retained") is not None
+        )
 
     def _remove_files(self, files: list[tuple[str | None, str, str]]) -> None:
         """Remove (tier location, owner, path) files, then their owners' empty directories."""
@@ -403,17 +442,11 @@ class CheckpointRoot:
 
     def apply(self, decision: RetentionDecision, found: list[_Found] | None = None) -> list[str]:
         """Delete what ``decision`` says, oldest first; return the names deleted. Files that a
-        remaining checkpoint references are kept (``found``: the scan the decision came from)."""
-        found = self.scan() if found is None else found
-        doomed = set(decision.delete)
+        remaining checkpoint references are kept (each deletion re-reads the manifests, so a
+        checkpoint deleted later in the pass still protects what it references until then)."""
         deleted: list[str] = []
         for name in sorted(decision.delete):
-            remaining = [
-                (item.name, item.manifest)
-                for item in found
-                if item.manifest is not None and item.name != name and (item.name not in doomed or item.name > name)
-            ]
-            self.delete(name, remaining)
+            self.delete(name)
             deleted.append(name)
             logger.info("retention deleted checkpoint %s", self.path_of(name))
         return deleted
@@ -473,47 +506,38 @@ class CheckpointRoot:
                 continue
             removed.append(name)
             logger.info("removed leftover %s", self.path_of(name))
-        found = [item for item in self.scan() if item.manifest is not None]
-        used: dict[str | None, dict[str, set[str]]] = {}
-        for item in found:
-            assert item.manifest is not None
-            locations = {tier.name: tier.location for tier in item.manifest.tiers}
-            for record in item.manifest.files:
-                first = record.path.partition("/")[0]
-                owners = used.setdefault(locations.get(record.tier), {})
-                owners.setdefault(record.ref or item.name, set()).add(first)
-        stores: dict[str | None, ByteStore] = {None: self.store}
-        for location in used:
-            if location is not None:
-                try:
-                    stores[location] = self.tier_store(location)
-                except ShardkeepError as exc:
-                    logger.warning("cannot open tier location %s to collect leftovers: %s", location, exc)
-        for location, store in stores.items():
-            if location is None and renames(store):
-                continue  # a filesystem root stages with renames: no attempt prefixes there
-            owners = used.get(location, {})
-            for name, info in store.list_dir(""):
-                if CHECKPOINT_NAME.fullmatch(name) is None or info.kind != "dir":
+        if renames(self.store):
+            return removed  # a filesystem root stages with renames: no attempt prefixes there
+        # An object-store root: attempt prefixes that no manifest uses, and unfinished uploads.
+        # Tier locations are left alone: other roots may share them, and their manifests are
+        # not visible from here.
+        readable, unreadable = self.manifests()
+        used: dict[str, set[str]] = {}
+        for owner_name, manifest in readable:
+            locations = {tier.name: tier.location for tier in manifest.tiers}
+            for record in manifest.files:
+                if locations.get(record.tier) is None:
+                    used.setdefault(record.ref or owner_name, set()).add(record.path.partition("/")[0])
+        for name, info in self.store.list_dir(""):
+            if CHECKPOINT_NAME.fullmatch(name) is None or info.kind != "dir" or name in unreadable:
+                continue  # an unreadable manifest's attempts may be committed data: never touched
+            try:
+                attempts = self.store.list_dir(name)
+            except ShardkeepError:
+                continue
+            for attempt, attempt_info in attempts:
+                if not attempt.startswith(ATTEMPT_PREFIX) or attempt in used.get(name, set()):
                     continue
-                try:
-                    attempts = store.list_dir(name)
-                except ShardkeepError:
+                if not self._idle(self.store, f"{name}/{attempt}", attempt_info.mtime, attempt_info.kind, lease, now):
                     continue
-                for attempt, attempt_info in attempts:
-                    if not attempt.startswith(ATTEMPT_PREFIX) or attempt in owners.get(name, set()):
-                        continue
-                    if not self._idle(store, f"{name}/{attempt}", attempt_info.mtime, attempt_info.kind, lease, now):
-                        continue
-                    store.remove_tree(f"{name}/{attempt}")
-                    where = f"{location}/{name}/{attempt}" if location else self.path_of(f"{name}/{attempt}")
-                    removed.append(f"{name}/{attempt}" if location is None else where)
-                    logger.info("removed leftover %s", where)
-            abort = getattr(store, "abort_uploads", None)
-            if callable(abort):
-                for key in abort("", older_than=lease):
-                    removed.append(f"upload:{key}")
-                    logger.info("aborted unfinished upload %s", key)
+                self.store.remove_tree(f"{name}/{attempt}")
+                removed.append(f"{name}/{attempt}")
+                logger.info("removed leftover %s", self.path_of(f"{name}/{attempt}"))
+        abort = getattr(self.store, "abort_uploads", None)
+        if callable(abort):
+            for key in abort("", older_than=lease):
+                removed.append(f"upload:{key}")
+                logger.info("aborted unfinished upload %s", key)
         return removed
 
     def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:

@@ -426,6 +426,8 @@ class CheckpointManager:
             raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
         if not isinstance(incremental, bool):
             raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
+        if incremental and save_options.get("compression"):
+            raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
         self.root = os.fspath(root)
         if storage is None:
             if "://" in self.root:

@@ -164,7 +164,12 @@ class FileResolver:
     ) -> None:
         self.location = location
         self.tiers = {tier.name: tier for tier in manifest.tiers}
+        if tier_locations is not None and not isinstance(tier_locations, Mapping):
+            raise ConfigError("tier_locations= must map tier names to paths, URLs or byte stores")
         remapped = dict(tier_locations or {})
+        for tier_name, place in remapped.items():
+            if not isinstance(place, (str, os.PathLike)) and not callable(getattr(place, "open_read", None)):
+                raise ConfigError(f"tier_locations[{tier_name!r}]={place!r} must be a path, a URL or a byte store")
         unknown = sorted(set(remapped) - set(self.tiers))
         if unknown:
             raise ConfigError(
@@ -213,7 +218,11 @@ def select_files(manifest: Manifest, tiers: Iterable[str] | None) -> list[int]:
         return list(range(len(manifest.files)))
     if isinstance(tiers, str):
         tiers = {tiers}
+    if not isinstance(tiers, Iterable):
+        raise ConfigError(f"tiers={tiers!r} must be a set of tier names")
     wanted = set(tiers)
+    if not all(isinstance(name, str) for name in wanted):
+        raise ConfigError(f"tiers={sorted(map(repr, wanted))} must be tier names (strings)")
     defined = {tier.name for tier in manifest.tiers} | {record.tier for record in manifest.files}
     unknown = sorted(wanted - defined)
     if unknown:

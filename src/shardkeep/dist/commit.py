@@ -83,6 +83,7 @@ class CheckpointCommit:
         self.attempt = f"{ATTEMPT_PREFIX}{rest[:16]}"
         self.data_dirs: set[str] = set()
         self.tier_dirs: dict[str, set[str]] = {}
+        self.sealed: bytes | None = None  # the manifest bytes, once their write was attempted
 
     def begin(self) -> None:
         committed = f"{self.final}/{MANIFEST_FILENAME}" if self.object_store else self.final
@@ -129,6 +130,7 @@ class CheckpointCommit:
     def commit(self, manifest_bytes: bytes) -> None:
         """Write the manifest last, then (on a filesystem) publish the staging directory."""
         self._sync_tier_directories()
+        self.sealed = manifest_bytes
         if self.object_store:
             handle = self.store.open_write(f"{self.final}/{MANIFEST_FILENAME}")  # create-only
             try:
@@ -153,9 +155,35 @@ class CheckpointCommit:
         self.store.rename(temporary, f"{self.staging}/{MANIFEST_FILENAME}")
         self.store.rename(self.staging, self.final)
 
+    def committed(self) -> bool | None:
+        """After the manifest write was attempted: whether the manifest under the final name
+        is this attempt's (``None``: it cannot be read, so the outcome is unknown)."""
+        if self.sealed is None:
+            return False
+        path = f"{self.final}/{MANIFEST_FILENAME}"
+        try:
+            if self.store.stat(path) is None:
+                return False
+            handle = self.store.open_read(path)
+            try:
+                if handle.size != len(self.sealed):
+                    return False
+                found = bytearray(handle.size)
+                handle.read_into(0, memoryview(found))
+            finally:
+                handle.close()
+        except Exception:
+            return None
+        return bytes(found) == self.sealed
+
     def abort(self) -> None:
         """Remove what this attempt wrote, and only that; the first failure is raised after
-        every location was tried."""
+        every location was tried. Once the manifest write was attempted, nothing is removed
+        unless the final manifest is readable and is not this attempt's: a failure after the
+        commit point (a lost response, a peer that died during the last collective) must never
+        delete a committed checkpoint's data. Anything left is collected after the lease."""
+        if self.sealed is not None and self.committed() is not False:
+            return
         first: BaseException | None = None
         for tier_store in self.tier_stores.values():
             try:

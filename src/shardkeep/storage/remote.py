@@ -55,8 +55,11 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:
+    """A refused ``If-None-Match: *`` (HTTP 412), as s3fs reports it."""
+    if isinstance(exc, FileExistsError):
+        return True
     text = str(exc)
-    return "PreconditionFailed" in text or "pre-conditions" in text or "412" in text
+    return "PreconditionFailed" in text or "pre-conditions you specified did not hold" in text
 
 
 def _error(action: str, path: str, exc: BaseException) -> ShardkeepError:
@@ -159,6 +162,10 @@ class FsspecStore:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         import fsspec
 
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise UnsupportedValueError(
+                f"storage_options must be a mapping of fsspec options, got {type(storage_options).__name__}"
+            )
         self.protocol, self._root = split_url(url)
         self.root = f"{self.protocol}://{self._root}"
         options = dict(storage_options or {})
@@ -310,17 +317,23 @@ class FsspecStore:
             return
         except Exception as exc:
             raise _error("removing", path, exc) from exc
+        if keys and (self._has_objects(path) or self.stat(path) is not None):
+            # A bulk delete reports failures per key without raising: check the outcome.
+            raise StorageError(f"removing {path!r} from {self.root} left objects behind")
 
     # -- object-store only ------------------------------------------------------------------------
     def remove_file(self, path: str) -> None:
-        """Delete one object (missing is fine)."""
+        """Delete one object (missing is fine) and confirm that it is gone: a bulk delete can
+        fail per key without raising, this cannot."""
         self._check(path)
         try:
             self.fs.rm_file(self.full(path))
         except FileNotFoundError:
-            return
+            pass
         except Exception as exc:
             raise _error("removing", path, exc) from exc
+        if self.stat(path) is not None:
+            raise StorageError(f"removing {path!r} from {self.root} did not take effect")
 
     def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
         """Abort unfinished multipart uploads below ``path`` started more than ``older_than``
