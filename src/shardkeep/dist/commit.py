@@ -132,28 +132,25 @@ class CheckpointCommit:
         self._sync_tier_directories()
         self.sealed = manifest_bytes
         if self.object_store:
-            handle = self.store.open_write(f"{self.final}/{MANIFEST_FILENAME}")  # create-only
-            try:
-                handle.write(manifest_bytes)
-                handle.commit()
-            except BaseException:
-                handle.abort()
-                raise
+            self._write_new(f"{self.final}/{MANIFEST_FILENAME}", manifest_bytes)  # create-only
             return
         for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
             self.store.sync_dir(f"{self.staging}/{directory}")
         temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
-        handle = self.store.open_write(temporary)
-        try:
-            handle.write(manifest_bytes)
-            handle.commit()
-        except BaseException:
-            handle.abort()
-            raise
+        self._write_new(temporary, manifest_bytes)
         # ByteStore.rename fsyncs the directory it changed: here the staging directory, which
         # also makes its data subdirectories' entries durable.
         self.store.rename(temporary, f"{self.staging}/{MANIFEST_FILENAME}")
         self.store.rename(self.staging, self.final)
+
+    def _write_new(self, path: str, data: bytes) -> None:
+        handle = self.store.open_write(path)
+        try:
+            handle.write(data)
+            handle.commit()
+        except BaseException:
+            handle.abort()
+            raise
 
     def committed(self) -> bool | None:
         """After the manifest write was attempted: whether the manifest under the final name
