@@ -68,3 +68,11 @@ def test_bad_compression_options_are_refused(tmp_path: Path) -> None:
         sk.save(_state(), tmp_path / "a", compression="gzip")
     with pytest.raises(sk.UnsupportedValueError, match="compression_level"):
         sk.save(_state(), tmp_path / "b", compression="zstd", compression_level=99)
+
+
+def test_a_compressed_file_smaller_than_its_header_verifies_and_loads(tmp_path: Path) -> None:
+    """A highly compressible tensor: the stored file is smaller than the safetensors header."""
+    manifest = sk.save({"w": torch.ones(1000)}, tmp_path / "c", compression="zstd")
+    assert manifest.files[0].stored_size < manifest.files[0].tensors[0].offset
+    assert sk.verify(tmp_path / "c").ok
+    assert torch.equal(sk.load(tmp_path / "c")["w"], torch.ones(1000))

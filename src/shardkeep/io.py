@@ -330,10 +330,14 @@ def _stream_digest(handle: ReadHandle, algorithm: str, on_bytes: Callable[[int],
     return format_digest(algorithm, digester.hexdigest()), head
 
 
-def _header_problems(handle: ReadHandle, head: bytes | memoryview, record: FileRecord) -> list[str]:
-    """Cross-check the safetensors header (read from ``head``, or the file) with the record."""
+def _header_problems(
+    handle: ReadHandle, head: bytes | memoryview, record: FileRecord, size: int | None = None
+) -> list[str]:
+    """Cross-check the safetensors header (read from ``head``, or the file) with the record.
+    ``size`` is the safetensors file's size when ``head`` holds all of it (a decompressed file,
+    whose stored size is smaller)."""
     try:
-        length = header_length(head, handle.size)
+        length = header_length(head, handle.size if size is None else size)
         if len(head) < 8 + length:
             extra = memoryview(bytearray(8 + length))
             handle.read_into(0, extra)
@@ -400,7 +404,7 @@ def _check_compressed(
             problems.append(f"{record.path}: digest mismatch (file is corrupt)")
         if on_bytes:
             on_bytes(handle.size)
-    problems.extend(_header_problems(handle, data, record))
+    problems.extend(_header_problems(handle, data, record, size=len(data)))
     return (data if keep else None), problems
 
 
