@@ -158,7 +158,7 @@ def test_cli_on_s3_urls(s3_root: tuple[str, dict[str, Any]], s3_server: Any, mon
         monkeypatch.setenv(name, value)
     out, err = io.StringIO(), io.StringIO()
     assert cli_main(["verify", f"{root}/step_00000002"], out=out, err=err) == 0, err.getvalue()
-    assert "OK" in out.getvalue() or "ok" in out.getvalue().lower()
+    assert out.getvalue().startswith(f"OK  {root}/step_00000002")
     out = io.StringIO()
     assert cli_main(["inspect", f"{root}/step_00000001", "--json"], out=out, err=err) == 0
     assert json.loads(out.getvalue())["manifest"]["step"] == 1

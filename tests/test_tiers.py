@@ -218,7 +218,7 @@ def test_router_and_optimizer_sections_load_on_their_own(tmp_path: Path) -> None
     manifest_size = (tmp_path / "root" / "step_00000001" / "manifest.json").stat().st_size
     assert store.read_bytes == sum(r.size for r in router_files) + manifest_size
     optim_only = sk.load(tmp_path / "root" / "step_00000001", sections={"optim"})
-    assert set(optim_only) == {"optim"} or "model" not in optim_only or not optim_only.get("model")
+    assert not optim_only.get("model")  # no model tensor was read (the section is empty or absent)
     assert torch.equal(optim_only["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     # A partial load into live objects fills what it read and leaves the rest alone.
     fresh = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "body": torch.nn.Linear(4, 4)})

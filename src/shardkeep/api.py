@@ -14,7 +14,6 @@ import datetime as _dt
 import gc
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -64,7 +63,7 @@ from shardkeep.tensors.convert import (
 )
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
 from shardkeep.tensors.shardfile import build_header
-from shardkeep.tiers import Placement, check_tiers, place
+from shardkeep.tiers import EXPERT_KEY, LAYER_KEY, ROUTER_KEY, Placement, check_tiers, place, section_of
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -81,9 +80,6 @@ from shardkeep.verification import (
 __all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save", "verify"]
 
 DEFAULT_TIER = "hot"
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)")
-_ROUTER = re.compile(r"(?:^|\.)router(?=\.|$)")
 _PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
 
 
@@ -142,10 +138,10 @@ _PLAIN_ARRAYS = (torch.Tensor, np.ndarray)
 def _expert_key(key: str, tier_id: int) -> list[int] | None:
     if "experts." not in key:
         return None
-    match = _EXPERT.search(key)
+    match = EXPERT_KEY.search(key)
     if match is None:
         return None
-    layer = _LAYER.search(key)
+    layer = LAYER_KEY.search(key)
     return [tier_id, int(layer.group(1)) if layer else 0, int(match.group(1))]
 
 
@@ -181,8 +177,8 @@ def _plan_files(
         section = (sections or {}).get(key)
         if section is not None:
             stem = f"_{section}{sharded}"
-        elif per_expert and (match := _EXPERT.search(key)):
-            layer = _LAYER.search(key)
+        elif per_expert and (match := EXPERT_KEY.search(key)):
+            layer = LAYER_KEY.search(key)
             stem = f"_L{int(layer.group(1)) if layer else 0:03d}_E{int(match.group(1)):03d}{sharded}"
         else:
             stem = sharded
@@ -254,7 +250,9 @@ def _sections(state: Mapping[str, Any], keys: list[str]) -> tuple[StateSection |
         for name, value in state.items()
         if isinstance(value, torch.optim.Optimizer) or name in ("optim", "optimizer")
     )
-    router_prefixes = sorted({key[: match.end()] for key in keys if "router" in key and (match := _ROUTER.search(key))})
+    router_prefixes = sorted(
+        {key[: match.end()] for key in keys if "router" in key and (match := ROUTER_KEY.search(key))}
+    )
     training = Training()
     for name in optim_prefixes:
         optimizer = state.get(name)
@@ -537,12 +535,13 @@ class _SaveJob:
                 seen.add(identity)
                 entry = totals.setdefault(item.key, [0, item.dtype])
                 entry[0] += item.nbytes
-        optim, _, _ = self._sections_of()
+        optim, router, _ = self._sections_of()
         self.tier_of = place(
             [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
             self.tiers,
             self.placement,
             optim.prefixes if optim is not None else (),
+            router.prefixes if router is not None else (),
         )
 
     def _read_base(self) -> Manifest | None:
@@ -569,13 +568,13 @@ class _SaveJob:
         coordinator = self.coordinator
         assert self.commit is not None
         optim, router, _ = self._sections_of()
-        section_of: dict[str, str] = {}
+        optim_prefixes = optim.prefixes if optim is not None else []
+        router_prefixes = router.prefixes if router is not None else []
+        sections: dict[str, str] = {}
         for item in planned_here:
-            key = item.leaf.key
-            if optim is not None and any(key == p or key.startswith(f"{p}.") for p in optim.prefixes):
-                section_of[key] = "optim"
-            elif router is not None and any(key == p or key.startswith(f"{p}.") for p in router.prefixes):
-                section_of[key] = "router"
+            section = section_of(item.leaf.key, optim_prefixes, router_prefixes)
+            if section != "model":
+                sections[item.leaf.key] = section
         previous = _previous_files(self.base_manifest, self.tiers) if self.base_manifest is not None else {}
         records: list[FileRecord] = []
         with _collector_paused():
@@ -591,7 +590,7 @@ class _SaveJob:
                     tier_id=tier.tier_id,
                     suffix=".safetensors.zst" if self.options.compression else ".safetensors",
                     directory="shards" if self.default_tiers else f"shards/{tier.name}",
-                    sections=section_of,
+                    sections=sections,
                     per_expert=self.incremental,
                 )
                 for record, group in groups:
@@ -1225,15 +1224,7 @@ def load(
             needed=needed[index],
             on_bytes=update,
         )
-        if any("stale:" in problem for problem in found):
-            # The spec's rule: a copy older than the manifest is stale and is read again (a
-            # cache or a replica may have caught up); if it is still stale, it is an error.
-            buffer, found = check_shard(
-                store, where, record, verify=options.verify, keep=True, use_mmap=options.mmap, needed=needed[index]
-            )
-        if store is not location.store or record.ref is not None:
-            found = [f"{problem} (at {resolver.describe(record)})" for problem in found]
-        return buffer, found
+        return buffer, resolver.annotate(record, found)
 
     try:
         with ThreadPoolExecutor(
@@ -1308,15 +1299,7 @@ def _check_sections(sections: Iterable[str] | None) -> set[str] | None:
 def _section_function(manifest: Manifest) -> Callable[[str], str]:
     optim = manifest.optim_state.prefixes if manifest.optim_state is not None else []
     router = manifest.router_state.prefixes if manifest.router_state is not None else []
-
-    def section(key: str) -> str:
-        if any(key == p or key.startswith(f"{p}.") for p in optim):
-            return "optim"
-        if any(key == p or key.startswith(f"{p}.") for p in router):
-            return "router"
-        return "model"
-
-    return section
+    return lambda key: section_of(key, optim, router)
 
 
 def _placeholders(

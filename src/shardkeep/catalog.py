@@ -351,7 +351,7 @@ class CheckpointRoot:
                 unreadable.append(name)
         return readable, unreadable
 
-    def delete(self, name: str, doomed_names: frozenset[str] = frozenset()) -> None:
+    def delete(self, name: str, known: tuple[list[tuple[str, Manifest]], list[str]] | None = None) -> None:
         """Un-commit checkpoint ``name``, then remove every file of it that no other manifest
         in the root lists (reference counting from the manifests alone).
 
@@ -361,10 +361,10 @@ class CheckpointRoot:
         one by one: in its directory, in its tiers' locations, and those it referenced in
         earlier checkpoints that were deleted before (``_retained``, no manifest). While any
         manifest in the root cannot be read, its references are unknown: the checkpoint is
-        un-committed and its files are all kept. ``doomed_names`` are checkpoints this pass
-        deletes after ``name``; their references still count.
+        un-committed and its files are all kept. ``known`` is :meth:`manifests` when the caller
+        has just read it.
         """
-        readable, unreadable = self.manifests()
+        readable, unreadable = known if known is not None else self.manifests()
         manifest = next((m for other, m in readable if other == name), None)
         remaining = [(other, m) for other, m in readable if other != name]
         listed: set[tuple[str | None, str, str]] = set()
@@ -442,11 +442,13 @@ class CheckpointRoot:
 
     def apply(self, decision: RetentionDecision, found: list[_Found] | None = None) -> list[str]:
         """Delete what ``decision`` says, oldest first; return the names deleted. Files that a
-        remaining checkpoint references are kept (each deletion re-reads the manifests, so a
-        checkpoint deleted later in the pass still protects what it references until then)."""
+        remaining checkpoint references are kept (the manifests are read once; a checkpoint
+        deleted later in the pass still protects what it references until then)."""
         deleted: list[str] = []
+        readable, unreadable = self.manifests() if decision.delete else ([], [])
         for name in sorted(decision.delete):
-            self.delete(name)
+            self.delete(name, (readable, unreadable))
+            readable = [(other, manifest) for other, manifest in readable if other != name]
             deleted.append(name)
             logger.info("retention deleted checkpoint %s", self.path_of(name))
         return deleted

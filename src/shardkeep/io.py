@@ -24,7 +24,7 @@ from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, Unsup
 from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
 from shardkeep.manifest import Compression, FileRecord
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
-from shardkeep.tensors.shardfile import check_header, header_length, parse_header
+from shardkeep.tensors.shardfile import STALE, check_header, header_length, parse_header
 
 __all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
 
@@ -428,7 +428,27 @@ def check_shard(
     ``needed`` lists the indices of the tensor entries the caller will use (``None``: all). When
     it leaves some out and every needed entry has a digest of its own, only the header and the
     needed byte ranges are read and verified; the other bytes of the file are never touched.
+
+    A file whose header version is older than the record's is *stale* (SPEC-029 3.2): it is
+    read again once (a cache or a replica may have caught up); if it is still stale, the
+    problem is reported.
     """
+    data, problems = _check_shard_once(store, path, record, verify, keep, use_mmap, needed, on_bytes)
+    if any(STALE in problem for problem in problems):
+        data, problems = _check_shard_once(store, path, record, verify, keep, use_mmap, needed, None)
+    return data, problems
+
+
+def _check_shard_once(
+    store: ByteStore,
+    path: str,
+    record: FileRecord,
+    verify: bool,
+    keep: bool,
+    use_mmap: bool,
+    needed: list[int] | None,
+    on_bytes: Callable[[int], None] | None,
+) -> tuple[memoryview | None, list[str]]:
     problems: list[str] = []
     try:
         handle = store.open_read(path)

@@ -44,8 +44,6 @@ class LazyFile:
         with self._lock:
             if self._buffer is None:
                 data, problems = check_shard(self.store, self.path, self.record, verify=self.verify, keep=True)
-                if any("stale:" in problem for problem in problems):
-                    data, problems = check_shard(self.store, self.path, self.record, verify=self.verify, keep=True)
                 if problems or data is None:
                     raise IntegrityError(
                         f"lazy load of {self.describe} failed verification: " + "; ".join(problems), problems

@@ -42,9 +42,10 @@ __all__ = [
 #: What a tier does when a tensor would take it over its size budget.
 PLACEMENT_POLICIES = ("prioritized", "strict")
 
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)")
-_ROUTER = re.compile(r"(?:^|\.)router(?=\.|$)")
+#: ``experts.<n>``, ``layers.<n>`` (or ``layer``/``blocks``/``h``) and ``router`` components of a key.
+EXPERT_KEY = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
+LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)")
+ROUTER_KEY = re.compile(r"(?:^|\.)router(?=\.|$)")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -157,23 +158,29 @@ def check_tiers(tiers: Iterable[Tier]) -> list[Tier]:
     return sorted(checked, key=lambda t: t.tier_id)
 
 
-def describe(key: str, nbytes: int, dtype: str, optim_prefixes: Iterable[str]) -> PlacementInfo:
-    expert = _EXPERT.search(key)
-    layer = _LAYER.search(key)
-    first = key.split(".", 1)[0]
-    section: Literal["model", "optim", "router"]
-    if first in set(optim_prefixes):
-        section = "optim"
-    elif _ROUTER.search(key):
-        section = "router"
-    else:
-        section = "model"
+def section_of(
+    key: str, optim_prefixes: Iterable[str], router_prefixes: Iterable[str]
+) -> Literal["model", "optim", "router"]:
+    """The manifest section of a tensor key: ``"optim"`` or ``"router"`` when it lies under one
+    of that section's key prefixes, else ``"model"``."""
+    if any(key == prefix or key.startswith(f"{prefix}.") for prefix in optim_prefixes):
+        return "optim"
+    if any(key == prefix or key.startswith(f"{prefix}.") for prefix in router_prefixes):
+        return "router"
+    return "model"
+
+
+def describe(
+    key: str, nbytes: int, dtype: str, optim_prefixes: Iterable[str], router_prefixes: Iterable[str] = ()
+) -> PlacementInfo:
+    expert = EXPERT_KEY.search(key)
+    layer = LAYER_KEY.search(key)
     return PlacementInfo(
         key=key,
         kind="expert" if expert else "dense",
         layer=int(layer.group(1)) if layer else None,
         expert=int(expert.group(1)) if expert else None,
-        section=section,
+        section=section_of(key, optim_prefixes, router_prefixes),
         nbytes=nbytes,
         dtype=dtype,
     )
@@ -213,6 +220,7 @@ def place(
     tiers: list[Tier],
     placement: Placement | None,
     optim_prefixes: Iterable[str] = (),
+    router_prefixes: Iterable[str] = (),
 ) -> dict[str, str]:
     """The tier of every tensor key in ``items`` (key, total bytes, dtype), in ``items`` order,
     with size budgets enforced as each tier's policy says."""
@@ -221,10 +229,10 @@ def place(
     by_name = {tier.name: tier for tier in tiers}
     budgets = {tier.name: parse_size(tier.size_budget) for tier in tiers}
     used = dict.fromkeys(names, 0)
-    prefixes = list(optim_prefixes)
+    optim, router = list(optim_prefixes), list(router_prefixes)
     result: dict[str, str] = {}
     for key, nbytes, dtype in items:
-        info = describe(key, nbytes, dtype, prefixes)
+        info = describe(key, nbytes, dtype, optim, router)
         try:
             wanted = decide(info)
         except ConfigError:

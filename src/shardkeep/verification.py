@@ -206,6 +206,12 @@ class FileResolver:
         owner = record.ref or self.location.name
         return self.store_of(record.tier), f"{owner}/{record.path}"
 
+    def annotate(self, record: FileRecord, problems: list[str]) -> list[str]:
+        """``problems`` of a file outside the checkpoint's own directory, saying where it is."""
+        if not problems or self.own_directory(record):
+            return problems
+        return [f"{problem} (at {self.describe(record)})" for problem in problems]
+
     def describe(self, record: FileRecord) -> str:
         store, path = self(record)
         return f"{getattr(store, 'root', repr(store))}/{path}"
@@ -334,9 +340,7 @@ def verify(
         except ShardkeepError as exc:
             return [f"{record.path}: {exc}"]
         _, problems = check_shard(store, where, record, verify=True, keep=False, on_bytes=on_bytes)
-        if record.ref is not None or store is not location.store:
-            problems = [f"{problem} (at {resolver.describe(record)})" for problem in problems]
-        return problems
+        return resolver.annotate(record, problems)
 
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardkeep-verify") as pool:
         for problems in pool.map(check, selected):

@@ -20,7 +20,7 @@ import msgspec
 from shardkeep.errors import IntegrityError
 from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord
 
-__all__ = ["HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
+__all__ = ["STALE", "VERSION_KEY", "HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
 
 HEADER_ALIGNMENT = 8
 #: safetensors refuses headers above 100 MB; so do we.
@@ -29,6 +29,8 @@ _LENGTH = struct.Struct("<Q")
 _METADATA = {"format": "pt", "writer": "shardkeep"}
 #: The metadata key holding the file's version (a decimal string: safetensors metadata is str).
 VERSION_KEY = "shardkeep.version"
+#: The word that marks a stale-file problem (a header version older than the manifest's).
+STALE = "stale:"
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
 
@@ -128,7 +130,7 @@ def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
             problems.append(f"{where}: header version {on_disk[:40]!r} is not a number")
         elif int(on_disk) < record.version:
             problems.append(
-                f"{where}: stale: the file on storage is version {int(on_disk)}, the manifest expects version "
+                f"{where}: {STALE} the file on storage is version {int(on_disk)}, the manifest expects version "
                 f"{record.version}"
             )
         elif int(on_disk) > record.version:
