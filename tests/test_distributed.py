@@ -357,3 +357,36 @@ def test_coverage_check_finds_gaps_and_overlaps_quickly() -> None:
     assert any("overlap" in p for p in coverage_problems(manifest_with(overlapping, [2, 2])))
     gap = [([0, 0], [1, 4]), ([2, 0], [1, 4])]
     assert any("cover" in p for p in coverage_problems(manifest_with(gap, [3, 4])))
+
+
+def _save_signed(rank: int, world_size: int, root: str, key_path: str, bad_key: str) -> str:
+    # Only the coordinator (rank 0) has the key; the other ranks pass none.
+    sk.save(replicated_state(), os.path.join(root, "signed"), signer=key_path if rank == 0 else None)
+    # A key the coordinator cannot read fails every rank alike, with nothing committed.
+    try:
+        sk.save(replicated_state(), os.path.join(root, "unsigned"), signer=bad_key if rank == 0 else None)
+    except sk.CoordinationError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_only_the_coordinator_signs_a_distributed_save(tmp_path: Path) -> None:
+    from shardkeep.integrity import generate_key_pair
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    results = results_or_raise(
+        run_ranks(
+            2,
+            _save_signed,
+            str(tmp_path),
+            str(tmp_path / "key.pem"),
+            str(tmp_path / "missing.pem"),
+            outbox=tmp_path / "out",
+        )
+    )
+    assert all("missing.pem" in result and "rank(s) [0]" in result for result in results), results
+    report = sk.verify(tmp_path / "signed", public_key=tmp_path / "key.pub")
+    assert report.ok and report.signature.startswith("valid"), report
+    assert {record.rank for record in report.manifest.files} == {0, 1}  # type: ignore[union-attr]
+    assert not (tmp_path / "unsigned").exists()
+    assert not [p for p in tmp_path.iterdir() if is_staging_name(p.name)]

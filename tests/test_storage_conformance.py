@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
 from shardkeep.errors import (
@@ -229,9 +230,10 @@ def small_state() -> dict[str, object]:
 def test_save_load_verify_through_the_store(backend: Backend) -> None:
     store = backend.store
     state = small_state()
-    sk.save(state, "step_00000012", storage=store, step=12)
-    assert sk.verify("step_00000012", storage=store).ok
-    loaded = sk.load("step_00000012", storage=store)
+    key = Ed25519PrivateKey.generate()
+    sk.save(state, "step_00000012", storage=store, step=12, signer=key)
+    assert sk.verify("step_00000012", storage=store, public_key=key.public_key()).ok
+    loaded = sk.load("step_00000012", storage=store, public_key=key.public_key())
     assert torch.equal(loaded["weight"], state["weight"])  # type: ignore[arg-type]
     assert loaded["config"] == {"name": "tiny"}
     assert sk.read_manifest("step_00000012", storage=store).step == 12
@@ -241,23 +243,26 @@ def test_save_load_verify_through_the_store(backend: Backend) -> None:
 
 
 def test_a_failure_at_every_operation_of_a_save_commits_nothing(backend: Backend) -> None:
+    """A signed save: the signature is written before the manifest, and removed on failure."""
     store = backend.store
     state = small_state()
-    sk.save(state, "step_00000001", storage=store)
+    key = Ed25519PrivateKey.generate()
+    sk.save(state, "step_00000001", storage=store, signer=key)
     before = [name for name, _ in store.list_files("")]
     counter = FaultInjectingStore(store)
-    sk.save(state, "probe", storage=counter)
+    sk.save(state, "probe", storage=counter, signer=key)
     store.remove_tree("probe")
     total = counter.operation_count
     assert total >= 8
+    assert any(op.startswith("put_atomic probe") and op.endswith("manifest.sig") for op in counter.operations)
     for fail_at in range(1, total + 1):
         faulty = FaultInjectingStore(store, fail_at=fail_at)
         with pytest.raises(StorageError) as caught:
-            sk.save(state, "step_00000002", storage=faulty)
+            sk.save(state, "step_00000002", storage=faulty, signer=key)
         assert (
             isinstance(caught.value, InjectedFault)
             or isinstance(caught.value.__cause__, InjectedFault)
             or ("injected" in str(caught.value))
         ), fail_at
         assert [name for name, _ in store.list_files("")] == before, fail_at
-        assert sk.verify("step_00000001", storage=store).ok
+        assert sk.verify("step_00000001", storage=store, public_key=key.public_key()).ok

@@ -18,17 +18,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
 from shardkeep.dist.commit import ATTEMPT_PREFIX, CheckpointCommit
 from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.dist.plan import ItemDescriptor, assign_writers, coverage_problems
 from shardkeep.errors import (
+    ConfigError,
     CoordinationError,
     IntegrityError,
     SaveInProgressError,
@@ -36,7 +40,7 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from shardkeep.integrity import seal_manifest
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, SignaturePolicy, load_private_key, seal_manifest, sign_manifest
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, digest_of, write_shards
 from shardkeep.manifest import (
     FileRecord,
@@ -71,6 +75,7 @@ from shardkeep.verification import (
     file_set_problems,
     locate,
     parse_manifest,
+    read_checked_manifest,
     read_manifest,
     read_manifest_bytes,
     select_files,
@@ -342,6 +347,7 @@ def save(
     tiers: Sequence[Tier] | None = None,
     placement: Placement | None = None,
     incremental: bool | str | os.PathLike[str] = False,
+    signer: Any = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Manifest:
@@ -380,6 +386,11 @@ def save(
     (one file per expert); a path (an earlier checkpoint in the same root) also compares each
     file's digest with that checkpoint's and, where they are equal, records a reference to the
     existing file instead of writing it again.
+
+    ``signer`` (an ``Ed25519PrivateKey`` or the path of a PEM private key file) signs the
+    manifest: ``manifest.sig`` is written beside it, over its exact bytes, before the commit.
+    Only the coordinator uses the key (other ranks may pass ``None``). The digest must be
+    cryptographic (``blake3`` or ``sha256``).
     """
     options = SaveOptions(
         digest=digest,
@@ -400,6 +411,7 @@ def save(
             model_id, step, epoch, training, sharding_strategy, custom_fields, _metric_values(metrics), run
         ),
         layout=_Layout(tiers, placement, incremental, storage_options),
+        signer=signer,
     )
     coordinator = job.coordinator
     try:
@@ -454,8 +466,16 @@ class _SaveJob:
         metadata: _SaveMetadata,
         sections: tuple[StateSection | None, StateSection | None, Training] | None = None,
         layout: _Layout | None = None,
+        signer: Any = None,
     ) -> None:
         layout = layout or _Layout()
+        if signer is not None and options.digest not in CRYPTOGRAPHIC_DIGESTS:
+            raise UnsupportedValueError(
+                f"signer= needs a cryptographic digest, not digest={options.digest!r}: a signature covers the "
+                "data only through the digests (use 'blake3' or 'sha256')"
+            )
+        self.signer = signer
+        self.private_key: Ed25519PrivateKey | None = None
         self.state = state
         self.location = location
         self.options = options
@@ -507,6 +527,8 @@ class _SaveJob:
     def _begin(self) -> str | None:
         if not self.coordinator.is_coordinator:
             return None
+        if self.signer is not None:
+            self.private_key = load_private_key(self.signer)  # only the coordinator signs
         store = self.location.store
         for local in (store, *self.tier_stores.values()):
             if isinstance(local, LocalStore):
@@ -691,7 +713,8 @@ class _SaveJob:
                 self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
-        self.commit.commit(sealed)
+        signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
+        self.commit.commit(sealed, signature)
         return manifest
 
     def abort(self) -> None:
@@ -769,6 +792,7 @@ def async_save(
     tiers: Sequence[Tier] | None = None,
     placement: Placement | None = None,
     incremental: bool | str | os.PathLike[str] = False,
+    signer: Any = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     after_commit: Callable[[Manifest], None] | None = None,
@@ -815,6 +839,7 @@ def async_save(
             ),
             storage=storage,
             layout=_Layout(tiers, placement, incremental, storage_options),
+            signer=signer,
             process_group=process_group,
             timeout=timeout,
             after_commit=after_commit,
@@ -834,6 +859,7 @@ def _submit(
     metadata: _SaveMetadata,
     storage: ByteStore | None,
     layout: _Layout,
+    signer: Any,
     process_group: Any,
     timeout: float,
     after_commit: Callable[[Manifest], None] | None,
@@ -866,6 +892,7 @@ def _submit(
         metadata=metadata,
         sections=_sections(state, []),
         layout=layout,
+        signer=signer,
     )
     try:
         job.prepare()
@@ -1159,6 +1186,8 @@ def load(
     sections: Iterable[str] | None = None,
     lazy: bool = False,
     tier_locations: TierLocations | None = None,
+    public_key: Any = None,
+    require_signature: bool | None = None,
 ) -> Any:
     """Load the checkpoint at ``path`` (a local path or a URL such as ``s3://bucket/p/step_1``).
 
@@ -1174,14 +1203,25 @@ def load(
     placeholders that read and verify their file on first use. With ``into``, a partial load
     fills only what it read and leaves the rest of ``into`` as it is. ``tier_locations`` maps a
     tier name to where its files are now (a path, URL or byte store), for a tier that moved.
+
+    ``public_key`` (an ``Ed25519PublicKey`` or the path of a PEM file): ``manifest.sig`` must
+    be a valid signature by that key, checked before the manifest is parsed; since every file
+    is then checked against the signed digests, the signature covers the data. An unsigned
+    checkpoint is refused unless ``require_signature=False``. Raises
+    :class:`~shardkeep.errors.SignatureError` otherwise.
     """
     options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
     if lazy and into is not None:
         raise UnsupportedValueError("lazy=True returns placeholders; it cannot fill into= (load the tiers you need)")
+    policy = SignaturePolicy.of(public_key, require_signature)
+    if policy.public_key is not None and not options.verify:
+        raise ConfigError(
+            "public_key= with verify=False: the signature covers the data only through the digests, "
+            "which verify=False does not check"
+        )
     location = locate(path, storage, storage_options)
-    data = read_manifest_bytes(location, limits)
     with _collector_paused():
-        manifest = parse_manifest(data, where=str(location), limits=limits)
+        manifest = read_checked_manifest(location, policy, limits)
     selected = set(select_files(manifest, tiers))
     wanted_sections = _check_sections(sections)
     resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)

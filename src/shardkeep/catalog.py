@@ -44,6 +44,7 @@ from typing import Any
 from shardkeep.config import ManifestLimits
 from shardkeep.dist.commit import ATTEMPT_PREFIX
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
+from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage import ByteStore, LocalStore, open_store, renames
@@ -132,11 +133,13 @@ class CheckpointRoot:
         display: str | None = None,
         limits: ManifestLimits | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        signatures: SignaturePolicy | None = None,
     ) -> None:
         self.store = store
         self.display = display or str(getattr(store, "root", repr(store)))
         self.limits = limits
         self.storage_options = storage_options
+        self.signatures = signatures or SignaturePolicy()
         self._tier_stores: dict[str, ByteStore] = {}
 
     @classmethod
@@ -234,7 +237,13 @@ class CheckpointRoot:
         if item.manifest is None or item.problems or item.full:
             return
         report = verify(
-            item.name, storage=self.store, limits=self.limits, on_bytes=on_bytes, storage_options=self.storage_options
+            item.name,
+            storage=self.store,
+            limits=self.limits,
+            on_bytes=on_bytes,
+            storage_options=self.storage_options,
+            public_key=self.signatures.public_key,
+            require_signature=self.signatures.required,
         )
         item.problems.extend(report.problems)
         item.full = True

@@ -17,10 +17,11 @@ import msgspec
 
 from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot
 from shardkeep.errors import ShardkeepError
+from shardkeep.integrity import PASSPHRASE_ENV, generate_key_pair
 from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
 from shardkeep.retention import RetentionDecision, RetentionPolicy
-from shardkeep.verification import read_manifest, verify
+from shardkeep.verification import read_manifest, sign_checkpoint, verify
 
 __all__ = ["build_parser", "main"]
 
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="check only the files of this tier (repeatable; default: every tier)",
     )
+    check.add_argument(
+        "--public-key",
+        metavar="PEM",
+        help="require manifest.sig to be a valid signature by this Ed25519 public key (checked before the "
+        "manifest is parsed)",
+    )
+    check.add_argument(
+        "--allow-unsigned",
+        action="store_true",
+        help="with --public-key, accept a checkpoint without manifest.sig (a present one must still be valid)",
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--quiet", "-q", action="store_true", help="print only problems")
     check.add_argument(
@@ -85,6 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="show a progress bar on stderr (default: when stderr is a terminal)",
     )
+
+    keygen = commands.add_parser(
+        "keygen",
+        help="write a new Ed25519 key pair for signing checkpoints",
+        description="Write PRIVATE (PKCS#8 PEM, mode 0600) and PRIVATE.pub (or --public). If "
+        f"${PASSPHRASE_ENV} is set, the private key is encrypted with it (and read with it when signing). "
+        "Existing files are never overwritten.",
+    )
+    keygen.add_argument("private", metavar="PRIVATE", help="where to write the private key, e.g. signing.pem")
+    keygen.add_argument("--public", metavar="PATH", help="where to write the public key (default: PRIVATE.pub)")
+
+    sign = commands.add_parser(
+        "sign",
+        help="sign a committed checkpoint: write manifest.sig over the manifest's exact bytes",
+        description="Check the manifest, then write manifest.sig: an Ed25519 signature over a domain-separation "
+        "prefix and manifest.json's exact bytes. The manifest records every file's digest, so the signature covers "
+        "the data; manifests with xxh3-128 digests are refused.",
+    )
+    sign.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
+    sign.add_argument("--key", required=True, metavar="PEM", help="the Ed25519 private key (from shardkeep keygen)")
+    sign.add_argument("--replace", action="store_true", help="replace an existing signature")
 
     listing = commands.add_parser(
         "ls",
@@ -297,7 +330,13 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=err, leave=False)
         on_bytes = bar.update
     try:
-        report = verify(args.path, on_bytes=on_bytes, tiers=args.tier)
+        report = verify(
+            args.path,
+            on_bytes=on_bytes,
+            tiers=args.tier,
+            public_key=args.public_key,
+            require_signature=False if args.allow_unsigned else None,
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -309,6 +348,7 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "warnings": report.warnings,
             "files_checked": report.files_checked,
             "bytes_checked": report.bytes_checked,
+            "signature": report.signature,
         }
         out.write(json.dumps(document, indent=2) + "\n")
         return 0 if report.ok else 1
@@ -320,11 +360,25 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if report.ok:
         if not args.quiet:
             out.write(
-                f"OK  {report.path}: {report.files_checked} file(s), {human_bytes(report.bytes_checked)} verified\n"
+                f"OK  {report.path}: {report.files_checked} file(s), {human_bytes(report.bytes_checked)} verified; "
+                f"{report.signature}\n"
             )
         return 0
     out.write(f"FAILED  {report.path}: {len(report.problems)} problem(s)\n")
     return 1
+
+
+def _run_keygen(args: argparse.Namespace, out: TextIO) -> int:
+    public = args.public or f"{args.private}.pub"
+    identity = generate_key_pair(args.private, public)
+    out.write(f"wrote {args.private} (private, keep it secret) and {public} (public)\nkey id {identity}\n")
+    return 0
+
+
+def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
+    identity = sign_checkpoint(args.path, args.key, replace=args.replace)
+    out.write(f"signed {args.path} with key {identity[:16]}\n")
+    return 0
 
 
 def _policy_for(args: argparse.Namespace, root: CheckpointRoot, found: list[Any], run: str | None) -> RetentionPolicy:
@@ -548,6 +602,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
             return _run_inspect(args, out)
         if args.command == "verify":
             return _run_verify(args, out, err)
+        if args.command == "keygen":
+            return _run_keygen(args, out)
+        if args.command == "sign":
+            return _run_sign(args, out)
         if args.command == "ls":
             return _run_ls(args, out)
         if args.command == "prune":

@@ -6,6 +6,7 @@
     ├── ManifestError            malformed, invalid or oversized manifest
     │   └── ManifestVersionError a manifest from a newer major format version
     ├── IntegrityError           sizes, digests, headers or the file set disagree with the manifest
+    │   └── SignatureError       manifest.sig is missing (when required), malformed, by another key or invalid
     ├── CheckpointNotFoundError  no committed checkpoint (or file) where one was expected
     ├── CheckpointExistsError    saving onto a checkpoint that is already committed
     ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
@@ -54,6 +55,7 @@ __all__ = [
     "RunMismatchError",
     "SaveInProgressError",
     "ShardkeepError",
+    "SignatureError",
     "StorageError",
     "UnsafePathError",
     "UnsupportedValueError",
@@ -86,6 +88,11 @@ class IntegrityError(ShardkeepError):
     def __init__(self, message: str, problems: list[str] | None = None) -> None:
         super().__init__(message)
         self.problems: list[str] = list(problems) if problems else [message]
+
+
+class SignatureError(IntegrityError):
+    """The manifest's signature is required but absent, malformed, made with another key, or
+    does not match the manifest's bytes. (An unusable key file is a :class:`ConfigError`.)"""
 
 
 class CheckpointNotFoundError(ShardkeepError):

@@ -7,27 +7,55 @@ buffers, so hashing runs in parallel with file writes.
 
 The manifest carries its own digest as its last member (the *seal*), so a bit flip anywhere in
 ``manifest.json`` is detected even when the damaged JSON still parses.
+
+Signatures (RELIABILITY.md rule 17): ``manifest.sig`` holds an Ed25519 signature over
+``SIGNATURE_DOMAIN + <the exact bytes of manifest.json>``. The prefix keeps a signature over a
+manifest from being valid for any other message signed with the same key. Since the manifest
+records every file's digest, the signature covers the data, provided those digests are
+cryptographic: signing a manifest with ``xxh3-128`` digests is refused, and so is accepting
+one. The signature file is canonical JSON, checked byte for byte, so any change to it is
+detected.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import blake3
+import msgspec
 import xxhash
 
 from shardkeep.config import DIGEST_ALGORITHMS
-from shardkeep.errors import IntegrityError, ManifestError, UnsupportedValueError
-from shardkeep.manifest import SEAL_FIELD
+from shardkeep.errors import ConfigError, IntegrityError, ManifestError, SignatureError, UnsupportedValueError
+from shardkeep.manifest import SEAL_FIELD, Manifest
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 __all__ = [
+    "CRYPTOGRAPHIC_DIGESTS",
+    "PASSPHRASE_ENV",
+    "SIGNATURE_DOMAIN",
     "Digester",
+    "SignaturePolicy",
+    "SignatureStatus",
+    "check_signature",
+    "check_signed_digests",
     "format_digest",
+    "generate_key_pair",
+    "key_id",
+    "load_private_key",
+    "load_public_key",
     "new_digester",
+    "parse_signature",
     "seal_manifest",
+    "sign_manifest",
+    "uncovered_digests",
     "unseal_manifest",
 ]
 
@@ -95,3 +123,252 @@ def unseal_manifest(data: bytes) -> None:
     expected = f"{algorithm}:{match.group(2).decode()}"
     if not digests_equal(expected, actual):
         raise IntegrityError("manifest.json does not match its self-digest (the manifest is corrupt)")
+
+
+# -- signatures ----------------------------------------------------------------------------
+
+#: Prepended to the manifest's bytes before signing (domain separation).
+SIGNATURE_DOMAIN = b"shardkeep manifest signature v1\n"
+#: Digests a signature can vouch for.
+CRYPTOGRAPHIC_DIGESTS = frozenset({"blake3", "sha256"})
+#: The environment variable holding the passphrase of an encrypted private key file.
+PASSPHRASE_ENV = "SHARDKEEP_KEY_PASSPHRASE"
+SIGNATURE_FORMAT = "shardkeep-signature/1"
+MAX_SIGNATURE_BYTES = 1024
+_MAX_KEY_FILE_BYTES = 64 * 1024
+
+
+class _SignatureFile(msgspec.Struct, forbid_unknown_fields=True):
+    format: str
+    algorithm: str
+    key_id: str
+    signature: str
+
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    """A public key's identifier: the SHA-256 of its raw 32 bytes, in hex."""
+    from cryptography.hazmat.primitives import serialization
+
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _read_key_file(path: str | os.PathLike[str], what: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {os.fspath(path)!r}: {exc.strerror}") from exc
+    if len(data) > _MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"{os.fspath(path)!r} is over {_MAX_KEY_FILE_BYTES} bytes: it is not a PEM key file")
+    return data
+
+
+def load_private_key(key: object) -> Ed25519PrivateKey:
+    """An Ed25519 private key, given as a key object or the path of a PEM file (PKCS#8; if
+    encrypted, the passphrase is read from ``$SHARDKEEP_KEY_PASSPHRASE``)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if isinstance(key, Ed25519PrivateKey):
+        return key
+    if not isinstance(key, (str, os.PathLike)):
+        raise ConfigError(f"signer={key!r} must be an Ed25519PrivateKey or the path of a PEM private key file")
+    data = _read_key_file(key, "private key file")
+    passphrase = os.environ.get(PASSPHRASE_ENV)
+    try:
+        loaded = serialization.load_pem_private_key(data, password=passphrase.encode() if passphrase else None)
+    except TypeError as exc:  # encrypted without a passphrase, or a passphrase for a plain key
+        raise ConfigError(f"private key file {os.fspath(key)!r}: {exc} (set ${PASSPHRASE_ENV})") from exc
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ConfigError(f"{os.fspath(key)!r} is not a readable PEM private key: {exc}") from exc
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise ConfigError(f"{os.fspath(key)!r} holds a {type(loaded).__name__}, not an Ed25519 private key")
+    return loaded
+
+
+def load_public_key(key: object) -> Ed25519PublicKey:
+    """An Ed25519 public key, given as a key object or the path of a PEM file
+    (SubjectPublicKeyInfo, as ``shardkeep keygen`` writes)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    if not isinstance(key, (str, os.PathLike)):
+        raise ConfigError(f"public_key={key!r} must be an Ed25519PublicKey or the path of a PEM public key file")
+    data = _read_key_file(key, "public key file")
+    try:
+        loaded = serialization.load_pem_public_key(data)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ConfigError(f"{os.fspath(key)!r} is not a readable PEM public key: {exc}") from exc
+    if not isinstance(loaded, Ed25519PublicKey):
+        raise ConfigError(f"{os.fspath(key)!r} holds a {type(loaded).__name__}, not an Ed25519 public key")
+    return loaded
+
+
+def generate_key_pair(private_path: str | os.PathLike[str], public_path: str | os.PathLike[str]) -> str:
+    """Write a new Ed25519 key pair (the private key mode 0600, encrypted when
+    ``$SHARDKEEP_KEY_PASSPHRASE`` is set); refuse to replace existing files. Returns the key id."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    private = Ed25519PrivateKey.generate()
+    passphrase = os.environ.get(PASSPHRASE_ENV)
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase.encode()) if passphrase else serialization.NoEncryption()
+    )
+    private_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+    public_pem = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    written: list[str | os.PathLike[str]] = []
+    try:
+        for path, data, mode in ((private_path, private_pem, 0o600), (public_path, public_pem, 0o644)):
+            _write_exclusive(path, data, mode)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            os.unlink(path)
+        raise
+    return key_id(private.public_key())
+
+
+def _write_exclusive(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError as exc:
+        raise ConfigError(f"{os.fspath(path)!r} already exists; keys are never overwritten") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot create {os.fspath(path)!r}: {exc.strerror}") from exc
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
+    """The files (and the manifest's seal) whose digests a signature cannot vouch for."""
+    weak = [
+        record.path
+        for record in manifest.files
+        if (record.digest or "").partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
+    ]
+    seal = _SEAL.search(manifest_bytes[-256:])
+    if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:
+        weak.append(SEAL_FIELD)
+    return weak
+
+
+def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey, manifest: Manifest) -> bytes:
+    """The contents of ``manifest.sig`` for these exact manifest bytes."""
+    weak = uncovered_digests(manifest, manifest_bytes)
+    if weak:
+        raise UnsupportedValueError(
+            "cannot sign a manifest whose digests are not cryptographic (xxh3-128 is fast but forgeable): "
+            f"{', '.join(weak[:5])}; save with digest='blake3' or 'sha256'"
+        )
+    signature = private_key.sign(SIGNATURE_DOMAIN + manifest_bytes)
+    record = _SignatureFile(
+        format=SIGNATURE_FORMAT, algorithm="ed25519", key_id=key_id(private_key.public_key()), signature=signature.hex()
+    )
+    return msgspec.json.encode(record) + b"\n"
+
+
+def parse_signature(data: bytes) -> tuple[str, bytes]:
+    """(key id, raw signature) from ``manifest.sig`` bytes; strict: only the exact canonical
+    encoding is accepted, so that any changed byte is an error."""
+    if len(data) > MAX_SIGNATURE_BYTES:
+        raise SignatureError(f"manifest.sig is {len(data)} bytes, over the limit of {MAX_SIGNATURE_BYTES}")
+    try:
+        record = msgspec.json.decode(data, type=_SignatureFile)
+    except msgspec.DecodeError as exc:
+        raise SignatureError(f"manifest.sig is malformed: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SignatureError("manifest.sig is not valid UTF-8") from exc
+    if record.format != SIGNATURE_FORMAT or record.algorithm != "ed25519":
+        raise SignatureError(
+            f"manifest.sig has format {record.format!r}, algorithm {record.algorithm!r}; "
+            f"expected {SIGNATURE_FORMAT!r}, 'ed25519'"
+        )
+    if len(record.key_id) != 64 or not _HEX.fullmatch(record.key_id):
+        raise SignatureError("manifest.sig: key_id must be 64 lowercase hex digits")
+    if len(record.signature) != 128 or not _HEX.fullmatch(record.signature):
+        raise SignatureError("manifest.sig: signature must be 128 lowercase hex digits")
+    if msgspec.json.encode(record) + b"\n" != data:
+        raise SignatureError("manifest.sig is not in its canonical form (it was changed)")
+    return record.key_id, bytes.fromhex(record.signature)
+
+
+@dataclass(frozen=True)
+class SignaturePolicy:
+    """How a reader treats ``manifest.sig``: with a ``public_key``, a present signature must be
+    valid for it, and with ``required`` an absent one is an error too."""
+
+    public_key: Ed25519PublicKey | None = None
+    required: bool = False
+
+    @classmethod
+    def of(cls, public_key: object = None, require_signature: bool | None = None) -> SignaturePolicy:
+        """From the public options: a ``public_key`` implies ``require_signature=True`` unless it
+        is passed as ``False``; ``require_signature=True`` needs a ``public_key``."""
+        if require_signature is not None and not isinstance(require_signature, bool):
+            raise ConfigError(f"require_signature={require_signature!r} must be True, False or None")
+        if public_key is None:
+            if require_signature:
+                raise ConfigError("require_signature=True needs public_key= (the key to check the signature with)")
+            return cls()
+        return cls(load_public_key(public_key), True if require_signature is None else require_signature)
+
+
+class SignatureStatus(NamedTuple):
+    """The outcome of :func:`check_signature`: ``verified`` with the given key, and a one-line
+    description."""
+
+    verified: bool
+    text: str
+
+
+def check_signature(manifest_bytes: bytes, signature: bytes | None, policy: SignaturePolicy) -> SignatureStatus:
+    """Check ``signature`` (the bytes of ``manifest.sig``, ``None`` if absent) against
+    ``policy`` before the manifest is parsed; raise :class:`SignatureError` when the policy is
+    not met."""
+    if signature is None:
+        if policy.required:
+            raise SignatureError("manifest.sig is missing: the checkpoint is not signed, and a signature is required")
+        return SignatureStatus(False, "not signed")
+    signer, raw = parse_signature(signature)
+    if policy.public_key is None:
+        return SignatureStatus(False, f"signed by key {signer[:16]} (not checked: no public key given)")
+    from cryptography.exceptions import InvalidSignature
+
+    expected = key_id(policy.public_key)
+    if not hmac.compare_digest(signer, expected):
+        raise SignatureError(
+            f"manifest.sig was made with key {signer[:16]}, not with the given public key {expected[:16]}"
+        )
+    try:
+        policy.public_key.verify(raw, SIGNATURE_DOMAIN + manifest_bytes)
+    except InvalidSignature as exc:
+        raise SignatureError(
+            "manifest.sig does not match manifest.json: the manifest was changed after it was signed"
+        ) from exc
+    return SignatureStatus(True, f"valid signature by key {expected[:16]}")
+
+
+def check_signed_digests(manifest: Manifest, manifest_bytes: bytes) -> None:
+    """After a signature was verified: refuse a manifest whose digests it cannot vouch for."""
+    weak = uncovered_digests(manifest, manifest_bytes)
+    if weak:
+        raise SignatureError(
+            "the signed manifest records digests that are not cryptographic, so the signature does not "
+            f"cover the data: {', '.join(weak[:5])}"
+        )

@@ -41,7 +41,7 @@ from shardkeep.errors import (
     RunMismatchError,
     ShardkeepError,
 )
-from shardkeep.integrity import digest_bytes
+from shardkeep.integrity import SignaturePolicy, digest_bytes
 from shardkeep.manifest import RUN_ID_PATTERN, Manifest, RetentionRecord, RunInfo
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.storage import ByteStore, LocalStore, open_store, renames
@@ -67,6 +67,7 @@ _SAVE_OPTIONS = frozenset(
         "compression_level",
         "tiers",
         "placement",
+        "signer",
         "model_id",
         "epoch",
         "training",
@@ -407,6 +408,8 @@ class CheckpointManager:
         storage: ByteStore | None = None,
         storage_options: Mapping[str, Any] | None = None,
         incremental: bool = False,
+        public_key: Any = None,
+        require_signature: bool | None = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
@@ -443,7 +446,10 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.incremental = incremental
         self._base: str | None = None
-        self.catalog = CheckpointRoot(storage, display=display, storage_options=storage_options)
+        self.signatures = SignaturePolicy.of(public_key, require_signature)
+        self.catalog = CheckpointRoot(
+            storage, display=display, storage_options=storage_options, signatures=self.signatures
+        )
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
         self._fingerprint = _json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
@@ -908,7 +914,12 @@ class CheckpointManager:
         """Load ``name`` on this rank: ("ok", "", (manifest, state)), ("corrupt", why, None) to
         fall back, or ("error", why, exception) for an error that must not be skipped."""
         try:
-            manifest = api.read_manifest(name, storage=self.store)
+            manifest = api.read_manifest(
+                name,
+                storage=self.store,
+                public_key=self.signatures.public_key,
+                require_signature=self.signatures.required,
+            )
             if manifest.run is not None and self._run_id is not None and manifest.run.run_id != self._run_id:
                 raise RunMismatchError(f"{name} belongs to run {manifest.run.run_id!r}, not {self._run_id!r}")
             self._check_fingerprint(name, manifest, into, allow_fingerprint_change)
@@ -920,24 +931,29 @@ class CheckpointManager:
                 # model_args and config, which stay the caller's (they matched, or the change
                 # was allowed).
                 target = {k: v for k, v in into.to_state().items() if k in _FILLED and v is not None}
-                api.load(
-                    name, into=target, storage=self.store, storage_options=self.storage_options, progress=self.progress
-                )
+                self._load(name, target)
                 into._update_from({k: v for k, v in target.items() if k not in ("model_args", "config")})
                 state: Any = into
             elif into is None and training:
-                state = TrainingCheckpoint.from_state(
-                    api.load(name, storage=self.store, storage_options=self.storage_options, progress=self.progress)
-                )
+                state = TrainingCheckpoint.from_state(self._load(name, None))
             else:
-                state = api.load(
-                    name, into=into, storage=self.store, storage_options=self.storage_options, progress=self.progress
-                )
+                state = self._load(name, into)
         except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             return ("corrupt", f"{type(exc).__name__}: {exc}", None)
         except ShardkeepError as exc:
             return ("error", f"{type(exc).__name__}: {exc}", exc)
         return ("ok", "", (manifest, state))
+
+    def _load(self, name: str, into: Any) -> Any:
+        return api.load(
+            name,
+            into=into,
+            storage=self.store,
+            storage_options=self.storage_options,
+            progress=self.progress,
+            public_key=self.signatures.public_key,
+            require_signature=self.signatures.required,
+        )
 
     def _check_fingerprint(self, name: str, manifest: Manifest, into: Any, allowed: bool) -> None:
         source = into.fingerprint_source() if isinstance(into, TrainingCheckpoint) else self._fingerprint

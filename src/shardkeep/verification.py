@@ -17,15 +17,27 @@ from typing import Any
 from shardkeep.config import ManifestLimits
 from shardkeep.dist.plan import coverage_problems
 from shardkeep.errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
     IntegrityError,
     ManifestError,
     ShardkeepError,
+    SignatureError,
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.integrity import unseal_manifest
+from shardkeep.integrity import (
+    MAX_SIGNATURE_BYTES,
+    SignaturePolicy,
+    SignatureStatus,
+    check_signature,
+    check_signed_digests,
+    key_id,
+    load_private_key,
+    sign_manifest,
+    unseal_manifest,
+)
 from shardkeep.io import check_shard
 from shardkeep.manifest import (
     MANIFEST_FILENAME,
@@ -41,11 +53,13 @@ from shardkeep.storage import ByteStore, EntryInfo, LocalStore, is_url, open_sto
 
 __all__ = [
     "CheckpointLocation",
+    "read_checked_manifest",
     "FileResolver",
     "VerifyReport",
     "locate",
     "read_manifest",
     "select_files",
+    "sign_checkpoint",
     "verify",
 ]
 
@@ -94,6 +108,19 @@ def locate(
     return CheckpointLocation(LocalStore(parent or "/"), name)
 
 
+def _read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepError]) -> bytes:
+    """The whole file at ``path``, refused before allocation when over ``limit`` bytes."""
+    handle = store.open_read(path)
+    try:
+        if handle.size > limit:
+            raise error(f"{path} is {handle.size} bytes, over the limit of {limit}")
+        buffer = bytearray(handle.size)
+        handle.read_into(0, memoryview(buffer))
+    finally:
+        handle.close()
+    return bytes(buffer)
+
+
 def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | None = None) -> bytes:
     limits = limits or ManifestLimits()
     if is_staging_name(location.name):
@@ -108,15 +135,17 @@ def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | N
     # On an object store only the manifest object itself proves a checkpoint (rule 12).
     if location.store.stat(manifest_path) is None:
         raise CheckpointNotFoundError(f"{location} has no {MANIFEST_FILENAME}: it is not a committed checkpoint")
-    handle = location.store.open_read(manifest_path)
-    try:
-        if handle.size > limits.max_bytes:
-            raise ManifestError(f"{manifest_path} is {handle.size} bytes, over the limit of {limits.max_bytes}")
-        buffer = bytearray(handle.size)
-        handle.read_into(0, memoryview(buffer))
-    finally:
-        handle.close()
-    return bytes(buffer)
+    return _read_small(location.store, manifest_path, limits.max_bytes, ManifestError)
+
+
+def authenticate(location: CheckpointLocation, data: bytes, policy: SignaturePolicy) -> SignatureStatus:
+    """Check ``manifest.sig`` against ``data`` (the manifest's bytes, not yet parsed) as
+    ``policy`` says; raise :class:`SignatureError` when it is not met."""
+    path = f"{location.name}/{SIGNATURE_FILENAME}"
+    signature = None
+    if location.store.stat(path) is not None:
+        signature = _read_small(location.store, path, MAX_SIGNATURE_BYTES, SignatureError)
+    return check_signature(data, signature, policy)
 
 
 def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = None) -> Manifest:
@@ -132,16 +161,59 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
     return manifest
 
 
+def read_checked_manifest(
+    location: CheckpointLocation, policy: SignaturePolicy, limits: ManifestLimits | None = None
+) -> Manifest:
+    """Read the manifest, check its signature as ``policy`` says (before parsing), then parse
+    and validate it."""
+    data = read_manifest_bytes(location, limits)
+    try:
+        status = authenticate(location, data, policy) if policy.public_key is not None else None
+        manifest = parse_manifest(data, where=str(location), limits=limits)
+        if status is not None and status.verified:
+            check_signed_digests(manifest, data)
+    except SignatureError as exc:
+        raise SignatureError(f"{location}: {exc}") from exc
+    return manifest
+
+
 def read_manifest(
     path: str | os.PathLike[str],
     *,
     storage: ByteStore | None = None,
     limits: ManifestLimits | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    public_key: Any = None,
+    require_signature: bool | None = None,
 ) -> Manifest:
-    """The validated manifest of the committed checkpoint at ``path``."""
+    """The validated manifest of the committed checkpoint at ``path``. With ``public_key`` (an
+    ``Ed25519PublicKey`` or the path of a PEM file), ``manifest.sig`` is checked first; see
+    :func:`verify` for ``require_signature``."""
+    policy = SignaturePolicy.of(public_key, require_signature)
+    return read_checked_manifest(locate(path, storage, storage_options), policy, limits)
+
+
+def sign_checkpoint(
+    path: str | os.PathLike[str],
+    signer: Any,
+    *,
+    replace: bool = False,
+    storage: ByteStore | None = None,
+    limits: ManifestLimits | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Sign the committed checkpoint at ``path`` after the fact: write ``manifest.sig`` for its
+    manifest's exact bytes (which are checked and parsed first). An existing signature is
+    replaced only with ``replace``. Returns the signing key's id."""
+    private_key = load_private_key(signer)
     location = locate(path, storage, storage_options)
-    return parse_manifest(read_manifest_bytes(location, limits), where=str(location), limits=limits)
+    data = read_manifest_bytes(location, limits)
+    signature = sign_manifest(data, private_key, parse_manifest(data, where=str(location), limits=limits))
+    target = f"{location.name}/{SIGNATURE_FILENAME}"
+    if not replace and location.store.stat(target) is not None:
+        raise CheckpointExistsError(f"{location} is already signed ({SIGNATURE_FILENAME} exists); pass replace=True")
+    location.store.put_atomic(target, signature)
+    return key_id(private_key.public_key())
 
 
 class FileResolver:
@@ -282,6 +354,7 @@ class VerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
     manifest: Manifest | None = None
+    signature: str = "not checked"
 
     @property
     def ok(self) -> bool:
@@ -298,6 +371,8 @@ def verify(
     tiers: Iterable[str] | None = None,
     tier_locations: TierLocations | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    public_key: Any = None,
+    require_signature: bool | None = None,
 ) -> VerifyReport:
     """Check a checkpoint completely and report every problem; never raises for bad content.
 
@@ -305,13 +380,36 @@ def verify(
     manifest's, and each file's size, digest, version and safetensors header, wherever it lives
     (tier locations, files referenced from earlier checkpoints). ``tiers`` limits the data
     checks to those tiers; ``tier_locations`` remaps moved tiers.
+
+    With ``public_key`` (an ``Ed25519PublicKey`` or the path of a PEM file), ``manifest.sig``
+    must be a valid signature by that key over the manifest's exact bytes; it is checked before
+    the manifest is parsed, and a failure stops the check there. A missing signature is then a
+    problem too, unless ``require_signature=False``. Without a key, a present signature is
+    only checked for form; ``report.signature`` says what was found.
     """
     location = locate(path, storage, storage_options)
+    policy = SignaturePolicy.of(public_key, require_signature)
     report = VerifyReport(path=str(location))
     try:
         data = read_manifest_bytes(location, limits)
+    except ShardkeepError as exc:
+        report.problems.append(f"{MANIFEST_FILENAME}: {exc}")
+        return report
+    try:
+        status = authenticate(location, data, policy)
+    except ShardkeepError as exc:
+        report.signature = "invalid" if policy.public_key is not None else "malformed"
+        report.problems.append(f"{SIGNATURE_FILENAME}: {exc}")
+        if policy.public_key is not None:
+            return report  # an unauthenticated manifest is not parsed
+        status = SignatureStatus(False, report.signature)
+    else:
+        report.signature = status.text
+    try:
         unseal_manifest(data)
         manifest = decode_manifest(data, limits=limits)
+        if status.verified:
+            check_signed_digests(manifest, data)
     except ShardkeepError as exc:
         report.problems.append(f"{MANIFEST_FILENAME}: {exc}")
         return report

@@ -6,7 +6,8 @@
    ``<final>.tmp-<uuid>`` in the same parent (RELIABILITY.md rules 1 and 2).
 2. Writers create every data file under the staging directory; each file is fsynced before its
    record is reported (rule 3).
-3. ``commit(manifest_bytes)``: fsync the data directories; write ``manifest.json.tmp``, fsync it,
+3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig`` if
+   the save is signed; write ``manifest.json.tmp``, fsync it,
    rename it to ``manifest.json`` (the rename fsyncs the staging directory); then the commit point: rename
    the staging directory to its final name (refusing to replace anything) and fsync the parent
    (rules 4 and 5).
@@ -29,7 +30,10 @@ protocol: ``begin`` refuses if ``<final>/manifest.json`` exists; data objects ar
 ``commit`` writes the manifest last, create-only (``If-None-Match: *``), so that of two
 coordinators committing the same name one fails; ``abort`` deletes the attempt's prefix and
 aborts its unfinished multipart uploads. A killed attempt leaves objects without a manifest,
-which no reader takes for a checkpoint; cleanup removes them after a lease.
+which no reader takes for a checkpoint; cleanup removes them after a lease. A signature goes to
+``<final>/manifest.sig`` just before the manifest (replacing one an uncommitted attempt left);
+if two coordinators race for the same name, the loser may leave the winner's checkpoint with a
+signature that does not match, which readers refuse: it fails closed.
 
 Tiers with a location of their own (another directory, or a bucket) get the object-store
 layout there too, on any kind of store: their files go under ``<final>/attempt-<id>/`` of the
@@ -43,7 +47,7 @@ import uuid
 from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, UnsafePathError
-from shardkeep.manifest import MANIFEST_FILENAME, STAGING_MARKER
+from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
 from shardkeep.storage.base import ByteStore, renames
 
 __all__ = ["ATTEMPT_PREFIX", "CheckpointCommit"]
@@ -84,6 +88,7 @@ class CheckpointCommit:
         self.data_dirs: set[str] = set()
         self.tier_dirs: dict[str, set[str]] = {}
         self.sealed: bytes | None = None  # the manifest bytes, once their write was attempted
+        self.signature: bytes | None = None  # manifest.sig's bytes, once written
 
     def begin(self) -> None:
         committed = f"{self.final}/{MANIFEST_FILENAME}" if self.object_store else self.final
@@ -127,15 +132,22 @@ class CheckpointCommit:
                 tier_store.sync_dir(directory)
             tier_store.sync_dir("")
 
-    def commit(self, manifest_bytes: bytes) -> None:
-        """Write the manifest last, then (on a filesystem) publish the staging directory."""
+    def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
+        """Write the signature (if any) and the manifest last, then (on a filesystem) publish the
+        staging directory."""
         self._sync_tier_directories()
-        self.sealed = manifest_bytes
         if self.object_store:
+            if signature is not None:
+                self.store.put_atomic(f"{self.final}/{SIGNATURE_FILENAME}", signature)
+                self.signature = signature
+            self.sealed = manifest_bytes
             self._write_new(f"{self.final}/{MANIFEST_FILENAME}", manifest_bytes)  # create-only
             return
+        self.sealed = manifest_bytes
         for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
             self.store.sync_dir(f"{self.staging}/{directory}")
+        if signature is not None:
+            self.store.put_atomic(f"{self.staging}/{SIGNATURE_FILENAME}", signature)
         temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
         self._write_new(temporary, manifest_bytes)
         # ByteStore.rename fsyncs the directory it changed: here the staging directory, which
@@ -182,6 +194,11 @@ class CheckpointCommit:
         if self.sealed is not None and self.committed() is not False:
             return
         first: BaseException | None = None
+        if self.signature is not None:
+            try:
+                self._remove_own_signature()
+            except Exception as exc:
+                first = exc
         for tier_store in self.tier_stores.values():
             try:
                 tier_store.remove_tree(f"{self.final}/{self.attempt}")
@@ -193,4 +210,20 @@ class CheckpointCommit:
             first = first or exc
         if first is not None:
             raise first
+
+    def _remove_own_signature(self) -> None:
+        """On an object store: remove ``<final>/manifest.sig`` if it is still the one this
+        attempt wrote (another attempt may have replaced it since)."""
+        path = f"{self.final}/{SIGNATURE_FILENAME}"
+        if self.store.stat(path) is None:
+            return
+        handle = self.store.open_read(path)
+        try:
+            found = bytearray(handle.size) if handle.size == len(self.signature or b"") else None
+            if found is not None:
+                handle.read_into(0, memoryview(found))
+        finally:
+            handle.close()
+        if found is not None and bytes(found) == self.signature:
+            self.store.remove_tree(path)
 

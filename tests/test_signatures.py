@@ -1,0 +1,269 @@
+"""Signed manifests (RELIABILITY.md rule 17): ``manifest.sig`` is an Ed25519 signature over a
+domain-separation prefix and the manifest's exact bytes, checked before the manifest is parsed."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import shardkeep as sk
+from conftest import make_state
+from shardkeep.cli import main
+from shardkeep.integrity import (
+    PASSPHRASE_ENV,
+    SIGNATURE_DOMAIN,
+    generate_key_pair,
+    key_id,
+    parse_signature,
+    seal_manifest,
+)
+
+
+def _state() -> dict[str, Any]:
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": 5}
+
+
+@pytest.fixture
+def key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def _resign_raw(checkpoint: Path, key: Ed25519PrivateKey, message: bytes) -> None:
+    """Write a well-formed manifest.sig holding a signature by ``key`` over ``message``."""
+    record = {
+        "format": "shardkeep-signature/1",
+        "algorithm": "ed25519",
+        "key_id": key_id(key.public_key()),
+        "signature": key.sign(message).hex(),
+    }
+    (checkpoint / "manifest.sig").write_bytes(msgspec.json.encode(record) + b"\n")
+
+
+def _reseal(checkpoint: Path, mutate: Any) -> None:
+    """Change the manifest and re-seal it, as an attacker who can write the directory could."""
+    raw = json.loads((checkpoint / "manifest.json").read_bytes())
+    raw.pop("manifest_digest")
+    mutate(raw)
+    os.chmod(checkpoint / "manifest.json", 0o644)
+    (checkpoint / "manifest.json").write_bytes(seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3"))
+
+
+def test_a_signed_checkpoint_loads_and_verifies_with_its_public_key(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint, signer=key)
+    manifest_bytes = (checkpoint / "manifest.json").read_bytes()
+    signer, raw = parse_signature((checkpoint / "manifest.sig").read_bytes())
+    assert signer == key_id(key.public_key())
+    key.public_key().verify(raw, SIGNATURE_DOMAIN + manifest_bytes)  # over the exact bytes, with the prefix
+    loaded = sk.load(checkpoint, public_key=key.public_key())
+    assert torch.equal(loaded["w"], _state()["w"])
+    report = sk.verify(checkpoint, public_key=key.public_key())
+    assert report.ok, report.problems
+    assert report.signature.startswith("valid signature by key ")
+    assert sk.read_manifest(checkpoint, public_key=key.public_key()).files
+    unchecked = sk.verify(checkpoint)
+    assert unchecked.ok and "not checked" in unchecked.signature
+
+
+def test_keys_from_pem_files_including_an_encrypted_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    identity = generate_key_pair(tmp_path / "plain.pem", tmp_path / "plain.pem.pub")
+    assert (tmp_path / "plain.pem").stat().st_mode & 0o777 == 0o600
+    sk.save(_state(), tmp_path / "a", signer=tmp_path / "plain.pem")
+    assert sk.verify(tmp_path / "a", public_key=str(tmp_path / "plain.pem.pub")).signature.endswith(identity[:16])
+
+    monkeypatch.setenv(PASSPHRASE_ENV, "correct horse")
+    generate_key_pair(tmp_path / "locked.pem", tmp_path / "locked.pub")
+    assert b"ENCRYPTED" in (tmp_path / "locked.pem").read_bytes()
+    sk.save(_state(), tmp_path / "b", signer=str(tmp_path / "locked.pem"))
+    assert sk.verify(tmp_path / "b", public_key=tmp_path / "locked.pub").ok
+    monkeypatch.setenv(PASSPHRASE_ENV, "wrong")
+    with pytest.raises(sk.ConfigError, match=r"locked\.pem"):
+        sk.save(_state(), tmp_path / "c", signer=tmp_path / "locked.pem")
+    assert not (tmp_path / "c").exists()
+    monkeypatch.delenv(PASSPHRASE_ENV)
+    with pytest.raises(sk.ConfigError, match=PASSPHRASE_ENV):
+        sk.save(_state(), tmp_path / "c", signer=tmp_path / "locked.pem")
+
+    with pytest.raises(sk.ConfigError, match="already exists"):
+        generate_key_pair(tmp_path / "plain.pem", tmp_path / "other.pub")
+    with pytest.raises(sk.ConfigError, match="not a readable PEM"):
+        sk.verify(tmp_path / "a", public_key=tmp_path / "plain.pem")  # a private key is not a public key
+    with pytest.raises(sk.ConfigError, match="cannot read"):
+        sk.load(tmp_path / "a", public_key=tmp_path / "missing.pub")
+    with pytest.raises(sk.ConfigError, match="must be an Ed25519PrivateKey"):
+        sk.save(_state(), tmp_path / "d", signer=b"not a key")
+
+
+def test_the_signature_is_checked_before_the_manifest_is_parsed(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint, signer=key)
+    os.chmod(checkpoint / "manifest.json", 0o644)
+    nested = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (checkpoint / "manifest.json").write_bytes(seal_manifest(nested, "blake3"))
+    # Without a key the parser sees it and refuses it; with a key it is never parsed.
+    with pytest.raises(sk.ManifestError):
+        sk.load(checkpoint)
+    with pytest.raises(sk.SignatureError, match="changed after it was signed"):
+        sk.load(checkpoint, public_key=key.public_key())
+    report = sk.verify(checkpoint, public_key=key.public_key())
+    assert report.manifest is None
+    assert [p.split(":")[0] for p in report.problems] == ["manifest.sig"]
+
+
+def test_a_resealed_manifest_passes_the_seal_but_not_the_signature(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint, signer=key)
+
+    def change_value(raw: dict[str, Any]) -> None:
+        raw["values"][0]["value"] = 6
+
+    _reseal(checkpoint, change_value)
+    assert sk.load(checkpoint)["step"] == 6  # the seal detects damage, not an attacker
+    with pytest.raises(sk.SignatureError):
+        sk.load(checkpoint, public_key=key.public_key())
+    assert not sk.verify(checkpoint, public_key=key.public_key()).ok
+
+
+def test_unsigned_wrong_key_and_undomained_signatures_are_refused(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    unsigned = tmp_path / "unsigned"
+    sk.save(_state(), unsigned)
+    with pytest.raises(sk.SignatureError, match="missing"):
+        sk.load(unsigned, public_key=key.public_key())
+    assert sk.load(unsigned, public_key=key.public_key(), require_signature=False)["step"] == 5
+    assert not sk.verify(unsigned, public_key=key.public_key()).ok
+    assert sk.verify(unsigned, public_key=key.public_key(), require_signature=False).ok
+    with pytest.raises(sk.ConfigError, match="needs public_key"):
+        sk.load(unsigned, require_signature=True)
+    with pytest.raises(sk.ConfigError, match="verify=False"):
+        sk.load(unsigned, public_key=key.public_key(), verify=False)
+
+    other = Ed25519PrivateKey.generate()
+    signed = tmp_path / "signed"
+    sk.save(_state(), signed, signer=other)
+    with pytest.raises(sk.SignatureError, match="made with key"):
+        sk.load(signed, public_key=key.public_key())
+    # require_signature=False still refuses a signature that is present but wrong.
+    with pytest.raises(sk.SignatureError):
+        sk.load(signed, public_key=key.public_key(), require_signature=False)
+
+    # A valid Ed25519 signature by the right key, but over the bare manifest (no domain prefix).
+    _resign_raw(signed, key, (signed / "manifest.json").read_bytes())
+    with pytest.raises(sk.SignatureError, match="changed after it was signed"):
+        sk.load(signed, public_key=key.public_key())
+    _resign_raw(signed, key, SIGNATURE_DOMAIN + (signed / "manifest.json").read_bytes())
+    assert sk.load(signed, public_key=key.public_key())["step"] == 5
+
+
+def test_non_cryptographic_digests_are_never_signed_or_trusted(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    with pytest.raises(sk.UnsupportedValueError, match="cryptographic digest"):
+        sk.save(_state(), tmp_path / "fast", digest="xxh3-128", signer=key)
+    assert not (tmp_path / "fast").exists() and not list(tmp_path.iterdir())
+    sk.save(_state(), tmp_path / "fast", digest="xxh3-128")
+    with pytest.raises(sk.UnsupportedValueError, match="not cryptographic"):
+        from shardkeep.verification import sign_checkpoint
+
+        sign_checkpoint(tmp_path / "fast", key)
+    assert not (tmp_path / "fast" / "manifest.sig").exists()
+    # Signed anyway, by hand: a reader with the key still refuses it.
+    _resign_raw(tmp_path / "fast", key, SIGNATURE_DOMAIN + (tmp_path / "fast" / "manifest.json").read_bytes())
+    with pytest.raises(sk.SignatureError, match="not cryptographic"):
+        sk.load(tmp_path / "fast", public_key=key.public_key())
+    assert not sk.verify(tmp_path / "fast", public_key=key.public_key()).ok
+    sk.save(_state(), tmp_path / "sha", digest="sha256", signer=key)
+    assert sk.verify(tmp_path / "sha", public_key=key.public_key()).ok
+
+
+def test_malformed_signature_files_are_typed_errors(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint, signer=key)
+    good = (checkpoint / "manifest.sig").read_bytes()
+    for bad in [b"", b"{}", good.replace(b'"ed25519"', b'"rsa"'), good.rstrip(b"\n"), good + b" ", b"x" * 5000]:
+        (checkpoint / "manifest.sig").write_bytes(bad)
+        with pytest.raises(sk.SignatureError):
+            sk.load(checkpoint, public_key=key.public_key())
+        report = sk.verify(checkpoint)  # without a key, a malformed signature is still a problem
+        assert not report.ok and report.problems[0].startswith("manifest.sig")
+    (checkpoint / "manifest.sig").unlink()
+    os.mkfifo(checkpoint / "manifest.sig")
+    with pytest.raises(sk.ShardkeepError, match=r"special file|not a regular file"):
+        sk.load(checkpoint, public_key=key.public_key())
+
+
+def test_signing_an_existing_checkpoint_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = io.StringIO()
+    assert main(["keygen", str(tmp_path / "k.pem")], out=out) == 0
+    assert "key id" in out.getvalue() and (tmp_path / "k.pem.pub").exists()
+    assert main(["keygen", str(tmp_path / "k.pem")], out=io.StringIO(), err=io.StringIO()) == 2
+
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint)
+    public = str(tmp_path / "k.pem.pub")
+    out = io.StringIO()
+    assert main(["verify", str(checkpoint), "--public-key", public], out=out) == 1
+    assert "manifest.sig is missing" in out.getvalue()
+    assert main(["verify", str(checkpoint), "--public-key", public, "--allow-unsigned"], out=io.StringIO()) == 0
+
+    out = io.StringIO()
+    assert main(["sign", str(checkpoint), "--key", str(tmp_path / "k.pem")], out=out) == 0
+    assert "signed" in out.getvalue()
+    out = io.StringIO()
+    assert main(["verify", str(checkpoint), "--public-key", public], out=out) == 0
+    assert "valid signature by key" in out.getvalue()
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["manifest.json", "manifest.sig", "shards"]
+
+    err = io.StringIO()
+    assert main(["sign", str(checkpoint), "--key", str(tmp_path / "k.pem")], out=io.StringIO(), err=err) == 2
+    assert "already signed" in err.getvalue()
+    generate_key_pair(tmp_path / "new.pem", tmp_path / "new.pub")
+    assert main(["sign", str(checkpoint), "--key", str(tmp_path / "new.pem"), "--replace"], out=io.StringIO()) == 0
+    assert main(["verify", str(checkpoint), "--public-key", public], out=io.StringIO()) == 1
+    out = io.StringIO()
+    assert main(["verify", str(checkpoint), "--public-key", str(tmp_path / "new.pub"), "--json"], out=out) == 0
+    assert json.loads(out.getvalue())["signature"].startswith("valid")
+
+
+def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "root"
+    manager = sk.CheckpointManager(
+        root, keep_last=3, keep_best=0, signer=key, public_key=key.public_key(), verify_newest=True
+    )
+    state = make_state()
+    manager.save(state, step=1, metrics={"val_loss": 1.0})
+    manager.async_save(state, step=2, metrics={"val_loss": 0.5}).result(60)
+    assert all((root / name / "manifest.sig").exists() for name in ("step_00000001", "step_00000002"))
+    # The newest checkpoint re-signed by a stranger: restore must not take it.
+    shutil.copy(root / "step_00000002" / "manifest.sig", tmp_path / "sig")
+    other = Ed25519PrivateKey.generate()
+    _resign_raw(
+        root / "step_00000002", other, SIGNATURE_DOMAIN + (root / "step_00000002" / "manifest.json").read_bytes()
+    )
+    with caplog.at_level(logging.WARNING, logger="shardkeep"):
+        restored = sk.CheckpointManager(root, keep_last=3, keep_best=0, public_key=key.public_key()).restore()
+    assert restored.entry.step == 1
+    assert restored.skipped and "SignatureError" in restored.skipped[0][1]
+    assert "falling back" in caplog.text
+    # A manager without a key accepts it (the data is intact); one that requires signatures
+    # refuses an unsigned checkpoint.
+    assert sk.CheckpointManager(root, keep_last=3, keep_best=0).restore().entry.step == 2
+    (root / "step_00000002" / "manifest.sig").unlink()
+    assert sk.CheckpointManager(root, keep_last=3, keep_best=0, public_key=key.public_key()).restore().entry.step == 1
+
+
+def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519PrivateKey) -> None:
+    root, options = s3_root
+    sk.save(_state(), f"{root}/step_1", signer=key, storage_options=options)
+    assert sk.load(f"{root}/step_1", public_key=key.public_key(), storage_options=options)["step"] == 5
+    report = sk.verify(f"{root}/step_1", public_key=key.public_key(), storage_options=options)
+    assert report.ok and report.signature.startswith("valid")
