@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import blake3
@@ -47,20 +49,38 @@ def test_compression_is_deterministic(tmp_path: Path) -> None:
     assert first.files[0].digest == second.files[0].digest
 
 
-def test_a_compression_bomb_is_refused(tmp_path: Path) -> None:
-    manifest = sk.save(_state(), tmp_path / "ckpt", compression="zstd")
+def _bombs(honest: bytes, size: int) -> dict[str, tuple[bytes, int]]:
+    """Hostile zstd files: (the stored bytes, the size the re-sealed manifest declares)."""
+    zeros = b"\0" * (64 << 20)  # 64 MiB of zeros, tiny on disk
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    return {
+        "a frame declaring 64 MiB": (zstandard.ZstdCompressor().compress(zeros), size),
+        "a frame without a size": (unsized.compress(zeros) + unsized.flush(), size),
+        "an honest frame, then 64 MiB more": (honest + zstandard.ZstdCompressor().compress(zeros), size),
+        "a manifest declaring 16 TiB": (honest, 1 << 44),
+    }
+
+
+def test_compression_bombs_are_refused_before_allocating(tmp_path: Path) -> None:
+    manifest = sk.save(_state(), tmp_path / "pristine", compression="zstd")
     record = manifest.files[0]
-    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB of zeros, tiny on disk
-    (tmp_path / "ckpt" / record.path).write_bytes(bomb)
-    raw = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
-    raw.pop("manifest_digest")
-    raw["files"][0]["compression"]["stored_size"] = len(bomb)
-    (tmp_path / "ckpt" / "manifest.json").write_bytes(
-        seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
-    )
-    with pytest.raises(sk.IntegrityError, match="decompress"):
-        sk.load(tmp_path / "ckpt")
-    assert not sk.verify(tmp_path / "ckpt").ok
+    honest = (tmp_path / "pristine" / record.path).read_bytes()
+    for name, (stored, declared) in _bombs(honest, record.size).items():
+        checkpoint = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "pristine", checkpoint)
+        os.chmod(checkpoint / record.path, 0o644)
+        (checkpoint / record.path).write_bytes(stored)
+        raw = json.loads((checkpoint / "manifest.json").read_bytes())
+        raw.pop("manifest_digest")
+        raw["files"][0]["compression"]["stored_size"] = len(stored)
+        raw["files"][0]["size"] = declared
+        os.chmod(checkpoint / "manifest.json", 0o644)
+        (checkpoint / "manifest.json").write_bytes(
+            seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
+        )
+        with pytest.raises(sk.IntegrityError, match=r"zstd frame declares|decompress|cannot hold"):
+            sk.load(checkpoint)
+        assert not sk.verify(checkpoint).ok, name
 
 
 def test_bad_compression_options_are_refused(tmp_path: Path) -> None:

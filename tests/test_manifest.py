@@ -306,8 +306,8 @@ def test_missing_digest_is_a_warning_not_an_error() -> None:
         (lambda m: setattr(m.files[0].tensors[0], "key", "other"), "does not match its path"),
         (lambda m: setattr(m.files[0].tensors[0], "path", ["a"] * 100), "deeper"),
         (lambda m: m.tiers.append(Tier(tier_id=1, name="hot")), "defined twice"),
-        (lambda m: setattr(m.tiers[1], "location", "../warm"), "absolute path or a URL"),
-        (lambda m: setattr(m.tiers[1], "location", "s3://bucket/../other"), "absolute path or a URL"),
+        (lambda m: setattr(m.tiers[1], "location", "../warm"), "absolute path or an object-store URL"),
+        (lambda m: setattr(m.tiers[1], "location", "s3://bucket/../other"), "absolute path or an object-store URL"),
     ],
 )
 def test_validator_reports_inconsistencies(mutate, message: str) -> None:  # type: ignore[no-untyped-def]

@@ -46,7 +46,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkeep",
-        description="Inspect, verify, list and prune shardkeep checkpoints; show and change progress ledgers.",
+        description="Inspect, verify, sign, list and prune shardkeep checkpoints; import and export other formats; "
+        "show and change progress ledgers.",
         epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint. "
         "Paths may be s3:// URLs: credentials and endpoint come from the standard AWS environment variables "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION).",
@@ -118,6 +119,42 @@ def build_parser() -> argparse.ArgumentParser:
     sign.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
     sign.add_argument("--key", required=True, metavar="PEM", help="the Ed25519 private key (from shardkeep keygen)")
     sign.add_argument("--replace", action="store_true", help="replace an existing signature")
+
+    importing = commands.add_parser(
+        "import",
+        help="convert a torch .pt, a safetensors file or a DCP directory into a shardkeep checkpoint",
+        description="Convert SOURCE into a new shardkeep checkpoint at DEST. Torch files are read only with "
+        "torch.load(weights_only=True), even when TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set; safetensors files hold "
+        "no code. A torch.distributed.checkpoint directory keeps its metadata as a Python pickle, and reading a "
+        "pickle runs the code it names: it is refused unless --trust-pickle is given.",
+    )
+    importing.add_argument(
+        "source", metavar="SOURCE", help="a .pt/.pth/.bin file, a .safetensors file or a DCP directory"
+    )
+    importing.add_argument("dest", metavar="DEST", help="the new checkpoint: a directory or a URL (s3://...)")
+    importing.add_argument(
+        "--format", choices=("pt", "safetensors", "dcp"), help="the source format (default: from the name and content)"
+    )
+    importing.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow unpickling a DCP checkpoint's metadata and values (runs code from the files: trusted sources only)",
+    )
+    importing.add_argument("--key", metavar="PEM", help="sign the new checkpoint with this Ed25519 private key")
+    importing.add_argument("--progress", action="store_true", help="show a progress bar while writing")
+
+    exporting = commands.add_parser(
+        "export",
+        help="convert a checkpoint to a single torch .pt or safetensors file",
+        description="Read PATH (verifying every digest) and write DEST as one torch .pt file (loadable with "
+        "weights_only=True) or one safetensors file (tensors under dotted keys; JSON values in the header's "
+        "metadata as shardkeep.values).",
+    )
+    exporting.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
+    exporting.add_argument("dest", metavar="DEST", help="the file to write: *.pt or *.safetensors")
+    exporting.add_argument("--format", choices=("pt", "safetensors"), help="the output format (default: from DEST)")
+    exporting.add_argument("--public-key", metavar="PEM", help="require a valid signature by this key first")
+    exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
 
     listing = commands.add_parser(
         "ls",
@@ -381,6 +418,38 @@ def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _run_import(args: argparse.Namespace, out: TextIO) -> int:
+    from shardkeep.interop import import_checkpoint  # imports torch
+
+    manifest = import_checkpoint(
+        args.source,
+        args.dest,
+        source_format=args.format,
+        trust_pickle=args.trust_pickle,
+        signer=args.key,
+        progress=args.progress,
+    )
+    info = summary(manifest)
+    out.write(
+        f"imported {args.source} -> {args.dest}: {info['tensor_count']} tensor(s), "
+        f"{human_bytes(info['tensor_bytes'])}, {info['value_count']} value(s)" + (", signed" if args.key else "") + "\n"
+    )
+    return 0
+
+
+def _run_export(args: argparse.Namespace, out: TextIO) -> int:
+    from shardkeep.interop import export_checkpoint  # imports torch
+
+    written = export_checkpoint(
+        args.path, args.dest, format=args.format, overwrite=args.force, public_key=args.public_key
+    )
+    out.write(
+        f"exported {args.path} -> {written.path} ({written.format}): {written.tensors} tensor(s), "
+        f"{human_bytes(written.bytes)}, {written.values} value(s)\n"
+    )
+    return 0
+
+
 def _policy_for(args: argparse.Namespace, root: CheckpointRoot, found: list[Any], run: str | None) -> RetentionPolicy:
     recorded = root.recorded_policy(found, run) or RetentionPolicy()
     return RetentionPolicy(
@@ -606,6 +675,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
             return _run_keygen(args, out)
         if args.command == "sign":
             return _run_sign(args, out)
+        if args.command == "import":
+            return _run_import(args, out)
+        if args.command == "export":
+            return _run_export(args, out)
         if args.command == "ls":
             return _run_ls(args, out)
         if args.command == "prune":

@@ -258,9 +258,7 @@ def _write_exclusive(path: str | os.PathLike[str], data: bytes, mode: int) -> No
 def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
     """The files (and the manifest's seal) whose digests a signature cannot vouch for."""
     weak = [
-        record.path
-        for record in manifest.files
-        if (record.digest or "").partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
+        record.path for record in manifest.files if (record.digest or "").partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
     ]
     seal = _SEAL.search(manifest_bytes[-256:])
     if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:

@@ -364,6 +364,10 @@ def _read_ranges(handle: ReadHandle, record: FileRecord, needed: list[int], use_
     return data
 
 
+#: The most a zstd block can expand: 128 KiB of output per 3-byte block header.
+_MAX_ZSTD_EXPANSION = 128 * 1024
+
+
 def _check_compressed(
     handle: ReadHandle,
     record: FileRecord,
@@ -377,11 +381,21 @@ def _check_compressed(
     stored = memoryview(bytearray(handle.size))
     if handle.size:
         handle.read_into(0, stored)
-    data = memoryview(bytearray(record.size))
+    # Checked before the output buffer is allocated: the frame must declare the manifest's size,
+    # and no zstd frame can expand beyond 128 KiB per 3-byte block header.
+    if record.size > _MAX_ZSTD_EXPANSION * (handle.size // 3 + 1):
+        return None, [
+            f"{record.path}: {handle.size} compressed bytes cannot hold the {record.size} the manifest declares"
+        ]
     try:
         declared = zstandard.get_frame_parameters(stored).content_size
-        if declared not in (record.size, zstandard.CONTENTSIZE_UNKNOWN):
-            return None, [f"{record.path}: would decompress to {declared} bytes, manifest says {record.size}"]
+    except zstandard.ZstdError as exc:
+        return None, [f"{record.path}: cannot be decompressed ({exc})"]
+    if declared != record.size:
+        size = "no size" if declared == zstandard.CONTENTSIZE_UNKNOWN else f"{declared} bytes"
+        return None, [f"{record.path}: the zstd frame declares {size}, the manifest {record.size} bytes"]
+    data = memoryview(bytearray(record.size))
+    try:
         # Stream into a buffer of exactly the declared size, asking for one byte more: output
         # beyond the manifest's size is never produced, whatever the frame claims.
         with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True) as reader:

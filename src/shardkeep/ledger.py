@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 import warnings
@@ -232,8 +233,8 @@ def decode_state(raw: bytes) -> LedgerState:
     """Decode a checksum-verified ledger file and check that it is internally consistent."""
     try:
         state = _DECODER.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise LedgerError(f"schema violation: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise LedgerError(f"schema violation: {str(exc)[:200]}") from exc
     major = state.version.split(".", 1)[0]
     if major != LEDGER_VERSION.split(".", 1)[0]:
         raise _UnsupportedVersion(
@@ -250,7 +251,7 @@ def _claimed_version(raw: bytes) -> str | None:
     """The ``version`` field of a checksum-valid file that does not fit the schema."""
     try:
         document = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     version = document.get("version") if isinstance(document, dict) else None
     return version if isinstance(version, str) else None
@@ -402,18 +403,27 @@ class ProgressLedger:
         return any(path.exists() for path in (self.manifest_path, self.tmp_path, self.backup_path))
 
     def _read_copy(self, path: Path) -> bytes | None:
+        # A regular file only: no symlink is followed, and a FIFO or device never blocks the read.
         try:
-            with open(path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                if size > self.max_bytes:
-                    raise LedgerError(f"{size} bytes exceeds the limit of {self.max_bytes}")
-                return handle.read(self.max_bytes + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except IsADirectoryError as exc:
-            raise LedgerError("is a directory") from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LedgerError("is a symlink; ledger copies are never read through symlinks") from exc
+            raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise LedgerError("is not a regular file")
+            if info.st_size > self.max_bytes:
+                raise LedgerError(f"{info.st_size} bytes exceeds the limit of {self.max_bytes}")
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                return handle.read(self.max_bytes + 1)
         except OSError as exc:
             raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def _load(self, *, check_world_size: bool = True) -> tuple[LedgerState, bytes, str]:
         """The newest valid version: (state, its exact bytes, which copy it came from).

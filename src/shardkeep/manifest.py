@@ -327,6 +327,18 @@ def _reject_constant(name: str) -> Any:
     raise ManifestError(f"manifest JSON contains {name}, which is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ManifestError(f"manifest JSON contains the number {text[:40]}, which overflows to infinity")
+    return value
+
+
+#: A JSON escape of a UTF-16 surrogate: such a string may not be valid Unicode text, and this
+#: library never writes one (text is UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _parse_version(text: object) -> tuple[int, int]:
     if not isinstance(text, str):
         raise ManifestError(f"metadata_version must be a string like '1.0', got {text!r}")
@@ -346,7 +358,9 @@ def parse_json_strict(data: bytes, limits: ManifestLimits) -> Any:
         raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
     _check_depth(data, limits.max_depth)
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        return json.loads(
+            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except ManifestError:
         raise
     except (ValueError, RecursionError) as exc:
@@ -458,6 +472,8 @@ def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Man
     limits = limits or ManifestLimits()
     if len(data) > limits.max_bytes:
         raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+    if _SURROGATE_ESCAPE.search(data) is not None:
+        raise ManifestError("manifest JSON contains a \\uD800-\\uDFFF surrogate escape; text must be plain UTF-8")
     fast = _decode_canonical(data, limits)
     if fast is not None:
         return fast
@@ -564,12 +580,17 @@ def unsafe_path_reason(path: str) -> str | None:
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://[^\x00-\x1f]+$")
 
 
+#: URL schemes a tier location may use: object stores, never a web server or a shell.
+TIER_URL_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file"})
+
+
 def _is_safe_location(location: str) -> bool:
-    """A tier location is an absolute local path or a URL (``s3://bucket/prefix``)."""
+    """A tier location is an absolute local path or an object-store URL (``s3://bucket/prefix``)."""
     if any(ord(ch) < 0x20 for ch in location):
         return False
     if _URL.match(location):
-        return ".." not in location.split("://", 1)[1].split("/")
+        scheme, _, rest = location.partition("://")
+        return scheme in TIER_URL_SCHEMES and ".." not in rest.split("/")
     return location.startswith("/") and ".." not in location.split("/")
 
 
@@ -623,7 +644,11 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         tier_names.add(tier.name)
         tier_ids.add(tier.tier_id)
         if tier.location is not None and not _is_safe_location(tier.location):
-            err(f"tier {tier.name!r} has location {tier.location!r}: it must be an absolute path or a URL")
+            err(
+                f"tier {tier.name!r} has location {tier.location!r}: it must be an absolute path or an object-store URL ("
+                + ", ".join(sorted(TIER_URL_SCHEMES))
+                + ")"
+            )
 
     seen_paths: set[str] = set()
     seen_keys: dict[tuple[str, tuple[int, ...]], str] = {}

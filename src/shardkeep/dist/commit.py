@@ -147,7 +147,9 @@ class CheckpointCommit:
         for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
             self.store.sync_dir(f"{self.staging}/{directory}")
         if signature is not None:
-            self.store.put_atomic(f"{self.staging}/{SIGNATURE_FILENAME}", signature)
+            # Inside the unpublished staging directory: no temp name needed; the manifest's
+            # rename below fsyncs the directory, which makes this entry durable too.
+            self._write_new(f"{self.staging}/{SIGNATURE_FILENAME}", signature)
         temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
         self._write_new(temporary, manifest_bytes)
         # ByteStore.rename fsyncs the directory it changed: here the staging directory, which

@@ -11,6 +11,7 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,6 @@ VERSION_KEY = "shardkeep.version"
 #: The word that marks a stale-file problem (a header version older than the manifest's).
 STALE = "stale:"
 _ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True)
@@ -85,38 +85,64 @@ def header_length(prefix: bytes | memoryview, file_size: int) -> int:
     return int(length)
 
 
-def parse_header(data: bytes | memoryview) -> ShardHeader:
-    """Parse a safetensors header from the start of a shard (``data`` holds at least the header).
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]  # set.add returns None
+        raise IntegrityError(f"safetensors header has the key {duplicate[:80]!r} twice")
+    return found
 
-    Duplicate tensor names are refused: the number of entries must equal the number of
-    ``"data_offsets":`` members in the text (an escaped name cannot contain that sequence).
-    """
+
+def _refuse_constant(name: str) -> object:
+    raise IntegrityError(f"safetensors header contains {name}, which is not JSON")
+
+
+def _refuse_float(text: str) -> object:
+    raise IntegrityError(f"safetensors header contains the number {text[:40]}; only integers are allowed")
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def parse_header(data: bytes | memoryview) -> ShardHeader:
+    """Parse a safetensors header from the start of a shard (``data`` holds at least the header),
+    strictly: duplicate keys anywhere, non-integer numbers, unknown members of an entry, and
+    ``__metadata__`` that is not a string-to-string object are refused."""
     length = header_length(data, len(data))
     raw_bytes = bytes(data[_LENGTH.size : _LENGTH.size + length])
     try:
-        raw = _DECODER.decode(raw_bytes)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"safetensors header is malformed: {exc}") from exc
+        raw = json.loads(
+            raw_bytes.decode("utf-8"),
+            object_pairs_hook=_unique,
+            parse_constant=_refuse_constant,
+            parse_float=_refuse_float,
+        )
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"safetensors header is malformed: {str(exc)[:200]}") from exc
     if not isinstance(raw, dict):
         raise IntegrityError("safetensors header is not a JSON object")
     entries: dict[str, HeaderEntry] = {}
     metadata: dict[str, str] = {}
     for name, spec in raw.items():
         if name == "__metadata__":
-            if isinstance(spec, dict):
-                metadata = {str(k): v for k, v in spec.items() if isinstance(v, str)}
+            if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
+                raise IntegrityError("safetensors header __metadata__ must map strings to strings")
+            metadata = spec
             continue
-        try:
-            dtype = spec["dtype"]
-            shape = [int(d) for d in spec["shape"]]
-            begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"safetensors header entry {name!r} is malformed") from exc
+        if not isinstance(spec, dict) or spec.keys() != {"dtype", "shape", "data_offsets"}:
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} must have exactly dtype, shape, data_offsets")
+        dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
         if not isinstance(dtype, str):
-            raise IntegrityError(f"safetensors header entry {name!r} has a non-string dtype")
-        entries[name] = HeaderEntry(name, dtype, shape, begin, end)
-    if raw_bytes.count(b'"data_offsets":') != len(entries):
-        raise IntegrityError("safetensors header has duplicate tensor names")
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} has a non-string dtype")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} has a shape that is not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} has malformed data_offsets")
+        if offsets[0] > offsets[1]:
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} ends before it begins")
+        entries[name] = HeaderEntry(name, dtype, list(shape), offsets[0], offsets[1])
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
 
 
@@ -149,6 +175,8 @@ def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
             )
         if header.data_start + found.begin != entry.offset or found.end - found.begin != entry.nbytes:
             problems.append(f"{where}: tensor {entry.key!r} has different byte offsets in header and manifest")
+        elif header.data_start + found.end > record.size:
+            problems.append(f"{where}: tensor {entry.key!r} ends beyond the end of the file")
         itemsize = DTYPE_ITEMSIZE.get(found.dtype)
         if itemsize is None:
             problems.append(f"{where}: tensor {entry.key!r} has unknown dtype {found.dtype!r}")

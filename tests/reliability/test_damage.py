@@ -1,5 +1,5 @@
-"""Damage detection: every single-bit flip, every truncation, extra and missing files, and
-hostile paths in a manifest are caught by both ``load`` and ``verify``."""
+"""Damage detection: every single-bit flip (signature included), every truncation, extra and
+missing files, and hostile paths in a manifest are caught by both ``load`` and ``verify``."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
 from conftest import checkpoint_files, flip_bit
+from figures import record
 from shardkeep.integrity import seal_manifest
+
+KEY = Ed25519PrivateKey.generate()
 
 
 def _tiny_checkpoint(path: Path) -> None:
-    sk.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2]), "step": 3}, path)
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2]), "step": 3}
+    sk.save(state, path, signer=KEY)
 
 
 def _damage_detected(path: Path) -> tuple[bool, bool]:
-    """(verify failed, load raised a ShardkeepError)."""
-    verify_failed = not sk.verify(path).ok
+    """(verify failed, load raised a ShardkeepError), both checking the signature."""
+    verify_failed = not sk.verify(path, public_key=KEY.public_key()).ok
     try:
-        sk.load(path)
+        sk.load(path, public_key=KEY.public_key())
     except sk.ShardkeepError:
         load_failed = True
     else:
@@ -40,6 +45,8 @@ def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path) ->
     assert _damage_detected(work) == (False, False)
     undetected: list[str] = []
     flips = 0
+    sizes = {p.name: p.stat().st_size for p in checkpoint_files(pristine)}
+    assert set(sizes) == {"manifest.json", "manifest.sig", "rank_00000.safetensors"}
     for original in checkpoint_files(pristine):
         relative = original.relative_to(pristine)
         target = work / relative
@@ -53,6 +60,14 @@ def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path) ->
                     undetected.append(f"{relative}[{byte_index}] bit {bit}: verify={verify_failed} load={load_failed}")
                 flip_bit(target, byte_index, bit)
     assert flips > 8000
+    record(
+        "bit flips",
+        trials=flips,
+        failures=len(undetected),
+        detail="every bit of a small signed checkpoint ("
+        + ", ".join(f"{name} {size} B" for name, size in sorted(sizes.items()))
+        + "), one at a time; verify and load with the public key must both refuse",
+    )
     assert undetected == []
     assert _damage_detected(work) == (False, False)
 
@@ -62,15 +77,23 @@ def test_every_truncation_is_detected(tmp_path: Path) -> None:
     _tiny_checkpoint(pristine)
     work = tmp_path / "work"
     undetected: list[str] = []
+    truncations = 0
     for original in checkpoint_files(pristine):
         relative = original.relative_to(pristine)
         content = original.read_bytes()
         for length in range(len(content)):
+            truncations += 1
             shutil.rmtree(work, ignore_errors=True)
             shutil.copytree(pristine, work)
             (work / relative).write_bytes(content[:length])
             if _damage_detected(work) != (True, True):
                 undetected.append(f"{relative} truncated to {length}")
+    record(
+        "truncation",
+        trials=truncations,
+        failures=len(undetected),
+        detail="each file of the signed checkpoint truncated to every shorter length",
+    )
     assert undetected == []
 
 
@@ -88,6 +111,29 @@ def test_extra_and_missing_files_are_reported(tmp_path: Path) -> None:
     assert report.problems[0] == "shards/rank_00000.safetensors: missing (listed in the manifest)"
     with pytest.raises(sk.IntegrityError, match="missing"):
         sk.load(checkpoint)
+
+
+def test_every_extra_or_missing_file_is_detected(tmp_path: Path) -> None:
+    pristine = tmp_path / "pristine"
+    _tiny_checkpoint(pristine)
+    cases = {
+        "a stray file in shards/": lambda c: (c / "shards" / "stray.bin").write_bytes(b"x"),
+        "a stray file beside the manifest": lambda c: (c / "notes.txt").write_bytes(b""),
+        "a stray directory with a file": lambda c: (c / "extra").mkdir() or (c / "extra" / "x").write_bytes(b"1"),
+        "the shard removed": lambda c: (c / "shards" / "rank_00000.safetensors").unlink(),
+        "the shards directory removed": lambda c: shutil.rmtree(c / "shards"),
+        "the signature removed": lambda c: (c / "manifest.sig").unlink(),
+    }
+    missed = []
+    for name, damage in cases.items():
+        work = tmp_path / "work"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work)
+        damage(work)
+        if _damage_detected(work) != (True, True):
+            missed.append(name)
+    record("extra or missing files", trials=len(cases), failures=len(missed), detail=", ".join(cases))
+    assert missed == []
 
 
 def test_verify_reports_every_problem_at_once(tmp_path: Path) -> None:

@@ -1,0 +1,233 @@
+"""Converting to and from other formats: ``shardkeep import`` and ``shardkeep export``.
+
+Imports treat their input as untrusted:
+
+- a torch ``.pt``/``.pth``/``.bin`` file is read with ``torch.load(weights_only=True)``, passed
+  explicitly, so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn pickle loading back on; a file
+  that needs arbitrary Python objects is refused;
+- a safetensors file holds no code at all; its header is bounded and checked by ``safetensors``;
+- a ``torch.distributed.checkpoint`` (DCP) directory keeps its metadata (``.metadata``) and its
+  non-tensor values as Python pickles, and DCP reads them with ``pickle.load`` and
+  ``torch.load(weights_only=False)``: reading one runs whatever code the file names. It is
+  refused unless the caller passes ``trust_pickle=True`` (``--trust-pickle``).
+
+Exports write a single torch ``.pt`` file (loadable with ``weights_only=True``) or a single
+safetensors file (tensors under their dotted keys; JSON values go into the header's metadata as
+``shardkeep.values``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from shardkeep import api
+from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsupportedValueError
+from shardkeep.manifest import Manifest
+from shardkeep.tensors.flatten import flatten_state
+
+__all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
+
+SourceFormat = Literal["pt", "safetensors", "dcp"]
+ExportFormat = Literal["pt", "safetensors"]
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: The safetensors metadata key holding a checkpoint's JSON values on export.
+VALUES_METADATA_KEY = "shardkeep.values"
+
+PICKLE_REFUSAL = (
+    "{source} is a torch.distributed.checkpoint directory. DCP stores its metadata (.metadata) and "
+    "its non-tensor values as Python pickles, and reading a pickle runs whatever code the file names: "
+    "a checkpoint from a source you do not fully trust can execute code on this machine. shardkeep "
+    "never unpickles by default. If you trust where this checkpoint came from, pass --trust-pickle "
+    "(trust_pickle=True); the result is then a shardkeep checkpoint that loads without pickle."
+)
+
+
+def detect_format(source: str | os.PathLike[str]) -> SourceFormat:
+    """The format of ``source``: a DCP directory (it has ``.metadata``), a safetensors file, or a
+    torch file."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return "dcp"
+        raise UnsupportedValueError(
+            f"{path} is a directory without a .metadata file: not a torch.distributed.checkpoint; "
+            "to copy a shardkeep checkpoint, load and save it"
+        )
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not os.path.isfile(path):
+        raise UnsupportedValueError(f"{path} is not a regular file")
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    if head[:4] == b"PK\x03\x04" or path.endswith(_TORCH_SUFFIXES):
+        return "pt"
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise UnsupportedValueError(
+        f"cannot tell the format of {path}: name it .pt/.pth/.bin or .safetensors, or pass the format"
+    )
+
+
+def _read_torch(path: str) -> Any:
+    import pickle
+
+    try:
+        # weights_only=True is passed explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only overrides
+        # calls that leave it unset.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedValueError(
+            f"{path} needs more than tensors and plain containers to load ({first}); shardkeep reads torch "
+            "files only with torch.load(weights_only=True) and never runs code from them"
+        ) from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UnsupportedValueError(f"{path} is not a readable torch file: {exc}") from exc
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118  # safe_open has no iterator
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UnsupportedValueError(f"{path} is not a valid safetensors file: {exc}") from exc
+    state: dict[str, Any] = dict(tensors)
+    values = metadata.pop(VALUES_METADATA_KEY, None)
+    if values is not None:
+        try:
+            decoded = json.loads(values)
+        except ValueError as exc:
+            raise UnsupportedValueError(f"{path}: metadata {VALUES_METADATA_KEY!r} is not JSON: {exc}") from exc
+        if not isinstance(decoded, dict):
+            raise UnsupportedValueError(f"{path}: metadata {VALUES_METADATA_KEY!r} must be a JSON object")
+        clashes = sorted(set(decoded) & set(state))
+        if clashes:
+            raise UnsupportedValueError(f"{path}: {VALUES_METADATA_KEY!r} repeats tensor key(s) {clashes[:5]}")
+        state.update(decoded)
+    return state, metadata
+
+
+def _read_dcp(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    state: dict[str, Any] = {}
+    try:
+        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        dcp_load(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    except Exception as exc:  # DCP raises many kinds (CheckpointException, pickle errors ...)
+        raise UnsupportedValueError(f"{path}: reading the DCP checkpoint failed: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def import_checkpoint(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    source_format: SourceFormat | None = None,
+    trust_pickle: bool = False,
+    **save_options: Any,
+) -> Manifest:
+    """Convert ``source`` (a torch file, a safetensors file, or a DCP directory) into a new
+    shardkeep checkpoint at ``destination``; ``save_options`` go to :func:`shardkeep.save`
+    (``signer``, ``digest``, ``storage_options`` ...). See the module docstring for what is
+    trusted."""
+    path = os.fspath(source)
+    found = source_format or detect_format(path)
+    custom: dict[str, Any] = {"imported_from": {"format": found, "path": os.path.basename(path.rstrip("/"))}}
+    if found == "pt":
+        state = _read_torch(path)
+    elif found == "safetensors":
+        state, metadata = _read_safetensors(path)
+        if metadata:
+            custom["safetensors_metadata"] = metadata
+    elif found == "dcp":
+        if not trust_pickle:
+            raise UnsupportedValueError(PICKLE_REFUSAL.format(source=path))
+        state = _read_dcp(path)
+    else:
+        raise ConfigError(f"source_format={source_format!r} must be 'pt', 'safetensors' or 'dcp'")
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(
+            f"{path} holds a {type(state).__name__}, not a mapping of names to tensors; a checkpoint's state is a dict"
+        )
+    given = save_options.pop("custom_fields", None) or {}
+    return api.save(state, destination, custom_fields={**custom, **given}, **save_options)
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What :func:`export_checkpoint` wrote."""
+
+    path: str
+    format: ExportFormat
+    tensors: int
+    values: int
+    bytes: int
+
+
+def _export_format(destination: str, given: str | None) -> ExportFormat:
+    if given is not None:
+        if given not in ("pt", "safetensors"):
+            raise ConfigError(f"format={given!r} must be 'pt' or 'safetensors'")
+        return given  # type: ignore[return-value]  # checked just above
+    if destination.endswith(".safetensors"):
+        return "safetensors"
+    if destination.endswith(_TORCH_SUFFIXES):
+        return "pt"
+    raise ConfigError(f"cannot tell the format from {destination!r}: end it in .pt or .safetensors, or pass format=")
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    overwrite: bool = False,
+    **load_options: Any,
+) -> ExportSummary:
+    """Write the checkpoint at ``checkpoint`` (verified while it is read; ``load_options`` go to
+    :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file."""
+    target = os.fspath(destination)
+    kind = _export_format(target, format)
+    if os.path.exists(target) and not overwrite:
+        raise CheckpointExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
+    state = api.load(checkpoint, **load_options)
+    flat = flatten_state(state)
+    tensor_bytes = sum(int(leaf.value.nbytes) for leaf in flat.tensors)
+    temporary = f"{target}.tmp-{os.getpid()}"
+    try:
+        if kind == "pt":
+            torch.save(state, temporary)
+        else:
+            from safetensors.torch import save_file
+
+            tensors = {leaf.key: torch.as_tensor(leaf.value) for leaf in flat.tensors}
+            values = {entry.key: entry.value for entry in flat.values if entry.special is None}
+            if len(values) < len(flat.values):
+                special = [entry.key for entry in flat.values if entry.special is not None][:5]
+                raise UnsupportedValueError(
+                    f"values {special} (non-finite floats, big integers ...) have no safetensors form; export to .pt"
+                )
+            save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return ExportSummary(target, kind, len(flat.tensors), len(flat.values), tensor_bytes)
