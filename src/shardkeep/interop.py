@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -122,12 +123,15 @@ def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 def _read_dcp(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     try:
         planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        dcp_load(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
+            # As torch's own dcp_to_torch_save does: the empty-state planner fills ``state``.
+            _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
     except Exception as exc:  # DCP raises many kinds (CheckpointException, pickle errors ...)
         raise UnsupportedValueError(f"{path}: reading the DCP checkpoint failed: {type(exc).__name__}: {exc}") from exc
     return state
