@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ledger_workers
+from figures import record
 from shardkeep.ledger import ProgressLedger
 
 WRITERS = 8
@@ -103,6 +104,13 @@ def test_eight_writers_and_readers_lose_nothing(tmp_path: Path) -> None:
         f"({WRITERS * updates / elapsed:.0f} updates/s); {reads} concurrent reads; "
         f"lost {lost}, unreadable {unreadable}"
     )
+    record(
+        "progress manifest",
+        trials=WRITERS * updates,
+        failures=lost + unreadable,
+        detail=f"{WRITERS} writer processes x {updates} updates, {reads} concurrent unlocked reads: lost {lost}, "
+        f"unreadable {unreadable}",
+    )
     assert lost == 0
     assert unreadable == 0, [report["examples"] for report in reports]
     assert sum(report["regressions"] for report in reports) == 0
@@ -173,6 +181,13 @@ def test_writers_killed_mid_update_lose_nothing_that_returned(tmp_path: Path) ->
     print(
         f"\nledger with kill -9: {kills} writers killed and restarted, {reads} concurrent reads; "
         f"lost {lost}, unreadable {unreadable}"
+    )
+    record(
+        "progress manifest: kill -9",
+        trials=kills,
+        failures=lost + unreadable,
+        detail=f"{WRITERS} writers x {updates} updates, {kills} kill -9 of writers (restarted), {reads} reads: lost "
+        f"{lost}, unreadable {unreadable}",
     )
     assert kills >= kills_wanted // 2
     assert lost == 0

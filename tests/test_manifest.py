@@ -6,10 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import shardkeep as sk
 from shardkeep.config import ManifestLimits
@@ -379,46 +376,6 @@ def test_golden_newer_major_manifest_is_refused() -> None:
 # ---------------------------------------------------------------------------------------------
 # fuzzing: the parser raises only its own error types
 # ---------------------------------------------------------------------------------------------
-
-_json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=20,
-)
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.binary(max_size=400))
-def test_fuzz_arbitrary_bytes_raise_only_manifest_errors(data: bytes) -> None:
-    try:
-        decode_manifest(data)
-    except sk.ManifestError:
-        pass
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.dictionaries(
-        st.sampled_from(["metadata_version", "files", "step", "tiers", "sharding", "values", "structure", "x"]),
-        _json_values,
-        max_size=6,
-    )
-)
-def test_fuzz_json_objects_raise_only_manifest_errors(raw: dict[str, object]) -> None:
-    raw.setdefault("metadata_version", "1.0")
-    try:
-        manifest = decode_manifest(msgspec.json.encode(raw))
-    except sk.ManifestError:
-        return
-    validate_manifest(manifest)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.text(max_size=40))
-def test_fuzz_path_checker_never_raises(path: str) -> None:
-    reason = unsafe_path_reason(path)
-    if reason is None:
-        assert not path.startswith("/") and ".." not in path.split("/")
 
 
 def test_fast_and_strict_decoding_paths_agree() -> None:

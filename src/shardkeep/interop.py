@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardkeep import api
+import shardkeep.api as api
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsupportedValueError
 from shardkeep.manifest import Manifest
 from shardkeep.tensors.flatten import flatten_state

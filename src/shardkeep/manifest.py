@@ -438,9 +438,9 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
         return None
     try:
         manifest = _typed_decoder.decode(data)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    encoded = _encoder.encode(manifest)
+        encoded = _encoder.encode(manifest)
+    except (msgspec.DecodeError, msgspec.EncodeError, RecursionError, ValueError):
+        return None  # the strict path gives the precise error (UnicodeDecodeError is a ValueError)
     if data != encoded:
         body = len(encoded) - 1
         if not (
