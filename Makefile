@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers clean
+.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench-ledger: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(PY) bench/tiers.py
+
+# The reliability figures at full size (1000 kill -9 trials, 10,000+ fuzz inputs ...); --ci for CI sizes.
+bench-reliability: $(STAMP)
+	$(PY) bench/reliability.py --markdown docs/reliability-figures.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
