@@ -49,6 +49,20 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def reseal(checkpoint: Path, mutate: Any) -> None:
+    """Change the manifest with ``mutate(raw_dict)`` and re-seal it, as an attacker who can write
+    the directory could (the seal detects damage, not tampering)."""
+    import json
+
+    from shardkeep.integrity import seal_manifest
+
+    raw = json.loads((checkpoint / "manifest.json").read_bytes())
+    raw.pop("manifest_digest")
+    mutate(raw)
+    os.chmod(checkpoint / "manifest.json", 0o644)
+    (checkpoint / "manifest.json").write_bytes(seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3"))
+
+
 def tree_listing(root: Path) -> list[str]:
     return sorted(
         os.path.relpath(os.path.join(d, name), root) for d, dirs, files in os.walk(root) for name in dirs + files

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 import zstandard
 
 import shardkeep as sk
-from shardkeep.integrity import seal_manifest
+from conftest import reseal
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -70,14 +69,12 @@ def test_compression_bombs_are_refused_before_allocating(tmp_path: Path) -> None
         shutil.copytree(tmp_path / "pristine", checkpoint)
         os.chmod(checkpoint / record.path, 0o644)
         (checkpoint / record.path).write_bytes(stored)
-        raw = json.loads((checkpoint / "manifest.json").read_bytes())
-        raw.pop("manifest_digest")
-        raw["files"][0]["compression"]["stored_size"] = len(stored)
-        raw["files"][0]["size"] = declared
-        os.chmod(checkpoint / "manifest.json", 0o644)
-        (checkpoint / "manifest.json").write_bytes(
-            seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
-        )
+
+        def lie(raw: dict, stored: bytes = stored, declared: int = declared) -> None:  # type: ignore[type-arg]
+            raw["files"][0]["compression"]["stored_size"] = len(stored)
+            raw["files"][0]["size"] = declared
+
+        reseal(checkpoint, lie)
         with pytest.raises(sk.IntegrityError, match=r"zstd frame declares|decompress|cannot hold"):
             sk.load(checkpoint)
         assert not sk.verify(checkpoint).ok, name

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -57,7 +58,11 @@ def test_a_torch_file_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(sk.CheckpointExistsError, match="already exists"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "back.pt")
     export_checkpoint(tmp_path / "ckpt", tmp_path / "back.pt", overwrite=True)
-    assert not list(tmp_path.glob("back.pt.tmp-*"))
+    assert not list(tmp_path.glob(".*.tmp"))
+    sk.save({"array": np.arange(5, dtype=np.int32), "w": torch.ones(2)}, tmp_path / "with_numpy")
+    export_checkpoint(tmp_path / "with_numpy", tmp_path / "numpy.pt")
+    exported = torch.load(tmp_path / "numpy.pt", weights_only=True)  # numpy arrays become tensors
+    assert torch.equal(exported["array"], torch.arange(5, dtype=torch.int32))
 
 
 def test_a_safetensors_file_round_trips_with_its_values(tmp_path: Path) -> None:
@@ -119,7 +124,7 @@ def test_refusals_are_typed_and_name_the_input(tmp_path: Path) -> None:
         export_checkpoint(tmp_path / "nan", tmp_path / "nan.safetensors")
     with pytest.raises(sk.ConfigError, match="cannot tell the format"):
         export_checkpoint(tmp_path / "nan", tmp_path / "out.bin2")
-    assert not list(tmp_path.glob("*.tmp-*"))
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_cli_import_signs_and_export_checks_the_signature(tmp_path: Path) -> None:

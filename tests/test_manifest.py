@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardkeep as sk
 from shardkeep.config import ManifestLimits
@@ -389,3 +390,14 @@ def test_fast_and_strict_decoding_paths_agree() -> None:
         decode_manifest(duplicated)
     trailing = canonical[:-2] + b',"extra":1}\n'
     assert decode_manifest(trailing).unknown_fields == {"extra": 1}
+
+
+def test_surrogate_escapes_are_refused_but_escaped_backslashes_are_not(tmp_path: Path) -> None:
+    text = "C:\\udbff\\x"  # a backslash followed by the letters udbff: plain text, no surrogate
+    sk.save({"path": text, "w": torch.zeros(1)}, tmp_path / "c")
+    assert sk.load(tmp_path / "c")["path"] == text
+    canonical = seal_manifest(encode_manifest(full_manifest()), "blake3")
+    lone = canonical.replace(b'"model_id":"', b'"model_id":"\\ud800', 1)
+    assert lone != canonical
+    with pytest.raises(sk.ManifestError, match="surrogate"):
+        decode_manifest(lone)

@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
-from conftest import make_state
+from conftest import make_state, reseal
 from shardkeep.cli import main
 from shardkeep.integrity import (
     PASSPHRASE_ENV,
@@ -47,15 +46,6 @@ def _resign_raw(checkpoint: Path, key: Ed25519PrivateKey, message: bytes) -> Non
         "signature": key.sign(message).hex(),
     }
     (checkpoint / "manifest.sig").write_bytes(msgspec.json.encode(record) + b"\n")
-
-
-def _reseal(checkpoint: Path, mutate: Any) -> None:
-    """Change the manifest and re-seal it, as an attacker who can write the directory could."""
-    raw = json.loads((checkpoint / "manifest.json").read_bytes())
-    raw.pop("manifest_digest")
-    mutate(raw)
-    os.chmod(checkpoint / "manifest.json", 0o644)
-    (checkpoint / "manifest.json").write_bytes(seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3"))
 
 
 def test_a_signed_checkpoint_loads_and_verifies_with_its_public_key(tmp_path: Path, key: Ed25519PrivateKey) -> None:
@@ -127,7 +117,7 @@ def test_a_resealed_manifest_passes_the_seal_but_not_the_signature(tmp_path: Pat
     def change_value(raw: dict[str, Any]) -> None:
         raw["values"][0]["value"] = 6
 
-    _reseal(checkpoint, change_value)
+    reseal(checkpoint, change_value)
     assert sk.load(checkpoint)["step"] == 6  # the seal detects damage, not an attacker
     with pytest.raises(sk.SignatureError):
         sk.load(checkpoint, public_key=key.public_key())
@@ -244,7 +234,6 @@ def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
     manager.async_save(state, step=2, metrics={"val_loss": 0.5}).result(60)
     assert all((root / name / "manifest.sig").exists() for name in ("step_00000001", "step_00000002"))
     # The newest checkpoint re-signed by a stranger: restore must not take it.
-    shutil.copy(root / "step_00000002" / "manifest.sig", tmp_path / "sig")
     other = Ed25519PrivateKey.generate()
     _resign_raw(
         root / "step_00000002", other, SIGNATURE_DOMAIN + (root / "step_00000002" / "manifest.json").read_bytes()
@@ -267,3 +256,39 @@ def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519Pr
     assert sk.load(f"{root}/step_1", public_key=key.public_key(), storage_options=options)["step"] == 5
     report = sk.verify(f"{root}/step_1", public_key=key.public_key(), storage_options=options)
     assert report.ok and report.signature.startswith("valid")
+
+
+def test_two_coordinators_racing_on_s3_leave_the_winner_signed(s3_server: Any, key: Ed25519PrivateKey) -> None:
+    from shardkeep.dist.commit import CheckpointCommit
+    from shardkeep.storage import FsspecStore
+
+    store = FsspecStore(f"s3://{s3_server.new_bucket('race')}/root", s3_server.storage_options)
+    winner, loser = CheckpointCommit(store, "step_1"), CheckpointCommit(store, "step_1")
+    winner.begin()
+    loser.begin()
+    winner.commit(b"manifest A", b"signature A\n")
+    with pytest.raises(sk.CheckpointExistsError):
+        loser.commit(b"manifest B", b"signature B\n")
+    loser.abort()
+    handle = store.open_read("step_1/manifest.sig")
+    found = bytearray(handle.size)
+    handle.read_into(0, memoryview(found))
+    handle.close()
+    assert bytes(found) == b"signature A\n"
+
+
+def test_a_leftover_signature_never_sticks_to_a_later_checkpoint(s3_server: Any, key: Ed25519PrivateKey) -> None:
+    from shardkeep.storage import FsspecStore
+
+    store = FsspecStore(f"s3://{s3_server.new_bucket('stale')}/root", s3_server.storage_options)
+    other = Ed25519PrivateKey.generate()
+    # A signed attempt that died after writing its signature but before its manifest (the
+    # old order), or whose manifest was removed by retention first.
+    sk.save(_state(), "step_1", storage=store, signer=other)
+    store.remove_tree("step_1/manifest.json")
+    sk.save(_state(), "step_1", storage=store)  # unsigned: the leftover signature goes
+    assert store.stat("step_1/manifest.sig") is None
+    assert sk.verify("step_1", storage=store).signature == "not signed"
+    store.remove_tree("step_1/manifest.json")
+    sk.save(_state(), "step_1", storage=store, signer=key)  # signed: replaced by the new one
+    assert sk.verify("step_1", storage=store, public_key=key.public_key()).ok

@@ -361,7 +361,11 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from tqdm import tqdm
 
         try:
-            total = sum(record.size for record in read_manifest(args.path).files)
+            # Checked like verify checks it: the signature before the manifest is parsed.
+            manifest = read_manifest(
+                args.path, public_key=args.public_key, require_signature=False if args.allow_unsigned else None
+            )
+            total = sum(record.size for record in manifest.files)
         except ShardkeepError:
             total = None
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=err, leave=False)

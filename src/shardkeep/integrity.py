@@ -256,14 +256,18 @@ def _write_exclusive(path: str | os.PathLike[str], data: bytes, mode: int) -> No
 
 
 def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
-    """The files (and the manifest's seal) whose digests a signature cannot vouch for."""
-    weak = [
-        record.path for record in manifest.files if (record.digest or "").partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
-    ]
+    """The files, tensor chunks (whose own digests partial loads check) and the manifest's seal
+    whose digests a signature cannot vouch for."""
+
+    def weak(digest: str | None) -> bool:
+        return digest is not None and digest.partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
+
+    found = [record.path for record in manifest.files if record.digest is None or weak(record.digest)]
+    found += [f"{record.path}:{entry.key}" for record, entry in manifest.iter_tensors() if weak(entry.digest)]
     seal = _SEAL.search(manifest_bytes[-256:])
     if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:
-        weak.append(SEAL_FIELD)
-    return weak
+        found.append(SEAL_FIELD)
+    return found
 
 
 def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey, manifest: Manifest) -> bytes:

@@ -20,17 +20,25 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 import shardkeep.api as api
-from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsupportedValueError
+from shardkeep.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    StorageError,
+    UnsupportedValueError,
+)
 from shardkeep.manifest import Manifest
-from shardkeep.tensors.flatten import flatten_state
+from shardkeep.tensors.flatten import FlatState, flatten_state
 
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
 
@@ -195,6 +203,55 @@ def _export_format(destination: str, given: str | None) -> ExportFormat:
     raise ConfigError(f"cannot tell the format from {destination!r}: end it in .pt or .safetensors, or pass format=")
 
 
+def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: str) -> None:
+    if kind == "pt":
+        torch.save(_as_torch(state), temporary)
+        return
+    from safetensors.torch import save_file
+
+    values = {entry.key: entry.value for entry in flat.values if entry.special is None}
+    if len(values) < len(flat.values):
+        special = [entry.key for entry in flat.values if entry.special is not None][:5]
+        raise UnsupportedValueError(
+            f"values {special} (non-finite floats, big integers ...) have no safetensors form; export to .pt"
+        )
+    tensors = {leaf.key: torch.as_tensor(leaf.value) for leaf in flat.tensors}
+    save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
+
+
+def _write_replacing(target: str, write: Callable[[str], None]) -> None:
+    """Write ``target`` whole or not at all: a fresh temporary file beside it (created
+    exclusively), fsync, rename over ``target``, fsync of the directory."""
+    directory = os.path.dirname(os.path.abspath(target))
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    parent = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+def _as_torch(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors, so that the ``.pt`` loads with ``weights_only=True``."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {key: _as_torch(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_torch(item) for item in value)
+    return value
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -212,26 +269,8 @@ def export_checkpoint(
     state = api.load(checkpoint, **load_options)
     flat = flatten_state(state)
     tensor_bytes = sum(int(leaf.value.nbytes) for leaf in flat.tensors)
-    temporary = f"{target}.tmp-{os.getpid()}"
     try:
-        if kind == "pt":
-            torch.save(state, temporary)
-        else:
-            from safetensors.torch import save_file
-
-            tensors = {leaf.key: torch.as_tensor(leaf.value) for leaf in flat.tensors}
-            values = {entry.key: entry.value for entry in flat.values if entry.special is None}
-            if len(values) < len(flat.values):
-                special = [entry.key for entry in flat.values if entry.special is not None][:5]
-                raise UnsupportedValueError(
-                    f"values {special} (non-finite floats, big integers ...) have no safetensors form; export to .pt"
-                )
-            save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+        _write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
+    except OSError as exc:
+        raise StorageError(f"cannot write {target}: {exc}") from exc
     return ExportSummary(target, kind, len(flat.tensors), len(flat.values), tensor_bytes)

@@ -336,7 +336,7 @@ def _finite_float(text: str) -> float:
 
 #: A JSON escape of a UTF-16 surrogate: such a string may not be valid Unicode text, and this
 #: library never writes one (text is UTF-8).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _parse_version(text: object) -> tuple[int, int]:

@@ -3,7 +3,6 @@ missing files, and hostile paths in a manifest are caught by both ``load`` and `
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,23 +12,24 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
-from conftest import checkpoint_files, flip_bit
+from conftest import checkpoint_files, flip_bit, reseal
 from figures import record
-from shardkeep.integrity import seal_manifest
 
 KEY = Ed25519PrivateKey.generate()
 
 
-def _tiny_checkpoint(path: Path) -> None:
+def _tiny_checkpoint(path: Path, signed: bool = True) -> None:
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2]), "step": 3}
-    sk.save(state, path, signer=KEY)
+    sk.save(state, path, signer=KEY if signed else None)
 
 
-def _damage_detected(path: Path) -> tuple[bool, bool]:
-    """(verify failed, load raised a ShardkeepError), both checking the signature."""
-    verify_failed = not sk.verify(path, public_key=KEY.public_key()).ok
+def _damage_detected(path: Path, signed: bool = True) -> tuple[bool, bool]:
+    """(verify failed, load raised a ShardkeepError); a signed checkpoint is read with its key, an
+    unsigned one without (where the manifest's seal and the digests must catch everything)."""
+    key = KEY.public_key() if signed else None
+    verify_failed = not sk.verify(path, public_key=key).ok
     try:
-        sk.load(path, public_key=KEY.public_key())
+        sk.load(path, public_key=key)
     except sk.ShardkeepError:
         load_failed = True
     else:
@@ -37,16 +37,17 @@ def _damage_detected(path: Path) -> tuple[bool, bool]:
     return verify_failed, load_failed
 
 
-def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path, signed: bool) -> None:
     pristine = tmp_path / "pristine"
-    _tiny_checkpoint(pristine)
+    _tiny_checkpoint(pristine, signed)
     work = tmp_path / "work"
     shutil.copytree(pristine, work)
-    assert _damage_detected(work) == (False, False)
+    assert _damage_detected(work, signed) == (False, False)
     undetected: list[str] = []
     flips = 0
     sizes = {p.name: p.stat().st_size for p in checkpoint_files(pristine)}
-    assert set(sizes) == {"manifest.json", "manifest.sig", "rank_00000.safetensors"}
+    assert set(sizes) == {"manifest.json", "rank_00000.safetensors"} | ({"manifest.sig"} if signed else set())
     for original in checkpoint_files(pristine):
         relative = original.relative_to(pristine)
         target = work / relative
@@ -55,26 +56,28 @@ def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path) ->
             for bit in range(8):
                 flip_bit(target, byte_index, bit)
                 flips += 1
-                verify_failed, load_failed = _damage_detected(work)
+                verify_failed, load_failed = _damage_detected(work, signed)
                 if not (verify_failed and load_failed):
                     undetected.append(f"{relative}[{byte_index}] bit {bit}: verify={verify_failed} load={load_failed}")
                 flip_bit(target, byte_index, bit)
     assert flips > 8000
+    kind = "signed checkpoint, read with its public key" if signed else "unsigned checkpoint, read without a key"
     record(
         "bit flips",
         trials=flips,
         failures=len(undetected),
-        detail="every bit of a small signed checkpoint ("
+        detail=f"every bit of a small {kind} ("
         + ", ".join(f"{name} {size} B" for name, size in sorted(sizes.items()))
-        + "), one at a time; verify and load with the public key must both refuse",
+        + "), one at a time; verify and load must both refuse",
     )
     assert undetected == []
-    assert _damage_detected(work) == (False, False)
+    assert _damage_detected(work, signed) == (False, False)
 
 
-def test_every_truncation_is_detected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_every_truncation_is_detected(tmp_path: Path, signed: bool) -> None:
     pristine = tmp_path / "pristine"
-    _tiny_checkpoint(pristine)
+    _tiny_checkpoint(pristine, signed)
     work = tmp_path / "work"
     undetected: list[str] = []
     truncations = 0
@@ -86,13 +89,13 @@ def test_every_truncation_is_detected(tmp_path: Path) -> None:
             shutil.rmtree(work, ignore_errors=True)
             shutil.copytree(pristine, work)
             (work / relative).write_bytes(content[:length])
-            if _damage_detected(work) != (True, True):
+            if _damage_detected(work, signed) != (True, True):
                 undetected.append(f"{relative} truncated to {length}")
     record(
         "truncation",
         trials=truncations,
         failures=len(undetected),
-        detail="each file of the signed checkpoint truncated to every shorter length",
+        detail=f"each file of the {'signed' if signed else 'unsigned'} checkpoint truncated to every shorter length",
     )
     assert undetected == []
 
@@ -149,16 +152,6 @@ def test_verify_reports_every_problem_at_once(tmp_path: Path) -> None:
     assert report.files_checked == 4
 
 
-def _rewrite_manifest(checkpoint: Path, mutate) -> None:  # type: ignore[no-untyped-def]
-    """Change the manifest and re-seal it, as an attacker who can write the directory could."""
-    raw = json.loads((checkpoint / "manifest.json").read_bytes())
-    raw.pop("manifest_digest")
-    mutate(raw)
-    data = seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3")
-    os.chmod(checkpoint / "manifest.json", 0o644)
-    (checkpoint / "manifest.json").write_bytes(data)
-
-
 @pytest.mark.parametrize(
     "hostile", ["../outside.safetensors", "/etc/passwd", "shards/../../outside.safetensors", "shards\\x", "a\x00b"]
 )
@@ -171,7 +164,7 @@ def test_hostile_paths_in_a_manifest_are_rejected_without_reading(tmp_path: Path
     def point_outside(raw: dict) -> None:  # type: ignore[type-arg]
         raw["files"][0]["path"] = hostile
 
-    _rewrite_manifest(checkpoint, point_outside)
+    reseal(checkpoint, point_outside)
     with pytest.raises(sk.ManifestError, match="unsafe path"):
         sk.load(checkpoint)
     with pytest.raises(sk.ManifestError, match="unsafe path"):
@@ -220,7 +213,7 @@ def test_header_that_disagrees_with_the_manifest_is_caught(tmp_path: Path) -> No
             if entry["key"] == "w":
                 entry["shape"] = [3, 2]
 
-    _rewrite_manifest(checkpoint, relabel)
+    reseal(checkpoint, relabel)
     with pytest.raises(sk.IntegrityError, match="header"):
         sk.load(checkpoint)
     assert any("header" in p for p in sk.verify(checkpoint).problems)

@@ -111,7 +111,7 @@ def test_fuzz_the_shard_header_parser(tmp_path: Any) -> None:
                 st.dictionaries(st.text(max_size=6), entry | _json, max_size=4).map(
                     lambda d: framed(json.dumps(d).encode())
                 ),
-                st.tuples(st.integers(0, 1 << 64 - 1), st.binary(max_size=50)).map(
+                st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50)).map(
                     lambda t: struct.pack("<Q", t[0]) + t[1]
                 ),
             )

@@ -30,10 +30,11 @@ protocol: ``begin`` refuses if ``<final>/manifest.json`` exists; data objects ar
 ``commit`` writes the manifest last, create-only (``If-None-Match: *``), so that of two
 coordinators committing the same name one fails; ``abort`` deletes the attempt's prefix and
 aborts its unfinished multipart uploads. A killed attempt leaves objects without a manifest,
-which no reader takes for a checkpoint; cleanup removes them after a lease. A signature goes to
-``<final>/manifest.sig`` just before the manifest (replacing one an uncommitted attempt left);
-if two coordinators race for the same name, the loser may leave the winner's checkpoint with a
-signature that does not match, which readers refuse: it fails closed.
+which no reader takes for a checkpoint; cleanup removes them after a lease. The signature of a
+signed save is written to ``<final>/manifest.sig`` right after the manifest, by the attempt that
+won the create-only write (replacing any an earlier, uncommitted attempt left); an unsigned save
+removes such a leftover. A reader that requires a signature refuses the checkpoint in between
+(and after a crash in between, until ``shardkeep sign`` adds it): it fails closed.
 
 Tiers with a location of their own (another directory, or a bucket) get the object-store
 layout there too, on any kind of store: their files go under ``<final>/attempt-<id>/`` of the
@@ -46,7 +47,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 
-from shardkeep.errors import CheckpointExistsError, UnsafePathError
+from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
 from shardkeep.storage.base import ByteStore, renames
 
@@ -88,7 +89,6 @@ class CheckpointCommit:
         self.data_dirs: set[str] = set()
         self.tier_dirs: dict[str, set[str]] = {}
         self.sealed: bytes | None = None  # the manifest bytes, once their write was attempted
-        self.signature: bytes | None = None  # manifest.sig's bytes, once written
 
     def begin(self) -> None:
         committed = f"{self.final}/{MANIFEST_FILENAME}" if self.object_store else self.final
@@ -133,15 +133,25 @@ class CheckpointCommit:
             tier_store.sync_dir("")
 
     def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
-        """Write the signature (if any) and the manifest last, then (on a filesystem) publish the
-        staging directory."""
+        """On a filesystem: write the signature (if any) and the manifest into the staging
+        directory, then publish it. On an object store: write the manifest (create-only), then
+        the signature."""
         self._sync_tier_directories()
         if self.object_store:
-            if signature is not None:
-                self.store.put_atomic(f"{self.final}/{SIGNATURE_FILENAME}", signature)
-                self.signature = signature
             self.sealed = manifest_bytes
             self._write_new(f"{self.final}/{MANIFEST_FILENAME}", manifest_bytes)  # create-only
+            # Committed, and ours: only now may <final>/manifest.sig be written or replaced.
+            signature_path = f"{self.final}/{SIGNATURE_FILENAME}"
+            if signature is not None:
+                try:
+                    self.store.put_atomic(signature_path, signature)
+                except StorageError as exc:
+                    raise StorageError(
+                        f"{self.final!r} is committed, but writing its signature failed ({exc}); readers that require "
+                        "a signature refuse it until `shardkeep sign` adds one"
+                    ) from exc
+            elif self.store.stat(signature_path) is not None:
+                self.store.remove_tree(signature_path)  # a leftover of an uncommitted signed attempt
             return
         self.sealed = manifest_bytes
         for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
@@ -196,11 +206,6 @@ class CheckpointCommit:
         if self.sealed is not None and self.committed() is not False:
             return
         first: BaseException | None = None
-        if self.signature is not None:
-            try:
-                self._remove_own_signature()
-            except Exception as exc:
-                first = exc
         for tier_store in self.tier_stores.values():
             try:
                 tier_store.remove_tree(f"{self.final}/{self.attempt}")
@@ -212,20 +217,3 @@ class CheckpointCommit:
             first = first or exc
         if first is not None:
             raise first
-
-    def _remove_own_signature(self) -> None:
-        """On an object store: remove ``<final>/manifest.sig`` if it is still the one this
-        attempt wrote (another attempt may have replaced it since)."""
-        path = f"{self.final}/{SIGNATURE_FILENAME}"
-        if self.store.stat(path) is None:
-            return
-        handle = self.store.open_read(path)
-        try:
-            found = bytearray(handle.size) if handle.size == len(self.signature or b"") else None
-            if found is not None:
-                handle.read_into(0, memoryview(found))
-        finally:
-            handle.close()
-        if found is not None and bytes(found) == self.signature:
-            self.store.remove_tree(path)
-
