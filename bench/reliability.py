@@ -50,7 +50,7 @@ ROWS = [
     ),
     (
         "bit flips, truncation, extra or missing files",
-        "every single-bit flip of a small signed checkpoint; every truncation length; stray and removed files",
+        "every single-bit flip of a small checkpoint, signed and unsigned; every truncation length; stray and removed files",
         "100 % detected",
         ["bit flips", "truncation", "extra or missing files"],
     ),
