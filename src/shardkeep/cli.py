@@ -1,5 +1,5 @@
 """The ``shardkeep`` command line: argument parsing and printing. Imports without torch (``import``
- and ``export`` load it when they run).
+and ``export`` load it when they run).
 
 Exit status: 0 on success, 1 when ``verify`` (or ``ls``) finds a problem, 2 on bad usage or
 when the checkpoint or root cannot be read at all.
