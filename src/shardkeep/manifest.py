@@ -23,7 +23,7 @@ from typing import Any, Literal
 import msgspec
 
 from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
-from shardkeep.errors import ManifestError, ManifestVersionError
+from shardkeep.errors import ManifestError, ManifestVersionError, ShardkeepError
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -314,17 +314,25 @@ def _check_depth(data: bytes, max_depth: int) -> None:
         raise ManifestError(f"manifest JSON is nested deeper than the limit of {max_depth}")
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ManifestError(f"manifest JSON has a duplicate key {key!r}")
-        result[key] = value
-    return result
+def strict_json_hooks(error: type[ShardkeepError], what: str) -> dict[str, Any]:
+    """``json.loads`` hooks that refuse duplicate keys and NaN/Infinity with ``error``, naming
+    ``what`` (the manifest, a shard header)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise error(f"{what} has a duplicate key {key[:80]!r}")
+            result[key] = value
+        return result
+
+    def constant(name: str) -> Any:
+        raise error(f"{what} contains {name}, which is not valid JSON")
+
+    return {"object_pairs_hook": unique, "parse_constant": constant}
 
 
-def _reject_constant(name: str) -> Any:
-    raise ManifestError(f"manifest JSON contains {name}, which is not valid JSON")
+_STRICT_MANIFEST_HOOKS = strict_json_hooks(ManifestError, "manifest JSON")
 
 
 def _finite_float(text: str) -> float:
@@ -358,9 +366,7 @@ def parse_json_strict(data: bytes, limits: ManifestLimits) -> Any:
         raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
     _check_depth(data, limits.max_depth)
     try:
-        return json.loads(
-            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant, parse_float=_finite_float
-        )
+        return json.loads(text, parse_float=_finite_float, **_STRICT_MANIFEST_HOOKS)
     except ManifestError:
         raise
     except (ValueError, RecursionError) as exc:

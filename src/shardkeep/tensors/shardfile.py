@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shardkeep.errors import IntegrityError
-from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord
+from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, strict_json_hooks
 
 __all__ = ["STALE", "VERSION_KEY", "HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
 
@@ -85,17 +85,7 @@ def header_length(prefix: bytes | memoryview, file_size: int) -> int:
     return int(length)
 
 
-def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    found = dict(pairs)
-    if len(found) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]  # set.add returns None
-        raise IntegrityError(f"safetensors header has the key {duplicate[:80]!r} twice")
-    return found
-
-
-def _refuse_constant(name: str) -> object:
-    raise IntegrityError(f"safetensors header contains {name}, which is not JSON")
+_STRICT_HEADER_HOOKS = strict_json_hooks(IntegrityError, "safetensors header")
 
 
 def _refuse_float(text: str) -> object:
@@ -113,12 +103,7 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
     length = header_length(data, len(data))
     raw_bytes = bytes(data[_LENGTH.size : _LENGTH.size + length])
     try:
-        raw = json.loads(
-            raw_bytes.decode("utf-8"),
-            object_pairs_hook=_unique,
-            parse_constant=_refuse_constant,
-            parse_float=_refuse_float,
-        )
+        raw = json.loads(raw_bytes.decode("utf-8"), parse_float=_refuse_float, **_STRICT_HEADER_HOOKS)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"safetensors header is malformed: {str(exc)[:200]}") from exc
     if not isinstance(raw, dict):
