@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -214,6 +216,47 @@ def test_header_that_disagrees_with_the_manifest_is_caught(tmp_path: Path) -> No
                 entry["shape"] = [3, 2]
 
     reseal(checkpoint, relabel)
+    with pytest.raises(sk.IntegrityError, match="header"):
+        sk.load(checkpoint)
+    assert any("header" in p for p in sk.verify(checkpoint).problems)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"w":{"dtype"', b'"b" :{"dtype"'),  # a second entry named "b", hidden by a space
+        (b'"shape":[2,3],', b'"shape":[2,3],"dtype":"F32",'),  # a repeated member
+        (b'"data_offsets":[16,40]', b'"data_offsets":[16.0,40]'),  # not an integer
+        (b'"data_offsets":[16,40]', b'"data_offsets":["16",40]'),
+        (b'"shardkeep.version":"1"', b'"shardkeep.version":1'),  # metadata must be strings
+        (b'"data_offsets":[16,40]', b'"data_offsets":[40,16]'),  # ends before it begins
+    ],
+)
+def test_a_hostile_shard_header_is_refused_even_with_matching_digests(tmp_path: Path, old: bytes, new: bytes) -> None:
+    """An attacker who rewrites a shard and re-seals the manifest with its new size and digest
+    (no signature): the header's strict parsing and cross-check still refuse it."""
+    checkpoint = tmp_path / "ckpt"
+    _tiny_checkpoint(checkpoint, signed=False)
+    shard = checkpoint / "shards" / "rank_00000.safetensors"
+    data = shard.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + length].rstrip(b" ")
+    assert old in header
+    header = header.replace(old, new, 1)
+    header += b" " * (-(len(header) + 8) % 8)
+    rewritten = struct.pack("<Q", len(header)) + header + data[8 + length :]
+    os.chmod(shard, 0o644)
+    shard.write_bytes(rewritten)
+    offset_shift = len(header) - length
+
+    def follow(raw: dict) -> None:  # type: ignore[type-arg]
+        record = raw["files"][0]
+        record["size"] = len(rewritten)
+        record["digest"] = "blake3:" + blake3.blake3(rewritten).hexdigest()
+        for entry in record["tensors"]:
+            entry["offset"] += offset_shift
+
+    reseal(checkpoint, follow)
     with pytest.raises(sk.IntegrityError, match="header"):
         sk.load(checkpoint)
     assert any("header" in p for p in sk.verify(checkpoint).problems)

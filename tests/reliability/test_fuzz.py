@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -53,41 +52,36 @@ def _mutate(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
 _edits = st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 8), st.binary(max_size=8)), min_size=1, max_size=4)
 
 
-def _run(name: str, body: Callable[[Callable[..., None]], Callable[[], None]]) -> None:
-    """Run the hypothesis test built by ``body`` and record how many inputs it saw."""
-    seen = [0]
-
-    def count(*_: Any) -> None:
-        seen[0] += 1
-
-    body(count)()
-    record("parser fuzzing", trials=seen[0], failures=0, detail=name)
-    assert seen[0] >= EXAMPLES // 2
+def _record(name: str, seen: int) -> None:
+    record("parser fuzzing", trials=seen, failures=0, detail=name)
+    assert seen >= EXAMPLES // 2
 
 
 def test_fuzz_the_manifest_parser(tmp_path: Any) -> None:
     canonical, _ = _reference_manifest(str(tmp_path))
     keys = ["metadata_version", "files", "step", "tiers", "sharding", "values", "structure", "run", "x"]
 
-    def body(count: Callable[..., None]) -> Callable[[], None]:
-        @_SETTINGS
-        @given(
-            st.one_of(
-                st.binary(max_size=600),
-                _edits.map(lambda edits: _mutate(canonical, edits)),
-                st.dictionaries(st.sampled_from(keys), _json, max_size=6).map(msgspec.json.encode),
-            )
+    seen = 0
+
+    @_SETTINGS
+    @given(
+        st.one_of(
+            st.binary(max_size=600),
+            _edits.map(lambda edits: _mutate(canonical, edits)),
+            st.dictionaries(st.sampled_from(keys), _json, max_size=6).map(msgspec.json.encode),
         )
-        def run(data: bytes) -> None:
-            count()
-            try:
-                validate_manifest(decode_manifest(data))
-            except sk.ManifestError:
-                pass
+    )
+    def run(data: bytes) -> None:
+        nonlocal seen
+        seen += 1
+        try:
+            validate_manifest(decode_manifest(data))
+        except sk.ManifestError:
+            pass
 
-        return run
+    run()
 
-    _run("manifest: arbitrary bytes, edits of a real manifest, JSON objects with manifest keys", body)
+    _record("manifest: arbitrary bytes, edits of a real manifest, JSON objects with manifest keys", seen)
 
 
 def test_fuzz_the_shard_header_parser(tmp_path: Any) -> None:
@@ -102,49 +96,53 @@ def test_fuzz_the_shard_header_parser(tmp_path: Any) -> None:
     def framed(body: bytes) -> bytes:
         return struct.pack("<Q", len(body)) + body + b"\0" * 64
 
-    def body(count: Callable[..., None]) -> Callable[[], None]:
-        @_SETTINGS
-        @given(
-            st.one_of(
-                st.binary(max_size=300),
-                _edits.map(lambda edits: _mutate(real, edits)),
-                st.dictionaries(st.text(max_size=6), entry | _json, max_size=4).map(
-                    lambda d: framed(json.dumps(d).encode())
-                ),
-                st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50)).map(
-                    lambda t: struct.pack("<Q", t[0]) + t[1]
-                ),
-            )
+    seen = 0
+
+    @_SETTINGS
+    @given(
+        st.one_of(
+            st.binary(max_size=300),
+            _edits.map(lambda edits: _mutate(real, edits)),
+            st.dictionaries(st.text(max_size=6), entry | _json, max_size=4).map(
+                lambda d: framed(json.dumps(d).encode())
+            ),
+            st.tuples(st.integers(0, (1 << 64) - 1), st.binary(max_size=50)).map(
+                lambda t: struct.pack("<Q", t[0]) + t[1]
+            ),
         )
-        def run(data: bytes) -> None:
-            count()
-            try:
-                check_header(parse_header(data), record_)
-            except sk.IntegrityError:
-                pass
+    )
+    def run(data: bytes) -> None:
+        nonlocal seen
+        seen += 1
+        try:
+            check_header(parse_header(data), record_)
+        except sk.IntegrityError:
+            pass
 
-        return run
+    run()
 
-    _run("shard header: arbitrary bytes, edits of a real header, JSON entries, huge length prefixes", body)
+    _record("shard header: arbitrary bytes, edits of a real header, JSON entries, huge length prefixes", seen)
 
 
 def test_fuzz_the_path_checker() -> None:
     parts = st.sampled_from(["..", ".", "", "a", "shards", "\\", "\0", "/", "~", "x" * 300, "é", "\ud800", " "])
 
-    def body(count: Callable[..., None]) -> Callable[[], None]:
-        @_SETTINGS
-        @given(st.text(max_size=60) | st.lists(parts | st.text(max_size=5), max_size=8).map("/".join))
-        def run(path: str) -> None:
-            count()
-            reason = unsafe_path_reason(path)
-            if reason is None:
-                components = path.split("/")
-                assert path and not path.startswith("/") and "\\" not in path and "\0" not in path
-                assert all(c not in ("", ".", "..") for c in components)
+    seen = 0
 
-        return run
+    @_SETTINGS
+    @given(st.text(max_size=60) | st.lists(parts | st.text(max_size=5), max_size=8).map("/".join))
+    def run(path: str) -> None:
+        nonlocal seen
+        seen += 1
+        reason = unsafe_path_reason(path)
+        if reason is None:
+            components = path.split("/")
+            assert path and not path.startswith("/") and "\\" not in path and "\0" not in path
+            assert all(c not in ("", ".", "..") for c in components)
 
-    _run("paths: text and slash-joined hostile components", body)
+    run()
+
+    _record("paths: text and slash-joined hostile components", seen)
 
 
 def test_fuzz_the_signature_parser(tmp_path: Any) -> None:
@@ -153,26 +151,28 @@ def test_fuzz_the_signature_parser(tmp_path: Any) -> None:
     policy = SignaturePolicy.of(KEY.public_key())
     assert check_signature(canonical, signature, policy).verified
 
-    def body(count: Callable[..., None]) -> Callable[[], None]:
-        @_SETTINGS
-        @given(
-            st.one_of(
-                st.binary(max_size=300),
-                _edits.map(lambda edits: _mutate(signature, edits)),
-                st.dictionaries(st.sampled_from(["format", "algorithm", "key_id", "signature", "x"]), _json).map(
-                    msgspec.json.encode
-                ),
-            )
+    seen = 0
+
+    @_SETTINGS
+    @given(
+        st.one_of(
+            st.binary(max_size=300),
+            _edits.map(lambda edits: _mutate(signature, edits)),
+            st.dictionaries(st.sampled_from(["format", "algorithm", "key_id", "signature", "x"]), _json).map(
+                msgspec.json.encode
+            ),
         )
-        def run(data: bytes) -> None:
-            count()
-            try:
-                parse_signature(data)
-                status = check_signature(canonical, data, policy)
-            except sk.SignatureError:
-                return
-            assert data == signature and status.verified  # only the genuine signature passes
+    )
+    def run(data: bytes) -> None:
+        nonlocal seen
+        seen += 1
+        try:
+            parse_signature(data)
+            status = check_signature(canonical, data, policy)
+        except sk.SignatureError:
+            return
+        assert data == signature and status.verified  # only the genuine signature passes
 
-        return run
+    run()
 
-    _run("signature: arbitrary bytes, edits of a real signature, JSON objects", body)
+    _record("signature: arbitrary bytes, edits of a real signature, JSON objects", seen)
