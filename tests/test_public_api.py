@@ -78,6 +78,7 @@ LAYER_ORDER = [
     "ledger",
     "verification",
     "catalog",
+    "report",
     "api",
     "manager",
     "batches",
@@ -103,6 +104,7 @@ TORCH_FREE = [
     "shardkeep.retention",
     "shardkeep.ledger",
     "shardkeep.catalog",
+    "shardkeep.report",
     "shardkeep.cli",
 ]
 

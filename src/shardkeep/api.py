@@ -46,6 +46,7 @@ from shardkeep.manifest import (
     FileRecord,
     Manifest,
     RunInfo,
+    SaveTiming,
     Sharding,
     StateSection,
     TensorEntry,
@@ -476,6 +477,9 @@ class _SaveJob:
             )
         self.signer = signer
         self.private_key: Ed25519PrivateKey | None = None
+        self.started = time.perf_counter()
+        #: Set by ``async_save`` once the caller resumes; a synchronous save blocks throughout.
+        self.blocked_seconds: float | None = None
         self.state = state
         self.location = location
         self.options = options
@@ -711,6 +715,9 @@ class _SaveJob:
         for record in manifest.files:
             if record.ref is None and record.tier not in self.tier_stores and not self.commit.object_store:
                 self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
+        total = time.perf_counter() - self.started
+        blocked = total if self.blocked_seconds is None else min(self.blocked_seconds, total)
+        manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
@@ -894,6 +901,7 @@ def _submit(
         layout=layout,
         signer=signer,
     )
+    job.started = started
     try:
         job.prepare()
     except BaseException:
@@ -904,8 +912,8 @@ def _submit(
     worker = threading.Thread(
         target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
     )
+    job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - started
     worker.start()
-    handle.blocked_seconds = time.perf_counter() - started
     return handle
 
 

@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     listing.add_argument("--verify", action="store_true", help="check every digest (reads everything)")
     listing.add_argument("--json", action="store_true", help="print the entries as JSON")
+    listing.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw the metric over steps (with the saves retention deleted), the kept last/best checkpoints, "
+        "and the time each save blocked training, into this PNG file (needs matplotlib: shardkeep[plot])",
+    )
     _policy_arguments(listing)
 
     prune = commands.add_parser(
@@ -494,6 +500,12 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
     leftovers = [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
     pointers = {name: root.read_pointer(name) for name in ("last", "best")}
     failed = any(entry.verified is False for entry in entries)
+    plotted = None
+    if args.plot:
+        from shardkeep.report import plot_root  # imports matplotlib
+
+        title = f"{root.display}   run {run or '-'}"
+        plotted = plot_root(entries, policy, run, args.plot, title=title)
     if args.json:
         document = {
             "root": root.display,
@@ -520,11 +532,13 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
                     "problems": list(entry.problems),
                     "run_id": entry.run_id,
                     "created_at": entry.created_at.isoformat() if entry.created_at else None,
+                    "timing": msgspec.to_builtins(entry.manifest.timing) if entry.manifest else None,
                 }
                 for entry in entries
             ],
             "pointers": pointers,
             "leftovers": leftovers,
+            "plot": plotted.path if plotted else None,
         }
         out.write(json.dumps(document, indent=2) + "\n")
         return 1 if failed else 0
@@ -541,13 +555,18 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         w("no checkpoints\n")
     else:
         metric_header = policy.metric[:16]
-        w(f"{'NAME':<16} {'STEP':>10} {metric_header:>16} {'SIZE':>10}  {'MARKS':<22} {'CREATED':<20} STATE\n")
+        w(
+            f"{'NAME':<16} {'STEP':>10} {metric_header:>16} {'SIZE':>10} {'BLOCKED':>9}  {'MARKS':<22} "
+            f"{'CREATED':<20} STATE\n"
+        )
         for entry in entries:
             metric = "-" if entry.metric is None else f"{entry.metric:.6g}"
             created = entry.created_at.strftime("%Y-%m-%d %H:%M:%S") if entry.created_at else "-"
             scoped = run is None or entry.run_id == run or entry.manifest is None
+            timing = entry.manifest.timing if entry.manifest is not None else None
+            blocked = f"{timing.blocked_seconds:.3f}s" if timing is not None else "-"
             w(
-                f"{entry.name:<16} {entry.step:>10} {metric:>16} {human_bytes(entry.size):>10}  "
+                f"{entry.name:<16} {entry.step:>10} {metric:>16} {human_bytes(entry.size):>10} {blocked:>9}  "
                 f"{_marks(entry, decision, scoped):<22} {created:<20} {_state(entry)}\n"
             )
     for name, pointer in pointers.items():
@@ -557,6 +576,11 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         w(f"pointer {name} -> {target or 'none'}  {status}\n")
     if leftovers:
         w(f"leftovers {len(leftovers)}: {', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}\n")
+    if plotted is not None:
+        w(
+            f"plot    {plotted.path}: {plotted.saves} saves ({plotted.kept} still present); saves blocked training "
+            f"{plotted.blocked_seconds:.2f} s of {plotted.total_seconds:.2f} s in all\n"
+        )
     return 1 if failed else 0
 
 

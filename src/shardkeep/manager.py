@@ -42,7 +42,7 @@ from shardkeep.errors import (
     ShardkeepError,
 )
 from shardkeep.integrity import SignaturePolicy, digest_bytes
-from shardkeep.manifest import RUN_ID_PATTERN, Manifest, RetentionRecord, RunInfo
+from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, lineage
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.storage import ByteStore, LocalStore, open_store, renames
 from shardkeep.tensors.flatten import is_plain_json, rebuild_state
@@ -462,6 +462,9 @@ class CheckpointManager:
         self._pending: PendingSave | None = None
         self._lock = threading.RLock()
         self._flags: dict[str, tuple[bool, bool, bool, bool | None]] = {}
+        #: The run's earlier saves on the lineage of the newest checkpoint this manager saved or
+        #: restored; recorded in the next manifest's ``run.history``.
+        self._history: builtins.list[HistoryPoint] = []
 
     @classmethod
     def from_config(
@@ -606,6 +609,7 @@ class CheckpointManager:
                 metric=self.policy.metric,
                 mode=self.policy.mode,
             ),
+            history=[point for point in self._history if point.step < step],
         )
         return name, payload, run
 
@@ -727,6 +731,7 @@ class CheckpointManager:
             )
 
     def _entry_after_save(self, name: str, manifest: Manifest) -> CheckpointEntry:
+        self._history = lineage(manifest)
         flags = self._flags.pop(name, None)
         if flags is None:  # not the coordinator: the decision is rebuilt from the manifests
             try:
@@ -882,6 +887,7 @@ class CheckpointManager:
                 manifest, state = result
                 if self._run_id is None and manifest.run is not None:
                     self._run_id = manifest.run.run_id
+                self._history = lineage(manifest)
                 entry = self._restored_entry(name, manifest)
                 return Restored(entry=entry, state=state, skipped=skipped)
             details = "; ".join(f"{name}: {reason}" for name, reason in skipped)

@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,8 +39,10 @@ __all__ = [
     "ContainerEntry",
     "FileRecord",
     "Manifest",
+    "HistoryPoint",
     "RetentionRecord",
     "RunInfo",
+    "SaveTiming",
     "Sharding",
     "StateSection",
     "TensorEntry",
@@ -50,13 +53,14 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "is_staging_name",
+    "lineage",
     "key_for_path",
     "unsafe_path_reason",
     "validate_manifest",
 ]
 
 FORMAT_NAME = "shardkeep"
-METADATA_VERSION = "1.2"
+METADATA_VERSION = "1.3"
 MANIFEST_FILENAME = "manifest.json"
 SIGNATURE_FILENAME = "manifest.sig"
 #: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
@@ -65,6 +69,8 @@ STAGING_MARKER = ".tmp-"
 DELETING_MARKER = ".deleting-"
 #: The sealing trailer's key. It is the last member of the top-level object; see ``integrity``.
 SEAL_FIELD = "manifest_digest"
+#: The most earlier saves a manifest's run history keeps (the oldest are dropped first).
+MAX_HISTORY = 10_000
 
 #: Bytes per element for every safetensors dtype name shardkeep writes.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -216,18 +222,38 @@ class RetentionRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False
     mode: Literal["min", "max"] = "min"
 
 
+class SaveTiming(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """How long the save took on the coordinator (added in 1.3): ``blocked_seconds`` is the
+    time the caller was paused (all of it for ``save``; until the snapshot was taken for
+    ``async_save``), ``total_seconds`` the time from the call until the manifest was built."""
+
+    blocked_seconds: float
+    total_seconds: float
+
+
+class HistoryPoint(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One earlier save of the run (added in 1.3): its step, metrics and timing, kept even after
+    retention deleted that checkpoint, so that the metric curve survives."""
+
+    step: int
+    metrics: dict[str, float | None] = msgspec.field(default_factory=dict)
+    timing: SaveTiming | None = None
+
+
 class RunInfo(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Which training run wrote a checkpoint (added in 1.1; written by ``CheckpointManager``).
 
     ``fingerprint`` is a digest of the run's model args and config; ``fingerprint_fields``
     holds their leaves by dotted path (``config.optimizer.lr``) so that a change can be shown
-    field by field.
+    field by field. ``history`` (1.3) lists the run's earlier saves, oldest first, on the
+    lineage that led to this checkpoint.
     """
 
     run_id: str
     fingerprint: str | None = None
     fingerprint_fields: dict[str, Any] = msgspec.field(default_factory=dict)
     retention: RetentionRecord | None = None
+    history: list[HistoryPoint] = msgspec.field(default_factory=list)
 
 
 class Manifest(msgspec.Struct, kw_only=True, dict=True):
@@ -257,6 +283,7 @@ class Manifest(msgspec.Struct, kw_only=True, dict=True):
     custom_fields: dict[str, Any] = msgspec.field(default_factory=dict)
     metrics: dict[str, float | None] = msgspec.field(default_factory=dict)
     run: RunInfo | None = None
+    timing: SaveTiming | None = None
 
     @property
     def unknown_fields(self) -> dict[str, Any]:
@@ -270,6 +297,14 @@ class Manifest(msgspec.Struct, kw_only=True, dict=True):
     @property
     def total_tensor_bytes(self) -> int:
         return sum(entry.nbytes for record in self.files for entry in record.tensors)
+
+
+def lineage(manifest: Manifest) -> list[HistoryPoint]:
+    """The saves of the run that led to ``manifest``, oldest first, ending with its own (at most
+    ``MAX_HISTORY``): what the run's next checkpoint records as ``run.history``."""
+    earlier = manifest.run.history if manifest.run is not None else []
+    point = HistoryPoint(step=manifest.step or 0, metrics=dict(manifest.metrics), timing=manifest.timing)
+    return [*earlier, point][-MAX_HISTORY:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -753,9 +788,18 @@ def _validate_run(manifest: Manifest, limits: ManifestLimits, result: Validation
             err(f"metric name {name[:64]!r} must be non-empty and at most {limits.max_key_bytes} bytes")
         if value is not None and not math.isfinite(value):
             err(f"metric {name!r} is {value}; non-finite metrics are recorded as null")
+    _validate_timing(manifest.timing, "timing", err)
     run = manifest.run
     if run is None:
         return
+    if len(run.history) > MAX_HISTORY:
+        err(f"run history has {len(run.history)} points; at most {MAX_HISTORY}")
+    for index, point in enumerate(run.history[:MAX_HISTORY]):
+        if point.step < 0:
+            err(f"run history[{index}]: step {point.step} must be >= 0")
+        if any(value is not None and not math.isfinite(value) for value in point.metrics.values()):
+            err(f"run history[{index}]: metrics must be finite numbers or null")
+        _validate_timing(point.timing, f"run history[{index}].timing", err)
     if not RUN_ID_PATTERN.fullmatch(run.run_id):
         err(f"run_id {run.run_id[:64]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
     if run.fingerprint is not None:
@@ -771,6 +815,14 @@ def _validate_run(manifest: Manifest, limits: ManifestLimits, result: Validation
             err(f"retention keep_last={policy.keep_last} and keep_best={policy.keep_best} must be >= 0")
         if not policy.metric:
             err("retention metric must be a non-empty string")
+
+
+def _validate_timing(timing: SaveTiming | None, where: str, err: Callable[[str], None]) -> None:
+    if timing is None:
+        return
+    for name, value in (("blocked_seconds", timing.blocked_seconds), ("total_seconds", timing.total_seconds)):
+        if not math.isfinite(value) or value < 0:
+            err(f"{where}.{name}={value} must be a finite number >= 0")
 
 
 def _digest_problem(digest: str) -> str | None:

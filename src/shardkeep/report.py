@@ -1,0 +1,140 @@
+"""A picture of a checkpoint root: ``shardkeep ls ROOT --plot out.png``.
+
+The metric curve comes from the newest checkpoint's ``run.history`` (every earlier save of the
+run on its lineage, including the ones retention deleted) plus the checkpoints that exist now;
+the kept ones are marked as *last*, *best* or the newest. A second panel shows, for each save,
+how long it paused training (``timing.blocked_seconds``) against how long it took in all
+(``timing.total_seconds``): for an async save, the difference ran in the background.
+
+matplotlib is optional (``pip install 'shardkeep[plot]'``) and imported only here, only when a
+plot is asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardkeep.catalog import CheckpointEntry
+from shardkeep.errors import ConfigError
+from shardkeep.manifest import HistoryPoint, lineage
+from shardkeep.retention import RetentionPolicy
+
+__all__ = ["PlotSummary", "plot_root"]
+
+
+@dataclass(frozen=True)
+class PlotSummary:
+    """What :func:`plot_root` drew."""
+
+    path: str
+    saves: int
+    kept: int
+    blocked_seconds: float
+    total_seconds: float
+
+
+def _curve(entries: Sequence[CheckpointEntry], run: str | None) -> list[HistoryPoint]:
+    """Every save on the newest checkpoint's lineage, then the run's other existing checkpoints
+    (a newer one whose manifest is readable but whose data is damaged has a lineage too)."""
+    scoped = [e for e in entries if e.manifest is not None and (run is None or e.run_id == run)]
+    if not scoped:
+        return []
+    newest = max(scoped, key=lambda e: e.step)
+    assert newest.manifest is not None
+    points = {point.step: point for point in lineage(newest.manifest)}
+    for entry in scoped:
+        assert entry.manifest is not None
+        points.setdefault(entry.step, lineage(entry.manifest)[-1])
+    return [points[step] for step in sorted(points)]
+
+
+def plot_root(
+    entries: Sequence[CheckpointEntry],
+    policy: RetentionPolicy,
+    run: str | None,
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+) -> PlotSummary:
+    """Draw the metric over steps and each save's blocking time; write a PNG to ``path``."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib: pip install 'shardkeep[plot]'") from exc
+
+    points = _curve(entries, run)
+    if not points:
+        raise ConfigError(f"nothing to plot in {title}: no checkpoint with a readable manifest")
+    existing = {entry.step: entry for entry in entries if run is None or entry.run_id == run or entry.manifest is None}
+    figure = Figure(figsize=(9, 6.5), layout="constrained")
+    metric_axes, time_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+
+    measured = [(p.step, p.metrics.get(policy.metric)) for p in points]
+    curve = [(step, value) for step, value in measured if value is not None]
+    if curve:
+        metric_axes.plot(*zip(*curve, strict=True), color="#4c72b0", linewidth=1.5, zorder=1, label=policy.metric)
+    deleted = [(s, v) for s, v in curve if s not in existing]
+    if deleted:
+        metric_axes.scatter(*zip(*deleted, strict=True), s=14, color="#9a9a9a", zorder=2, label="deleted by retention")
+    groups: dict[str, list[tuple[int, float]]] = {"best": [], "last": [], "newest": [], "corrupt": [], "kept": []}
+    for step, value in curve:
+        entry = existing.get(step)
+        if entry is None:
+            continue
+        if entry.verified is False:
+            groups["corrupt"].append((step, value))
+        elif entry.is_best:
+            groups["best"].append((step, value))
+        elif entry.is_last:
+            groups["last"].append((step, value))
+        elif entry.is_newest:
+            groups["newest"].append((step, value))
+        else:
+            groups["kept"].append((step, value))
+    styles = {
+        "best": {"marker": "*", "s": 260, "color": "#dd8452", "label": f"kept: best ({policy.mode} {policy.metric})"},
+        "last": {"marker": "o", "s": 90, "color": "#55a868", "label": "kept: last"},
+        "newest": {"marker": "D", "s": 70, "color": "#8172b3", "label": "kept: newest verified"},
+        "corrupt": {"marker": "X", "s": 110, "color": "#c44e52", "label": "fails verification"},
+        "kept": {"marker": "s", "s": 60, "color": "#937860", "label": "present (other)"},
+    }
+    for name, found in groups.items():
+        if found:
+            metric_axes.scatter(*zip(*found, strict=True), zorder=3, edgecolors="black", linewidths=0.6, **styles[name])
+    for step, value in curve:
+        entry = existing.get(step)
+        if entry is not None and (entry.is_last or entry.is_best):
+            marks = "+".join(mark for mark, on in (("last", entry.is_last), ("best", entry.is_best)) if on)
+            metric_axes.annotate(
+                f"{entry.name}\n{marks}", (step, value), textcoords="offset points", xytext=(6, 8), fontsize=7
+            )
+    metric_axes.set_ylabel(policy.metric)
+    metric_axes.set_title(title, fontsize=10)
+    metric_axes.grid(alpha=0.3)
+    metric_axes.legend(fontsize=8, loc="upper right")
+
+    timed = [p for p in points if p.timing is not None]
+    steps = [p.step for p in timed]
+    width = 0.6 * min((b - a for a, b in itertools.pairwise(steps)), default=1)
+    total = [p.timing.total_seconds for p in timed if p.timing is not None]
+    blocked = [p.timing.blocked_seconds for p in timed if p.timing is not None]
+    if timed:
+        time_axes.bar(steps, total, width=width, color="#c6d4e8", label="whole save (background for async)")
+        time_axes.bar(steps, blocked, width=width, color="#c44e52", label="training blocked")
+    time_axes.set_xlabel("step")
+    time_axes.set_ylabel("seconds")
+    time_axes.set_title("time each save took, and how much of it blocked training", fontsize=9)
+    time_axes.grid(alpha=0.3, axis="y")
+    if timed:
+        time_axes.legend(fontsize=8, loc="upper right")
+    figure.savefig(os.fspath(path), dpi=110)
+    return PlotSummary(
+        path=os.fspath(path),
+        saves=len(points),
+        kept=sum(1 for step, _ in measured if step in existing),
+        blocked_seconds=sum(blocked),
+        total_seconds=sum(total),
+    )

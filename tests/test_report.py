@@ -1,0 +1,137 @@
+"""Save timing and run history in the manifest (1.3), and `shardkeep ls --plot`."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import shardkeep as sk
+from conftest import flip_bit
+from shardkeep.cli import main
+from shardkeep.manifest import HistoryPoint, RunInfo, SaveTiming, validate_manifest
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def losses(step: int) -> dict[str, float]:
+    """Improving until step 40, worse afterwards: step 40 stays the best."""
+    return {"val_loss": 10.0 / (step + 1) if step <= 40 else step / 20}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Seven saves (one async) of which retention keeps three; the last one after a restore."""
+    root = tmp_path / "ckpts"
+    model = torch.nn.Linear(8, 8)
+    manager = sk.CheckpointManager(root, keep_last=2, keep_best=1)
+    for step in range(0, 50, 10):
+        manager.save({"model": model}, step=step, metrics=losses(step))
+    manager.async_save({"model": model}, step=50, metrics=losses(50)).result(timeout=60)
+    resumed = sk.CheckpointManager(root, keep_last=2, keep_best=1)
+    resumed.restore()
+    resumed.save({"model": model}, step=60, metrics=losses(60))
+    return root
+
+
+def test_every_manifest_records_its_timing_and_the_runs_earlier_saves(root: Path) -> None:
+    newest = sk.read_manifest(root / "step_00000060")
+    assert newest.run is not None
+    history = newest.run.history
+    assert [point.step for point in history] == [0, 10, 20, 30, 40, 50]  # 0-30 were deleted
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        "step_00000040",
+        "step_00000050",
+        "step_00000060",
+    ]
+    assert [point.metrics["val_loss"] for point in history] == [losses(p.step)["val_loss"] for p in history]
+    for manifest in (newest, *(sk.read_manifest(root / f"step_000000{s}") for s in (40, 50))):
+        assert manifest.timing is not None
+        assert 0 < manifest.timing.blocked_seconds <= manifest.timing.total_seconds
+    # A synchronous save blocks throughout; an async one only until the snapshot is taken.
+    synchronous, asynchronous = history[4].timing, history[5].timing
+    assert synchronous is not None and synchronous.blocked_seconds == synchronous.total_seconds
+    assert asynchronous is not None and asynchronous.blocked_seconds < asynchronous.total_seconds
+    assert history[5].timing == sk.read_manifest(root / "step_00000050").timing
+
+
+def test_a_plain_save_records_timing_but_no_history(tmp_path: Path) -> None:
+    manifest = sk.save({"w": torch.ones(4)}, tmp_path / "c")
+    assert manifest.run is None and manifest.timing is not None
+    assert manifest.timing.blocked_seconds == manifest.timing.total_seconds > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"timing": SaveTiming(blocked_seconds=-1.0, total_seconds=1.0)}, "timing.blocked_seconds=-1.0"),
+        ({"timing": SaveTiming(blocked_seconds=1.0, total_seconds=float("inf"))}, "timing.total_seconds=inf"),
+        ({"run": RunInfo(run_id="r", history=[HistoryPoint(step=-3)])}, "history[0]: step -3"),
+        (
+            {"run": RunInfo(run_id="r", history=[HistoryPoint(step=1, metrics={"l": float("nan")})])},
+            "history[0]: metrics",
+        ),
+        (
+            {
+                "run": RunInfo(
+                    run_id="r", history=[HistoryPoint(step=1, timing=SaveTiming(blocked_seconds=2, total_seconds=-2))]
+                )
+            },
+            "history[0].timing.total_seconds=-2",
+        ),
+    ],
+)
+def test_bad_timing_and_history_are_refused(tmp_path: Path, change: dict[str, object], message: str) -> None:
+    manifest = sk.save({"w": torch.ones(4)}, tmp_path / "c")
+    broken = msgspec.structs.replace(manifest, **change)
+    errors = validate_manifest(broken).errors
+    assert any(message in error for error in errors), errors
+
+
+def test_ls_plot_draws_the_curve_marks_and_blocking_times(root: Path, tmp_path: Path) -> None:
+    picture = tmp_path / "out.png"
+    code, out, _ = run("ls", str(root), "--plot", str(picture))
+    assert code == 0, out
+    assert "plot    " + str(picture) + ": 7 saves (3 still present)" in out
+    assert picture.read_bytes().startswith(PNG_SIGNATURE) and picture.stat().st_size > 20_000
+    assert " BLOCKED " in out.splitlines()[2]
+
+    code, out, _ = run("ls", str(root), "--json", "--plot", str(tmp_path / "again.png"))
+    document = json.loads(out)
+    assert code == 0 and document["plot"] == str(tmp_path / "again.png")
+    timings = {entry["name"]: entry["timing"] for entry in document["checkpoints"]}
+    assert set(timings) == {"step_00000040", "step_00000050", "step_00000060"}
+    assert all(0 < t["blocked_seconds"] <= t["total_seconds"] for t in timings.values())
+
+
+def test_ls_plot_shows_a_corrupt_checkpoint_and_still_exits_1(root: Path, tmp_path: Path) -> None:
+    flip_bit(next((root / "step_00000060").rglob("*.safetensors")), 200, 0)
+    code, out, _ = run("ls", str(root), "--verify", "--plot", str(tmp_path / "c.png"))
+    assert code == 1 and "CORRUPT" in out and "7 saves (3 still present)" in out
+    assert (tmp_path / "c.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_ls_plot_without_matplotlib_is_a_clear_usage_error(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
+    code, _out, err = run("ls", str(root), "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "pip install 'shardkeep[plot]'" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_ls_plot_of_an_empty_root_names_it(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    code, _, err = run("ls", str(tmp_path / "empty"), "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "nothing to plot" in err and "empty" in err
