@@ -1,4 +1,4 @@
-"""The README's main-job command runs end to end."""
+"""examples/quickstart.py (the single-process tour) runs end to end."""
 
 from __future__ import annotations
 
