@@ -342,7 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if "RANK" in os.environ:  # a worker: started by torchrun or by spawn_ranks
-        train(args)
+        try:
+            train(args)
+        except RuntimeError as exc:
+            if "Connection reset by peer" not in str(exc) and "Connection closed by peer" not in str(exc):
+                raise
+            # Another rank died: a collective cannot finish. Say so in one line; the launcher
+            # (or torchrun) stops this rank too, and a restart resumes from the checkpoints.
+            print(f"rank {os.environ['RANK']}: lost another rank ({str(exc).splitlines()[0][:160]})", file=sys.stderr)
+            return 1
         return 0
     args.root.mkdir(parents=True, exist_ok=True)
     codes = supervise(spawn_ranks(args.nproc, argv))

@@ -77,3 +77,18 @@ def test_verify_catches_the_flipped_byte_and_restore_falls_back(demo: Demo) -> N
     assert sorted(p.name for p in (workdir / "cold-tier").iterdir()) == ["step_00000020", "step_00000030"]
     assert Path(summary["plot"]).read_bytes().startswith(PNG_SIGNATURE)
     assert "saves blocked training" in out
+
+
+def test_the_demo_with_the_cold_tier_on_s3(tmp_path: Path) -> None:
+    """`make demo DEMO_ARGS=--s3`: the cold tier in a bucket of a local SeaweedFS server."""
+    workdir = tmp_path / "run"
+    command = [sys.executable, str(EXAMPLES / "demo.py"), "--workdir", str(workdir), "--s3"]
+    command += ["--steps", "20", "--every", "10", "--kill-at", "15"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    summary = json.loads((workdir / "demo_summary.json").read_text())
+    assert summary["ok"] and summary["resume_step"] == 10 and summary["restored_step"] == 10
+    manifest = sk.read_manifest(workdir / "ckpts" / "step_00000010")
+    (cold,) = [tier.location for tier in manifest.tiers if tier.name == "cold"]
+    assert cold is not None and cold.startswith("s3://")
+    assert not (workdir / "cold-tier").exists()
