@@ -102,8 +102,12 @@ class Demo:
         killed_at = None
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and all(p.poll() is None for p in processes):
-            steps = self.events("step")
-            if steps and steps[-1]["step"] >= self.args.kill_at:
+            steps, saves = self.events("step"), self.events("save")
+            # Kill once the step is reached and the save started before it has committed, so
+            # that the run has a checkpoint to resume from (a save still in flight at the kill
+            # would leave only its staging directory, which is never read as a checkpoint).
+            committed = bool(saves) and (self.ckpts / f"step_{saves[-1]['step']:08d}").is_dir()
+            if steps and steps[-1]["step"] >= self.args.kill_at and committed:
                 killed_at = steps[-1]["step"]
                 os.kill(processes[1].pid, signal.SIGKILL)
                 break

@@ -135,3 +135,11 @@ def test_ls_plot_of_an_empty_root_names_it(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     code, _, err = run("ls", str(tmp_path / "empty"), "--plot", str(tmp_path / "x.png"))
     assert code == 2 and "nothing to plot" in err and "empty" in err
+
+
+def test_ls_plot_of_a_run_without_the_metric_still_draws_the_timing(tmp_path: Path) -> None:
+    manager = sk.CheckpointManager(tmp_path / "r", keep_last=1, keep_best=0)
+    manager.save({"w": torch.ones(3)}, step=5)
+    code, out, _ = run("ls", str(tmp_path / "r"), "--plot", str(tmp_path / "p.png"))
+    assert code == 0 and "1 save (1 still present)" in out
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_SIGNATURE)

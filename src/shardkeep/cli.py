@@ -578,7 +578,8 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         w(f"leftovers {len(leftovers)}: {', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}\n")
     if plotted is not None:
         w(
-            f"plot    {plotted.path}: {plotted.saves} saves ({plotted.kept} still present); saves blocked training "
+            f"plot    {plotted.path}: {plotted.saves} save{'s' if plotted.saves != 1 else ''} ({plotted.kept} still "
+            f"present); saves blocked training "
             f"{plotted.blocked_seconds:.2f} s of {plotted.total_seconds:.2f} s in all\n"
         )
     return 1 if failed else 0

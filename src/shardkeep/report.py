@@ -114,7 +114,10 @@ def plot_root(
     metric_axes.set_ylabel(policy.metric)
     metric_axes.set_title(title, fontsize=10)
     metric_axes.grid(alpha=0.3)
-    metric_axes.legend(fontsize=8, loc="upper right")
+    if metric_axes.get_legend_handles_labels()[0]:
+        metric_axes.legend(fontsize=8, loc="upper right")
+    else:
+        metric_axes.text(0.5, 0.5, f"no {policy.metric!r} recorded", transform=metric_axes.transAxes, ha="center")
 
     timed = [p for p in points if p.timing is not None]
     steps = [p.step for p in timed]
