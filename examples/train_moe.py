@@ -165,6 +165,12 @@ def sequences(table: torch.Tensor, count: int, length: int, seed: int) -> torch.
     return tokens
 
 
+def validation_set(args: ModelArgs, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Markov chain of run ``seed`` and its fixed validation sequences."""
+    table = markov_table(args, seed)
+    return table, sequences(table, VALIDATION_BATCH, args.seq_len, seed=seed * 7919 + 1)
+
+
 def my_rows(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = tokens.shape[0] // world
     return tokens[rank * per : (rank + 1) * per]
@@ -189,26 +195,39 @@ def spawn_ranks(world: int, argv: list[str]) -> list[subprocess.Popen[bytes]]:
     return processes
 
 
-def supervise(processes: list[subprocess.Popen[bytes]]) -> list[int]:
+def stop(processes: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
+    """SIGTERM every rank still running, then SIGKILL what is left after ``grace`` seconds."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def supervise(processes: list[subprocess.Popen[bytes]], timeout: float | None = None) -> list[int]:
     """Wait for every rank, as torchrun does: once one fails, stop the others (they would wait
     for it forever in the next collective). Returns each rank's exit code (negative: the
-    signal that ended it)."""
-    while True:
-        codes = [process.poll() for process in processes]
-        if all(code is not None for code in codes):
-            return [code for code in codes if code is not None]
-        if any(code not in (None, 0) for code in codes):
-            for process in processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            for process in processes:
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        time.sleep(0.05)
+    signal that ended it). The ranks are stopped too if ``timeout`` seconds pass, or if this
+    process is interrupted."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            codes = [process.poll() for process in processes]
+            if all(code is not None for code in codes):
+                return [code for code in codes if code is not None]
+            if any(code not in (None, 0) for code in codes):
+                stop(processes)
+            elif deadline is not None and time.monotonic() > deadline:
+                print(f"the ranks did not finish within {timeout:.0f} s; stopping them", file=sys.stderr)
+                stop(processes)
+            time.sleep(0.05)
+    finally:
+        stop(processes)
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -278,8 +297,7 @@ def train(args: argparse.Namespace) -> None:
         timeout=120,
     )
     log = args.root / "train_log.jsonl"
-    table = markov_table(margs, args.seed)
-    validation = sequences(table, VALIDATION_BATCH, margs.seq_len, seed=args.seed * 7919 + 1)
+    table, validation = validation_set(margs, args.seed)
 
     first = 1
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -67,9 +68,60 @@ def test_every_manifest_records_its_timing_and_the_runs_earlier_saves(root: Path
 
 
 def test_a_plain_save_records_timing_but_no_history(tmp_path: Path) -> None:
+    began = time.perf_counter()
     manifest = sk.save({"w": torch.ones(4)}, tmp_path / "c")
+    wall = time.perf_counter() - began
     assert manifest.run is None and manifest.timing is not None
-    assert manifest.timing.blocked_seconds == manifest.timing.total_seconds > 0
+    assert 0 < manifest.timing.blocked_seconds == manifest.timing.total_seconds <= wall
+
+
+def test_manager_timing_starts_with_the_managers_call(tmp_path: Path) -> None:
+    """An async save's blocked time includes the manager's wait for the previous save."""
+    manager = sk.CheckpointManager(tmp_path / "r", keep_last=1, keep_best=0)
+    state = {"w": torch.randn(256, 256)}
+    manager.async_save(state, step=1)
+    began = time.perf_counter()
+    pending = manager.async_save(state, step=2)  # waits for step 1 first
+    call = time.perf_counter() - began
+    timing = pending.result(timeout=60).manifest.timing  # type: ignore[union-attr]
+    assert timing is not None and abs(timing.blocked_seconds - call) < 0.05
+    assert timing.blocked_seconds == pytest.approx(pending.blocked_seconds, abs=0.05)
+
+
+def test_history_keeps_a_save_whose_retention_failed_and_ignores_stale_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = sk.CheckpointManager(tmp_path / "r", keep_last=1, keep_best=0)
+    state = {"w": torch.ones(2)}
+    manager.save(state, step=1)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise sk.StorageError("the disk went away")
+
+    monkeypatch.setattr(manager.catalog, "apply", broken)
+    with pytest.raises(sk.RetentionError):
+        manager.save(state, step=2)  # committed; retention failed
+    monkeypatch.undo()
+    third = manager.async_save(state, step=3)
+    manager.async_save(state, step=4)
+    manager.wait()
+    third.result()  # an old handle, read late
+    manifest = manager.save(state, step=5).manifest
+    assert manifest is not None and manifest.run is not None
+    assert [point.step for point in manifest.run.history] == [1, 2, 3, 4]
+
+
+def test_history_after_a_fallback_follows_the_restored_checkpoint(tmp_path: Path) -> None:
+    manager = sk.CheckpointManager(tmp_path / "r", keep_last=3, keep_best=0)
+    for step in (1, 2, 3):
+        manager.save({"w": torch.ones(2) * step}, step=step)
+    shard = next((tmp_path / "r" / "step_00000003").rglob("*.safetensors"))
+    flip_bit(shard, shard.stat().st_size - 1, 0)
+    resumed = sk.CheckpointManager(tmp_path / "r", keep_last=3, keep_best=0)
+    assert resumed.restore().step == 2
+    manifest = resumed.save({"w": torch.ones(2)}, step=4).manifest
+    assert manifest is not None and manifest.run is not None
+    assert [point.step for point in manifest.run.history] == [1, 2]  # not the abandoned step 3
 
 
 @pytest.mark.parametrize(
@@ -80,8 +132,13 @@ def test_a_plain_save_records_timing_but_no_history(tmp_path: Path) -> None:
         ({"run": RunInfo(run_id="r", history=[HistoryPoint(step=-3)])}, "history[0]: step -3"),
         (
             {"run": RunInfo(run_id="r", history=[HistoryPoint(step=1, metrics={"l": float("nan")})])},
-            "history[0]: metrics",
+            "history[0]: metric names must be non-empty and short, values finite",
         ),
+        (
+            {"run": RunInfo(run_id="r", history=[HistoryPoint(step=5), HistoryPoint(step=5)])},
+            "history[1]: step 5 must be >= 0, after the previous point",
+        ),
+        ({"timing": SaveTiming(blocked_seconds=2.0, total_seconds=1.0)}, "blocked_seconds=2.0 exceeds total"),
         (
             {
                 "run": RunInfo(
@@ -143,3 +200,33 @@ def test_ls_plot_of_a_run_without_the_metric_still_draws_the_timing(tmp_path: Pa
     code, out, _ = run("ls", str(tmp_path / "r"), "--plot", str(tmp_path / "p.png"))
     assert code == 0 and "1 save (1 still present)" in out
     assert (tmp_path / "p.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize(("name", "message"), [("out.jpg", "name it *.png"), ("missing/out.png", "does not exist")])
+def test_ls_plot_refuses_a_bad_output_path(root: Path, tmp_path: Path, name: str, message: str) -> None:
+    code, _, err = run("ls", str(root), "--plot", str(tmp_path / name))
+    assert code == 2 and message in err
+    assert not (tmp_path / name).exists()
+
+
+def test_newer_fields_inside_run_history_and_timing_are_kept_as_unknown(tmp_path: Path) -> None:
+    from shardkeep.integrity import seal_manifest
+    from shardkeep.manifest import decode_manifest, encode_manifest
+
+    manifest = sk.CheckpointManager(tmp_path / "r").save({"w": torch.ones(2)}, step=1).manifest
+    assert manifest is not None
+    manifest = msgspec.structs.replace(manifest, step=2, run=msgspec.structs.replace(manifest.run, history=[
+        HistoryPoint(step=1, timing=SaveTiming(blocked_seconds=0.1, total_seconds=0.2))]))  # fmt: skip
+    raw = json.loads(encode_manifest(manifest))
+    raw["metadata_version"] = "1.9"
+    raw["timing"]["gpu_seconds"] = 1.5
+    raw["run"]["owner"] = "team-a"
+    raw["run"]["history"][0]["note"] = "x"
+    raw["run"]["history"][0]["timing"]["io_seconds"] = 0.1
+    decoded = decode_manifest(seal_manifest(json.dumps(raw).encode(), "blake3"))
+    assert decoded.unknown_fields == {
+        "timing.gpu_seconds": 1.5,
+        "run.owner": "team-a",
+        "run.history[0].note": "x",
+        "run.history[0].timing.io_seconds": 0.1,
+    }

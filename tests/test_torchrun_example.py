@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import shardkeep as sk
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "distributed_save.py"
@@ -32,6 +34,7 @@ def test_torchrun_two_ranks_save_async_save_and_reload(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step_a", "step_b"]
 
 
+@pytest.mark.timeout(400)
 def test_train_moe_under_torchrun_checkpoints_with_two_tiers(tmp_path: Path) -> None:
     example = EXAMPLE.parent / "train_moe.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)]

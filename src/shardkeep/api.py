@@ -351,6 +351,7 @@ def save(
     signer: Any = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    started: float | None = None,
 ) -> Manifest:
     r"""Save ``state`` as a new committed checkpoint at ``path`` and return its manifest.
 
@@ -392,6 +393,9 @@ def save(
     manifest: ``manifest.sig`` is written beside it, over its exact bytes, before the commit.
     Only the coordinator uses the key (other ranks may pass ``None``). The digest must be
     cryptographic (``blake3`` or ``sha256``).
+
+    ``started`` (a ``time.perf_counter()`` value; default: now) is when the caller's pause
+    began, recorded in the manifest's ``timing`` (the checkpoint manager passes its own start).
     """
     options = SaveOptions(
         digest=digest,
@@ -414,6 +418,8 @@ def save(
         layout=_Layout(tiers, placement, incremental, storage_options),
         signer=signer,
     )
+    if started is not None:
+        job.started = started
     coordinator = job.coordinator
     try:
         job.prepare()
@@ -803,6 +809,7 @@ def async_save(
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     after_commit: Callable[[Manifest], None] | None = None,
+    started: float | None = None,
 ) -> SaveHandle:
     """Snapshot ``state`` into reusable host buffers, then write and commit in the background.
 
@@ -820,8 +827,12 @@ def async_save(
     ``after_commit``, if given, is called on every rank in the background thread with the
     committed manifest before the handle completes; an exception from it becomes the handle's
     error (the checkpoint manager runs retention there).
+
+    ``started`` (a ``time.perf_counter()`` value; default: now) is when the caller's pause
+    began, for the manifest's ``timing``: the checkpoint manager passes the start of its own
+    ``async_save``.
     """
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     # One save at a time, from the snapshot until the handle is registered: two threads must
     # never stage into the shared arena together.
     if not _submit_lock.acquire(blocking=wait, timeout=timeout if wait else -1):

@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -505,11 +506,15 @@ class CheckpointManager:
         if it fails, :class:`~shardkeep.errors.RetentionError` is raised and the new checkpoint
         is still committed and usable.
         """
+        started = time.perf_counter()
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
             name, payload, run = self._prepare(state, step, metrics, coordinator)
-            manifest = api.save(payload, name, progress=self.progress, **self._save_arguments(step, metrics, run))
+            manifest = api.save(
+                payload, name, progress=self.progress, started=started, **self._save_arguments(step, metrics, run)
+            )
+            self._history = lineage(manifest)  # committed: on record even if retention fails
             outcome = coordinator.step("apply retention", lambda: self._retain(name, coordinator))
             _raise_shared(outcome[0])
             return self._entry_after_save(name, manifest)
@@ -524,16 +529,18 @@ class CheckpointManager:
         """Snapshot ``state`` and return at once; writing, commit and then retention run in the
         background. A previous pending save is waited for first. ``result()`` on the returned
         :class:`PendingSave` gives the entry."""
+        started = time.perf_counter()
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
             name, payload, run = self._prepare(state, step, metrics, coordinator)
 
             def after_commit(manifest: Manifest) -> None:
+                self._history = lineage(manifest)  # committed: on record even if retention fails
                 _raise_shared(self._retain(name, coordinator))
 
             handle = api.async_save(
-                payload, name, after_commit=after_commit, **self._save_arguments(step, metrics, run)
+                payload, name, after_commit=after_commit, started=started, **self._save_arguments(step, metrics, run)
             )
             self._pending = PendingSave(self, handle, name)
             return self._pending
@@ -731,7 +738,6 @@ class CheckpointManager:
             )
 
     def _entry_after_save(self, name: str, manifest: Manifest) -> CheckpointEntry:
-        self._history = lineage(manifest)
         flags = self._flags.pop(name, None)
         if flags is None:  # not the coordinator: the decision is rebuilt from the manifests
             try:

@@ -562,8 +562,12 @@ _CHILD_STRUCTS.update(
             "router_state": (StateSection, False),
             "structure": (ContainerEntry, True),
             "values": (ValueEntry, True),
+            "run": (RunInfo, False),
+            "timing": (SaveTiming, False),
         },
         FileRecord: {"tensors": (TensorEntry, True), "compression": (Compression, False)},
+        RunInfo: {"retention": (RetentionRecord, False), "history": (HistoryPoint, True)},
+        HistoryPoint: {"timing": (SaveTiming, False)},
     }
 )
 
@@ -794,11 +798,18 @@ def _validate_run(manifest: Manifest, limits: ManifestLimits, result: Validation
         return
     if len(run.history) > MAX_HISTORY:
         err(f"run history has {len(run.history)} points; at most {MAX_HISTORY}")
+    previous = -1
     for index, point in enumerate(run.history[:MAX_HISTORY]):
-        if point.step < 0:
-            err(f"run history[{index}]: step {point.step} must be >= 0")
-        if any(value is not None and not math.isfinite(value) for value in point.metrics.values()):
-            err(f"run history[{index}]: metrics must be finite numbers or null")
+        if not previous < point.step < (manifest.step if manifest.step is not None else math.inf):
+            err(f"run history[{index}]: step {point.step} must be >= 0, after the previous point and before this save")
+        previous = max(previous, point.step)
+        if any(
+            not name
+            or len(name.encode("utf-8", "surrogatepass")) > limits.max_key_bytes
+            or (value is not None and not math.isfinite(value))
+            for name, value in point.metrics.items()
+        ):
+            err(f"run history[{index}]: metric names must be non-empty and short, values finite numbers or null")
         _validate_timing(point.timing, f"run history[{index}].timing", err)
     if not RUN_ID_PATTERN.fullmatch(run.run_id):
         err(f"run_id {run.run_id[:64]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
@@ -823,6 +834,8 @@ def _validate_timing(timing: SaveTiming | None, where: str, err: Callable[[str],
     for name, value in (("blocked_seconds", timing.blocked_seconds), ("total_seconds", timing.total_seconds)):
         if not math.isfinite(value) or value < 0:
             err(f"{where}.{name}={value} must be a finite number >= 0")
+    if timing.blocked_seconds > timing.total_seconds:
+        err(f"{where}: blocked_seconds={timing.blocked_seconds} exceeds total_seconds={timing.total_seconds}")
 
 
 def _digest_problem(digest: str) -> str | None:

@@ -60,6 +60,12 @@ def plot_root(
     title: str,
 ) -> PlotSummary:
     """Draw the metric over steps and each save's blocking time; write a PNG to ``path``."""
+    target = os.fspath(path)
+    if not target.lower().endswith(".png"):
+        raise ConfigError(f"--plot {target!r}: the picture is a PNG file; name it *.png")
+    directory = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--plot {target!r}: directory {directory!r} does not exist")
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -133,9 +139,12 @@ def plot_root(
     time_axes.grid(alpha=0.3, axis="y")
     if timed:
         time_axes.legend(fontsize=8, loc="upper right")
-    figure.savefig(os.fspath(path), dpi=110)
+    try:
+        figure.savefig(target, dpi=110, format="png")
+    except OSError as exc:
+        raise ConfigError(f"--plot {target!r}: cannot write the picture: {exc}") from exc
     return PlotSummary(
-        path=os.fspath(path),
+        path=target,
         saves=len(points),
         kept=sum(1 for step, _ in measured if step in existing),
         blocked_seconds=sum(blocked),
