@@ -125,11 +125,11 @@ def plot_root(
     else:
         metric_axes.text(0.5, 0.5, f"no {policy.metric!r} recorded", transform=metric_axes.transAxes, ha="center")
 
-    timed = [p for p in points if p.timing is not None]
-    steps = [p.step for p in timed]
+    timed = [(p.step, p.timing) for p in points if p.timing is not None]
+    steps = [step for step, _ in timed]
     width = 0.6 * min((b - a for a, b in itertools.pairwise(steps)), default=1)
-    total = [p.timing.total_seconds for p in timed if p.timing is not None]
-    blocked = [p.timing.blocked_seconds for p in timed if p.timing is not None]
+    total = [timing.total_seconds for _, timing in timed]
+    blocked = [timing.blocked_seconds for _, timing in timed]
     if timed:
         time_axes.bar(steps, total, width=width, color="#c6d4e8", label="whole save (background for async)")
         time_axes.bar(steps, blocked, width=width, color="#c44e52", label="training blocked")
