@@ -202,9 +202,11 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
 KILLED_SAVER = """
 import sys, json, torch, shardkeep as sk
 url, options = sys.argv[1], json.loads(sys.argv[2])
-state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # ~100 MB in 5 files, multipart uploads
+state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # ~100 MB in 10 files, multipart uploads
 print("saving", flush=True)
-sk.save(state, url, storage_options=options, file_size_target=20 * 2**20, io_threads=2)
+# One writer: after the first object completes, nine more are still to come, so the kill lands
+# mid-save even on a loaded machine.
+sk.save(state, url, storage_options=options, file_size_target=10 * 2**20, io_threads=1)
 print("committed", flush=True)
 """
 
