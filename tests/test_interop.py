@@ -161,3 +161,87 @@ def load_file_metadata(path: Path) -> dict[str, str]:
 
     with safe_open(str(path), framework="pt") as handle:
         return dict(handle.metadata() or {})
+
+
+def _adamw_trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def test_a_dcp_import_gives_every_parameter_its_optimizer_state_back(tmp_path: Path) -> None:
+    """DCP writes optimizer.state_dict()'s integer state keys as '0', '1' ...: the import turns
+    them back, so a load into an optimizer restores the Adam state of every parameter."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _adamw_trained(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    import_checkpoint(tmp_path / "dcp", tmp_path / "ckpt", trust_pickle=True)
+    target_model, target_optim = _adamw_trained(1)
+    target_optim.state.clear()
+    sk.load(tmp_path / "ckpt", into={"model": target_model, "optim": target_optim})
+    params = list(target_model.parameters())
+    assert len(target_optim.state) == len(params)
+    for param, original in zip(params, model.parameters(), strict=True):
+        saved = optim.state[original]
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(target_optim.state[param][field], saved[field]), field
+
+
+def test_string_keyed_optimizer_state_is_matched_or_refused_on_load(tmp_path: Path) -> None:
+    """A checkpoint already holding string state keys (an import from before the fix, or any
+    string-keyed source) loads with its state matched to the parameters; a key that matches no
+    parameter is refused instead of dropped in silence."""
+    model, optim = _adamw_trained(0)
+    saved = optim.state_dict()
+    as_strings = {"state": {str(k): v for k, v in saved["state"].items()}, "param_groups": saved["param_groups"]}
+    sk.save({"optim": as_strings}, tmp_path / "strings")
+    target_model, target_optim = _adamw_trained(1)
+    sk.load(tmp_path / "strings", into={"optim": target_optim})
+    assert all(
+        torch.equal(target_optim.state[p]["exp_avg"], optim.state[o]["exp_avg"])
+        for p, o in zip(target_model.parameters(), model.parameters(), strict=True)
+    )
+    stray = {"state": {"7": saved["state"][0], 1: saved["state"][1]}, "param_groups": saved["param_groups"]}
+    sk.save({"optim": stray}, tmp_path / "stray")
+    _, fresh = _adamw_trained(2)
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in fresh.state.items()}
+    with pytest.raises(sk.UnsupportedValueError, match=r"'optim'.*parameter id\(s\) \['7'\].*without their state"):
+        sk.load(tmp_path / "stray", into={"optim": fresh})
+    after = {id(p): s for p, s in fresh.state.items()}
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[p][k], v) for p, fields in before.items() for k, v in fields.items())
+
+
+def test_adamw_state_into_sgd_is_refused_naming_both(tmp_path: Path) -> None:
+    model, optim = _adamw_trained(0)
+    sk.save({"model": model, "optim": optim}, tmp_path / "ckpt")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(sk.UnsupportedValueError, match=r"'optim'.*AdamW state but the target is SGD.*momentum"):
+        sk.load(tmp_path / "ckpt", into={"model": model, "optim": sgd})
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert sgd.param_groups[0]["momentum"] == 0.9 and "betas" not in sgd.param_groups[0]
+    adam = torch.optim.Adam(model.parameters())  # same layout and options as AdamW: accepted, as torch does
+    sk.load(tmp_path / "ckpt", into={"model": model, "optim": adam})
+
+
+def test_a_damaged_dcp_directory_raises_a_typed_error(tmp_path: Path) -> None:
+    """DCP's CheckpointException derives from BaseException only; it must not escape."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.randn(64, 64)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    data = next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(sk.IntegrityError, match=r"reading the DCP checkpoint failed") as caught:
+        import_checkpoint(tmp_path / "dcp", tmp_path / "ckpt", trust_pickle=True)
+    assert caught.value.__cause__ is not None
+    assert not (tmp_path / "ckpt").exists()

@@ -10,12 +10,15 @@ before it builds a single tensor, so a damaged checkpoint raises before anything
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
+import functools
 import gc
 import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -1533,18 +1536,210 @@ def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
 def _fill_into(
     target: Any, loaded: dict[str, Any], *, partial: bool = False, absent: frozenset[str] = frozenset()
 ) -> None:
-    """Check every target first, then fill: a mismatch raises before anything is modified.
+    """Fill ``target`` with ``loaded``, all or nothing.
 
-    ``load_state_dict`` calls (which run the object's own checks) go first, and tensor copies,
-    which cannot fail once checked, last; an object that still refuses its state raises a typed
-    error before any tensor of ``into`` has changed.
+    First every target is checked (keys, shapes, dtypes, writability, optimizer groups): a
+    mismatch raises before anything is modified. Then the fills that can still fail, the
+    objects' own ``load_state_dict`` calls, run first (other stateful objects, then optimizers,
+    then modules with load hooks of their own), each after a snapshot of its current state; if
+    one refuses its state, every one already applied, and the failing one itself, is restored
+    from its snapshot before the error is raised. Tensor and array copies and plain
+    assignments, which cannot fail once checked, run last.
     """
-    actions: list[Callable[[], None]] = []
+    actions: list[_FillAction] = []
     _plan_fill(target, loaded, "", actions, partial, absent)
-    actions.sort(key=lambda action: 0 if getattr(action, "loads_state", False) else 1)
+    actions.sort(key=lambda action: action.order)
+    applied: list[_FillAction] = []
     with torch.no_grad():
-        for action in actions:
-            action()
+        try:
+            for action in actions:
+                action.prepare_undo()
+                applied.append(action)
+                action.apply()
+        except BaseException as exc:
+            _roll_back(applied, exc)
+            raise
+
+
+def _roll_back(applied: list[_FillAction], cause: BaseException) -> None:
+    """Undo ``applied`` in reverse order after ``cause``; raise if an undo itself fails."""
+    for action in reversed(applied):
+        try:
+            action.undo()
+        except Exception as exc:
+            raise UnsupportedValueError(
+                f"{action.name!r}: restoring its previous state failed ({exc}) after the load failed "
+                f"({cause}); into= is partly filled"
+            ) from cause
+
+
+class _FillAction:
+    """One change to ``into``: ``prepare_undo`` (take a snapshot), ``apply``, and ``undo``.
+
+    ``order`` sorts the fills that may fail first (lower runs earlier)."""
+
+    order = 9
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def prepare_undo(self) -> None:
+        """Record what ``undo`` needs; infallible actions need nothing."""
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def undo(self) -> None:
+        """Restore the state before ``apply`` (only called for actions that may fail, or that
+        ran before one that failed)."""
+
+
+class _CopyTensor(_FillAction):
+    order = 8
+
+    def __init__(self, name: str, current: torch.Tensor, new: torch.Tensor) -> None:
+        super().__init__(name)
+        self.current, self.new = current, new
+
+    def apply(self) -> None:
+        self.current.copy_(self.new)
+
+
+class _CopyRegion(_FillAction):
+    order = 8
+
+    def __init__(self, name: str, current: torch.Tensor, new: _Region) -> None:
+        super().__init__(name)
+        self.current, self.new = current, new
+
+    def apply(self) -> None:
+        self.new.copy_into(self.current)
+
+
+class _CopyArray(_FillAction):
+    order = 8
+
+    def __init__(self, name: str, current: np.ndarray, new: np.ndarray) -> None:
+        super().__init__(name)
+        self.current, self.new = current, new
+
+    def apply(self) -> None:
+        np.copyto(self.current, self.new)
+
+
+class _Assign(_FillAction):
+    """``target[key] = value``: a new value for a plain (JSON) field or a new key."""
+
+    _MISSING = object()
+
+    def __init__(self, name: str, target: Any, key: Any, value: Any) -> None:
+        super().__init__(name)
+        self.target, self.key, self.value = target, key, value
+        self.previous: Any = self._MISSING
+
+    def prepare_undo(self) -> None:
+        if isinstance(self.target, Mapping) and self.key in self.target:
+            self.previous = self.target[self.key]
+
+    def apply(self) -> None:
+        self.target[self.key] = self.value
+
+    def undo(self) -> None:
+        if self.previous is not self._MISSING:
+            self.target[self.key] = self.previous
+        elif isinstance(self.target, dict) and self.key in self.target:
+            del self.target[self.key]
+
+
+class _LoadState(_FillAction):
+    """``obj.load_state_dict(new)``, which runs the object's own checks and may refuse.
+
+    Its snapshot is ``obj.state_dict()`` taken just before, deep-copied for objects whose
+    ``load_state_dict`` may change tensors in place (modules, other objects). An optimizer's
+    ``load_state_dict`` replaces its state with new tensors and never writes into the old ones,
+    so its snapshot keeps references only. An object without ``state_dict()`` runs first and
+    cannot be restored; it is the only thing its failure can leave changed."""
+
+    def __init__(self, name: str, obj: Any, new: Any) -> None:
+        super().__init__(name)
+        self.obj, self.new = obj, new
+        self.snapshot: Any = None
+        if isinstance(obj, torch.optim.Optimizer):
+            self.order = 2
+        elif isinstance(obj, torch.nn.Module):
+            self.order = 3
+        else:
+            self.order = 0 if callable(getattr(obj, "state_dict", None)) else -1
+
+    def prepare_undo(self) -> None:
+        if self.order < 0:
+            return
+        try:
+            state = self.obj.state_dict()
+            if isinstance(self.obj, torch.optim.Optimizer):
+                self.snapshot = {
+                    "state": {key: dict(value) for key, value in state["state"].items()},
+                    "param_groups": copy.deepcopy(state["param_groups"]),
+                }
+            else:
+                self.snapshot = _detached_copy(state)
+        except Exception as exc:
+            raise UnsupportedValueError(
+                f"{self.name!r}: cannot snapshot {type(self.obj).__name__}.state_dict() before loading "
+                f"(needed to undo the load if another part of into= fails): {exc}"
+            ) from exc
+
+    def apply(self) -> None:
+        try:
+            self.obj.load_state_dict(self.new)
+        except ShardkeepError:
+            raise
+        except Exception as exc:
+            raise UnsupportedValueError(
+                f"{self.name!r}: {type(self.obj).__name__}.load_state_dict refused the checkpoint's state "
+                f"(nothing in into= was changed): {exc}"
+            ) from exc
+
+    def undo(self) -> None:
+        if self.snapshot is not None:
+            self.obj.load_state_dict(self.snapshot)
+
+
+def _detached_copy(value: Any) -> Any:
+    """A deep copy of a state dict in which tensors are cloned (``copy.deepcopy`` refuses
+    tensors that are not graph leaves)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        copied = {key: _detached_copy(item) for key, item in value.items()}
+        return type(value)(copied) if isinstance(value, OrderedDict) else copied
+    if isinstance(value, list):
+        return [_detached_copy(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_detached_copy(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _plain_module(module: torch.nn.Module) -> bool:
+    """True when ``module.load_state_dict`` would only copy into its parameters and buffers:
+    every state_dict entry is one of them, and no submodule has load hooks, extra state or
+    loading code of its own (torch.nn's built-in layers excepted; BatchNorm's only adapts old
+    key versions). Such a module is filled by plain tensor copies, which cannot fail."""
+    own = module.state_dict(keep_vars=True)
+    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    if not all(isinstance(value, torch.Tensor) and id(value) in tensors for value in own.values()):
+        return False
+    for submodule in module.modules():
+        if submodule._load_state_dict_pre_hooks or submodule._load_state_dict_post_hooks:
+            return False
+        kind = type(submodule)
+        for method in ("load_state_dict", "_load_from_state_dict", "set_extra_state"):
+            defined = next(klass for klass in kind.__mro__ if method in vars(klass))
+            if defined is not torch.nn.Module and not (
+                defined.__module__.startswith("torch.nn.modules.") and "lazy" not in defined.__module__
+            ):
+                return False
+    return True
 
 
 def _check_writable(current: Any, name: str) -> None:
@@ -1558,15 +1753,127 @@ def _check_writable(current: Any, name: str) -> None:
         raise UnsupportedValueError(f"{name!r}: the target numpy array is read-only")
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """Refuse optimizer state that ``optimizer.load_state_dict`` would take wrongly or drop in
+    silence, and return it with its state keys matched to the parameter ids of its groups.
+
+    - the groups must have the target's sizes, and hold the target's kind of optimizer (AdamW
+      state into SGD is refused, naming both);
+    - every state key must be one of the groups' parameter ids: torch keeps a key that matches
+      none and gives that parameter no state at all. Keys that a format turned into strings
+      (DCP saves ``0`` as ``'0'``) are turned back when that is unambiguous.
+    """
     groups = new.get("param_groups")
-    if not isinstance(groups, list) or not isinstance(new.get("state"), Mapping):
+    state = new.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
         raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
+    if not all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in groups):
+        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer param_groups are malformed")
     mine = [len(group["params"]) for group in optimizer.param_groups]
-    theirs = [len(group.get("params", [])) if isinstance(group, Mapping) else -1 for group in groups]
+    theirs = [len(group["params"]) for group in groups]
     if mine != theirs:
         raise UnsupportedValueError(
             f"{name!r}: the optimizer has parameter groups of sizes {mine}, the checkpoint {theirs}"
+        )
+    _check_optimizer_kind(optimizer, groups, name)
+    restored = restore_optimizer_ids(new)
+    ids = {_id_key(index) for group in groups for index in group["params"]}
+    stray = [key for key in restored["state"] if _id_key(key) not in ids]
+    if stray:
+        raise UnsupportedValueError(
+            f"{name!r}: the checkpoint has optimizer state for parameter id(s) {stray[:10]!r} that match no "
+            f"parameter of its param_groups ({sorted(ids, key=str)[:10]!r}...); loading it would leave those "
+            "parameters without their state"
+        )
+    return restored
+
+
+def _id_key(index: Any) -> tuple[str, Any]:
+    """A parameter id as a dictionary key that tells ``1`` from ``'1'`` and ``True``."""
+    return (type(index).__name__, index)
+
+
+def restore_optimizer_ids(new: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``new`` (an optimizer state dict) with state keys that are decimal strings of integer
+    parameter ids (``'0'`` for ``0``, as DCP and other string-keyed formats write them) turned
+    back into those integers. Anything else, or an ambiguous case, is returned unchanged."""
+    groups, state = new.get("param_groups"), new.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return new
+    ids = [
+        index
+        for group in groups
+        if isinstance(group, Mapping) and isinstance(group.get("params"), list)
+        for index in group["params"]
+    ]
+    integers = {index for index in ids if isinstance(index, int) and not isinstance(index, bool)}
+    if not integers or len(integers) != len(ids):
+        return new
+    renamed: dict[Any, Any] = {}
+    for key, value in state.items():
+        if isinstance(key, str) and key.isdecimal() and str(int(key)) == key and int(key) in integers:
+            if int(key) in state or int(key) in renamed:
+                return new  # both spellings present: ambiguous, left for the check to refuse
+            renamed[int(key)] = value
+        else:
+            renamed[key] = value
+    if renamed.keys() == state.keys():
+        return new
+    return {**new, "state": renamed}
+
+
+# Group options that say how an optimizer runs, not which algorithm it is (or that schedulers add).
+_OPTIMIZER_FLAGS = frozenset(
+    {
+        "params",
+        "param_names",
+        "initial_lr",
+        "capturable",
+        "differentiable",
+        "foreach",
+        "fused",
+        "maximize",
+        "decoupled_weight_decay",
+    }
+)
+
+
+@functools.cache
+def _known_optimizers() -> dict[frozenset[str], list[str]]:
+    """torch.optim's optimizers by the options of their parameter groups."""
+    import inspect
+
+    known: dict[frozenset[str], list[str]] = {}
+    for attribute in sorted(dir(torch.optim)):
+        kind = getattr(torch.optim, attribute)
+        if not (inspect.isclass(kind) and issubclass(kind, torch.optim.Optimizer)) or kind is torch.optim.Optimizer:
+            continue
+        try:
+            group = kind([torch.zeros(2, 2, requires_grad=True)]).param_groups[0]  # type: ignore[call-arg]  # each subclass has its own defaults
+        except Exception:  # an optimizer that needs arguments of its own: not recognised by name
+            continue
+        known.setdefault(frozenset(group) - _OPTIMIZER_FLAGS, []).append(attribute)
+    return known
+
+
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer, groups: list[Any], name: str) -> None:
+    if not groups or not optimizer.param_groups:
+        return
+    target = frozenset(optimizer.param_groups[0]) - _OPTIMIZER_FLAGS
+    saved = frozenset(groups[0]) - _OPTIMIZER_FLAGS
+    if saved == target:
+        return
+    known = _known_optimizers()
+    saved_names, target_names = known.get(saved), known.get(target)
+    # A known torch optimizer on each side and they differ; or, for optimizers of other
+    # libraries, options on each side that the other lacks (an older torch missing a newer
+    # option only is accepted, as torch accepts it).
+    if (saved_names and target_names and saved_names != target_names) or (saved - target and target - saved):
+        saved_kind = " or ".join(saved_names) if saved_names else "another optimizer"
+        raise UnsupportedValueError(
+            f"{name!r}: the checkpoint holds {saved_kind} state but the target is {type(optimizer).__name__}: "
+            f"its parameter groups have {sorted(saved - target)} where {type(optimizer).__name__} has "
+            f"{sorted(target - saved)}"
         )
 
 
@@ -1591,7 +1898,7 @@ def _plan_fill(
     target: Any,
     loaded: Any,
     prefix: str,
-    actions: list[Callable[[], None]],
+    actions: list[_FillAction],
     partial: bool = False,
     absent: frozenset[str] = frozenset(),
 ) -> None:
@@ -1608,7 +1915,7 @@ def _plan_fill(
         if key not in target:
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} is in the checkpoint but not in into=, which is read-only")
-            actions.append(_assign(target, key, new))
+            actions.append(_Assign(name, target, key, new))
             continue
         current = target[key]
         if isinstance(current, DTensor):
@@ -1621,7 +1928,7 @@ def _plan_fill(
                     _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
                 )
             _check_writable(current, name)
-            actions.append(_copy_tensor(current, new))
+            actions.append(_CopyTensor(name, current, new))
         elif isinstance(current, np.ndarray):
             if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
                 raise UnsupportedValueError(
@@ -1630,7 +1937,7 @@ def _plan_fill(
                     )
                 )
             _check_writable(current, name)
-            actions.append(_copy_array(current, new))
+            actions.append(_CopyArray(name, current, new))
         elif isinstance(current, torch.nn.Module):
             if not isinstance(new, Mapping):
                 raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
@@ -1643,21 +1950,22 @@ def _plan_fill(
                 _plan_fill(dict(own), new, name, actions, partial, absent)
                 continue
             _check_module(current, new, name)
-            if any(isinstance(tensor, DTensor) for tensor in own.values()):
-                # Sharded parameters (FSDP2, tensor parallel): copy each rank's region in place.
+            if any(isinstance(tensor, DTensor) for tensor in own.values()) or _plain_module(current):
+                # Parameters and buffers only (and sharded ones: FSDP2, tensor parallel, copy each
+                # rank's region): copied in place, which cannot fail once checked.
                 _plan_fill(dict(own), new, name, actions)
             else:
-                actions.append(_load_state(current, new))
+                actions.append(_LoadState(name, current, new))
         elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
             if partial and any(key == name or key.startswith(f"{name}.") for key in absent):
                 raise UnsupportedValueError(
                     f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
                     "'optim' section, or leave the optimizer out of into="
                 )
-            _check_optimizer(current, new, name)
-            actions.append(_load_state(current, _shard_optimizer_state(current, new, name)))
+            checked = _check_optimizer(current, new, name)
+            actions.append(_LoadState(name, current, _shard_optimizer_state(current, checked, name)))
         elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
-            actions.append(_load_state(current, new))
+            actions.append(_LoadState(name, current, new))
         elif isinstance(current, Mapping) and isinstance(new, Mapping):
             _plan_fill(current, new, name, actions, partial, absent)
         elif (
@@ -1674,10 +1982,10 @@ def _plan_fill(
         else:
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
-            actions.append(_assign(target, key, new))
+            actions.append(_Assign(name, target, key, new))
 
 
-def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:
+def _fill_dtensor(current: DTensor, new: Any, name: str) -> _FillAction:
     """Copy this rank's region of the loaded tensor into a DTensor's local shard."""
     offset, local_shape = local_region(current)
     if isinstance(new, _Region):
@@ -1688,11 +1996,11 @@ def _fill_dtensor(current: DTensor, new: Any, name: str) -> Callable[[], None]:
                 )
             )
         local = current.to_local()
-        return lambda: new.copy_into(local)
+        return _CopyRegion(name, local, new)
     if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
         found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
         raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
-    return _copy_tensor(current.to_local(), new[_region(offset, local_shape)])
+    return _CopyTensor(name, current.to_local(), new[_region(offset, local_shape)])
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -1776,34 +2084,3 @@ def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) ->
                     f"{getattr(found, 'dtype', type(found).__name__)}{list(getattr(found, 'shape', []))}",
                 )
             )
-
-
-def _assign(target: Any, key: Any, value: Any) -> Callable[[], None]:
-    def run() -> None:
-        target[key] = value
-
-    return run
-
-
-def _copy_tensor(current: torch.Tensor, new: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        current.copy_(new)
-
-    return run
-
-
-def _copy_array(current: np.ndarray, new: np.ndarray) -> Callable[[], None]:
-    return lambda: np.copyto(current, new)
-
-
-def _load_state(obj: Any, new: Any) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            obj.load_state_dict(new)
-        except ShardkeepError:
-            raise
-        except Exception as exc:
-            raise UnsupportedValueError(f"{type(obj).__name__}.load_state_dict failed: {exc}") from exc
-
-    run.loads_state = True  # type: ignore[attr-defined]  # marks the actions _fill_into runs first
-    return run

@@ -34,6 +34,7 @@ from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
+    IntegrityError,
     StorageError,
     UnsupportedValueError,
 )
@@ -129,6 +130,7 @@ def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _read_dcp(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -140,9 +142,26 @@ def _read_dcp(path: str) -> dict[str, Any]:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
             # As torch's own dcp_to_torch_save does: the empty-state planner fills ``state``.
             _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
-    except Exception as exc:  # DCP raises many kinds (CheckpointException, pickle errors ...)
-        raise UnsupportedValueError(f"{path}: reading the DCP checkpoint failed: {type(exc).__name__}: {exc}") from exc
-    return state
+    except (Exception, CheckpointException) as exc:
+        # DCP raises many kinds: pickle errors, OSError, and CheckpointException, which derives
+        # from BaseException only.
+        raise IntegrityError(
+            f"{path}: reading the DCP checkpoint failed (damaged or incomplete?): {type(exc).__name__}: {exc}"
+        ) from exc
+    restored: dict[str, Any] = _optimizer_ids_restored(state)
+    return restored
+
+
+def _optimizer_ids_restored(value: Any) -> Any:
+    """``value`` with every optimizer state dict in it given back its integer parameter ids:
+    DCP flattens ``optimizer.state_dict()`` with string keys (``'0'`` for ``0``), which
+    ``load_state_dict`` would keep apart from the parameters, dropping their state in silence."""
+    if isinstance(value, list):
+        return [_optimizer_ids_restored(item) for item in value]
+    if not isinstance(value, Mapping):
+        return value
+    value = api.restore_optimizer_ids(value)
+    return {key: _optimizer_ids_restored(item) for key, item in value.items()}
 
 
 def import_checkpoint(

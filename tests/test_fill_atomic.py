@@ -1,0 +1,136 @@
+"""load(into=...) is all or nothing: when any object of ``into`` refuses its state, nothing in
+``into`` has changed, through ``sk.load`` and ``CheckpointManager.restore``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardkeep as sk
+
+
+class Counter:
+    """A custom stateful object whose load_state_dict refuses a negative count."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+        self.calls = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls += 1
+        self.count = state["count"]  # changes itself first, then refuses: the rollback must undo it
+        if state["count"] < 0:
+            raise ValueError("count must not be negative")
+
+
+class HookedModule(torch.nn.Module):
+    """A module with loading code of its own (taken through load_state_dict, with a snapshot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+    return model, optim
+
+
+def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in optim.state_dict()["state"].items()}
+    return weights, state
+
+
+def _assert_unchanged(model: torch.nn.Module, optim: torch.optim.Optimizer, before: Any) -> None:
+    weights, state = before
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    now = optim.state_dict()["state"]
+    assert now.keys() == state.keys()
+    for index, values in state.items():
+        for key, value in values.items():
+            assert torch.equal(now[index][key], value), (index, key)
+
+
+def test_a_custom_object_failing_last_leaves_module_and_optimizer_untouched(tmp_path: Path) -> None:
+    model, optim = _trained(0)
+    sk.save({"model": model, "optim": optim, "counter": Counter(-5), "note": "saved"}, tmp_path / "ckpt")
+    target_model, target_optim = _trained(1)
+    counter = Counter(7)
+    into = {"model": target_model, "optim": target_optim, "counter": counter, "note": "mine"}
+    before = _snapshot(target_model, target_optim)
+    with pytest.raises(sk.UnsupportedValueError, match=r"'counter'.*Counter.load_state_dict refused.*negative"):
+        sk.load(tmp_path / "ckpt", into=into)
+    _assert_unchanged(target_model, target_optim, before)
+    assert counter.count == 7 and counter.calls == 2  # the refused load, then the rollback
+    assert into["note"] == "mine"
+
+
+def test_a_grad_scaler_saved_disabled_restored_enabled_changes_nothing(tmp_path: Path) -> None:
+    """The real case: a GradScaler saved while disabled has an empty state, which an enabled
+    scaler refuses."""
+    model, optim = _trained(0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    sk.save({"model": model, "optim": optim, "scaler": scaler}, tmp_path / "ckpt")
+    target_model, target_optim = _trained(1)
+    target_scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
+    before = _snapshot(target_model, target_optim)
+    with pytest.raises(sk.UnsupportedValueError, match="GradScaler"):
+        sk.load(tmp_path / "ckpt", into={"model": target_model, "optim": target_optim, "scaler": target_scaler})
+    _assert_unchanged(target_model, target_optim, before)
+    assert target_scaler.get_scale() == 1024.0
+
+
+def test_a_module_with_its_own_loading_code_is_rolled_back(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = HookedModule()
+    sk.save({"model": source, "optim": torch.optim.SGD(source.parameters()), "counter": Counter(-1)}, tmp_path / "c")
+    torch.manual_seed(1)
+    target = HookedModule()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(sk.UnsupportedValueError, match="negative"):
+        sk.load(
+            tmp_path / "c", into={"model": target, "optim": torch.optim.SGD(target.parameters()), "counter": Counter()}
+        )
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_a_successful_load_fills_everything(tmp_path: Path) -> None:
+    model, optim = _trained(0)
+    sk.save({"model": model, "optim": optim, "counter": Counter(3)}, tmp_path / "ckpt")
+    target_model, target_optim = _trained(1)
+    counter = Counter()
+    sk.load(tmp_path / "ckpt", into={"model": target_model, "optim": target_optim, "counter": counter})
+    _assert_unchanged(target_model, target_optim, _snapshot(model, optim))
+    assert counter.count == 3
+
+
+def test_restore_through_the_manager_is_all_or_nothing(tmp_path: Path) -> None:
+    model, optim = _trained(0)
+    manager = sk.CheckpointManager(tmp_path / "root", keep_last=2, keep_best=0)
+    manager.save({"model": model, "optim": optim, "counter": Counter(-2)}, step=1)
+    target_model, target_optim = _trained(1)
+    before = _snapshot(target_model, target_optim)
+    counter = Counter(4)
+    with pytest.raises(sk.UnsupportedValueError, match="negative"):
+        manager.restore({"model": target_model, "optim": target_optim, "counter": counter})
+    _assert_unchanged(target_model, target_optim, before)
+    assert counter.count == 4
