@@ -17,7 +17,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -838,6 +838,32 @@ def _validate_timing(timing: SaveTiming | None, where: str, err: Callable[[str],
         err(f"{where}: blocked_seconds={timing.blocked_seconds} exceeds total_seconds={timing.total_seconds}")
 
 
+# The largest tensor any dimension or byte stride may describe: strides and sizes are 64-bit
+# signed integers in torch and numpy, so a shape whose extent overflows them (an empty tensor
+# with another dimension of 2**63, say) is refused while parsing, not by a crash on load.
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why ``shape`` (non-negative dimensions) cannot be a tensor: its extent, the product of
+    its non-zero dimensions times ``itemsize`` (the largest byte stride an empty tensor of that
+    shape would have), must fit in a signed 64-bit integer. None if it can."""
+    extent = itemsize
+    for dimension in shape:
+        if dimension < 0:
+            return f"negative dimension {dimension}"
+        if dimension:
+            extent *= dimension
+            if extent > MAX_TENSOR_BYTES:
+                return "its extent exceeds 2**63 - 1 bytes (a dimension or stride overflows 64 bits)"
+    return None
+
+
+def _short(shape: Sequence[int]) -> str:
+    """A shape for a message, with absurd dimensions (10**400) abbreviated."""
+    return "[" + ", ".join(str(d) if d < 10**20 else f"<{len(str(d))}-digit number>" for d in shape) + "]"
+
+
 def _digest_problem(digest: str) -> str | None:
     algorithm, _, hex_digest = digest.partition(":")
     expected_len = _DIGEST_HEX_LENGTH.get(algorithm)
@@ -875,8 +901,12 @@ def _validate_tensor(
     if shape and min(shape) < 0:
         err(f"negative dimension in shape {shape}")
         return
-    if itemsize is not None and math.prod(shape) * itemsize != entry.nbytes:
-        err(f"shape {shape} of {entry.dtype} needs {math.prod(shape) * itemsize} bytes, not {entry.nbytes}")
+    if itemsize is not None:
+        count = math.prod(shape)
+        if count * itemsize != entry.nbytes:
+            err(f"shape {shape} of {entry.dtype} needs {count * itemsize} bytes, not {entry.nbytes}")
+        elif count == 0 and shape_problem(shape, itemsize):
+            err(f"shape {_short(shape)}: {shape_problem(shape, itemsize)}")
     if entry.offset < 0 or entry.nbytes < 0:
         err("negative byte offset or size")
     elif entry.offset + entry.nbytes > record.size:
@@ -895,5 +925,7 @@ def _validate_tensor(
         err("global_shape and global_offset must be given together")
     elif not len(entry.global_shape) == len(entry.global_offset) == len(shape):
         err("shape, global_shape and global_offset have different ranks")
+    elif min(entry.global_shape, default=0) < 0 or shape_problem(entry.global_shape, itemsize or 1):
+        err(f"global_shape {_short(entry.global_shape)}: {shape_problem(entry.global_shape, itemsize or 1)}")
     elif any(o < 0 or o + s > g for o, s, g in zip(entry.global_offset, shape, entry.global_shape, strict=True)):
         err(f"chunk at {entry.global_offset} of shape {shape} lies outside {entry.global_shape}")

@@ -3,6 +3,7 @@ missing files, and hostile paths in a manifest are caught by both ``load`` and `
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -272,3 +273,59 @@ def test_a_very_deep_directory_tree_inside_a_checkpoint_is_a_typed_problem(tmp_p
     assert not sk.verify(checkpoint).ok
     with pytest.raises(sk.IntegrityError):
         sk.load(checkpoint)
+
+
+def _forge_shape(checkpoint: Path, key: str, shape: list[int], *, in_manifest: bool = True) -> None:
+    """Rewrite ``key``'s shape in the shard header (and the manifest), with the file's size and
+    digest and the manifest's seal made to match, as an attacker who can write the directory."""
+    shard = next((checkpoint / "shards").iterdir())
+    data = shard.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header[key]["shape"] = shape
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(len(body) + 8) % 8)
+    rewritten = struct.pack("<Q", len(body)) + body + data[8 + length :]
+    os.chmod(shard, 0o644)
+    shard.write_bytes(rewritten)
+
+    def follow(raw: dict) -> None:  # type: ignore[type-arg]
+        record_ = raw["files"][0]
+        record_["size"] = len(rewritten)
+        record_["digest"] = "blake3:" + blake3.blake3(rewritten).hexdigest()
+        for entry in record_["tensors"]:
+            entry["offset"] += len(body) - length
+            if entry["key"] == key and in_manifest:
+                entry["shape"] = shape
+
+    reseal(checkpoint, follow)
+
+
+@pytest.mark.parametrize("dimension", [2**63, 2**62, 10**400], ids=["2**63", "2**62", "10**400"])
+@pytest.mark.parametrize("in_manifest", [True, False], ids=["header+manifest", "header"])
+def test_a_shape_that_overflows_is_refused_alike_by_verify_load_and_restore(
+    tmp_path: Path, dimension: int, in_manifest: bool
+) -> None:
+    """An empty tensor whose other dimension overflows 64 bits, with matching digests: verify
+    and load agree with a typed error, and the manager falls back to the previous checkpoint."""
+    manager = sk.CheckpointManager(tmp_path / "root", keep_last=2, keep_best=0)
+    for step in (1, 2):
+        manager.save({"empty": torch.zeros(0, 3), "w": torch.full((2,), float(step))}, step=step)
+    newest = tmp_path / "root" / "step_00000002"
+    _forge_shape(newest, "empty", [0, dimension], in_manifest=in_manifest)
+    report = sk.verify(newest)
+    assert not report.ok and any("shape" in problem for problem in report.problems), report.problems
+    with pytest.raises(sk.ShardkeepError, match="shape"):
+        sk.load(newest)
+    restored = manager.restore()
+    assert restored.step == 1 and [name for name, _ in restored.skipped] == ["step_00000002"]
+    assert torch.equal(restored.state["w"], torch.full((2,), 1.0))
+
+
+def test_the_largest_representable_empty_shape_still_loads(tmp_path: Path) -> None:
+    """The bound is the 64-bit extent, not a smaller arbitrary limit."""
+    checkpoint = tmp_path / "ckpt"
+    sk.save({"empty": torch.zeros(0, 3)}, checkpoint)
+    _forge_shape(checkpoint, "empty", [0, 2**40])
+    assert sk.verify(checkpoint).ok
+    assert sk.load(checkpoint)["empty"].shape == (0, 2**40)

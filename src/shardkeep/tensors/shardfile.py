@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shardkeep.errors import IntegrityError
-from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, strict_json_hooks
+from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, shape_problem, strict_json_hooks
 
 __all__ = ["STALE", "VERSION_KEY", "HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
 
@@ -123,6 +123,9 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
             raise IntegrityError(f"safetensors header entry {name[:80]!r} has a non-string dtype")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise IntegrityError(f"safetensors header entry {name[:80]!r} has a shape that is not a list of sizes")
+        problem = shape_problem(shape, DTYPE_ITEMSIZE.get(dtype, 1))
+        if problem:
+            raise IntegrityError(f"safetensors header entry {name[:80]!r} has an impossible shape: {problem}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
             raise IntegrityError(f"safetensors header entry {name[:80]!r} has malformed data_offsets")
         if offsets[0] > offsets[1]:
