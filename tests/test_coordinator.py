@@ -91,3 +91,32 @@ def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path) -> Non
         assert kind == "ok", result
         assert result["error"] is not None and "deadline" in result["error"], result
         assert result["seconds"] < 30
+
+
+def _coordinator_fails(rank: int, world_size: int) -> dict[str, Any]:
+    coordinator = Coordinator(timeout=30)
+    seen: dict[str, Any] = {"ok": coordinator.on_coordinator("list", lambda: ["step_1", rank])}
+    for label, error in (("scan", sk.StorageError("cannot list the root")), ("other", ValueError("odd"))):
+
+        def work(error: Exception = error) -> None:
+            assert rank == 0, "runs on the coordinator only"
+            raise error
+
+        try:
+            coordinator.on_coordinator(label, work)
+        except sk.ShardkeepError as exc:
+            seen[label] = (type(exc).__name__, str(exc), exc is error)
+        except ValueError as exc:
+            seen[label] = (type(exc).__name__, str(exc), exc is error)
+    return seen
+
+
+def test_an_error_on_the_coordinator_is_raised_with_its_type_on_every_rank(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(3, _coordinator_fails, outbox=tmp_path))
+    for rank, result in enumerate(results):
+        assert result["ok"] == ["step_1", 0]  # the coordinator's result everywhere
+        assert result["scan"] == ("StorageError", "cannot list the root", rank == 0)
+        if rank == 0:
+            assert result["other"] == ("ValueError", "odd", True)  # the original, on the coordinator
+        else:
+            assert result["other"][0] == "CoordinationError" and "other failed on the coordinator" in result["other"][1]

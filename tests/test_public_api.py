@@ -19,6 +19,7 @@ EXPECTED_ALL = [
     "CheckpointNotFoundError",
     "ConfigError",
     "CoordinationError",
+    "DependencyError",
     "FingerprintMismatchError",
     "IntegrityError",
     "LazyTensor",

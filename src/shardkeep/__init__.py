@@ -15,6 +15,7 @@ from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CoordinationError,
+    DependencyError,
     FingerprintMismatchError,
     IntegrityError,
     LedgerError,
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "CoordinationError",
+    "DependencyError",
     "FingerprintMismatchError",
     "IntegrityError",
     "LazyTensor",
@@ -109,7 +111,18 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'shardkeep' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module_name), name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in ("torch", "numpy"):
+            raise
+        raise DependencyError(
+            f"shardkeep.{name} needs {'PyTorch' if missing == 'torch' else 'NumPy'}, which is not installed: "
+            f"pip install {missing} (for PyTorch without CUDA, use the CPU wheel: "
+            "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        ) from exc
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

@@ -19,6 +19,7 @@
     ├── StorageError             an I/O operation failed (write, fsync, rename, read ...)
     ├── SaveInProgressError      async_save(wait=False) while another save is still in flight
     ├── CoordinationError        one or more ranks failed a collective step
+    ├── DependencyError          a package a feature needs (torch ...) is not installed (an ImportError)
     └── LedgerError              a progress-ledger operation failed
         ├── ManifestCorruptedError     no copy of the ledger (primary, .tmp, .backup) is valid
         ├── LedgerNotFoundError        the ledger was never initialized (also a FileNotFoundError)
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "CoordinationError",
+    "DependencyError",
     "FingerprintMismatchError",
     "BatchFileMissingError",
     "IntegrityError",
@@ -59,6 +61,7 @@ __all__ = [
     "StorageError",
     "UnsafePathError",
     "UnsupportedValueError",
+    "same_error",
 ]
 
 
@@ -225,3 +228,31 @@ class BatchFileMissingError(LedgerError, FileNotFoundError):
 
 class LedgerLockTimeoutError(LedgerError, TimeoutError):
     """The ledger's lock file stayed locked by another process for longer than ``lock_timeout``."""
+
+
+class DependencyError(ShardkeepError, ImportError):
+    """A feature needs a package that is not installed (``torch`` for saving and loading
+    tensors); the message says what to install."""
+
+
+def same_error(type_name: str, message: str) -> ShardkeepError:
+    """An error of the :class:`ShardkeepError` subclass named ``type_name`` carrying ``message``,
+    so that a rank can re-raise, with its type, an error that another rank reported by name.
+
+    A class whose constructor needs more than a message is replaced by its nearest base class
+    that takes only one; an unknown name gives a plain :class:`ShardkeepError`."""
+    found: type[ShardkeepError] = ShardkeepError
+    pending: list[type[ShardkeepError]] = [ShardkeepError]
+    while pending:
+        klass = pending.pop()
+        if klass.__name__ == type_name:
+            found = klass
+            break
+        pending.extend(klass.__subclasses__())
+    for klass in found.__mro__:
+        if isinstance(klass, type) and issubclass(klass, ShardkeepError):
+            try:
+                return klass(message)
+            except TypeError:
+                continue
+    return ShardkeepError(message)

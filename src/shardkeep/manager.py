@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from shardkeep.errors import (
     RetentionError,
     RunMismatchError,
     ShardkeepError,
+    StorageError,
 )
 from shardkeep.integrity import SignaturePolicy, digest_bytes
 from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, lineage
@@ -388,7 +390,14 @@ class CheckpointManager:
       newest checkpoint fully.
     - ``staging_lease``: seconds after which an untouched staging directory counts as a
       leftover of a crashed save and is removed (by the coordinator).
-    - ``storage``: a byte store rooted at ``root`` (instead of the local directory).
+    - ``storage``: a byte store rooted at ``root`` (instead of the local directory), which is
+      created if missing; a root that is a file, lies under a file or cannot be created raises
+      :class:`~shardkeep.errors.StorageError`.
+    - ``signer``, ``public_key``, ``require_signature``: sign every save, and restore only
+      checkpoints signed by that key. A manager that requires signatures must have a
+      ``signer`` (on every rank), or be ``read_only``.
+    - ``read_only``: list and restore only (``save`` and ``prune`` raise ``ConfigError``); the
+      root is not created.
     - ``process_group``, ``timeout``: as for :func:`shardkeep.save`.
     - any :func:`shardkeep.save` option (``digest``, ``compression``, ``io_threads`` ...).
     """
@@ -411,6 +420,7 @@ class CheckpointManager:
         incremental: bool = False,
         public_key: Any = None,
         require_signature: bool | None = None,
+        read_only: bool = False,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
@@ -432,22 +442,30 @@ class CheckpointManager:
             raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
         if incremental and save_options.get("compression"):
             raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
+        if not isinstance(read_only, bool):
+            raise ConfigError(f"read_only={read_only!r} must be True or False")
+        self.signatures = SignaturePolicy.of(public_key, require_signature)
+        if self.signatures.required and save_options.get("signer") is None and not read_only:
+            raise ConfigError(
+                "this manager requires signed checkpoints (public_key= or require_signature=True) but has no "
+                "signer=, so its own saves would be unsigned and then refused: pass signer= (on every rank), "
+                "require_signature=False, or read_only=True for a manager that only lists and restores"
+            )
+        self.read_only = read_only
         self.root = os.fspath(root)
         if storage is None:
             if "://" in self.root:
                 storage = open_store(self.root, storage_options)
                 display = self.root.rstrip("/")
             else:
-                os.makedirs(self.root, exist_ok=True)
-                storage = LocalStore(self.root)
                 display = os.path.abspath(self.root)
+                storage = _local_root(self.root, create=not read_only)
         else:
             display = self.root
         self.store = storage
         self.storage_options = storage_options
         self.incremental = incremental
         self._base: str | None = None
-        self.signatures = SignaturePolicy.of(public_key, require_signature)
         self.catalog = CheckpointRoot(
             storage, display=display, storage_options=storage_options, signatures=self.signatures
         )
@@ -493,6 +511,10 @@ class CheckpointManager:
         """This run's id: given, adopted by :meth:`restore`, or created by the first save."""
         return self._run_id
 
+    def _refuse_if_read_only(self, verb: str) -> None:
+        if self.read_only:
+            raise ConfigError(f"this manager of {self.catalog.display} is read_only=True; it cannot {verb}")
+
     def _coordinator(self) -> Coordinator:
         return Coordinator(self.process_group, timeout=self.timeout)
 
@@ -507,6 +529,7 @@ class CheckpointManager:
         is still committed and usable.
         """
         started = time.perf_counter()
+        self._refuse_if_read_only("save")
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
@@ -515,8 +538,7 @@ class CheckpointManager:
                 payload, name, progress=self.progress, started=started, **self._save_arguments(step, metrics, run)
             )
             self._history = lineage(manifest)  # committed: on record even if retention fails
-            outcome = coordinator.step("apply retention", lambda: self._retain(name, coordinator))
-            _raise_shared(outcome[0])
+            coordinator.on_coordinator("apply retention", lambda: self._retain(name))
             return self._entry_after_save(name, manifest)
 
     def async_save(
@@ -530,6 +552,7 @@ class CheckpointManager:
         background. A previous pending save is waited for first. ``result()`` on the returned
         :class:`PendingSave` gives the entry."""
         started = time.perf_counter()
+        self._refuse_if_read_only("save")
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
@@ -537,7 +560,8 @@ class CheckpointManager:
 
             def after_commit(manifest: Manifest) -> None:
                 self._history = lineage(manifest)  # committed: on record even if retention fails
-                _raise_shared(self._retain(name, coordinator))
+                if coordinator.is_coordinator:  # background thread: no collectives, the coordinator prunes
+                    self._retain(name)
 
             handle = api.async_save(
                 payload, name, after_commit=after_commit, started=started, **self._save_arguments(step, metrics, run)
@@ -599,15 +623,11 @@ class CheckpointManager:
             source = self._fingerprint
         else:
             raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
-        outcome = coordinator.step("check the checkpoint root", lambda: self._claim(name, coordinator))
-        kind, detail = outcome[0]
-        if kind != "ok":
-            _raise_shared(outcome[0])
-        detail, self._base = detail
-        self._run_id = detail
+        run_id, self._base = coordinator.on_coordinator("check the checkpoint root", lambda: self._claim(name))
+        self._run_id = run_id
         fields = fingerprint_fields(source) if source is not None else {}
         run = RunInfo(
-            run_id=detail,
+            run_id=run_id,
             fingerprint=fingerprint_of(fields) if source is not None else None,
             fingerprint_fields=fields,
             retention=RetentionRecord(
@@ -620,87 +640,80 @@ class CheckpointManager:
         )
         return name, payload, run
 
-    def _claim(self, name: str, coordinator: Coordinator) -> tuple[str, Any]:
+    def _claim(self, name: str) -> tuple[str, str | None]:
         """On the coordinator: refuse a root owned by another run, move a corrupt checkpoint of
-        this run out of the way of ``name``, and collect leftovers. Errors are returned as
-        values so that every rank raises the same typed error."""
-        if not coordinator.is_coordinator:
-            return ("ok", None)
-        try:
-            found = self.catalog.scan()
-            owner = CheckpointRoot.owner(found)
-            run_id = self._run_id
-            if owner is not None and owner != run_id and not self.allow_other_runs:
-                newest = next(item for item in reversed(found) if CheckpointRoot.run_of(item) == owner)
-                hint = (
-                    f"call restore() to resume run {owner!r}, pass run_id={owner!r} to continue it"
-                    if run_id is None
-                    else f"this manager is run {run_id!r}"
+        this run out of the way of ``name``, and collect leftovers. Returns the run id and the
+        base of an incremental save."""
+        found = self.catalog.scan()
+        owner = CheckpointRoot.owner(found)
+        run_id = self._run_id
+        if owner is not None and owner != run_id and not self.allow_other_runs:
+            newest = next(item for item in reversed(found) if CheckpointRoot.run_of(item) == owner)
+            hint = (
+                f"call restore() to resume run {owner!r}, pass run_id={owner!r} to continue it"
+                if run_id is None
+                else f"this manager is run {run_id!r}"
+            )
+            raise RunMismatchError(
+                f"{self.catalog.display} belongs to run {owner!r} (newest checkpoint {newest.name}); {hint}, "
+                "or pass allow_other_runs=True to write beside it",
+                owner=owner,
+            )
+        if run_id is None:
+            run_id = _new_run_id()
+        step = int(name[5:])
+        for newer in reversed(found):
+            if newer.step <= step or CheckpointRoot.run_of(newer) != run_id:
+                continue
+            self.catalog.verify_fully(newer)
+            if not newer.problems:
+                raise CheckpointExistsError(
+                    f"run {run_id!r} already has a newer checkpoint that verifies, {newer.name}; a save of "
+                    f"step {step} would never be resumed from. Save with a step above {newer.step}, or "
+                    "remove the newer checkpoints first",
                 )
-                return (
-                    "RunMismatchError",
-                    f"{self.catalog.display} belongs to run {owner!r} (newest checkpoint {newest.name}); {hint}, "
-                    "or pass allow_other_runs=True to write beside it",
+        existing = next((item for item in found if item.name == name), None)
+        if existing is not None:
+            if CheckpointRoot.run_of(existing) == run_id:
+                self.catalog.verify_fully(existing)
+            if existing.problems and not renames(self.store):
+                raise CheckpointExistsError(
+                    f"checkpoint {self.catalog.path_of(name)} exists but fails verification "
+                    f"({'; '.join(existing.problems[:2])}); an object store cannot move it aside: inspect it, "
+                    "delete it, or save under another step",
                 )
-            if run_id is None:
-                run_id = _new_run_id()
-            step = int(name[5:])
-            for newer in reversed(found):
-                if newer.step <= step or CheckpointRoot.run_of(newer) != run_id:
+            if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
+                aside = f"{name}{_CORRUPT_MARKER}{uuid.uuid4().hex[:12]}"
+                self.store.rename(name, aside)
+                logger.warning(
+                    "checkpoint %s fails verification (%s); moved it to %s for inspection and saving afresh",
+                    self.catalog.path_of(name),
+                    "; ".join(existing.problems[:3]),
+                    aside,
+                )
+            else:
+                raise CheckpointExistsError(
+                    f"checkpoint {self.catalog.path_of(name)} already exists; committed checkpoints are never overwritten"
+                )
+        self.catalog.collect_leftovers(lease=self.staging_lease)
+        base = None
+        if self.incremental:
+            # The base of an incremental save: this run's newest checkpoint that verifies.
+            for item in reversed(found):
+                if item.step >= step or CheckpointRoot.run_of(item) != run_id or item.manifest is None:
                     continue
-                self.catalog.verify_fully(newer)
-                if not newer.problems:
-                    return (
-                        "CheckpointExistsError",
-                        f"run {run_id!r} already has a newer checkpoint that verifies, {newer.name}; a save of "
-                        f"step {step} would never be resumed from. Save with a step above {newer.step}, or "
-                        "remove the newer checkpoints first",
-                    )
-            existing = next((item for item in found if item.name == name), None)
-            if existing is not None:
-                if CheckpointRoot.run_of(existing) == run_id:
-                    self.catalog.verify_fully(existing)
-                if existing.problems and not renames(self.store):
-                    return (
-                        "CheckpointExistsError",
-                        f"checkpoint {self.catalog.path_of(name)} exists but fails verification "
-                        f"({'; '.join(existing.problems[:2])}); an object store cannot move it aside: inspect it, "
-                        "delete it, or save under another step",
-                    )
-                if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
-                    aside = f"{name}{_CORRUPT_MARKER}{uuid.uuid4().hex[:12]}"
-                    self.store.rename(name, aside)
-                    logger.warning(
-                        "checkpoint %s fails verification (%s); moved it to %s for inspection and saving afresh",
-                        self.catalog.path_of(name),
-                        "; ".join(existing.problems[:3]),
-                        aside,
-                    )
-                else:
-                    return (
-                        "CheckpointExistsError",
-                        f"checkpoint {self.catalog.path_of(name)} already exists; committed checkpoints are never overwritten",
-                    )
-            self.catalog.collect_leftovers(lease=self.staging_lease)
-            base = None
-            if self.incremental:
-                # The base of an incremental save: this run's newest checkpoint that verifies.
-                for item in reversed(found):
-                    if item.step >= step or CheckpointRoot.run_of(item) != run_id or item.manifest is None:
-                        continue
-                    self.catalog.verify_fully(item)
-                    if not item.problems:
-                        base = item.name
-                        break
-            return ("ok", (run_id, base))
-        except ShardkeepError as exc:
-            return (type(exc).__name__, str(exc))
+                self.catalog.verify_fully(item)
+                if not item.problems:
+                    base = item.name
+                    break
+        return run_id, base
 
-    def _retain(self, name: str, coordinator: Coordinator) -> tuple[str, Any]:
+    def _retain(self, name: str) -> None:
         """On the coordinator, after ``name`` committed: delete what the policy no longer keeps,
-        update the pointers, remove leftovers. Returns the new entry's flags, or an error."""
-        if not coordinator.is_coordinator:
-            return ("ok", None)
+        update the pointers, remove leftovers, and record the new entry's flags. Raises
+        :class:`~shardkeep.errors.RetentionError` (the checkpoint stays committed), with the
+        original error as its cause."""
+        path = self.catalog.path_of(name)
         try:
             found = self.catalog.scan()
             entries, decision = self.catalog.decide(found, self.policy, self._run_id, verify_newest=self.verify_newest)
@@ -721,20 +734,17 @@ class CheckpointManager:
             self.catalog.apply(decision, found)
             self.catalog.write_pointers(entries, decision, self.policy.metric)
             self.catalog.collect_leftovers(lease=self.staging_lease)
-            entry = next((entry for entry in entries if entry.name == name), None)
-            if entry is None or name not in mine:
-                return ("RetentionError", f"checkpoint {name} committed but is missing from {self.catalog.display}")
-            self._flags[name] = (entry.is_last, entry.is_best, entry.is_newest, entry.verified)
-            if entry.verified is False:
-                return (
-                    "RetentionError",
-                    f"checkpoint {entry.path} committed but fails verification: {'; '.join(entry.problems[:3])}",
-                )
-            return ("ok", None)
         except ShardkeepError as exc:
-            return (
-                "RetentionError",
-                f"checkpoint {self.catalog.path_of(name)} committed, but retention failed: {type(exc).__name__}: {exc}",
+            raise RetentionError(
+                f"checkpoint {path} committed, but retention failed: {type(exc).__name__}: {exc}", checkpoint=path
+            ) from exc
+        entry = next((entry for entry in entries if entry.name == name), None)
+        if entry is None or name not in mine:
+            raise RetentionError(f"checkpoint {name} committed but is missing from {self.catalog.display}", path)
+        self._flags[name] = (entry.is_last, entry.is_best, entry.is_newest, entry.verified)
+        if entry.verified is False:
+            raise RetentionError(
+                f"checkpoint {entry.path} committed but fails verification: {'; '.join(entry.problems[:3])}", path
             )
 
     def _entry_after_save(self, name: str, manifest: Manifest) -> CheckpointEntry:
@@ -812,6 +822,7 @@ class CheckpointManager:
     def prune(self) -> builtins.list[str]:
         """Apply retention now (coordinator only; other ranks return ``[]``) and return the names
         deleted. Saves do this on their own; this is for a policy that changed."""
+        self._refuse_if_read_only("prune")
         self.wait()
         coordinator = self._coordinator()
         if not coordinator.is_coordinator:
@@ -856,13 +867,7 @@ class CheckpointManager:
             if step is not None:
                 checkpoint_name(step)  # a bad step fails on every rank alike
             coordinator = self._coordinator()
-            candidates = coordinator.broadcast(
-                self._candidates(step) if coordinator.is_coordinator else None, label="list checkpoints"
-            )
-            if isinstance(candidates, str):
-                raise CheckpointNotFoundError(candidates)
-            if isinstance(candidates, tuple):
-                _raise_shared(candidates)
+            candidates = coordinator.on_coordinator("list checkpoints", lambda: self._candidates(step))
             skipped: builtins.list[tuple[str, str]] = []
             for name in candidates:
                 kind, detail, result = self._try_load(name, into, allow_fingerprint_change)
@@ -902,11 +907,9 @@ class CheckpointManager:
                 [f"{name}: {reason}" for name, reason in skipped],
             )
 
-    def _candidates(self, step: int | None) -> builtins.list[str] | str | tuple[str, str]:
-        try:
-            found = self.catalog.scan()
-        except ShardkeepError as exc:
-            return (type(exc).__name__, str(exc))
+    def _candidates(self, step: int | None) -> builtins.list[str]:
+        """On the coordinator: the names to try, newest first."""
+        found = self.catalog.scan()
         scope = self._scope(found)
         names = [
             item.name
@@ -919,7 +922,7 @@ class CheckpointManager:
         if not names:
             which = f"checkpoint step {step}" if step is not None else "checkpoints"
             of_run = f" of run {scope!r}" if scope is not None else ""
-            return f"no {which}{of_run} in {self.catalog.display}"
+            raise CheckpointNotFoundError(f"no {which}{of_run} in {self.catalog.display}")
         return names
 
     def _try_load(self, name: str, into: Any, allow_fingerprint_change: bool) -> tuple[str, str, Any]:
@@ -991,26 +994,24 @@ class CheckpointManager:
         return CheckpointEntry(name=name, path=self.catalog.path_of(name), step=manifest.step or 0, verified=True)
 
 
+def _local_root(root: str, *, create: bool) -> LocalStore:
+    """The local directory ``root`` as a byte store, created unless it exists (or ``create`` is
+    false); an unusable root raises :class:`~shardkeep.errors.StorageError` naming it."""
+    try:
+        if create:
+            os.makedirs(root, exist_ok=True)
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise StorageError(f"checkpoint root {root} is not a directory")
+        return LocalStore(root)
+    except FileExistsError as exc:  # makedirs over a file
+        raise StorageError(f"checkpoint root {root} is a file, not a directory") from exc
+    except NotADirectoryError as exc:
+        raise StorageError(f"checkpoint root {root} lies under a file, not a directory: {exc.filename}") from exc
+    except OSError as exc:
+        reason = "a read-only filesystem" if exc.errno == errno.EROFS else os.strerror(exc.errno or 0) or str(exc)
+        raise StorageError(f"cannot create the checkpoint root {root}: {reason}") from exc
+
+
 def _new_run_id() -> str:
     now = _dt.datetime.now(_dt.UTC)
     return f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"
-
-
-_SHARED_ERRORS: dict[str, type[ShardkeepError]] = {
-    "RunMismatchError": RunMismatchError,
-    "CheckpointExistsError": CheckpointExistsError,
-    "RetentionError": RetentionError,
-}
-
-
-def _raise_shared(outcome: tuple[str, Any]) -> None:
-    """Raise the coordinator's error, with its type, on this rank."""
-    kind, detail = outcome
-    if kind == "ok":
-        return
-    error_type = _SHARED_ERRORS.get(kind)
-    if error_type is RetentionError:
-        raise RetentionError(detail)
-    if error_type is not None:
-        raise error_type(detail)
-    raise CoordinationError(f"the coordinator failed: {kind}: {detail}", {0: f"{kind}: {detail}"})

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from shardkeep.errors import CoordinationError, ShardkeepError
+from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
 __all__ = ["DEFAULT_TIMEOUT", "Coordinator", "RankFailure"]
 
@@ -178,7 +178,9 @@ class Coordinator:
         outcomes = self.all_gather(outcome, label=label)
         failures = {index: payload for index, (kind, payload) in enumerate(outcomes) if kind == "error"}
         if failures:
-            details = "; ".join(f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items())
+            details = "; ".join(
+                f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items()
+            )
             error = CoordinationError(
                 f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}",
                 {rank: f"{failure.error_type}: {failure.message}" for rank, failure in failures.items()},
@@ -187,3 +189,30 @@ class Coordinator:
                 raise error from local_error
             raise error
         return [payload for _, payload in outcomes]
+
+    def on_coordinator(self, label: str, work: Callable[[], T]) -> T:
+        """Run ``work`` on the coordinator alone and return its result on every rank.
+
+        If it raises a :class:`ShardkeepError`, every rank raises an error of the same class with
+        the same message; the coordinator (and a single process) raises the original. Any other
+        error reaches the other ranks as a :class:`CoordinationError` naming it.
+        """
+        if not self.distributed:
+            return work()
+        failure: BaseException | None = None
+        outcome: Any = None
+        if self.is_coordinator:
+            try:
+                outcome = ("ok", work())
+            except Exception as exc:
+                failure = exc
+                if isinstance(exc, ShardkeepError):
+                    outcome = ("error", (type(exc).__name__, str(exc)))
+                else:
+                    outcome = ("error", ("CoordinationError", f"{label} failed on the coordinator: {exc!r}"))
+        kind, payload = self.broadcast(outcome, label=label)
+        if kind == "ok":
+            return payload  # type: ignore[no-any-return]  # the coordinator's result, typed T
+        if failure is not None:
+            raise failure
+        raise same_error(*payload)

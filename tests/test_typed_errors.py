@@ -1,0 +1,125 @@
+"""Every failure is its own ShardkeepError subclass with the original error as __cause__: an
+unusable manager root, a failure inside the manager's coordinator-only steps, a manager that
+requires signatures but cannot sign, and shardkeep without torch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import shardkeep as sk
+
+
+def test_a_root_that_is_a_file_is_a_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(sk.StorageError, match=r"file.*is a file, not a directory") as caught:
+        sk.CheckpointManager(tmp_path / "file")
+    assert isinstance(caught.value.__cause__, OSError)
+    with pytest.raises(sk.StorageError, match=r"lies under a file") as caught:
+        sk.CheckpointManager(tmp_path / "file" / "root")
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only filesystem (a tmpfs mounted ro); needs the privilege to mount."""
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", f"shardkeep-ro-{uuid.uuid4().hex[:6]}", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_root_on_a_read_only_filesystem_is_a_storage_error(read_only_mount: Path) -> None:
+    with pytest.raises(sk.StorageError, match="read-only filesystem") as caught:
+        sk.CheckpointManager(read_only_mount / "root")
+    assert isinstance(caught.value.__cause__, OSError)
+    manager = sk.CheckpointManager(read_only_mount, keep_last=1, keep_best=0)  # exists: reading works
+    with pytest.raises(sk.CheckpointNotFoundError):
+        manager.restore()
+    with pytest.raises(sk.StorageError) as saved:
+        manager.save({"w": torch.ones(2)}, step=1)
+    assert saved.value.__cause__ is not None
+
+
+def test_a_storage_error_while_scanning_keeps_its_type(tmp_path: Path) -> None:
+    """One process: a failure in the coordinator's scan of the root (here the root replaced by
+    a file after the manager opened it) is raised as itself, not as a CoordinationError."""
+    root = tmp_path / "root"
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=0)
+    manager.save({"w": torch.ones(2)}, step=1)
+    shutil.rmtree(root)
+    root.write_text("a file now")
+    for attempt in (lambda: manager.save({"w": torch.ones(2)}, step=2), manager.restore):
+        with pytest.raises(sk.StorageError) as caught:
+            attempt()
+        assert isinstance(caught.value.__cause__, OSError), caught.value.__cause__
+
+
+def test_same_error_rebuilds_the_class_by_name() -> None:
+    from shardkeep.errors import same_error
+
+    assert type(same_error("StorageError", "disk")) is sk.StorageError
+    assert type(same_error("SignatureError", "bad")) is sk.SignatureError
+    assert type(same_error("RunMismatchError", "other run")) is sk.RunMismatchError
+    # Constructors that need more than a message fall back to the nearest base that does not.
+    assert type(same_error("ManifestVersionError", "too new")) is sk.ManifestError
+    assert type(same_error("FingerprintMismatchError", "differs")) is sk.ShardkeepError
+    assert type(same_error("NoSuchError", "x")) is sk.ShardkeepError
+    assert str(same_error("StorageError", "disk")) == "disk"
+
+
+def test_a_manager_that_requires_signatures_must_be_able_to_sign(tmp_path: Path) -> None:
+    key = Ed25519PrivateKey.generate()
+    with pytest.raises(sk.ConfigError, match=r"requires signed checkpoints.*no signer="):
+        sk.CheckpointManager(tmp_path / "a", public_key=key.public_key())
+    with pytest.raises(sk.ConfigError, match="no signer="):
+        sk.CheckpointManager(tmp_path / "a", public_key=key.public_key(), require_signature=True)
+    assert not (tmp_path / "a").exists()
+    signing = sk.CheckpointManager(tmp_path / "root", signer=key, public_key=key.public_key(), keep_best=0)
+    signing.save({"w": torch.ones(3)}, step=1)
+    reader = sk.CheckpointManager(tmp_path / "root", public_key=key.public_key(), read_only=True)
+    assert torch.equal(reader.restore().state["w"], torch.ones(3))
+    with pytest.raises(sk.ConfigError, match="read_only"):
+        reader.save({"w": torch.ones(3)}, step=2)
+    with pytest.raises(sk.ConfigError, match="read_only"):
+        reader.prune()
+    assert sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+    with pytest.raises(sk.CheckpointNotFoundError, match="absent"):
+        sk.CheckpointManager(tmp_path / "absent", read_only=True, keep_best=0).restore()
+    assert not (tmp_path / "absent").exists()
+
+
+def test_save_without_torch_is_a_dependency_error(tmp_path: Path) -> None:
+    """A Python in which ``import torch`` fails (as when it is not installed)."""
+    script = (
+        "import sys; sys.modules['torch'] = None\n"  # makes 'import torch' raise ModuleNotFoundError
+        "import shardkeep as sk\n"
+        "try:\n"
+        "    sk.save({'x': 1}, sys.argv[1])\n"
+        "except sk.DependencyError as exc:\n"
+        "    assert isinstance(exc, sk.ShardkeepError) and isinstance(exc, ImportError)\n"
+        "    assert isinstance(exc.__cause__, ModuleNotFoundError), exc.__cause__\n"
+        "    print('DependencyError:', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "c")], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "DependencyError: shardkeep.save needs PyTorch" in done.stdout and "pip install torch" in done.stdout
