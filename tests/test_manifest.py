@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import shardkeep as sk
+from conftest import reseal
+from shardkeep.api import warn_if_over_read_limits
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import seal_manifest, unseal_manifest
 from shardkeep.manifest import (
@@ -401,3 +405,48 @@ def test_surrogate_escapes_are_refused_but_escaped_backslashes_are_not(tmp_path:
     assert lone != canonical
     with pytest.raises(sk.ManifestError, match="surrogate"):
         decode_manifest(lone)
+
+
+def test_the_default_limits_bound_what_reading_a_manifest_costs(tmp_path: Path, caplog: Any) -> None:
+    """Reading at the default limits costs about 5 s and 1 GiB at most on a 2-core machine
+    (bench/manifest_limits.py measures it; docs/reliability.md has the figures). A checkpoint
+    over them is written with a warning, refused by default with a typed error that says how
+    to raise the limits, and read with limits= through load, verify, read_manifest and the
+    manager."""
+    limits = ManifestLimits()
+    assert limits.max_bytes <= 24 * 2**20 and limits.max_tensors <= 250_000 and limits.max_files <= 250_000
+    small = ManifestLimits(max_tensors=40)
+    state = {f"t{index}": torch.full((2,), float(index)) for index in range(50)}
+    manager = sk.CheckpointManager(tmp_path / "root", keep_last=1, keep_best=0)
+    with caplog.at_level(logging.WARNING, logger="shardkeep"):
+        sk.save(state, tmp_path / "big")
+    assert not any("over the default read limits" in r.message for r in caplog.records)  # 50 < 250,000
+    manager.save(state, step=1)
+    checkpoint = tmp_path / "root" / "step_00000001"
+    sealed = (checkpoint / "manifest.json").read_bytes()
+    with caplog.at_level(logging.WARNING, logger="shardkeep"):
+        warn_if_over_read_limits(checkpoint, sealed, sk.read_manifest(checkpoint), small)
+    (warning,) = [r.message for r in caplog.records if "over the default read limits" in r.message]
+    assert "50 tensor entries" in warning and "limits=ManifestLimits(" in warning
+    with pytest.raises(sk.ManifestError, match=r"50 tensors, over the limit of 40.*limits=ManifestLimits"):
+        sk.load(checkpoint, limits=small)
+    assert not sk.verify(checkpoint, limits=small).ok
+    assert sk.verify(checkpoint).ok and sk.read_manifest(checkpoint).step == 1
+    strict = sk.CheckpointManager(tmp_path / "root", keep_last=1, keep_best=0, limits=small, read_only=True)
+    with pytest.raises(sk.IntegrityError, match="over the limit of 40"):
+        strict.restore()
+    roomy = sk.CheckpointManager(tmp_path / "root", keep_last=1, keep_best=0, limits=ManifestLimits(max_tensors=50))
+    assert torch.equal(roomy.restore().state["t7"], torch.full((2,), 7.0))
+
+
+def test_an_invalid_manifest_message_is_bounded(tmp_path: Path) -> None:
+    sk.save({f"t{index}": torch.zeros(2) for index in range(100)}, tmp_path / "c")
+
+    def break_every_entry(raw: dict) -> None:  # type: ignore[type-arg]
+        for entry in raw["files"][0]["tensors"]:
+            entry["nbytes"] += 1
+
+    reseal(tmp_path / "c", break_every_entry)
+    with pytest.raises(sk.ManifestError) as caught:
+        sk.read_manifest(tmp_path / "c")
+    assert "more problems" in str(caught.value) and len(str(caught.value)) < 5000

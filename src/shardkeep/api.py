@@ -14,6 +14,7 @@ import copy
 import datetime as _dt
 import functools
 import gc
+import logging
 import math
 import os
 import threading
@@ -87,6 +88,8 @@ from shardkeep.verification import (
 )
 
 __all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save", "verify"]
+
+logger = logging.getLogger("shardkeep")
 
 DEFAULT_TIER = "hot"
 _PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
@@ -729,6 +732,7 @@ class _SaveJob:
         manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
         with _collector_paused():
             sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
+        warn_if_over_read_limits(self.location, sealed, manifest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
         self.commit.commit(sealed, signature)
         return manifest
@@ -736,6 +740,28 @@ class _SaveJob:
     def abort(self) -> None:
         if self.coordinator.is_coordinator and self.commit is not None:
             self.commit.abort()
+
+
+def warn_if_over_read_limits(
+    location: object, sealed: bytes, manifest: Manifest, limits: ManifestLimits | None = None
+) -> None:
+    """Log a warning when readers will need ``limits=``: the default limits (or ``limits``)
+    bound what reading any manifest may cost, and this one is over them."""
+    limits = limits or ManifestLimits()
+    entries = sum(len(record.tensors) for record in manifest.files)
+    if len(sealed) > limits.max_bytes or entries > limits.max_tensors or len(manifest.files) > limits.max_files:
+        logger.warning(
+            "the manifest of %s (%.1f MiB, %d tensor entries, %d files) is over the default read limits "
+            "(%g MiB, %d entries, %d files): load, verify and CheckpointManager need "
+            "limits=ManifestLimits(max_bytes=..., max_tensors=..., max_files=...) to read it",
+            location,
+            len(sealed) / 2**20,
+            entries,
+            len(manifest.files),
+            limits.max_bytes / 2**20,
+            limits.max_tensors,
+            limits.max_files,
+        )
 
 
 class SaveHandle:

@@ -30,12 +30,20 @@ def _require_positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ManifestLimits:
-    """Bounds enforced before and while a manifest is parsed (RELIABILITY.md rule 16)."""
+    """Bounds enforced before and while a manifest is parsed, so that a hostile or damaged
+    manifest costs a bounded time and memory to refuse (or to read).
 
-    max_bytes: int = 512 * MiB
+    The defaults keep reading a manifest at the limit within about 5 s and 1 GiB on a 2-core
+    machine, in the worst case (the smallest possible entries, through the strict slow path);
+    ``bench/manifest_limits.py`` measures it. A checkpoint with more than 250,000 tensor
+    entries (or a manifest over 24 MiB) needs larger limits, passed as ``limits=`` to
+    ``load``, ``verify``, ``read_manifest`` and ``CheckpointManager``.
+    """
+
+    max_bytes: int = 24 * MiB
     max_depth: int = 32
-    max_files: int = 1_000_000
-    max_tensors: int = 20_000_000
+    max_files: int = 250_000
+    max_tensors: int = 250_000
     max_key_bytes: int = 4096
     max_ndim: int = 64
     max_path_components: int = 64

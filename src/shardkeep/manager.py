@@ -29,6 +29,7 @@ import torch
 
 import shardkeep.api as api
 from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot, _Found, checkpoint_name, load_config_file
+from shardkeep.config import ManifestLimits
 from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
     CheckpointExistsError,
@@ -396,6 +397,8 @@ class CheckpointManager:
     - ``signer``, ``public_key``, ``require_signature``: sign every save, and restore only
       checkpoints signed by that key. A manager that requires signatures must have a
       ``signer`` (on every rank), or be ``read_only``.
+    - ``limits``: a :class:`~shardkeep.config.ManifestLimits` for reading manifests larger
+      than the default limits allow (over 250,000 tensor entries or 24 MiB).
     - ``read_only``: list and restore only (``save`` and ``prune`` raise ``ConfigError``); the
       root is not created.
     - ``process_group``, ``timeout``: as for :func:`shardkeep.save`.
@@ -421,6 +424,7 @@ class CheckpointManager:
         public_key: Any = None,
         require_signature: bool | None = None,
         read_only: bool = False,
+        limits: ManifestLimits | None = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
@@ -466,8 +470,9 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.incremental = incremental
         self._base: str | None = None
+        self.limits = limits
         self.catalog = CheckpointRoot(
-            storage, display=display, storage_options=storage_options, signatures=self.signatures
+            storage, display=display, storage_options=storage_options, signatures=self.signatures, limits=limits
         )
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
@@ -934,6 +939,7 @@ class CheckpointManager:
                 storage=self.store,
                 public_key=self.signatures.public_key,
                 require_signature=self.signatures.required,
+                limits=self.limits,
             )
             if manifest.run is not None and self._run_id is not None and manifest.run.run_id != self._run_id:
                 raise RunMismatchError(f"{name} belongs to run {manifest.run.run_id!r}, not {self._run_id!r}")
@@ -968,6 +974,7 @@ class CheckpointManager:
             progress=self.progress,
             public_key=self.signatures.public_key,
             require_signature=self.signatures.required,
+            limits=self.limits,
         )
 
     def _check_fingerprint(self, name: str, manifest: Manifest, into: Any, allowed: bool) -> None:

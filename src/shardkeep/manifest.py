@@ -394,7 +394,7 @@ def _parse_version(text: object) -> tuple[int, int]:
 def parse_json_strict(data: bytes, limits: ManifestLimits) -> Any:
     """Parse JSON bytes, refusing oversized or deep input, duplicate keys, NaN and bad UTF-8."""
     if len(data) > limits.max_bytes:
-        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes{_RAISE_LIMIT}")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -460,11 +460,19 @@ def _json_depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+_RAISE_LIMIT = (
+    " (the default limits bound what reading an untrusted manifest costs; for a large checkpoint you "
+    "trust, pass limits=ManifestLimits(...) with larger values)"
+)
+
+
 def _check_counts(file_count: int, tensor_count: int, limits: ManifestLimits) -> None:
     if file_count > limits.max_files:
-        raise ManifestError(f"manifest lists {file_count} files, over the limit of {limits.max_files}")
+        raise ManifestError(f"manifest lists {file_count} files, over the limit of {limits.max_files}{_RAISE_LIMIT}")
     if tensor_count > limits.max_tensors:
-        raise ManifestError(f"manifest lists {tensor_count} tensors, over the limit of {limits.max_tensors}")
+        raise ManifestError(
+            f"manifest lists {tensor_count} tensors, over the limit of {limits.max_tensors}{_RAISE_LIMIT}"
+        )
 
 
 def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
@@ -512,7 +520,7 @@ def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Man
     """
     limits = limits or ManifestLimits()
     if len(data) > limits.max_bytes:
-        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes")
+        raise ManifestError(f"manifest is {len(data)} bytes, over the limit of {limits.max_bytes} bytes{_RAISE_LIMIT}")
     if _SURROGATE_ESCAPE.search(data) is not None:
         raise ManifestError("manifest JSON contains a \\uD800-\\uDFFF surrogate escape; text must be plain UTF-8")
     fast = _decode_canonical(data, limits)

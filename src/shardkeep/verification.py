@@ -113,7 +113,10 @@ def _read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepEr
     handle = store.open_read(path)
     try:
         if handle.size > limit:
-            raise error(f"{path} is {handle.size} bytes, over the limit of {limit}")
+            raise error(
+                f"{path} is {handle.size} bytes, over the limit of {limit} (for a large manifest you trust, "
+                "pass limits=ManifestLimits(max_bytes=...))"
+            )
         buffer = bytearray(handle.size)
         handle.read_into(0, memoryview(buffer))
     finally:
@@ -157,7 +160,8 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
     manifest = decode_manifest(data, limits=limits)
     errors = validate_manifest(manifest, limits=limits).errors + coverage_problems(manifest)
     if errors:
-        raise ManifestError(f"{where}: invalid manifest: " + "; ".join(errors))
+        more = f"; ... and {len(errors) - 20} more problems" if len(errors) > 20 else ""
+        raise ManifestError(f"{where}: invalid manifest: " + "; ".join(errors[:20]) + more)
     return manifest
 
 
