@@ -8,7 +8,8 @@ from the checkpoints themselves after any restart.
 
 What this module does to storage, always as the coordinator alone:
 
-- retention (RELIABILITY.md rule 9): only after a commit is durable; a checkpoint is deleted by
+- retention: only after a commit is durable, and never the newest checkpoint that verifies,
+  the best one, or a file a kept checkpoint references; a checkpoint is deleted by
   first *un-committing* it, a no-replace rename to ``<name>.deleting-<uuid>`` with an fsync of the
   root, and only then removing the tree. A crash at any point leaves either a whole committed
   checkpoint or a ``.deleting-`` directory that nothing reads as a checkpoint. On an object
@@ -18,13 +19,21 @@ What this module does to storage, always as the coordinator alone:
   checkpoints it referenced (reference counting derived from the manifests alone);
 - the ``last`` and ``best`` pointer files: small JSON files replaced atomically (never
   symlinks). They are hints for humans and tools; nothing here trusts them;
-- leftovers (rule 7): ``.deleting-`` directories are removed; staging directories
+- leftovers: ``.deleting-`` directories are removed; staging directories
   (``.tmp-``), and on object stores and tier locations the ``attempt-<id>/`` prefixes that no
   manifest uses and unfinished multipart uploads, only once nothing in them has changed for
   the lease.
 
 Checkpoints of other runs, and checkpoints whose manifest cannot be read (so their run is
-unknown), are never deleted. This module does not import torch.
+unknown), are never deleted.
+
+A checkpoint is trusted only under its own name: a ``step_<N>`` directory whose manifest records
+another step (a checkpoint renamed or copied, perhaps to pass an old, validly signed checkpoint
+off as the newest: a signature proves who wrote the bytes, not when or under which name) is
+*misnamed*. It is listed with that problem, and is never the newest, the best, the resume point,
+the owner of the root, nor deleted by retention as if it were the step its name says.
+
+This module does not import torch.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +73,9 @@ __all__ = [
     "CheckpointRoot",
     "checkpoint_name",
     "load_config_file",
+    "misnamed_problem",
+    "missing_tier_problem",
+    "missing_tiers",
 ]
 
 logger = logging.getLogger("shardkeep")
@@ -82,6 +94,61 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def misnamed_problem(name: str, manifest: Manifest) -> str | None:
+    """Why checkpoint directory ``name`` does not agree with the step its manifest records
+    (``None`` when it does, or when the manifest records no step).
+
+    A renamed or copied checkpoint still verifies, and a signature over its manifest is still
+    valid: neither covers the directory's name. Only this comparison tells that
+    ``step_00000099`` holds step 3.
+    """
+    if manifest.step is None or name == checkpoint_name(manifest.step):
+        return None
+    return (
+        f"name {name} but the manifest says step {manifest.step} (renamed or copied?): not trusted under this "
+        f"name; its own name is {checkpoint_name(manifest.step)}"
+    )
+
+
+def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
+    """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
+    location holds nothing of the checkpoint: tier name -> where it was looked for and what
+    was found. One ``stat`` per tier and owner; files are not opened."""
+    wanted = None if tiers is None else set(tiers)
+    owners: dict[str, set[str]] = {}
+    for record in manifest.files:
+        if wanted is not None and record.tier not in wanted:
+            continue
+        if resolver.store_of(record.tier) is resolver.location.store:
+            continue  # beside the manifest (or remapped there): the file-set check covers it
+        owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
+    missing: dict[str, str] = {}
+    for tier, names in sorted(owners.items()):
+        store = resolver.store_of(tier)
+        root = str(getattr(store, "root", repr(store))).rstrip("/")
+        absent = []
+        for owner in sorted(names):
+            try:
+                info = store.stat(owner)
+            except ShardkeepError as exc:
+                missing[tier] = f"{root}/{owner} cannot be read: {exc}"
+                break
+            if info is None:
+                absent.append(f"{root}/{owner}")
+        else:
+            if len(absent) == len(names):
+                missing[tier] = f"nothing at {', '.join(absent)}"
+    return missing
+
+
+def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
+    """One problem for a tier whose location is missing, saying how to point at its new place."""
+    hint = remap_hint.format(tier=tier)
+    if remapped:
+        return f"tier {tier!r} is missing: {found}; check the location given for it ({hint})"
+    return f"tier {tier!r} is missing: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
+
+
 @dataclass(frozen=True)
 class CheckpointEntry:
     """One committed checkpoint of a root, as :meth:`CheckpointManager.list` returns it.
@@ -91,6 +158,10 @@ class CheckpointEntry:
     failed (``problems`` says which). ``is_last``/``is_best`` follow the retention policy;
     ``is_newest`` marks the newest verified checkpoint, the resume point that is always kept.
     ``metric`` is the value of the policy's metric; ``metrics`` holds every recorded metric.
+    ``misnamed`` marks a directory whose name disagrees with its manifest's step (renamed or
+    copied): it is never last, best or newest, and ``problems`` says which step it holds.
+    ``missing_tiers`` names the tiers whose location held nothing of the checkpoint when it
+    was verified (moved or offline: one problem each, not one per file).
     """
 
     name: str
@@ -106,6 +177,8 @@ class CheckpointEntry:
     size: int = 0
     run_id: str | None = None
     created_at: _dt.datetime | None = None
+    misnamed: bool = False
+    missing_tiers: tuple[str, ...] = ()
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -121,6 +194,10 @@ class _Found:
     manifest: Manifest | None
     problems: list[str]
     full: bool = False
+    #: The directory's name disagrees with the manifest's step (see :func:`misnamed_problem`).
+    misnamed: bool = False
+    #: Tiers whose location held nothing of the checkpoint at the full verification.
+    missing_tiers: list[str] = field(default_factory=list)
 
 
 class CheckpointRoot:
@@ -134,21 +211,40 @@ class CheckpointRoot:
         limits: ManifestLimits | None = None,
         storage_options: Mapping[str, Any] | None = None,
         signatures: SignaturePolicy | None = None,
+        tier_locations: Mapping[str, str] | None = None,
+        remap_hint: str = "tier_locations={{{tier!r}: NEW_LOCATION}}",
     ) -> None:
         self.store = store
         self.display = display or str(getattr(store, "root", repr(store)))
         self.limits = limits
         self.storage_options = storage_options
         self.signatures = signatures or SignaturePolicy()
+        #: Tiers moved since their checkpoints were saved: tier name -> its new location
+        #: (applied to every checkpoint that defines the tier; used by :meth:`verify_fully`).
+        self.tier_locations = dict(tier_locations or {})
+        #: How a user remaps a missing tier, in the words of the caller (API or command line).
+        self.remap_hint = remap_hint
         self._tier_stores: dict[str, ByteStore] = {}
 
     @classmethod
-    def at(cls, path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
+    def at(
+        cls,
+        path: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        tier_locations: Mapping[str, str] | None = None,
+        remap_hint: str = "tier_locations={{{tier!r}: NEW_LOCATION}}",
+    ) -> CheckpointRoot:
         """The root at a local path or a URL (``s3://bucket/prefix``)."""
         text = os.fspath(path)
+        options: dict[str, Any] = {
+            "storage_options": storage_options,
+            "tier_locations": tier_locations,
+            "remap_hint": remap_hint,
+        }
         if "://" in text:
-            return cls(open_store(text, storage_options), display=text.rstrip("/"), storage_options=storage_options)
-        return cls(LocalStore(path), display=os.path.abspath(text), storage_options=storage_options)
+            return cls(open_store(text, storage_options), display=text.rstrip("/"), **options)
+        return cls(LocalStore(path), display=os.path.abspath(text), **options)
 
     def tier_store(self, location: str | None) -> ByteStore:
         """The store of a tier location (``None``: this root's store), opened once."""
@@ -192,10 +288,10 @@ class CheckpointRoot:
             except ShardkeepError as exc:
                 found.append(_Found(name, step, None, [str(exc)]))
                 continue
-            problems = self._quick_problems(location, manifest)
-            if manifest.step is not None and manifest.step != step:
-                problems.append(f"the manifest records step {manifest.step}, not {step}")
-            found.append(_Found(name, step, manifest, problems))
+            misnamed = misnamed_problem(name, manifest)
+            problems = [misnamed] if misnamed is not None else []
+            problems.extend(self._quick_problems(location, manifest))
+            found.append(_Found(name, step, manifest, problems, misnamed=misnamed is not None))
         found.sort(key=lambda item: (item.step, item.name))
         return found
 
@@ -233,14 +329,40 @@ class CheckpointRoot:
         return problems
 
     def verify_fully(self, item: _Found, on_bytes: Callable[[int], None] | None = None) -> None:
-        """Check every digest of ``item`` and record its problems (none means verified)."""
+        """Check every digest of ``item`` and record its problems (none means verified).
+
+        A tier whose location holds nothing of the checkpoint (moved, unmounted, another
+        bucket) is one problem naming the tier and how to remap it, not one per file; the
+        other tiers are still checked."""
         if item.manifest is None or item.problems or item.full:
             return
+        remapped = self.tiers_remapped(item.manifest)
+        location = CheckpointLocation(self.store, item.name)
+        try:
+            resolver = FileResolver(
+                location, item.manifest, tier_locations=remapped, storage_options=self.storage_options
+            )
+            missing = missing_tiers(resolver, item.manifest)
+        except StorageError:
+            raise
+        except ShardkeepError as exc:
+            item.problems.append(str(exc))
+            item.full = True
+            return
+        reachable = None
+        if missing:
+            item.missing_tiers.extend(missing)
+            item.problems.extend(
+                missing_tier_problem(tier, where, self.remap_hint, tier in remapped) for tier, where in missing.items()
+            )
+            reachable = sorted({record.tier for record in item.manifest.files} - set(missing))
         report = verify(
             item.name,
             storage=self.store,
             limits=self.limits,
             on_bytes=on_bytes,
+            tiers=reachable,
+            tier_locations=remapped,
             storage_options=self.storage_options,
             public_key=self.signatures.public_key,
             require_signature=self.signatures.required,
@@ -248,12 +370,18 @@ class CheckpointRoot:
         item.problems.extend(report.problems)
         item.full = True
 
+    def tiers_remapped(self, manifest: Manifest) -> dict[str, str]:
+        """This root's ``tier_locations`` for the tiers that ``manifest`` defines."""
+        defined = {tier.name for tier in manifest.tiers}
+        return {tier: place for tier, place in self.tier_locations.items() if tier in defined}
+
     # -- ownership --------------------------------------------------------------------------
     @staticmethod
     def owner(found: list[_Found]) -> str | None:
-        """The run that owns the root: that of the newest checkpoint recording a run id."""
+        """The run that owns the root: that of the newest checkpoint recording a run id (a
+        misnamed checkpoint's name proves nothing, so it never decides)."""
         for item in reversed(found):
-            if item.manifest is not None and item.manifest.run is not None:
+            if item.manifest is not None and item.manifest.run is not None and not item.misnamed:
                 return item.manifest.run.run_id
         return None
 
@@ -264,14 +392,22 @@ class CheckpointRoot:
     @staticmethod
     def recorded_policy(found: list[_Found], run_id: str | None = None) -> RetentionPolicy | None:
         """The retention policy recorded by the newest checkpoint (of ``run_id`` if given)."""
+        record = CheckpointRoot.policy_record(found, run_id)
+        return record[0] if record is not None else None
+
+    @staticmethod
+    def policy_record(found: list[_Found], run_id: str | None = None) -> tuple[RetentionPolicy, str] | None:
+        """The retention policy recorded by the newest checkpoint (of ``run_id`` if given), and
+        that checkpoint's name; misnamed checkpoints are passed over."""
         for item in reversed(found):
-            run = item.manifest.run if item.manifest is not None else None
+            run = item.manifest.run if item.manifest is not None and not item.misnamed else None
             if run is None or run.retention is None or (run_id is not None and run.run_id != run_id):
                 continue
             record = run.retention
-            return RetentionPolicy(
+            policy = RetentionPolicy(
                 keep_last=record.keep_last, keep_best=record.keep_best, metric=record.metric, mode=record.mode
             )
+            return policy, item.name
         return None
 
     # -- deciding ---------------------------------------------------------------------------
@@ -288,8 +424,14 @@ class CheckpointRoot:
 
         With ``verify_newest``, the run's checkpoints are verified fully, newest first, until
         one passes: that one is the newest verified checkpoint, which is never deleted.
+        Misnamed checkpoints take no part in the decision: never kept as last, best or newest,
+        and never deleted (their name does not say which step they are).
         """
-        mine = [item for item in found if item.manifest is not None and (run_id is None or self.run_of(item) == run_id)]
+        mine = [
+            item
+            for item in found
+            if item.manifest is not None and not item.misnamed and (run_id is None or self.run_of(item) == run_id)
+        ]
         if verify_newest:
             for item in reversed(mine):
                 self.verify_fully(item)
@@ -335,6 +477,8 @@ class CheckpointRoot:
             size=sum(record.stored_size for record in manifest.files) if manifest is not None else 0,
             run_id=self.run_of(item),
             created_at=manifest.created_at if manifest is not None else None,
+            misnamed=item.misnamed,
+            missing_tiers=tuple(item.missing_tiers),
             manifest=manifest,
         )
 

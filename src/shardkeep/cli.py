@@ -1,8 +1,10 @@
 """The ``shardkeep`` command line: argument parsing and printing. Imports without torch (``import``
 and ``export`` load it when they run).
 
-Exit status: 0 on success, 1 when ``verify`` (or ``ls``) finds a problem, 2 on bad usage or
-when the checkpoint or root cannot be read at all.
+Exit status, for every command: 0 on success, 1 when a check finds a problem (``verify``, ``ls``),
+2 on bad usage, or when the path is not what the command needs (no checkpoint there, a checkpoint
+given as a root, a root without checkpoints) or cannot be read (permissions, a tier location that
+is gone). Messages name the command-line flags, never the Python keyword arguments behind them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,34 @@ from typing import Any, TextIO
 
 import msgspec
 
-from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot
-from shardkeep.errors import ShardkeepError
-from shardkeep.integrity import PASSPHRASE_ENV, generate_key_pair
+from shardkeep.catalog import (
+    CHECKPOINT_NAME,
+    DEFAULT_LEASE,
+    CheckpointEntry,
+    CheckpointRoot,
+    missing_tier_problem,
+    missing_tiers,
+)
+from shardkeep.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    LedgerNotFoundError,
+    ShardkeepError,
+    StorageError,
+)
+from shardkeep.integrity import PASSPHRASE_ENV, SignaturePolicy, generate_key_pair
 from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
-from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER, Manifest
+from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER, Manifest
 from shardkeep.retention import RetentionDecision, RetentionPolicy
-from shardkeep.verification import read_manifest, sign_checkpoint, verify
+from shardkeep.verification import (
+    CheckpointLocation,
+    FileResolver,
+    locate,
+    read_checked_manifest,
+    sign_checkpoint,
+    verify,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -49,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardkeep",
         description="Inspect, verify, sign, list and prune shardkeep checkpoints; import and export other formats; "
         "show and change progress ledgers.",
-        epilog="Exit status: 0 success, 1 verification found problems, 2 usage error or unreadable checkpoint. "
+        epilog="Exit status (every command): 0 success; 1 a check found problems (verify, ls); 2 usage error, or "
+        "the path is not what the command needs (no checkpoint there, a checkpoint where a root of checkpoints is "
+        "expected, a root without checkpoints) or cannot be read (permissions, a tier location that is gone). "
         "Paths may be s3:// URLs: credentials and endpoint come from the standard AWS environment variables "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION).",
     )
@@ -67,9 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tensors", type=int, default=40, metavar="N", help="list at most N tensors (default 40; 0 for none)"
     )
     inspect.add_argument("--all", action="store_true", help="list every tensor")
+    _tier_location_argument(inspect)
 
     check = commands.add_parser(
-        "verify", help="check the file set, sizes, digests and headers; exit 0 only if all is well"
+        "verify",
+        help="check the file set, sizes, digests and headers; exit 0 only if all is well",
+        description="Check a committed checkpoint completely and print every problem. Exit 0 when the file set, "
+        "every size, digest and header match the manifest (and, with --public-key, the signature is valid); 1 when "
+        "a problem is found; 2 when there is no checkpoint at PATH, it cannot be read, a tier's location is "
+        "missing (remap it with --tier-location), or the options are wrong. A valid signature proves who wrote the "
+        "checkpoint, not that it is the newest one, nor that it was saved under this name.",
     )
     check.add_argument(
         "path", metavar="PATH", help="a committed checkpoint: a directory or a URL (s3://bucket/prefix/step_N)"
@@ -91,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --public-key, accept a checkpoint without manifest.sig (a present one must still be valid)",
     )
+    _tier_location_argument(check)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--quiet", "-q", action="store_true", help="print only problems")
     check.add_argument(
@@ -156,16 +189,26 @@ def build_parser() -> argparse.ArgumentParser:
     exporting.add_argument("--format", choices=("pt", "safetensors"), help="the output format (default: from DEST)")
     exporting.add_argument("--public-key", metavar="PEM", help="require a valid signature by this key first")
     exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    _tier_location_argument(exporting)
 
     listing = commands.add_parser(
         "ls",
         help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
-        description="List the committed checkpoints of a checkpoint-manager root. Marks and the policy come from "
-        "the manifests (the newest one records the manager's policy); --keep-last/--keep-best/--metric/--mode "
-        "override it. Exit 1 if a checkpoint fails a check.",
+        description="List the committed checkpoints (step_<N> directories) of a checkpoint-manager root. Marks and "
+        "the policy come from the manifests (the newest one records the manager's policy); --keep-last/--keep-best/"
+        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked: such a "
+        "checkpoint is listed as 'unverified', and the last/best marks are what the manager would keep if its data "
+        "is sound. A checkpoint whose name disagrees with the step in its manifest (renamed or copied) is flagged "
+        "and never marked. Exit 0 when every check passes, 1 if a checkpoint is corrupt or misnamed, 2 when ROOT "
+        "holds no checkpoints (or is a checkpoint itself) or cannot be read, or a checkpoint's tier location is "
+        "missing (remap it with --tier-location).",
     )
     listing.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
-    listing.add_argument("--verify", action="store_true", help="check every digest (reads everything)")
+    listing.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every digest (reads everything); without it the state is a quick check",
+    )
     listing.add_argument("--json", action="store_true", help="print the entries as JSON")
     listing.add_argument(
         "--plot",
@@ -174,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the time each save blocked training, into this PNG file (needs matplotlib: shardkeep[plot])",
     )
     _policy_arguments(listing)
+    _tier_location_argument(listing)
 
     prune = commands.add_parser(
         "prune",
@@ -182,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Never deletes the newest verified checkpoint, another run's checkpoints, or one whose manifest is "
         "unreadable, nor any file that a kept checkpoint references (incremental saves). Deletion un-commits a "
         "checkpoint first (a rename to <name>.deleting-<uuid>, or removing its manifest on an object store or "
-        "when later checkpoints reference its files), then removes what nothing references.",
+        "when later checkpoints reference its files), then removes what nothing references. Exit 2 when ROOT holds "
+        "no checkpoints (or is a checkpoint itself) or cannot be read.",
     )
     prune.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     prune.add_argument("--apply", action="store_true", help="delete for real (default: dry run)")
@@ -245,6 +290,45 @@ def _count(text: str) -> int:
     return value
 
 
+def _tier_location(text: str) -> tuple[str, str]:
+    name, separator, place = text.partition("=")
+    if not separator or not name or not place:
+        raise argparse.ArgumentTypeError(f"{text!r} must be NAME=LOCATION: a tier name, then a directory or URL")
+    return name, place
+
+
+def _tier_location_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tier-location",
+        action="append",
+        type=_tier_location,
+        default=[],
+        metavar="NAME=LOCATION",
+        help="read tier NAME from LOCATION (a directory or URL) instead of the location its manifest records, e.g. "
+        "after the tier was moved (repeatable)",
+    )
+
+
+def _tier_locations(args: argparse.Namespace) -> dict[str, str]:
+    remapped: dict[str, str] = {}
+    for name, place in args.tier_location:
+        if remapped.get(name, place) != place:
+            raise ConfigError(f"--tier-location {name}= is given twice, with different locations")
+        remapped[name] = place
+    return remapped
+
+
+def _check_tier_names(manifest: Manifest, path: str, tiers: list[str] | None, remapped: dict[str, str]) -> None:
+    """Refuse --tier and --tier-location names that the checkpoint does not define (a usage error)."""
+    defined = sorted({tier.name for tier in manifest.tiers} | {record.tier for record in manifest.files})
+    for flag, names in (("--tier", set(tiers or ())), ("--tier-location", set(remapped))):
+        unknown = sorted(names - set(defined))
+        if unknown:
+            raise ConfigError(
+                f"{flag} {', '.join(unknown)}: {path} has no such tier; its tiers are {', '.join(defined) or 'none'}"
+            )
+
+
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-last", type=_count, metavar="N", help="last checkpoints to keep (default: recorded)")
     parser.add_argument("--keep-best", type=_count, metavar="M", help="best checkpoints to keep (default: recorded)")
@@ -280,8 +364,11 @@ def _printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
-def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO) -> None:
+def _print_inspect(
+    manifest: Manifest, path: str, limit: int | None, out: TextIO, tier_notes: dict[str, str] | None = None
+) -> None:
     info = summary(manifest)
+    tier_notes = tier_notes or {}
 
     def w(text: str) -> None:
         out.write(_printable(text))
@@ -303,6 +390,8 @@ def _print_inspect(manifest: Manifest, path: str, limit: int | None, out: TextIO
             f"tier         {tier.name} (id {tier.tier_id}, {tier.placement_policy}, "
             f"budget {tier.size_budget or 'none'}, location {tier.location or 'with the manifest'})\n"
         )
+        if tier.name in tier_notes:
+            w(f"             {tier_notes[tier.name]}\n")
     w(f"files        {info['file_count']} file(s), {human_bytes(info['file_bytes'])}\n")
     for record in manifest.files:
         w(
@@ -349,71 +438,124 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+_REMAP_HINT = "--tier-location {tier}=NEW_LOCATION"
+
+
+def _missing_tier_problems(
+    location: CheckpointLocation, manifest: Manifest, remapped: dict[str, str], tiers: list[str] | None = None
+) -> dict[str, str]:
+    """One problem for each tier (of ``tiers``) whose location holds nothing of the checkpoint
+    (one ``stat`` per tier; no file is opened)."""
+    resolver = FileResolver(location, manifest, tier_locations=remapped)
+    return {
+        tier: missing_tier_problem(tier, found, _REMAP_HINT, tier in remapped)
+        for tier, found in missing_tiers(resolver, manifest, tiers).items()
+    }
+
+
 def _run_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    manifest = read_manifest(args.path)
+    location = locate(args.path)
+    manifest = read_checked_manifest(location, SignaturePolicy())
+    remapped = _tier_locations(args)
+    _check_tier_names(manifest, args.path, None, remapped)
+    missing = _missing_tier_problems(location, manifest, remapped)
+    notes = {name: f"read from {place} (--tier-location)" for name, place in remapped.items()} | missing
     if args.json:
-        document = {"path": args.path, "summary": summary(manifest), "manifest": msgspec.to_builtins(manifest)}
+        document = {
+            "path": args.path,
+            "summary": summary(manifest),
+            "manifest": msgspec.to_builtins(manifest),
+            "tier_locations": remapped,
+            "missing_tiers": missing,
+        }
         out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
         return 0
     limit = None if args.all else max(0, args.max_tensors)
-    _print_inspect(manifest, args.path, limit, out)
+    _print_inspect(manifest, args.path, limit, out, notes)
     return 0
 
 
 def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.allow_unsigned and args.public_key is None:
+        raise ConfigError("--allow-unsigned only applies with --public-key (the key a present signature must match)")
+    policy = SignaturePolicy.of(args.public_key, False if args.allow_unsigned else None)
+    remapped = _tier_locations(args)
+    location = locate(args.path)
+    # Nothing to check at all (no checkpoint there, unreadable) is exit 2, not "corrupt", so the
+    # manifest is read here first (as verify reads it: with a key, the signature before the
+    # manifest is parsed); it also says which tiers are reachable. Damage to the manifest is
+    # left to verify to report (exit 1).
+    manifest = None
+    try:
+        manifest = read_checked_manifest(location, policy)
+    except (CheckpointNotFoundError, StorageError):
+        raise
+    except ShardkeepError:
+        manifest = None
+    tiers = args.tier
+    missing: dict[str, str] = {}  # tier -> the one problem to print for it
+    if manifest is not None:
+        _check_tier_names(manifest, args.path, args.tier, remapped)
+        missing = _missing_tier_problems(location, manifest, remapped, args.tier)
+        if missing:
+            wanted = set(args.tier) if args.tier else {record.tier for record in manifest.files}
+            tiers = sorted(wanted - set(missing))
     show_bar = args.progress == "always" or (args.progress == "auto" and err.isatty() and not args.json)
     bar = None
     on_bytes = None
     if show_bar:
         from tqdm import tqdm
 
-        try:
-            # Checked like verify checks it: the signature before the manifest is parsed.
-            manifest = read_manifest(
-                args.path, public_key=args.public_key, require_signature=False if args.allow_unsigned else None
-            )
-            total = sum(record.size for record in manifest.files)
-        except ShardkeepError:
-            total = None
+        total = None
+        if manifest is not None:
+            chosen = set(tiers) if tiers is not None else None
+            total = sum(record.size for record in manifest.files if chosen is None or record.tier in chosen)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=err, leave=False)
         on_bytes = bar.update
     try:
         report = verify(
             args.path,
             on_bytes=on_bytes,
-            tiers=args.tier,
-            public_key=args.public_key,
-            require_signature=False if args.allow_unsigned else None,
+            tiers=tiers,
+            tier_locations=remapped,
+            public_key=policy.public_key,
+            require_signature=policy.required,
         )
     finally:
         if bar is not None:
             bar.close()
+    code = 1 if report.problems else (2 if missing else 0)
     if args.json:
         document = {
             "path": report.path,
-            "ok": report.ok,
+            "ok": report.ok and not missing,
             "problems": report.problems,
+            "missing_tiers": missing,
             "warnings": report.warnings,
             "files_checked": report.files_checked,
             "bytes_checked": report.bytes_checked,
             "signature": report.signature,
         }
         out.write(json.dumps(document, indent=2) + "\n")
-        return 0 if report.ok else 1
+        return code
     for problem in report.problems:
         out.write(f"PROBLEM  {_printable(problem)}\n")
+    for problem in missing.values():
+        out.write(f"MISSING  {_printable(problem)}\n")
     if not args.quiet:
         for warning in report.warnings:
             out.write(f"warning  {_printable(warning)}\n")
-    if report.ok:
-        if not args.quiet:
-            out.write(
-                f"OK  {report.path}: {report.files_checked} file(s), {human_bytes(report.bytes_checked)} verified; "
-                f"{report.signature}\n"
-            )
-        return 0
-    out.write(f"FAILED  {report.path}: {len(report.problems)} problem(s)\n")
-    return 1
+    checked = f"{report.files_checked} file(s), {human_bytes(report.bytes_checked)} verified"
+    if report.problems:
+        out.write(f"FAILED  {report.path}: {len(report.problems)} problem(s)\n")
+    elif missing:
+        out.write(
+            f"INCOMPLETE  {report.path}: tier(s) {', '.join(missing)} could not be read; {checked} without a "
+            f"problem; {report.signature}\n"
+        )
+    elif not args.quiet:
+        out.write(f"OK  {report.path}: {checked}; {report.signature}\n")
+    return code
 
 
 def _run_keygen(args: argparse.Namespace, out: TextIO) -> int:
@@ -424,7 +566,12 @@ def _run_keygen(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
-    identity = sign_checkpoint(args.path, args.key, replace=args.replace)
+    try:
+        identity = sign_checkpoint(args.path, args.key, replace=args.replace)
+    except CheckpointExistsError as exc:  # the only one sign_checkpoint raises: a signature is there
+        raise CheckpointExistsError(
+            f"{args.path} is already signed (manifest.sig exists); pass --replace to replace the signature"
+        ) from exc
     out.write(f"signed {args.path} with key {identity[:16]}\n")
     return 0
 
@@ -449,11 +596,30 @@ def _run_import(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_export(args: argparse.Namespace, out: TextIO) -> int:
+    if args.format is None and not args.dest.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors")):
+        raise ConfigError(f"cannot tell the format from {args.dest!r}: end it in .pt or .safetensors, or pass --format")
+    remapped = _tier_locations(args)
+    location = locate(args.path)
+    policy = SignaturePolicy.of(args.public_key)
+    manifest = read_checked_manifest(location, policy)
+    _check_tier_names(manifest, args.path, None, remapped)
+    missing = _missing_tier_problems(location, manifest, remapped)
+    if missing:
+        raise CheckpointNotFoundError(f"cannot export {args.path}: {'; '.join(missing.values())}")
+
     from shardkeep.interop import export_checkpoint  # imports torch
 
-    written = export_checkpoint(
-        args.path, args.dest, format=args.format, overwrite=args.force, public_key=args.public_key
-    )
+    try:
+        written = export_checkpoint(
+            args.path,
+            args.dest,
+            format=args.format,
+            overwrite=args.force,
+            public_key=policy.public_key,
+            tier_locations=remapped or None,
+        )
+    except CheckpointExistsError as exc:  # DEST exists (export_checkpoint checks nothing else so)
+        raise CheckpointExistsError(f"{args.dest} already exists; pass --force to replace it") from exc
     out.write(
         f"exported {args.path} -> {written.path} ({written.format}): {written.tensors} tensor(s), "
         f"{human_bytes(written.bytes)}, {written.values} value(s)\n"
@@ -461,14 +627,80 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _policy_for(args: argparse.Namespace, root: CheckpointRoot, found: list[Any], run: str | None) -> RetentionPolicy:
-    recorded = root.recorded_policy(found, run) or RetentionPolicy()
-    return RetentionPolicy(
+def _open_root(args: argparse.Namespace) -> tuple[CheckpointRoot, list[Any]]:
+    """The root ROOT names and its checkpoints; a usage error (exit 2) when it holds none, or is
+    a checkpoint itself, saying what is there instead."""
+    remapped = _tier_locations(args) if hasattr(args, "tier_location") else {}
+    root = CheckpointRoot.at(args.root, tier_locations=remapped, remap_hint=_REMAP_HINT)
+    found = root.scan()
+    if not found:
+        raise CheckpointNotFoundError(_nothing_in(root, args))
+    if remapped:
+        defined = {tier.name for item in found if item.manifest is not None for tier in item.manifest.tiers}
+        unknown = sorted(set(remapped) - defined)
+        if unknown:
+            raise ConfigError(
+                f"--tier-location {', '.join(unknown)}: no checkpoint in {root.display} has such a tier; "
+                f"their tiers are {', '.join(sorted(defined)) or 'none'}"
+            )
+    return root, found
+
+
+def _nothing_in(root: CheckpointRoot, args: argparse.Namespace) -> str:
+    """What ROOT holds when it holds no checkpoints."""
+    display = root.display
+    parent = display.rstrip("/").rpartition("/")[0] or "/"
+    info = root.store.stat(MANIFEST_FILENAME)
+    if info is not None and info.kind == "file":
+        return (
+            f"{display} is a checkpoint, not a root of checkpoints; use `shardkeep inspect {display}` or "
+            f"`shardkeep verify {display}` for it, or `shardkeep {args.command} {parent}` for the root it is in"
+        )
+    entries = root.store.list_dir("")
+    leftovers = [name for name, _ in entries if STAGING_MARKER in name or DELETING_MARKER in name]
+    roots = []
+    for name, entry in entries[:200]:
+        if entry.kind != "dir" or CHECKPOINT_NAME.fullmatch(name) or name in leftovers:
+            continue
+        try:
+            if any(CHECKPOINT_NAME.fullmatch(child) for child, _ in root.store.list_dir(name)):
+                roots.append(f"{display}/{name}")
+        except ShardkeepError:
+            continue
+    text = f"no checkpoints under {display} (no step_<N> directory with a manifest)"
+    if not entries:
+        text += ": the directory is empty"
+    if leftovers:
+        text += f"; {len(leftovers)} leftover(s) of unfinished saves or deletions: {', '.join(leftovers[:3])}"
+    if roots:
+        text += f"; roots of checkpoints below it: {', '.join(roots[:5])}"
+    if getattr(args, "plot", None):
+        text += "; nothing to plot"
+    return text
+
+
+def _policy_for(
+    args: argparse.Namespace, root: CheckpointRoot, found: list[Any], run: str | None
+) -> tuple[RetentionPolicy, str]:
+    """The policy to apply and where it comes from (the manifests, the options, or defaults)."""
+    record = root.policy_record(found, run)
+    recorded = record[0] if record is not None else RetentionPolicy()
+    given = [args.keep_last, args.keep_best, args.metric, args.mode]
+    policy = RetentionPolicy(
         keep_last=recorded.keep_last if args.keep_last is None else args.keep_last,
         keep_best=recorded.keep_best if args.keep_best is None else args.keep_best,
         metric=args.metric or recorded.metric,
         mode=args.mode or recorded.mode,
     )
+    if all(value is not None for value in given):
+        source = "from the options"
+    elif record is not None:
+        source = f"recorded by {record[1]}" + (", with the options given" if any(v is not None for v in given) else "")
+    else:
+        source = "no checkpoint records a policy: " + (
+            "the options given, defaults for the rest" if any(v is not None for v in given) else "defaults"
+        )
+    return policy, source
 
 
 def _marks(entry: CheckpointEntry, decision: RetentionDecision, scoped: bool) -> str:
@@ -482,39 +714,72 @@ def _marks(entry: CheckpointEntry, decision: RetentionDecision, scoped: bool) ->
     return ",".join(marks) or "-"
 
 
-def _state(entry: CheckpointEntry) -> str:
+def _state_word(entry: CheckpointEntry) -> str:
+    """``verified``, ``unverified`` (quick check only), ``corrupt``, ``misnamed`` (renamed or
+    copied), or ``unreadable`` (only a tier's location is missing)."""
+    if entry.misnamed:
+        return "misnamed"
     if entry.verified is False:
-        return "CORRUPT: " + (entry.problems[0] if entry.problems else "?")
-    return "verified" if entry.verified else "ok"
+        return "unreadable" if len(entry.problems) == len(entry.missing_tiers) else "corrupt"
+    return "verified" if entry.verified else "unverified"
+
+
+def _state(entry: CheckpointEntry) -> str:
+    word = _state_word(entry)
+    if word in ("misnamed", "corrupt", "unreadable"):
+        return f"{word.upper()}: " + (entry.problems[0] if entry.problems else "?")
+    return word
+
+
+def _ls_status(entries: list[CheckpointEntry]) -> int:
+    """1 when a checkpoint is corrupt or misnamed; else 2 when one could not be read whole."""
+    states = {_state_word(entry) for entry in entries}
+    if states & {"corrupt", "misnamed"}:
+        return 1
+    return 2 if "unreadable" in states else 0
+
+
+def _runs_line(entries: list[CheckpointEntry], run: str | None) -> str | None:
+    """A note when the root holds checkpoints of more than one run."""
+    counts = Counter(entry.run_id for entry in entries if entry.run_id is not None and not entry.misnamed)
+    if len(counts) < 2:
+        return None
+    listed = ", ".join(f"{name} ({count})" for name, count in counts.most_common(5))
+    return f"runs    {len(counts)} runs in this root: {listed}; marks are for run {run or '-'} (--run to choose)\n"
 
 
 def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
-    root = CheckpointRoot.at(args.root)
-    found = root.scan()
+    root, found = _open_root(args)
     run = args.run or root.owner(found)
-    policy = _policy_for(args, root, found, run)
+    policy, source = _policy_for(args, root, found, run)
     if args.verify:
         for item in found:
             root.verify_fully(item)
     entries, decision = root.decide(found, policy, run, verify_newest=False)
     leftovers = [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
     pointers = {name: root.read_pointer(name) for name in ("last", "best")}
-    failed = any(entry.verified is False for entry in entries)
+    status = _ls_status(entries)
+    unverified = any(entry.verified is None for entry in entries)
     plotted = None
     if args.plot:
         from shardkeep.report import plot_root  # imports matplotlib
 
         title = f"{root.display}   run {run or '-'}"
-        plotted = plot_root(entries, policy, run, args.plot, title=title)
+        if not args.verify:
+            title += "\nquick check only: digests not verified (shardkeep ls --verify checks them)"
+        # A misnamed checkpoint's step is not the one its name says: it has no place on the curve.
+        plotted = plot_root([entry for entry in entries if not entry.misnamed], policy, run, args.plot, title=title)
     if args.json:
         document = {
             "root": root.display,
             "run": run,
+            "digests_checked": bool(args.verify),
             "policy": {
                 "keep_last": policy.keep_last,
                 "keep_best": policy.keep_best,
                 "metric": policy.metric,
                 "mode": policy.mode,
+                "source": source,
             },
             "checkpoints": [
                 {
@@ -528,7 +793,10 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
                     "is_best": entry.is_best,
                     "is_newest": entry.is_newest,
                     "prunable": entry.name in decision.delete,
+                    "state": _state_word(entry),
                     "verified": entry.verified,
+                    "misnamed": entry.misnamed,
+                    "missing_tiers": list(entry.missing_tiers),
                     "problems": list(entry.problems),
                     "run_id": entry.run_id,
                     "created_at": entry.created_at.isoformat() if entry.created_at else None,
@@ -541,7 +809,7 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
             "plot": plotted.path if plotted else None,
         }
         out.write(json.dumps(document, indent=2) + "\n")
-        return 1 if failed else 0
+        return status
 
     def w(text: str) -> None:
         out.write(_printable(text))
@@ -549,31 +817,34 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
     w(f"root    {root.display}\n")
     w(
         f"policy  keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} mode={policy.mode}"
-        f"   run {run or '-'}\n"
+        f"   ({source})   run {run or '-'}\n"
     )
-    if not entries:
-        w("no checkpoints\n")
-    else:
-        metric_header = policy.metric[:16]
+    runs = _runs_line(entries, run)
+    if runs:
+        w(runs)
+    metric_header = policy.metric[:16]
+    w(
+        f"{'NAME':<16} {'STEP':>10} {metric_header:>16} {'SIZE':>10} {'BLOCKED':>9}  {'MARKS':<22} {'CREATED':<20} STATE\n"
+    )
+    for entry in entries:
+        metric = "-" if entry.metric is None else f"{entry.metric:.6g}"
+        created = entry.created_at.strftime("%Y-%m-%d %H:%M:%S") if entry.created_at else "-"
+        scoped = run is None or entry.run_id == run or entry.manifest is None
+        timing = entry.manifest.timing if entry.manifest is not None else None
+        blocked = f"{timing.blocked_seconds:.3f}s" if timing is not None else "-"
         w(
-            f"{'NAME':<16} {'STEP':>10} {metric_header:>16} {'SIZE':>10} {'BLOCKED':>9}  {'MARKS':<22} "
-            f"{'CREATED':<20} STATE\n"
+            f"{entry.name:<16} {entry.step:>10} {metric:>16} {human_bytes(entry.size):>10} {blocked:>9}  "
+            f"{_marks(entry, decision, scoped):<22} {created:<20} {_state(entry)}\n"
         )
-        for entry in entries:
-            metric = "-" if entry.metric is None else f"{entry.metric:.6g}"
-            created = entry.created_at.strftime("%Y-%m-%d %H:%M:%S") if entry.created_at else "-"
-            scoped = run is None or entry.run_id == run or entry.manifest is None
-            timing = entry.manifest.timing if entry.manifest is not None else None
-            blocked = f"{timing.blocked_seconds:.3f}s" if timing is not None else "-"
-            w(
-                f"{entry.name:<16} {entry.step:>10} {metric:>16} {human_bytes(entry.size):>10} {blocked:>9}  "
-                f"{_marks(entry, decision, scoped):<22} {created:<20} {_state(entry)}\n"
-            )
+        for problem in entry.problems[1:3]:
+            w(f"{'':<16} {'':>10} {'':>16} {'':>10} {'':>9}  {_state_word(entry).upper()}: {problem}\n")
+        if len(entry.problems) > 3:
+            w(f"{'':<70} ... {len(entry.problems) - 3} more problem(s): shardkeep verify {entry.path}\n")
     for name, pointer in pointers.items():
         target = pointer.get("checkpoint") if pointer else None
         expected = decision.newest_verified if name == "last" else (decision.best[0] if decision.best else None)
-        status = "ok" if target == expected else f"stale (truth: {expected or 'none'})"
-        w(f"pointer {name} -> {target or 'none'}  {status}\n")
+        agreement = "current" if target == expected else f"stale (truth: {expected or 'none'})"
+        w(f"pointer {name} -> {target or 'none'}  {agreement}\n")
     if leftovers:
         w(f"leftovers {len(leftovers)}: {', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}\n")
     if plotted is not None:
@@ -582,26 +853,33 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
             f"present); saves blocked training "
             f"{plotted.blocked_seconds:.2f} s of {plotted.total_seconds:.2f} s in all\n"
         )
-    return 1 if failed else 0
+    if unverified:
+        w(
+            "note    unverified: only the manifest, the file set and the sizes were checked, not the data; "
+            "last/best/newest assume the data is sound. --verify checks every digest (reads everything).\n"
+        )
+    return status
 
 
 def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
-    root = CheckpointRoot.at(args.root)
-    found = root.scan()
+    root, found = _open_root(args)
     run = args.run or root.owner(found)
-    policy = _policy_for(args, root, found, run)
+    policy, source = _policy_for(args, root, found, run)
     entries, decision = root.decide(found, policy, run, verify_newest=True)
     verb = "deleting" if args.apply else "would delete"
     out.write(
         _printable(
             f"policy keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} "
-            f"mode={policy.mode}   run {run or '-'}\n"
+            f"mode={policy.mode}   ({source})   run {run or '-'}\n"
         )
     )
     for name in decision.keep:
         out.write(_printable(f"keep          {name}\n"))
     for name in decision.delete:
         out.write(_printable(f"{verb:<13} {name}\n"))
+    for entry in entries:
+        if entry.misnamed:
+            out.write(_printable(f"leave alone   {entry.name}: {entry.problems[0]}\n"))
     if not args.apply:
         out.write(f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; pass --apply to delete them\n")
         return 0
@@ -625,9 +903,17 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
+def _ledger_missing(path: str) -> LedgerNotFoundError:
+    """The ledger's "not found" in command-line words (the library's names a Python call)."""
+    return LedgerNotFoundError(f"no progress ledger at {path}; the batch job creates it when it starts: check the path")
+
+
 def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
     ledger = ProgressLedger(args.path, staleness_threshold_sec=args.stale_after, max_retries=args.max_retries)
-    state = ledger.read()
+    try:
+        state = ledger.read()
+    except LedgerNotFoundError as exc:
+        raise _ledger_missing(args.path) from exc
     progress = ledger.progress_of(state)  # the table, totals and barrier come from one read
     if args.json:
         document = {"ledger": msgspec.to_builtins(state), "progress": progress}
@@ -683,8 +969,11 @@ def _run_ledger_status(args: argparse.Namespace, out: TextIO) -> int:
 
 def _run_ledger_reassign(args: argparse.Namespace, out: TextIO) -> int:
     ledger = ProgressLedger(args.path)
-    before = ledger.get_shard_status(args.shard)
-    ledger.reassign_shard(args.shard, args.rank)
+    try:
+        before = ledger.get_shard_status(args.shard)
+        ledger.reassign_shard(args.shard, args.rank)
+    except LedgerNotFoundError as exc:
+        raise _ledger_missing(args.path) from exc
     previous = before["assigned_rank"] if before else "?"
     out.write(
         f"shard {args.shard} (original rank {before['original_rank'] if before else '?'}): worker {previous} -> {args.rank}\n"

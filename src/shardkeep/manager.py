@@ -28,7 +28,15 @@ import numpy as np
 import torch
 
 import shardkeep.api as api
-from shardkeep.catalog import DEFAULT_LEASE, CheckpointEntry, CheckpointRoot, _Found, checkpoint_name, load_config_file
+from shardkeep.catalog import (
+    DEFAULT_LEASE,
+    CheckpointEntry,
+    CheckpointRoot,
+    _Found,
+    checkpoint_name,
+    load_config_file,
+    misnamed_problem,
+)
 from shardkeep.config import ManifestLimits
 from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
@@ -941,6 +949,9 @@ class CheckpointManager:
                 require_signature=self.signatures.required,
                 limits=self.limits,
             )
+            misnamed = misnamed_problem(name, manifest)
+            if misnamed is not None:  # a renamed or copied checkpoint: never restored under a false step
+                return ("corrupt", misnamed, None)
             if manifest.run is not None and self._run_id is not None and manifest.run.run_id != self._run_id:
                 raise RunMismatchError(f"{name} belongs to run {manifest.run.run_id!r}, not {self._run_id!r}")
             self._check_fingerprint(name, manifest, into, allow_fingerprint_change)
