@@ -1,9 +1,9 @@
-"""ProgressLedger update cost: shardkeep against the seed's unlocked ``json.dump`` + rename.
+"""ProgressLedger update cost: shardkeep against the naive unlocked ``json.dump`` + rename.
 
 What it measures, for ledgers already holding 0, 1,000, 4,000 and 16,000 batch records (8
 shards), the time of one ``update_shard_checkpoint`` call (median of the timed calls):
 
-* ``seed-style``: the seed's pattern: load the JSON, append, ``json.dump(indent=2)`` into
+* ``seed-style``: the naive pattern (the original requirements' sketch): load the JSON, append, ``json.dump(indent=2)`` into
   ``.tmp``, rename. No lock, no fsync, no backup, no checksum: fast but neither durable nor safe
   with two writers (see ``tests/test_ledger_concurrency.py``'s control).
 * ``json+fsync``: the same plus ``fsync`` of the file and the directory: the price of

@@ -1,4 +1,4 @@
-"""The reliability figures: run the reliability suite at full size and print RELIABILITY.md's
+"""The reliability figures: run the reliability suite at full size and print the reliability
 table with what was measured (trials run, failures found).
 
     python bench/reliability.py            # full size: 1000 kill -9 trials, 10,000+ fuzz inputs ...
@@ -28,7 +28,7 @@ TESTS = [
     "tests/test_ledger_concurrency.py::test_writers_killed_mid_update_lose_nothing_that_returned",
 ]
 
-#: RELIABILITY.md's rows: (property, method, target, the recorded figures that make up the row).
+#: The table's rows: (property, method, target, the recorded figures that make up the row).
 ROWS = [
     (
         "process crash",

@@ -1,7 +1,7 @@
 """Bounded parallel shard I/O: writing data files with streamed digests, and reading them back
 with verification.
 
-One concurrency model (STYLE.md rule 11): a bounded thread pool writes or reads whole files, and
+One concurrency model: a bounded thread pool writes or reads whole files, and
 a :class:`ByteBudget` bounds the bytes held in copies and buffers across all threads. Each file's
 digest is computed from the same buffers that are written, in a second thread, so hashing
 overlaps with the write and the data is never read twice.

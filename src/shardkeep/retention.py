@@ -1,7 +1,7 @@
 """Retention: which committed checkpoints to keep, as a pure function of the checkpoints and a
 policy. Nothing here touches storage; the checkpoint manager deletes what :func:`decide` says.
 
-The rules (RELIABILITY.md rule 9 and the checkpointing requirements):
+The rules:
 
 - the ``keep_last`` newest verified checkpoints are kept as *last*;
 - the ``keep_best`` verified checkpoints with the best metric are kept as *best* (lower is
@@ -117,7 +117,8 @@ _KEEP_KEYS = ("last", "best")
 
 
 def policy_from_config(config: Mapping[str, Any], *, where: str = "checkpointing") -> RetentionPolicy:
-    """A policy from a mapping shaped like the seed's ``RuntimeConfig.checkpointing``.
+    """A policy from a mapping shaped like a training config's ``checkpointing`` section
+    (``RuntimeConfig.checkpointing``).
 
     ``{"keep": {"last": N, "best": M}, "metric": "val_loss", "mode": "min"}``; every key is
     optional (defaults 1, 1, ``val_loss``, ``min``). Validation is strict: counts are integers

@@ -3,7 +3,8 @@
 :class:`CheckpointCommit` owns one save attempt. Its steps, in order:
 
 1. ``begin``: refuse if the final name is already committed; choose a fresh staging name
-   ``<final>.tmp-<uuid>`` in the same parent (RELIABILITY.md rules 1 and 2).
+   ``<final>.tmp-<uuid>`` in the same parent, so a retry never overwrites anything and the final
+   rename never crosses filesystems.
 2. Writers create every data file under the staging directory; each file is fsynced before its
    record is reported (rule 3).
 3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig`` if
@@ -24,7 +25,7 @@ Crash windows and what recovery sees:
 
 A manifest is never visible under the final name without every file it lists being durable.
 
-On an object store (no rename, RELIABILITY.md rules 11-13) the same class follows another
+On an object store (no rename; the commit is the manifest object, written last and create-only) the same class follows another
 protocol: ``begin`` refuses if ``<final>/manifest.json`` exists; data objects are written under
 ``<final>/attempt-<id>/``, a prefix no other attempt uses, so no object is ever overwritten;
 ``commit`` writes the manifest last, create-only (``If-None-Match: *``), so that of two
@@ -79,7 +80,9 @@ class CheckpointCommit:
         self.tier_stores = dict(tier_stores or {})
         if staging is None:
             attempt = uuid.uuid4().hex
-            staging = f"{final}/{ATTEMPT_PREFIX}{attempt[:16]}" if self.object_store else f"{final}{STAGING_MARKER}{attempt}"
+            staging = (
+                f"{final}/{ATTEMPT_PREFIX}{attempt[:16]}" if self.object_store else f"{final}{STAGING_MARKER}{attempt}"
+            )
         expected = f"{final}/{ATTEMPT_PREFIX}" if self.object_store else f"{final}{STAGING_MARKER}"
         rest = staging[len(expected) :]
         if not staging.startswith(expected) or not rest or not rest.isalnum():

@@ -1,7 +1,7 @@
 """The local filesystem backend: create-only files, fsync, no-replace rename, directory fsync.
 
 Every path is opened relative to the store's root one component at a time with ``O_NOFOLLOW``,
-so a symlink anywhere inside the root is refused rather than followed (RELIABILITY.md rule 15).
+so a symlink anywhere inside the root is refused rather than followed (a manifest's paths are relative with safe components only).
 Writes loop on short writes and check every result (rule 3); any ``OSError`` becomes a
 :class:`~shardkeep.errors.StorageError` that names the path (rule 6).
 """

@@ -1,8 +1,8 @@
 """The object-store backend, through fsspec (tested against S3: SeaweedFS in the test suite).
 
 An object store has no rename and no directories, so :class:`FsspecStore` says so
-(``atomic_rename = False``) and the commit protocol changes accordingly (RELIABILITY.md rules
-11-13, see :mod:`shardkeep.dist.commit`): data objects go under a fresh per-attempt prefix, the
+(``atomic_rename = False``) and the commit protocol changes accordingly (see
+:mod:`shardkeep.dist.commit`): data objects go under a fresh per-attempt prefix, the
 manifest is the last object and is written create-only (``If-None-Match: *``), and nothing is
 ever renamed or overwritten. Directories are key prefixes: ``stat`` of a prefix with objects
 below it says ``"dir"``, and creating parents is free.
@@ -337,7 +337,7 @@ class FsspecStore:
 
     def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
         """Abort unfinished multipart uploads below ``path`` started more than ``older_than``
-        seconds ago (RELIABILITY.md rule 13: a killed writer leaves parts that cost money and
+        seconds ago (an aborted checkpoint must leave nothing behind, and a killed writer leaves parts that cost money and
         that no listing shows). Returns the keys whose uploads were aborted. Stores that are not
         S3 have nothing to abort."""
         self._check(path, allow_root=True)
