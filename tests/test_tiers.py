@@ -321,3 +321,17 @@ def test_bad_load_options_are_typed_errors(tmp_path: Path) -> None:
         sk.load(tmp_path / "c", tier_locations={"hot": 5})  # type: ignore[dict-item]
     with pytest.raises(sk.UnsupportedValueError, match="storage_options"):
         sk.load("s3://bucket/p/c", storage_options=[1])  # type: ignore[arg-type]
+
+
+def test_a_manager_restores_from_a_moved_tier_with_tier_locations(tmp_path: Path) -> None:
+    old, new = tmp_path / "cold-old", tmp_path / "cold-new"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
+    state = moe_state(layers=1, experts=2)
+    sk.CheckpointManager(tmp_path / "root", keep_best=0, tiers=tiers, placement=RULES).save(state, step=1)
+    old.rename(new)
+    with pytest.raises(sk.IntegrityError, match="cold"):
+        sk.CheckpointManager(tmp_path / "root", keep_best=0, read_only=True).restore()
+    moved = sk.CheckpointManager(tmp_path / "root", keep_best=0, read_only=True, tier_locations={"cold": str(new)})
+    assert moved.latest(verify=True) is not None
+    restored = moved.restore()
+    assert torch.equal(restored.state["model"]["layers.0.experts.1.w1"], state["model"]["layers.0.experts.1.w1"])

@@ -407,6 +407,8 @@ class CheckpointManager:
       ``signer`` (on every rank), or be ``read_only``.
     - ``limits``: a :class:`~shardkeep.config.ManifestLimits` for reading manifests larger
       than the default limits allow (over 250,000 tensor entries or 24 MiB).
+    - ``tier_locations``: where tiers that moved are now (``{"cold": "/new/place"}``), for
+      listing, verifying and restoring.
     - ``read_only``: list and restore only (``save`` and ``prune`` raise ``ConfigError``); the
       root is not created.
     - ``process_group``, ``timeout``: as for :func:`shardkeep.save`.
@@ -433,6 +435,7 @@ class CheckpointManager:
         require_signature: bool | None = None,
         read_only: bool = False,
         limits: ManifestLimits | None = None,
+        tier_locations: Mapping[str, str] | None = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
@@ -479,8 +482,14 @@ class CheckpointManager:
         self.incremental = incremental
         self._base: str | None = None
         self.limits = limits
+        self.tier_locations = dict(tier_locations or {})
         self.catalog = CheckpointRoot(
-            storage, display=display, storage_options=storage_options, signatures=self.signatures, limits=limits
+            storage,
+            display=display,
+            storage_options=storage_options,
+            signatures=self.signatures,
+            limits=limits,
+            tier_locations=self.tier_locations,
         )
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
@@ -963,20 +972,20 @@ class CheckpointManager:
                 # model_args and config, which stay the caller's (they matched, or the change
                 # was allowed).
                 target = {k: v for k, v in into.to_state().items() if k in _FILLED and v is not None}
-                self._load(name, target)
+                self._load(name, target, manifest)
                 into._update_from({k: v for k, v in target.items() if k not in ("model_args", "config")})
                 state: Any = into
             elif into is None and training:
-                state = TrainingCheckpoint.from_state(self._load(name, None))
+                state = TrainingCheckpoint.from_state(self._load(name, None, manifest))
             else:
-                state = self._load(name, into)
+                state = self._load(name, into, manifest)
         except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             return ("corrupt", f"{type(exc).__name__}: {exc}", None)
         except ShardkeepError as exc:
             return ("error", f"{type(exc).__name__}: {exc}", exc)
         return ("ok", "", (manifest, state))
 
-    def _load(self, name: str, into: Any) -> Any:
+    def _load(self, name: str, into: Any, manifest: Manifest) -> Any:
         return api.load(
             name,
             into=into,
@@ -986,6 +995,7 @@ class CheckpointManager:
             public_key=self.signatures.public_key,
             require_signature=self.signatures.required,
             limits=self.limits,
+            tier_locations=self.catalog.tiers_remapped(manifest),
         )
 
     def _check_fingerprint(self, name: str, manifest: Manifest, into: Any, allowed: bool) -> None:
