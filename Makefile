@@ -28,8 +28,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
-# The main job: train a mixture-of-experts model on 2 ranks, kill one, resume on 3, inspect,
-# corrupt and recover (about 30 s on 2 cores). DEMO_ARGS=--s3 puts the cold tier on a local S3 server.
+# The main job: train a mixture-of-experts model on 2 ranks, kill one in the middle of a save,
+# resume on 3 (measuring each rank's reads), inspect, corrupt and recover (about 35 s on 2 cores).
+# Each run works in a fresh directory under $TMPDIR (or DEMO_ARGS="--workdir NEW_DIR"); nothing
+# is deleted. DEMO_ARGS=--s3 puts the cold tier on a local S3 server.
 demo: $(STAMP)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 

@@ -11,7 +11,9 @@ compared with the same computation done without any crash.
     python examples/batch_job.py --out batch-output --reassign  # shard 2 moves to worker 0
     python examples/batch_job.py --out clean --no-kill           # the same job, no crash
 
-The driver prints each phase and writes ``summary.json`` into the output directory.
+The driver prints each phase and writes ``summary.json`` into the output directory. ``--out``
+must be new, empty, or an earlier output of this script (which is emptied); any other non-empty
+directory is refused (exit 2, nothing deleted) unless ``--force`` is given.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from typing import Any
 
 import blake3
 import torch
+from output_dir import OutputDirError, prepare_output
 
 import shardkeep as sk
 
@@ -147,7 +149,10 @@ def show_status(path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=Path("batch-output"), help="output directory (replaced)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("batch-output"), help="output directory: new, empty, or made by this script"
+    )
+    parser.add_argument("--force", action="store_true", help="empty --out even if this script did not make it")
     parser.add_argument("--workers", type=int, default=4, help="worker processes = shards (default 4)")
     parser.add_argument("--batches", type=int, default=12, help="batches per shard (default 12)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch (default 32)")
@@ -160,8 +165,10 @@ def main() -> int:
     if not 0 <= args.kill_worker < args.workers or not 0 <= args.kill_after < args.batches - 1:
         parser.error("--kill-worker must be a worker and --kill-after must leave batches to do")
 
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
+    try:
+        prepare_output(args.out, "batch_job.py", force=args.force)
+    except OutputDirError as exc:
+        parser.error(str(exc))
     ledger_path = args.out / "progress.json"
     input_fingerprint, model_hash = fingerprints(args)
     summary: dict[str, Any] = {"killed": None, "resume": {}, "reassigned": None}

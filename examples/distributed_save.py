@@ -8,16 +8,19 @@ The script trains a few steps, saves synchronously and then asynchronously (trai
 while the second save is written), reloads the newest checkpoint into a fresh model on the same
 ranks, checks that every shard matches, and loads it once more without a process group, as one
 full state, to show resharding N -> 1.
+
+``--out`` must be new, empty, or an earlier output of this script (which is emptied); any other
+non-empty directory is refused (exit 2 on every rank, nothing deleted) unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from output_dir import OutputDirError, prepare_output
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -45,15 +48,25 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description="distributed save/load example (run with torchrun)")
     parser.add_argument("--out", type=Path, required=True, help="a directory shared by every rank")
+    parser.add_argument("--force", action="store_true", help="empty --out even if this script did not make it")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    refusal: list[str | None] = [None]
     if rank == 0:
-        shutil.rmtree(args.out, ignore_errors=True)
-    dist.barrier()
+        try:
+            prepare_output(args.out, "distributed_save.py", force=args.force)
+        except OutputDirError as exc:
+            refusal = [str(exc)]
+    dist.broadcast_object_list(refusal, src=0)  # every rank stops alike
+    if refusal[0] is not None:
+        dist.destroy_process_group()
+        if rank == 0:
+            parser.error(refusal[0])
+        raise SystemExit(2)
 
     model, optimizer = build(mesh, seed=0)
     for _ in range(args.steps):

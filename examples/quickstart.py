@@ -1,8 +1,13 @@
-"""The main job until the full training demo lands: save, inspect, verify, load, catch damage,
-and keep the last and best checkpoints of a short training run with a CheckpointManager.
+"""A single-process tour of shardkeep: save, inspect, verify, load, catch damage, and keep the
+last and best checkpoints of a short training run with a CheckpointManager.
 
-Run it with ``make demo`` (or ``.venv/bin/python examples/quickstart.py``). It writes into
-``demo-output/`` and prints what each step shows.
+    python examples/quickstart.py [--out DIR] [--force]
+
+It writes into ``--out`` (default ``demo-output/`` at the top of the repository) and prints what
+each step shows. The directory is created and marked as this script's; a later run empties and
+reuses only a directory it marked itself. Any other non-empty directory is refused (exit 2,
+nothing deleted) unless ``--force`` is given. The multi-rank training demo is ``make demo``
+(``examples/demo.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from output_dir import OutputDirError, prepare_output
 
 import shardkeep as sk
 
@@ -34,7 +40,7 @@ def train_a_little(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ste
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def cli(*args: str) -> int:
@@ -44,9 +50,15 @@ def cli(*args: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=OUT, help=f"output directory (default {OUT})")
-    out: Path = parser.parse_args().out
-    shutil.rmtree(out, ignore_errors=True)
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"output directory, new or made by this script (default {OUT})"
+    )
+    parser.add_argument("--force", action="store_true", help="empty --out even if this script did not make it")
+    args = parser.parse_args()
+    try:
+        out = prepare_output(args.out, "quickstart.py", force=args.force)
+    except OutputDirError as exc:
+        parser.error(str(exc))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -18,15 +18,26 @@ manifests, under ``ROOT/ckpts``) and the experts and the optimizer state on ``co
 another directory or an ``s3://`` URL standing in for remote storage).
 
 A restart, with any number of ranks that divides the batch (1, 2, 3, 4, 6 ...), resumes from the
-newest checkpoint that verifies: each rank reads only the parts of each tensor it holds. The
-batch for step N is the same whatever the world size, so the loss curve continues where it left
-off. Rank 0 appends one JSON line per step and per save to ``ROOT/train_log.jsonl``.
+newest checkpoint that verifies: each rank reads only the saved chunks that overlap the part of
+each tensor it holds (whole chunks: a chunk's digest covers all of it). The batch for step N is
+the same whatever the world size, so the loss curve continues where it left off. Rank 0 appends
+one JSON line per step and per save to ``ROOT/train_log.jsonl``.
+
+Progress: on a terminal, a tqdm bar; otherwise (a pipe, a log file, a CI job) plain lines from
+rank 0 on stdout: the start or the resume, the step and loss every ``--print-every`` steps, and
+one line per save. ``--no-progress`` prints neither.
+
+The demo (``examples/demo.py``) uses three more options: ``--staging-lease`` (how long an
+untouched staging directory of a crashed save is kept before the manager removes it),
+``--pause-save-at`` (rank 1 pauses inside one save, so that the demo can kill it there) and
+``--measure-reads`` (after a resume, the bytes each rank reads to load the checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -40,14 +51,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from store_probes import CountingStore, PausingStore, kernel_read_bytes
 from torch import nn
 from tqdm import tqdm
 
 import shardkeep as sk
+from shardkeep.catalog import DEFAULT_LEASE, checkpoint_name
+from shardkeep.storage import ByteStore, LocalStore, open_store
 
 GLOBAL_BATCH = 12  # sequences per step, split evenly across the ranks
 VALIDATION_BATCH = 24
 HOT_AND_COLD = [("*.experts.*", "cold"), ("optimizer.*", "cold"), ("*", "hot")]
+PAUSED_SAVE = "paused-save.json"  # written by the rank that --pause-save-at holds
 
 
 @dataclass(frozen=True)
@@ -242,11 +257,84 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ema-decay", type=float, default=0.9, help="EMA weight of the old average")
     parser.add_argument("--seed", type=int, default=0, help="weights, data and validation seed")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (to watch it, or kill it)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="a progress bar")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--progress: a progress bar; --no-progress: nothing (default: a bar on a terminal, else plain lines)",
+    )
+    parser.add_argument("--print-every", type=int, default=10, help="plain progress: a line every N steps")
+    parser.add_argument(
+        "--staging-lease",
+        type=float,
+        default=DEFAULT_LEASE,
+        help="seconds after which the manager removes an untouched staging directory of a crashed save "
+        f"(default {DEFAULT_LEASE:.0f}, the library's)",
+    )
+    parser.add_argument(
+        "--pause-save-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="(demo) rank 1 pauses inside the save of STEP, after writing its first file into the staging "
+        "directory, and writes ROOT/paused-save.json; the demo kills it there",
+    )
+    parser.add_argument(
+        "--measure-reads",
+        action="store_true",
+        help="(demo) after a resume, load the checkpoint once more with mmap=False through counting stores "
+        "and log the bytes each rank read",
+    )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.every < 1:
-        parser.error("--steps and --every must be >= 1")
+    if args.steps < 1 or args.every < 1 or args.print_every < 1:
+        parser.error("--steps, --every and --print-every must be >= 1")
+    if args.staging_lease < 0:
+        parser.error("--staging-lease must be >= 0")
     return args
+
+
+class Progress:
+    """What rank 0 shows while training: a tqdm bar (``"bar"``), plain lines on stdout
+    (``"lines"``: a pipe or a log file gets something it can show), or nothing (``"off"``).
+    Other ranks show nothing."""
+
+    def __init__(self, mode: str, *, first: int, total: int, world: int, print_every: int) -> None:
+        self.mode = mode
+        self.total = total
+        self.world = world
+        self.print_every = print_every
+        self.bar = tqdm(total=total, initial=first - 1, desc=f"train on {world} ranks", disable=mode != "bar")
+        if mode == "lines":
+            # The manager's own notes (a leftover removed, a checkpoint deleted by retention).
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("shardkeep: %(message)s"))
+            logging.getLogger("shardkeep").addHandler(handler)
+            logging.getLogger("shardkeep").setLevel(logging.INFO)
+
+    @staticmethod
+    def mode_for(option: bool | None, rank: int) -> str:
+        if rank != 0 or option is False:
+            return "off"
+        if option or (sys.stdout.isatty() and sys.stderr.isatty()):
+            return "bar"
+        return "lines"
+
+    def line(self, text: str) -> None:
+        if self.mode == "lines":
+            print(text, flush=True)
+
+    def step(self, step: int, loss: float) -> None:
+        self.bar.set_postfix(loss=f"{loss:.3f}")
+        self.bar.update(1)
+        if step % self.print_every == 0 or step == self.total:
+            self.line(f"step {step}/{self.total}  loss {loss:.4f}  ({self.world} ranks)")
+
+    def saved(self, step: int, val_loss: float, blocked: float) -> None:
+        self.bar.set_postfix(val=f"{val_loss:.3f}", saved=step)
+        self.line(f"save of step {step} started: val_loss {val_loss:.4f}, training paused {blocked:.3f} s")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def evaluate(model: nn.Module, tokens: torch.Tensor, rank: int, world: int) -> float:
@@ -287,6 +375,12 @@ def train(args: argparse.Namespace) -> None:
         iteration=0, best_val_loss=None, data_position={"next_step": 1},
     )  # fmt: skip
     cold = args.cold or str(args.root / "cold-tier")
+    storage: ByteStore | None = None
+    if args.pause_save_at is not None and rank == 1:
+        (args.root / "ckpts").mkdir(parents=True, exist_ok=True)
+        storage = PausingStore(
+            LocalStore(args.root / "ckpts"), checkpoint_name(args.pause_save_at), args.root / PAUSED_SAVE
+        )
     manager = sk.CheckpointManager(
         args.root / "ckpts",
         keep_last=2,
@@ -295,6 +389,8 @@ def train(args: argparse.Namespace) -> None:
         tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)],
         placement=HOT_AND_COLD,
         timeout=120,
+        storage=storage,
+        staging_lease=args.staging_lease,
     )
     log = args.root / "train_log.jsonl"
     table, validation = validation_set(margs, args.seed)
@@ -304,19 +400,30 @@ def train(args: argparse.Namespace) -> None:
         restored = manager.restore(into=ckpt)
     except sk.CheckpointNotFoundError:
         restored = None
+    progress_mode = Progress.mode_for(args.progress, rank)
     if restored is not None:
         first = ckpt.data_position["next_step"]
+        saved_world = restored.entry.manifest.world_size if restored.entry.manifest else None
+        skipped = [name for name, _ in restored.skipped]
+        reads = measure_reads(args, cold, restored.entry.name, ckpt) if args.measure_reads else None
         if ckpt.rng is not None:
             sk.TrainingCheckpoint.restore_rng(ckpt.rng)
-        saved_world = restored.entry.manifest.world_size if restored.entry.manifest else None
         if rank == 0:
             log_line(log, {"event": "resume", "step": restored.step, "from_world_size": saved_world,
-                           "world_size": world, "skipped": [name for name, _ in restored.skipped]})  # fmt: skip
+                           "world_size": world, "skipped": skipped})  # fmt: skip
+            if reads is not None:
+                log_line(log, {"event": "reads", **reads})
     elif rank == 0:
         log_line(log, {"event": "start", "world_size": world})
 
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
-    bar = tqdm(total=args.steps, initial=first - 1, desc=f"train on {world} ranks", disable=rank != 0 or not show)
+    progress = Progress(progress_mode, first=first, total=args.steps, world=world, print_every=args.print_every)
+    if restored is not None:
+        progress.line(
+            f"resumed from step {restored.step} ({restored.entry.name}, saved on {saved_world} ranks), now on "
+            f"{world} ranks; skipped: {', '.join(skipped) or 'none'}"
+        )
+    else:
+        progress.line(f"training from step 1 on {world} ranks; a checkpoint every {args.every} steps")
     decay = args.ema_decay
     for step in range(first, args.steps + 1):
         batch = my_rows(sequences(table, GLOBAL_BATCH, margs.seq_len, seed=args.seed * 1_000_003 + step), rank, world)
@@ -332,6 +439,7 @@ def train(args: argparse.Namespace) -> None:
         train_loss = float(reported) / world
         if rank == 0:
             log_line(log, {"event": "step", "step": step, "loss": train_loss, "world_size": world})
+        progress.step(step, train_loss)
         if step % args.every == 0 or step == args.steps:
             val_loss = evaluate(model, validation, rank, world)
             ckpt.iteration = step
@@ -342,18 +450,95 @@ def train(args: argparse.Namespace) -> None:
             if rank == 0:
                 log_line(log, {"event": "save", "step": step, "val_loss": val_loss,
                                "blocked_seconds": pending.blocked_seconds})  # fmt: skip
-            bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{val_loss:.3f}", saved=step)
-        else:
-            bar.set_postfix(loss=f"{train_loss:.3f}")
-        bar.update(1)
+            progress.saved(step, val_loss, pending.blocked_seconds)
         if args.step_delay:
             time.sleep(args.step_delay)
     manager.wait()
-    bar.close()
+    progress.close()
+    progress.line(f"done: step {args.steps} on {world} ranks; the last save committed")
     if rank == 0:
         log_line(log, {"event": "done", "step": args.steps, "world_size": world})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_reads(args: argparse.Namespace, cold: str, name: str, ckpt: sk.TrainingCheckpoint) -> dict[str, Any] | None:
+    """Every rank loads checkpoint ``name`` once more into its own shards, as the restore just
+    did, but with ``mmap=False`` so that every byte comes through ``read()``: the counting stores
+    see what each file served, and the kernel's ``rchar`` sees the whole process. The values
+    loaded are those the restore loaded.
+
+    Each rank also works out, from the manifest alone, the bytes of the saved chunks that
+    overlap the rows it holds (FSDP2 shards dim 0 as ``torch.chunk`` does) and the bytes of just
+    those rows. Returns (on rank 0) every rank's figures and the checkpoint's data size."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hot = CountingStore(LocalStore(args.root / "ckpts"))
+    cold_store = CountingStore(open_store(cold))
+    targets = {"model": ckpt.model, "optimizer": ckpt.optimizer, "ema": ckpt.ema}
+    dist.barrier()
+    before = kernel_read_bytes()
+    sk.load(name, into=targets, storage=hot, tier_locations={"cold": cold_store}, mmap=False)
+    after = kernel_read_bytes()
+
+    manifest = sk.read_manifest(name, storage=LocalStore(args.root / "ckpts"))
+    # Both stores are opened at the level of the checkpoint names: "step_N/<path in the manifest>".
+    served = {path.partition("/")[2]: size for store in (hot, cold_store) for path, size in store.bytes_read.items()}
+    # What the kernel's rchar can see: files read with read(), not objects fetched over a socket.
+    local = [hot, cold_store] if isinstance(cold_store.inner, LocalStore) else [hot]
+    needed = own = headers = 0
+    for record in manifest.files:
+        overlapping = 0
+        for entry in record.tensors:
+            if entry.key.partition(".")[0] not in targets:
+                continue
+            if not entry.global_shape or not entry.global_offset or entry.global_shape == entry.shape:
+                overlapping += entry.nbytes  # whole on every rank
+                own += entry.nbytes
+                continue
+            rows = -(-entry.global_shape[0] // world)  # torch.chunk: ceil(n / world) rows per rank
+            first, last = rank * rows, min(entry.global_shape[0], (rank + 1) * rows)
+            start, stop = entry.global_offset[0], entry.global_offset[0] + entry.shape[0]
+            common = min(last, stop) - max(first, start)
+            if common > 0:
+                overlapping += entry.nbytes
+                own += entry.nbytes * common // entry.shape[0]
+        if overlapping:
+            needed += overlapping
+            headers += 16 + _header_length(hot if record.tier == "hot" else cold_store, f"{name}/{record.path}")
+    data_files = {record.path for record in manifest.files}
+    mine = {
+        "rank": rank,
+        "data_bytes": sum(size for path, size in served.items() if path in data_files),
+        "other_bytes": sum(size for path, size in served.items() if path not in data_files),
+        "files_opened": sum(1 for record in manifest.files if record.path in served),
+        "needed_chunk_bytes": needed,
+        "header_bytes_at_most": headers,
+        "own_rows_bytes": own,
+        "local_file_bytes": sum(size for store in local for size in store.bytes_read.values()),
+        "kernel_rchar": None if before is None or after is None else after - before,
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    return {
+        "checkpoint": name,
+        "saved_world_size": manifest.world_size,
+        "data_bytes": sum(record.stored_size for record in manifest.files),
+        "files": len(manifest.files),
+        "ranks": gathered,
+    }
+
+
+def _header_length(store: CountingStore, path: str) -> int:
+    """The length of a safetensors file's JSON header (its first 8 bytes), read past the counts."""
+    handle = store.inner.open_read(path)
+    try:
+        prefix = memoryview(bytearray(8))
+        handle.read_into(0, prefix)
+    finally:
+        handle.close()
+    return int.from_bytes(prefix, "little")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,3 +77,40 @@ def test_bad_arguments_are_refused(tmp_path: Path, bad: list[str]) -> None:
     )
     assert result.returncode == 2
     assert "--kill-worker must be a worker" in result.stderr
+
+
+def test_a_non_empty_output_directory_it_did_not_make_is_refused_and_kept(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    (mine / "data").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "data" / "results.csv").write_text("1,2,3")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--out", str(mine), *SIZES], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "is not empty" in result.stderr and "nothing was deleted" in result.stderr and "--force" in result.stderr
+    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == ["data", "data/results.csv", "notes.txt"]
+    assert "phase 1" not in result.stdout
+
+
+def test_its_own_output_directory_is_reused_and_force_takes_any(tmp_path: Path) -> None:
+    small = ["--workers", "2", "--batches", "2", "--batch-size", "4", "--delay", "0", "--no-kill"]
+    small += ["--kill-worker", "0", "--kill-after", "0"]
+
+    def job(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(EXAMPLE), "--out", str(out), *small, *extra]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    first = job(tmp_path / "job")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "job" / ".shardkeep-example-output").read_text().startswith("made by batch_job.py")
+    again = job(tmp_path / "job")  # the directory it made: emptied and reused, a fresh ledger
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["matches"] is True
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not needed any more")
+    forced = job(mine, "--force")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert not (mine / "notes.txt").exists() and (mine / "summary.json").is_file()

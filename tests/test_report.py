@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -230,3 +231,70 @@ def test_newer_fields_inside_run_history_and_timing_are_kept_as_unknown(tmp_path
         "run.history[0].note": "x",
         "run.history[0].timing.io_seconds": 0.1,
     }
+
+
+def drawn_figure(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Record every matplotlib figure saved from now on (to measure what plot_root drew)."""
+    from matplotlib.figure import Figure
+
+    saved: list[Any] = []
+    original = Figure.savefig
+
+    def spy(self: Figure, *args: Any, **kwargs: Any) -> None:
+        saved.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return saved
+
+
+def labels_outside_their_frame(figure: Any) -> list[str]:
+    """Every text drawn inside a panel (point labels, event labels) that sticks out of it."""
+    figure.draw_without_rendering()
+    outside = []
+    for axes in figure.axes:
+        frame = axes.get_window_extent()
+        for text in axes.texts:
+            box = text.get_window_extent()
+            if box.x0 < frame.x0 - 0.5 or box.x1 > frame.x1 + 0.5 or box.y0 < frame.y0 - 0.5 or box.y1 > frame.y1 + 0.5:
+                outside.append(text.get_text())
+    return outside
+
+
+def test_plot_keeps_every_label_inside_its_frame(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest checkpoint (the rightmost point) is `last`: its label used to run off the right
+    edge of the frame."""
+    saved = drawn_figure(monkeypatch)
+    code, out, _ = run("ls", str(root), "--plot", str(tmp_path / "p.png"))
+    assert code == 0, out
+    (figure,) = saved
+    assert any("step_00000060" in text.get_text() for axes in figure.axes for text in axes.texts)
+    assert labels_outside_their_frame(figure) == []
+
+
+def test_plot_marks_events_on_both_panels_inside_the_frame(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardkeep.report import PlotEvent, plot_root
+
+    saved = drawn_figure(monkeypatch)
+    manager = sk.CheckpointManager(root, keep_last=2, keep_best=1)
+    entries = manager.list(verify=True)
+    run_id = entries[-1].run_id
+    events = [
+        PlotEvent(0, "an event at the very first step\nwith a long label that must not leave the frame"),
+        PlotEvent(52, "kill -9 rank 1 during\nthe save of step 52", "#c44e52"),
+        PlotEvent(60, "resumed on 3 ranks at the very last step\n(a long label again)", "#2a7f3f"),
+    ]
+    picture = tmp_path / "events.png"
+    summary = plot_root(entries, manager.policy, run_id, picture, title=str(root), events=events)
+    assert summary.events == 3 and summary.saves == 7
+    assert picture.read_bytes().startswith(PNG_SIGNATURE)
+    (figure,) = saved
+    metric_axes, time_axes = figure.axes
+    texts = [text.get_text() for text in metric_axes.texts]
+    assert all(event.label in texts for event in events)
+    for axes in (metric_axes, time_axes):  # a vertical line through each panel at each event
+        vertical = {line.get_xdata()[0] for line in axes.get_lines() if len(set(line.get_xdata())) == 1}
+        assert {0, 52, 60} <= vertical
+    assert labels_outside_their_frame(figure) == []

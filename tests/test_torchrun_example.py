@@ -1,4 +1,5 @@
-"""The distributed example runs under torchrun with 2 ranks."""
+"""The distributed examples: distributed_save.py under torchrun with 2 ranks, and train_moe.py
+under torchrun and under its own launcher (what it prints when its output is not a terminal)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,18 @@ def test_torchrun_two_ranks_save_async_save_and_reload(tmp_path: Path) -> None:
     assert "reloaded into a fresh model on every rank: OK" in result.stdout
     assert "loaded without a process group: model.w1 [64, 32], step 4" in result.stdout
     assert "verify: OK" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["step_a", "step_b"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".shardkeep-example-output", "step_a", "step_b"]
+
+
+def test_distributed_save_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
+    result = subprocess.run([*command, "--out", str(mine)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "nothing was deleted" in result.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.timeout(400)
@@ -51,3 +63,27 @@ def test_train_moe_under_torchrun_checkpoints_with_two_tiers(tmp_path: Path) -> 
     assert tiers["model.blocks.0.moe.experts.w_in"] == "cold"
     assert {tier for key, tier in tiers.items() if key.startswith("optimizer.")} == {"cold"}
     assert sk.verify(tmp_path / "ckpts" / "step_00000006").ok
+
+
+@pytest.mark.timeout(400)
+def test_train_moe_prints_plain_progress_through_a_pipe_and_says_it_resumed(tmp_path: Path) -> None:
+    """Output captured through a pipe (not a terminal): plain lines, no progress bar."""
+    example = EXAMPLE.parent / "train_moe.py"
+    command = [sys.executable, str(example), "--root", str(tmp_path), "--every", "3", "--print-every", "2"]
+    first = subprocess.run([*command, "--nproc", "2", "--steps", "6"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    lines = first.stdout.splitlines()
+    assert lines[0] == "training from step 1 on 2 ranks; a checkpoint every 3 steps"
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["2/6", "4/6", "6/6"]
+    saves = [line for line in lines if line.startswith("save of step")]
+    assert len(saves) == 2 and saves[0].startswith("save of step 3 started: val_loss")
+    assert lines[-1] == "done: step 6 on 2 ranks; the last save committed"
+    assert "it/s" not in first.stderr  # no tqdm bar
+
+    again = subprocess.run([*command, "--nproc", "3", "--steps", "9"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    lines = again.stdout.splitlines()
+    assert "resumed from step 6 (step_00000006, saved on 2 ranks), now on 3 ranks; skipped: none" in lines
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["8/9", "9/9"]
+    assert any(line.startswith("save of step 9 started") for line in lines)
+    assert "it/s" not in again.stderr
