@@ -250,14 +250,14 @@ class Demo:
         print(f"  staging directories in {self.ckpts.name}/ now: {leftovers or 'none'} (the resumed run's manager "
               f"removed {self.staging or 'nothing'}: untouched for more than its {STAGING_LEASE:.0f} s lease)")  # fmt: skip
         if orphans:
-            print(f"  NOTE: the cold tier still holds {len(orphans)} files ({sum(orphans.values())} bytes) written by the "
-                  f"killed save, in {', '.join(sorted({p.rpartition('/shards/')[0] for p in orphans}))}/: the manager "
-                  "collects leftovers in its root, not in tier locations (a known gap)")  # fmt: skip
+            print(f"  the cold tier still holds {len(orphans)} files ({sum(orphans.values())} bytes) that no manifest "
+                  f"lists, in {', '.join(sorted({p.rpartition('/shards/')[0] for p in orphans}))}/")  # fmt: skip
         self.summary.update(staging_after_resume=leftovers, cold_orphans_after_resume=orphans)
         cleaned = self.check(
             "cleanup",
-            self.staging is not None and not leftovers,
-            f"the killed save's staging directory {self.staging} was removed by the resumed run; none is left",
+            self.staging is not None and not leftovers and not orphans,
+            f"the killed save's staging directory {self.staging} and its files in the cold tier were removed by "
+            "the resumed run; none is left",
         )
         return resumed and cleaned
 

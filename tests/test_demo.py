@@ -65,11 +65,11 @@ def test_the_save_killed_midway_is_invisible_and_cleaned_up(demo: Demo) -> None:
     # After the resumed run: its manager removed the staging directory (a 2 s lease) ...
     assert summary["staging_after_resume"] == []
     assert not [p for p in (workdir / "ckpts").iterdir() if ".tmp-" in p.name]
-    # ... and the cold tier holds nothing unlisted but what the killed save wrote there (a known
-    # gap: the manager does not collect leftovers in tier locations), under the attempt id
-    # that is the staging directory's.
-    attempt = "step_00000030/attempt-" + staging.partition(".tmp-")[2][:16] + "/"
-    assert all(path.startswith(attempt) for path in summary["cold_orphans_after_resume"])
+    # ... and the files the killed save wrote to the cold tier, under the attempt id that is the
+    # staging directory's: nothing in the cold tier is left that no manifest lists.
+    assert summary["cold_orphans_after_resume"] == {}
+    attempt = "attempt-" + staging.partition(".tmp-")[2][:16]
+    assert not (workdir / "cold-tier" / "step_00000030" / attempt).exists()
 
 
 def test_each_ranks_reads_are_measured_and_limited_to_the_chunks_it_needs(demo: Demo) -> None:

@@ -4,6 +4,8 @@ need (bytes counted through a storage wrapper), sections, remapped tier location
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -335,3 +337,41 @@ def test_a_manager_restores_from_a_moved_tier_with_tier_locations(tmp_path: Path
     assert moved.latest(verify=True) is not None
     restored = moved.restore()
     assert torch.equal(restored.state["model"]["layers.0.experts.1.w1"], state["model"]["layers.0.experts.1.w1"])
+
+
+class _DiesAtTheCommit(LocalStore):
+    """A local root whose process is killed (os._exit, as by kill -9: nothing cleans up) at the
+    commit rename, after every data file, in the root and in the tier location, is written."""
+
+    def rename(self, src: str, dst: str) -> None:
+        if ".tmp-" in src:
+            os._exit(9)
+        super().rename(src, dst)
+
+
+def _crashing_save(root: str, cold: str, run_id: str) -> None:
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)]
+    storage = _DiesAtTheCommit(root)
+    manager = sk.CheckpointManager(root, keep_best=0, storage=storage, tiers=tiers, placement=RULES, run_id=run_id)
+    manager.save(moe_state(layers=1, experts=2), step=2)
+
+
+def test_a_crashed_save_leaves_nothing_in_a_tier_location_once_collected(tmp_path: Path) -> None:
+    root, cold = tmp_path / "root", tmp_path / "cold"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    manager = sk.CheckpointManager(root, keep_last=2, keep_best=0, tiers=tiers, placement=RULES, staging_lease=0)
+    manager.save(moe_state(layers=1, experts=2), step=1)
+    child = multiprocessing.get_context("fork").Process(
+        target=_crashing_save, args=(str(root), str(cold), manager.run_id)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    (staging,) = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+    attempt = f"attempt-{staging.partition('.tmp-')[2][:16]}"
+    assert any((cold / "step_00000002" / attempt).rglob("*.safetensors"))  # what the crash left
+    assert manager.prune() == []  # nothing to retire; the leftovers are collected on the way
+    assert not (root / staging).exists() and not (cold / "step_00000002" / attempt).exists()
+    assert sk.verify(root / "step_00000001").ok  # the committed checkpoint's tier files are untouched
+    manager.save(moe_state(layers=1, experts=2), step=2)
+    assert sk.verify(root / "step_00000002").ok

@@ -650,6 +650,7 @@ class CheckpointRoot:
         Never follows symlinks. Returns the names removed."""
         now = time.time() if now is None else now
         removed: list[str] = []
+        abandoned: list[tuple[str, str]] = []
         for name, info in self.store.list_dir(""):
             if DELETING_MARKER in name:
                 self.store.remove_tree(name)
@@ -657,10 +658,13 @@ class CheckpointRoot:
                 if not self._idle(self.store, name, info.mtime, info.kind, lease, now):
                     continue
                 self.store.remove_tree(name)
+                final, _, attempt = name.partition(STAGING_MARKER)
+                abandoned.append((final, f"{ATTEMPT_PREFIX}{attempt[:16]}"))
             else:
                 continue
             removed.append(name)
             logger.info("removed leftover %s", self.path_of(name))
+        removed.extend(self._remove_tier_attempts(abandoned))
         if renames(self.store):
             return removed  # a filesystem root stages with renames: no attempt prefixes there
         # An object-store root: attempt prefixes that no manifest uses, and unfinished uploads.
@@ -693,6 +697,32 @@ class CheckpointRoot:
             for key in abort("", older_than=lease):
                 removed.append(f"upload:{key}")
                 logger.info("aborted unfinished upload %s", key)
+        return removed
+
+    def _remove_tier_attempts(self, abandoned: list[tuple[str, str]]) -> list[str]:
+        """The files that the abandoned save attempts (a staging directory just removed, and the
+        attempt id derived from its name) wrote to tier locations: ``<final>/attempt-<id>/`` in
+        each tier location this root's manifests define (or ``tier_locations`` remaps). That
+        prefix belongs to the attempt alone, so removing it never touches another save's
+        data, even in a location other roots share."""
+        if not abandoned:
+            return []
+        readable, _ = self.manifests()
+        locations = {tier.location for _, manifest in readable for tier in manifest.tiers if tier.location}
+        locations.update(place for place in self.tier_locations.values() if isinstance(place, str))
+        removed: list[str] = []
+        for location in sorted(locations):
+            try:
+                store = self.tier_store(location)
+                for final, attempt in abandoned:
+                    prefix = f"{final}/{attempt}"
+                    if store.stat(prefix) is None:
+                        continue
+                    store.remove_tree(prefix)
+                    removed.append(f"{location.rstrip('/')}/{prefix}")
+                    logger.info("removed leftover %s/%s", location.rstrip("/"), prefix)
+            except ShardkeepError as exc:  # an unreachable tier location: its leftovers stay for later
+                logger.warning("leftovers in tier location %s not collected: %s", location, exc)
         return removed
 
     def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:
