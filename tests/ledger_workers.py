@@ -2,12 +2,14 @@
 
 Each writer records batches of its own shard and appends a batch index to its log only after
 ``update_shard_checkpoint`` has returned, so the log is the set of updates that must survive.
-Readers read the ledger without a lock until a stop file appears and report what they saw.
+Readers read the ledger without a lock until a stop file appears and report what they saw. The
+lock deleter is the attack: it deletes the ledger's lock file again and again while writers run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import time
@@ -26,16 +28,50 @@ class UnlockedLedger(ProgressLedger):
         yield
 
 
-def writer(path: str, shard: int, updates: int, log_path: str, locked: bool) -> None:
-    ledger = (ProgressLedger if locked else UnlockedLedger)(path, lock_timeout=120)
+class LockFileOnlyLedger(ProgressLedger):
+    """The control for the deletion attack: the lock as it was before issue 16, an ``flock`` on
+    whatever file is at the lock path, with no check that it is still there afterwards."""
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(descriptor)
+
+
+class CheckedLockFileLedger(ProgressLedger):
+    """The second control: the lock file checked after locking (still the file at the path), but
+    without the lock on the directory. The check cannot help a holder whose lock file is deleted
+    while it holds it: the next writer creates and locks a new one."""
+
+    def _lock_directory(self, deadline: float | None) -> int | None:
+        return None
+
+
+LEDGERS: dict[str, type[ProgressLedger]] = {
+    "locked": ProgressLedger,
+    "unlocked": UnlockedLedger,
+    "lock-file-only": LockFileOnlyLedger,
+    "checked-lock-file": CheckedLockFileLedger,
+}
+
+
+def writer(path: str, shard: int, updates: int, log_path: str, variant: str = "locked") -> None:
+    """Record batches ``0..updates-1`` of ``shard`` (from the resume point with the real ledger).
+    The controls log an error and go on, since two writers inside at once may collide on ``.tmp``;
+    the real ledger never may, so there an error ends the process."""
+    ledger = LEDGERS[variant](path, lock_timeout=120)
     batch_file = f"shard_{shard}/result.bin"
-    start = ledger.get_resume_info(shard)["resume_from_batch"] if locked else 0
+    start = ledger.get_resume_info(shard)["resume_from_batch"] if variant == "locked" else 0
     with open(log_path, "a", encoding="utf-8") as log:
         for batch in range(start, updates):
             try:
                 ledger.update_shard_checkpoint(shard, batch, 1, batch_file, f"{shard}:{batch}")
             except (ShardkeepError, OSError) as exc:
-                if locked:
+                if variant == "locked":
                     raise
                 log.write(f"error {type(exc).__name__}\n")
                 continue
@@ -64,3 +100,15 @@ def reader(path: str, stop_path: str, report_path: str) -> None:
     Path(report_path).write_text(
         json.dumps({"reads": reads, "failures": failures, "regressions": regressions, "examples": examples})
     )
+
+
+def lock_deleter(lock_path: str, stop_path: str, report_path: str) -> None:
+    """Delete ``lock_path`` whenever it exists, until ``stop_path`` appears; report how often."""
+    deletions = attempts = 0
+    while not os.path.exists(stop_path):
+        attempts += 1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+            deletions += 1
+        time.sleep(0.0005)
+    Path(report_path).write_text(json.dumps({"deletions": deletions, "attempts": attempts}))

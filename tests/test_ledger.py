@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -238,7 +240,7 @@ def test_update_refuses_regressions_finished_shards_and_unknown_shards(tmp_path:
     with pytest.raises(UnsupportedValueError, match="batch_idx"):
         ledger.update_shard_checkpoint(1, -1, 1, batch_file(tmp_path, 1, 0))
     with pytest.raises(UnsupportedValueError, match="num_sequences"):
-        ledger.update_shard_checkpoint(1, 0, True, batch_file(tmp_path, 1, 0))  # type: ignore[arg-type]
+        ledger.update_shard_checkpoint(1, 0, True, batch_file(tmp_path, 1, 0))
     assert ledger.get_shard_status(0)["last_checkpoint_batch"] == 3  # type: ignore[index]
 
 
@@ -595,6 +597,146 @@ def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
         holder.join(10)
     ledger.mark_shard_complete(0)  # the holder exited: the kernel released its lock
     assert ledger.get_completed_shards() == [0]
+
+
+class _PausedWrite(_LedgerFiles):
+    """Writes pause until the test lets them go, so the test can look at the lock mid-update."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, path: str, data: bytes) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+        super().write(path, data)
+
+
+def _descriptors_of(inode: tuple[int, int], but: int) -> list[int]:
+    """This process's open descriptors of the file with this (device, inode), except ``but``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            info = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (info.st_dev, info.st_ino) == inode and int(name) != but:
+            found.append(int(name))
+    return found
+
+
+def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: Path) -> None:
+    """A writer waiting on the lock file when it is deleted must, once it gets the lock, lock the
+    file now at the path: a lock on the deleted file would exclude nobody (another process, an
+    older shardkeep, or a filesystem that cannot lock the directory, opens the new file)."""
+    ledger = make_ledger(tmp_path, lock_timeout=30)
+    files = _PausedWrite()
+    ledger._files = files
+    holder = os.open(ledger.lock_path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    held = os.fstat(holder)
+    errors: list[BaseException] = []
+
+    def update() -> None:
+        try:
+            ledger.mark_shard_complete(0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=update)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not _descriptors_of((held.st_dev, held.st_ino), but=holder):
+            assert time.monotonic() < deadline, "the writer never opened the lock file"
+            time.sleep(0.01)
+        os.unlink(ledger.lock_path)  # while the writer waits on it
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        os.close(holder)
+        assert files.entered.wait(10), errors
+        # The writer is inside its update: the lock file at the path must be locked by it.
+        probe = os.open(ledger.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+    finally:
+        files.release.set()
+        writer.join(30)
+    assert not errors
+    assert ledger.get_completed_shards() == [0]
+
+
+def test_the_lock_path_must_be_a_regular_file(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path, lock_timeout=5)
+    sequence = ledger.read().sequence
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.unlink(ledger.lock_path)
+    # A dangling symlink: following it would create a file in another directory.
+    os.symlink(elsewhere / "planted.lock", ledger.lock_path)
+    with pytest.raises(UnsafePathError, match=r"progress\.json\.lock is a symlink"):
+        ledger.mark_shard_complete(0)
+    assert not (elsewhere / "planted.lock").exists()
+    assert os.listdir(elsewhere) == []
+    # A symlink to an existing file is refused too, and the file is left alone.
+    (elsewhere / "real.lock").write_bytes(b"mine")
+    os.unlink(ledger.lock_path)
+    os.symlink(elsewhere / "real.lock", ledger.lock_path)
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        ledger.mark_shard_complete(0)
+    assert (elsewhere / "real.lock").read_bytes() == b"mine"
+    os.unlink(ledger.lock_path)
+    os.mkfifo(ledger.lock_path)
+    started = time.monotonic()
+    with pytest.raises(UnsafePathError, match="is a FIFO, not a regular file"):
+        ledger.mark_shard_complete(0)
+    assert time.monotonic() - started < 5
+    os.unlink(ledger.lock_path)
+    os.mkdir(ledger.lock_path)
+    with pytest.raises(UnsafePathError, match="is a directory, not a regular file"):
+        ledger.mark_shard_complete(0)
+    os.rmdir(ledger.lock_path)
+    assert ledger.read().sequence == sequence  # nothing was written without the lock
+    ledger.mark_shard_complete(0)  # a regular lock file is created again
+    assert ledger.lock_path.is_file() and not ledger.lock_path.is_symlink()
+
+
+@pytest.mark.timeout(30)
+def test_special_files_as_ledger_copies_are_problems_not_hangs(tmp_path: Path) -> None:
+    ledger = make_ledger(tmp_path)
+    record(ledger, tmp_path, 0, 0)  # now there is a .backup
+    sequence = ledger.read().sequence
+    os.unlink(ledger.manifest_path)
+    os.mkfifo(ledger.manifest_path)  # a read of it would block forever
+    assert ledger.read().sequence == sequence - 1  # recovered from .backup
+    target = tmp_path / "other.json"
+    os.rename(ledger.backup_path, target)
+    os.symlink(target, ledger.backup_path)
+    with pytest.raises(sk.ManifestCorruptedError) as caught:
+        ledger.read()
+    assert caught.value.problems == {
+        str(ledger.manifest_path): "is a FIFO, not a regular file",
+        str(ledger.backup_path): "is a symlink, which is never followed",
+    }
+
+
+def test_a_directory_as_the_ledger_path_is_named_as_such(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir()
+    ledger = ProgressLedger(job)
+    with pytest.raises(
+        sk.LedgerError, match=rf"{re.escape(str(job))} is a directory; .* e\.g\. .*job/progress\.json"
+    ) as caught:
+        ledger.read()
+    assert not isinstance(caught.value, sk.ManifestCorruptedError)
+    ProgressLedger(job / "progress.json", 2).initialize()
+    with pytest.raises(sk.LedgerError, match=r"did you mean .*job/progress\.json\?"):
+        ledger.reassign_shard(0, 1)
+    with pytest.raises(sk.LedgerError, match="is a directory"):
+        ledger.initialize(2)
+    assert sorted(os.listdir(tmp_path)) == ["job"]  # no job.lock or anything else next to it
 
 
 def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -104,6 +104,24 @@ def test_unreadable_ledgers_exit_2_with_the_reason(tmp_path: Path, ledger: Progr
     assert "no valid copy" in err
 
 
+def test_a_directory_is_named_as_one_with_the_file_expected_in_it(tmp_path: Path, ledger: ProgressLedger) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run("ledger", "status", str(empty))
+    assert (code, out) == (2, "")
+    assert f"{empty} is a directory; a progress ledger is a JSON file" in err
+    assert f"e.g. {empty / 'progress.json'}" in err
+    assert "corrupted" not in err
+    code, _, err = run("ledger", "status", str(tmp_path))  # the job's directory instead of its ledger
+    assert code == 2
+    assert f"did you mean {ledger.manifest_path}?" in err
+    code, _, err = run("ledger", "reassign", str(tmp_path), "2", "3")
+    assert code == 2
+    assert "is a directory" in err
+    assert not Path(f"{tmp_path}.lock").exists()  # no lock file created next to the directory
+    assert ledger.get_shard_status(2)["assigned_rank"] == 2  # type: ignore[index]
+
+
 def test_help_and_no_torch(ledger: ProgressLedger) -> None:
     program = (
         "import sys\n"

@@ -1,6 +1,8 @@
 """ProgressLedger across processes (spawned, like a real batch job): 8 writers x 500 updates with
 concurrent readers lose nothing; without the lock the same load loses updates (the control that
-shows the test can fail); writers killed with SIGKILL mid-update lose nothing that returned.
+shows the test can fail); writers killed with SIGKILL mid-update lose nothing that returned;
+writers lose nothing while another process keeps deleting the lock file, where a lock on the
+file alone (the controls) loses updates.
 
 RELIABILITY.md figure: "progress manifest | 8 processes x 500 updates, with kill -9 of writers |
 0 lost updates, 0 unreadable reads".
@@ -17,6 +19,8 @@ import time
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import ledger_workers
 from figures import record
@@ -35,10 +39,10 @@ def _prepare(tmp_path: Path) -> ProgressLedger:
     return ledger
 
 
-def _start_writer(tmp_path: Path, shard: int, updates: int, locked: bool = True) -> SpawnProcess:
+def _start_writer(tmp_path: Path, shard: int, updates: int, variant: str = "locked") -> SpawnProcess:
     process = context.Process(
         target=ledger_workers.writer,
-        args=(str(tmp_path / "progress.json"), shard, updates, str(tmp_path / f"log_{shard}.txt"), locked),
+        args=(str(tmp_path / "progress.json"), shard, updates, str(tmp_path / f"log_{shard}.txt"), variant),
     )
     process.start()
     return process
@@ -125,7 +129,7 @@ def test_without_the_lock_updates_are_lost(tmp_path: Path) -> None:
     able to fail."""
     updates = 150
     ledger = _prepare(tmp_path)
-    writers = [_start_writer(tmp_path, shard, updates, locked=False) for shard in range(WRITERS)]
+    writers = [_start_writer(tmp_path, shard, updates, "unlocked") for shard in range(WRITERS)]
     for process in writers:
         process.join(300)
         assert process.exitcode == 0
@@ -193,3 +197,62 @@ def test_writers_killed_mid_update_lose_nothing_that_returned(tmp_path: Path) ->
     assert lost == 0
     assert unreadable == 0, [report["examples"] for report in reports]
     assert sum(report["regressions"] for report in reports) == 0
+
+
+def _run_with_lock_deleter(tmp_path: Path, writers: int, updates: int, variant: str) -> tuple[int, int, int, float]:
+    """``writers`` processes record ``updates`` batches each while another process deletes the
+    lock file whenever it exists: (updates lost, updates that did not return, deletions, seconds)."""
+    ledger = _prepare(tmp_path)
+    deleter = context.Process(
+        target=ledger_workers.lock_deleter,
+        args=(str(ledger.lock_path), str(tmp_path / "stop"), str(tmp_path / "deleter.json")),
+    )
+    deleter.start()
+    try:
+        started = time.monotonic()
+        processes = [_start_writer(tmp_path, shard, updates, variant) for shard in range(writers)]
+        for process in processes:
+            process.join(300)
+        elapsed = time.monotonic() - started
+    finally:
+        (tmp_path / "stop").touch()
+        deleter.join(60)
+    assert deleter.exitcode == 0
+    deletions = json.loads((tmp_path / "deleter.json").read_text())["deletions"]
+    lost = failed = 0
+    for shard in range(writers):
+        returned = set(_returned(tmp_path, shard))
+        failed += updates - len(returned)  # raised, or never tried after a writer died of an error
+        lost += len(returned - set(_recorded(ledger, shard)))
+    assert all(process.exitcode is not None for process in processes), "a writer hung"
+    return lost, failed, deletions, elapsed
+
+
+def test_deleting_the_lock_file_while_writers_run_loses_nothing(tmp_path: Path) -> None:
+    writers, updates = 4, 150
+    lost, failed, deletions, elapsed = _run_with_lock_deleter(tmp_path, writers, updates, "locked")
+    print(
+        f"\nledger with its lock file deleted {deletions} times: {writers} writers x {updates} updates in "
+        f"{elapsed:.1f} s, lost {lost}, failed {failed}"
+    )
+    record(
+        "progress manifest: lock file deleted",
+        trials=writers * updates,
+        failures=lost + failed,
+        detail=f"{writers} writer processes x {updates} updates while another process deleted the lock file "
+        f"{deletions} times: lost {lost}, failed {failed}",
+    )
+    assert deletions >= 20  # the attack ran while the writers did
+    assert (lost, failed) == (0, 0)
+
+
+@pytest.mark.parametrize("variant", ["lock-file-only", "checked-lock-file"])
+def test_deleting_the_lock_file_defeats_a_lock_on_the_file_alone(tmp_path: Path, variant: str) -> None:
+    """The controls: under the same attack, the lock as it was before (an ``flock`` on whatever
+    file is at the lock path) loses updates, and so does that lock with a check after locking
+    that it is still the file at the path, without the lock on the directory. So the test above
+    can fail, and the directory lock is what makes it pass."""
+    writers, updates = 4, 150
+    lost, failed, deletions, _ = _run_with_lock_deleter(tmp_path, writers, updates, variant)
+    print(f"\n{variant}, lock file deleted {deletions} times: lost {lost}, failed {failed} of {writers * updates}")
+    assert lost > 0

@@ -7,6 +7,10 @@ import io
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +193,61 @@ def test_malformed_signature_files_are_typed_errors(tmp_path: Path, key: Ed25519
         sk.load(checkpoint, public_key=key.public_key())
 
 
+@pytest.mark.timeout(60)
+def test_key_files_must_be_small_regular_files(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    """A FIFO given as a key used to block forever; a device, a directory, a symlink to any of
+    them or a huge file is refused too, promptly, with the path and the reason."""
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint, signer=key)
+    generate_key_pair(tmp_path / "k.pem", tmp_path / "k.pub")
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.pem"
+    huge.write_bytes(b"-" * (1 << 20))
+    link = tmp_path / "link.pem"
+    os.symlink(tmp_path / "k.pem", link)
+    link_to_fifo = tmp_path / "fifo-link.pem"
+    os.symlink(fifo, link_to_fifo)
+    cases = {
+        fifo: "is a FIFO, not a regular file",
+        link_to_fifo: "is a FIFO, not a regular file",  # a symlink is followed, to a regular file only
+        Path("/dev/zero"): "is a character device, not a regular file",
+        tmp_path / "k.pub.d": "is a directory, not a regular file",
+        huge: "is 1048576 bytes, over the limit of 65536",
+    }
+    (tmp_path / "k.pub.d").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    for path, reason in cases.items():
+        started = time.monotonic()
+        expected = re.escape(f"{str(path)!r} {reason}")
+        with pytest.raises(sk.ConfigError, match=expected):
+            sk.verify(checkpoint, public_key=path)
+        with pytest.raises(sk.ConfigError, match=expected):
+            sk.load(checkpoint, public_key=str(path))
+        with pytest.raises(sk.ConfigError, match=expected):
+            sk.save(_state(), tmp_path / "new", signer=path)
+        assert time.monotonic() - started < 10, path
+        assert sorted(os.listdir(tmp_path)) == before  # the refused save left nothing
+    assert sk.verify(checkpoint, public_key=key.public_key()).ok
+    # A symlink to a regular key file (how Kubernetes mounts secrets) is followed.
+    sk.save(_state(), tmp_path / "via-link", signer=link)
+    assert sk.verify(tmp_path / "via-link", public_key=tmp_path / "k.pub").ok
+
+
+def test_the_cli_refuses_a_fifo_key_promptly(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    sk.save(_state(), checkpoint)
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    for argv in (["verify", str(checkpoint), "--public-key", str(fifo)], ["sign", str(checkpoint), "--key", str(fifo)]):
+        result = subprocess.run(
+            [sys.executable, "-m", "shardkeep", *argv], capture_output=True, text=True, timeout=30, check=False
+        )
+        assert result.returncode == 2, (argv, result.stdout, result.stderr)
+        assert f"{str(fifo)!r} is a FIFO, not a regular file" in result.stderr, result.stderr
+    assert sorted(os.listdir(checkpoint)) == ["manifest.json", "shards"]
+
+
 def test_signing_an_existing_checkpoint_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
     assert main(["keygen", str(tmp_path / "k.pem")], out=out) == 0
@@ -239,7 +298,9 @@ def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
         root / "step_00000002", other, SIGNATURE_DOMAIN + (root / "step_00000002" / "manifest.json").read_bytes()
     )
     with caplog.at_level(logging.WARNING, logger="shardkeep"):
-        restored = sk.CheckpointManager(root, keep_last=3, keep_best=0, public_key=key.public_key()).restore()
+        restored = sk.CheckpointManager(
+            root, keep_last=3, keep_best=0, public_key=key.public_key(), read_only=True
+        ).restore()
     assert restored.entry.step == 1
     assert restored.skipped and "SignatureError" in restored.skipped[0][1]
     assert "falling back" in caplog.text
@@ -247,7 +308,12 @@ def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
     # refuses an unsigned checkpoint.
     assert sk.CheckpointManager(root, keep_last=3, keep_best=0).restore().entry.step == 2
     (root / "step_00000002" / "manifest.sig").unlink()
-    assert sk.CheckpointManager(root, keep_last=3, keep_best=0, public_key=key.public_key()).restore().entry.step == 1
+    assert (
+        sk.CheckpointManager(root, keep_last=3, keep_best=0, public_key=key.public_key(), read_only=True)
+        .restore()
+        .entry.step
+        == 1
+    )
 
 
 def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519PrivateKey) -> None:

@@ -15,14 +15,21 @@ records every file's digest, the signature covers the data, provided those diges
 cryptographic: signing a manifest with ``xxh3-128`` digests is refused, and so is accepting
 one. The signature file is canonical JSON, checked byte for byte, so any change to it is
 detected.
+
+Key files (``signer=``, ``public_key=`` given as paths, the CLI's ``--key`` and ``--public-key``)
+are read by :func:`read_regular_file`, like the ledger's files: a regular file of at most 64 KiB
+(a symlink is followed only to a regular file), so a FIFO or a device given as a key fails at
+once instead of hanging.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -31,7 +38,14 @@ import msgspec
 import xxhash
 
 from shardkeep.config import DIGEST_ALGORITHMS
-from shardkeep.errors import ConfigError, IntegrityError, ManifestError, SignatureError, UnsupportedValueError
+from shardkeep.errors import (
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    SignatureError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
 from shardkeep.manifest import SEAL_FIELD, Manifest
 
 if TYPE_CHECKING:
@@ -46,6 +60,7 @@ __all__ = [
     "SignatureStatus",
     "check_signature",
     "check_signed_digests",
+    "file_kind",
     "format_digest",
     "generate_key_pair",
     "key_id",
@@ -53,6 +68,7 @@ __all__ = [
     "load_public_key",
     "new_digester",
     "parse_signature",
+    "read_regular_file",
     "seal_manifest",
     "sign_manifest",
     "uncovered_digests",
@@ -156,15 +172,78 @@ def key_id(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def _read_key_file(path: str | os.PathLike[str], what: str) -> bytes:
+def file_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, for messages: ``a regular file``, ``a FIFO`` ..."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def read_regular_file(path: str | os.PathLike[str], *, limit: int, follow_symlinks: bool = False) -> bytes:
+    """The whole content of ``path``, which must be a regular file of at most ``limit`` bytes.
+
+    The file is opened with ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` and checked with ``fstat``
+    before anything is read, so a symlink is never followed and a FIFO or device never blocks the
+    caller or streams endless bytes. (A symlink in a parent directory is followed.) With
+    ``follow_symlinks`` a symlink is followed, and what it reaches must still be a regular file
+    within the limit: for files the user names, such as keys mounted as symlinks by Kubernetes.
+
+    Raises :class:`UnsafePathError` when the path is a symlink, not a regular file, or larger than
+    ``limit``; its message is the reason alone (``is a FIFO, not a regular file``), for the caller
+    to put after the file's name in its own typed error. Any other failure, including a missing
+    file, is the ``OSError`` itself, for the caller to map.
+    """
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(_MAX_KEY_FILE_BYTES + 1)
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+        descriptor = os.open(path, flags)
     except OSError as exc:
-        raise ConfigError(f"cannot read the {what} {os.fspath(path)!r}: {exc.strerror}") from exc
-    if len(data) > _MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"{os.fspath(path)!r} is over {_MAX_KEY_FILE_BYTES} bytes: it is not a PEM key file")
-    return data
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError("is a symlink, which is never followed") from exc
+        if exc.errno == errno.ENXIO:  # a socket, or a device without a driver
+            raise UnsafePathError("is a special file, not a regular file") from exc
+        raise
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(f"is {file_kind(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise UnsafePathError(f"is {info.st_size} bytes, over the limit of {limit}")
+        chunks: list[bytes] = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(descriptor, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        if remaining <= 0:  # it grew while being read
+            raise UnsafePathError(f"is over the limit of {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(descriptor)
+
+
+def _read_key_file(path: str | os.PathLike[str], what: str) -> bytes:
+    """A PEM key file's bytes: a regular file of at most 64 KiB (never a FIFO or device; a
+    symlink to a regular file is followed, as secret mounts use them)."""
+    try:
+        return read_regular_file(path, limit=_MAX_KEY_FILE_BYTES, follow_symlinks=True)
+    except UnsafePathError as exc:
+        hint = "a key must be a PEM file"
+        if os.path.islink(path):
+            hint = f"give the file itself, {os.path.realpath(path)!r}, if that is the key"
+        raise ConfigError(f"the {what} {os.fspath(path)!r} {exc}: {hint}") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {os.fspath(path)!r}: {exc.strerror or exc}") from exc
 
 
 def load_private_key(key: object) -> Ed25519PrivateKey:

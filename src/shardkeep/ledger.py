@@ -10,7 +10,7 @@ Files, next to each other::
     progress.json          the ledger (schema version 2.0)
     progress.json.backup   the previous version, kept before every replace
     progress.json.tmp      the next version while it is being written
-    progress.json.lock     the lock file: locked with ``flock``, never renamed or removed
+    progress.json.lock     the lock file: locked with ``flock``, never renamed or removed by us
 
 Every version carries an increasing ``sequence`` number and a self-checksum (blake3 over the
 file's exact bytes with the checksum's hex digits zeroed). A read takes the valid copy with the
@@ -35,8 +35,13 @@ lock is released by the kernel when a holder dies, even with kill -9.
 
 ``flock`` locks belong to the open file description, so two threads or processes opening the
 lock file exclude each other, and closing another descriptor does not drop the lock (unlike
-``lockf``). On NFS, Lustre and other network filesystems locks may not exclude across machines:
-the ledger warns once with :class:`LedgerLockWarning`.
+``lockf``). An update holds two locks: on the lock file and on the ledger's directory. Someone
+else may delete the lock file while a writer holds it; the next writer would then create and
+lock a new file and run alongside. The directory cannot be deleted while the ledger is in it, so
+its lock still excludes. The lock file is opened without following a symlink and must be a
+regular file; once locked, it must still be the file at the path, or it is locked afresh. On
+NFS, Lustre and other network filesystems locks may not exclude across machines: the ledger
+warns once with :class:`LedgerLockWarning` (and again where the directory cannot be locked).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.integrity import digest_bytes, digests_equal
+from shardkeep.integrity import digest_bytes, digests_equal, file_kind, read_regular_file
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER
 
 __all__ = [
@@ -125,6 +130,9 @@ Timestamp = Annotated[datetime, msgspec.Meta(tz=True)]
 _CHECKSUM_ALGORITHM = "blake3"
 _CHECKSUM_HEAD = re.compile(rb'\A\{\s*"checksum"\s*:\s*"blake3:([0-9a-f]{64})"\s*,\s*"sequence"\s*:\s*(\d{1,19})\s*,')
 _PLACEHOLDER = "blake3:" + "0" * 64
+# What flock(LOCK_EX) on a directory fails with where a filesystem cannot lock one (NFS: EBADF,
+# since it locks only files open for writing).
+_NO_DIRECTORY_LOCKS = frozenset({errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})
 
 
 class LedgerLockWarning(UserWarning):
@@ -391,6 +399,7 @@ class ProgressLedger:
         self.lock_path = self.manifest_path.with_name(name + ".lock")
         self._files = _LedgerFiles()
         self._warned_filesystem = False
+        self._warned_directory_lock = False
 
     def __repr__(self) -> str:
         return f"ProgressLedger({str(self.manifest_path)!r}, world_size={self.world_size})"
@@ -403,27 +412,31 @@ class ProgressLedger:
         return any(path.exists() for path in (self.manifest_path, self.tmp_path, self.backup_path))
 
     def _read_copy(self, path: Path) -> bytes | None:
-        # A regular file only: no symlink is followed, and a FIFO or device never blocks the read.
+        """One copy's bytes, ``None`` if absent. A regular file only: no symlink is followed, and a
+        FIFO or device never blocks the read. A copy that is not a readable ledger file is a
+        :class:`LedgerError` (a problem of that copy); an I/O error is a :class:`StorageError`."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            return read_regular_file(path, limit=self.max_bytes)
         except FileNotFoundError:
             return None
+        except UnsafePathError as exc:
+            raise LedgerError(str(exc)) from exc
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise LedgerError("is a symlink; ledger copies are never read through symlinks") from exc
             raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
+
+    def _refuse_a_directory(self) -> None:
+        """Raise :class:`LedgerError` when the ledger's path is a directory (a common slip: the
+        job's directory instead of the ledger file in it), naming the file that was meant."""
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise LedgerError("is not a regular file")
-            if info.st_size > self.max_bytes:
-                raise LedgerError(f"{info.st_size} bytes exceeds the limit of {self.max_bytes}")
-            with os.fdopen(fd, "rb", closefd=False) as handle:
-                return handle.read(self.max_bytes + 1)
-        except OSError as exc:
-            raise StorageError(f"cannot read ledger copy {path}: {exc}") from exc
-        finally:
-            os.close(fd)
+            is_directory = stat.S_ISDIR(os.lstat(self.manifest_path).st_mode)
+        except OSError:
+            return  # absent or unreadable: the read that follows says so
+        if is_directory:
+            guess = self.manifest_path / "progress.json"
+            hint = f"did you mean {guess}?" if guess.exists() else f"e.g. {guess}"
+            raise LedgerError(
+                f"{self.manifest_path} is a directory; a progress ledger is a JSON file: give its path, {hint}"
+            )
 
     def _load(self, *, check_world_size: bool = True) -> tuple[LedgerState, bytes, str]:
         """The newest valid version: (state, its exact bytes, which copy it came from).
@@ -434,6 +447,7 @@ class ProgressLedger:
         They are then tried by the sequence their header claims, highest first (the primary wins
         a tie); the first whose checksum and schema hold is the answer.
         """
+        self._refuse_a_directory()
         present: list[tuple[int, int, str, bytes]] = []
         problems: dict[str, str] = {}
         found = 0
@@ -535,31 +549,140 @@ class ProgressLedger:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """Hold the exclusive ``flock`` on the dedicated lock file."""
+        """Hold the ledger's exclusive lock: ``flock`` on the lock file, then on the directory.
+
+        The lock file alone cannot exclude if it is deleted while held: the next writer creates
+        a new file at the path and locks that, while the holder still writes. So the ledger's
+        directory is locked too. It cannot be removed while the ledger is in it, and deleting or
+        replacing the lock file does not change it. The lock file is kept because it is what
+        works on network filesystems, where a directory cannot be locked (then a warning says
+        the deletion of the lock file is not guarded against), and it is checked after locking
+        (:meth:`_lock_file`), so that a deleted one is replaced rather than held in vain.
+        """
         self._warn_if_network_filesystem()
+        self._refuse_a_directory()
+        deadline = None if self.lock_timeout is None else time.monotonic() + self.lock_timeout
+        with contextlib.ExitStack() as held:
+            held.callback(self._unlock, self._lock_file(deadline))
+            directory = self._lock_directory(deadline)
+            if directory is not None:
+                held.callback(self._unlock, directory)
+            yield
+
+    @staticmethod
+    def _unlock(descriptor: int) -> None:
+        # Unlock explicitly: a child forked meanwhile shares the descriptor and would keep the lock.
         try:
-            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError as exc:
-            raise LedgerNotFoundError(f"the ledger's directory {self.manifest_path.parent} does not exist") from exc
-        except OSError as exc:
-            raise StorageError(f"cannot open the ledger lock file {self.lock_path}: {exc}") from exc
-        try:
-            self._acquire(descriptor)
-            try:
-                yield
-            finally:
-                fcntl.flock(descriptor, fcntl.LOCK_UN)
+            fcntl.flock(descriptor, fcntl.LOCK_UN)
         finally:
             os.close(descriptor)
 
-    def _acquire(self, descriptor: int) -> None:
-        if self.lock_timeout is None:
+    def _lock_file(self, deadline: float | None) -> int:
+        """Open and lock the file at :attr:`lock_path`, and return its locked descriptor.
+
+        The file is opened without following a symlink (a dangling one never creates a file
+        elsewhere) and without blocking, and must be a regular file. Once locked, it must still be
+        the file at the path (same device and inode, not unlinked): if it was deleted or replaced
+        while this process waited, the lock is dropped and the file now at the path is locked.
+        """
+        while True:
+            descriptor = self._open_lock_file()
+            try:
+                self._acquire(descriptor, deadline, self.lock_path)
+                current = self._holds_current_lock_file(descriptor)
+            except BaseException:
+                os.close(descriptor)
+                raise
+            if current:
+                return descriptor
+            self._unlock(descriptor)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LedgerLockTimeoutError(
+                    f"the progress ledger lock file {self.lock_path} was deleted or replaced each time it was "
+                    f"locked, for {self.lock_timeout:g} s; is something deleting it?"
+                )
+
+    def _open_lock_file(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            descriptor = os.open(self.lock_path, flags, 0o644)
+        except FileNotFoundError as exc:
+            raise LedgerNotFoundError(f"the ledger's directory {self.manifest_path.parent} does not exist") from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(
+                    f"the ledger lock file {self.lock_path} is a symlink; the lock is never taken through one"
+                ) from exc
+            if exc.errno in (errno.EISDIR, errno.ENXIO):
+                try:
+                    kind = file_kind(os.lstat(self.lock_path).st_mode)
+                except OSError:
+                    kind = "a special file"
+                raise UnsafePathError(f"the ledger lock file {self.lock_path} is {kind}, not a regular file") from exc
+            raise StorageError(f"cannot open the ledger lock file {self.lock_path}: {exc}") from exc
+        try:
+            mode = os.fstat(descriptor).st_mode
+            if not stat.S_ISREG(mode):
+                raise UnsafePathError(f"the ledger lock file {self.lock_path} is {file_kind(mode)}, not a regular file")
+        except OSError as exc:
+            os.close(descriptor)
+            raise StorageError(f"cannot inspect the ledger lock file {self.lock_path}: {exc}") from exc
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return descriptor
+
+    def _holds_current_lock_file(self, descriptor: int) -> bool:
+        """Whether the locked file is still the one linked at :attr:`lock_path`."""
+        try:
+            held = os.fstat(descriptor)
+            current = os.lstat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot inspect the ledger lock file {self.lock_path}: {exc}") from exc
+        return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
+
+    def _lock_directory(self, deadline: float | None) -> int | None:
+        """Lock the ledger's directory and return its descriptor; ``None`` (after a warning) where
+        the filesystem cannot lock a directory, as NFS cannot (it locks files open for writing)."""
+        directory = self.manifest_path.parent
+        try:
+            descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise LedgerNotFoundError(f"the ledger's directory {directory} does not exist") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot open the ledger's directory {directory} to lock it: {exc}") from exc
+        try:
+            self._acquire(descriptor, deadline, directory)
+        except StorageError as exc:
+            os.close(descriptor)
+            cause = exc.__cause__
+            if not isinstance(cause, OSError) or cause.errno not in _NO_DIRECTORY_LOCKS:
+                raise
+            if not self._warned_directory_lock:
+                self._warned_directory_lock = True
+                warnings.warn(
+                    f"the filesystem of progress ledger {self.manifest_path} cannot lock its directory ({cause}); "
+                    f"only the lock file {self.lock_path.name} excludes writers, so it must never be deleted "
+                    "while workers run",
+                    LedgerLockWarning,
+                    stacklevel=5,
+                )
+            return None
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return descriptor
+
+    def _acquire(self, descriptor: int, deadline: float | None, target: Path) -> None:
+        """``flock(LOCK_EX)`` on ``descriptor`` (the file ``target``), waiting until ``deadline``."""
+        if deadline is None:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX)
             except OSError as exc:
-                raise StorageError(f"cannot lock {self.lock_path}: {exc}") from exc
+                raise StorageError(f"cannot lock {target}: {exc}") from exc
             return
-        deadline = time.monotonic() + self.lock_timeout
         pause = 0.0002
         while True:
             try:
@@ -569,10 +692,10 @@ class ProgressLedger:
                 pass
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EINTR):
-                    raise StorageError(f"cannot lock {self.lock_path}: {exc}") from exc
+                    raise StorageError(f"cannot lock {target}: {exc}") from exc
             if time.monotonic() >= deadline:
                 raise LedgerLockTimeoutError(
-                    f"the progress ledger lock {self.lock_path} was held by another process for more than "
+                    f"the progress ledger lock {target} was held by another process for more than "
                     f"{self.lock_timeout:g} s; is a process stopped while holding it?"
                 )
             time.sleep(pause)
