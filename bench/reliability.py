@@ -26,6 +26,7 @@ TESTS = [
     "tests/reliability",
     "tests/test_ledger_concurrency.py::test_eight_writers_and_readers_lose_nothing",
     "tests/test_ledger_concurrency.py::test_writers_killed_mid_update_lose_nothing_that_returned",
+    "tests/test_ledger_concurrency.py::test_deleting_the_lock_file_while_writers_run_loses_nothing",
 ]
 
 #: The table's rows: (property, method, target, the recorded figures that make up the row).
@@ -74,9 +75,9 @@ ROWS = [
     ),
     (
         "progress manifest",
-        "8 processes x 500 updates with concurrent readers; writers killed with kill -9",
+        "8 processes x 500 updates with concurrent readers; writers killed with kill -9; the lock file deleted while writers run",
         "0 lost updates, 0 unreadable reads",
-        ["progress manifest", "progress manifest: kill -9"],
+        ["progress manifest", "progress manifest: kill -9", "progress manifest: lock file deleted"],
     ),
 ]
 
