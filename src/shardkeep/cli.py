@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print each shard's status, assigned worker, last recorded batch, sequences, age of the last "
         "batch and retries, with totals. STALE: in progress with no activity (a recorded batch, a claim or a reassignment) for longer than "
         "the threshold. "
-        "ORPHANED: failed at least --max-retries times. Exit 0 when readable, 2 when no copy of the ledger is valid.",
+        "ORPHANED: failed at least --max-retries times. Exit 0 when readable, 2 when it cannot be read (no valid "
+        "copy, or PATH is a directory or missing).",
     )
     status.add_argument("path", metavar="PATH", help="the ledger's JSON file")
     status.add_argument("--json", action="store_true", help="print the ledger and the progress summary as JSON")
