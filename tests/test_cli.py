@@ -380,3 +380,31 @@ def test_ls_plot_says_when_digests_were_not_checked_and_leaves_misnamed_copies_o
     (quick, quick_title), (full, full_title) = drawn
     assert "step_00000099" not in quick and "step_00000099" not in full and "step_00000040" in quick
     assert "digests not verified" in quick_title and "digests not verified" not in full_title
+
+
+def test_manifest_limit_mib_reads_a_checkpoint_over_the_default_limits(tmp_path: Path) -> None:
+    """A checkpoint whose manifest is over the default limits: every reading command says how to
+    raise them with the flag (not a Python keyword), and reads it with --manifest-limit-mib."""
+    from shardkeep.config import ManifestLimits
+
+    root = tmp_path / "root"
+    checkpoint = root / "step_00000001"
+    sk.save({"w": torch.ones(3)}, checkpoint, step=1, custom_fields={"padding": "x" * (2 << 20)})
+    small = ManifestLimits.scaled(1)
+    assert small.max_bytes == 1 << 20 and small.max_tensors == round(ManifestLimits().max_tensors / 40)
+    for argv in (
+        ["verify", str(checkpoint)],
+        ["inspect", str(checkpoint)],
+        ["export", str(checkpoint), str(tmp_path / "o.pt")],
+    ):
+        out, err = io.StringIO(), io.StringIO()
+        code = main([*argv, "--manifest-limit-mib", "1"], out=out, err=err)
+        said = out.getvalue() + err.getvalue()
+        assert code == (1 if argv[0] == "verify" else 2), (argv, said)  # verify: a problem found
+        assert "over the limit" in said and "--manifest-limit-mib" in said and "ManifestLimits" not in said, said
+        assert main([*argv, "--manifest-limit-mib", "3"], out=io.StringIO(), err=io.StringIO()) == 0, argv
+    out = io.StringIO()
+    assert main(["ls", str(root), "--verify", "--manifest-limit-mib", "3"], out=out, err=io.StringIO()) == 0, (
+        out.getvalue()
+    )
+    assert main(["ls", str(root), "--verify", "--manifest-limit-mib", "1"], out=io.StringIO(), err=io.StringIO()) != 0

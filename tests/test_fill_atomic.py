@@ -134,3 +134,86 @@ def test_restore_through_the_manager_is_all_or_nothing(tmp_path: Path) -> None:
         manager.restore({"model": target_model, "optim": target_optim, "counter": counter})
     _assert_unchanged(target_model, target_optim, before)
     assert counter.count == 4
+
+
+class RefusingModule(torch.nn.Module):
+    """A module whose own loading code refuses, after copying its weights in: it runs after the
+    optimizer and with a plain field already assigned, so their rollback is what is tested."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.refuse = False
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.refuse:
+            raise ValueError("this module refuses")
+
+
+def test_a_module_refusing_after_the_optimizer_restores_the_optimizer_and_everything_else(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = RefusingModule()
+    optim = torch.optim.AdamW(source.parameters())
+    source.linear(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    sk.save({"optim": optim, "model": source, "counter": Counter(3), "note": "saved", "new": 1}, tmp_path / "c")
+    torch.manual_seed(1)
+    target = RefusingModule()
+    target.refuse = True
+    target_optim = torch.optim.AdamW(target.parameters())
+    target.linear(torch.randn(2, 4)).sum().backward()
+    target_optim.step()
+    counter = Counter(9)
+    into: dict[str, Any] = {"optim": target_optim, "model": target, "counter": counter, "note": "mine"}
+    before = _snapshot(target, target_optim)
+    with pytest.raises(sk.UnsupportedValueError, match="this module refuses"):
+        sk.load(tmp_path / "c", into=into)
+    _assert_unchanged(target, target_optim, before)
+    assert counter.count == 9 and into["note"] == "mine" and "new" not in into
+
+
+class NoSnapshot:
+    """An object that can load state but has no state_dict() to take a snapshot from."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["count"]
+
+
+def test_what_cannot_be_restored_is_named_and_the_rest_is_restored(tmp_path: Path) -> None:
+    model, optim = _trained(0)
+    sk.save({"model": model, "optim": optim, "plain": Counter(5), "counter": Counter(-1)}, tmp_path / "c")
+    target_model, target_optim = _trained(1)
+    plain = NoSnapshot()
+    before = _snapshot(target_model, target_optim)
+    with pytest.raises(
+        sk.UnsupportedValueError, match=r"restoring the previous state failed for 'plain'.*no state_dict"
+    ):
+        sk.load(
+            tmp_path / "c", into={"model": target_model, "optim": target_optim, "plain": plain, "counter": Counter()}
+        )
+    assert plain.value == 5  # loaded, and it could not be undone: the error says so
+    _assert_unchanged(target_model, target_optim, before)
+
+
+class OwnStateDict(torch.nn.Module):
+    """A module with a state_dict() of its own (an older signature without keep_vars)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def state_dict(self, destination: Any = None, prefix: str = "") -> Any:  # type: ignore[override]  # the old signature on purpose
+        return super().state_dict(destination=destination, prefix=prefix)
+
+
+def test_a_module_with_its_own_state_dict_still_loads(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = OwnStateDict()
+    sk.save({"model": source}, tmp_path / "c")
+    target = OwnStateDict()
+    sk.load(tmp_path / "c", into={"model": target})
+    assert torch.equal(target.linear.weight, source.linear.weight)

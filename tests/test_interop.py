@@ -245,3 +245,23 @@ def test_a_damaged_dcp_directory_raises_a_typed_error(tmp_path: Path) -> None:
         import_checkpoint(tmp_path / "dcp", tmp_path / "ckpt", trust_pickle=True)
     assert caught.value.__cause__ is not None
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_state_of_an_optimizer_with_the_same_options_but_other_fields_is_refused(tmp_path: Path) -> None:
+    """Adamax and RAdam have the same group options; Adamax keeps exp_inf, RAdam exp_avg_sq.
+    Refused whether the target has stepped or not (then one step on a scratch parameter tells)."""
+    model = torch.nn.Linear(3, 3)
+    adamax = torch.optim.Adamax(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    adamax.step()
+    sk.save({"optim": adamax}, tmp_path / "ckpt")
+    fresh = torch.optim.RAdam(model.parameters())
+    stepped = torch.optim.RAdam(model.parameters())
+    stepped.step()
+    for target in (fresh, stepped):
+        with pytest.raises(sk.UnsupportedValueError, match=r"'optim'.*Adamax.*exp_inf.*RAdam keeps.*exp_avg_sq"):
+            sk.load(tmp_path / "ckpt", into={"optim": target})
+    assert not fresh.state
+    again = torch.optim.Adamax(model.parameters())
+    sk.load(tmp_path / "ckpt", into={"optim": again})
+    assert all(torch.equal(again.state[p]["exp_inf"], adamax.state[p]["exp_inf"]) for p in model.parameters())

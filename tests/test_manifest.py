@@ -414,13 +414,13 @@ def test_the_default_limits_bound_what_reading_a_manifest_costs(tmp_path: Path, 
     to raise the limits, and read with limits= through load, verify, read_manifest and the
     manager."""
     limits = ManifestLimits()
-    assert limits.max_bytes <= 24 * 2**20 and limits.max_tensors <= 250_000 and limits.max_files <= 250_000
+    assert limits.max_bytes <= 40 * 2**20 and limits.max_tensors <= 500_000 and limits.max_files <= 500_000
     small = ManifestLimits(max_tensors=40)
     state = {f"t{index}": torch.full((2,), float(index)) for index in range(50)}
     manager = sk.CheckpointManager(tmp_path / "root", keep_last=1, keep_best=0)
     with caplog.at_level(logging.WARNING, logger="shardkeep"):
         sk.save(state, tmp_path / "big")
-    assert not any("over the default read limits" in r.message for r in caplog.records)  # 50 < 250,000
+    assert not any("over the default read limits" in r.message for r in caplog.records)  # 50 < 500,000
     manager.save(state, step=1)
     checkpoint = tmp_path / "root" / "step_00000001"
     sealed = (checkpoint / "manifest.json").read_bytes()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -375,3 +376,32 @@ def test_a_crashed_save_leaves_nothing_in_a_tier_location_once_collected(tmp_pat
     assert sk.verify(root / "step_00000001").ok  # the committed checkpoint's tier files are untouched
     manager.save(moe_state(layers=1, experts=2), step=2)
     assert sk.verify(root / "step_00000002").ok
+
+
+def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(tmp_path: Path) -> None:
+    """No committed manifest names the cold tier yet: the manager's own tiers tell where to look.
+    Files in the tier written within the lease keep the whole attempt (and its staging
+    directory), as a save still writing there would."""
+    root, cold = tmp_path / "root", tmp_path / "cold"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    root.mkdir()
+    child = multiprocessing.get_context("fork").Process(target=_crashing_save, args=(str(root), str(cold), "run-1"))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    (staging,) = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+    attempt = cold / "step_00000002" / f"attempt-{staging.partition('.tmp-')[2][:16]}"
+    assert any(attempt.rglob("*.safetensors"))
+    options: dict[str, Any] = {"keep_best": 0, "tiers": tiers, "placement": RULES, "run_id": "run-1"}
+    sk.CheckpointManager(root, staging_lease=3600, **options).prune()
+    assert (root / staging).exists() and attempt.exists()  # within the lease: kept
+    old = time.time() - 7200
+    for path in [root / staging, *(root / staging).rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    (attempt / "late").write_bytes(b"written just now")  # the tier's files are still changing
+    sk.CheckpointManager(root, staging_lease=3600, **options).prune()
+    assert (root / staging).exists() and attempt.exists()
+    for path in [attempt, *attempt.rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    sk.CheckpointManager(root, staging_lease=3600, **options).prune()
+    assert not (root / staging).exists() and not attempt.exists()

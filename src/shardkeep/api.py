@@ -1588,15 +1588,19 @@ def _fill_into(
 
 
 def _roll_back(applied: list[_FillAction], cause: BaseException) -> None:
-    """Undo ``applied`` in reverse order after ``cause``; raise if an undo itself fails."""
+    """Undo every action in ``applied``, in reverse order, after ``cause``; if any cannot be
+    restored, raise one error naming each (the others are restored all the same)."""
+    failed: list[str] = []
     for action in reversed(applied):
         try:
             action.undo()
         except Exception as exc:
-            raise UnsupportedValueError(
-                f"{action.name!r}: restoring its previous state failed ({exc}) after the load failed "
-                f"({cause}); into= is partly filled"
-            ) from cause
+            failed.append(f"{action.name!r} ({exc})")
+    if failed:
+        raise UnsupportedValueError(
+            f"the load into into= failed ({cause}), and restoring the previous state failed for "
+            f"{', '.join(failed)}: those parts of into= are partly filled; everything else was restored"
+        ) from cause
 
 
 class _FillAction:
@@ -1683,8 +1687,9 @@ class _LoadState(_FillAction):
     Its snapshot is ``obj.state_dict()`` taken just before, deep-copied for objects whose
     ``load_state_dict`` may change tensors in place (modules, other objects). An optimizer's
     ``load_state_dict`` replaces its state with new tensors and never writes into the old ones,
-    so its snapshot keeps references only. An object without ``state_dict()`` runs first and
-    cannot be restored; it is the only thing its failure can leave changed."""
+    so its snapshot keeps references only, and a module's snapshot is kept on the CPU. An object
+    without ``state_dict()`` runs first and cannot be restored: if it or anything after it
+    fails, the error names it as partly filled."""
 
     def __init__(self, name: str, obj: Any, new: Any) -> None:
         super().__init__(name)
@@ -1708,7 +1713,7 @@ class _LoadState(_FillAction):
                     "param_groups": copy.deepcopy(state["param_groups"]),
                 }
             else:
-                self.snapshot = _detached_copy(state)
+                self.snapshot = _detached_copy(state, to_cpu=isinstance(self.obj, torch.nn.Module))
         except Exception as exc:
             raise UnsupportedValueError(
                 f"{self.name!r}: cannot snapshot {type(self.obj).__name__}.state_dict() before loading "
@@ -1723,49 +1728,52 @@ class _LoadState(_FillAction):
         except Exception as exc:
             raise UnsupportedValueError(
                 f"{self.name!r}: {type(self.obj).__name__}.load_state_dict refused the checkpoint's state "
-                f"(nothing in into= was changed): {exc}"
+                f"(into= is restored to what it was): {exc}"
             ) from exc
 
     def undo(self) -> None:
+        if self.order < 0:
+            raise UnsupportedValueError(f"{type(self.obj).__name__} has no state_dict() to restore it from")
         if self.snapshot is not None:
             self.obj.load_state_dict(self.snapshot)
 
 
-def _detached_copy(value: Any) -> Any:
+def _detached_copy(value: Any, *, to_cpu: bool = False) -> Any:
     """A deep copy of a state dict in which tensors are cloned (``copy.deepcopy`` refuses
-    tensors that are not graph leaves)."""
+    tensors that are not graph leaves), onto the CPU with ``to_cpu``."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True) if to_cpu else value.detach().clone()
     if isinstance(value, Mapping):
-        copied = {key: _detached_copy(item) for key, item in value.items()}
+        copied = {key: _detached_copy(item, to_cpu=to_cpu) for key, item in value.items()}
         return type(value)(copied) if isinstance(value, OrderedDict) else copied
     if isinstance(value, list):
-        return [_detached_copy(item) for item in value]
+        return [_detached_copy(item, to_cpu=to_cpu) for item in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_detached_copy(item) for item in value)
+        return tuple(_detached_copy(item, to_cpu=to_cpu) for item in value)
     return copy.deepcopy(value)
 
 
 def _plain_module(module: torch.nn.Module) -> bool:
-    """True when ``module.load_state_dict`` would only copy into its parameters and buffers:
-    every state_dict entry is one of them, and no submodule has load hooks, extra state or
-    loading code of its own (torch.nn's built-in layers excepted; BatchNorm's only adapts old
-    key versions). Such a module is filled by plain tensor copies, which cannot fail."""
-    own = module.state_dict(keep_vars=True)
-    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-    if not all(isinstance(value, torch.Tensor) and id(value) in tensors for value in own.values()):
-        return False
+    """True when ``module.load_state_dict`` would only copy into its parameters and buffers: no
+    submodule has load hooks, extra state or saving or loading code of its own (torch.nn's
+    built-in layers excepted; BatchNorm's only adapts old key versions), and every state_dict
+    entry is one of its parameters or buffers. Such a module is filled by plain tensor copies,
+    which cannot fail."""
     for submodule in module.modules():
         if submodule._load_state_dict_pre_hooks or submodule._load_state_dict_post_hooks:
             return False
+        if submodule._state_dict_hooks or submodule._state_dict_pre_hooks:
+            return False
         kind = type(submodule)
-        for method in ("load_state_dict", "_load_from_state_dict", "set_extra_state"):
+        for method in ("state_dict", "load_state_dict", "_load_from_state_dict", "set_extra_state"):
             defined = next(klass for klass in kind.__mro__ if method in vars(klass))
             if defined is not torch.nn.Module and not (
                 defined.__module__.startswith("torch.nn.modules.") and "lazy" not in defined.__module__
             ):
                 return False
-    return True
+    own = module.state_dict(keep_vars=True)
+    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    return all(isinstance(value, torch.Tensor) and id(value) in tensors for value in own.values())
 
 
 def _check_writable(current: Any, name: str) -> None:
@@ -1801,7 +1809,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], n
         raise UnsupportedValueError(
             f"{name!r}: the optimizer has parameter groups of sizes {mine}, the checkpoint {theirs}"
         )
-    _check_optimizer_kind(optimizer, groups, name)
+    _check_optimizer_kind(optimizer, new, name)
     restored = restore_optimizer_ids(new)
     ids = {_id_key(index) for group in groups for index in group["params"]}
     stray = [key for key in restored["state"] if _id_key(key) not in ids]
@@ -1882,25 +1890,66 @@ def _known_optimizers() -> dict[frozenset[str], list[str]]:
     return known
 
 
-def _check_optimizer_kind(optimizer: torch.optim.Optimizer, groups: list[Any], name: str) -> None:
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> None:
+    """Refuse another optimizer's state: by the options of the parameter groups, then by the
+    fields of the per-parameter state (Adamax and RAdam have the same options, but Adamax keeps
+    ``exp_inf`` where RAdam keeps ``exp_avg_sq``)."""
+    groups = new["param_groups"]
     if not groups or not optimizer.param_groups:
         return
+    known = _known_optimizers()
     target = frozenset(optimizer.param_groups[0]) - _OPTIMIZER_FLAGS
     saved = frozenset(groups[0]) - _OPTIMIZER_FLAGS
-    if saved == target:
-        return
-    known = _known_optimizers()
     saved_names, target_names = known.get(saved), known.get(target)
+    saved_kind = " or ".join(saved_names) if saved_names else "another optimizer's"
+    mine = type(optimizer).__name__
     # A known torch optimizer on each side and they differ; or, for optimizers of other
     # libraries, options on each side that the other lacks (an older torch missing a newer
     # option only is accepted, as torch accepts it).
-    if (saved_names and target_names and saved_names != target_names) or (saved - target and target - saved):
-        saved_kind = " or ".join(saved_names) if saved_names else "another optimizer"
+    if saved != target and (
+        (saved_names and target_names and saved_names != target_names) or (saved - target and target - saved)
+    ):
         raise UnsupportedValueError(
-            f"{name!r}: the checkpoint holds {saved_kind} state but the target is {type(optimizer).__name__}: "
-            f"its parameter groups have {sorted(saved - target)} where {type(optimizer).__name__} has "
-            f"{sorted(target - saved)}"
+            f"{name!r}: the checkpoint holds {saved_kind} state but the target is {mine}: its parameter groups "
+            f"have {sorted(saved - target)} where {mine} has {sorted(target - saved)}"
         )
+    saved_fields = frozenset(
+        field for values in new["state"].values() if isinstance(values, Mapping) for field in values
+    )
+    target_fields = _state_fields(optimizer)
+    if saved_fields and target_fields and not (saved_fields <= target_fields or target_fields <= saved_fields):
+        raise UnsupportedValueError(
+            f"{name!r}: the checkpoint holds {saved_kind} state with fields {sorted(saved_fields)}, but the target "
+            f"{mine} keeps {sorted(target_fields)}"
+        )
+
+
+def _state_fields(optimizer: torch.optim.Optimizer) -> frozenset[str] | None:
+    """The fields of ``optimizer``'s per-parameter state: from its state, or, before its first
+    step, from one step of the same optimizer on a scratch parameter. None if unknown."""
+    fields = frozenset(field for values in optimizer.state.values() for field in values)
+    if fields:
+        return fields
+    try:
+        defaults = tuple(sorted(optimizer.defaults.items()))
+        hash(defaults)
+    except TypeError:  # a tensor learning rate, say: not probed
+        return None
+    return _probe_state_fields(type(optimizer), defaults)  # type: ignore[arg-type]  # classes are hashable; mypy sees the instance __hash__
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_state_fields(
+    kind: type[torch.optim.Optimizer], defaults: tuple[tuple[str, Any], ...]
+) -> frozenset[str] | None:
+    try:
+        parameter = torch.zeros(2, 2, requires_grad=True)
+        parameter.grad = torch.ones(2, 2)
+        probe = kind([parameter], **dict(defaults))
+        probe.step()
+    except Exception:  # needs a closure (LBFGS), a GPU (fused), or arguments of its own: unknown
+        return None
+    return frozenset(field for values in probe.state.values() for field in values) or None
 
 
 def _describe_mismatch(key: str, expected: Any, found: Any) -> str:

@@ -222,6 +222,8 @@ class CheckpointRoot:
         #: Tiers moved since their checkpoints were saved: tier name -> its new location
         #: (applied to every checkpoint that defines the tier; used by :meth:`verify_fully`).
         self.tier_locations = dict(tier_locations or {})
+        #: Tier locations this root's saves write to (set by the manager from its ``tiers``).
+        self.tier_homes: set[str] = set()
         #: How a user remaps a missing tier, in the words of the caller (API or command line).
         self.remap_hint = remap_hint
         self._tier_stores: dict[str, ByteStore] = {}
@@ -234,10 +236,12 @@ class CheckpointRoot:
         *,
         tier_locations: Mapping[str, str] | None = None,
         remap_hint: str = "tier_locations={{{tier!r}: NEW_LOCATION}}",
+        limits: ManifestLimits | None = None,
     ) -> CheckpointRoot:
         """The root at a local path or a URL (``s3://bucket/prefix``)."""
         text = os.fspath(path)
         options: dict[str, Any] = {
+            "limits": limits,
             "storage_options": storage_options,
             "tier_locations": tier_locations,
             "remap_hint": remap_hint,
@@ -650,21 +654,28 @@ class CheckpointRoot:
         Never follows symlinks. Returns the names removed."""
         now = time.time() if now is None else now
         removed: list[str] = []
-        abandoned: list[tuple[str, str]] = []
+        tier_stores: list[tuple[str, ByteStore]] | None = None
         for name, info in self.store.list_dir(""):
             if DELETING_MARKER in name:
                 self.store.remove_tree(name)
             elif STAGING_MARKER in name:
                 if not self._idle(self.store, name, info.mtime, info.kind, lease, now):
                     continue
-                self.store.remove_tree(name)
+                # The staging directory is the only record of the attempt id that names the
+                # attempt's files in tier locations: those go first, and it goes only once
+                # they are gone.
+                if tier_stores is None:
+                    tier_stores = self._tier_stores_to_clean()
                 final, _, attempt = name.partition(STAGING_MARKER)
-                abandoned.append((final, f"{ATTEMPT_PREFIX}{attempt[:16]}"))
+                collected = self._remove_tier_attempt(tier_stores, final, f"{ATTEMPT_PREFIX}{attempt[:16]}", lease, now)
+                if collected is None:
+                    continue
+                removed.extend(collected)
+                self.store.remove_tree(name)
             else:
                 continue
             removed.append(name)
             logger.info("removed leftover %s", self.path_of(name))
-        removed.extend(self._remove_tier_attempts(abandoned))
         if renames(self.store):
             return removed  # a filesystem root stages with renames: no attempt prefixes there
         # An object-store root: attempt prefixes that no manifest uses, and unfinished uploads.
@@ -699,30 +710,48 @@ class CheckpointRoot:
                 logger.info("aborted unfinished upload %s", key)
         return removed
 
-    def _remove_tier_attempts(self, abandoned: list[tuple[str, str]]) -> list[str]:
-        """The files that the abandoned save attempts (a staging directory just removed, and the
-        attempt id derived from its name) wrote to tier locations: ``<final>/attempt-<id>/`` in
-        each tier location this root's manifests define (or ``tier_locations`` remaps). That
-        prefix belongs to the attempt alone, so removing it never touches another save's
-        data, even in a location other roots share."""
-        if not abandoned:
-            return []
+    def _tier_stores_to_clean(self) -> list[tuple[str, ByteStore]]:
+        """The tier locations where a crashed save of this root may have left files: those this
+        root's manifests define, ``tier_locations`` remaps to, and ``tier_homes`` (the ones the
+        manager saves to, which a crashed first save may be the only user of)."""
         readable, _ = self.manifests()
         locations = {tier.location for _, manifest in readable for tier in manifest.tiers if tier.location}
         locations.update(place for place in self.tier_locations.values() if isinstance(place, str))
-        removed: list[str] = []
+        locations.update(self.tier_homes)
+        stores: list[tuple[str, ByteStore]] = []
         for location in sorted(locations):
             try:
-                store = self.tier_store(location)
-                for final, attempt in abandoned:
-                    prefix = f"{final}/{attempt}"
-                    if store.stat(prefix) is None:
-                        continue
-                    store.remove_tree(prefix)
-                    removed.append(f"{location.rstrip('/')}/{prefix}")
-                    logger.info("removed leftover %s/%s", location.rstrip("/"), prefix)
-            except ShardkeepError as exc:  # an unreachable tier location: its leftovers stay for later
+                stores.append((location, self.tier_store(location)))
+            except ShardkeepError as exc:
                 logger.warning("leftovers in tier location %s not collected: %s", location, exc)
+        return stores
+
+    def _remove_tier_attempt(
+        self, stores: list[tuple[str, ByteStore]], final: str, attempt: str, lease: float, now: float
+    ) -> list[str] | None:
+        """Remove ``<final>/<attempt>/`` (the files one abandoned save attempt wrote) from each
+        tier location. That prefix belongs to the attempt alone, so this never touches another
+        save's data, even in a location other roots share. Returns what was removed, or None
+        when something there changed within the lease or a location failed (the staging
+        directory then stays, so that a later collection can finish)."""
+        prefix = f"{final}/{attempt}"
+        found: list[tuple[str, ByteStore]] = []
+        try:
+            for location, store in stores:
+                info = store.stat(prefix)
+                if info is None:
+                    continue
+                if not self._idle(store, prefix, info.mtime, info.kind, lease, now):
+                    return None  # the save may still be writing there
+                found.append((location, store))
+            removed: list[str] = []
+            for location, store in found:
+                store.remove_tree(prefix)
+                removed.append(f"{location.rstrip('/')}/{prefix}")
+                logger.info("removed leftover %s/%s", location.rstrip("/"), prefix)
+        except ShardkeepError as exc:  # an unreachable tier location: everything stays for a later collection
+            logger.warning("leftovers of %s in tier locations not collected: %s", prefix, exc)
+            return None
         return removed
 
     def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:

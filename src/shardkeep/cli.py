@@ -26,6 +26,7 @@ from shardkeep.catalog import (
     missing_tier_problem,
     missing_tiers,
 )
+from shardkeep.config import ManifestLimits
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--all", action="store_true", help="list every tensor")
     _tier_location_argument(inspect)
+    _limits_argument(inspect)
 
     check = commands.add_parser(
         "verify",
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --public-key, accept a checkpoint without manifest.sig (a present one must still be valid)",
     )
     _tier_location_argument(check)
+    _limits_argument(check)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--quiet", "-q", action="store_true", help="print only problems")
     check.add_argument(
@@ -190,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporting.add_argument("--public-key", metavar="PEM", help="require a valid signature by this key first")
     exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
     _tier_location_argument(exporting)
+    _limits_argument(exporting)
 
     listing = commands.add_parser(
         "ls",
@@ -218,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _policy_arguments(listing)
     _tier_location_argument(listing)
+    _limits_argument(listing)
 
     prune = commands.add_parser(
         "prune",
@@ -231,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     prune.add_argument("--apply", action="store_true", help="delete for real (default: dry run)")
+    _limits_argument(prune)
     prune.add_argument(
         "--lease",
         type=float,
@@ -284,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -308,6 +321,23 @@ def _tier_location_argument(parser: argparse.ArgumentParser) -> None:
         help="read tier NAME from LOCATION (a directory or URL) instead of the location its manifest records, e.g. "
         "after the tier was moved (repeatable)",
     )
+
+
+def _limits_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--manifest-limit-mib",
+        type=_positive_int,
+        default=None,
+        metavar="MIB",
+        help=f"read manifests of up to MIB MiB (default {ManifestLimits().max_bytes >> 20}; the tensor and file "
+        "count limits scale with it). The default bounds what reading an untrusted manifest costs; raise it for a "
+        "large checkpoint you trust",
+    )
+
+
+def _limits(args: argparse.Namespace) -> ManifestLimits | None:
+    mib = getattr(args, "manifest_limit_mib", None)
+    return None if mib is None else ManifestLimits.scaled(mib)
 
 
 def _tier_locations(args: argparse.Namespace) -> dict[str, str]:
@@ -361,8 +391,22 @@ _CONTROL = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)
 
 
 def _printable(text: str) -> str:
-    """Escape control characters, so names from a hostile manifest cannot drive the terminal."""
-    return text.translate(_CONTROL)
+    """Escape control characters, so names from a hostile manifest cannot drive the terminal;
+    and name the CLI's flag where the library's message names a Python keyword."""
+    return _cli_words(text).translate(_CONTROL)
+
+
+#: The library's hints, in the CLI's words.
+_HINTS = (
+    ("pass limits=ManifestLimits(...) with larger values", "pass --manifest-limit-mib with a larger value"),
+    ("pass limits=ManifestLimits(max_bytes=...)", "pass --manifest-limit-mib with a larger value"),
+)
+
+
+def _cli_words(text: str) -> str:
+    for library, cli in _HINTS:
+        text = text.replace(library, cli)
+    return text
 
 
 def _print_inspect(
@@ -456,7 +500,7 @@ def _missing_tier_problems(
 
 def _run_inspect(args: argparse.Namespace, out: TextIO) -> int:
     location = locate(args.path)
-    manifest = read_checked_manifest(location, SignaturePolicy())
+    manifest = read_checked_manifest(location, SignaturePolicy(), _limits(args))
     remapped = _tier_locations(args)
     _check_tier_names(manifest, args.path, None, remapped)
     missing = _missing_tier_problems(location, manifest, remapped)
@@ -488,7 +532,7 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     # left to verify to report (exit 1).
     manifest = None
     try:
-        manifest = read_checked_manifest(location, policy)
+        manifest = read_checked_manifest(location, policy, _limits(args))
     except (CheckpointNotFoundError, StorageError):
         raise
     except ShardkeepError:
@@ -521,6 +565,7 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             tier_locations=remapped,
             public_key=policy.public_key,
             require_signature=policy.required,
+            limits=_limits(args),
         )
     finally:
         if bar is not None:
@@ -602,7 +647,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     remapped = _tier_locations(args)
     location = locate(args.path)
     policy = SignaturePolicy.of(args.public_key)
-    manifest = read_checked_manifest(location, policy)
+    manifest = read_checked_manifest(location, policy, _limits(args))
     _check_tier_names(manifest, args.path, None, remapped)
     missing = _missing_tier_problems(location, manifest, remapped)
     if missing:
@@ -618,6 +663,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
             overwrite=args.force,
             public_key=policy.public_key,
             tier_locations=remapped or None,
+            limits=_limits(args),
         )
     except CheckpointExistsError as exc:  # DEST exists (export_checkpoint checks nothing else so)
         raise CheckpointExistsError(f"{args.dest} already exists; pass --force to replace it") from exc
@@ -632,7 +678,7 @@ def _open_root(args: argparse.Namespace) -> tuple[CheckpointRoot, list[Any]]:
     """The root ROOT names and its checkpoints; a usage error (exit 2) when it holds none, or is
     a checkpoint itself, saying what is there instead."""
     remapped = _tier_locations(args) if hasattr(args, "tier_location") else {}
-    root = CheckpointRoot.at(args.root, tier_locations=remapped, remap_hint=_REMAP_HINT)
+    root = CheckpointRoot.at(args.root, tier_locations=remapped, remap_hint=_REMAP_HINT, limits=_limits(args))
     found = root.scan()
     if not found:
         raise CheckpointNotFoundError(_nothing_in(root, args))
@@ -1008,7 +1054,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         if args.command == "ledger" and args.ledger_command == "reassign":
             return _run_ledger_reassign(args, out)
     except ShardkeepError as exc:
-        err.write(f"shardkeep {args.command}: error: {exc}\n")
+        err.write(f"shardkeep {args.command}: error: {_cli_words(str(exc))}\n")
         return 2
     except BrokenPipeError:
         return 0

@@ -35,18 +35,31 @@ class ManifestLimits:
 
     The defaults keep reading a manifest at the limit within about 5 s and 1 GiB on a 2-core
     machine, in the worst case (the smallest possible entries, through the strict slow path);
-    ``bench/manifest_limits.py`` measures it. A checkpoint with more than 250,000 tensor
-    entries (or a manifest over 24 MiB) needs larger limits, passed as ``limits=`` to
-    ``load``, ``verify``, ``read_manifest`` and ``CheckpointManager``.
+    ``bench/manifest_limits.py`` measures it. A manifest over 40 MiB (about 150,000 tensor
+    entries of a typical size) or with more than 500,000 tensor entries needs larger limits:
+    ``limits=`` for ``load``, ``verify``, ``read_manifest`` and ``CheckpointManager``,
+    ``--manifest-limit-mib`` for the CLI.
     """
 
-    max_bytes: int = 24 * MiB
+    max_bytes: int = 40 * MiB
     max_depth: int = 32
-    max_files: int = 250_000
-    max_tensors: int = 250_000
+    max_files: int = 500_000
+    max_tensors: int = 500_000
     max_key_bytes: int = 4096
     max_ndim: int = 64
     max_path_components: int = 64
+
+    @classmethod
+    def scaled(cls, max_mib: int) -> ManifestLimits:
+        """Limits for manifests of up to ``max_mib`` MiB, with the file and tensor counts scaled
+        from the defaults in proportion (the CLI's ``--manifest-limit-mib``)."""
+        defaults = cls()
+        factor = max_mib * MiB / defaults.max_bytes
+        return cls(
+            max_bytes=max_mib * MiB,
+            max_files=max(1, round(defaults.max_files * factor)),
+            max_tensors=max(1, round(defaults.max_tensors * factor)),
+        )
 
     def __post_init__(self) -> None:
         for name in (

@@ -406,7 +406,7 @@ class CheckpointManager:
       checkpoints signed by that key. A manager that requires signatures must have a
       ``signer`` (on every rank), or be ``read_only``.
     - ``limits``: a :class:`~shardkeep.config.ManifestLimits` for reading manifests larger
-      than the default limits allow (over 250,000 tensor entries or 24 MiB).
+      than the default limits allow (over 40 MiB, about 150,000 tensor entries of a typical size).
     - ``tier_locations``: where tiers that moved are now (``{"cold": "/new/place"}``), for
       listing, verifying and restoring.
     - ``read_only``: list and restore only (``save`` and ``prune`` raise ``ConfigError``); the
@@ -491,6 +491,9 @@ class CheckpointManager:
             limits=limits,
             tier_locations=self.tier_locations,
         )
+        self.catalog.tier_homes = {
+            tier.location for tier in save_options.get("tiers") or () if getattr(tier, "location", None)
+        }
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
         self._fingerprint = _json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
