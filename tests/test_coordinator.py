@@ -96,6 +96,14 @@ def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path) -> Non
 def _coordinator_fails(rank: int, world_size: int) -> dict[str, Any]:
     coordinator = Coordinator(timeout=30)
     seen: dict[str, Any] = {"ok": coordinator.on_coordinator("list", lambda: ["step_1", rank])}
+
+    def claim() -> None:
+        raise sk.RunMismatchError("not yours", owner="run-a")
+
+    try:
+        coordinator.on_coordinator("claim", claim)
+    except sk.RunMismatchError as exc:
+        seen["owner"] = exc.owner
     for label, error in (("scan", sk.StorageError("cannot list the root")), ("other", ValueError("odd"))):
 
         def work(error: Exception = error) -> None:
@@ -115,6 +123,7 @@ def test_an_error_on_the_coordinator_is_raised_with_its_type_on_every_rank(tmp_p
     results = results_or_raise(run_ranks(3, _coordinator_fails, outbox=tmp_path))
     for rank, result in enumerate(results):
         assert result["ok"] == ["step_1", 0]  # the coordinator's result everywhere
+        assert result["owner"] == "run-a"  # the error's attributes too
         assert result["scan"] == ("StorageError", "cannot list the root", rank == 0)
         if rank == 0:
             assert result["other"] == ("ValueError", "odd", True)  # the original, on the coordinator

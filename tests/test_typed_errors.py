@@ -83,6 +83,8 @@ def test_same_error_rebuilds_the_class_by_name() -> None:
     assert type(same_error("FingerprintMismatchError", "differs")) is sk.ShardkeepError
     assert type(same_error("NoSuchError", "x")) is sk.ShardkeepError
     assert str(same_error("StorageError", "disk")) == "disk"
+    retention = same_error("RetentionError", "pruning failed", {"checkpoint": "step_00000002"})
+    assert isinstance(retention, sk.RetentionError) and retention.checkpoint == "step_00000002"
 
 
 def test_a_manager_that_requires_signatures_must_be_able_to_sign(tmp_path: Path) -> None:

@@ -235,9 +235,10 @@ class DependencyError(ShardkeepError, ImportError):
     tensors); the message says what to install."""
 
 
-def same_error(type_name: str, message: str) -> ShardkeepError:
+def same_error(type_name: str, message: str, details: dict[str, object] | None = None) -> ShardkeepError:
     """An error of the :class:`ShardkeepError` subclass named ``type_name`` carrying ``message``,
-    so that a rank can re-raise, with its type, an error that another rank reported by name.
+    so that a rank can re-raise, with its type, an error that another rank reported by name;
+    ``details`` are its plain attributes (``owner``, ``checkpoint`` ...), set on the result.
 
     A class whose constructor needs more than a message is replaced by its nearest base class
     that takes only one; an unknown name gives a plain :class:`ShardkeepError`."""
@@ -249,10 +250,14 @@ def same_error(type_name: str, message: str) -> ShardkeepError:
             found = klass
             break
         pending.extend(klass.__subclasses__())
+    error = ShardkeepError(message)
     for klass in found.__mro__:
         if isinstance(klass, type) and issubclass(klass, ShardkeepError):
             try:
-                return klass(message)
+                error = klass(message)
             except TypeError:
                 continue
-    return ShardkeepError(message)
+            break
+    for name, value in (details or {}).items():
+        setattr(error, name, value)
+    return error

@@ -194,7 +194,8 @@ class Coordinator:
         """Run ``work`` on the coordinator alone and return its result on every rank.
 
         If it raises a :class:`ShardkeepError`, every rank raises an error of the same class with
-        the same message; the coordinator (and a single process) raises the original. Any other
+        the same message and plain attributes (``owner``, ``checkpoint`` ...); the coordinator
+        (and a single process) raises the original. Any other
         error reaches the other ranks as a :class:`CoordinationError` naming it.
         """
         if not self.distributed:
@@ -207,9 +208,10 @@ class Coordinator:
             except Exception as exc:
                 failure = exc
                 if isinstance(exc, ShardkeepError):
-                    outcome = ("error", (type(exc).__name__, str(exc)))
+                    details = {k: v for k, v in vars(exc).items() if isinstance(v, (str, int, float, bool, type(None)))}
+                    outcome = ("error", (type(exc).__name__, str(exc), details))
                 else:
-                    outcome = ("error", ("CoordinationError", f"{label} failed on the coordinator: {exc!r}"))
+                    outcome = ("error", ("CoordinationError", f"{label} failed on the coordinator: {exc!r}", {}))
         kind, payload = self.broadcast(outcome, label=label)
         if kind == "ok":
             return payload  # type: ignore[no-any-return]  # the coordinator's result, typed T
