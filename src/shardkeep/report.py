@@ -126,8 +126,8 @@ def plot_root(
     styles = {
         "best": {"marker": "*", "s": 260, "color": "#dd8452", "label": f"kept: best ({policy.mode} {policy.metric})"},
         "last": {"marker": "o", "s": 90, "color": "#55a868", "label": "kept: last"},
-        "newest": {"marker": "D", "s": 70, "color": "#8172b3", "label": "kept: newest verified"},
-        "corrupt": {"marker": "X", "s": 110, "color": "#c44e52", "label": "fails verification"},
+        "newest": {"marker": "D", "s": 70, "color": "#8172b3", "label": "kept: newest (resume point)"},
+        "corrupt": {"marker": "X", "s": 110, "color": "#c44e52", "label": "fails a check"},
         "kept": {"marker": "s", "s": 60, "color": "#937860", "label": "present (other)"},
     }
     for name, found in groups.items():
