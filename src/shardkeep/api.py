@@ -1624,37 +1624,18 @@ class _FillAction:
         ran before one that failed)."""
 
 
-class _CopyTensor(_FillAction):
+class _Copy(_FillAction):
+    """A checked copy into a tensor, a DTensor's local shard or an array of ``into``, which
+    cannot fail once checked (so it runs after every fill that can, and needs no snapshot)."""
+
     order = 8
 
-    def __init__(self, name: str, current: torch.Tensor, new: torch.Tensor) -> None:
+    def __init__(self, name: str, copy: Callable[[], object]) -> None:
         super().__init__(name)
-        self.current, self.new = current, new
+        self.copy = copy
 
     def apply(self) -> None:
-        self.current.copy_(self.new)
-
-
-class _CopyRegion(_FillAction):
-    order = 8
-
-    def __init__(self, name: str, current: torch.Tensor, new: _Region) -> None:
-        super().__init__(name)
-        self.current, self.new = current, new
-
-    def apply(self) -> None:
-        self.new.copy_into(self.current)
-
-
-class _CopyArray(_FillAction):
-    order = 8
-
-    def __init__(self, name: str, current: np.ndarray, new: np.ndarray) -> None:
-        super().__init__(name)
-        self.current, self.new = current, new
-
-    def apply(self) -> None:
-        np.copyto(self.current, self.new)
+        self.copy()
 
 
 class _Assign(_FillAction):
@@ -2003,7 +1984,7 @@ def _plan_fill(
                     _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
                 )
             _check_writable(current, name)
-            actions.append(_CopyTensor(name, current, new))
+            actions.append(_Copy(name, functools.partial(current.copy_, new)))
         elif isinstance(current, np.ndarray):
             if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
                 raise UnsupportedValueError(
@@ -2012,7 +1993,7 @@ def _plan_fill(
                     )
                 )
             _check_writable(current, name)
-            actions.append(_CopyArray(name, current, new))
+            actions.append(_Copy(name, functools.partial(np.copyto, current, new)))
         elif isinstance(current, torch.nn.Module):
             if not isinstance(new, Mapping):
                 raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
@@ -2071,11 +2052,11 @@ def _fill_dtensor(current: DTensor, new: Any, name: str) -> _FillAction:
                 )
             )
         local = current.to_local()
-        return _CopyRegion(name, local, new)
+        return _Copy(name, functools.partial(new.copy_into, local))
     if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
         found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
         raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
-    return _CopyTensor(name, current.to_local(), new[_region(offset, local_shape)])
+    return _Copy(name, functools.partial(current.to_local().copy_, new[_region(offset, local_shape)]))
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
