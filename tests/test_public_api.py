@@ -80,6 +80,7 @@ LAYER_ORDER = [
     "verification",
     "catalog",
     "report",
+    "fill",
     "api",
     "manager",
     "batches",

@@ -10,23 +10,19 @@ before it builds a single tensor, so a damaged checkpoint raises before anything
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime as _dt
-import functools
 import gc
 import logging
 import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -44,6 +40,7 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
+from shardkeep.fill import fill_into
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, SignaturePolicy, load_private_key, seal_manifest, sign_manifest
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, digest_of, write_shards
 from shardkeep.manifest import (
@@ -62,15 +59,14 @@ from shardkeep.manifest import (
 from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.storage import ByteStore, LocalStore, open_store
 from shardkeep.tensors.convert import (
-    NAME_TO_TORCH,
     array_from_buffer,
     byte_view,
     contiguous_pieces,
     describe_array,
     dtensor_chunk,
-    local_region,
 )
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
+from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
 from shardkeep.tensors.shardfile import build_header
 from shardkeep.tiers import EXPERT_KEY, LAYER_KEY, ROUTER_KEY, Placement, check_tiers, place, section_of
 from shardkeep.verification import (
@@ -1278,11 +1274,11 @@ def load(
     if options.verify:
         problems.extend(file_set_problems(location, manifest, resolver=resolver))
 
-    wanted = _wanted_regions(into, manifest) if into is not None else {}
+    wanted = wanted_regions(into, manifest) if into is not None else {}
     needed: list[list[int] | None] = []
     section_of = _section_function(manifest)
     for index, record in enumerate(manifest.files):
-        entries = _needed_entries(record, wanted)
+        entries = needed_entries(record, wanted)
         if index not in selected:
             entries = []
         elif wanted_sections is not None:
@@ -1350,7 +1346,7 @@ def load(
                 else:
                     chunks.setdefault(entry.key, []).append((entry, array))
         for key, parts in chunks.items():
-            tensors.append(_assemble(parts, wanted.get(key)))
+            tensors.append(assemble(parts, wanted.get(key)))
         absent = {key: found for key, found in skipped.items() if key not in loaded_keys}
         for key in wanted.keys() - chunks.keys():
             if key in absent:
@@ -1359,14 +1355,14 @@ def load(
             first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
             assert first.global_shape is not None
             offset, shape = wanted[key]
-            tensors.append((first.path, first.order, _Region([], offset, shape, first.global_shape, first.dtype)))
+            tensors.append((first.path, first.order, Region([], offset, shape, first.global_shape, first.dtype)))
         tensors.extend(_placeholders(manifest, absent, resolver, lazy=lazy, verify=options.verify))
         loaded = rebuild_state(manifest.structure, manifest.values, tensors)
         if absent and not lazy:
             _drop_absent(loaded, [entry for entry, _ in absent.values()])
     if into is None:
         return loaded
-    _fill_into(into, loaded, partial=partial, absent=frozenset(absent))
+    fill_into(into, loaded, partial=partial, absent=frozenset(absent))
     return into
 
 
@@ -1434,709 +1430,3 @@ def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry]) -> None:
             node = node[part]
         if isinstance(node, dict) and node.get(entry.path[-1], 0) is None:
             del node[entry.path[-1]]
-
-
-class _Region:
-    """This rank's region of a sharded tensor, to be filled from only the chunks overlapping it.
-
-    Nothing is copied until :meth:`copy_into` (straight into the target's local shard, so a
-    load makes one copy) or :meth:`materialize`.
-    """
-
-    __slots__ = ("dtype", "global_shape", "offset", "parts", "shape")
-
-    def __init__(
-        self,
-        parts: list[tuple[TensorEntry, Any]],
-        offset: list[int],
-        shape: list[int],
-        global_shape: list[int],
-        dtype_name: str,
-    ) -> None:
-        self.parts = parts
-        self.offset = offset
-        self.shape = shape
-        self.global_shape = global_shape
-        self.dtype = NAME_TO_TORCH[dtype_name]
-
-    def copy_into(self, local: torch.Tensor) -> None:
-        for entry, array in self.parts:
-            assert entry.global_offset is not None
-            overlap = _overlap(entry.global_offset, entry.shape, self.offset, self.shape)
-            if overlap is None:
-                continue
-            start, size = overlap
-            source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, entry.global_offset, size, strict=True))
-            target = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, self.offset, size, strict=True))
-            local[target].copy_(array[source])
-
-    def materialize(self) -> torch.Tensor:
-        local = torch.empty(self.shape, dtype=self.dtype)
-        self.copy_into(local)
-        return local
-
-
-def _assemble(
-    parts: list[tuple[TensorEntry, Any]], region: tuple[list[int], list[int]] | None
-) -> tuple[list[str | int], int, Any]:
-    """The full tensor (``region`` None), or a lazy :class:`_Region` = (offset, shape) of it,
-    from the chunks that tile it (coverage was checked with the manifest)."""
-    first, sample = parts[0]
-    assert first.global_shape is not None
-    if region is None:
-        full = torch.empty(first.global_shape, dtype=sample.dtype)
-        for entry, array in parts:
-            assert entry.global_offset is not None
-            full[_region(entry.global_offset, entry.shape)].copy_(array)
-        return first.path, first.order, full
-    offset, shape = region
-    return first.path, first.order, _Region(parts, offset, shape, first.global_shape, first.dtype)
-
-
-def _overlap(
-    offset_a: list[int], shape_a: list[int], offset_b: list[int], shape_b: list[int]
-) -> tuple[list[int], list[int]] | None:
-    """The intersection (start, size) of two boxes, or None if they do not overlap."""
-    start = [max(a, b) for a, b in zip(offset_a, offset_b, strict=True)]
-    end = [min(a + sa, b + sb) for a, sa, b, sb in zip(offset_a, shape_a, offset_b, shape_b, strict=True)]
-    if any(e <= s for s, e in zip(start, end, strict=True)):
-        return None
-    return start, [e - s for s, e in zip(start, end, strict=True)]
-
-
-def _needed_entries(record: FileRecord, wanted: dict[str, tuple[list[int], list[int]]]) -> list[int] | None:
-    """Indices of the entries of ``record`` this load uses, or None for all of them."""
-    if not wanted:
-        return None
-    indices: list[int] = []
-    for index, entry in enumerate(record.tensors):
-        region = wanted.get(entry.key)
-        if (
-            region is None
-            or entry.global_offset is None
-            or (entry.nbytes and _overlap(entry.global_offset, entry.shape, *region) is not None)
-        ):
-            indices.append(index)
-    return None if len(indices) == len(record.tensors) else indices
-
-
-def _wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], list[int]]]:
-    """For each sharded key whose target in ``into`` is a DTensor: that rank's (offset, shape)."""
-    regions: dict[str, tuple[list[int], list[int]]] = {}
-    state_dicts: dict[int, Mapping[str, Any]] = {}
-    for _, entry in manifest.iter_tensors():
-        if entry.global_shape is None or entry.key in regions:
-            continue
-        target = _resolve_target(into, entry.path, state_dicts)
-        if isinstance(target, DTensor) and list(target.shape) == entry.global_shape:
-            regions[entry.key] = local_region(target)
-    return regions
-
-
-def _resolve_target(node: Any, path: list[str | int], state_dicts: dict[int, Mapping[str, Any]]) -> Any:
-    """The object in ``into`` at a saved state path, looking through modules and optimizers."""
-    for position, part in enumerate(path):
-        if isinstance(node, torch.optim.Optimizer):
-            # ["state", <param index>, <field>]: a state tensor is shaped like its parameter.
-            if part != "state" or position + 1 >= len(path):
-                return None
-            params = [param for group in node.param_groups for param in group["params"]]
-            index = path[position + 1]
-            return params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        if isinstance(node, torch.nn.Module):
-            own = state_dicts.get(id(node))
-            if own is None:
-                own = state_dicts[id(node)] = node.state_dict()
-            return own.get(str(part)) if position == len(path) - 1 else None
-        if isinstance(node, Mapping):
-            node = node.get(part)
-        else:
-            return None
-    return node
-
-
-def _region(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-
-
-def _fill_into(
-    target: Any, loaded: dict[str, Any], *, partial: bool = False, absent: frozenset[str] = frozenset()
-) -> None:
-    """Fill ``target`` with ``loaded``, all or nothing.
-
-    First every target is checked (keys, shapes, dtypes, writability, optimizer groups): a
-    mismatch raises before anything is modified. Then the fills that can still fail, the
-    objects' own ``load_state_dict`` calls, run first (other stateful objects, then optimizers,
-    then modules with load hooks of their own), each after a snapshot of its current state; if
-    one refuses its state, every one already applied, and the failing one itself, is restored
-    from its snapshot before the error is raised. Tensor and array copies and plain
-    assignments, which cannot fail once checked, run last.
-    """
-    actions: list[_FillAction] = []
-    _plan_fill(target, loaded, "", actions, partial, absent)
-    actions.sort(key=lambda action: action.order)
-    applied: list[_FillAction] = []
-    with torch.no_grad():
-        try:
-            for action in actions:
-                action.prepare_undo()
-                applied.append(action)
-                action.apply()
-        except BaseException as exc:
-            _roll_back(applied, exc)
-            raise
-
-
-def _roll_back(applied: list[_FillAction], cause: BaseException) -> None:
-    """Undo every action in ``applied``, in reverse order, after ``cause``; if any cannot be
-    restored, raise one error naming each (the others are restored all the same)."""
-    failed: list[str] = []
-    for action in reversed(applied):
-        try:
-            action.undo()
-        except Exception as exc:
-            failed.append(f"{action.name!r} ({exc})")
-    if failed:
-        raise UnsupportedValueError(
-            f"the load into into= failed ({cause}), and restoring the previous state failed for "
-            f"{', '.join(failed)}: those parts of into= are partly filled; everything else was restored"
-        ) from cause
-
-
-class _FillAction:
-    """One change to ``into``: ``prepare_undo`` (take a snapshot), ``apply``, and ``undo``.
-
-    ``order`` sorts the fills that may fail first (lower runs earlier)."""
-
-    order = 9
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def prepare_undo(self) -> None:
-        """Record what ``undo`` needs; infallible actions need nothing."""
-
-    def apply(self) -> None:
-        raise NotImplementedError
-
-    def undo(self) -> None:
-        """Restore the state before ``apply`` (only called for actions that may fail, or that
-        ran before one that failed)."""
-
-
-class _Copy(_FillAction):
-    """A checked copy into a tensor, a DTensor's local shard or an array of ``into``, which
-    cannot fail once checked (so it runs after every fill that can, and needs no snapshot)."""
-
-    order = 8
-
-    def __init__(self, name: str, copy: Callable[[], object]) -> None:
-        super().__init__(name)
-        self.copy = copy
-
-    def apply(self) -> None:
-        self.copy()
-
-
-class _Assign(_FillAction):
-    """``target[key] = value``: a new value for a plain (JSON) field or a new key."""
-
-    _MISSING = object()
-
-    def __init__(self, name: str, target: Any, key: Any, value: Any) -> None:
-        super().__init__(name)
-        self.target, self.key, self.value = target, key, value
-        self.previous: Any = self._MISSING
-
-    def prepare_undo(self) -> None:
-        if isinstance(self.target, Mapping) and self.key in self.target:
-            self.previous = self.target[self.key]
-
-    def apply(self) -> None:
-        self.target[self.key] = self.value
-
-    def undo(self) -> None:
-        if self.previous is not self._MISSING:
-            self.target[self.key] = self.previous
-        elif isinstance(self.target, dict) and self.key in self.target:
-            del self.target[self.key]
-
-
-class _LoadState(_FillAction):
-    """``obj.load_state_dict(new)``, which runs the object's own checks and may refuse.
-
-    Its snapshot is ``obj.state_dict()`` taken just before, deep-copied for objects whose
-    ``load_state_dict`` may change tensors in place (modules, other objects). An optimizer's
-    ``load_state_dict`` replaces its state with new tensors and never writes into the old ones,
-    so its snapshot keeps references only, and a module's snapshot is kept on the CPU. An object
-    without ``state_dict()`` runs first and cannot be restored: if it or anything after it
-    fails, the error names it as partly filled."""
-
-    def __init__(self, name: str, obj: Any, new: Any) -> None:
-        super().__init__(name)
-        self.obj, self.new = obj, new
-        self.snapshot: Any = None
-        if isinstance(obj, torch.optim.Optimizer):
-            self.order = 2
-        elif isinstance(obj, torch.nn.Module):
-            self.order = 3
-        else:
-            self.order = 0 if callable(getattr(obj, "state_dict", None)) else -1
-
-    def prepare_undo(self) -> None:
-        if self.order < 0:
-            return
-        try:
-            state = self.obj.state_dict()
-            if isinstance(self.obj, torch.optim.Optimizer):
-                self.snapshot = {
-                    "state": {key: dict(value) for key, value in state["state"].items()},
-                    "param_groups": copy.deepcopy(state["param_groups"]),
-                }
-            else:
-                self.snapshot = _detached_copy(state, to_cpu=isinstance(self.obj, torch.nn.Module))
-        except Exception as exc:
-            raise UnsupportedValueError(
-                f"{self.name!r}: cannot snapshot {type(self.obj).__name__}.state_dict() before loading "
-                f"(needed to undo the load if another part of into= fails): {exc}"
-            ) from exc
-
-    def apply(self) -> None:
-        try:
-            self.obj.load_state_dict(self.new)
-        except ShardkeepError:
-            raise
-        except Exception as exc:
-            raise UnsupportedValueError(
-                f"{self.name!r}: {type(self.obj).__name__}.load_state_dict refused the checkpoint's state "
-                f"(into= is restored to what it was): {exc}"
-            ) from exc
-
-    def undo(self) -> None:
-        if self.order < 0:
-            raise UnsupportedValueError(f"{type(self.obj).__name__} has no state_dict() to restore it from")
-        if self.snapshot is not None:
-            self.obj.load_state_dict(self.snapshot)
-
-
-def _detached_copy(value: Any, *, to_cpu: bool = False) -> Any:
-    """A deep copy of a state dict in which tensors are cloned (``copy.deepcopy`` refuses
-    tensors that are not graph leaves), onto the CPU with ``to_cpu``."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True) if to_cpu else value.detach().clone()
-    if isinstance(value, Mapping):
-        copied = {key: _detached_copy(item, to_cpu=to_cpu) for key, item in value.items()}
-        return type(value)(copied) if isinstance(value, OrderedDict) else copied
-    if isinstance(value, list):
-        return [_detached_copy(item, to_cpu=to_cpu) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_detached_copy(item, to_cpu=to_cpu) for item in value)
-    return copy.deepcopy(value)
-
-
-def _plain_module(module: torch.nn.Module) -> bool:
-    """True when ``module.load_state_dict`` would only copy into its parameters and buffers: no
-    submodule has load hooks, extra state or saving or loading code of its own (torch.nn's
-    built-in layers excepted; BatchNorm's only adapts old key versions), and every state_dict
-    entry is one of its parameters or buffers. Such a module is filled by plain tensor copies,
-    which cannot fail."""
-    for submodule in module.modules():
-        if submodule._load_state_dict_pre_hooks or submodule._load_state_dict_post_hooks:
-            return False
-        if submodule._state_dict_hooks or submodule._state_dict_pre_hooks:
-            return False
-        kind = type(submodule)
-        for method in ("state_dict", "load_state_dict", "_load_from_state_dict", "set_extra_state"):
-            defined = next(klass for klass in kind.__mro__ if method in vars(klass))
-            if defined is not torch.nn.Module and not (
-                defined.__module__.startswith("torch.nn.modules.") and "lazy" not in defined.__module__
-            ):
-                return False
-    own = module.state_dict(keep_vars=True)
-    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-    return all(isinstance(value, torch.Tensor) and id(value) in tensors for value in own.values())
-
-
-def _check_writable(current: Any, name: str) -> None:
-    """Refuse targets that a copy would fail on (or silently corrupt) before touching anything."""
-    if isinstance(current, torch.Tensor):
-        if current.is_inference():
-            raise UnsupportedValueError(f"{name!r}: the target is an inference-mode tensor and cannot be written")
-        if any(stride == 0 and size > 1 for stride, size in zip(current.stride(), current.shape, strict=True)):
-            raise UnsupportedValueError(f"{name!r}: the target is an expanded view (stride 0) and cannot be written")
-    elif isinstance(current, np.ndarray) and not current.flags.writeable:
-        raise UnsupportedValueError(f"{name!r}: the target numpy array is read-only")
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    """Refuse optimizer state that ``optimizer.load_state_dict`` would take wrongly or drop in
-    silence, and return it with its state keys matched to the parameter ids of its groups.
-
-    - the groups must have the target's sizes, and hold the target's kind of optimizer (AdamW
-      state into SGD is refused, naming both);
-    - every state key must be one of the groups' parameter ids: torch keeps a key that matches
-      none and gives that parameter no state at all. Keys that a format turned into strings
-      (DCP saves ``0`` as ``'0'``) are turned back when that is unambiguous.
-    """
-    groups = new.get("param_groups")
-    state = new.get("state")
-    if not isinstance(groups, list) or not isinstance(state, Mapping):
-        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
-    if not all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in groups):
-        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer param_groups are malformed")
-    mine = [len(group["params"]) for group in optimizer.param_groups]
-    theirs = [len(group["params"]) for group in groups]
-    if mine != theirs:
-        raise UnsupportedValueError(
-            f"{name!r}: the optimizer has parameter groups of sizes {mine}, the checkpoint {theirs}"
-        )
-    _check_optimizer_kind(optimizer, new, name)
-    restored = restore_optimizer_ids(new)
-    ids = {_id_key(index) for group in groups for index in group["params"]}
-    stray = [key for key in restored["state"] if _id_key(key) not in ids]
-    if stray:
-        raise UnsupportedValueError(
-            f"{name!r}: the checkpoint has optimizer state for parameter id(s) {stray[:10]!r} that match no "
-            f"parameter of its param_groups ({sorted(ids, key=str)[:10]!r}...); loading it would leave those "
-            "parameters without their state"
-        )
-    return restored
-
-
-def _id_key(index: Any) -> tuple[str, Any]:
-    """A parameter id as a dictionary key that tells ``1`` from ``'1'`` and ``True``."""
-    return (type(index).__name__, index)
-
-
-def restore_optimizer_ids(new: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``new`` (an optimizer state dict) with state keys that are decimal strings of integer
-    parameter ids (``'0'`` for ``0``, as DCP and other string-keyed formats write them) turned
-    back into those integers. Anything else, or an ambiguous case, is returned unchanged."""
-    groups, state = new.get("param_groups"), new.get("state")
-    if not isinstance(groups, list) or not isinstance(state, Mapping):
-        return new
-    ids = [
-        index
-        for group in groups
-        if isinstance(group, Mapping) and isinstance(group.get("params"), list)
-        for index in group["params"]
-    ]
-    integers = {index for index in ids if isinstance(index, int) and not isinstance(index, bool)}
-    if not integers or len(integers) != len(ids):
-        return new
-    renamed: dict[Any, Any] = {}
-    for key, value in state.items():
-        if isinstance(key, str) and key.isdecimal() and str(int(key)) == key and int(key) in integers:
-            if int(key) in state or int(key) in renamed:
-                return new  # both spellings present: ambiguous, left for the check to refuse
-            renamed[int(key)] = value
-        else:
-            renamed[key] = value
-    if renamed.keys() == state.keys():
-        return new
-    return {**new, "state": renamed}
-
-
-# Group options that say how an optimizer runs, not which algorithm it is (or that schedulers add).
-_OPTIMIZER_FLAGS = frozenset(
-    {
-        "params",
-        "param_names",
-        "initial_lr",
-        "capturable",
-        "differentiable",
-        "foreach",
-        "fused",
-        "maximize",
-        "decoupled_weight_decay",
-    }
-)
-
-
-@functools.cache
-def _known_optimizers() -> dict[frozenset[str], list[str]]:
-    """torch.optim's optimizers by the options of their parameter groups."""
-    import inspect
-
-    known: dict[frozenset[str], list[str]] = {}
-    for attribute in sorted(dir(torch.optim)):
-        kind = getattr(torch.optim, attribute)
-        if not (inspect.isclass(kind) and issubclass(kind, torch.optim.Optimizer)) or kind is torch.optim.Optimizer:
-            continue
-        try:
-            group = kind([torch.zeros(2, 2, requires_grad=True)]).param_groups[0]  # type: ignore[call-arg]  # each subclass has its own defaults
-        except Exception:  # an optimizer that needs arguments of its own: not recognised by name
-            continue
-        known.setdefault(frozenset(group) - _OPTIMIZER_FLAGS, []).append(attribute)
-    return known
-
-
-def _check_optimizer_kind(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> None:
-    """Refuse another optimizer's state: by the options of the parameter groups, then by the
-    fields of the per-parameter state (Adamax and RAdam have the same options, but Adamax keeps
-    ``exp_inf`` where RAdam keeps ``exp_avg_sq``)."""
-    groups = new["param_groups"]
-    if not groups or not optimizer.param_groups:
-        return
-    known = _known_optimizers()
-    target = frozenset(optimizer.param_groups[0]) - _OPTIMIZER_FLAGS
-    saved = frozenset(groups[0]) - _OPTIMIZER_FLAGS
-    saved_names, target_names = known.get(saved), known.get(target)
-    saved_kind = " or ".join(saved_names) if saved_names else "another optimizer's"
-    mine = type(optimizer).__name__
-    # A known torch optimizer on each side and they differ; or, for optimizers of other
-    # libraries, options on each side that the other lacks (an older torch missing a newer
-    # option only is accepted, as torch accepts it).
-    if saved != target and (
-        (saved_names and target_names and saved_names != target_names) or (saved - target and target - saved)
-    ):
-        raise UnsupportedValueError(
-            f"{name!r}: the checkpoint holds {saved_kind} state but the target is {mine}: its parameter groups "
-            f"have {sorted(saved - target)} where {mine} has {sorted(target - saved)}"
-        )
-    saved_fields = frozenset(
-        field for values in new["state"].values() if isinstance(values, Mapping) for field in values
-    )
-    target_fields = _state_fields(optimizer)
-    if saved_fields and target_fields and not (saved_fields <= target_fields or target_fields <= saved_fields):
-        raise UnsupportedValueError(
-            f"{name!r}: the checkpoint holds {saved_kind} state with fields {sorted(saved_fields)}, but the target "
-            f"{mine} keeps {sorted(target_fields)}"
-        )
-
-
-def _state_fields(optimizer: torch.optim.Optimizer) -> frozenset[str] | None:
-    """The fields of ``optimizer``'s per-parameter state: from its state, or, before its first
-    step, from one step of the same optimizer on a scratch parameter. None if unknown."""
-    fields = frozenset(field for values in optimizer.state.values() for field in values)
-    if fields:
-        return fields
-    try:
-        defaults = tuple(sorted(optimizer.defaults.items()))
-        hash(defaults)
-    except TypeError:  # a tensor learning rate, say: not probed
-        return None
-    return _probe_state_fields(type(optimizer), defaults)  # type: ignore[arg-type]  # classes are hashable; mypy sees the instance __hash__
-
-
-@functools.lru_cache(maxsize=64)
-def _probe_state_fields(
-    kind: type[torch.optim.Optimizer], defaults: tuple[tuple[str, Any], ...]
-) -> frozenset[str] | None:
-    try:
-        parameter = torch.zeros(2, 2, requires_grad=True)
-        parameter.grad = torch.ones(2, 2)
-        probe = kind([parameter], **dict(defaults))
-        probe.step()
-    except Exception:  # needs a closure (LBFGS), a GPU (fused), or arguments of its own: unknown
-        return None
-    return frozenset(field for values in probe.state.values() for field in values) or None
-
-
-def _describe_mismatch(key: str, expected: Any, found: Any) -> str:
-    return f"{key!r}: the target has {expected} but the checkpoint has {found}"
-
-
-class _ListTarget(dict[int, Any]):
-    """A list seen as a mapping of indices whose writes reach the list (partial loads fill a
-    list element by element, skipping the elements that were not loaded)."""
-
-    def __init__(self, items: list[Any]) -> None:
-        super().__init__(enumerate(items))
-        self._items = items
-
-    def __setitem__(self, key: int, value: Any) -> None:
-        super().__setitem__(key, value)
-        self._items[key] = value
-
-
-def _plan_fill(
-    target: Any,
-    loaded: Any,
-    prefix: str,
-    actions: list[_FillAction],
-    partial: bool = False,
-    absent: frozenset[str] = frozenset(),
-) -> None:
-    """Check ``loaded`` against ``target`` and queue the copies. ``partial`` (a load of some
-    tiers or sections): what was not loaded (the keys in ``absent``) is left as it is in
-    ``target``."""
-    if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
-        raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
-    missing = [key for key in target if key not in loaded]
-    if missing and not partial:
-        raise UnsupportedValueError(f"keys {[_join(prefix, k) for k in missing]} of into= are not in the checkpoint")
-    for key, new in loaded.items():
-        name = _join(prefix, key)
-        if key not in target:
-            if not hasattr(target, "__setitem__"):
-                raise UnsupportedValueError(f"{name!r} is in the checkpoint but not in into=, which is read-only")
-            actions.append(_Assign(name, target, key, new))
-            continue
-        current = target[key]
-        if isinstance(current, DTensor):
-            actions.append(_fill_dtensor(current, new, name))
-        elif isinstance(current, torch.Tensor):
-            if not isinstance(new, torch.Tensor):
-                raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
-            if current.shape != new.shape or current.dtype != new.dtype:
-                raise UnsupportedValueError(
-                    _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
-                )
-            _check_writable(current, name)
-            actions.append(_Copy(name, functools.partial(current.copy_, new)))
-        elif isinstance(current, np.ndarray):
-            if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
-                raise UnsupportedValueError(
-                    _describe_mismatch(
-                        name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new))
-                    )
-                )
-            _check_writable(current, name)
-            actions.append(_Copy(name, functools.partial(np.copyto, current, new)))
-        elif isinstance(current, torch.nn.Module):
-            if not isinstance(new, Mapping):
-                raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
-            own = current.state_dict()
-            if partial:
-                # Only what was loaded: each tensor copied into the module's own, in place.
-                unexpected = sorted(set(new) - set(own))
-                if unexpected:
-                    raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
-                _plan_fill(dict(own), new, name, actions, partial, absent)
-                continue
-            _check_module(current, new, name)
-            if any(isinstance(tensor, DTensor) for tensor in own.values()) or _plain_module(current):
-                # Parameters and buffers only (and sharded ones: FSDP2, tensor parallel, copy each
-                # rank's region): copied in place, which cannot fail once checked.
-                _plan_fill(dict(own), new, name, actions)
-            else:
-                actions.append(_LoadState(name, current, new))
-        elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
-            if partial and any(key == name or key.startswith(f"{name}.") for key in absent):
-                raise UnsupportedValueError(
-                    f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
-                    "'optim' section, or leave the optimizer out of into="
-                )
-            checked = _check_optimizer(current, new, name)
-            actions.append(_LoadState(name, current, _shard_optimizer_state(current, checked, name)))
-        elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
-            actions.append(_LoadState(name, current, new))
-        elif isinstance(current, Mapping) and isinstance(new, Mapping):
-            _plan_fill(current, new, name, actions, partial, absent)
-        elif (
-            partial
-            and isinstance(current, list)
-            and isinstance(new, (list, tuple))
-            and len(current) == len(new)
-            and any(key.startswith(f"{name}.") for key in absent)
-        ):
-            # A list part of which was not loaded: fill the loaded elements, keep the others.
-            _plan_fill(
-                _ListTarget(current), {i: v for i, v in enumerate(new) if v is not None}, name, actions, partial, absent
-            )
-        else:
-            if not hasattr(target, "__setitem__"):
-                raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
-            actions.append(_Assign(name, target, key, new))
-
-
-def _fill_dtensor(current: DTensor, new: Any, name: str) -> _FillAction:
-    """Copy this rank's region of the loaded tensor into a DTensor's local shard."""
-    offset, local_shape = local_region(current)
-    if isinstance(new, _Region):
-        if new.global_shape != list(current.shape) or new.offset != offset or new.dtype != current.dtype:
-            raise UnsupportedValueError(
-                _describe_mismatch(
-                    name, f"DTensor {current.dtype}{list(current.shape)}", f"{new.dtype}{new.global_shape}"
-                )
-            )
-        local = current.to_local()
-        return _Copy(name, functools.partial(new.copy_into, local))
-    if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
-        found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
-        raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
-    return _Copy(name, functools.partial(current.to_local().copy_, new[_region(offset, local_shape)]))
-
-
-def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    """Loaded optimizer state holds full tensors; for sharded (DTensor) parameters, turn each
-    state tensor shaped like its parameter into a DTensor with the parameter's placement,
-    keeping only this rank's region. Other optimizers get the state unchanged."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    if not any(isinstance(param, DTensor) for param in params):
-        return new
-    groups = new.get("param_groups")
-    state = new.get("state")
-    if not isinstance(groups, list) or not isinstance(state, Mapping):
-        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer state has no param_groups/state")
-    if not all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in groups):
-        raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer param_groups are malformed")
-    ids = [index for group in groups for index in group["params"]]
-    if len(ids) != len(params):
-        raise UnsupportedValueError(
-            f"{name!r}: the optimizer has {len(params)} parameters but the checkpoint has {len(ids)}"
-        )
-    by_id = dict(zip(ids, params, strict=True))
-    sharded: dict[Any, Any] = {}
-    for index, values in state.items():
-        param = by_id.get(index)
-        if not isinstance(values, Mapping):
-            raise UnsupportedValueError(f"{name!r}: optimizer state {index!r} in the checkpoint is not a mapping")
-        converted: dict[str, Any] = {}
-        for field_name, value in values.items():
-            if isinstance(value, _Region) and isinstance(param, DTensor):
-                value = DTensor.from_local(
-                    value.materialize(),
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
-            elif (
-                isinstance(param, DTensor)
-                and isinstance(value, torch.Tensor)
-                and not isinstance(value, DTensor)
-                and tuple(value.shape) == tuple(param.shape)
-            ):
-                offset, local_shape = local_region(param)
-                value = DTensor.from_local(
-                    value[_region(offset, local_shape)].clone(),
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
-            converted[field_name] = value
-        sharded[index] = converted
-    return {**new, "state": sharded}
-
-
-def _join(prefix: str, key: Any) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
-
-
-def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) -> None:
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(new))
-    unexpected = sorted(set(new) - set(expected))
-    if missing or unexpected:
-        raise UnsupportedValueError(
-            f"{name!r}: module keys differ from the checkpoint: missing {missing}, unexpected {unexpected}"
-        )
-    for key, tensor in expected.items():
-        found = new[key]
-        if isinstance(found, _Region):
-            continue  # a sharded region: _fill_dtensor checks it against the parameter
-        if isinstance(tensor, torch.Tensor) and (
-            not isinstance(found, torch.Tensor) or found.shape != tensor.shape or found.dtype != tensor.dtype
-        ):
-            raise UnsupportedValueError(
-                _describe_mismatch(
-                    f"{name}.{key}",
-                    f"{tensor.dtype}{list(tensor.shape)}",
-                    f"{getattr(found, 'dtype', type(found).__name__)}{list(getattr(found, 'shape', []))}",
-                )
-            )

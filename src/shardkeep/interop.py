@@ -38,6 +38,7 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
+from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
 from shardkeep.tensors.flatten import FlatState, flatten_state
 
@@ -160,7 +161,7 @@ def _optimizer_ids_restored(value: Any) -> Any:
         return [_optimizer_ids_restored(item) for item in value]
     if not isinstance(value, Mapping):
         return value
-    value = api.restore_optimizer_ids(value)
+    value = restore_optimizer_ids(value)
     return {key: _optimizer_ids_restored(item) for key, item in value.items()}
 
 
