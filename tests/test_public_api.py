@@ -82,6 +82,7 @@ LAYER_ORDER = [
     "report",
     "fill",
     "api",
+    "training",
     "manager",
     "batches",
     "interop",

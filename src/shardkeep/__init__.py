@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
     from shardkeep.batches import iter_batches, load_batch, save_batch
     from shardkeep.lazy import LazyTensor
-    from shardkeep.manager import CheckpointManager, PendingSave, Restored, TrainingCheckpoint
+    from shardkeep.manager import CheckpointManager, PendingSave, Restored
+    from shardkeep.training import TrainingCheckpoint
 
 __version__ = "0.1.0"
 
@@ -100,9 +101,8 @@ __all__ = [
 _LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
 _LAZY.update({name: "shardkeep.batches" for name in ("save_batch", "load_batch", "iter_batches")})
 _LAZY["LazyTensor"] = "shardkeep.lazy"
-_LAZY.update(
-    {name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint")}
-)
+_LAZY["TrainingCheckpoint"] = "shardkeep.training"
+_LAZY.update({name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored")})
 
 
 def __getattr__(name: str) -> Any:

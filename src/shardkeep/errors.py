@@ -138,7 +138,7 @@ class ConfigError(UnsupportedValueError):
 
 
 class CheckpointFieldError(ShardkeepError):
-    """A :class:`~shardkeep.manager.TrainingCheckpoint` field is missing or has the wrong type.
+    """A :class:`~shardkeep.training.TrainingCheckpoint` field is missing or has the wrong type.
 
     ``field`` names it (``"iteration"``, ``"model_args"`` ...).
     """
