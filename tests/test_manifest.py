@@ -214,10 +214,17 @@ def test_decoding_is_bounded_in_size_and_counts() -> None:
 
 
 def test_decoding_never_mutates_input() -> None:
-    data = bytearray(encode_manifest(full_manifest()))
-    copy = bytes(data)
-    decode_manifest(bytes(data))
-    assert bytes(data) == copy
+    """The decoder gets the caller's own mutable buffer (the fast path, and the strict path for
+    reformatted JSON), and validation gets the decoded manifest: neither changes what it reads."""
+    canonical = encode_manifest(full_manifest())
+    reformatted = json.dumps(json.loads(canonical), indent=2).encode()
+    for data in (canonical, reformatted):
+        buffer = bytearray(data)
+        manifest = decode_manifest(buffer)  # a bytearray on purpose: mutable
+        assert bytes(buffer) == data
+        before = encode_manifest(manifest)
+        validate_manifest(manifest)
+        assert encode_manifest(manifest) == before
 
 
 def _errors(manifest: Manifest) -> list[str]:

@@ -30,13 +30,14 @@ from shardkeep.errors import (
     ShardkeepError,
     SignatureError,
     StorageError,
+    TierBudgetError,
     UnsafePathError,
     UnsupportedValueError,
 )
 from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
 from shardkeep.retention import RetentionPolicy
-from shardkeep.tiers import PlacementInfo, TierBudgetError
+from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:

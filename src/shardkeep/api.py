@@ -66,9 +66,10 @@ from shardkeep.tensors.convert import (
     dtensor_chunk,
 )
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state, is_plain_json, rebuild_state
+from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY, ROUTER_KEY, section_of
 from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
 from shardkeep.tensors.shardfile import build_header
-from shardkeep.tiers import EXPERT_KEY, LAYER_KEY, ROUTER_KEY, Placement, check_tiers, place, section_of
+from shardkeep.tiers import Placement, check_tiers, place
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,

@@ -12,6 +12,7 @@
     ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
     ├── UnsupportedValueError    a state leaf, dtype or option value shardkeep cannot store
     │   └── ConfigError          a checkpoint-manager configuration that is invalid
+    │       └── TierBudgetError  a tensor does not fit its tier's budget and may not spill
     ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
     ├── RunMismatchError         a manager asked to write into a root another run owns
     ├── FingerprintMismatchError restoring a checkpoint whose model args or config differ
@@ -59,6 +60,7 @@ __all__ = [
     "ShardkeepError",
     "SignatureError",
     "StorageError",
+    "TierBudgetError",
     "UnsafePathError",
     "UnsupportedValueError",
     "same_error",
@@ -135,6 +137,10 @@ class CoordinationError(ShardkeepError):
 
 class ConfigError(UnsupportedValueError):
     """A checkpoint-manager configuration is invalid; the message names the key and value."""
+
+
+class TierBudgetError(ConfigError):
+    """A tensor does not fit in its tier's size budget, and the policy does not let it spill."""
 
 
 class CheckpointFieldError(ShardkeepError):

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from shardkeep.errors import ConfigError
+from shardkeep.errors import ConfigError, TierBudgetError
 from shardkeep.manifest import Tier
+from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY, section_of
 
 __all__ = [
     "PLACEMENT_POLICIES",
@@ -42,10 +43,6 @@ __all__ = [
 #: What a tier does when a tensor would take it over its size budget.
 PLACEMENT_POLICIES = ("prioritized", "strict")
 
-#: ``experts.<n>``, ``layers.<n>`` (or ``layer``/``blocks``/``h``) and ``router`` components of a key.
-EXPERT_KEY = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
-LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)")
-ROUTER_KEY = re.compile(r"(?:^|\.)router(?=\.|$)")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -66,10 +63,6 @@ _UNITS = {
     "tib": 2**40,
     "pib": 2**50,
 }
-
-
-class TierBudgetError(ConfigError):
-    """A tensor does not fit in its tier's size budget, and the policy does not let it spill."""
 
 
 @dataclass(frozen=True)
@@ -156,18 +149,6 @@ def check_tiers(tiers: Iterable[Tier]) -> list[Tier]:
     if not checked:
         raise ConfigError("tiers= must define at least one tier")
     return sorted(checked, key=lambda t: t.tier_id)
-
-
-def section_of(
-    key: str, optim_prefixes: Iterable[str], router_prefixes: Iterable[str]
-) -> Literal["model", "optim", "router"]:
-    """The manifest section of a tensor key: ``"optim"`` or ``"router"`` when it lies under one
-    of that section's key prefixes, else ``"model"``."""
-    if any(key == prefix or key.startswith(f"{prefix}.") for prefix in optim_prefixes):
-        return "optim"
-    if any(key == prefix or key.startswith(f"{prefix}.") for prefix in router_prefixes):
-        return "router"
-    return "model"
 
 
 def describe(
