@@ -8,7 +8,7 @@ from typing import Any
 
 import shardkeep as sk
 from distributed_harness import results_or_raise, run_ranks
-from shardkeep.dist.coordinator import Coordinator
+from shardkeep.distributed.coordinator import Coordinator
 
 
 def test_without_a_process_group_it_is_a_no_op() -> None:

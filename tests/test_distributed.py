@@ -327,7 +327,7 @@ def test_saves_work_again_after_a_missed_deadline(tmp_path: Path) -> None:
 
 
 def test_coverage_check_finds_gaps_and_overlaps_quickly() -> None:
-    from shardkeep.dist.plan import coverage_problems
+    from shardkeep.distributed.plan import coverage_problems
     from shardkeep.manifest import FileRecord, Manifest, TensorEntry
 
     def manifest_with(chunks: list[tuple[list[int], list[int]]], global_shape: list[int]) -> Manifest:

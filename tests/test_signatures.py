@@ -325,7 +325,7 @@ def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519Pr
 
 
 def test_two_coordinators_racing_on_s3_leave_the_winner_signed(s3_server: Any, key: Ed25519PrivateKey) -> None:
-    from shardkeep.dist.commit import CheckpointCommit
+    from shardkeep.distributed.commit import CheckpointCommit
     from shardkeep.storage import FsspecStore
 
     store = FsspecStore(f"s3://{s3_server.new_bucket('race')}/root", s3_server.storage_options)

@@ -2,7 +2,7 @@
 
 ``save`` flattens the state, lays tensors out in safetensors data files, writes them in parallel
 under a byte budget with digests computed while writing, and commits through
-:class:`~shardkeep.dist.commit.CheckpointCommit`: staging directory, manifest last, one rename.
+:class:`~shardkeep.distributed.commit.CheckpointCommit`: staging directory, manifest last, one rename.
 ``load`` reads the manifest, checks the file set, memory-maps and verifies every file it needs
 before it builds a single tensor, so a damaged checkpoint raises before anything is modified.
 """
@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
-from shardkeep.dist.commit import ATTEMPT_PREFIX, CheckpointCommit
-from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
-from shardkeep.dist.plan import ItemDescriptor, assign_writers, coverage_problems
+from shardkeep.distributed.commit import ATTEMPT_PREFIX, CheckpointCommit
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.distributed.plan import ItemDescriptor, assign_writers, coverage_problems
 from shardkeep.errors import (
     ConfigError,
     CoordinationError,

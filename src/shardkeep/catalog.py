@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.dist.commit import ATTEMPT_PREFIX
+from shardkeep.distributed.commit import ATTEMPT_PREFIX
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
 from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest

@@ -34,7 +34,7 @@ from shardkeep.catalog import (
     misnamed_problem,
 )
 from shardkeep.config import ManifestLimits
-from shardkeep.dist.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

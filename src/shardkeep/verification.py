@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.dist.plan import coverage_problems
+from shardkeep.distributed.plan import coverage_problems
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

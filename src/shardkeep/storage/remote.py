@@ -2,7 +2,7 @@
 
 An object store has no rename and no directories, so :class:`FsspecStore` says so
 (``atomic_rename = False``) and the commit protocol changes accordingly (see
-:mod:`shardkeep.dist.commit`): data objects go under a fresh per-attempt prefix, the
+:mod:`shardkeep.distributed.commit`): data objects go under a fresh per-attempt prefix, the
 manifest is the last object and is written create-only (``If-None-Match: *``), and nothing is
 ever renamed or overwritten. Directories are key prefixes: ``stat`` of a prefix with objects
 below it says ``"dir"``, and creating parents is free.

@@ -112,8 +112,7 @@ def _first_overlap(parts: list[tuple[list[int], list[int], list[int]]]) -> tuple
         active = [box for box in active if box[0][axis] + box[1][axis] > start]
         for other_offset, other_shape in active:
             if all(
-                a < b + sb and b < a + sa
-                for a, sa, b, sb in zip(offset, shape, other_offset, other_shape, strict=True)
+                a < b + sb and b < a + sa for a, sa, b, sb in zip(offset, shape, other_offset, other_shape, strict=True)
             ):
                 return (other_offset, offset)
         active.append((offset, shape))
