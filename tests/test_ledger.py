@@ -1128,3 +1128,21 @@ def test_power_loss_check_fails_without_each_fsync(tmp_path: Path, skip: str) ->
     violations; so it would catch the removal of either."""
     _, violations = _power_loss_violations(tmp_path, skip)
     assert violations > 0
+
+
+def test_the_golden_ledger_reads_and_accepts_updates(tmp_path: Path) -> None:
+    """A ledger file written by this format version (tests/golden/ledger-v1), committed as bytes:
+    a later shardkeep must read it and continue it."""
+    import shutil
+
+    directory = tmp_path / "job"
+    shutil.copytree(Path(__file__).parent / "golden" / "ledger-v1", directory)
+    ledger = ProgressLedger(directory / "progress.json", 2)
+    state = ledger.read()
+    assert state.world_size == 2 and state.input_fingerprint == "golden-input"
+    assert [c.batch_idx for c in state.shards["0"].checkpoints] == [0, 1]
+    assert state.shards["0"].total_sequences == 22
+    assert ledger.get_resume_points() == {0: 2, 1: 0}
+    (directory / "batch_2.bin").write_bytes(b"2")
+    ledger.update_shard_checkpoint(0, 2, 5, "batch_2.bin")
+    assert ledger.read().shards["0"].total_sequences == 27

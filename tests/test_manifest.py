@@ -457,3 +457,39 @@ def test_an_invalid_manifest_message_is_bounded(tmp_path: Path) -> None:
     with pytest.raises(sk.ManifestError) as caught:
         sk.read_manifest(tmp_path / "c")
     assert "more problems" in str(caught.value) and len(str(caught.value)) < 5000
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.2", "1.3"])
+def test_golden_checkpoints_of_every_format_version_read_verify_load_and_restore(tmp_path: Path, version: str) -> None:
+    """Checkpoints written by the shardkeep of each format version (tests/golden/make_golden_checkpoint.py):
+    a managed save of a module, its AdamW state, a bf16 expert tensor and JSON values."""
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / f"v{version}", root)
+    checkpoint = root / "step_00000042"
+    manifest = sk.read_manifest(checkpoint)
+    assert manifest.metadata_version == version
+    assert manifest.step == 42 and manifest.metrics == {"val_loss": 0.25}
+    assert manifest.run is not None and manifest.run.run_id == "golden-run"
+    assert sk.verify(checkpoint).ok
+    loaded = sk.load(checkpoint)
+    # What the generator saved: these weights after one AdamW step on a batch of ones.
+    expected = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        expected.weight.copy_(torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10)
+        expected.bias.copy_(torch.tensor([0.5, -0.5, 1.0]))
+    step = torch.optim.AdamW(expected.parameters(), lr=0.01)
+    expected(torch.ones(2, 4)).sum().backward()
+    step.step()
+    weight = expected.weight.detach()
+    assert torch.allclose(loaded["model"]["weight"], weight, atol=1e-6)
+    assert torch.allclose(loaded["model"]["bias"], expected.bias.detach(), atol=1e-6)
+    assert torch.allclose(loaded["optim"]["state"][0]["exp_avg"], step.state[expected.weight]["exp_avg"], atol=1e-6)
+    assert torch.equal(loaded["experts"]["experts.0.w"], torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+    assert loaded["step"] == 42 and loaded["config"] == {"name": "golden", "lr": 0.01}
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5)
+    restored = sk.CheckpointManager(root, keep_last=1, keep_best=0, read_only=True).restore(
+        {"model": model, "optim": optim, "experts": {}, "step": 0, "config": {}}
+    )
+    assert restored.step == 42 and torch.allclose(model.weight.detach(), weight, atol=1e-6)
+    assert optim.param_groups[0]["lr"] == 0.01 and set(optim.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
