@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability clean
+.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# The fast loop for development: every check but the tests marked slow (about 2 minutes).
+test-fast: lint typecheck
+	$(PY) -m pytest -q -m "not slow"
 
 # The main job: train a mixture-of-experts model on 2 ranks, kill one in the middle of a save,
 # resume on 3 (measuring each rank's reads), inspect, corrupt and recover (about 35 s on 2 cores).

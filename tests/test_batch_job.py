@@ -14,6 +14,8 @@ import pytest
 
 import shardkeep as sk
 
+pytestmark = pytest.mark.slow  # worker processes killed and resumed
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "batch_job.py"
 SIZES = ["--workers", "4", "--batches", "8", "--batch-size", "16", "--delay", "0.05", "--kill-after", "3"]
 

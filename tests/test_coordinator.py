@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import shardkeep as sk
 from distributed_harness import results_or_raise, run_ranks
 from shardkeep.distributed.coordinator import Coordinator
@@ -84,6 +86,7 @@ def _one_rank_hangs(rank: int, world_size: int) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+@pytest.mark.slow
 def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path) -> None:
     outcomes = run_ranks(3, _one_rank_hangs, outbox=tmp_path, timeout=45, allow_unfinished=frozenset({1}))
     for rank in (0, 2):

@@ -17,7 +17,7 @@ import pytest
 import shardkeep as sk
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-pytestmark = pytest.mark.timeout(900)  # the subprocess timeouts below fire first
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the subprocess timeouts below fire first
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 Demo = tuple[Path, str, dict[str, Any]]  # the work directory, what it printed, demo_summary.json
 

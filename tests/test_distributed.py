@@ -201,6 +201,7 @@ def _one_rank_hangs_during_save(rank: int, world_size: int, root: str) -> dict[s
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_a_hung_rank_gives_a_deadline_error(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -26,6 +26,8 @@ import ledger_workers
 from figures import record
 from shardkeep.ledger import ProgressLedger
 
+pytestmark = pytest.mark.slow  # many writer processes
+
 WRITERS = 8
 context = multiprocessing.get_context("spawn")
 

@@ -92,6 +92,7 @@ def _check_after_crash(root: Path) -> None:
     assert leftovers(root) == []
 
 
+@pytest.mark.slow
 def test_kill_9_at_every_operation_of_a_managed_save(tmp_path: Path) -> None:
     template = tmp_path / "template"
     manager = sk.CheckpointManager(template, keep_last=1, keep_best=1, run_id=RUN)
@@ -117,6 +118,7 @@ def test_kill_9_at_every_operation_of_a_managed_save(tmp_path: Path) -> None:
     assert killed_in_retention >= 25, operations[commit_index:]
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
     trials = 20
     rng = random.Random(1234)

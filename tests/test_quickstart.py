@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the example script, run in subprocesses
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
 MARKER = ".shardkeep-example-output"
 

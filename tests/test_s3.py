@@ -25,6 +25,8 @@ from shardkeep.cli import main as cli_main
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError
 from shardkeep.storage import FaultInjectingStore, FsspecStore
 
+pytestmark = pytest.mark.slow  # a SeaweedFS server and kill -9 of S3 uploads
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,8 @@ import pytest
 
 import shardkeep as sk
 
+pytestmark = pytest.mark.slow  # real training runs under torchrun and the own launcher
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "distributed_save.py"
 
 

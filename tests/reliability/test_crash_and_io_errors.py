@@ -92,6 +92,7 @@ def _committed(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if not is_staging_name(p.name))
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_never_leaves_a_committed_checkpoint_that_fails(tmp_path: Path) -> None:
     root = tmp_path / "root"
     state = _multi_file_state()

@@ -40,6 +40,7 @@ def _damage_detected(path: Path, signed: bool = True) -> tuple[bool, bool]:
     return verify_failed, load_failed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path, signed: bool) -> None:
     pristine = tmp_path / "pristine"
@@ -77,6 +78,7 @@ def test_every_single_bit_flip_is_detected_by_load_and_verify(tmp_path: Path, si
     assert _damage_detected(work, signed) == (False, False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_every_truncation_is_detected(tmp_path: Path, signed: bool) -> None:
     pristine = tmp_path / "pristine"
