@@ -13,7 +13,7 @@ import torch
 
 import shardkeep as sk
 from conftest import reseal
-from shardkeep.api import warn_if_over_read_limits
+from shardkeep.saving import warn_if_over_read_limits
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import seal_manifest, unseal_manifest
 from shardkeep.manifest import (

@@ -81,6 +81,8 @@ LAYER_ORDER = [
     "catalog",
     "report",
     "fill",
+    "layout",
+    "saving",
     "api",
     "training",
     "manager",

@@ -1,0 +1,194 @@
+"""Planning a save's items into data files: which tensors share a file (grouped by tier, section,
+expert and layer, split at the target file size) and the byte layout of each file's
+safetensors header, including the incremental comparison with a base checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    pass
+
+from shardkeep.distributed.plan import ItemDescriptor
+from shardkeep.manifest import (
+    FileRecord,
+    TensorEntry,
+)
+from shardkeep.tensors.convert import (
+    byte_view,
+    contiguous_pieces,
+    describe_array,
+    dtensor_chunk,
+)
+from shardkeep.tensors.flatten import TensorLeaf
+from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY
+from shardkeep.tensors.shardfile import build_header
+
+__all__ = ["PlannedItem", "file_header", "plan_files"]
+
+
+class PlannedItem:
+    """One tensor (or DTensor chunk) to write: its description, and a
+    :class:`~shardkeep.io.TensorSource` over its bytes."""
+
+    __slots__ = (
+        "address",
+        "array",
+        "array_type",
+        "dtype",
+        "global_offset",
+        "global_shape",
+        "itemsize",
+        "leaf",
+        "nbytes",
+        "shape",
+        "wants_digest",
+    )
+
+    def __init__(self, leaf: TensorLeaf) -> None:
+        self.leaf = leaf
+        value = leaf.value
+        chunk = dtensor_chunk(leaf.key, value) if type(value) not in _PLAIN_ARRAYS else None
+        self.global_shape: list[int] | None = None
+        self.global_offset: list[int] | None = None
+        if chunk is not None:
+            value, self.global_shape, self.global_offset = chunk
+        self.array = value
+        self.wants_digest = chunk is not None
+        self.dtype, self.shape, self.nbytes, self.itemsize, self.array_type, self.address = describe_array(
+            leaf.key, value
+        )
+
+    @property
+    def descriptor(self) -> ItemDescriptor:
+        return ItemDescriptor(
+            self.leaf.key,
+            self.dtype,
+            tuple(self.shape),
+            self.nbytes,
+            None if self.global_shape is None else tuple(self.global_shape),
+            None if self.global_offset is None else tuple(self.global_offset),
+        )
+
+    def pieces(self, max_bytes: int) -> Iterator[memoryview]:
+        for piece in contiguous_pieces(self.array, max_bytes):
+            yield byte_view(piece)
+            del piece
+
+
+_PLAIN_ARRAYS = (torch.Tensor, np.ndarray)
+
+
+def _expert_key(key: str, tier_id: int) -> list[int] | None:
+    if "experts." not in key:
+        return None
+    match = EXPERT_KEY.search(key)
+    if match is None:
+        return None
+    layer = LAYER_KEY.search(key)
+    return [tier_id, int(layer.group(1)) if layer else 0, int(match.group(1))]
+
+
+def plan_files(
+    planned: list[PlannedItem],
+    *,
+    rank: int,
+    target: int,
+    tier: str,
+    tier_id: int,
+    suffix: str = ".safetensors",
+    directory: str = "shards",
+    sections: Mapping[str, str] | None = None,
+    per_expert: bool = False,
+) -> list[tuple[FileRecord, list[PlannedItem]]]:
+    """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
+    into files of about ``target`` bytes so that large states are written in parallel.
+
+    Chunks of sharded tensors go to their own files (``rank_NNNNN_sharded``), apart from whole
+    tensors: every loading rank needs every whole tensor, but only the chunks that overlap its
+    own shard, and it can then skip the other chunk files' bytes entirely.
+
+    ``sections`` (key to ``"optim"``/``"router"``) puts optimizer and router state in files of
+    their own (``rank_NNNNN_optim``), so that each section loads on its own. With
+    ``per_expert`` (incremental saves), each expert's tensors get a file of their own
+    (``rank_NNNNN_L003_E007``): a frozen expert's file is then unchanged from one save to the
+    next, and referenced instead of written again.
+    """
+    groups: dict[str, list[PlannedItem]] = {}
+    for item in planned:
+        key = item.leaf.key
+        sharded = "_sharded" if item.global_offset is not None else ""
+        section = (sections or {}).get(key)
+        if section is not None:
+            stem = f"_{section}{sharded}"
+        elif per_expert and (match := EXPERT_KEY.search(key)):
+            layer = LAYER_KEY.search(key)
+            stem = f"_L{int(layer.group(1)) if layer else 0:03d}_E{int(match.group(1)):03d}{sharded}"
+        else:
+            stem = sharded
+        groups.setdefault(stem, []).append(item)
+    result: list[tuple[FileRecord, list[PlannedItem]]] = []
+    for stem in sorted(groups):
+        base = f"{directory}/rank_{rank:05d}{stem}"
+        for index, group in enumerate(_split(groups[stem], target)):
+            name = f"{base}{suffix}" if index == 0 else f"{base}_p{index:03d}{suffix}"
+            result.append((FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier), group))
+    return result
+
+
+def _split(items: list[PlannedItem], target: int) -> list[list[PlannedItem]]:
+    if not items:
+        return []
+    ordered = sorted(items, key=lambda p: -p.itemsize)
+    total = sum(p.nbytes for p in ordered)
+    file_count = max(1, math.ceil(total / target))
+    quota = total / file_count
+    groups: list[list[PlannedItem]] = [[]]
+    group_bytes = 0
+    for item in ordered:
+        if groups[-1] and group_bytes + item.nbytes > quota * 1.05 and len(groups) < file_count:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(item)
+        group_bytes += item.nbytes
+    return groups
+
+
+def file_header(record: FileRecord, group: list[PlannedItem], tier_id: int) -> bytes:
+    """Fill ``record`` with tensor entries and its size; return the safetensors header (which
+    records ``record.version``)."""
+    spans: list[tuple[str, str, list[int], int, int]] = []
+    position = 0
+    for item in group:
+        spans.append((item.leaf.key, item.dtype, item.shape, position, position + item.nbytes))
+        position += item.nbytes
+    header = build_header(spans, record.version)
+    base = len(header)
+    tensors = record.tensors
+    tensors.clear()
+    for item, (key, _, _, begin, _) in zip(group, spans, strict=True):
+        expert = _expert_key(key, tier_id)
+        tensors.append(
+            TensorEntry(
+                key=key,
+                path=list(item.leaf.path),
+                dtype=item.dtype,
+                shape=item.shape,
+                offset=base + begin,
+                nbytes=item.nbytes,
+                kind="expert" if expert else "dense",
+                expert_key=expert,
+                global_shape=item.global_shape,
+                global_offset=item.global_offset,
+                array_type=item.array_type,  # type: ignore[arg-type]  # "torch" or "numpy"
+                order=item.leaf.order,
+            )
+        )
+    record.size = base + position
+    return header

@@ -1,0 +1,621 @@
+"""The save job: prepare (plan, agree, open staging) -> write (each rank's files, digests while
+writing) -> finish (gather records, build and seal the manifest, commit) -> abort, and the
+manifest building that goes with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shardkeep.config import ManifestLimits, SaveOptions
+from shardkeep.distributed.commit import ATTEMPT_PREFIX, CheckpointCommit
+from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.plan import ItemDescriptor, assign_writers, coverage_problems
+from shardkeep.errors import (
+    StorageError,
+    UnsupportedValueError,
+)
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, load_private_key, seal_manifest, sign_manifest
+from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
+from shardkeep.layout import PlannedItem, file_header, plan_files
+from shardkeep.manifest import (
+    FileRecord,
+    Manifest,
+    RunInfo,
+    SaveTiming,
+    Sharding,
+    StateSection,
+    Tier,
+    Training,
+    encode_manifest,
+    validate_manifest,
+)
+from shardkeep.storage import LocalStore, open_store
+from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
+from shardkeep.tensors.keys import ROUTER_KEY, section_of
+from shardkeep.tiers import Placement, check_tiers, place
+from shardkeep.verification import (
+    CheckpointLocation,
+    locate,
+    parse_manifest,
+    read_manifest_bytes,
+)
+
+__all__ = [
+    "DEFAULT_TIER",
+    "SaveJob",
+    "SaveLayout",
+    "SaveMetadata",
+    "collector_paused",
+    "metric_values",
+    "progress_bar",
+    "state_sections",
+    "warn_if_over_read_limits",
+]
+
+logger = logging.getLogger("shardkeep")
+
+DEFAULT_TIER = "hot"
+
+
+_PRECISION = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
+
+
+def state_sections(
+    state: Mapping[str, Any], keys: list[str]
+) -> tuple[StateSection | None, StateSection | None, Training]:
+    optim_prefixes = sorted(
+        str(name)
+        for name, value in state.items()
+        if isinstance(value, torch.optim.Optimizer) or name in ("optim", "optimizer")
+    )
+    router_prefixes = sorted(
+        {key[: match.end()] for key in keys if "router" in key and (match := ROUTER_KEY.search(key))}
+    )
+    training = Training()
+    for name in optim_prefixes:
+        optimizer = state.get(name)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            training.optimizer_type = type(optimizer).__name__
+            lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+            training.learning_rate = float(lr) if isinstance(lr, (int, float)) else None
+            break
+    optim = StateSection(prefixes=optim_prefixes, description="optimizer state") if optim_prefixes else None
+    router = StateSection(prefixes=router_prefixes, description="router weights and state") if router_prefixes else None
+    return optim, router, training
+
+
+def progress_bar(
+    total: int, description: str, enabled: bool
+) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
+    return bar.update, bar.close
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building or decoding many small objects.
+
+    A state of 20,000 tensors creates about 100,000 short-lived containers; without the pause,
+    repeated full collections scanning them cost more than the work itself. Nothing created
+    here forms a reference cycle, and the collector is resumed even on error.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _ensure_directory(path: str) -> None:
+    """Create ``path`` and missing parents, fsyncing each parent whose entries changed."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        _ensure_directory(parent)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise StorageError(f"cannot create directory {path!r}: {exc.strerror}") from exc
+    try:
+        fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StorageError(f"fsync of directory {parent!r} failed: {exc.strerror}") from exc
+
+
+class SaveMetadata(NamedTuple):
+    model_id: str | None
+    step: int | None
+    epoch: int | None
+    training: Mapping[str, Any] | None
+    sharding_strategy: str | None
+    custom_fields: Mapping[str, Any] | None
+    metrics: dict[str, float | None]
+    run: RunInfo | None
+
+
+class SaveLayout(NamedTuple):
+    """Where a save puts its tensors: tiers, placement rules, incremental base."""
+
+    tiers: Sequence[Tier] | None = None
+    placement: Placement | None = None
+    incremental: bool | str | os.PathLike[str] = False
+    storage_options: Mapping[str, Any] | None = None
+
+
+class SaveJob:
+    """One save, split into its phases so that ``save`` and ``async_save`` share them.
+
+    ``prepare`` (every rank, collectives) describes the state, assigns writers and opens the
+    staging directory; ``write`` (every rank, no collectives) writes this rank's files; ``finish``
+    (coordinator only) merges every rank's records, checks coverage, writes the manifest and
+    commits; ``abort`` (coordinator only) removes the staging directory.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        location: CheckpointLocation,
+        options: SaveOptions,
+        coordinator: Coordinator,
+        *,
+        budget: ByteBudget | None,
+        progress: bool,
+        metadata: SaveMetadata,
+        sections: tuple[StateSection | None, StateSection | None, Training] | None = None,
+        layout: SaveLayout | None = None,
+        signer: Any = None,
+    ) -> None:
+        layout = layout or SaveLayout()
+        if signer is not None and options.digest not in CRYPTOGRAPHIC_DIGESTS:
+            raise UnsupportedValueError(
+                f"signer= needs a cryptographic digest, not digest={options.digest!r}: a signature covers the "
+                "data only through the digests (use 'blake3' or 'sha256')"
+            )
+        self.signer = signer
+        self.private_key: Ed25519PrivateKey | None = None
+        self.started = time.perf_counter()
+        #: Set by ``async_save`` once the caller resumes; a synchronous save blocks throughout.
+        self.blocked_seconds: float | None = None
+        self.state = state
+        self.location = location
+        self.options = options
+        self.coordinator = coordinator
+        self.budget = budget or ByteBudget(options.byte_budget)
+        if self.budget.limit != options.byte_budget:
+            raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
+        self.progress = progress
+        self.metadata = metadata
+        self.sections = sections
+        self.default_tiers = not layout.tiers
+        self.tiers = check_tiers(layout.tiers) if layout.tiers else [Tier(tier_id=1, name=DEFAULT_TIER)]
+        self.placement = layout.placement
+        if layout.placement is not None and not layout.tiers:
+            raise UnsupportedValueError("placement= needs tiers=: define the tiers the rules name")
+        self.tier_stores = {
+            tier.name: open_store(tier.location, layout.storage_options)
+            for tier in self.tiers
+            if tier.location is not None
+        }
+        if not isinstance(layout.incremental, (bool, str, os.PathLike)):
+            raise UnsupportedValueError(
+                f"incremental={layout.incremental!r} must be True, False, or the path of an earlier checkpoint"
+            )
+        if layout.tiers is not None and (
+            isinstance(layout.tiers, (str, bytes)) or not isinstance(layout.tiers, Sequence)
+        ):
+            raise UnsupportedValueError("tiers= must be a list of shardkeep.Tier")
+        self.incremental = layout.incremental is not False
+        self.base: CheckpointLocation | None = None
+        if layout.incremental is not False and layout.incremental is not True:
+            if options.compression:
+                raise UnsupportedValueError("incremental saves cannot be compressed yet; pass compression=None")
+            self.base = _sibling(layout.incremental, location, layout.storage_options)
+        self.base_manifest: Manifest | None = None
+        self.tier_of: dict[str, str] = {}
+        self.flat = FlatState()
+        self.planned: list[PlannedItem] = []
+        self.plans: list[ShardPlan] = []
+        self.commit: CheckpointCommit | None = None
+        self.manifest: Manifest | None = None
+
+    def _describe(self) -> list[ItemDescriptor]:
+        with collector_paused():
+            self.flat = flatten_state(self.state)
+            self.planned = [PlannedItem(leaf) for leaf in self.flat.tensors]
+            return [item.descriptor for item in self.planned]
+
+    def _begin(self) -> str | None:
+        if not self.coordinator.is_coordinator:
+            return None
+        if self.signer is not None:
+            self.private_key = load_private_key(self.signer)  # only the coordinator signs
+        store = self.location.store
+        for local in (store, *self.tier_stores.values()):
+            if isinstance(local, LocalStore):
+                _ensure_directory(local.root)
+        opening = CheckpointCommit(store, self.location.name, tier_stores=self.tier_stores)
+        opening.begin()
+        return opening.staging
+
+    def _sections_of(self) -> tuple[StateSection | None, StateSection | None, Training]:
+        """Optimizer and router sections (as :func:`_manifest_for` records them)."""
+        optim, router, training = state_sections(self.state, [leaf.key for leaf in self.flat.tensors])
+        if self.sections is not None:
+            # An async save describes a snapshot: the optimizer section comes from the original state.
+            optim, _, training = self.sections
+        return optim, router, training
+
+    def _place(self, held: list[list[ItemDescriptor]]) -> None:
+        """Every tensor's tier, decided from the global list (the same on every rank)."""
+        totals: dict[str, list[Any]] = {}
+        seen: set[tuple[str, tuple[int, ...] | None]] = set()
+        for items in held:
+            for item in items:
+                identity = (item.key, item.global_offset)
+                if identity in seen:
+                    continue  # a replicated tensor held by several ranks is written once
+                seen.add(identity)
+                entry = totals.setdefault(item.key, [0, item.dtype])
+                entry[0] += item.nbytes
+        optim, router, _ = self._sections_of()
+        self.tier_of = place(
+            [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
+            self.tiers,
+            self.placement,
+            optim.prefixes if optim is not None else (),
+            router.prefixes if router is not None else (),
+        )
+
+    def _read_base(self) -> Manifest | None:
+        if self.base is None:
+            return None
+        return parse_manifest(read_manifest_bytes(self.base), where=str(self.base))
+
+    def prepare(self) -> None:
+        coordinator = self.coordinator
+        held = coordinator.step("prepare the save", self._describe)
+        if coordinator.distributed:
+            mine = assign_writers(held)[coordinator.rank]
+            planned_here = [p for p in self.planned if (p.leaf.key, _offset_key(p.global_offset)) in mine]
+        else:
+            planned_here = self.planned
+        coordinator.step("place the tensors on tiers", lambda: self._place(held))
+        staging = coordinator.step("begin the save", self._begin)[0]
+        self.commit = CheckpointCommit(self.location.store, self.location.name, staging, tier_stores=self.tier_stores)
+        if self.base is not None:
+            self.base_manifest = coordinator.step("read the incremental base", self._read_base)[coordinator.rank]
+        coordinator.step("lay out the files", lambda: self._lay_out(planned_here, held))
+
+    def _lay_out(self, planned_here: list[PlannedItem], held: list[list[ItemDescriptor]]) -> None:
+        coordinator = self.coordinator
+        assert self.commit is not None
+        optim, router, _ = self._sections_of()
+        optim_prefixes = optim.prefixes if optim is not None else []
+        router_prefixes = router.prefixes if router is not None else []
+        sections: dict[str, str] = {}
+        for item in planned_here:
+            section = section_of(item.leaf.key, optim_prefixes, router_prefixes)
+            if section != "model":
+                sections[item.leaf.key] = section
+        previous = _previous_files(self.base_manifest, self.tiers) if self.base_manifest is not None else {}
+        records: list[FileRecord] = []
+        with collector_paused():
+            by_tier: dict[str, list[PlannedItem]] = {}
+            for item in planned_here:
+                by_tier.setdefault(self.tier_of[item.leaf.key], []).append(item)
+            for tier in self.tiers:
+                groups = plan_files(
+                    by_tier.get(tier.name, []),
+                    rank=coordinator.rank,
+                    target=self.options.file_size_target,
+                    tier=tier.name,
+                    tier_id=tier.tier_id,
+                    suffix=".safetensors.zst" if self.options.compression else ".safetensors",
+                    directory="shards" if self.default_tiers else f"shards/{tier.name}",
+                    sections=sections,
+                    per_expert=self.incremental,
+                )
+                for record, group in groups:
+                    header = self._lay_out_one(record, group, tier, previous)
+                    records.append(record)
+                    if header is None:
+                        continue  # unchanged: the record references the earlier file
+                    record.path, store, store_path = self.commit.place(record.path, tier.name)
+                    self.plans.append(
+                        ShardPlan(path=store_path, header=header, sources=group, record=record, store=store)
+                    )
+            self.manifest = _manifest_for(
+                self.state,
+                self.flat,
+                records,
+                held,
+                world_size=coordinator.world_size,
+                digest=self.options.digest,
+                tiers=self.tiers,
+                metadata=self.metadata,
+                sections=self.sections,
+            )
+
+    def _base_file_present(self, earlier: FileRecord, tier: Tier) -> bool:
+        """Whether the base's file is where its manifest says, with its size: a reference to a
+        missing or truncated file would commit a checkpoint that cannot load (its digest is
+        checked on every load and verify)."""
+        assert self.base is not None
+        store = self.tier_stores.get(tier.name, self.location.store)
+        info = store.stat(f"{earlier.ref or self.base.name}/{earlier.path}")
+        return info is not None and info.kind == "file" and info.size == earlier.stored_size
+
+    def _lay_out_one(
+        self, record: FileRecord, group: list[PlannedItem], tier: Tier, previous: dict[tuple[str, str], FileRecord]
+    ) -> bytes | None:
+        """Lay out one file; return its header, or ``None`` when the file equals the base
+        checkpoint's file of the same name (which ``record`` then references)."""
+        earlier = previous.get((tier.name, record.path))
+        if earlier is not None and earlier.digest and earlier.compression is None:
+            algorithm = earlier.digest.partition(":")[0]
+            record.version = earlier.version
+            header = file_header(record, group, tier.tier_id)
+            if (
+                algorithm == self.options.digest
+                and digest_of(header, group, algorithm) == earlier.digest
+                and self._base_file_present(earlier, tier)
+            ):
+                assert self.base is not None
+                record.ref = earlier.ref or self.base.name
+                record.path = earlier.path
+                record.digest = earlier.digest
+                return None
+            record.version = earlier.version + 1
+        return file_header(record, group, tier.tier_id)
+
+    def write(self) -> list[FileRecord]:
+        """Write this rank's files; return every record of this rank (written or referenced)."""
+        assert self.manifest is not None
+        # Never write what load would refuse: this rank's part of the manifest is checked first.
+        if self.coordinator.is_coordinator or self.plans:
+            errors = validate_manifest(self.manifest).errors
+            if errors:
+                raise UnsupportedValueError(f"cannot save {self.location}: " + "; ".join(errors[:5]))
+        update, close = progress_bar(
+            sum(plan.record.size for plan in self.plans), f"save {self.location.name}", self.progress
+        )
+        try:
+            write_shards(
+                self.location.store,
+                self.plans,
+                algorithm=self.options.digest,
+                budget=self.budget,
+                io_threads=self.options.io_threads,
+                on_bytes=update,
+                compression_level=self.options.compression_level if self.options.compression else None,
+            )
+        finally:
+            close()
+        return list(self.manifest.files)
+
+    def finish(self, records: list[list[FileRecord]]) -> Manifest | None:
+        if not self.coordinator.is_coordinator:
+            return None
+        manifest = self.manifest
+        assert manifest is not None and self.commit is not None
+        if self.coordinator.distributed:
+            manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
+            manifest.sharding.shard_count = len(manifest.files)
+            problems = validate_manifest(manifest).errors
+        else:
+            problems = []
+        # Never commit what load would refuse: every tensor tiled exactly once, every leaf placed.
+        problems += coverage_problems(manifest)
+        if problems:
+            raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
+        for record in manifest.files:
+            if record.ref is None and record.tier not in self.tier_stores and not self.commit.object_store:
+                self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
+        total = time.perf_counter() - self.started
+        blocked = total if self.blocked_seconds is None else min(self.blocked_seconds, total)
+        manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
+        with collector_paused():
+            sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
+        warn_if_over_read_limits(self.location, sealed, manifest)
+        signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
+        self.commit.commit(sealed, signature)
+        return manifest
+
+    def abort(self) -> None:
+        if self.coordinator.is_coordinator and self.commit is not None:
+            self.commit.abort()
+
+
+def warn_if_over_read_limits(
+    location: object, sealed: bytes, manifest: Manifest, limits: ManifestLimits | None = None
+) -> None:
+    """Log a warning when readers will need ``limits=``: the default limits (or ``limits``)
+    bound what reading any manifest may cost, and this one is over them."""
+    limits = limits or ManifestLimits()
+    entries = sum(len(record.tensors) for record in manifest.files)
+    if len(sealed) > limits.max_bytes or entries > limits.max_tensors or len(manifest.files) > limits.max_files:
+        logger.warning(
+            "the manifest of %s (%.1f MiB, %d tensor entries, %d files) is over the default read limits "
+            "(%g MiB, %d entries, %d files): load, verify and CheckpointManager need "
+            "limits=ManifestLimits(max_bytes=..., max_tensors=..., max_files=...) to read it",
+            location,
+            len(sealed) / 2**20,
+            entries,
+            len(manifest.files),
+            limits.max_bytes / 2**20,
+            limits.max_tensors,
+            limits.max_files,
+        )
+
+
+def _sibling(
+    path: str | os.PathLike[str], location: CheckpointLocation, storage_options: Mapping[str, Any] | None
+) -> CheckpointLocation:
+    """The incremental base: a checkpoint in the same root as the one being saved (files are
+    referenced by checkpoint name, so both must live side by side)."""
+    text = os.fspath(path)
+    if "/" not in text and os.sep not in text and "://" not in text:
+        return CheckpointLocation(location.store, text)  # a name in the same root
+    base = locate(text, None, storage_options)
+    ours, theirs = getattr(location.store, "root", None), getattr(base.store, "root", None)
+    if ours is None or ours != theirs:
+        raise UnsupportedValueError(
+            f"incremental={text!r} must be a checkpoint in the same root as {location} (its files are referenced by name)"
+        )
+    return CheckpointLocation(location.store, base.name)
+
+
+def _logical(path: str) -> str:
+    """A data file's path without the attempt prefix object stores and tier locations add."""
+    first, _, rest = path.partition("/")
+    return rest if first.startswith(ATTEMPT_PREFIX) and rest else path
+
+
+def _previous_files(manifest: Manifest, tiers: list[Tier]) -> dict[tuple[str, str], FileRecord]:
+    """The base checkpoint's files by (tier, path without attempt prefix), on tiers whose
+    location is unchanged (a file can only be referenced where it already is)."""
+    locations = {tier.name: tier.location for tier in tiers}
+    theirs = {tier.name: tier.location for tier in manifest.tiers}
+    found: dict[tuple[str, str], FileRecord] = {}
+    for record in manifest.files:
+        if record.tier in locations and theirs.get(record.tier) == locations[record.tier]:
+            found[(record.tier, _logical(record.path))] = record
+    return found
+
+
+def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:
+    return None if offset is None else tuple(offset)
+
+
+def _manifest_for(
+    state: Mapping[str, Any],
+    flat: FlatState,
+    records: list[FileRecord],
+    held: list[list[ItemDescriptor]],
+    *,
+    world_size: int,
+    digest: str,
+    tiers: list[Tier],
+    metadata: SaveMetadata,
+    sections: tuple[StateSection | None, StateSection | None, Training] | None,
+) -> Manifest:
+    """The manifest of this save, with this rank's file records (the coordinator merges all)."""
+    optim, router, detected = state_sections(state, [leaf.key for leaf in flat.tensors])
+    if sections is not None:
+        # An async save describes a snapshot, where modules and optimizers are plain dicts: the
+        # optimizer section and training fields come from the caller's original state.
+        optim, _, detected = sections
+    chunked = any(item.global_offset is not None for items in held for item in items)
+    strategy = metadata.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
+    return Manifest(
+        model_id=metadata.model_id,
+        step=metadata.step,
+        epoch=metadata.epoch,
+        world_size=world_size,
+        digest_algorithm=digest,
+        sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
+        training=_training_fields(metadata.training, detected),
+        tiers=tiers,
+        files=records,
+        optim_state=optim,
+        router_state=router,
+        structure=flat.containers,
+        values=flat.values,
+        custom_fields=_plain_json_mapping("custom_fields", metadata.custom_fields),
+        metrics=metadata.metrics,
+        run=metadata.run,
+    )
+
+
+def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Metrics as recorded: finite floats, or ``None`` for NaN and infinities."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics= must be a mapping of names to numbers, got {type(metrics).__name__}")
+    recorded: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise UnsupportedValueError(f"metric name {name!r} must be a non-empty string")
+        try:
+            if value is not None and hasattr(value, "item") and callable(value.item):
+                value = value.item()  # a 0-d tensor or numpy scalar
+            if value is None:
+                recorded[name] = None
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UnsupportedValueError(f"metric {name!r}={value!r} must be a number")
+            else:
+                number = float(value)
+                recorded[name] = number if math.isfinite(number) else None
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise UnsupportedValueError(f"metric {name!r} must be a single finite-size number: {exc}") from exc
+    return recorded
+
+
+def _plain_json_mapping(name: str, value: Mapping[str, Any] | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not is_plain_json(dict(value)):
+        raise UnsupportedValueError(
+            f"{name}= must be a mapping of plain JSON values (string keys, finite numbers, lists, dicts)"
+        )
+    return dict(value)
+
+
+def _training_fields(given: Mapping[str, Any] | None, detected: Training) -> Training:
+    if not given:
+        return detected
+    unknown = set(given) - {"learning_rate", "optimizer_type"}
+    if unknown:
+        raise UnsupportedValueError(
+            f"training= has unknown fields {sorted(unknown)}; known: learning_rate, optimizer_type"
+        )
+    learning_rate = given.get("learning_rate", detected.learning_rate)
+    if learning_rate is not None and (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, (int, float))
+        or not math.isfinite(learning_rate)
+    ):
+        raise UnsupportedValueError(f"training learning_rate={learning_rate!r} must be a finite number")
+    optimizer_type = given.get("optimizer_type", detected.optimizer_type)
+    if optimizer_type is not None and not isinstance(optimizer_type, str):
+        raise UnsupportedValueError(f"training optimizer_type={optimizer_type!r} must be a string")
+    return Training(
+        learning_rate=None if learning_rate is None else float(learning_rate), optimizer_type=optimizer_type
+    )
+
+
+def _precision(held: list[list[ItemDescriptor]]) -> str | None:
+    """The floating-point dtype holding the most bytes, as fp32/bf16/fp16/fp64/fp8."""
+    float_bytes: dict[str, int] = {}
+    for items in held:
+        for item in items:
+            if item.dtype in _PRECISION:
+                float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
+    return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
