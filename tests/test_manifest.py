@@ -13,7 +13,6 @@ import torch
 
 import shardkeep as sk
 from conftest import reseal
-from shardkeep.saving import warn_if_over_read_limits
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import seal_manifest, unseal_manifest
 from shardkeep.manifest import (
@@ -32,6 +31,7 @@ from shardkeep.manifest import (
     unsafe_path_reason,
     validate_manifest,
 )
+from shardkeep.saving import warn_if_over_read_limits
 
 GOLDEN = Path(__file__).parent / "golden"
 DIGEST = "blake3:" + "ab" * 32
