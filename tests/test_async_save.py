@@ -89,13 +89,13 @@ def test_a_background_failure_is_reraised_with_its_type_and_nothing_is_left(tmp_
 
 
 def test_the_staging_buffer_is_reused(tmp_path: Path) -> None:
-    from shardkeep import api
+    from shardkeep.async_saving import AsyncSaver
 
     state = {"x": torch.randn(1 << 18)}
     sk.async_save(state, tmp_path / "a").result(timeout=60)
-    pointer = api._arena.reserve(1).data_ptr()
+    pointer = AsyncSaver.default().arena.reserve(1).data_ptr()
     sk.async_save(state, tmp_path / "b").result(timeout=60)
-    assert api._arena.reserve(1).data_ptr() == pointer
+    assert AsyncSaver.default().arena.reserve(1).data_ptr() == pointer
 
 
 def _async_on_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:

@@ -83,6 +83,7 @@ LAYER_ORDER = [
     "fill",
     "layout",
     "saving",
+    "async_saving",
     "api",
     "training",
     "manager",

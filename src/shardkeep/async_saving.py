@@ -1,0 +1,271 @@
+"""Async saves: :class:`SaveHandle` and the :class:`AsyncSaver` that owns the save in flight.
+
+``async_save`` stages the state into reusable host buffers on the caller's thread (with the
+collectives that planning needs), then a background thread writes this rank's files and
+completes the commit without any collective: ranks exchange outcomes through the process
+group's key-value store, and the coordinator commits once every rank has reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    pass
+
+from shardkeep.config import SaveOptions
+from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.errors import (
+    CoordinationError,
+    SaveInProgressError,
+    ShardkeepError,
+)
+from shardkeep.manifest import (
+    Manifest,
+)
+from shardkeep.saving import SaveJob, SaveLayout, SaveMetadata, collector_paused, state_sections
+from shardkeep.snapshot import StagingArena, snapshot_state
+from shardkeep.storage import ByteStore
+from shardkeep.verification import (
+    locate,
+    read_manifest,
+)
+
+
+class SaveHandle:
+    """The result of :func:`async_save`: the state is already staged when you get one.
+
+    ``done()`` tells whether the background write and commit have finished; ``result(timeout)``
+    waits and returns the committed :class:`~shardkeep.manifest.Manifest`, or raises the
+    failure with its own type (a :class:`~shardkeep.errors.CoordinationError` when ranks
+    failed). ``wait_staged()`` returns at once: staging finished before ``async_save`` returned.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._finished = threading.Event()
+        self._manifest: Manifest | None = None
+        self._error: BaseException | None = None
+        self.blocked_seconds = 0.0
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"SaveHandle({self.path!r}, {state})"
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        if not self._finished.wait(timeout):
+            raise SaveInProgressError(f"the save of {self.path} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._manifest is not None
+        return self._manifest
+
+    def _complete(self, manifest: Manifest | None, error: BaseException | None) -> None:
+        self._manifest = manifest
+        self._error = error
+        self._finished.set()
+
+
+class AsyncSaver:
+    """This process's async saves: the lock that lets one save stage at a time, the handle of
+    the save still in flight, and the staging arena whose host buffers are reused from one save
+    to the next (first-touch memory is slow). :meth:`default` is the one every ``async_save``
+    of the process uses."""
+
+    _default: AsyncSaver | None = None
+    _default_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.arena = StagingArena()
+        self._inflight: SaveHandle | None = None
+
+    @classmethod
+    def default(cls) -> AsyncSaver:
+        """The process's saver (made on first use: importing shardkeep allocates nothing)."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = cls()
+            return cls._default
+
+    def submit(
+        self,
+        state: Mapping[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        started: float,
+        wait: bool,
+        staging_budget: int | None,
+        options: SaveOptions,
+        metadata: SaveMetadata,
+        storage: ByteStore | None,
+        layout: SaveLayout,
+        signer: Any,
+        process_group: Any,
+        timeout: float,
+        after_commit: Callable[[Manifest], None] | None,
+    ) -> SaveHandle:
+        """The body of :func:`~shardkeep.api.async_save`, run while holding the lock."""
+        previous = self._inflight
+        if previous is not None and not previous.done():
+            if not wait:
+                raise SaveInProgressError(f"a save of {previous.path} is still in flight; pass wait=True to queue")
+            if not previous._finished.wait(timeout):
+                raise SaveInProgressError(
+                    f"the previous save of {previous.path} is still running after {timeout:.0f} s"
+                )
+        coordinator = Coordinator(process_group, timeout=timeout)
+        location = locate(path, storage, layout.storage_options)
+        staged: dict[str, Any] = {}
+
+        def stage() -> None:
+            nonlocal staged
+            with collector_paused():
+                staged = snapshot_state(state, self.arena, budget=staging_budget)
+
+        coordinator.step("stage the state", stage)
+        job = SaveJob(
+            staged,
+            location,
+            options,
+            coordinator,
+            budget=None,
+            progress=False,
+            metadata=metadata,
+            sections=state_sections(state, []),
+            layout=layout,
+            signer=signer,
+        )
+        job.started = started
+        try:
+            job.prepare()
+        except BaseException:
+            job.abort()
+            raise
+        handle = SaveHandle(str(location))
+        self._inflight = handle
+        worker = threading.Thread(
+            target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
+        )
+        job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - started
+        worker.start()
+        return handle
+
+
+def _finish_in_background(
+    job: SaveJob, handle: SaveHandle, after_commit: Callable[[Manifest], None] | None = None
+) -> None:
+    """Write this rank's files and complete the commit without any collective, then run
+    ``after_commit``. The handle is always completed, even when cleaning up after a failure
+    fails too."""
+    manifest: Manifest | None = None
+    error: BaseException | None = None
+    try:
+        if job.coordinator.distributed:
+            manifest = _finish_through_store(job)
+        else:
+            try:
+                manifest = job.finish([job.write()])
+            except BaseException:
+                job.abort()
+                raise
+        if after_commit is not None:
+            assert manifest is not None
+            after_commit(manifest)
+    except BaseException as exc:
+        error = exc
+    finally:
+        handle._complete(manifest, error)
+
+
+def _finish_through_store(job: SaveJob) -> Manifest:
+    """Exchange outcomes through the process group's key-value store: every rank posts its
+    records or its error; the coordinator waits for all (with the deadline), commits or aborts,
+    and posts the result, which the other ranks wait for."""
+    import pickle
+
+    from torch.distributed import distributed_c10d
+
+    coordinator = job.coordinator
+    store = distributed_c10d._get_default_store()
+    assert job.commit is not None
+    prefix = f"shardkeep/{job.commit.staging}"
+    deadline = _dt.timedelta(seconds=coordinator.timeout)
+    try:
+        outcome: tuple[str, Any] = ("ok", job.write())
+    except Exception as exc:
+        outcome = ("error", f"{type(exc).__name__}: {exc}")
+    store.set(f"{prefix}/rank{coordinator.rank}", pickle.dumps(outcome))  # type: ignore[arg-type]  # Store.set takes bytes too
+    result: tuple[str, Any]
+    if coordinator.is_coordinator:
+        try:
+            keys = [f"{prefix}/rank{rank}" for rank in range(coordinator.world_size)]
+            store.wait(keys, deadline)
+            outcomes = [pickle.loads(store.get(key)) for key in keys]
+            for key in keys:
+                store.delete_key(key)
+            failures = {rank: text for rank, (kind, text) in enumerate(outcomes) if kind == "error"}
+            if failures:
+                raise CoordinationError(
+                    f"writing the shards failed on rank(s) {sorted(failures)} of {coordinator.world_size}: "
+                    + "; ".join(f"rank {rank}: {text}" for rank, text in failures.items()),
+                    failures,
+                )
+            manifest = job.finish([records for _, records in outcomes])
+            assert manifest is not None
+            result = ("ok", None)  # a small key: the other ranks read the committed manifest
+        except BaseException as exc:
+            failures = exc.failures if isinstance(exc, CoordinationError) else {0: f"{type(exc).__name__}: {exc}"}
+            message = str(exc) if isinstance(exc, CoordinationError) else f"committing failed on rank 0: {exc}"
+            if "deadline" not in message and not isinstance(exc, ShardkeepError):
+                message = f"{message} (a rank may have missed the {coordinator.timeout:.0f} s deadline)"
+            try:
+                job.abort()
+            except ShardkeepError as cleanup:
+                message = f"{message}; removing the staging directory failed too: {cleanup}"
+            result = ("error", (message, failures))
+        store.set(f"{prefix}/result", pickle.dumps(result))  # type: ignore[arg-type]  # Store.set takes bytes too
+        _await_acknowledgements(store, prefix, coordinator.world_size, deadline)
+        if result[0] == "ok":
+            return cast(Manifest, job.manifest)
+    else:
+        try:
+            # The coordinator may spend up to one deadline waiting for the slowest rank and then
+            # commit: wait for two, so a slow but successful commit is not reported as failed.
+            store.wait([f"{prefix}/result"], 2 * deadline)
+            result = pickle.loads(store.get(f"{prefix}/result"))
+            store.set(f"{prefix}/ack{coordinator.rank}", b"1")  # type: ignore[arg-type]  # Store.set takes bytes too
+        except Exception as exc:
+            raise CoordinationError(
+                f"the coordinator did not report the outcome within twice the {coordinator.timeout:.0f} s "
+                f"deadline; the checkpoint may or may not have been committed ({exc})"
+            ) from exc
+
+    if result[0] == "ok":
+        return read_manifest(job.location.name, storage=job.location.store)
+    error_message, error_failures = cast(tuple[str, dict[int, str]], result[1])
+    raise CoordinationError(error_message, error_failures)
+
+
+def _await_acknowledgements(store: Any, prefix: str, world_size: int, deadline: _dt.timedelta) -> None:
+    """The coordinator hosts the key-value store in the usual TCP setup: before its handle
+    completes (after which the process may exit), wait until every other rank has read the
+    outcome. A rank that never acknowledges is not waited for beyond the deadline."""
+    keys = [f"{prefix}/ack{rank}" for rank in range(1, world_size)]
+    with contextlib.suppress(Exception):
+        store.wait(keys, deadline)
+    with contextlib.suppress(Exception):
+        for key in [*keys, f"{prefix}/result"]:
+            store.delete_key(key)
