@@ -84,6 +84,7 @@ LAYER_ORDER = [
     "layout",
     "saving",
     "async_saving",
+    "loading",
     "api",
     "training",
     "manager",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,17 +24,15 @@ from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
     ConfigError,
-    IntegrityError,
     SaveInProgressError,
     UnsupportedValueError,
 )
-from shardkeep.fill import fill_into
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.io import ByteBudget, check_shard
+from shardkeep.io import ByteBudget
+from shardkeep.loading import LoadJob
 from shardkeep.manifest import (
     Manifest,
     RunInfo,
-    TensorEntry,
     Tier,
 )
 from shardkeep.saving import (
@@ -44,24 +41,14 @@ from shardkeep.saving import (
     SaveMetadata,
     collector_paused,
     metric_values,
-    progress_bar,
 )
 from shardkeep.storage import ByteStore
-from shardkeep.tensors.convert import (
-    array_from_buffer,
-)
-from shardkeep.tensors.flatten import rebuild_state
-from shardkeep.tensors.keys import section_of
-from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
 from shardkeep.tiers import Placement
 from shardkeep.verification import (
-    FileResolver,
     TierLocations,
-    file_set_problems,
     locate,
     read_checked_manifest,
     read_manifest,
-    select_files,
     verify,
 )
 
@@ -322,104 +309,19 @@ def load(
     location = locate(path, storage, storage_options)
     with collector_paused():
         manifest = read_checked_manifest(location, policy, limits)
-    selected = set(select_files(manifest, tiers))
-    wanted_sections = _check_sections(sections)
-    resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
-    partial = len(selected) < len(manifest.files) or wanted_sections is not None
-    problems: list[str] = []
-    if options.verify:
-        problems.extend(file_set_problems(location, manifest, resolver=resolver))
-
-    wanted = wanted_regions(into, manifest) if into is not None else {}
-    needed: list[list[int] | None] = []
-    section_of = _section_function(manifest)
-    for index, record in enumerate(manifest.files):
-        entries = needed_entries(record, wanted)
-        if index not in selected:
-            entries = []
-        elif wanted_sections is not None:
-            keep = [
-                i
-                for i in (range(len(record.tensors)) if entries is None else entries)
-                if section_of(record.tensors[i].key) in wanted_sections
-            ]
-            entries = None if entries is None and len(keep) == len(record.tensors) else keep
-        needed.append(entries)
-    update, close = progress_bar(
-        sum(r.size for i, r in enumerate(manifest.files) if needed[i] != []), f"load {location.name}", progress
+    job = LoadJob(
+        location,
+        manifest,
+        options,
+        into=into,
+        tiers=tiers,
+        sections=_check_sections(sections),
+        tier_locations=tier_locations,
+        storage_options=storage_options,
+        lazy=lazy,
+        progress=progress,
     )
-
-    def read(index: int) -> tuple[memoryview | None, list[str]]:
-        record = manifest.files[index]
-        if needed[index] == []:
-            return None, []  # not selected, or nothing in it overlaps what this rank loads
-        store, where = resolver(record)
-        buffer, found = check_shard(
-            store,
-            where,
-            record,
-            verify=options.verify,
-            keep=True,
-            use_mmap=options.mmap,
-            needed=needed[index],
-            on_bytes=update,
-        )
-        return buffer, resolver.annotate(record, found)
-
-    try:
-        with ThreadPoolExecutor(
-            max(1, min(options.io_threads, len(manifest.files) or 1)), thread_name_prefix="shardkeep-read"
-        ) as pool:
-            results = list(pool.map(read, range(len(manifest.files))))
-    finally:
-        close()
-    for _, file_problems in results:
-        problems.extend(file_problems)
-    if problems:
-        raise IntegrityError(f"checkpoint {location} failed verification: " + "; ".join(problems), problems)
-
-    with collector_paused():
-        tensors: list[tuple[list[str | int], int, Any]] = []
-        chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
-        loaded_keys: set[str] = set()
-        skipped: dict[str, tuple[TensorEntry, int]] = {}
-        for index, (record, (buffer, _), wanted_here) in enumerate(zip(manifest.files, results, needed, strict=True)):
-            chosen = (range(len(record.tensors)) if wanted_here is None else wanted_here) if buffer is not None else ()
-            if partial:
-                picked = set(chosen)
-                for position, entry in enumerate(record.tensors):
-                    if position not in picked:
-                        skipped.setdefault(entry.key, (entry, index))
-            for position in chosen:
-                assert buffer is not None
-                entry = record.tensors[position]
-                loaded_keys.add(entry.key)
-                array = array_from_buffer(
-                    buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
-                )
-                if entry.global_offset is None:
-                    tensors.append((entry.path, entry.order, array))
-                else:
-                    chunks.setdefault(entry.key, []).append((entry, array))
-        for key, parts in chunks.items():
-            tensors.append(assemble(parts, wanted.get(key)))
-        absent = {key: found for key, found in skipped.items() if key not in loaded_keys}
-        for key in wanted.keys() - chunks.keys():
-            if key in absent:
-                continue  # on a tier or in a section this partial load leaves out
-            # This rank's region is empty (fewer rows than ranks): no chunk overlaps it.
-            first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
-            assert first.global_shape is not None
-            offset, shape = wanted[key]
-            tensors.append((first.path, first.order, Region([], offset, shape, first.global_shape, first.dtype)))
-        tensors.extend(_placeholders(manifest, absent, resolver, lazy=lazy, verify=options.verify))
-        loaded = rebuild_state(manifest.structure, manifest.values, tensors)
-        if absent and not lazy:
-            _drop_absent(loaded, [entry for entry, _ in absent.values()])
-    if into is None:
-        return loaded
-    fill_into(into, loaded, partial=partial, absent=frozenset(absent))
-    return into
+    return job.run()
 
 
 def _check_sections(sections: Iterable[str] | None) -> set[str] | None:
@@ -434,55 +336,3 @@ def _check_sections(sections: Iterable[str] | None) -> set[str] | None:
             f"sections={sorted(chosen)}: unknown section(s) {unknown}; choose from {list(SECTIONS)}"
         )
     return chosen
-
-
-def _section_function(manifest: Manifest) -> Callable[[str], str]:
-    optim = manifest.optim_state.prefixes if manifest.optim_state is not None else []
-    router = manifest.router_state.prefixes if manifest.router_state is not None else []
-    return lambda key: section_of(key, optim, router)
-
-
-def _placeholders(
-    manifest: Manifest,
-    absent: dict[str, tuple[TensorEntry, int]],
-    resolver: FileResolver,
-    *,
-    lazy: bool,
-    verify: bool,
-) -> list[tuple[list[str | int], int, Any]]:
-    """Leaves for tensors a partial load left out: lazy placeholders, or ``None`` (removed
-    again from mappings by :func:`_drop_absent`; kept inside lists so indices stay right)."""
-    result: list[tuple[list[str | int], int, Any]] = []
-    files: dict[int, Any] = {}
-    for key, (entry, index) in absent.items():
-        if entry.global_offset is not None and lazy:
-            raise UnsupportedValueError(
-                f"tensor {key!r} is stored in chunks; lazy loading of sharded tensors is not supported"
-            )
-        if lazy:
-            from shardkeep.lazy import LazyFile, LazyTensor
-
-            if index not in files:
-                store, where = resolver(manifest.files[index])
-                files[index] = LazyFile(
-                    store,
-                    where,
-                    manifest.files[index],
-                    verify=verify,
-                    describe=resolver.describe(manifest.files[index]),
-                )
-            position = next(i for i, e in enumerate(manifest.files[index].tensors) if e is entry)
-            result.append((entry.path, entry.order, LazyTensor(files[index], position)))
-        else:
-            result.append((entry.path, entry.order, None))
-    return result
-
-
-def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry]) -> None:
-    """Remove the ``None`` placeholders of absent tensors from mappings (lists keep them)."""
-    for entry in absent:
-        node: Any = loaded
-        for part in entry.path[:-1]:
-            node = node[part]
-        if isinstance(node, dict) and node.get(entry.path[-1], 0) is None:
-            del node[entry.path[-1]]

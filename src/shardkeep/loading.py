@@ -1,0 +1,254 @@
+"""A load job: which files and entries a rank needs, reading and checking them, assembling
+tensors and resharded regions, placeholders for what a partial load leaves out, and the fill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+from shardkeep.config import LoadOptions
+from shardkeep.errors import (
+    IntegrityError,
+    UnsupportedValueError,
+)
+from shardkeep.fill import fill_into
+from shardkeep.io import check_shard
+from shardkeep.manifest import (
+    Manifest,
+    TensorEntry,
+)
+from shardkeep.saving import collector_paused, progress_bar
+from shardkeep.tensors.convert import (
+    array_from_buffer,
+)
+from shardkeep.tensors.flatten import rebuild_state
+from shardkeep.tensors.keys import section_of
+from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
+from shardkeep.verification import (
+    CheckpointLocation,
+    FileResolver,
+    TierLocations,
+    file_set_problems,
+    select_files,
+)
+
+__all__ = ["LoadJob"]
+
+
+class LoadJob:
+    """One load of one checkpoint whose manifest was read and checked, in visible phases:
+
+    1. :meth:`select`: which files, and which entries of each, this rank needs (the tiers and
+       sections asked for, and only the chunks that overlap the regions ``into`` holds);
+    2. :meth:`read`: read (memory-map) and check every needed file, in parallel; any problem
+       raises :class:`~shardkeep.errors.IntegrityError` before a tensor is built;
+    3. :meth:`assemble`: build the tensors, sharded ones as full tensors or as this rank's
+       regions, and placeholders (or nothing) for what a partial load left out;
+    4. :meth:`fill`: fill ``into`` all or nothing (:func:`shardkeep.fill.fill_into`), or
+       return the state.
+    """
+
+    def __init__(
+        self,
+        location: CheckpointLocation,
+        manifest: Manifest,
+        options: LoadOptions,
+        *,
+        into: Any,
+        tiers: Iterable[str] | None,
+        sections: set[str] | None,
+        tier_locations: TierLocations | None,
+        storage_options: Mapping[str, Any] | None,
+        lazy: bool,
+        progress: bool,
+    ) -> None:
+        self.location = location
+        self.manifest = manifest
+        self.options = options
+        self.into = into
+        self.tiers = tiers
+        self.sections = sections
+        self.lazy = lazy
+        self.progress = progress
+        self.resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
+        self.partial = False
+        self.wanted: dict[str, tuple[list[int], list[int]]] = {}
+        self.needed: list[list[int] | None] = []
+        self.buffers: list[memoryview | None] = []
+        self.absent: dict[str, tuple[TensorEntry, int]] = {}
+
+    def run(self) -> Any:
+        self.select()
+        self.read()
+        return self.fill(self.assemble())
+
+    def select(self) -> None:
+        manifest = self.manifest
+        selected = set(select_files(manifest, self.tiers))
+        self.partial = len(selected) < len(manifest.files) or self.sections is not None
+        self.wanted = wanted_regions(self.into, manifest) if self.into is not None else {}
+        section_of = _section_function(manifest)
+        for index, record in enumerate(manifest.files):
+            entries = needed_entries(record, self.wanted)
+            if index not in selected:
+                entries = []
+            elif self.sections is not None:
+                keep = [
+                    i
+                    for i in (range(len(record.tensors)) if entries is None else entries)
+                    if section_of(record.tensors[i].key) in self.sections
+                ]
+                entries = None if entries is None and len(keep) == len(record.tensors) else keep
+            self.needed.append(entries)
+
+    def read(self) -> None:
+        manifest, needed, options = self.manifest, self.needed, self.options
+        problems: list[str] = []
+        if options.verify:
+            problems.extend(file_set_problems(self.location, manifest, resolver=self.resolver))
+        update, close = progress_bar(
+            sum(r.size for i, r in enumerate(manifest.files) if needed[i] != []),
+            f"load {self.location.name}",
+            self.progress,
+        )
+
+        def read_one(index: int) -> tuple[memoryview | None, list[str]]:
+            record = manifest.files[index]
+            if needed[index] == []:
+                return None, []  # not selected, or nothing in it overlaps what this rank loads
+            store, where = self.resolver(record)
+            buffer, found = check_shard(
+                store,
+                where,
+                record,
+                verify=options.verify,
+                keep=True,
+                use_mmap=options.mmap,
+                needed=needed[index],
+                on_bytes=update,
+            )
+            return buffer, self.resolver.annotate(record, found)
+
+        try:
+            with ThreadPoolExecutor(
+                max(1, min(options.io_threads, len(manifest.files) or 1)), thread_name_prefix="shardkeep-read"
+            ) as pool:
+                results = list(pool.map(read_one, range(len(manifest.files))))
+        finally:
+            close()
+        for _, file_problems in results:
+            problems.extend(file_problems)
+        if problems:
+            raise IntegrityError(f"checkpoint {self.location} failed verification: " + "; ".join(problems), problems)
+        self.buffers = [buffer for buffer, _ in results]
+
+    def assemble(self) -> Any:
+        manifest, wanted = self.manifest, self.wanted
+        with collector_paused():
+            tensors: list[tuple[list[str | int], int, Any]] = []
+            chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
+            loaded_keys: set[str] = set()
+            skipped: dict[str, tuple[TensorEntry, int]] = {}
+            for index, (record, buffer, wanted_here) in enumerate(
+                zip(manifest.files, self.buffers, self.needed, strict=True)
+            ):
+                chosen = (
+                    (range(len(record.tensors)) if wanted_here is None else wanted_here) if buffer is not None else ()
+                )
+                if self.partial:
+                    picked = set(chosen)
+                    for position, entry in enumerate(record.tensors):
+                        if position not in picked:
+                            skipped.setdefault(entry.key, (entry, index))
+                for position in chosen:
+                    assert buffer is not None
+                    entry = record.tensors[position]
+                    loaded_keys.add(entry.key)
+                    array = array_from_buffer(
+                        buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
+                    )
+                    if entry.global_offset is None:
+                        tensors.append((entry.path, entry.order, array))
+                    else:
+                        chunks.setdefault(entry.key, []).append((entry, array))
+            for key, parts in chunks.items():
+                tensors.append(assemble(parts, wanted.get(key)))
+            self.absent = {key: found for key, found in skipped.items() if key not in loaded_keys}
+            for key in wanted.keys() - chunks.keys():
+                if key in self.absent:
+                    continue  # on a tier or in a section this partial load leaves out
+                # This rank's region is empty (fewer rows than ranks): no chunk overlaps it.
+                first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
+                assert first.global_shape is not None
+                offset, shape = wanted[key]
+                tensors.append((first.path, first.order, Region([], offset, shape, first.global_shape, first.dtype)))
+            tensors.extend(
+                _placeholders(manifest, self.absent, self.resolver, lazy=self.lazy, verify=self.options.verify)
+            )
+            loaded = rebuild_state(manifest.structure, manifest.values, tensors)
+            if self.absent and not self.lazy:
+                _drop_absent(loaded, [entry for entry, _ in self.absent.values()])
+        return loaded
+
+    def fill(self, loaded: Any) -> Any:
+        if self.into is None:
+            return loaded
+        fill_into(self.into, loaded, partial=self.partial, absent=frozenset(self.absent))
+        return self.into
+
+
+def _section_function(manifest: Manifest) -> Callable[[str], str]:
+    optim = manifest.optim_state.prefixes if manifest.optim_state is not None else []
+    router = manifest.router_state.prefixes if manifest.router_state is not None else []
+    return lambda key: section_of(key, optim, router)
+
+
+def _placeholders(
+    manifest: Manifest,
+    absent: dict[str, tuple[TensorEntry, int]],
+    resolver: FileResolver,
+    *,
+    lazy: bool,
+    verify: bool,
+) -> list[tuple[list[str | int], int, Any]]:
+    """Leaves for tensors a partial load left out: lazy placeholders, or ``None`` (removed
+    again from mappings by :func:`_drop_absent`; kept inside lists so indices stay right)."""
+    result: list[tuple[list[str | int], int, Any]] = []
+    files: dict[int, Any] = {}
+    for key, (entry, index) in absent.items():
+        if entry.global_offset is not None and lazy:
+            raise UnsupportedValueError(
+                f"tensor {key!r} is stored in chunks; lazy loading of sharded tensors is not supported"
+            )
+        if lazy:
+            from shardkeep.lazy import LazyFile, LazyTensor
+
+            if index not in files:
+                store, where = resolver(manifest.files[index])
+                files[index] = LazyFile(
+                    store,
+                    where,
+                    manifest.files[index],
+                    verify=verify,
+                    describe=resolver.describe(manifest.files[index]),
+                )
+            position = next(i for i, e in enumerate(manifest.files[index].tensors) if e is entry)
+            result.append((entry.path, entry.order, LazyTensor(files[index], position)))
+        else:
+            result.append((entry.path, entry.order, None))
+    return result
+
+
+def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry]) -> None:
+    """Remove the ``None`` placeholders of absent tensors from mappings (lists keep them)."""
+    for entry in absent:
+        node: Any = loaded
+        for part in entry.path[:-1]:
+            node = node[part]
+        if isinstance(node, dict) and node.get(entry.path[-1], 0) is None:
+            del node[entry.path[-1]]
