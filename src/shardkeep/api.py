@@ -14,10 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from shardkeep.async_saving import AsyncSaver, SaveHandle
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions

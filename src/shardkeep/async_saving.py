@@ -8,27 +8,20 @@ group's key-value store, and the coordinator commits once every rank has reporte
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-if TYPE_CHECKING:
-    pass
+import msgspec
 
 from shardkeep.config import SaveOptions
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import (
-    CoordinationError,
     SaveInProgressError,
-    ShardkeepError,
 )
-from shardkeep.manifest import (
-    Manifest,
-)
+from shardkeep.manifest import FileRecord, Manifest
 from shardkeep.saving import SaveJob, SaveLayout, SaveMetadata, collector_paused, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.storage import ByteStore
@@ -191,81 +184,22 @@ def _finish_in_background(
 
 
 def _finish_through_store(job: SaveJob) -> Manifest:
-    """Exchange outcomes through the process group's key-value store: every rank posts its
-    records or its error; the coordinator waits for all (with the deadline), commits or aborts,
-    and posts the result, which the other ranks wait for."""
-    import pickle
-
-    from torch.distributed import distributed_c10d
-
-    coordinator = job.coordinator
-    store = distributed_c10d._get_default_store()
+    """Exchange each rank's file records through the coordinator's store barrier (JSON, no
+    pickle); the coordinator commits, the other ranks read the committed manifest."""
     assert job.commit is not None
-    prefix = f"shardkeep/{job.commit.staging}"
-    deadline = _dt.timedelta(seconds=coordinator.timeout)
-    try:
-        outcome: tuple[str, Any] = ("ok", job.write())
-    except Exception as exc:
-        outcome = ("error", f"{type(exc).__name__}: {exc}")
-    store.set(f"{prefix}/rank{coordinator.rank}", pickle.dumps(outcome))  # type: ignore[arg-type]  # Store.set takes bytes too
-    result: tuple[str, Any]
-    if coordinator.is_coordinator:
-        try:
-            keys = [f"{prefix}/rank{rank}" for rank in range(coordinator.world_size)]
-            store.wait(keys, deadline)
-            outcomes = [pickle.loads(store.get(key)) for key in keys]
-            for key in keys:
-                store.delete_key(key)
-            failures = {rank: text for rank, (kind, text) in enumerate(outcomes) if kind == "error"}
-            if failures:
-                raise CoordinationError(
-                    f"writing the shards failed on rank(s) {sorted(failures)} of {coordinator.world_size}: "
-                    + "; ".join(f"rank {rank}: {text}" for rank, text in failures.items()),
-                    failures,
-                )
-            manifest = job.finish([records for _, records in outcomes])
-            assert manifest is not None
-            result = ("ok", None)  # a small key: the other ranks read the committed manifest
-        except BaseException as exc:
-            failures = exc.failures if isinstance(exc, CoordinationError) else {0: f"{type(exc).__name__}: {exc}"}
-            message = str(exc) if isinstance(exc, CoordinationError) else f"committing failed on rank 0: {exc}"
-            if "deadline" not in message and not isinstance(exc, ShardkeepError):
-                message = f"{message} (a rank may have missed the {coordinator.timeout:.0f} s deadline)"
-            try:
-                job.abort()
-            except ShardkeepError as cleanup:
-                message = f"{message}; removing the staging directory failed too: {cleanup}"
-            result = ("error", (message, failures))
-        store.set(f"{prefix}/result", pickle.dumps(result))  # type: ignore[arg-type]  # Store.set takes bytes too
-        _await_acknowledgements(store, prefix, coordinator.world_size, deadline)
-        if result[0] == "ok":
-            return cast(Manifest, job.manifest)
-    else:
-        try:
-            # The coordinator may spend up to one deadline waiting for the slowest rank and then
-            # commit: wait for two, so a slow but successful commit is not reported as failed.
-            store.wait([f"{prefix}/result"], 2 * deadline)
-            result = pickle.loads(store.get(f"{prefix}/result"))
-            store.set(f"{prefix}/ack{coordinator.rank}", b"1")  # type: ignore[arg-type]  # Store.set takes bytes too
-        except Exception as exc:
-            raise CoordinationError(
-                f"the coordinator did not report the outcome within twice the {coordinator.timeout:.0f} s "
-                f"deadline; the checkpoint may or may not have been committed ({exc})"
-            ) from exc
+    committed: list[Manifest] = []
 
-    if result[0] == "ok":
-        return read_manifest(job.location.name, storage=job.location.store)
-    error_message, error_failures = cast(tuple[str, dict[int, str]], result[1])
-    raise CoordinationError(error_message, error_failures)
+    def complete(payloads: list[bytes]) -> None:
+        manifest = job.finish([_RECORDS.decode(payload) for payload in payloads])
+        assert manifest is not None
+        committed.append(manifest)
+
+    job.coordinator.finish_through_store(
+        f"shardkeep/{job.commit.staging}", lambda: msgspec.json.encode(job.write()), complete, job.abort
+    )
+    if committed:
+        return committed[0]
+    return read_manifest(job.location.name, storage=job.location.store)
 
 
-def _await_acknowledgements(store: Any, prefix: str, world_size: int, deadline: _dt.timedelta) -> None:
-    """The coordinator hosts the key-value store in the usual TCP setup: before its handle
-    completes (after which the process may exit), wait until every other rank has read the
-    outcome. A rank that never acknowledges is not waited for beyond the deadline."""
-    keys = [f"{prefix}/ack{rank}" for rank in range(1, world_size)]
-    with contextlib.suppress(Exception):
-        store.wait(keys, deadline)
-    with contextlib.suppress(Exception):
-        for key in [*keys, f"{prefix}/result"]:
-            store.delete_key(key)
+_RECORDS = msgspec.json.Decoder(list[FileRecord])

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.manifest import (

@@ -19,7 +19,9 @@ same order. Not thread-safe; one operation at a time per process.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import json
 import threading
 import traceback
 from collections.abc import Callable
@@ -218,3 +220,85 @@ class Coordinator:
         if failure is not None:
             raise failure
         raise same_error(*payload)
+
+    def finish_through_store(
+        self,
+        key: str,
+        local: Callable[[], bytes],
+        complete: Callable[[list[bytes]], None],
+        abort: Callable[[], None],
+    ) -> None:
+        """The commit barrier of an async save, for a background thread: no collectives.
+
+        Every rank posts the bytes ``local()`` returns (or its error) under ``key`` in the process
+        group's key-value store. The coordinator waits for every rank within the deadline, then
+        calls ``complete`` with their bytes in rank order, or ``abort``, and posts the outcome;
+        the other ranks wait for it (up to twice the deadline: the coordinator may spend one
+        waiting for the slowest rank). If any rank or the commit failed, every rank raises
+        :class:`CoordinationError`. Only raw bytes and JSON cross the store: no pickle.
+        """
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        deadline = _dt.timedelta(seconds=self.timeout)
+        try:
+            posted = b"ok\n" + local()
+        except Exception as exc:
+            posted = b"error\n" + f"{type(exc).__name__}: {exc}".encode()
+        store.set(f"{key}/rank{self.rank}", posted)  # type: ignore[arg-type]  # Store.set takes bytes too
+        if self.is_coordinator:
+            try:
+                keys = [f"{key}/rank{rank}" for rank in range(self.world_size)]
+                store.wait(keys, deadline)
+                outcomes = [store.get(name) for name in keys]
+                for name in keys:
+                    store.delete_key(name)
+                failures = {
+                    rank: data.partition(b"\n")[2].decode(errors="replace")
+                    for rank, data in enumerate(outcomes)
+                    if not data.startswith(b"ok\n")
+                }
+                if failures:
+                    raise CoordinationError(
+                        f"writing the shards failed on rank(s) {sorted(failures)} of {self.world_size}: "
+                        + "; ".join(f"rank {rank}: {text}" for rank, text in failures.items()),
+                        failures,
+                    )
+                complete([data[3:] for data in outcomes])
+                result = b"ok"
+            except BaseException as exc:
+                failures = exc.failures if isinstance(exc, CoordinationError) else {0: f"{type(exc).__name__}: {exc}"}
+                message = str(exc) if isinstance(exc, CoordinationError) else f"committing failed on rank 0: {exc}"
+                if "deadline" not in message and not isinstance(exc, ShardkeepError):
+                    message = f"{message} (a rank may have missed the {self.timeout:.0f} s deadline)"
+                try:
+                    abort()
+                except ShardkeepError as cleanup:
+                    message = f"{message}; removing the staging directory failed too: {cleanup}"
+                result = b"error\n" + json.dumps({"message": message, "failures": failures}).encode()
+            store.set(f"{key}/result", result)  # type: ignore[arg-type]  # Store.set takes bytes too
+            self._await_acknowledgements(store, key, deadline)
+        else:
+            try:
+                store.wait([f"{key}/result"], 2 * deadline)
+                result = store.get(f"{key}/result")
+                store.set(f"{key}/ack{self.rank}", b"1")  # type: ignore[arg-type]  # Store.set takes bytes too
+            except Exception as exc:
+                raise CoordinationError(
+                    f"the coordinator did not report the outcome within twice the {self.timeout:.0f} s "
+                    f"deadline; the checkpoint may or may not have been committed ({exc})"
+                ) from exc
+        if result != b"ok":
+            report = json.loads(result.partition(b"\n")[2])
+            raise CoordinationError(report["message"], {int(rank): text for rank, text in report["failures"].items()})
+
+    def _await_acknowledgements(self, store: Any, key: str, deadline: _dt.timedelta) -> None:
+        """The coordinator hosts the key-value store in the usual TCP setup: before it returns
+        (after which its process may exit), wait until every other rank has read the outcome. A
+        rank that never acknowledges is not waited for beyond the deadline."""
+        keys = [f"{key}/ack{rank}" for rank in range(1, self.world_size)]
+        with contextlib.suppress(Exception):
+            store.wait(keys, deadline)
+        with contextlib.suppress(Exception):
+            for name in [*keys, f"{key}/result"]:
+                store.delete_key(name)
