@@ -12,16 +12,14 @@ it needs before it builds a single tensor, assembles resharded regions
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardkeep.async_saving import AsyncSaver, SaveHandle
 from shardkeep.config import LoadOptions, ManifestLimits, SaveOptions
-from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT
 from shardkeep.errors import (
     ConfigError,
-    SaveInProgressError,
     UnsupportedValueError,
 )
 from shardkeep.integrity import SignaturePolicy
@@ -32,13 +30,7 @@ from shardkeep.manifest import (
     RunInfo,
     Tier,
 )
-from shardkeep.saving import (
-    SaveJob,
-    SaveLayout,
-    SaveMetadata,
-    collector_paused,
-    metric_values,
-)
+from shardkeep.saving import SaveSettings, collector_paused, run_save
 from shardkeep.storage import ByteStore
 from shardkeep.tiers import Placement
 from shardkeep.verification import (
@@ -56,11 +48,11 @@ def save(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
-    digest: str = "blake3",
+    digest: str = SaveOptions.digest,
     byte_budget: int = SaveOptions.byte_budget,
     io_threads: int = SaveOptions.io_threads,
     file_size_target: int = SaveOptions.file_size_target,
-    compression: str | None = None,
+    compression: str | None = SaveOptions.compression,
     compression_level: int = SaveOptions.compression_level,
     model_id: str | None = None,
     step: int | None = None,
@@ -126,39 +118,7 @@ def save(
     ``started`` (a ``time.perf_counter()`` value; default: now) is when the caller's pause
     began, recorded in the manifest's ``timing`` (the checkpoint manager passes its own start).
     """
-    options = SaveOptions(
-        digest=digest,
-        byte_budget=byte_budget,
-        io_threads=io_threads,
-        file_size_target=file_size_target,
-        compression=compression,
-        compression_level=compression_level,
-    )
-    job = SaveJob(
-        state,
-        locate(path, storage, storage_options),
-        options,
-        Coordinator(process_group, timeout=timeout),
-        budget=budget,
-        progress=progress,
-        metadata=SaveMetadata(
-            model_id, step, epoch, training, sharding_strategy, custom_fields, metric_values(metrics), run
-        ),
-        layout=SaveLayout(tiers, placement, incremental, storage_options),
-        signer=signer,
-    )
-    if started is not None:
-        job.started = started
-    coordinator = job.coordinator
-    try:
-        job.prepare()
-        records = coordinator.step("write the shards", job.write)
-        committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
-    except BaseException:
-        job.abort()
-        raise
-    assert committed is not None
-    return committed
+    return run_save(state, path, SaveSettings.from_arguments(locals()))
 
 
 def async_save(
@@ -167,11 +127,11 @@ def async_save(
     *,
     wait: bool = True,
     staging_budget: int | None = None,
-    digest: str = "blake3",
+    digest: str = SaveOptions.digest,
     byte_budget: int = SaveOptions.byte_budget,
     io_threads: int = SaveOptions.io_threads,
     file_size_target: int = SaveOptions.file_size_target,
-    compression: str | None = None,
+    compression: str | None = SaveOptions.compression,
     compression_level: int = SaveOptions.compression_level,
     model_id: str | None = None,
     step: int | None = None,
@@ -213,39 +173,14 @@ def async_save(
     began, for the manifest's ``timing``: the checkpoint manager passes the start of its own
     ``async_save``.
     """
-    started = time.perf_counter() if started is None else started
-    # One save at a time, from the snapshot until the handle is registered: two threads must
-    # never stage into the shared arena together.
-    saver = AsyncSaver.default()
-    if not saver.lock.acquire(blocking=wait, timeout=timeout if wait else -1):
-        raise SaveInProgressError("another async_save is staging in this process; pass wait=True to queue")
-    try:
-        return saver.submit(
-            state,
-            path,
-            started=started,
-            wait=wait,
-            staging_budget=staging_budget,
-            options=SaveOptions(
-                digest=digest,
-                byte_budget=byte_budget,
-                io_threads=io_threads,
-                file_size_target=file_size_target,
-                compression=compression,
-                compression_level=compression_level,
-            ),
-            metadata=SaveMetadata(
-                model_id, step, epoch, training, sharding_strategy, custom_fields, metric_values(metrics), run
-            ),
-            storage=storage,
-            layout=SaveLayout(tiers, placement, incremental, storage_options),
-            signer=signer,
-            process_group=process_group,
-            timeout=timeout,
-            after_commit=after_commit,
-        )
-    finally:
-        saver.lock.release()
+    return AsyncSaver.default().save(
+        state,
+        path,
+        SaveSettings.from_arguments(locals()),
+        wait=wait,
+        staging_budget=staging_budget,
+        after_commit=after_commit,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,19 +12,18 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 
-from shardkeep.config import SaveOptions
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import (
     SaveInProgressError,
 )
 from shardkeep.manifest import FileRecord, Manifest
-from shardkeep.saving import SaveJob, SaveLayout, SaveMetadata, collector_paused, state_sections
+from shardkeep.saving import SaveJob, SaveSettings, collector_paused, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
-from shardkeep.storage import ByteStore
 from shardkeep.verification import (
     locate,
     read_manifest,
@@ -93,24 +92,40 @@ class AsyncSaver:
                 cls._default = cls()
             return cls._default
 
-    def submit(
+    def save(
         self,
         state: Mapping[str, Any],
         path: str | os.PathLike[str],
+        settings: SaveSettings,
         *,
-        started: float,
+        wait: bool = True,
+        staging_budget: int | None = None,
+        after_commit: Callable[[Manifest], None] | None = None,
+    ) -> SaveHandle:
+        """The body of :func:`~shardkeep.async_save`: one save stages at a time, from the
+        snapshot until its handle is registered (two threads must never stage into the shared
+        arena together)."""
+        if settings.started is None:
+            settings = replace(settings, started=time.perf_counter())
+        if not self.lock.acquire(blocking=wait, timeout=settings.timeout if wait else -1):
+            raise SaveInProgressError("another async_save is staging in this process; pass wait=True to queue")
+        try:
+            return self._submit(state, path, settings, wait, staging_budget, after_commit)
+        finally:
+            self.lock.release()
+
+    def _submit(
+        self,
+        state: Mapping[str, Any],
+        path: str | os.PathLike[str],
+        settings: SaveSettings,
         wait: bool,
         staging_budget: int | None,
-        options: SaveOptions,
-        metadata: SaveMetadata,
-        storage: ByteStore | None,
-        layout: SaveLayout,
-        signer: Any,
-        process_group: Any,
-        timeout: float,
         after_commit: Callable[[Manifest], None] | None,
     ) -> SaveHandle:
-        """The body of :func:`~shardkeep.api.async_save`, run while holding the lock."""
+        """Wait for the save in flight, stage the state, prepare the job (collectives) and
+        start the background thread; called while holding the lock."""
+        timeout = settings.timeout
         previous = self._inflight
         if previous is not None and not previous.done():
             if not wait:
@@ -119,8 +134,8 @@ class AsyncSaver:
                 raise SaveInProgressError(
                     f"the previous save of {previous.path} is still running after {timeout:.0f} s"
                 )
-        coordinator = Coordinator(process_group, timeout=timeout)
-        location = locate(path, storage, layout.storage_options)
+        coordinator = Coordinator(settings.process_group, timeout=timeout)
+        location = locate(path, settings.storage, settings.storage_options)
         staged: dict[str, Any] = {}
 
         def stage() -> None:
@@ -129,19 +144,7 @@ class AsyncSaver:
                 staged = snapshot_state(state, self.arena, budget=staging_budget)
 
         coordinator.step("stage the state", stage)
-        job = SaveJob(
-            staged,
-            location,
-            options,
-            coordinator,
-            budget=None,
-            progress=False,
-            metadata=metadata,
-            sections=state_sections(state, []),
-            layout=layout,
-            signer=signer,
-        )
-        job.started = started
+        job = SaveJob(staged, location, settings, coordinator, sections=state_sections(state, []))
         try:
             job.prepare()
         except BaseException:
@@ -152,7 +155,7 @@ class AsyncSaver:
         worker = threading.Thread(
             target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
         )
-        job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - started
+        job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started
         worker.start()
         return handle
 

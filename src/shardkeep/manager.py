@@ -20,10 +20,11 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import shardkeep.api as api
+from shardkeep.async_saving import AsyncSaver
 from shardkeep.catalog import (
     DEFAULT_LEASE,
     CheckpointEntry,
@@ -49,8 +50,9 @@ from shardkeep.errors import (
     StorageError,
 )
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, lineage
+from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, Tier, lineage
 from shardkeep.retention import RetentionPolicy, policy_from_config
+from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import ByteStore, LocalStore, open_store, renames
 from shardkeep.training import (
     FILLED,
@@ -68,24 +70,6 @@ __all__ = ["CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint"]
 
 logger = logging.getLogger("shardkeep")
 
-_SAVE_OPTIONS = frozenset(
-    {
-        "digest",
-        "byte_budget",
-        "io_threads",
-        "file_size_target",
-        "compression",
-        "compression_level",
-        "tiers",
-        "placement",
-        "signer",
-        "model_id",
-        "epoch",
-        "training",
-        "sharding_strategy",
-        "custom_fields",
-    }
-)
 _CORRUPT_MARKER = ".corrupt-"
 
 
@@ -188,11 +172,14 @@ class CheckpointManager:
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
-        unknown = sorted(set(save_options) - _SAVE_OPTIONS)
+        accepted = SaveSettings.manager_options()
+        unknown = sorted(set(save_options) - set(accepted))
         if unknown:
             raise ConfigError(
-                f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(_SAVE_OPTIONS))}"
+                f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(accepted))}"
             )
+        #: The save options this manager forwards to every save (validated now, not at the first save).
+        self.save_settings = SaveSettings(**save_options)
         if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id)):
             raise ConfigError(
                 f"run_id={run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', starting alphanumeric"
@@ -201,12 +188,12 @@ class CheckpointManager:
             raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
         if not isinstance(incremental, bool):
             raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
-        if incremental and save_options.get("compression"):
+        if incremental and self.save_settings.compression:
             raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
         if not isinstance(read_only, bool):
             raise ConfigError(f"read_only={read_only!r} must be True or False")
         self.signatures = SignaturePolicy.of(public_key, require_signature)
-        if self.signatures.required and save_options.get("signer") is None and not read_only:
+        if self.signatures.required and self.save_settings.signer is None and not read_only:
             raise ConfigError(
                 "this manager requires signed checkpoints (public_key= or require_signature=True) but has no "
                 "signer=, so its own saves would be unsigned and then refused: pass signer= (on every rank), "
@@ -238,7 +225,7 @@ class CheckpointManager:
             tier_locations=self.tier_locations,
         )
         self.catalog.tier_homes = {
-            tier.location for tier in save_options.get("tiers") or () if getattr(tier, "location", None)
+            tier.location for tier in self.save_settings.tiers or () if isinstance(tier, Tier) and tier.location
         }
         self._run_id = run_id
         self.allow_other_runs = allow_other_runs
@@ -248,7 +235,6 @@ class CheckpointManager:
         self.process_group = process_group
         self.timeout = timeout
         self.progress = progress
-        self.save_options = save_options
         self._pending: PendingSave | None = None
         self._lock = threading.RLock()
         self._flags: dict[str, tuple[bool, bool, bool, bool | None]] = {}
@@ -305,9 +291,8 @@ class CheckpointManager:
             self.wait()
             coordinator = self._coordinator()
             name, payload, run = self._prepare(state, step, metrics, coordinator)
-            manifest = api.save(
-                payload, name, progress=self.progress, started=started, **self._save_arguments(step, metrics, run)
-            )
+            settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
+            manifest = run_save(payload, name, settings)
             self._history = lineage(manifest)  # committed: on record even if retention fails
             coordinator.on_coordinator("apply retention", lambda: self._retain(name))
             return self._entry_after_save(name, manifest)
@@ -334,8 +319,8 @@ class CheckpointManager:
                 if coordinator.is_coordinator:  # background thread: no collectives, the coordinator prunes
                     self._retain(name)
 
-            handle = api.async_save(
-                payload, name, after_commit=after_commit, started=started, **self._save_arguments(step, metrics, run)
+            handle = AsyncSaver.default().save(
+                payload, name, self._settings_for(step, metrics, run, started), after_commit=after_commit
             )
             self._pending = PendingSave(self, handle, name)
             return self._pending
@@ -356,19 +341,20 @@ class CheckpointManager:
             if pending.done():
                 self._pending = None
 
-    def _save_arguments(self, step: int, metrics: Mapping[str, Any] | None, run: RunInfo) -> dict[str, Any]:
-        """The keyword arguments ``save`` and ``async_save`` share."""
-        return {
-            "step": step,
-            "metrics": metrics,
-            "run": run,
-            "storage": self.store,
-            "storage_options": self.storage_options,
-            "incremental": (self._base or True) if self.incremental else False,
-            "process_group": self.process_group,
-            "timeout": self.timeout,
-            **self.save_options,
-        }
+    def _settings_for(self, step: int, metrics: Mapping[str, Any] | None, run: RunInfo, started: float) -> SaveSettings:
+        """This manager's save settings, with the facts of one save filled in."""
+        return replace(
+            self.save_settings,
+            step=step,
+            metrics=metrics,
+            run=run,
+            storage=self.store,
+            storage_options=self.storage_options,
+            incremental=(self._base or True) if self.incremental else False,
+            process_group=self.process_group,
+            timeout=self.timeout,
+            started=started,
+        )
 
     def _prepare(
         self,

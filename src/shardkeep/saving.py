@@ -12,7 +12,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import ATTEMPT_PREFIX, CheckpointCommit
-from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.distributed.plan import ItemDescriptor, assign_writers, coverage_problems
 from shardkeep.errors import (
     StorageError,
@@ -42,7 +43,7 @@ from shardkeep.manifest import (
     encode_manifest,
     validate_manifest,
 )
-from shardkeep.storage import LocalStore, open_store
+from shardkeep.storage import ByteStore, LocalStore, open_store
 from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
 from shardkeep.tensors.keys import ROUTER_KEY, section_of
 from shardkeep.tiers import Placement, check_tiers, place
@@ -56,10 +57,10 @@ from shardkeep.verification import (
 __all__ = [
     "DEFAULT_TIER",
     "SaveJob",
-    "SaveLayout",
-    "SaveMetadata",
+    "SaveSettings",
     "collector_paused",
     "metric_values",
+    "run_save",
     "progress_bar",
     "state_sections",
     "warn_if_over_read_limits",
@@ -148,24 +149,81 @@ def _ensure_directory(path: str) -> None:
         raise StorageError(f"fsync of directory {parent!r} failed: {exc.strerror}") from exc
 
 
-class SaveMetadata(NamedTuple):
-    model_id: str | None
-    step: int | None
-    epoch: int | None
-    training: Mapping[str, Any] | None
-    sharding_strategy: str | None
-    custom_fields: Mapping[str, Any] | None
-    metrics: dict[str, float | None]
-    run: RunInfo | None
+_CALL = {"scope": "call"}  # set per call (the checkpoint manager sets these itself)
+_SYNC_ONLY = {"scope": "call", "async": False}  # not an option of ``async_save``
 
 
-class SaveLayout(NamedTuple):
-    """Where a save puts its tensors: tiers, placement rules, incremental base."""
+@dataclass(frozen=True, kw_only=True)
+class SaveSettings:
+    """Every option of a save, in one frozen object: the single source of the keyword options
+    of :func:`~shardkeep.save` and :func:`~shardkeep.async_save` (a test checks their
+    signatures against these fields: names, defaults and annotations), and what
+    :class:`~shardkeep.CheckpointManager` holds and forwards.
 
+    The fields come in four groups: how files are written (validated at once as a
+    :class:`~shardkeep.config.SaveOptions`, :attr:`io`); what the manifest records; where
+    tensors go and who signs; and the call's context. Fields marked ``scope="call"`` are
+    per-save facts that the checkpoint manager sets itself (``step``, ``metrics`` ...); the
+    others are what ``CheckpointManager(**options)`` accepts (:meth:`manager_options`).
+    """
+
+    # How files are written.
+    digest: str = SaveOptions.digest
+    byte_budget: int = SaveOptions.byte_budget
+    io_threads: int = SaveOptions.io_threads
+    file_size_target: int = SaveOptions.file_size_target
+    compression: str | None = SaveOptions.compression
+    compression_level: int = SaveOptions.compression_level
+    # What the manifest records.
+    model_id: str | None = None
+    step: int | None = field(default=None, metadata=_CALL)
+    epoch: int | None = None
+    training: Mapping[str, Any] | None = None
+    sharding_strategy: str | None = None
+    custom_fields: Mapping[str, Any] | None = None
+    metrics: Mapping[str, float | None] | None = field(default=None, metadata=_CALL)
+    run: RunInfo | None = field(default=None, metadata=_CALL)
+    # Where tensors go, and who signs.
     tiers: Sequence[Tier] | None = None
     placement: Placement | None = None
-    incremental: bool | str | os.PathLike[str] = False
-    storage_options: Mapping[str, Any] | None = None
+    incremental: bool | str | os.PathLike[str] = field(default=False, metadata=_CALL)
+    signer: Any = None
+    # The call's context.
+    progress: bool = field(default=False, metadata=_SYNC_ONLY)
+    budget: ByteBudget | None = field(default=None, metadata=_SYNC_ONLY)
+    storage: ByteStore | None = field(default=None, metadata=_CALL)
+    storage_options: Mapping[str, Any] | None = field(default=None, metadata=_CALL)
+    process_group: Any = field(default=None, metadata=_CALL)
+    timeout: float = field(default=DEFAULT_TIMEOUT, metadata=_CALL)
+    started: float | None = field(default=None, metadata=_CALL)
+    #: The write options, validated (built from the first group of fields).
+    io: SaveOptions = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        io = SaveOptions(
+            digest=self.digest,
+            byte_budget=self.byte_budget,
+            io_threads=self.io_threads,
+            file_size_target=self.file_size_target,
+            compression=self.compression,
+            compression_level=self.compression_level,
+        )
+        object.__setattr__(self, "io", io)
+
+    @classmethod
+    def option_fields(cls, *, for_async: bool = False) -> list[Field[Any]]:
+        """The fields that are keyword options of ``save`` (or of ``async_save``), in order."""
+        return [f for f in fields(cls) if f.init and (not for_async or f.metadata.get("async", True))]
+
+    @classmethod
+    def manager_options(cls) -> list[str]:
+        """The names ``CheckpointManager(**options)`` accepts and forwards to every save."""
+        return [f.name for f in cls.option_fields() if f.metadata.get("scope") != "call"]
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> SaveSettings:
+        """The settings of a call, from its ``locals()`` (``save`` and ``async_save``)."""
+        return cls(**{f.name: arguments[f.name] for f in cls.option_fields() if f.name in arguments})
 
 
 class SaveJob:
@@ -181,61 +239,56 @@ class SaveJob:
         self,
         state: Mapping[str, Any],
         location: CheckpointLocation,
-        options: SaveOptions,
+        settings: SaveSettings,
         coordinator: Coordinator,
         *,
-        budget: ByteBudget | None,
-        progress: bool,
-        metadata: SaveMetadata,
         sections: tuple[StateSection | None, StateSection | None, Training] | None = None,
-        layout: SaveLayout | None = None,
-        signer: Any = None,
     ) -> None:
-        layout = layout or SaveLayout()
-        if signer is not None and options.digest not in CRYPTOGRAPHIC_DIGESTS:
+        options = settings.io
+        if settings.signer is not None and options.digest not in CRYPTOGRAPHIC_DIGESTS:
             raise UnsupportedValueError(
                 f"signer= needs a cryptographic digest, not digest={options.digest!r}: a signature covers the "
                 "data only through the digests (use 'blake3' or 'sha256')"
             )
-        self.signer = signer
+        self.settings = settings
+        self.signer = settings.signer
         self.private_key: Ed25519PrivateKey | None = None
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if settings.started is None else settings.started
         #: Set by ``async_save`` once the caller resumes; a synchronous save blocks throughout.
         self.blocked_seconds: float | None = None
         self.state = state
         self.location = location
         self.options = options
         self.coordinator = coordinator
-        self.budget = budget or ByteBudget(options.byte_budget)
+        self.budget = settings.budget or ByteBudget(options.byte_budget)
         if self.budget.limit != options.byte_budget:
             raise UnsupportedValueError("budget= must have the same limit as byte_budget=")
-        self.progress = progress
-        self.metadata = metadata
+        self.progress = settings.progress
+        self.metrics = metric_values(settings.metrics)
         self.sections = sections
-        self.default_tiers = not layout.tiers
-        self.tiers = check_tiers(layout.tiers) if layout.tiers else [Tier(tier_id=1, name=DEFAULT_TIER)]
-        self.placement = layout.placement
-        if layout.placement is not None and not layout.tiers:
+        tiers, incremental = settings.tiers, settings.incremental
+        if tiers is not None and (isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence)):
+            raise UnsupportedValueError("tiers= must be a list of shardkeep.Tier")
+        self.default_tiers = not tiers
+        self.tiers = check_tiers(tiers) if tiers else [Tier(tier_id=1, name=DEFAULT_TIER)]
+        self.placement = settings.placement
+        if settings.placement is not None and not tiers:
             raise UnsupportedValueError("placement= needs tiers=: define the tiers the rules name")
         self.tier_stores = {
-            tier.name: open_store(tier.location, layout.storage_options)
+            tier.name: open_store(tier.location, settings.storage_options)
             for tier in self.tiers
             if tier.location is not None
         }
-        if not isinstance(layout.incremental, (bool, str, os.PathLike)):
+        if not isinstance(incremental, (bool, str, os.PathLike)):
             raise UnsupportedValueError(
-                f"incremental={layout.incremental!r} must be True, False, or the path of an earlier checkpoint"
+                f"incremental={incremental!r} must be True, False, or the path of an earlier checkpoint"
             )
-        if layout.tiers is not None and (
-            isinstance(layout.tiers, (str, bytes)) or not isinstance(layout.tiers, Sequence)
-        ):
-            raise UnsupportedValueError("tiers= must be a list of shardkeep.Tier")
-        self.incremental = layout.incremental is not False
+        self.incremental = incremental is not False
         self.base: CheckpointLocation | None = None
-        if layout.incremental is not False and layout.incremental is not True:
+        if incremental is not False and incremental is not True:
             if options.compression:
                 raise UnsupportedValueError("incremental saves cannot be compressed yet; pass compression=None")
-            self.base = _sibling(layout.incremental, location, layout.storage_options)
+            self.base = _sibling(incremental, location, settings.storage_options)
         self.base_manifest: Manifest | None = None
         self.tier_of: dict[str, str] = {}
         self.flat = FlatState()
@@ -358,7 +411,8 @@ class SaveJob:
                 world_size=coordinator.world_size,
                 digest=self.options.digest,
                 tiers=self.tiers,
-                metadata=self.metadata,
+                settings=self.settings,
+                metrics=self.metrics,
                 sections=self.sections,
             )
 
@@ -522,7 +576,8 @@ def _manifest_for(
     world_size: int,
     digest: str,
     tiers: list[Tier],
-    metadata: SaveMetadata,
+    settings: SaveSettings,
+    metrics: dict[str, float | None],
     sections: tuple[StateSection | None, StateSection | None, Training] | None,
 ) -> Manifest:
     """The manifest of this save, with this rank's file records (the coordinator merges all)."""
@@ -532,24 +587,24 @@ def _manifest_for(
         # optimizer section and training fields come from the caller's original state.
         optim, _, detected = sections
     chunked = any(item.global_offset is not None for items in held for item in items)
-    strategy = metadata.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
+    strategy = settings.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
-        model_id=metadata.model_id,
-        step=metadata.step,
-        epoch=metadata.epoch,
+        model_id=settings.model_id,
+        step=settings.step,
+        epoch=settings.epoch,
         world_size=world_size,
         digest_algorithm=digest,
         sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
-        training=_training_fields(metadata.training, detected),
+        training=_training_fields(settings.training, detected),
         tiers=tiers,
         files=records,
         optim_state=optim,
         router_state=router,
         structure=flat.containers,
         values=flat.values,
-        custom_fields=_plain_json_mapping("custom_fields", metadata.custom_fields),
-        metrics=metadata.metrics,
-        run=metadata.run,
+        custom_fields=_plain_json_mapping("custom_fields", settings.custom_fields),
+        metrics=metrics,
+        run=settings.run,
     )
 
 
@@ -619,3 +674,24 @@ def _precision(held: list[list[ItemDescriptor]]) -> str | None:
             if item.dtype in _PRECISION:
                 float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
+
+
+def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:
+    """The body of :func:`~shardkeep.save` (and of the checkpoint manager's save): prepare,
+    write (every rank), commit (the coordinator), and abort on any failure."""
+    job = SaveJob(
+        state,
+        locate(path, settings.storage, settings.storage_options),
+        settings,
+        Coordinator(settings.process_group, timeout=settings.timeout),
+    )
+    coordinator = job.coordinator
+    try:
+        job.prepare()
+        records = coordinator.step("write the shards", job.write)
+        committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
+    except BaseException:
+        job.abort()
+        raise
+    assert committed is not None
+    return committed
