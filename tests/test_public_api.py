@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,39 +62,31 @@ EXPECTED_ALL = [
     "verify",
 ]
 
-# Lower numbers are lower layers (DESIGN.md). Within a layer, a module may use the ones listed
-# before it; a subpackage's modules may import each other.
-LAYER_ORDER = [
-    "errors",
-    "config",
-    "manifest",
-    "storage",
-    "integrity",
-    "tensors",
-    "snapshot",
-    "io",
-    "lazy",
-    "tiers",
-    "distributed",
-    "retention",
-    "ledger",
-    "verification",
-    "catalog",
-    "report",
-    "fill",
-    "layout",
-    "saving",
-    "async_saving",
-    "loading",
-    "api",
-    "training",
-    "manager",
-    "batches",
-    "interop",
-    "cli",
-    "__init__",
-    "__main__",
-]
+DESIGN_TABLE = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
+
+
+def _layer_table() -> tuple[list[str], dict[str, list[str]]]:
+    """The layer order and the subpackages' modules, read from the module map in
+    docs/concepts.md: the second column of each row lists modules bottom-up, in order; a
+    subpackage (``name/``) lists its modules in parentheses."""
+    text = DESIGN_TABLE.read_text()
+    section = text[text.index("## The module map") :]
+    order: list[str] = []
+    subpackages: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[1].startswith("`"):
+            continue
+        for match in re.finditer(r"`([\w]+)(/?)`(?:\s*\(([^)]*)\))?", cells[1]):
+            name, is_package, members = match.groups()
+            order.append(name)
+            if is_package:
+                subpackages[name] = re.findall(r"`(\w+)`", members or "")
+    return order, subpackages
+
+
+# Lower layers first: a module may import the ones listed before it. Read from the doc.
+LAYER_ORDER, SUBPACKAGES = _layer_table()
 
 TORCH_FREE = [
     "shardkeep",
@@ -144,6 +137,22 @@ def _shardkeep_imports(path: Path) -> list[str]:
         elif isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names if alias.name.startswith("shardkeep"))
     return found
+
+
+def test_the_layer_table_lists_every_module() -> None:
+    assert len(LAYER_ORDER) > 20 and LAYER_ORDER[0] == "errors", LAYER_ORDER
+    assert len(set(LAYER_ORDER)) == len(LAYER_ORDER), "a module is listed twice"
+    on_disk = {_top(path) for path in PACKAGE.rglob("*.py")}
+    assert on_disk == set(LAYER_ORDER), "docs/concepts.md's module map and the package differ"
+    for package, members in SUBPACKAGES.items():
+        files = {path.stem for path in (PACKAGE / package).glob("*.py")} - {"__init__"}
+        assert set(members) == files, f"docs/concepts.md lists {package}/ as {members}, on disk {sorted(files)}"
+
+
+def test_every_module_states_its_responsibility() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        docstring = ast.get_docstring(ast.parse(path.read_text()))
+        assert docstring and len(docstring.split(".")[0]) >= 20, f"{path} has no docstring saying what it owns"
 
 
 def test_layers_import_only_downwards() -> None:

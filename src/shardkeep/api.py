@@ -30,7 +30,8 @@ from shardkeep.manifest import (
     RunInfo,
     Tier,
 )
-from shardkeep.saving import SaveSettings, collector_paused, run_save
+from shardkeep.progress import collector_paused
+from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import ByteStore
 from shardkeep.tiers import Placement
 from shardkeep.verification import (

@@ -22,7 +22,8 @@ from shardkeep.errors import (
     SaveInProgressError,
 )
 from shardkeep.manifest import FileRecord, Manifest
-from shardkeep.saving import SaveJob, SaveSettings, collector_paused, state_sections
+from shardkeep.progress import collector_paused
+from shardkeep.saving import SaveJob, SaveSettings, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.verification import (
     locate,

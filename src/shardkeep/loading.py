@@ -19,7 +19,7 @@ from shardkeep.manifest import (
     Manifest,
     TensorEntry,
 )
-from shardkeep.saving import collector_paused, progress_bar
+from shardkeep.progress import collector_paused, progress_bar
 from shardkeep.tensors.convert import (
     array_from_buffer,
 )

@@ -5,13 +5,11 @@ manifest building that goes with it.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +41,7 @@ from shardkeep.manifest import (
     encode_manifest,
     validate_manifest,
 )
+from shardkeep.progress import collector_paused, progress_bar
 from shardkeep.storage import ByteStore, LocalStore, open_store
 from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
 from shardkeep.tensors.keys import ROUTER_KEY, section_of
@@ -58,10 +57,8 @@ __all__ = [
     "DEFAULT_TIER",
     "SaveJob",
     "SaveSettings",
-    "collector_paused",
     "metric_values",
     "run_save",
-    "progress_bar",
     "state_sections",
     "warn_if_over_read_limits",
 ]
@@ -96,34 +93,6 @@ def state_sections(
     optim = StateSection(prefixes=optim_prefixes, description="optimizer state") if optim_prefixes else None
     router = StateSection(prefixes=router_prefixes, description="router weights and state") if router_prefixes else None
     return optim, router, training
-
-
-def progress_bar(
-    total: int, description: str, enabled: bool
-) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    if not enabled:
-        return None, lambda: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=description, leave=False)
-    return bar.update, bar.close
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building or decoding many small objects.
-
-    A state of 20,000 tensors creates about 100,000 short-lived containers; without the pause,
-    repeated full collections scanning them cost more than the work itself. Nothing created
-    here forms a reference cycle, and the collector is resumed even on error.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _ensure_directory(path: str) -> None:
