@@ -14,9 +14,8 @@ import torch
 
 import shardkeep as sk
 import shardkeep.saving as saving
-from shardkeep.saving import SaveSettings
-
 from conftest import make_state
+from shardkeep.saving import SaveSettings
 
 ASYNC_ONLY = {"wait", "staging_budget", "after_commit"}
 
