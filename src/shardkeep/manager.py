@@ -172,26 +172,9 @@ class CheckpointManager:
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
-        accepted = SaveSettings.manager_options()
-        unknown = sorted(set(save_options) - set(accepted))
-        if unknown:
-            raise ConfigError(
-                f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(accepted))}"
-            )
         #: The save options this manager forwards to every save (validated now, not at the first save).
-        self.save_settings = SaveSettings(**save_options)
-        if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id)):
-            raise ConfigError(
-                f"run_id={run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', starting alphanumeric"
-            )
-        if isinstance(staging_lease, bool) or not isinstance(staging_lease, (int, float)) or staging_lease < 0:
-            raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
-        if not isinstance(incremental, bool):
-            raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
-        if incremental and self.save_settings.compression:
-            raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
-        if not isinstance(read_only, bool):
-            raise ConfigError(f"read_only={read_only!r} must be True or False")
+        self.save_settings = _manager_save_settings(save_options)
+        _check_manager_arguments(run_id, staging_lease, incremental, read_only, self.save_settings)
         self.signatures = SignaturePolicy.of(public_key, require_signature)
         if self.signatures.required and self.save_settings.signer is None and not read_only:
             raise ConfigError(
@@ -201,15 +184,7 @@ class CheckpointManager:
             )
         self.read_only = read_only
         self.root = os.fspath(root)
-        if storage is None:
-            if "://" in self.root:
-                storage = open_store(self.root, storage_options)
-                display = self.root.rstrip("/")
-            else:
-                display = os.path.abspath(self.root)
-                storage = _local_root(self.root, create=not read_only)
-        else:
-            display = self.root
+        storage, display = _open_root(self.root, storage, storage_options, create=not read_only)
         self.store = storage
         self.storage_options = storage_options
         self.incremental = incremental
@@ -755,6 +730,47 @@ class CheckpointManager:
             if entry.name == name:
                 return dataclasses.replace(entry, verified=True)
         return CheckpointEntry(name=name, path=self.catalog.path_of(name), step=manifest.step or 0, verified=True)
+
+
+def _manager_save_settings(options: Mapping[str, Any]) -> SaveSettings:
+    """The manager's save options as settings, refusing a name that is not a manager option."""
+    accepted = SaveSettings.manager_options()
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(accepted))}"
+        )
+    return SaveSettings(**options)
+
+
+def _check_manager_arguments(
+    run_id: str | None, staging_lease: float, incremental: bool, read_only: bool, settings: SaveSettings
+) -> None:
+    """Refuse bad ``CheckpointManager`` arguments, naming the argument and its value."""
+    if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id)):
+        raise ConfigError(
+            f"run_id={run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', starting alphanumeric"
+        )
+    if isinstance(staging_lease, bool) or not isinstance(staging_lease, (int, float)) or staging_lease < 0:
+        raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
+    if not isinstance(incremental, bool):
+        raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
+    if incremental and settings.compression:
+        raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
+    if not isinstance(read_only, bool):
+        raise ConfigError(f"read_only={read_only!r} must be True or False")
+
+
+def _open_root(
+    root: str, storage: ByteStore | None, storage_options: Mapping[str, Any] | None, *, create: bool
+) -> tuple[ByteStore, str]:
+    """The manager's store and how its root is shown: a given store, an fsspec URL, or a local
+    directory (created unless read-only)."""
+    if storage is not None:
+        return storage, root
+    if "://" in root:
+        return open_store(root, storage_options), root.rstrip("/")
+    return _local_root(root, create=create), os.path.abspath(root)
 
 
 def _local_root(root: str, *, create: bool) -> LocalStore:
