@@ -99,6 +99,7 @@ TORCH_FREE = [
     "shardkeep.integrity",
     "shardkeep.tensors.shardfile",
     "shardkeep.tensors.keys",
+    "shardkeep.tensors.coverage",
     "shardkeep.io",
     "shardkeep.distributed.commit",
     "shardkeep.verification",

@@ -3,8 +3,9 @@ and ``verify``).
 
 ``save`` runs a :class:`~shardkeep.saving.SaveJob` (plan the files with :mod:`shardkeep.layout`,
 write them in parallel under a byte budget with digests computed while writing, commit through
-:class:`~shardkeep.distributed.commit.CheckpointCommit`: staging directory, manifest last, one
-rename). ``load`` reads the manifest, checks the file set, memory-maps and verifies every file
+:class:`~shardkeep.distributed.commit.CheckpointCommit`: on a filesystem a staging directory,
+manifest last, one rename; on an object store a fresh attempt prefix and a create-only manifest
+last). ``load`` reads the manifest, checks the file set, memory-maps and verifies every file
 it needs before it builds a single tensor, assembles resharded regions
 (:mod:`shardkeep.tensors.regions`), and fills ``into`` all or nothing (:mod:`shardkeep.fill`).
 """
@@ -32,7 +33,7 @@ from shardkeep.manifest import (
 )
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore
+from shardkeep.storage import StoreOperations
 from shardkeep.tiers import Placement
 from shardkeep.verification import (
     TierLocations,
@@ -65,7 +66,7 @@ def save(
     run: RunInfo | None = None,
     progress: bool = False,
     budget: ByteBudget | None = None,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     storage_options: Mapping[str, Any] | None = None,
     tiers: Sequence[Tier] | None = None,
     placement: Placement | None = None,
@@ -142,7 +143,7 @@ def async_save(
     custom_fields: Mapping[str, Any] | None = None,
     metrics: Mapping[str, float | None] | None = None,
     run: RunInfo | None = None,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     storage_options: Mapping[str, Any] | None = None,
     tiers: Sequence[Tier] | None = None,
     placement: Placement | None = None,
@@ -199,7 +200,7 @@ def load(
     mmap: bool = True,
     io_threads: int = LoadOptions.io_threads,
     progress: bool = False,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     limits: ManifestLimits | None = None,
     storage_options: Mapping[str, Any] | None = None,
     tiers: Iterable[str] | None = None,

@@ -51,12 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.distributed.commit import ATTEMPT_PREFIX
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
 from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
-from shardkeep.storage import ByteStore, LocalStore, open_store, renames
+from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -125,7 +124,7 @@ def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[st
     missing: dict[str, str] = {}
     for tier, names in sorted(owners.items()):
         store = resolver.store_of(tier)
-        root = str(getattr(store, "root", repr(store))).rstrip("/")
+        root = store.root.rstrip("/")
         absent = []
         for owner in sorted(names):
             try:
@@ -214,8 +213,8 @@ class CheckpointRoot:
         tier_locations: Mapping[str, str] | None = None,
         remap_hint: str = "tier_locations={{{tier!r}: NEW_LOCATION}}",
     ) -> None:
-        self.store = store
-        self.display = display or str(getattr(store, "root", repr(store)))
+        self.store = adapt_store(store)
+        self.display = display or self.store.root
         self.limits = limits
         self.storage_options = storage_options
         self.signatures = signatures or SignaturePolicy()
@@ -560,11 +559,7 @@ class CheckpointRoot:
             self.store.put_atomic(f"{name}/_retained", b"files here are referenced by other checkpoints\n")
         # The commit point next: without its manifest, nothing reads it as a checkpoint.
         manifest_path = f"{name}/{MANIFEST_FILENAME}"
-        remove_file = getattr(self.store, "remove_file", None)
-        if callable(remove_file):
-            remove_file(manifest_path)
-        else:
-            self.store.remove_tree(manifest_path)
+        self.store.remove_file(manifest_path)
         if self.store.stat(manifest_path) is not None:
             raise StorageError(f"removing {self.path_of(manifest_path)} did not take effect; nothing else was deleted")
         self.store.remove_tree(f"{name}/{SIGNATURE_FILENAME}")
@@ -703,11 +698,9 @@ class CheckpointRoot:
                 self.store.remove_tree(f"{name}/{attempt}")
                 removed.append(f"{name}/{attempt}")
                 logger.info("removed leftover %s", self.path_of(f"{name}/{attempt}"))
-        abort = getattr(self.store, "abort_uploads", None)
-        if callable(abort):
-            for key in abort("", older_than=lease):
-                removed.append(f"upload:{key}")
-                logger.info("aborted unfinished upload %s", key)
+        for key in self.store.abort_uploads("", older_than=lease):
+            removed.append(f"upload:{key}")
+            logger.info("aborted unfinished upload %s", key)
         return removed
 
     def _tier_stores_to_clean(self) -> list[tuple[str, ByteStore]]:
@@ -785,6 +778,13 @@ def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
         mapping: dict[Any, Any] = {}
         for key_node, value_node in node.value:
             key = loader.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError as exc:  # a YAML "? [a, b]" key, which no dict can hold
+                raise ConfigError(
+                    f"{os.fspath(path)}: a key must be a plain value, got {type(key).__name__} "
+                    f"(line {key_node.start_mark.line + 1})"
+                ) from exc
             if key in mapping:
                 raise ConfigError(f"{os.fspath(path)}: duplicate key {key!r} (line {key_node.start_mark.line + 1})")
             mapping[key] = loader.construct_object(value_node, deep=deep)
@@ -796,7 +796,7 @@ def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
             document = yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass
     except OSError as exc:
         raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{os.fspath(path)}: invalid YAML: {exc}") from exc
     if document is None:
         document = {}

@@ -53,7 +53,7 @@ from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, Tier, lineage
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore, LocalStore, open_store, renames
+from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store, renames
 from shardkeep.training import (
     FILLED,
     TrainingCheckpoint,
@@ -158,7 +158,7 @@ class CheckpointManager:
         fingerprint: Mapping[str, Any] | None = None,
         verify_newest: bool = True,
         staging_lease: float = DEFAULT_LEASE,
-        storage: ByteStore | None = None,
+        storage: StoreOperations | None = None,
         storage_options: Mapping[str, Any] | None = None,
         incremental: bool = False,
         public_key: Any = None,
@@ -762,12 +762,12 @@ def _check_manager_arguments(
 
 
 def _open_root(
-    root: str, storage: ByteStore | None, storage_options: Mapping[str, Any] | None, *, create: bool
+    root: str, storage: StoreOperations | None, storage_options: Mapping[str, Any] | None, *, create: bool
 ) -> tuple[ByteStore, str]:
     """The manager's store and how its root is shown: a given store, an fsspec URL, or a local
     directory (created unless read-only)."""
     if storage is not None:
-        return storage, root
+        return adapt_store(storage), root
     if "://" in root:
         return open_store(root, storage_options), root.rstrip("/")
     return _local_root(root, create=create), os.path.abspath(root)

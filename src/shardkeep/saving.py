@@ -42,7 +42,7 @@ from shardkeep.manifest import (
     validate_manifest,
 )
 from shardkeep.progress import collector_paused, progress_bar
-from shardkeep.storage import ByteStore, LocalStore, open_store
+from shardkeep.storage import LocalStore, StoreOperations, open_store
 from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
 from shardkeep.tensors.keys import ROUTER_KEY, section_of
 from shardkeep.tiers import Placement, check_tiers, place
@@ -160,7 +160,7 @@ class SaveSettings:
     # The call's context.
     progress: bool = field(default=False, metadata=_SYNC_ONLY)
     budget: ByteBudget | None = field(default=None, metadata=_SYNC_ONLY)
-    storage: ByteStore | None = field(default=None, metadata=_CALL)
+    storage: StoreOperations | None = field(default=None, metadata=_CALL)
     storage_options: Mapping[str, Any] | None = field(default=None, metadata=_CALL)
     process_group: Any = field(default=None, metadata=_CALL)
     timeout: float = field(default=DEFAULT_TIMEOUT, metadata=_CALL)
@@ -458,8 +458,8 @@ class SaveJob:
         if problems:
             raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         for record in manifest.files:
-            if record.ref is None and record.tier not in self.tier_stores and not self.commit.object_store:
-                self.commit.staged(record.path)  # every rank's data directories are fsynced, not only ours
+            if record.ref is None and record.tier not in self.tier_stores:
+                self.commit.add_data_file(record.path)  # every rank's data directories are fsynced, not only ours
         total = time.perf_counter() - self.started
         blocked = total if self.blocked_seconds is None else min(self.blocked_seconds, total)
         manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
@@ -506,8 +506,7 @@ def _sibling(
     if "/" not in text and os.sep not in text and "://" not in text:
         return CheckpointLocation(location.store, text)  # a name in the same root
     base = locate(text, None, storage_options)
-    ours, theirs = getattr(location.store, "root", None), getattr(base.store, "root", None)
-    if ours is None or ours != theirs:
+    if location.store.root != base.store.root:
         raise UnsupportedValueError(
             f"incremental={text!r} must be a checkpoint in the same root as {location} (its files are referenced by name)"
         )

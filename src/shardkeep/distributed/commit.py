@@ -1,46 +1,21 @@
-"""The commit protocol for a checkpoint on a filesystem store: staging, manifest last, one rename.
+"""The commit protocol: how one save attempt becomes a checkpoint, whole or not at all.
 
-:class:`CheckpointCommit` owns one save attempt. Its steps, in order:
+:class:`CheckpointCommit` is the one interface the save job drives, and constructing it picks
+one of two protocols from the store's capability (:attr:`~shardkeep.storage.base.ByteStore.atomic_rename`):
 
-1. ``begin``: refuse if the final name is already committed; choose a fresh staging name
-   ``<final>.tmp-<uuid>`` in the same parent, so a retry never overwrites anything and the final
-   rename never crosses filesystems.
-2. Writers create every data file under the staging directory; each file is fsynced before its
-   record is reported (rule 3).
-3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig`` if
-   the save is signed; write ``manifest.json.tmp``, fsync it,
-   rename it to ``manifest.json`` (the rename fsyncs the staging directory); then the commit point: rename
-   the staging directory to its final name (refusing to replace anything) and fsync the parent
-   (rules 4 and 5).
-4. ``abort``: remove the staging directory, and only it (rule 7).
+- :class:`FilesystemCommit` (a store that renames): a staging directory, the manifest last, one
+  rename;
+- :class:`ObjectStoreCommit` (a store that cannot rename): an ``attempt-<id>/`` prefix, the
+  manifest last and create-only.
 
-Crash windows and what recovery sees:
-
-- before step 3's final rename: only ``<final>.tmp-<uuid>`` exists. It is never read as a
-  checkpoint; stale staging directories are collected later by the coordinator, after a lease.
-- after the rename, before the parent fsync: on power loss the rename may be lost (the
-  checkpoint is then absent, the staging directory remains) or kept (committed, complete,
-  because every file and directory below it was fsynced before the rename).
-- after the parent fsync: committed and durable.
-
-A manifest is never visible under the final name without every file it lists being durable.
-
-On an object store (no rename; the commit is the manifest object, written last and create-only) the same class follows another
-protocol: ``begin`` refuses if ``<final>/manifest.json`` exists; data objects are written under
-``<final>/attempt-<id>/``, a prefix no other attempt uses, so no object is ever overwritten;
-``commit`` writes the manifest last, create-only (``If-None-Match: *``), so that of two
-coordinators committing the same name one fails; ``abort`` deletes the attempt's prefix and
-aborts its unfinished multipart uploads. A killed attempt leaves objects without a manifest,
-which no reader takes for a checkpoint; cleanup removes them after a lease. The signature of a
-signed save is written to ``<final>/manifest.sig`` right after the manifest, by the attempt that
-won the create-only write (replacing any an earlier, uncommitted attempt left); an unsigned save
-removes such a leftover. A reader that requires a signature refuses the checkpoint in between
-(and after a crash in between, until ``shardkeep sign`` adds it): it fails closed.
+Each class's docstring lists its steps, every crash window and what recovery sees in each. In
+both, a manifest is never visible under the final name without every file it lists being
+durable.
 
 Tiers with a location of their own (another directory, or a bucket) get the object-store
-layout there too, on any kind of store: their files go under ``<final>/attempt-<id>/`` of the
-tier's store, are made durable before the manifest is written, and are removed on abort. The
-manifest, in the main store, is the only commit point.
+layout there, under either protocol and on any kind of store: their files go under
+``<final>/attempt-<id>/`` of the tier's store, are made durable before the manifest is written,
+and are removed on abort. The manifest, in the main store, is the only commit point.
 """
 
 from __future__ import annotations
@@ -50,21 +25,38 @@ from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
-from shardkeep.storage.base import ByteStore, renames
+from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore
 
-__all__ = ["ATTEMPT_PREFIX", "CheckpointCommit"]
-
-#: Data written by one save attempt on an object store (or a tier location) lives under
-#: ``<checkpoint>/attempt-<id>/``.
-ATTEMPT_PREFIX = "attempt-"
+__all__ = ["ATTEMPT_PREFIX", "CheckpointCommit", "FilesystemCommit", "ObjectStoreCommit"]
 
 
 class CheckpointCommit:
     """One save attempt of checkpoint ``final`` (a name directly under the store's root).
 
-    ``tier_stores`` maps the names of tiers with a location of their own to their stores;
-    files of other tiers go to the main store.
+    ``CheckpointCommit(store, final, ...)`` returns a :class:`FilesystemCommit` when
+    ``store.atomic_rename``, else an :class:`ObjectStoreCommit` (as ``pathlib.Path`` returns a
+    ``PosixPath``). ``staging`` is given on non-coordinator ranks: the name the coordinator
+    chose (refused unless it belongs to ``final`` under this protocol). ``tier_stores`` maps
+    the names of tiers with a location of their own to their stores; files of other tiers go
+    to the main store.
+
+    Who calls what, in order (nothing here needs to be thread-safe): the coordinator calls
+    :meth:`begin`; every rank calls :meth:`place` for each data file it lays out, on its own
+    object with the coordinator's ``staging``; the coordinator calls :meth:`add_data_file` for
+    every rank's main-store files, then :meth:`commit` once, or :meth:`abort` on any failure
+    (also after a failed ``commit``).
     """
+
+    def __new__(
+        cls,
+        store: ByteStore,
+        final: str,
+        staging: str | None = None,
+        tier_stores: Mapping[str, ByteStore] | None = None,
+    ) -> CheckpointCommit:
+        if cls is CheckpointCommit:
+            cls = FilesystemCommit if store.atomic_rename else ObjectStoreCommit
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -73,29 +65,53 @@ class CheckpointCommit:
         staging: str | None = None,
         tier_stores: Mapping[str, ByteStore] | None = None,
     ) -> None:
-        """``staging`` is given on non-coordinator ranks: the name the coordinator chose."""
         self.store = store
         self.final = final
-        self.object_store = not renames(store)
         self.tier_stores = dict(tier_stores or {})
+        expected = self._staging_prefix()
         if staging is None:
-            attempt = uuid.uuid4().hex
-            staging = (
-                f"{final}/{ATTEMPT_PREFIX}{attempt[:16]}" if self.object_store else f"{final}{STAGING_MARKER}{attempt}"
-            )
-        expected = f"{final}/{ATTEMPT_PREFIX}" if self.object_store else f"{final}{STAGING_MARKER}"
+            staging = f"{expected}{uuid.uuid4().hex[: self._attempt_id_length]}"
         rest = staging[len(expected) :]
         if not staging.startswith(expected) or not rest or not rest.isalnum():
             raise UnsafePathError(f"staging name {staging!r} does not belong to {final!r}")
+        #: Where this attempt's main-store files are during the save (removed by ``abort``).
         self.staging = staging
+        #: The prefix of this attempt's files in tier locations (and, on an object store, in
+        #: the main store): ``attempt-<first 16 characters of the attempt id>``.
         self.attempt = f"{ATTEMPT_PREFIX}{rest[:16]}"
-        self.data_dirs: set[str] = set()
         self.tier_dirs: dict[str, set[str]] = {}
         self.sealed: bytes | None = None  # the manifest bytes, once their write was attempted
 
+    # -- what each protocol defines -----------------------------------------------------------
+    #: How many hex characters of a fresh uuid name an attempt.
+    _attempt_id_length = 32
+
+    def _staging_prefix(self) -> str:
+        """What every staging name of this checkpoint starts with; the attempt id follows."""
+        raise NotImplementedError
+
     def begin(self) -> None:
-        committed = f"{self.final}/{MANIFEST_FILENAME}" if self.object_store else self.final
-        if self.store.stat(committed) is not None:
+        """Refuse (:class:`~shardkeep.errors.CheckpointExistsError`) if ``final`` is already
+        committed."""
+        raise NotImplementedError
+
+    def _place_in_main_store(self, relative: str) -> tuple[str, str]:
+        """(path in the manifest, path in the main store during the save) of a new data file."""
+        raise NotImplementedError
+
+    def add_data_file(self, path: str) -> None:
+        """Tell the coordinator's commit about a data file in the main store, written by any
+        rank (``path`` as the manifest records it), so that :meth:`commit` makes it durable
+        before the manifest."""
+        raise NotImplementedError
+
+    def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
+        """Write the manifest (and the signature of a signed save) and publish the checkpoint."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------------
+    def _refuse_if_committed(self, commit_point: str) -> None:
+        if self.store.stat(commit_point) is not None:
             raise CheckpointExistsError(
                 f"checkpoint {self.final!r} already exists in {self.store!r}; committed checkpoints are never overwritten"
             )
@@ -109,23 +125,14 @@ class CheckpointCommit:
             directory = f"{self.final}/{recorded}".rpartition("/")[0]
             self.tier_dirs.setdefault(tier or "", set()).add(directory)
             return recorded, tier_store, f"{self.final}/{recorded}"
-        if self.object_store:
-            recorded = f"{self.attempt}/{relative}"
-            return recorded, self.store, f"{self.final}/{recorded}"
-        return relative, self.store, self.staged(relative)
-
-    def staged(self, relative: str) -> str:
-        """The store path of a file inside the staging directory."""
-        directory, _, _ = relative.rpartition("/")
-        if directory:
-            self.data_dirs.add(directory)
-        return f"{self.staging}/{relative}"
+        recorded, store_path = self._place_in_main_store(relative)
+        return recorded, self.store, store_path
 
     def _sync_tier_directories(self) -> None:
         """Make every new directory of a tier location durable, deepest first, up to its root."""
         for name, directories in self.tier_dirs.items():
             tier_store = self.tier_stores[name]
-            if not renames(tier_store):
+            if not tier_store.atomic_rename:
                 continue  # an object store: a completed upload is durable
             chain: set[str] = set()
             for directory in directories:
@@ -134,41 +141,6 @@ class CheckpointCommit:
             for directory in sorted(chain, key=lambda d: -d.count("/")):
                 tier_store.sync_dir(directory)
             tier_store.sync_dir("")
-
-    def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
-        """On a filesystem: write the signature (if any) and the manifest into the staging
-        directory, then publish it. On an object store: write the manifest (create-only), then
-        the signature."""
-        self._sync_tier_directories()
-        if self.object_store:
-            self.sealed = manifest_bytes
-            self._write_new(f"{self.final}/{MANIFEST_FILENAME}", manifest_bytes)  # create-only
-            # Committed, and ours: only now may <final>/manifest.sig be written or replaced.
-            signature_path = f"{self.final}/{SIGNATURE_FILENAME}"
-            if signature is not None:
-                try:
-                    self.store.put_atomic(signature_path, signature)
-                except StorageError as exc:
-                    raise StorageError(
-                        f"{self.final!r} is committed, but writing its signature failed ({exc}); readers that require "
-                        "a signature refuse it until `shardkeep sign` adds one"
-                    ) from exc
-            elif self.store.stat(signature_path) is not None:
-                self.store.remove_tree(signature_path)  # a leftover of an uncommitted signed attempt
-            return
-        self.sealed = manifest_bytes
-        for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
-            self.store.sync_dir(f"{self.staging}/{directory}")
-        if signature is not None:
-            # Inside the unpublished staging directory: no temp name needed; the manifest's
-            # rename below fsyncs the directory, which makes this entry durable too.
-            self._write_new(f"{self.staging}/{SIGNATURE_FILENAME}", signature)
-        temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
-        self._write_new(temporary, manifest_bytes)
-        # ByteStore.rename fsyncs the directory it changed: here the staging directory, which
-        # also makes its data subdirectories' entries durable.
-        self.store.rename(temporary, f"{self.staging}/{MANIFEST_FILENAME}")
-        self.store.rename(self.staging, self.final)
 
     def _write_new(self, path: str, data: bytes) -> None:
         handle = self.store.open_write(path)
@@ -201,11 +173,12 @@ class CheckpointCommit:
         return bytes(found) == self.sealed
 
     def abort(self) -> None:
-        """Remove what this attempt wrote, and only that; the first failure is raised after
-        every location was tried. Once the manifest write was attempted, nothing is removed
-        unless the final manifest is readable and is not this attempt's: a failure after the
-        commit point (a lost response, a peer that died during the last collective) must never
-        delete a committed checkpoint's data. Anything left is collected after the lease."""
+        """Remove what this attempt wrote, and only that: its files in tier locations, then its
+        staging directory or attempt prefix; the first failure is raised after every location
+        was tried. Once the manifest write was attempted, nothing is removed unless the final
+        manifest is readable and is not this attempt's: a failure after the commit point (a
+        lost response, a peer that died during the last collective) must never delete a
+        committed checkpoint's data. Anything left is collected after the lease."""
         if self.sealed is not None and self.committed() is not False:
             return
         first: BaseException | None = None
@@ -220,3 +193,139 @@ class CheckpointCommit:
             first = first or exc
         if first is not None:
             raise first
+
+
+class FilesystemCommit(CheckpointCommit):
+    """The commit on a store that renames: staging, manifest last, one rename. Its steps, in
+    order:
+
+    1. ``begin``: refuse if the final name is already committed; choose a fresh staging name
+       ``<final>.tmp-<uuid>`` in the same parent, so a retry never overwrites anything and the
+       final rename never crosses filesystems.
+    2. Writers create every data file under the staging directory; each file is fsynced before
+       its record is reported (rule 3).
+    3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig``
+       if the save is signed; write ``manifest.json.tmp``, fsync it, rename it to
+       ``manifest.json`` (the rename fsyncs the staging directory); then the commit point:
+       rename the staging directory to its final name (refusing to replace anything) and fsync
+       the parent (rules 4 and 5).
+    4. ``abort``: remove the staging directory, and only it (rule 7).
+
+    Crash windows and what recovery sees:
+
+    - before step 3's final rename: only ``<final>.tmp-<uuid>`` exists (and the attempt's files
+      under ``<final>/attempt-<id>/`` in tier locations). It is never read as a checkpoint;
+      stale staging directories are collected later by the coordinator, after a lease, the
+      attempt's tier files first (the staging name is the only record of the attempt id).
+    - after the rename, before the parent fsync: on power loss the rename may be lost (the
+      checkpoint is then absent, the staging directory remains) or kept (committed, complete,
+      because every file and directory below it was fsynced before the rename).
+    - after the parent fsync: committed and durable.
+    """
+
+    def __init__(
+        self,
+        store: ByteStore,
+        final: str,
+        staging: str | None = None,
+        tier_stores: Mapping[str, ByteStore] | None = None,
+    ) -> None:
+        super().__init__(store, final, staging, tier_stores)
+        #: Directories (relative to the staging directory) that hold data files.
+        self.data_dirs: set[str] = set()
+
+    def _staging_prefix(self) -> str:
+        return f"{self.final}{STAGING_MARKER}"
+
+    def begin(self) -> None:
+        self._refuse_if_committed(self.final)
+
+    def _place_in_main_store(self, relative: str) -> tuple[str, str]:
+        self.add_data_file(relative)
+        return relative, f"{self.staging}/{relative}"
+
+    def add_data_file(self, path: str) -> None:
+        directory, _, _ = path.rpartition("/")
+        if directory:
+            self.data_dirs.add(directory)
+
+    def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
+        """Write the signature (if any) and the manifest into the staging directory, then
+        publish it."""
+        self._sync_tier_directories()
+        self.sealed = manifest_bytes
+        for directory in sorted(self.data_dirs, key=lambda d: -d.count("/")):
+            self.store.sync_dir(f"{self.staging}/{directory}")
+        if signature is not None:
+            # Inside the unpublished staging directory: no temp name needed; the manifest's
+            # rename below fsyncs the directory, which makes this entry durable too.
+            self._write_new(f"{self.staging}/{SIGNATURE_FILENAME}", signature)
+        temporary = f"{self.staging}/{MANIFEST_FILENAME}.tmp"
+        self._write_new(temporary, manifest_bytes)
+        # ByteStore.rename fsyncs the directory it changed: here the staging directory, which
+        # also makes its data subdirectories' entries durable.
+        self.store.rename(temporary, f"{self.staging}/{MANIFEST_FILENAME}")
+        self.store.rename(self.staging, self.final)
+
+
+class ObjectStoreCommit(CheckpointCommit):
+    """The commit on a store that cannot rename: the commit is the manifest object, written
+    last and create-only. Its steps, in order:
+
+    1. ``begin``: refuse if ``<final>/manifest.json`` exists; the attempt's objects go under
+       ``<final>/attempt-<id>/``, a prefix no other attempt uses, so no object is ever
+       overwritten.
+    2. Writers upload every data object under that prefix; each upload is complete (durable)
+       before its record is reported.
+    3. ``commit(manifest_bytes, signature)``: the commit point: write ``<final>/manifest.json``,
+       create-only (``If-None-Match: *``), so that of two coordinators committing the same name
+       one fails; then, by the attempt that won, write ``<final>/manifest.sig`` for a signed
+       save (replacing any an earlier, uncommitted attempt left), or remove such a leftover for
+       an unsigned one.
+    4. ``abort``: delete the attempt's prefix and abort its unfinished multipart uploads.
+
+    Crash windows and what recovery sees:
+
+    - before the manifest's write completes: only objects under ``<final>/attempt-<id>/`` (and
+      unfinished multipart uploads) exist, with no manifest, so no reader takes them for a
+      checkpoint; the coordinator's cleanup removes them after a lease. (The attempt's files in
+      tier locations are not collected there: other roots may share a tier location.)
+    - after the manifest, before the signature step: committed. A signed save's signature is
+      not written yet, or a stale one from an earlier uncommitted attempt is still there: a
+      reader that requires a signature refuses the checkpoint (it fails closed), after a crash
+      until ``shardkeep sign`` adds one.
+    - after the signature step: committed and complete; a completed PUT is durable.
+    """
+
+    _attempt_id_length = 16
+
+    def _staging_prefix(self) -> str:
+        return f"{self.final}/{ATTEMPT_PREFIX}"
+
+    def begin(self) -> None:
+        self._refuse_if_committed(f"{self.final}/{MANIFEST_FILENAME}")
+
+    def _place_in_main_store(self, relative: str) -> tuple[str, str]:
+        recorded = f"{self.attempt}/{relative}"
+        return recorded, f"{self.final}/{recorded}"
+
+    def add_data_file(self, path: str) -> None:
+        """Nothing to do: a completed upload is durable, and there are no directories."""
+
+    def commit(self, manifest_bytes: bytes, signature: bytes | None = None) -> None:
+        """Write the manifest (create-only), then the signature."""
+        self._sync_tier_directories()
+        self.sealed = manifest_bytes
+        self._write_new(f"{self.final}/{MANIFEST_FILENAME}", manifest_bytes)  # create-only
+        # Committed, and ours: only now may <final>/manifest.sig be written or replaced.
+        signature_path = f"{self.final}/{SIGNATURE_FILENAME}"
+        if signature is not None:
+            try:
+                self.store.put_atomic(signature_path, signature)
+            except StorageError as exc:
+                raise StorageError(
+                    f"{self.final!r} is committed, but writing its signature failed ({exc}); readers that require "
+                    "a signature refuse it until `shardkeep sign` adds one"
+                ) from exc
+        elif self.store.stat(signature_path) is not None:
+            self.store.remove_tree(signature_path)  # a leftover of an uncommitted signed attempt

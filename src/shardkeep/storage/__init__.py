@@ -8,13 +8,24 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shardkeep.storage.base import ByteStore, EntryInfo, ReadHandle, WriteHandle, renames
+from shardkeep.storage.base import (
+    ATTEMPT_PREFIX,
+    ByteStore,
+    EntryInfo,
+    ReadHandle,
+    StoreBase,
+    StoreOperations,
+    WriteHandle,
+    adapt_store,
+    renames,
+)
 from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
 from shardkeep.storage.memory import MemoryStore
 from shardkeep.storage.remote import FsspecStore, split_url
 
 __all__ = [
+    "ATTEMPT_PREFIX",
     "ByteStore",
     "EntryInfo",
     "FaultInjectingStore",
@@ -22,7 +33,10 @@ __all__ = [
     "LocalStore",
     "MemoryStore",
     "ReadHandle",
+    "StoreBase",
+    "StoreOperations",
     "WriteHandle",
+    "adapt_store",
     "is_url",
     "open_store",
     "renames",

@@ -1,4 +1,5 @@
-"""The byte-store interface that every storage backend implements.
+"""The byte-store interface that every storage backend implements: its operations, its optional
+capabilities, and how a store that lacks the capabilities gets their defaults.
 
 A store is rooted at one directory (or bucket prefix). Paths given to it are relative,
 ``/``-separated and already checked by :func:`shardkeep.manifest.unsafe_path_reason`.
@@ -7,15 +8,40 @@ Who calls what: on a save, each writing rank calls ``open_write`` for its own fi
 threads: ``open_write`` and the handles it returns must be thread-safe across different paths),
 then the coordinator alone calls ``sync_dir`` and ``rename``. On failure, the coordinator calls
 ``remove_tree`` on the staging directory. Readers call ``open_read``, ``stat`` and
-``list_files`` from any thread.
+``list_files`` from any thread. Retention and leftover collection (the coordinator alone) call
+``rename``, ``remove_file``, ``remove_tree`` and ``abort_uploads``.
+
+The built-in stores inherit :class:`StoreBase`. A store from elsewhere may implement only the
+operations (:class:`StoreOperations`): where such a store enters (``storage=``, a byte store in
+``tier_locations``, a :class:`~shardkeep.catalog.CheckpointRoot`), :func:`adapt_store` gives it
+the default capabilities, so the code above this layer uses every member of :class:`ByteStore`
+directly, never ``getattr``.
 """
 
 from __future__ import annotations
 
+import abc
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["ByteStore", "EntryInfo", "ReadHandle", "WriteHandle", "renames"]
+__all__ = [
+    "ATTEMPT_PREFIX",
+    "ByteStore",
+    "EntryInfo",
+    "ReadHandle",
+    "StoreBase",
+    "StoreOperations",
+    "WriteHandle",
+    "adapt_store",
+    "renames",
+]
+
+#: Data written by one save attempt on a store without rename (or in a tier location) lives
+#: under ``<checkpoint>/attempt-<id>/``: a prefix no other attempt uses, so nothing is ever
+#: overwritten (see :mod:`shardkeep.distributed.commit`).
+ATTEMPT_PREFIX = "attempt-"
 
 
 @dataclass(frozen=True)
@@ -53,14 +79,10 @@ class ReadHandle(Protocol):
     def close(self) -> None: ...
 
 
-class ByteStore(Protocol):
-    """Operations on one root. Every method raises :class:`~shardkeep.errors.StorageError`
-    (or a more specific shardkeep error) on failure, never a bare ``OSError``.
-
-    A store may set ``atomic_rename = False`` (object stores): it then has no ``rename``, and
-    the commit protocol writes every object under its final key, the manifest last and
-    create-only (see :func:`renames`).
-    """
+class StoreOperations(Protocol):
+    """The operations every store has, on one root. Every method raises
+    :class:`~shardkeep.errors.StorageError` (or a more specific shardkeep error) on failure,
+    never a bare ``OSError``. This is all a store from elsewhere must implement."""
 
     def open_write(self, path: str) -> WriteHandle:
         """Create a new file (create-only: an existing path is an error), making parents."""
@@ -96,7 +118,7 @@ class ByteStore(Protocol):
         """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``
         (:class:`~shardkeep.errors.CheckpointExistsError`), then make the change durable (fsync
         of the directories involved). A missing ``src`` is a
-        :class:`~shardkeep.errors.CheckpointNotFoundError`."""
+        :class:`~shardkeep.errors.CheckpointNotFoundError`. Only called when ``atomic_rename``."""
         ...
 
     def sync_dir(self, path: str) -> None:
@@ -108,6 +130,175 @@ class ByteStore(Protocol):
         ...
 
 
-def renames(store: object) -> bool:
-    """Whether ``store`` has an atomic no-replace rename (filesystems) or not (object stores)."""
-    return bool(getattr(store, "atomic_rename", True))
+class ByteStore(StoreOperations, Protocol):
+    """A store as shardkeep uses it: the operations, and four capabilities a store may lack.
+    What each capability means for a store that lacks it (the default, in :class:`StoreBase`):
+
+    - ``root``: the store's repr;
+    - ``atomic_rename``: ``True``;
+    - ``remove_file``: ``remove_tree`` of the path;
+    - ``abort_uploads``: nothing to abort.
+    """
+
+    @property
+    def root(self) -> str:
+        """Where the store is rooted, as a user names it (an absolute directory, or a URL such
+        as ``s3://bucket/prefix``): used in messages, and to tell whether two stores are the same
+        root (an incremental base named by path must be). A store that cannot say gives its
+        repr, which equals no other store's root."""
+        ...
+
+    @property
+    def atomic_rename(self) -> bool:
+        """Whether ``rename`` works (filesystems). ``False`` (object stores): there is no
+        rename, and the commit protocol writes every object under its final key, under an
+        ``attempt-<id>/`` prefix, the manifest last and create-only
+        (:class:`~shardkeep.distributed.commit.ObjectStoreCommit`)."""
+        ...
+
+    def remove_file(self, path: str) -> None:
+        """Remove the one file ``path`` (missing is fine) and confirm that it is gone; used to
+        un-commit a checkpoint by removing its manifest. A store without a single-file delete
+        of its own does ``remove_tree(path)``."""
+        ...
+
+    def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
+        """Abort the unfinished uploads (S3 multipart uploads) below ``path`` started more than
+        ``older_than`` seconds ago, which no listing shows; return their keys. A store without
+        such uploads has nothing to abort and returns ``[]``."""
+        ...
+
+
+class StoreBase(abc.ABC):
+    """A byte store with the default capabilities (see :class:`ByteStore` for every contract):
+    subclasses implement the operations and override the capabilities they have."""
+
+    @abc.abstractmethod
+    def open_write(self, path: str) -> WriteHandle: ...
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> ReadHandle: ...
+
+    @abc.abstractmethod
+    def stat(self, path: str) -> EntryInfo | None: ...
+
+    @abc.abstractmethod
+    def list_files(self, path: str) -> list[tuple[str, EntryInfo]]: ...
+
+    @abc.abstractmethod
+    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]: ...
+
+    @abc.abstractmethod
+    def put_atomic(self, path: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None: ...
+
+    @abc.abstractmethod
+    def sync_dir(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None: ...
+
+    @property
+    def root(self) -> str:
+        return repr(self)
+
+    @property
+    def atomic_rename(self) -> bool:
+        return True
+
+    def remove_file(self, path: str) -> None:
+        self.remove_tree(path)
+
+    def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
+        return []
+
+
+class _AdaptedStore(StoreBase):
+    """A store from elsewhere, given the capabilities it lacks: the operations go to
+    ``inner``; each capability is ``inner``'s own if it has one, else the default. Which ones
+    it has is looked up once, here."""
+
+    def __init__(self, inner: StoreOperations) -> None:
+        self.inner = inner
+        root = getattr(inner, "root", None)
+        self._root = repr(inner) if root is None else str(root)
+        self._atomic_rename = bool(getattr(inner, "atomic_rename", True))
+        self._remove_file = getattr(inner, "remove_file", None)
+        self._abort_uploads = getattr(inner, "abort_uploads", None)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    @property
+    def atomic_rename(self) -> bool:
+        return self._atomic_rename
+
+    def remove_file(self, path: str) -> None:
+        if callable(self._remove_file):
+            self._remove_file(path)
+        else:
+            self.inner.remove_tree(path)
+
+    def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
+        if not callable(self._abort_uploads):
+            return []
+        return list(self._abort_uploads(path, older_than=older_than))
+
+    def open_write(self, path: str) -> WriteHandle:
+        return self.inner.open_write(path)
+
+    def open_read(self, path: str) -> ReadHandle:
+        return self.inner.open_read(path)
+
+    def stat(self, path: str) -> EntryInfo | None:
+        return self.inner.stat(path)
+
+    def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
+        return self.inner.list_files(path)
+
+    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
+        return self.inner.list_dir(path)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        self.inner.put_atomic(path, data)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self.inner.sync_dir(path)
+
+    def remove_tree(self, path: str) -> None:
+        self.inner.remove_tree(path)
+
+
+_adapted: weakref.WeakValueDictionary[int, _AdaptedStore] = weakref.WeakValueDictionary()
+_adapting = threading.Lock()
+
+
+def adapt_store(store: StoreOperations) -> ByteStore:
+    """``store`` itself if it is a :class:`StoreBase`, else ``store`` with the default
+    capabilities for those it lacks (an adapter that passes everything else to it).
+
+    The same store object gets the same adapter while that adapter is in use, so two places
+    that adapt one store still see one store (``is``). Thread-safe.
+    """
+    if isinstance(store, StoreBase):
+        return store
+    with _adapting:
+        adapter = _adapted.get(id(store))
+        if adapter is None or adapter.inner is not store:
+            adapter = _adapted[id(store)] = _AdaptedStore(store)
+        return adapter
+
+
+def renames(store: StoreOperations) -> bool:
+    """Whether ``store`` has an atomic no-replace rename (filesystems) or not (object stores):
+    its ``atomic_rename``, for any store (through :func:`adapt_store`)."""
+    return adapt_store(store).atomic_rename

@@ -2,7 +2,9 @@
 
 Used by the tests and ``bench/reliability.py`` to prove that a failure at any point of a save
 produces a typed error and leaves nothing that looks committed. Every store call and every
-handle call (``write``, ``commit``, ``read_into``, ``map``) counts as one operation.
+handle call (``write``, ``commit``, ``read_into``, ``map``) counts as one operation; the
+capabilities (``root``, ``atomic_rename``, ``remove_file``, ``abort_uploads``) are the wrapped
+store's, uncounted.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import errno
 import threading
 
 from shardkeep.errors import StorageError
-from shardkeep.storage.base import ByteStore, EntryInfo, ReadHandle, WriteHandle
+from shardkeep.storage.base import EntryInfo, ReadHandle, StoreBase, StoreOperations, WriteHandle, adapt_store
 
 __all__ = ["FaultInjectingStore", "InjectedFault"]
 
@@ -79,27 +81,38 @@ class _FaultyReader:
         self._inner.close()
 
 
-class FaultInjectingStore:
+class FaultInjectingStore(StoreBase):
     """Wraps ``inner`` and raises :class:`InjectedFault` at operation number ``fail_at`` (1-based).
 
     With ``fail_at=None`` it only counts, so a first run can learn how many operations a save
-    takes; ``operations`` lists them in order. ``remove_tree`` is not counted, so cleanup after an
-    injected failure still runs.
+    takes; ``operations`` lists them in order. ``remove_tree``, ``remove_file`` and
+    ``abort_uploads`` are not counted, so cleanup after an injected failure still runs.
     """
 
-    def __init__(self, inner: ByteStore, *, fail_at: int | None = None, code: int = errno.EIO) -> None:
+    def __init__(self, inner: StoreOperations, *, fail_at: int | None = None, code: int = errno.EIO) -> None:
         self.inner = inner
+        self._capable = adapt_store(inner)  # inner's capabilities, or the defaults
         self._counter = _Counter(fail_at, code)
 
-    @property
-    def atomic_rename(self) -> bool:
-        return bool(getattr(self.inner, "atomic_rename", True))
-
     def __getattr__(self, name: str) -> object:
-        # Backend-specific operations (abort_uploads, remove_file ...) pass through uncounted.
+        # A backend's own attributes (FsspecStore.fs ...) pass through, uncounted.
         if name.startswith("_") or name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    @property
+    def root(self) -> str:
+        return self._capable.root
+
+    @property
+    def atomic_rename(self) -> bool:
+        return self._capable.atomic_rename
+
+    def remove_file(self, path: str) -> None:
+        self._capable.remove_file(path)
+
+    def abort_uploads(self, path: str = "", *, older_than: float = 0.0) -> list[str]:
+        return self._capable.abort_uploads(path, older_than=older_than)
 
     @property
     def operation_count(self) -> int:

@@ -25,7 +25,7 @@ from shardkeep.errors import (
     UnsafePathError,
 )
 from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
-from shardkeep.storage.base import EntryInfo
+from shardkeep.storage.base import EntryInfo, StoreBase
 
 __all__ = ["LocalStore"]
 
@@ -190,11 +190,17 @@ class _LocalReader:
             raise _storage_error("closing", self._path, exc) from exc
 
 
-class LocalStore:
-    """A :class:`~shardkeep.storage.base.ByteStore` on a local or shared POSIX filesystem."""
+class LocalStore(StoreBase):
+    """A :class:`~shardkeep.storage.base.ByteStore` on a local or shared POSIX filesystem.
+    Its ``root`` is the absolute directory; it renames atomically; ``remove_file`` and
+    ``abort_uploads`` are the defaults (``remove_tree``, nothing to abort)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = os.path.abspath(os.fspath(root))
+        self._directory = os.path.abspath(os.fspath(root))
+
+    @property
+    def root(self) -> str:
+        return self._directory
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"

@@ -15,7 +15,7 @@ from typing import Literal
 
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError, UnsafePathError
 from shardkeep.manifest import unsafe_path_reason
-from shardkeep.storage.base import EntryInfo
+from shardkeep.storage.base import EntryInfo, StoreBase
 
 __all__ = ["MemoryStore"]
 
@@ -69,8 +69,9 @@ class _MemoryReader:
         self._data = b""
 
 
-class MemoryStore:
-    """A :class:`~shardkeep.storage.base.ByteStore` held in memory. Thread-safe."""
+class MemoryStore(StoreBase):
+    """A :class:`~shardkeep.storage.base.ByteStore` held in memory. Thread-safe. It renames
+    atomically; its ``root`` and other capabilities are the defaults."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

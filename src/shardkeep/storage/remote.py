@@ -1,7 +1,7 @@
 """The object-store backend, through fsspec (tested against S3: SeaweedFS in the test suite).
 
 An object store has no rename and no directories, so :class:`FsspecStore` says so
-(``atomic_rename = False``) and the commit protocol changes accordingly (see
+(``atomic_rename`` is ``False``) and the commit protocol changes accordingly (see
 :mod:`shardkeep.distributed.commit`): data objects go under a fresh per-attempt prefix, the
 manifest is the last object and is written create-only (``If-None-Match: *``), and nothing is
 ever renamed or overwritten. Directories are key prefixes: ``stat`` of a prefix with objects
@@ -32,7 +32,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import unsafe_path_reason
-from shardkeep.storage.base import EntryInfo
+from shardkeep.storage.base import EntryInfo, StoreBase
 
 __all__ = ["FsspecStore", "split_url"]
 
@@ -153,11 +153,10 @@ class _RemoteReader:
         pass
 
 
-class FsspecStore:
-    """A byte store rooted at ``url`` (``s3://bucket/prefix``) on an fsspec filesystem."""
-
-    #: An object store cannot rename: the commit protocol writes under final keys instead.
-    atomic_rename = False
+class FsspecStore(StoreBase):
+    """A byte store rooted at ``url`` (``s3://bucket/prefix``) on an fsspec filesystem. Its
+    ``root`` is that URL; it cannot rename; ``remove_file`` deletes one object and
+    ``abort_uploads`` aborts S3 multipart uploads."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         import fsspec
@@ -167,7 +166,7 @@ class FsspecStore:
                 f"storage_options must be a mapping of fsspec options, got {type(storage_options).__name__}"
             )
         self.protocol, self._root = split_url(url)
-        self.root = f"{self.protocol}://{self._root}"
+        self._url = f"{self.protocol}://{self._root}"
         options = dict(storage_options or {})
         options.setdefault("skip_instance_cache", True)
         if self.protocol in ("s3", "s3a"):
@@ -182,6 +181,15 @@ class FsspecStore:
             ) from exc
         except (TypeError, ValueError) as exc:
             raise UnsupportedValueError(f"storage_options for {url!r} were refused: {exc}") from exc
+
+    @property
+    def root(self) -> str:
+        return self._url
+
+    @property
+    def atomic_rename(self) -> bool:
+        """An object store cannot rename: the commit protocol writes under final keys instead."""
+        return False
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.root!r})"
@@ -321,7 +329,7 @@ class FsspecStore:
             # A bulk delete reports failures per key without raising: check the outcome.
             raise StorageError(f"removing {path!r} from {self.root} left objects behind")
 
-    # -- object-store only ------------------------------------------------------------------------
+    # -- capabilities beyond the defaults -----------------------------------------------------------
     def remove_file(self, path: str) -> None:
         """Delete one object (missing is fine) and confirm that it is gone: a bulk delete can
         fail per key without raising, this cannot."""

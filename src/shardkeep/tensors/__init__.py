@@ -1,6 +1,6 @@
-"""Tensor handling: the shard file format and the key grammar (no torch); dtype mapping, state
-flattening and the resharding arithmetic (torch).
+"""Tensor handling: the shard file format, the key grammar and the coverage check of chunks (no
+torch); dtype mapping, state flattening and the resharding arithmetic (torch).
 
-``shardkeep.tensors.shardfile`` imports without torch so that ``verify`` and the CLI stay light;
-``convert`` and ``flatten`` import torch and numpy.
+``shardfile``, ``keys`` and ``coverage`` import without torch so that ``verify`` and the CLI
+stay light; ``convert``, ``flatten`` and ``regions`` import torch and numpy.
 """
