@@ -119,7 +119,7 @@ def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     if values is not None:
         try:
             decoded = json.loads(values)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise UnsupportedValueError(f"{path}: metadata {VALUES_METADATA_KEY!r} is not JSON: {exc}") from exc
         if not isinstance(decoded, dict):
             raise UnsupportedValueError(f"{path}: metadata {VALUES_METADATA_KEY!r} must be a JSON object")

@@ -117,23 +117,34 @@ class TrainingCheckpoint:
 
     @staticmethod
     def restore_rng(rng: Mapping[str, Any]) -> None:
-        """Put back RNG states captured by :meth:`capture_rng` (as loaded from a checkpoint)."""
+        """Put back RNG states captured by :meth:`capture_rng` (as loaded from a checkpoint).
+
+        All or nothing: if any state is refused, :class:`~shardkeep.errors.CheckpointFieldError`
+        is raised and every generator keeps the state it had."""
+        previous = TrainingCheckpoint.capture_rng()
         try:
-            version, internal, gauss = rng["python"]
-            random.setstate((version, tuple(internal), gauss))
-            numpy_state = rng["numpy"]
-            np.random.set_state(
-                (
-                    numpy_state["bit_generator"],
-                    np.asarray(numpy_state["key"], dtype=np.uint32),
-                    numpy_state["pos"],
-                    numpy_state["has_gauss"],
-                    numpy_state["cached_gaussian"],
-                )
-            )
-            torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            _set_rng(rng)
+        except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
+            _set_rng(previous)
             raise CheckpointFieldError("rng", f"cannot restore the RNG states: {exc}") from exc
+
+
+def _set_rng(rng: Mapping[str, Any]) -> None:
+    """Set the RNG states of :meth:`TrainingCheckpoint.capture_rng`; raises what the generators
+    raise for a state they refuse."""
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = rng["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["bit_generator"],
+            np.asarray(numpy_state["key"], dtype=np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
 
 
 def _numpy_rng_state() -> dict[str, Any]:

@@ -241,7 +241,8 @@ class LocalStore(StoreBase):
                         raise UnsafePathError(
                             f"{'/'.join(parts[: index + 1])!r} in {self.root!r} is a symlink or not a directory"
                         ) from exc
-                    raise
+                    where = os.path.join(self.root, *parts[: index + 1])
+                    raise _storage_error("opening directory", where, exc) from exc
                 os.close(fd)
                 fd = child
             return fd

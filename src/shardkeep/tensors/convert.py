@@ -48,6 +48,8 @@ TORCH_TO_NAME: dict[torch.dtype, str] = {
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
 NAME_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
+#: What ``torch.Tensor`` (and subclasses that keep its dispatch, such as ``Parameter``) dispatch with.
+_PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
 
 NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
     np.dtype(np.bool_): "BOOL",
@@ -100,22 +102,34 @@ def describe_array(key: str, value: Any) -> tuple[str, list[int], int, int, str,
     cheapest torch attribute reads.
     """
     if isinstance(value, torch.Tensor):
+        kind = type(value)
+        if kind is not torch.Tensor and kind.__torch_dispatch__ is not _PLAIN_TORCH_DISPATCH:
+            # A FakeTensor or a wrapper subclass reports a data pointer of 0 (or warns): reading
+            # its "bytes" in place would crash the process.
+            raise UnsupportedValueError(
+                f"tensor {key!r} is a {kind.__module__}.{kind.__qualname__}, a tensor subclass with its own "
+                "dispatch whose bytes are not in its own memory; save a plain tensor instead"
+            )
         name = TORCH_TO_NAME.get(value.dtype)
-        if name is None or value.layout != torch.strided:
-            if value.layout != torch.strided:
+        if name is None or value.layout != torch.strided or value.is_nested:
+            if value.layout != torch.strided or value.is_nested:
+                layout = "nested" if value.is_nested else value.layout
                 raise UnsupportedValueError(
-                    f"tensor {key!r} has layout {value.layout}; only dense (strided) tensors are supported"
+                    f"tensor {key!r} has layout {layout}; only dense (strided) tensors are supported"
                 )
             if value.is_quantized:
                 raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it before saving")
             raise UnsupportedValueError(f"tensor {key!r} has dtype {value.dtype}, which safetensors cannot store")
         address: int | None = None
-        if value.is_cpu:
-            if value.is_contiguous() and (name != "C64" or not (value.is_conj() or value.is_neg())):
-                address = value.data_ptr()
-        elif value.is_meta:
-            raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data")
-        return name, list(value.shape), value.nbytes, value.itemsize, "torch", address
+        try:
+            if value.is_cpu:
+                if value.is_contiguous() and (name != "C64" or not (value.is_conj() or value.is_neg())):
+                    address = value.data_ptr()
+            elif value.is_meta:
+                raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data")
+            return name, list(value.shape), value.nbytes, value.itemsize, "torch", address
+        except RuntimeError as exc:  # a tensor without storage (inside torch.func transforms ...)
+            raise UnsupportedValueError(f"tensor {key!r} cannot be read as a dense tensor: {exc}") from exc
     if isinstance(value, np.ndarray):
         np_name = NUMPY_TO_NAME.get(value.dtype.newbyteorder("=")) if value.dtype.byteorder in "=|<" else None
         if np_name is None:

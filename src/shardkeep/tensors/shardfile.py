@@ -140,7 +140,8 @@ def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
     where = f"{record.path}"
     on_disk = header.metadata.get(VERSION_KEY)
     if on_disk is not None:
-        if not on_disk.isdigit() or len(on_disk) > 18:
+        # ASCII digits only: str.isdigit() also accepts "²", which int() then refuses.
+        if not (on_disk.isascii() and on_disk.isdigit()) or len(on_disk) > 18:
             problems.append(f"{where}: header version {on_disk[:40]!r} is not a number")
         elif int(on_disk) < record.version:
             problems.append(
