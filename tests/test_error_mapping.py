@@ -1184,12 +1184,14 @@ TORCH_CASES = [
             load_into(lambda: {"w": fake_tensor(2, 3), "model": torch.nn.Linear(3, 2)}), sk.UnsupportedValueError, "'w'"
         ),
         id="load-into-FakeTensor",
-        marks=leak(
-            AssertionError,
-            "fill.py _plan_fill queues current.copy_(new) for any torch.Tensor target; FakeTensor's dispatch "
-            "asserts. Fix: in _plan_fill (and _check_writable), refuse a target whose type overrides "
-            "__torch_dispatch__ (or whose is_meta is true) with UnsupportedValueError naming the key",
+    ),
+    pytest.param(
+        Case(
+            load_into(lambda: {"w": torch.zeros(2, 3).to_sparse(), "model": torch.nn.Linear(3, 2)}),
+            sk.UnsupportedValueError,
+            "sparse",
         ),
+        id="load-into-sparse-tensor",
     ),
     pytest.param(
         Case(
@@ -1198,13 +1200,6 @@ TORCH_CASES = [
             "'w'",
         ),
         id="load-into-meta-tensor",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=pytest.fail.Exception,
-            reason="silent: fill.py copies into a meta tensor, a no-op; load returns as if it had loaded. Fix: "
-            "_check_writable should refuse a meta target (UnsupportedValueError: 'w' is on the meta device; "
-            "materialize it, e.g. module.to_empty(device='cpu'), first)",
-        ),
     ),
 ]
 

@@ -41,7 +41,7 @@ def fill_into(
     assignments, which cannot fail once checked, run last.
     """
     actions: list[_FillAction] = []
-    _plan_fill(target, loaded, "", actions, partial, absent)
+    _plan_fill(target, loaded, "", actions, partial=partial, absent=absent)
     actions.sort(key=lambda action: action.order)
     applied: list[_FillAction] = []
     with torch.no_grad():
@@ -228,6 +228,18 @@ def _plain_module(module: torch.nn.Module) -> bool:
 def _check_writable(current: Any, name: str) -> None:
     """Refuse targets that a copy would fail on (or silently corrupt) before touching anything."""
     if isinstance(current, torch.Tensor):
+        if current.is_meta:
+            raise UnsupportedValueError(
+                f"{name!r}: the target is on the meta device and holds no data; materialize it first "
+                "(for a module: module.to_empty(device='cpu'))"
+            )
+        if current.layout is not torch.strided:
+            raise UnsupportedValueError(f"{name!r}: the target is a {current.layout} tensor; fill needs a dense one")
+        if type(current).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise UnsupportedValueError(
+                f"{name!r}: the target is a {type(current).__name__}, a tensor subclass with its own dispatch; "
+                "fill needs a plain tensor (or a DTensor)"
+            )
         if current.is_inference():
             raise UnsupportedValueError(f"{name!r}: the target is an inference-mode tensor and cannot be written")
         if any(stride == 0 and size > 1 for stride, size in zip(current.stride(), current.shape, strict=True)):
@@ -423,6 +435,7 @@ def _plan_fill(
     loaded: Any,
     prefix: str,
     actions: list[_FillAction],
+    *,
     partial: bool = False,
     absent: frozenset[str] = frozenset(),
 ) -> None:
@@ -440,73 +453,118 @@ def _plan_fill(
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} is in the checkpoint but not in into=, which is read-only")
             actions.append(_Assign(name, target, key, new))
-            continue
-        current = target[key]
-        if isinstance(current, DTensor):
-            actions.append(_fill_dtensor(current, new, name))
-        elif isinstance(current, torch.Tensor):
-            if not isinstance(new, torch.Tensor):
-                raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
-            if current.shape != new.shape or current.dtype != new.dtype:
-                raise UnsupportedValueError(
-                    _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
-                )
-            _check_writable(current, name)
-            actions.append(_Copy(name, functools.partial(current.copy_, new)))
-        elif isinstance(current, np.ndarray):
-            if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
-                raise UnsupportedValueError(
-                    _describe_mismatch(
-                        name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new))
-                    )
-                )
-            _check_writable(current, name)
-            actions.append(_Copy(name, functools.partial(np.copyto, current, new)))
-        elif isinstance(current, torch.nn.Module):
-            if not isinstance(new, Mapping):
-                raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
-            own = current.state_dict()
-            if partial:
-                # Only what was loaded: each tensor copied into the module's own, in place.
-                unexpected = sorted(set(new) - set(own))
-                if unexpected:
-                    raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
-                _plan_fill(dict(own), new, name, actions, partial, absent)
-                continue
-            _check_module(current, new, name)
-            if any(isinstance(tensor, DTensor) for tensor in own.values()) or _plain_module(current):
-                # Parameters and buffers only (and sharded ones: FSDP2, tensor parallel, copy each
-                # rank's region): copied in place, which cannot fail once checked.
-                _plan_fill(dict(own), new, name, actions)
-            else:
-                actions.append(_LoadState(name, current, new))
-        elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
-            if partial and any(key == name or key.startswith(f"{name}.") for key in absent):
-                raise UnsupportedValueError(
-                    f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
-                    "'optim' section, or leave the optimizer out of into="
-                )
-            checked = _check_optimizer(current, new, name)
-            actions.append(_LoadState(name, current, _shard_optimizer_state(current, checked, name)))
-        elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
-            actions.append(_LoadState(name, current, new))
-        elif isinstance(current, Mapping) and isinstance(new, Mapping):
-            _plan_fill(current, new, name, actions, partial, absent)
-        elif (
-            partial
-            and isinstance(current, list)
-            and isinstance(new, (list, tuple))
-            and len(current) == len(new)
-            and any(key.startswith(f"{name}.") for key in absent)
-        ):
-            # A list part of which was not loaded: fill the loaded elements, keep the others.
-            _plan_fill(
-                _ListTarget(current), {i: v for i, v in enumerate(new) if v is not None}, name, actions, partial, absent
-            )
         else:
-            if not hasattr(target, "__setitem__"):
-                raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
-            actions.append(_Assign(name, target, key, new))
+            _plan_entry(target, key, new, name, actions, partial=partial, absent=absent)
+
+
+def _plan_entry(
+    target: Any,
+    key: Any,
+    new: Any,
+    name: str,
+    actions: list[_FillAction],
+    *,
+    partial: bool,
+    absent: frozenset[str],
+) -> None:
+    """Check and queue the fill of ``target[key]`` (which exists) with ``new``, by the kind of
+    object it is: tensor, array, module, optimizer, stateful object, mapping, list, plain value."""
+    current = target[key]
+    if isinstance(current, DTensor):
+        actions.append(_fill_dtensor(current, new, name))
+    elif isinstance(current, torch.Tensor):
+        actions.append(_fill_tensor(current, new, name))
+    elif isinstance(current, np.ndarray):
+        actions.append(_fill_array(current, new, name))
+    elif isinstance(current, torch.nn.Module):
+        _plan_module(current, new, name, actions, partial=partial, absent=absent)
+    elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
+        actions.append(_fill_optimizer(current, new, name, partial=partial, absent=absent))
+    elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
+        actions.append(_LoadState(name, current, new))
+    elif isinstance(current, Mapping) and isinstance(new, Mapping):
+        _plan_fill(current, new, name, actions, partial=partial, absent=absent)
+    elif (
+        partial
+        and isinstance(current, list)
+        and isinstance(new, (list, tuple))
+        and len(current) == len(new)
+        and any(key.startswith(f"{name}.") for key in absent)
+    ):
+        # A list part of which was not loaded: fill the loaded elements, keep the others.
+        loaded_elements = {i: v for i, v in enumerate(new) if v is not None}
+        _plan_fill(_ListTarget(current), loaded_elements, name, actions, partial=partial, absent=absent)
+    else:
+        if not hasattr(target, "__setitem__"):
+            raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
+        actions.append(_Assign(name, target, key, new))
+
+
+def _fill_tensor(current: torch.Tensor, new: Any, name: str) -> _FillAction:
+    """Copy a loaded tensor of the same shape and dtype into a writable tensor of ``into``."""
+    if not isinstance(new, torch.Tensor):
+        raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
+    if current.shape != new.shape or current.dtype != new.dtype:
+        raise UnsupportedValueError(
+            _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
+        )
+    _check_writable(current, name)
+    return _Copy(name, functools.partial(current.copy_, new))
+
+
+def _fill_array(current: np.ndarray, new: Any, name: str) -> _FillAction:
+    """Copy a loaded numpy array of the same shape and dtype into a writable array of ``into``."""
+    if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
+        raise UnsupportedValueError(
+            _describe_mismatch(name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new)))
+        )
+    _check_writable(current, name)
+    return _Copy(name, functools.partial(np.copyto, current, new))
+
+
+def _plan_module(
+    module: torch.nn.Module,
+    new: Any,
+    name: str,
+    actions: list[_FillAction],
+    *,
+    partial: bool,
+    absent: frozenset[str],
+) -> None:
+    """Queue a module's fill: tensor copies into its own parameters and buffers when that is
+    all its ``load_state_dict`` would do (or it is sharded, or the load is partial), else its
+    own ``load_state_dict``."""
+    if not isinstance(new, Mapping):
+        raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
+    own = module.state_dict()
+    if partial:
+        # Only what was loaded: each tensor copied into the module's own, in place.
+        unexpected = sorted(set(new) - set(own))
+        if unexpected:
+            raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
+        _plan_fill(dict(own), new, name, actions, partial=partial, absent=absent)
+        return
+    _check_module(module, new, name)
+    if any(isinstance(tensor, DTensor) for tensor in own.values()) or _plain_module(module):
+        # Parameters and buffers only (and sharded ones: FSDP2, tensor parallel, copy each
+        # rank's region): copied in place, which cannot fail once checked.
+        _plan_fill(dict(own), new, name, actions)
+    else:
+        actions.append(_LoadState(name, module, new))
+
+
+def _fill_optimizer(
+    optimizer: torch.optim.Optimizer, new: Mapping[str, Any], name: str, *, partial: bool, absent: frozenset[str]
+) -> _FillAction:
+    """The optimizer's own ``load_state_dict`` with its checked (and, for sharded parameters,
+    sharded) state; refused when a partial load left part of its state out."""
+    if partial and any(key == name or key.startswith(f"{name}.") for key in absent):
+        raise UnsupportedValueError(
+            f"{name!r}: this partial load left out part of the optimizer state; load its tier and the "
+            "'optim' section, or leave the optimizer out of into="
+        )
+    checked = _check_optimizer(optimizer, new, name)
+    return _LoadState(name, optimizer, _shard_optimizer_state(optimizer, checked, name))
 
 
 def _fill_dtensor(current: DTensor, new: Any, name: str) -> _FillAction:

@@ -32,6 +32,7 @@ MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
 SMALL_TENSOR_BYTES = 256 * 1024
 _HASH_SLICE = 16 * MiB
+_memmove = ctypes.memmove  # one lookup per small tensor copied, not two
 
 
 class TensorSource(Protocol):
@@ -148,83 +149,147 @@ class _CompressingWriter:
         self._inner.abort()
 
 
-def _write_one(
-    store: ByteStore,
-    plan: ShardPlan,
-    algorithm: str,
-    budget: ByteBudget,
-    share: int,
-    hash_pool: ThreadPoolExecutor,
-    on_bytes: Callable[[int], None] | None,
-    compression_level: int | None,
-) -> FileRecord:
-    digester = new_digester(algorithm)
-    handle: WriteHandle = (plan.store or store).open_write(plan.path)
-    compressing = (
-        _CompressingWriter(handle, compression_level, plan.record.size) if compression_level is not None else None
-    )
-    if compressing is not None:
-        handle = compressing
-    try:
-        sink = _Sink(handle, digester, hash_pool)
-        sink.put(memoryview(plan.header))
-        # This thread holds at most one buffer of small tensors and one copied piece at once;
-        # both fit in its share of the budget, so no thread ever waits on its own bytes.
-        chunk_size = max(4096, min(8 * MiB, share // 4))
-        piece_max = max(4096, min(8 * MiB, share - chunk_size))
-        buffer: bytearray | None = None
-        filled = 0
+@dataclass(frozen=True)
+class _WriteSettings:
+    """What every file of one :func:`write_shards` call is written with.
+
+    ``coalesce_bytes`` is the size of a writer thread's buffer of small tensors and
+    ``piece_bytes`` the most one copied piece of a tensor may hold: a thread holds at most one
+    of each at once, and both fit in its share of the budget, so no thread ever waits on its
+    own bytes.
+    """
+
+    algorithm: str
+    budget: ByteBudget
+    hash_pool: ThreadPoolExecutor
+    on_bytes: Callable[[int], None] | None
+    compression_level: int | None
+    coalesce_bytes: int
+    piece_bytes: int
+
+    @staticmethod
+    def split_share(share: int) -> tuple[int, int]:
+        """``(coalesce_bytes, piece_bytes)`` for a writer thread's ``share`` of the budget."""
+        coalesce_bytes = max(4096, min(8 * MiB, share // 4))
+        return coalesce_bytes, max(4096, min(8 * MiB, share - coalesce_bytes))
+
+
+class _SmallTensorBuffer:
+    """Copy strategy for small tensors in host memory: each is copied into one shared buffer,
+    written in a single call when the next tensor would not fit, or by :meth:`flush`.
+
+    The buffer is taken from the budget when first needed and given back by :meth:`release`.
+    A tensor with a digest of its own is hashed from its copy in the buffer."""
+
+    __slots__ = ("_address", "_budget", "_buffer", "_filled", "_sink", "size")
+
+    def __init__(self, sink: _Sink, budget: ByteBudget, size: int) -> None:
+        self._sink = sink
+        self._budget = budget
+        self.size = size
+        self._buffer: bytearray | None = None
+        self._address = 0
+        self._filled = 0
+
+    def add(self, address: int, nbytes: int, entry_digester: Digester | None) -> None:
+        """Copy ``nbytes`` (at most ``size``) from ``address`` into the buffer."""
+        buffer = self._buffer
+        if buffer is None:
+            self._budget.acquire(self.size)
+            buffer = self._buffer = bytearray(self.size)
+            self._address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        filled = self._filled
+        if filled + nbytes > self.size:
+            self._sink.put(memoryview(buffer)[:filled])
+            filled = 0
+        _memmove(self._address + filled, address, nbytes)
+        if entry_digester is not None:
+            entry_digester.update(memoryview(buffer)[filled : filled + nbytes])
+        self._filled = filled + nbytes
+
+    def flush(self) -> None:
+        """Write what the buffer holds, if anything."""
+        if self._filled:
+            assert self._buffer is not None
+            self._sink.put(memoryview(self._buffer)[: self._filled])
+            self._filled = 0
+
+    def release(self) -> None:
+        """Free the buffer and give its bytes back to the budget (whatever is still unwritten
+        is dropped: called after :meth:`flush`, or on failure)."""
+        if self._buffer is not None:
+            self._buffer = None
+            self._budget.release(self.size)
+
+
+def _write_in_place(sink: _Sink, address: int, nbytes: int, entry_digester: Digester | None) -> None:
+    """Copy strategy for a large contiguous tensor in host memory: written (and hashed)
+    straight from the tensor's own bytes, with no copy and nothing taken from the budget."""
+    if nbytes:
+        view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+        sink.put(view, entry_digester)
+
+
+def _write_in_pieces(
+    sink: _Sink, source: TensorSource, budget: ByteBudget, piece_bytes: int, entry_digester: Digester | None
+) -> None:
+    """Copy strategy for a tensor with no host address (on a device, or not contiguous): the
+    source copies it to host memory one piece of at most ``piece_bytes`` at a time, each piece
+    held in the budget until it is written."""
+    pieces = source.pieces(piece_bytes)
+    while True:
+        budget.acquire(piece_bytes)
         try:
-            for index, source in enumerate(plan.sources):
-                address = source.address
-                entry_digester = new_digester(algorithm) if source.wants_digest else None
-                if address is not None and source.nbytes <= SMALL_TENSOR_BYTES and source.nbytes <= chunk_size:
-                    if buffer is None:
-                        budget.acquire(chunk_size)
-                        buffer = bytearray(chunk_size)
-                        buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-                    if filled + source.nbytes > chunk_size:
-                        sink.put(memoryview(buffer)[:filled])
-                        filled = 0
-                    ctypes.memmove(buffer_address + filled, address, source.nbytes)
-                    if entry_digester is not None:
-                        entry_digester.update(memoryview(buffer)[filled : filled + source.nbytes])
-                    filled += source.nbytes
-                elif address is not None:
-                    if filled:
-                        assert buffer is not None
-                        sink.put(memoryview(buffer)[:filled])
-                        filled = 0
-                    if source.nbytes:
-                        view = memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B")
-                        sink.put(view, entry_digester)
-                else:
-                    if filled:
-                        assert buffer is not None
-                        sink.put(memoryview(buffer)[:filled])
-                        filled = 0
-                    pieces = source.pieces(piece_max)
-                    while True:
-                        budget.acquire(piece_max)
-                        try:
-                            piece = next(pieces, None)
-                            if piece is None:
-                                break
-                            sink.put(piece, entry_digester)
-                            del piece
-                        finally:
-                            budget.release(piece_max)
-                if entry_digester is not None:
-                    plan.record.tensors[index].digest = format_digest(algorithm, entry_digester.hexdigest())
-                if on_bytes:
-                    on_bytes(source.nbytes)
-            if filled:
-                assert buffer is not None
-                sink.put(memoryview(buffer)[:filled])
+            piece = next(pieces, None)
+            if piece is None:
+                break
+            sink.put(piece, entry_digester)
+            del piece
         finally:
-            if buffer is not None:
-                del buffer
-                budget.release(chunk_size)
+            budget.release(piece_bytes)
+
+
+def _write_sources(sink: _Sink, plan: ShardPlan, settings: _WriteSettings) -> None:
+    """Write every tensor of ``plan`` after its header, each by the copy strategy that fits it,
+    in order; record the digest of each tensor that wants one of its own."""
+    small = _SmallTensorBuffer(sink, settings.budget, settings.coalesce_bytes)
+    # Locals, not attribute lookups: this loop runs once per tensor (20,000 small ones, say).
+    algorithm, on_bytes, add_small = settings.algorithm, settings.on_bytes, small.add
+    small_limit = min(SMALL_TENSOR_BYTES, small.size)
+    try:
+        for index, source in enumerate(plan.sources):
+            address, nbytes = source.address, source.nbytes
+            entry_digester = new_digester(algorithm) if source.wants_digest else None
+            if address is not None and nbytes <= small_limit:
+                add_small(address, nbytes, entry_digester)
+            else:
+                small.flush()
+                if address is not None:
+                    _write_in_place(sink, address, nbytes, entry_digester)
+                else:
+                    _write_in_pieces(sink, source, settings.budget, settings.piece_bytes, entry_digester)
+            if entry_digester is not None:
+                plan.record.tensors[index].digest = format_digest(algorithm, entry_digester.hexdigest())
+            if on_bytes:
+                on_bytes(nbytes)
+        small.flush()
+    finally:
+        small.release()
+
+
+def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> FileRecord:
+    """Write one planned file (zstd-compressed with ``settings.compression_level``), digesting
+    its bytes as they are written, and commit it; on any failure the file is aborted. Returns
+    its record with the digest (and compression) filled in."""
+    digester = new_digester(settings.algorithm)
+    handle: WriteHandle = (plan.store or store).open_write(plan.path)
+    compressing: _CompressingWriter | None = None
+    if settings.compression_level is not None:
+        handle = compressing = _CompressingWriter(handle, settings.compression_level, plan.record.size)
+    try:
+        sink = _Sink(handle, digester, settings.hash_pool)
+        sink.put(memoryview(plan.header))
+        _write_sources(sink, plan, settings)
         if sink.size != plan.record.size:
             raise StorageError(
                 f"{plan.path}: wrote {sink.size} bytes but planned {plan.record.size}; a tensor changed size while saving"
@@ -233,11 +298,11 @@ def _write_one(
     except BaseException:
         handle.abort()
         raise
-    plan.record.digest = format_digest(algorithm, digester.hexdigest())
+    plan.record.digest = format_digest(settings.algorithm, digester.hexdigest())
     if compressing is not None:
-        assert compression_level is not None
+        assert settings.compression_level is not None
         plan.record.compression = Compression(
-            codec="zstd", level=compression_level, stored_size=compressing.stored_size
+            codec="zstd", level=settings.compression_level, stored_size=compressing.stored_size
         )
     return plan.record
 
@@ -258,15 +323,21 @@ def write_shards(
     if not plans:
         return []
     workers = max(1, min(io_threads, len(plans), budget.limit // (64 * 1024)))
-    share = budget.limit // workers
+    coalesce_bytes, piece_bytes = _WriteSettings.split_share(budget.limit // workers)
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="shardkeep-write") as pool,
         ThreadPoolExecutor(2 * workers, thread_name_prefix="shardkeep-hash") as hash_pool,
     ):
-        futures = [
-            pool.submit(_write_one, store, plan, algorithm, budget, share, hash_pool, on_bytes, compression_level)
-            for plan in plans
-        ]
+        settings = _WriteSettings(
+            algorithm=algorithm,
+            budget=budget,
+            hash_pool=hash_pool,
+            on_bytes=on_bytes,
+            compression_level=compression_level,
+            coalesce_bytes=coalesce_bytes,
+            piece_bytes=piece_bytes,
+        )
+        futures = [pool.submit(_write_one, store, plan, settings) for plan in plans]
         records: list[FileRecord] = []
         first_error: BaseException | None = None
         for future in futures:
@@ -447,9 +518,13 @@ def check_shard(
     read again once (a cache or a replica may have caught up); if it is still stale, the
     problem is reported.
     """
-    data, problems = _check_shard_once(store, path, record, verify, keep, use_mmap, needed, on_bytes)
+    data, problems = _check_shard_once(
+        store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=on_bytes
+    )
     if any(STALE in problem for problem in problems):
-        data, problems = _check_shard_once(store, path, record, verify, keep, use_mmap, needed, None)
+        data, problems = _check_shard_once(
+            store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=None
+        )
     return data, problems
 
 
@@ -457,12 +532,15 @@ def _check_shard_once(
     store: ByteStore,
     path: str,
     record: FileRecord,
+    *,
     verify: bool,
     keep: bool,
     use_mmap: bool,
     needed: list[int] | None,
     on_bytes: Callable[[int], None] | None,
 ) -> tuple[memoryview | None, list[str]]:
+    """One reading of the file for :func:`check_shard`: open it, compare its stored size, and
+    check it by the reading that fits (compressed, only the needed entries, or the whole file)."""
     problems: list[str] = []
     try:
         handle = store.open_read(path)
@@ -473,57 +551,95 @@ def _check_shard_once(
             return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.stored_size}"]
         if record.compression is not None:
             return _check_compressed(handle, record, verify=verify, keep=keep, on_bytes=on_bytes)
-        data: memoryview | None = None
-        partial = (
+        if (
             keep
             and needed is not None
             and len(needed) < len(record.tensors)
             and all(record.tensors[index].digest for index in needed)
-        )
-        if partial:
-            assert needed is not None
-            data = _read_ranges(handle, record, needed, use_mmap)
-            if verify:
-                for index in needed:
-                    entry = record.tensors[index]
-                    assert entry.digest is not None
-                    actual = _digest_view(
-                        entry.digest.partition(":")[0], data[entry.offset : entry.offset + entry.nbytes]
-                    )
-                    if not digests_equal(entry.digest, actual):
-                        problems.append(f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
-                if on_bytes:
-                    on_bytes(sum(record.tensors[index].nbytes for index in needed))
-            problems.extend(_header_problems(handle, data, record))
-            return data, problems
-        if keep:
-            if use_mmap:
-                data = handle.map()
-            else:
-                data = memoryview(bytearray(handle.size))
-                if handle.size:
-                    handle.read_into(0, data)
-            head: bytes | memoryview = data
-            if verify and record.digest:
-                actual = _digest_view(record.digest.partition(":")[0], data)
-                if on_bytes:
-                    on_bytes(handle.size)
-                if not digests_equal(record.digest, actual):
-                    problems.append(f"{record.path}: digest mismatch (file is corrupt)")
-        elif verify and record.digest:
-            actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes)
-            if not digests_equal(record.digest, actual):
-                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        ):
+            data: memoryview | None = _check_needed_entries(
+                handle, record, needed, problems, verify=verify, use_mmap=use_mmap, on_bytes=on_bytes
+            )
         else:
-            head_buffer = memoryview(bytearray(min(handle.size, 1 << 20)))
-            handle.read_into(0, head_buffer)
-            head = head_buffer
-        if verify and not record.digest:
-            problems.append(f"{record.path}: has no digest, so it cannot be verified")
-        problems.extend(_header_problems(handle, head, record))
+            data = _check_whole_file(
+                handle, record, problems, verify=verify, keep=keep, use_mmap=use_mmap, on_bytes=on_bytes
+            )
         return data, problems
     except ShardkeepError as exc:
         problems.append(f"{record.path}: {exc}")
         return None, problems
     finally:
         handle.close()
+
+
+def _check_needed_entries(
+    handle: ReadHandle,
+    record: FileRecord,
+    needed: list[int],
+    problems: list[str],
+    *,
+    verify: bool,
+    use_mmap: bool,
+    on_bytes: Callable[[int], None] | None,
+) -> memoryview:
+    """Read only the header and the ``needed`` entries (each of which has a digest of its own),
+    verify each entry's digest with ``verify``, and check the header. Problems are appended to
+    ``problems`` as they are found (so that an I/O error later still reports them)."""
+    data = _read_ranges(handle, record, needed, use_mmap)
+    if verify:
+        for index in needed:
+            entry = record.tensors[index]
+            assert entry.digest is not None
+            actual = _digest_view(entry.digest.partition(":")[0], data[entry.offset : entry.offset + entry.nbytes])
+            if not digests_equal(entry.digest, actual):
+                problems.append(f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
+        if on_bytes:
+            on_bytes(sum(record.tensors[index].nbytes for index in needed))
+    problems.extend(_header_problems(handle, data, record))
+    return data
+
+
+def _check_whole_file(
+    handle: ReadHandle,
+    record: FileRecord,
+    problems: list[str],
+    *,
+    verify: bool,
+    keep: bool,
+    use_mmap: bool,
+    on_bytes: Callable[[int], None] | None,
+) -> memoryview | None:
+    """Check the file's digest (with ``verify``) and header. With ``keep`` the whole file is
+    mapped (or read into memory) and returned; without it, it is digested by streaming reads, or
+    only its first MiB is read when there is no digest to check. Problems are appended to
+    ``problems`` as they are found."""
+    data: memoryview | None = None
+    if keep:
+        data = handle.map() if use_mmap else _read_whole(handle)
+        head: bytes | memoryview = data
+        if verify and record.digest:
+            actual = _digest_view(record.digest.partition(":")[0], data)
+            if on_bytes:
+                on_bytes(handle.size)
+            if not digests_equal(record.digest, actual):
+                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+    elif verify and record.digest:
+        actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes)
+        if not digests_equal(record.digest, actual):
+            problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+    else:
+        head_buffer = memoryview(bytearray(min(handle.size, 1 << 20)))
+        handle.read_into(0, head_buffer)
+        head = head_buffer
+    if verify and not record.digest:
+        problems.append(f"{record.path}: has no digest, so it cannot be verified")
+    problems.extend(_header_problems(handle, head, record))
+    return data
+
+
+def _read_whole(handle: ReadHandle) -> memoryview:
+    """The whole file, read into a private buffer."""
+    data = memoryview(bytearray(handle.size))
+    if handle.size:
+        handle.read_into(0, data)
+    return data

@@ -670,11 +670,25 @@ def _path_problem(key: str, path: KeyPath, limits: ManifestLimits) -> str | None
 
 
 def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = None) -> ValidationResult:
-    """Check a decoded manifest for internal consistency. Never raises for bad content."""
+    """Check a decoded manifest for internal consistency. Never raises for bad content.
+
+    The checks run in a fixed order, so the errors are reported in it: the top-level fields,
+    the tiers, the files and their tensors, the state tree (parents, values), the run record,
+    and the containers."""
     limits = limits or ManifestLimits()
     result = ValidationResult()
-    err = result.add_error
+    _check_top_level(manifest, result.add_error)
+    tier_names = _check_tiers(manifest, result.add_error)
+    tensor_keys = _check_files(manifest, tier_names, limits, result)
+    _check_parents(manifest, result.add_error)
+    _check_values(manifest, tensor_keys, limits, result.add_error)
+    _validate_run(manifest, limits, result)
+    _check_containers(manifest, limits, result.add_error)
+    return result
 
+
+def _check_top_level(manifest: Manifest, err: Callable[[str], None]) -> None:
+    """The version, ranks, digest algorithm and shard count."""
     try:
         _parse_version(manifest.metadata_version)
     except ManifestError as exc:
@@ -691,6 +705,9 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
             f"but the manifest lists {len(manifest.files)} files"
         )
 
+
+def _check_tiers(manifest: Manifest, err: Callable[[str], None]) -> set[str]:
+    """Tier names and ids are unique and locations safe; returns the tier names."""
     tier_names: set[str] = set()
     tier_ids: set[int] = set()
     for tier in manifest.tiers:
@@ -706,70 +723,107 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
                 + ", ".join(sorted(TIER_URL_SCHEMES))
                 + ")"
             )
+    return tier_names
 
+
+def _check_files(
+    manifest: Manifest, tier_names: set[str], limits: ManifestLimits, result: ValidationResult
+) -> set[str]:
+    """Every file record and its tensors, with keys unique across files; returns the tensor keys."""
     seen_paths: set[str] = set()
     seen_keys: dict[tuple[str, tuple[int, ...]], str] = {}
     for record in manifest.files:
         where = f"file {record.path!r}"
-        reason = unsafe_path_reason(record.path)
-        if reason is not None:
-            err(f"unsafe path {record.path!r}: {reason}")
-        elif record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
-            err(f"unsafe path {record.path!r}: data files may not use a reserved name")
-        if record.path in seen_paths:
-            err(f"{where} is listed twice")
-        seen_paths.add(record.path)
-        if not 0 <= record.rank < max(manifest.world_size, 1):
-            err(f"{where} has rank {record.rank}, outside world_size {manifest.world_size}")
-        if record.size < 0:
-            err(f"{where} has a negative size {record.size}")
-        if record.compression is not None and (
-            record.compression.stored_size < 0 or not -7 <= record.compression.level <= 22
-        ):
-            err(f"{where} has invalid compression settings {msgspec.to_builtins(record.compression)}")
-        if record.version < 0:
-            err(f"{where} has a negative version {record.version}")
-        if record.ref is not None and (unsafe_path_reason(record.ref) is not None or "/" in record.ref):
-            err(f"{where} references checkpoint {record.ref!r}: it must be a single safe name")
-        if tier_names and record.tier not in tier_names:
-            err(f"{where} is on tier {record.tier!r}, which the manifest does not define")
-        if record.digest is None or record.digest == "":
-            result.add_warning(f"{where} has no digest; its contents cannot be verified")
-        else:
-            algorithm = record.digest.partition(":")[0]
-            problem = _digest_problem(record.digest)
-            if problem:
-                err(f"{where} has {problem}")
-            elif algorithm != manifest.digest_algorithm:
-                result.add_warning(f"{where} uses digest {algorithm}, not the manifest's {manifest.digest_algorithm}")
-        ranges: list[tuple[int, int, str]] = []
-        for entry in record.tensors:
-            _validate_tensor(entry, record, where, limits, result)
-            ranges.append((entry.offset, entry.offset + entry.nbytes, entry.key))
-            chunk = tuple(entry.global_offset or ())
-            previous = seen_keys.get((entry.key, chunk))
-            if previous is not None:
-                err(f"duplicate key {entry.key!r} (in {previous} and {record.path!r})")
-            else:
-                seen_keys[(entry.key, chunk)] = repr(record.path)
-        ranges.sort()
-        for (start_a, end_a, key_a), (start_b, _end_b, key_b) in itertools.pairwise(ranges):
-            if start_b < end_a and end_a > start_a:
-                err(f"{where}: byte ranges of {key_a!r} and {key_b!r} overlap")
+        _check_file_record(record, where, manifest, tier_names, seen_paths, result)
+        _check_file_tensors(record, where, limits, seen_keys, result)
+    return {key for key, _ in seen_keys}
 
+
+def _check_file_record(
+    record: FileRecord,
+    where: str,
+    manifest: Manifest,
+    tier_names: set[str],
+    seen_paths: set[str],
+    result: ValidationResult,
+) -> None:
+    """One file's path (safe, unreserved, listed once), rank, size, compression, version, ref, tier, digest."""
+    err = result.add_error
+    reason = unsafe_path_reason(record.path)
+    if reason is not None:
+        err(f"unsafe path {record.path!r}: {reason}")
+    elif record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
+        err(f"unsafe path {record.path!r}: data files may not use a reserved name")
+    if record.path in seen_paths:
+        err(f"{where} is listed twice")
+    seen_paths.add(record.path)
+    if not 0 <= record.rank < max(manifest.world_size, 1):
+        err(f"{where} has rank {record.rank}, outside world_size {manifest.world_size}")
+    if record.size < 0:
+        err(f"{where} has a negative size {record.size}")
+    if record.compression is not None and (
+        record.compression.stored_size < 0 or not -7 <= record.compression.level <= 22
+    ):
+        err(f"{where} has invalid compression settings {msgspec.to_builtins(record.compression)}")
+    if record.version < 0:
+        err(f"{where} has a negative version {record.version}")
+    if record.ref is not None and (unsafe_path_reason(record.ref) is not None or "/" in record.ref):
+        err(f"{where} references checkpoint {record.ref!r}: it must be a single safe name")
+    if tier_names and record.tier not in tier_names:
+        err(f"{where} is on tier {record.tier!r}, which the manifest does not define")
+    if record.digest is None or record.digest == "":
+        result.add_warning(f"{where} has no digest; its contents cannot be verified")
+    else:
+        algorithm = record.digest.partition(":")[0]
+        problem = _digest_problem(record.digest)
+        if problem:
+            err(f"{where} has {problem}")
+        elif algorithm != manifest.digest_algorithm:
+            result.add_warning(f"{where} uses digest {algorithm}, not the manifest's {manifest.digest_algorithm}")
+
+
+def _check_file_tensors(
+    record: FileRecord,
+    where: str,
+    limits: ManifestLimits,
+    seen_keys: dict[tuple[str, tuple[int, ...]], str],
+    result: ValidationResult,
+) -> None:
+    """One file's tensor entries: each valid, no (key, chunk) seen before, no byte ranges overlapping."""
+    ranges: list[tuple[int, int, str]] = []
+    for entry in record.tensors:
+        _validate_tensor(entry, record, where, limits, result)
+        ranges.append((entry.offset, entry.offset + entry.nbytes, entry.key))
+        chunk = tuple(entry.global_offset or ())
+        previous = seen_keys.get((entry.key, chunk))
+        if previous is not None:
+            result.add_error(f"duplicate key {entry.key!r} (in {previous} and {record.path!r})")
+        else:
+            seen_keys[(entry.key, chunk)] = repr(record.path)
+    ranges.sort()
+    for (start_a, end_a, key_a), (start_b, _end_b, key_b) in itertools.pairwise(ranges):
+        if start_b < end_a and end_a > start_a:
+            result.add_error(f"{where}: byte ranges of {key_a!r} and {key_b!r} overlap")
+
+
+def _check_parents(manifest: Manifest, err: Callable[[str], None]) -> None:
+    """When ``structure`` lists containers, every tensor, value and container has its parent there."""
     containers = {tuple(container.path) for container in manifest.structure}
-    if containers:
-        orphans = [
-            entry.key
-            for record in manifest.files
-            for entry in record.tensors
-            if tuple(entry.path[:-1]) not in containers
-        ]
-        orphans += [value.key for value in manifest.values if tuple(value.path[:-1]) not in containers]
-        orphans += [key_for_path(c.path) for c in manifest.structure if c.path and tuple(c.path[:-1]) not in containers]
-        if orphans:
-            err(f"{len(orphans)} state path(s) have no parent container in structure, e.g. {orphans[0]!r}")
-    tensor_keys = {key for key, _ in seen_keys}
+    if not containers:
+        return
+    orphans = [
+        entry.key for record in manifest.files for entry in record.tensors if tuple(entry.path[:-1]) not in containers
+    ]
+    orphans += [value.key for value in manifest.values if tuple(value.path[:-1]) not in containers]
+    orphans += [key_for_path(c.path) for c in manifest.structure if c.path and tuple(c.path[:-1]) not in containers]
+    if orphans:
+        err(f"{len(orphans)} state path(s) have no parent container in structure, e.g. {orphans[0]!r}")
+
+
+def _check_values(
+    manifest: Manifest, tensor_keys: set[str], limits: ManifestLimits, err: Callable[[str], None]
+) -> None:
+    """Plain values: keys unique (and not a tensor's), ``value`` or ``special`` set, paths matching keys."""
     value_keys: set[str] = set()
     for value in manifest.values:
         if value.key in value_keys or value.key in tensor_keys:
@@ -780,7 +834,10 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         problem = _path_problem(value.key, value.path, limits)
         if problem:
             err(problem)
-    _validate_run(manifest, limits, result)
+
+
+def _check_containers(manifest: Manifest, limits: ManifestLimits, err: Callable[[str], None]) -> None:
+    """Containers are listed once each and are not nested too deeply."""
     container_paths: set[str] = set()
     for container in manifest.structure:
         rendered = repr(container.path)
@@ -789,7 +846,6 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         container_paths.add(rendered)
         if len(container.path) > limits.max_path_components:
             err(f"container {key_for_path(container.path[:8])!r}...: path is nested too deeply")
-    return result
 
 
 #: A run id: 1-128 characters of letters, digits, ``.``, ``_`` or ``-``, starting alphanumeric.

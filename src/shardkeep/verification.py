@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.distributed.plan import coverage_problems
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -49,7 +48,18 @@ from shardkeep.manifest import (
     unsafe_path_reason,
     validate_manifest,
 )
-from shardkeep.storage import ByteStore, EntryInfo, LocalStore, is_url, open_store, renames, split_url
+from shardkeep.storage import (
+    ByteStore,
+    EntryInfo,
+    LocalStore,
+    StoreOperations,
+    adapt_store,
+    is_url,
+    open_store,
+    renames,
+    split_url,
+)
+from shardkeep.tensors.coverage import coverage_problems
 
 __all__ = [
     "CheckpointLocation",
@@ -63,7 +73,7 @@ __all__ = [
     "verify",
 ]
 
-TierLocations = Mapping[str, "str | os.PathLike[str] | ByteStore"]
+TierLocations = Mapping[str, "str | os.PathLike[str] | StoreOperations"]
 
 
 @dataclass(frozen=True)
@@ -74,13 +84,12 @@ class CheckpointLocation:
     name: str
 
     def __str__(self) -> str:
-        root = getattr(self.store, "root", repr(self.store))
-        return f"{root}/{self.name}"
+        return f"{self.store.root}/{self.name}"
 
 
 def locate(
     path: str | os.PathLike[str],
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointLocation:
     """Split a checkpoint path (a local path, or a URL such as ``s3://bucket/prefix/step_1``)
@@ -94,7 +103,7 @@ def locate(
         reason = unsafe_path_reason(text)
         if reason is not None or "/" in text:
             raise UnsafePathError(f"checkpoint name {text!r} must be a single safe path component")
-        return CheckpointLocation(storage, text)
+        return CheckpointLocation(adapt_store(storage), text)
     if is_url(text):
         protocol, rest = split_url(text)
         parent, _, name = rest.rpartition("/")
@@ -184,7 +193,7 @@ def read_checked_manifest(
 def read_manifest(
     path: str | os.PathLike[str],
     *,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     limits: ManifestLimits | None = None,
     storage_options: Mapping[str, Any] | None = None,
     public_key: Any = None,
@@ -202,7 +211,7 @@ def sign_checkpoint(
     signer: Any,
     *,
     replace: bool = False,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     limits: ManifestLimits | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
@@ -270,7 +279,7 @@ class FileResolver:
         elif isinstance(given, (str, os.PathLike)):
             store = open_store(given, self._options)
         else:
-            store = given
+            store = adapt_store(given)
         self._stores[tier] = store
         return store
 
@@ -290,7 +299,7 @@ class FileResolver:
 
     def describe(self, record: FileRecord) -> str:
         store, path = self(record)
-        return f"{getattr(store, 'root', repr(store))}/{path}"
+        return f"{store.root}/{path}"
 
 
 def select_files(manifest: Manifest, tiers: Iterable[str] | None) -> list[int]:
@@ -370,7 +379,7 @@ def verify(
     *,
     io_threads: int = 2,
     on_bytes: Callable[[int], None] | None = None,
-    storage: ByteStore | None = None,
+    storage: StoreOperations | None = None,
     limits: ManifestLimits | None = None,
     tiers: Iterable[str] | None = None,
     tier_locations: TierLocations | None = None,
@@ -394,21 +403,36 @@ def verify(
     location = locate(path, storage, storage_options)
     policy = SignaturePolicy.of(public_key, require_signature)
     report = VerifyReport(path=str(location))
+    manifest = _verify_read_manifest(report, location, policy, limits)
+    if manifest is None or not _verify_consistency(report, manifest, limits):
+        return report
+    _verify_data_files(
+        report,
+        location,
+        manifest,
+        tiers=tiers,
+        tier_locations=tier_locations,
+        storage_options=storage_options,
+        io_threads=io_threads,
+        on_bytes=on_bytes,
+    )
+    return report
+
+
+def _verify_read_manifest(
+    report: VerifyReport, location: CheckpointLocation, policy: SignaturePolicy, limits: ManifestLimits | None
+) -> Manifest | None:
+    """Phase 1 of :func:`verify`: read the manifest's bytes, check its signature, unseal and
+    decode it (and check the signed digests). Returns ``None`` when a problem stops the check
+    here (it is in ``report``)."""
     try:
         data = read_manifest_bytes(location, limits)
     except ShardkeepError as exc:
         report.problems.append(f"{MANIFEST_FILENAME}: {exc}")
-        return report
-    try:
-        status = authenticate(location, data, policy)
-    except ShardkeepError as exc:
-        report.signature = "invalid" if policy.public_key is not None else "malformed"
-        report.problems.append(f"{SIGNATURE_FILENAME}: {exc}")
-        if policy.public_key is not None:
-            return report  # an unauthenticated manifest is not parsed
-        status = SignatureStatus(False, report.signature)
-    else:
-        report.signature = status.text
+        return None
+    status = _verify_signature(report, location, data, policy)
+    if status is None:
+        return None
     try:
         unseal_manifest(data)
         manifest = decode_manifest(data, limits=limits)
@@ -416,20 +440,58 @@ def verify(
             check_signed_digests(manifest, data)
     except ShardkeepError as exc:
         report.problems.append(f"{MANIFEST_FILENAME}: {exc}")
-        return report
+        return None
     report.manifest = manifest
+    return manifest
+
+
+def _verify_signature(
+    report: VerifyReport, location: CheckpointLocation, data: bytes, policy: SignaturePolicy
+) -> SignatureStatus | None:
+    """Check ``manifest.sig`` against the manifest's bytes as ``policy`` says and record what
+    was found in ``report``. Returns ``None`` when a key was given and the check failed: an
+    unauthenticated manifest is not parsed."""
+    try:
+        status = authenticate(location, data, policy)
+    except ShardkeepError as exc:
+        report.signature = "invalid" if policy.public_key is not None else "malformed"
+        report.problems.append(f"{SIGNATURE_FILENAME}: {exc}")
+        if policy.public_key is not None:
+            return None
+        return SignatureStatus(False, report.signature)
+    report.signature = status.text
+    return status
+
+
+def _verify_consistency(report: VerifyReport, manifest: Manifest, limits: ManifestLimits | None) -> bool:
+    """Phase 2 of :func:`verify`: validate the manifest and check that the chunks of each
+    sharded tensor tile it exactly once. Returns whether the data files can be checked."""
     validation = validate_manifest(manifest, limits=limits)
     validation.errors.extend(coverage_problems(manifest))
     report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in validation.errors)
     report.warnings.extend(validation.warnings)
-    if validation.errors:
-        return report
+    return not validation.errors
+
+
+def _verify_data_files(
+    report: VerifyReport,
+    location: CheckpointLocation,
+    manifest: Manifest,
+    *,
+    tiers: Iterable[str] | None,
+    tier_locations: TierLocations | None,
+    storage_options: Mapping[str, Any] | None,
+    io_threads: int,
+    on_bytes: Callable[[int], None] | None,
+) -> None:
+    """Phase 3 of :func:`verify`: the file set of the checkpoint's own directory, then each
+    selected file's size, digest, version and header, wherever it lives, ``io_threads`` at once."""
     try:
         selected = select_files(manifest, tiers)
         resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
     except ShardkeepError as exc:
         report.problems.append(str(exc))
-        return report
+        return
     try:
         report.problems.extend(file_set_problems(location, manifest, resolver=resolver))
     except ShardkeepError as exc:
@@ -449,4 +511,3 @@ def verify(
             report.problems.extend(problems)
     report.files_checked = len(selected)
     report.bytes_checked = sum(manifest.files[index].size for index in selected)
-    return report

@@ -1,0 +1,260 @@
+"""Unit tests of ``io``: every copy strategy of ``write_shards`` (small tensors coalesced into a
+buffer, large host tensors written in place, tensors copied in pieces, compression), with the
+digests computed while writing, the byte budget, and the cleanup on failure; and every reading
+of ``check_shard`` (whole file mapped, copied or streamed, only the needed entries)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import pytest
+import zstandard
+
+from shardkeep.errors import StorageError
+from shardkeep.integrity import digest_bytes
+from shardkeep.io import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, check_shard, write_shards
+from shardkeep.manifest import FileRecord, TensorEntry
+from shardkeep.storage.memory import MemoryStore
+from shardkeep.tensors.shardfile import build_header
+
+MiB = 1 << 20
+
+
+class _Source:
+    """Bytes standing in for a tensor: in host memory (with an address), or only as pieces (a
+    tensor on a device, or not contiguous). ``fail_after`` pieces, the next one raises."""
+
+    def __init__(self, data: bytes, *, in_host: bool, wants_digest: bool = False, fail_after: int = -1) -> None:
+        self.data = data
+        self._buffer = bytearray(data or b"\0")  # kept alive: the writer reads its address
+        self.nbytes = len(data)
+        self.wants_digest = wants_digest
+        self._in_host = in_host
+        self._fail_after = fail_after
+
+    @property
+    def address(self) -> int | None:
+        if not self._in_host:
+            return None
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))
+
+    def pieces(self, max_bytes: int) -> Iterator[memoryview]:
+        for count, start in enumerate(range(0, self.nbytes, max_bytes)):
+            if count == self._fail_after:
+                raise RuntimeError("the device went away")
+            yield memoryview(self.data)[start : start + max_bytes]
+
+
+class _RecordingStore(MemoryStore):
+    """A memory store that records which files were committed and which aborted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def open_write(self, path: str):  # type: ignore[no-untyped-def]  # returns the base class's private handle type
+        handle = super().open_write(path)
+        commit, abort = handle.commit, handle.abort
+
+        def on_commit() -> None:
+            self.events.append(("commit", path))
+            commit()
+
+        def on_abort() -> None:
+            self.events.append(("abort", path))
+            abort()
+
+        handle.commit, handle.abort = on_commit, on_abort  # type: ignore[method-assign]  # instance hooks
+        return handle
+
+
+def _plan(path: str, sources: list[_Source]) -> ShardPlan:
+    spans = []
+    position = 0
+    for index, source in enumerate(sources):
+        spans.append((f"t{index}", "U8", [source.nbytes], position, position + source.nbytes))
+        position += source.nbytes
+    header = build_header(spans, 1)
+    record = FileRecord(path=path, rank=0, size=len(header) + position, digest=None)
+    record.tensors = [
+        TensorEntry(key=key, path=[key], dtype=dtype, shape=shape, offset=len(header) + begin, nbytes=end - begin)
+        for key, dtype, shape, begin, end in spans
+    ]
+    return ShardPlan(path=path, header=header, sources=sources, record=record)
+
+
+def _pattern(nbytes: int, seed: int) -> bytes:
+    return bytes((seed * 31 + index * 7) % 251 for index in range(nbytes))
+
+
+def _mixed_sources() -> list[_Source]:
+    """Every copy strategy, with switches between them in both directions."""
+    return [
+        _Source(_pattern(100, 1), in_host=True, wants_digest=True),  # small: coalesced
+        _Source(_pattern(3000, 2), in_host=True),
+        *(_Source(_pattern(200 * 1024, 10 + n), in_host=True, wants_digest=n == 1) for n in range(4)),  # overflow
+        _Source(_pattern(SMALL_TENSOR_BYTES + 1, 3), in_host=True, wants_digest=True),  # large: in place
+        _Source(_pattern(MiB + MiB // 2 + 5, 4), in_host=False, wants_digest=True),  # pieces
+        _Source(_pattern(10, 5), in_host=True),
+        _Source(b"", in_host=True, wants_digest=True),
+        _Source(b"", in_host=False),
+        _Source(_pattern(70_000, 6), in_host=False),
+        _Source(_pattern(17, 7), in_host=True, wants_digest=True),  # small, last: flushed at the end
+    ]
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_every_copy_strategy_writes_the_bytes_and_their_digests(algorithm: str) -> None:
+    store = _RecordingStore()
+    sources = _mixed_sources()
+    plan = _plan("shards/a.safetensors", sources)
+    budget = ByteBudget(1 * MiB)
+    counted: list[int] = []
+
+    (record,) = write_shards(store, [plan], algorithm=algorithm, budget=budget, io_threads=1, on_bytes=counted.append)
+
+    expected = plan.header + b"".join(source.data for source in sources)
+    assert bytes(store.open_read(plan.path).map()) == expected
+    assert record.digest == digest_bytes(algorithm, expected)
+    for source, entry in zip(sources, record.tensors, strict=True):
+        assert entry.digest == (digest_bytes(algorithm, source.data) if source.wants_digest else None)
+    assert counted == [source.nbytes for source in sources]
+    assert store.events == [("commit", plan.path)]
+    assert budget.held == 0
+    assert 0 < budget.peak <= budget.limit
+    assert check_shard(store, plan.path, record, verify=True, keep=False)[1] == []
+
+
+def test_parallel_writers_share_the_budget() -> None:
+    store = _RecordingStore()
+    plans = [_plan(f"shards/{n}.safetensors", _mixed_sources()) for n in range(4)]
+    budget = ByteBudget(512 * 1024)
+
+    records = write_shards(store, plans, algorithm="blake3", budget=budget, io_threads=4)
+
+    assert [record.path for record in records] == [plan.path for plan in plans]
+    assert budget.held == 0
+    assert budget.peak <= budget.limit
+    assert sorted(store.events) == sorted(("commit", plan.path) for plan in plans)
+    for record in records:
+        assert check_shard(store, record.path, record, verify=True, keep=False)[1] == []
+
+
+def test_compressed_file_holds_the_same_bytes_and_the_uncompressed_digest() -> None:
+    store = _RecordingStore()
+    sources = _mixed_sources()
+    plan = _plan("shards/z.safetensors", sources)
+
+    (record,) = write_shards(
+        store, [plan], algorithm="blake3", budget=ByteBudget(MiB), io_threads=1, compression_level=3
+    )
+
+    stored = bytes(store.open_read(plan.path).map())
+    expected = plan.header + b"".join(source.data for source in sources)
+    assert zstandard.ZstdDecompressor().decompress(stored) == expected
+    assert record.digest == digest_bytes("blake3", expected)
+    assert record.compression is not None
+    assert (record.compression.codec, record.compression.level) == ("zstd", 3)
+    assert record.compression.stored_size == len(stored)
+    data, problems = check_shard(store, plan.path, record, verify=True, keep=True)
+    assert problems == []
+    assert data is not None and bytes(data) == expected
+
+
+def test_a_failing_source_aborts_its_file_and_returns_the_budget() -> None:
+    store = _RecordingStore()
+    failing = _Source(_pattern(3 * MiB, 8), in_host=False, fail_after=1)
+    plan = _plan("shards/bad.safetensors", [_Source(_pattern(64, 9), in_host=True), failing])
+    budget = ByteBudget(MiB)
+
+    with pytest.raises(RuntimeError, match="the device went away"):
+        write_shards(store, [plan], algorithm="blake3", budget=budget, io_threads=1)
+
+    assert store.events == [("abort", plan.path)]
+    assert budget.held == 0
+    assert plan.record.digest is None
+
+
+def test_a_tensor_that_changed_size_is_refused_and_aborted() -> None:
+    store = _RecordingStore()
+    plan = _plan("shards/grew.safetensors", [_Source(_pattern(64, 1), in_host=True)])
+    plan.record.size += 1
+
+    with pytest.raises(StorageError, match=r"wrote \d+ bytes but planned"):
+        write_shards(store, [plan], algorithm="blake3", budget=ByteBudget(MiB), io_threads=1)
+
+    assert store.events == [("abort", plan.path)]
+
+
+@pytest.fixture
+def written() -> tuple[MemoryStore, FileRecord, bytes]:
+    store = _RecordingStore()
+    sources = _mixed_sources()
+    plan = _plan("shards/r.safetensors", sources)
+    (record,) = write_shards(store, [plan], algorithm="blake3", budget=ByteBudget(MiB), io_threads=1)
+    return store, record, plan.header + b"".join(source.data for source in sources)
+
+
+@pytest.mark.parametrize(
+    ("keep", "use_mmap", "needed"),
+    [(False, True, None), (True, True, None), (True, False, None), (True, True, [0, 7]), (True, False, [0, 7])],
+)
+def test_every_reading_returns_the_bytes_it_checked(
+    written: tuple[MemoryStore, FileRecord, bytes], keep: bool, use_mmap: bool, needed: list[int] | None
+) -> None:
+    store, record, expected = written
+    counted: list[int] = []
+
+    data, problems = check_shard(
+        store, record.path, record, verify=True, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=counted.append
+    )
+
+    assert problems == []
+    if not keep:
+        assert data is None
+        assert sum(counted) == len(expected)
+    elif needed is None:
+        assert data is not None and bytes(data) == expected
+        assert sum(counted) == len(expected)
+    else:
+        assert data is not None
+        for index in needed:
+            entry = record.tensors[index]
+            assert (
+                bytes(data[entry.offset : entry.offset + entry.nbytes])
+                == expected[entry.offset : entry.offset + entry.nbytes]
+            )
+        assert sum(counted) == sum(record.tensors[index].nbytes for index in needed)
+
+
+@pytest.mark.parametrize(("keep", "needed"), [(False, None), (True, None), (True, [0, 7])])
+def test_every_reading_finds_a_flipped_byte(
+    written: tuple[MemoryStore, FileRecord, bytes], keep: bool, needed: list[int] | None
+) -> None:
+    _, record, expected = written
+    damaged = MemoryStore()
+    entry = record.tensors[7]
+    flipped = bytearray(expected)
+    flipped[entry.offset + 5] ^= 0x10
+    handle = damaged.open_write(record.path)
+    handle.write(bytes(flipped))
+    handle.commit()
+
+    _, problems = check_shard(damaged, record.path, record, verify=True, keep=keep, needed=needed)
+
+    if needed is None:
+        assert problems == [f"{record.path}: digest mismatch (file is corrupt)"]
+    else:
+        assert problems == [f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)"]
+
+
+def test_a_file_without_a_digest_is_reported_unverifiable(written: tuple[MemoryStore, FileRecord, bytes]) -> None:
+    store, record, _ = written
+    record.digest = None
+
+    _, verified = check_shard(store, record.path, record, verify=True, keep=False)
+    _, unverified = check_shard(store, record.path, record, verify=False, keep=False)
+
+    assert verified == [f"{record.path}: has no digest, so it cannot be verified"]
+    assert unverified == []
