@@ -132,3 +132,35 @@ def test_an_error_on_the_coordinator_is_raised_with_its_type_on_every_rank(tmp_p
             assert result["other"] == ("ValueError", "odd", True)  # the original, on the coordinator
         else:
             assert result["other"][0] == "CoordinationError" and "other failed on the coordinator" in result["other"][1]
+
+
+def _to_coordinator(rank: int, world_size: int) -> dict[str, Any]:
+    coordinator = Coordinator(timeout=30)
+    gathered = coordinator.gather({"rank": rank})
+    results = coordinator.step_to_coordinator("square", lambda: rank * rank)
+
+    def work() -> int:
+        if rank == 2:
+            raise ValueError("disk on fire")
+        return rank
+
+    try:
+        coordinator.step_to_coordinator("write", work)
+    except sk.CoordinationError as exc:
+        return {"gathered": gathered, "results": results, "error": str(exc), "failures": exc.failures}
+    return {"gathered": gathered, "results": results, "error": None}
+
+
+def test_results_to_the_coordinator_only_and_failures_everywhere(tmp_path: Path) -> None:
+    """step_to_coordinator: the coordinator gets every rank's result, the others get None (they
+    receive nothing but the outcome); a failure on rank 2 raises on every rank, naming it."""
+    results = results_or_raise(run_ranks(3, _to_coordinator, outbox=tmp_path))
+    assert results[0]["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert results[0]["results"] == [0, 1, 4]
+    for rank in (1, 2):
+        assert results[rank]["gathered"] is None and results[rank]["results"] is None
+    for result in results:
+        assert result["error"] is not None and "rank(s) [2]" in result["error"] and "disk on fire" in result["error"]
+        assert list(result["failures"]) == [2]
+    assert Coordinator().step_to_coordinator("one process", lambda: 3) == [3]
+    assert Coordinator().gather(4) == [4]

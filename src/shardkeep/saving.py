@@ -442,11 +442,13 @@ class SaveJob:
             close()
         return list(self.manifest.files)
 
-    def finish(self, records: list[list[FileRecord]]) -> Manifest | None:
+    def finish(self, records: list[list[FileRecord]] | None) -> Manifest | None:
+        """On the coordinator: merge every rank's file records, check coverage, seal, sign and
+        commit; ``None`` on the other ranks."""
         if not self.coordinator.is_coordinator:
             return None
         manifest = self.manifest
-        assert manifest is not None and self.commit is not None
+        assert manifest is not None and self.commit is not None and records is not None
         if self.coordinator.distributed:
             manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
             manifest.sharding.shard_count = len(manifest.files)
@@ -656,7 +658,8 @@ def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: S
     coordinator = job.coordinator
     try:
         job.prepare()
-        records = coordinator.step("write the shards", job.write)
+        # Only the coordinator needs the file records: each rank sends its own, once.
+        records = coordinator.step_to_coordinator("write the shards", job.write)
         committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
     except BaseException:
         job.abort()

@@ -160,6 +160,16 @@ class Coordinator:
             ),
         )
 
+    def gather(self, value: T, *, label: str = "gather") -> list[T] | None:
+        """Every rank's ``value``, in rank order, on the coordinator; ``None`` on the other ranks
+        (each sends its own value once and receives nothing)."""
+        if not self.distributed:
+            return [value]
+        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        destination = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._collective(label, lambda: self._dist.gather_object(value, gathered, dst=destination, group=self.group))
+        return gathered
+
     # -- errors as values ---------------------------------------------------------------------
     def step(self, label: str, work: Callable[[], T]) -> list[T]:
         """Run ``work`` on every rank and return every rank's result, in rank order.
@@ -170,27 +180,61 @@ class Coordinator:
         """
         if not self.distributed:
             return [work()]  # one process: the original error, with its own type
-        local_error: BaseException | None = None
-        try:
-            outcome: Any = ("ok", work())
-        except Exception as exc:
-            local_error = exc
-            summary = str(exc).splitlines()[0] if str(exc) else traceback.format_exception_only(exc)[-1].strip()
-            outcome = ("error", RankFailure(self.rank, type(exc).__name__, summary[:2000]))
+        outcome, local_error = self._attempt(work)
         outcomes = self.all_gather(outcome, label=label)
-        failures = {index: payload for index, (kind, payload) in enumerate(outcomes) if kind == "error"}
-        if failures:
-            details = "; ".join(
-                f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items()
-            )
+        self._raise_failures(label, outcomes, local_error)
+        return [payload for _, payload in outcomes]
+
+    def step_to_coordinator(self, label: str, work: Callable[[], T]) -> list[T] | None:
+        """Like :meth:`step`, but the results reach the coordinator only (``None`` elsewhere):
+        each rank sends its result once instead of receiving everyone's, so a step whose results
+        only the coordinator needs (the file records of a save) moves O(own result) bytes per
+        rank. The outcome (ok, or which ranks failed) is then broadcast, and every rank raises
+        the same :class:`CoordinationError` on failure."""
+        if not self.distributed:
+            return [work()]
+        outcome, local_error = self._attempt(work)
+        outcomes = self.gather(outcome, label=label)
+        failures: dict[int, str] = {}
+        if outcomes is not None:
+            failures = {
+                index: f"{payload.error_type}: {payload.message}"
+                for index, (kind, payload) in enumerate(outcomes)
+                if kind == "error"
+            }
+        status: dict[int, str] = self.broadcast(failures if self.is_coordinator else None, label=label)
+        if status:
+            details = "; ".join(f"rank {rank}: {text}" for rank, text in status.items())
             error = CoordinationError(
-                f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}",
-                {rank: f"{failure.error_type}: {failure.message}" for rank, failure in failures.items()},
+                f"{label} failed on rank(s) {sorted(status)} of {self.world_size}: {details}", status
             )
             if local_error is not None:
                 raise error from local_error
             raise error
-        return [payload for _, payload in outcomes]
+        return None if outcomes is None else [payload for _, payload in outcomes]
+
+    def _attempt(self, work: Callable[[], T]) -> tuple[Any, BaseException | None]:
+        """Run ``work``: (("ok", result), None), or (("error", RankFailure), the exception)."""
+        try:
+            return ("ok", work()), None
+        except Exception as exc:
+            summary = str(exc).splitlines()[0] if str(exc) else traceback.format_exception_only(exc)[-1].strip()
+            return ("error", RankFailure(self.rank, type(exc).__name__, summary[:2000])), exc
+
+    def _raise_failures(self, label: str, outcomes: list[Any], local_error: BaseException | None) -> None:
+        failures = {index: payload for index, (kind, payload) in enumerate(outcomes) if kind == "error"}
+        if not failures:
+            return
+        details = "; ".join(
+            f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items()
+        )
+        error = CoordinationError(
+            f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}",
+            {rank: f"{failure.error_type}: {failure.message}" for rank, failure in failures.items()},
+        )
+        if local_error is not None:
+            raise error from local_error
+        raise error
 
     def on_coordinator(self, label: str, work: Callable[[], T]) -> T:
         """Run ``work`` on the coordinator alone and return its result on every rank.
