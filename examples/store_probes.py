@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardkeep.storage import ByteStore, EntryInfo, ReadHandle, WriteHandle, renames
+from shardkeep.storage import ByteStore, ForwardingStore, ReadHandle, WriteHandle
 
 __all__ = ["CountingStore", "PausingStore", "kernel_read_bytes"]
 
@@ -41,46 +41,16 @@ def kernel_read_bytes() -> int | None:
     return None
 
 
-class _Wrapped:
-    """A byte store that passes every call to ``inner``."""
-
-    def __init__(self, inner: ByteStore) -> None:
-        self.inner = inner
-        self.root = getattr(inner, "root", repr(inner))
-        self.atomic_rename = renames(inner)
+class _Wrapped(ForwardingStore):
+    """A byte store that passes every call to ``inner`` (subclasses override a few)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
-    def __getattr__(self, name: str) -> Any:  # optional extras of the wrapped store (abort_uploads ...)
+    def __getattr__(self, name: str) -> Any:  # a backend's own extras (FsspecStore.fs ...)
+        if name.startswith("_") or name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
-
-    def open_write(self, path: str) -> WriteHandle:
-        return self.inner.open_write(path)
-
-    def open_read(self, path: str) -> ReadHandle:
-        return self.inner.open_read(path)
-
-    def stat(self, path: str) -> EntryInfo | None:
-        return self.inner.stat(path)
-
-    def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
-        return self.inner.list_files(path)
-
-    def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
-        return self.inner.list_dir(path)
-
-    def put_atomic(self, path: str, data: bytes) -> None:
-        self.inner.put_atomic(path, data)
-
-    def rename(self, src: str, dst: str) -> None:
-        self.inner.rename(src, dst)
-
-    def sync_dir(self, path: str) -> None:
-        self.inner.sync_dir(path)
-
-    def remove_tree(self, path: str) -> None:
-        self.inner.remove_tree(path)
 
 
 # -- counting reads ------------------------------------------------------------------------------

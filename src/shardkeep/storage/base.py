@@ -30,6 +30,7 @@ __all__ = [
     "ATTEMPT_PREFIX",
     "ByteStore",
     "EntryInfo",
+    "ForwardingStore",
     "ReadHandle",
     "StoreBase",
     "StoreOperations",
@@ -215,10 +216,14 @@ class StoreBase(abc.ABC):
         return []
 
 
-class _AdaptedStore(StoreBase):
-    """A store from elsewhere, given the capabilities it lacks: the operations go to
-    ``inner``; each capability is ``inner``'s own if it has one, else the default. Which ones
-    it has is looked up once, here."""
+class ForwardingStore(StoreBase):
+    """A store that passes every operation to ``inner``, with ``inner``'s own capabilities or,
+    where it lacks one, the default (which ones it has is looked up once, here).
+
+    :func:`adapt_store` wraps a store from elsewhere in one. Subclass it to wrap a store and
+    change a few operations (count the bytes read, pause a write, inject a fault): override
+    those, and everything else passes through.
+    """
 
     def __init__(self, inner: StoreOperations) -> None:
         self.inner = inner
@@ -278,7 +283,7 @@ class _AdaptedStore(StoreBase):
         self.inner.remove_tree(path)
 
 
-_adapted: weakref.WeakValueDictionary[int, _AdaptedStore] = weakref.WeakValueDictionary()
+_adapted: weakref.WeakValueDictionary[int, ForwardingStore] = weakref.WeakValueDictionary()
 _adapting = threading.Lock()
 
 
@@ -294,7 +299,7 @@ def adapt_store(store: StoreOperations) -> ByteStore:
     with _adapting:
         adapter = _adapted.get(id(store))
         if adapter is None or adapter.inner is not store:
-            adapter = _adapted[id(store)] = _AdaptedStore(store)
+            adapter = _adapted[id(store)] = ForwardingStore(store)
         return adapter
 
 
