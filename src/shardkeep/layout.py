@@ -21,6 +21,7 @@ from shardkeep.tensors.convert import (
     contiguous_pieces,
     describe_array,
     dtensor_chunk,
+    replica_of,
 )
 from shardkeep.tensors.flatten import TensorLeaf
 from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY
@@ -43,6 +44,7 @@ class PlannedItem:
         "itemsize",
         "leaf",
         "nbytes",
+        "replica",
         "shape",
         "wants_digest",
     )
@@ -53,7 +55,10 @@ class PlannedItem:
         chunk = dtensor_chunk(leaf.key, value) if type(value) not in _PLAIN_ARRAYS else None
         self.global_shape: list[int] | None = None
         self.global_offset: list[int] | None = None
+        #: (this rank's index among the holders of this chunk, how many hold it).
+        self.replica = (0, 1)
         if chunk is not None:
+            self.replica = replica_of(value)
             value, self.global_shape, self.global_offset = chunk
         self.array = value
         self.wants_digest = chunk is not None

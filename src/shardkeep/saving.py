@@ -21,7 +21,18 @@ if TYPE_CHECKING:
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import ATTEMPT_PREFIX, CheckpointCommit
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
-from shardkeep.distributed.plan import ItemDescriptor, assign_writers, coverage_problems
+from shardkeep.distributed.plan import (
+    ItemDescriptor,
+    agreement_digest,
+    assign_identical,
+    assign_writers,
+    check_sharded_agreement,
+    chunk_writer,
+    coverage_problems,
+    global_totals,
+    sharded_facts,
+    sharded_totals,
+)
 from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
@@ -260,6 +271,9 @@ class SaveJob:
             self.base = _sibling(incremental, location, settings.storage_options)
         self.base_manifest: Manifest | None = None
         self.tier_of: dict[str, str] = {}
+        #: Per key, its size in the whole checkpoint and dtype; whether any tensor is sharded.
+        self.totals: dict[str, tuple[int, str]] = {}
+        self.chunked = False
         self.flat = FlatState()
         self.planned: list[PlannedItem] = []
         self.plans: list[ShardPlan] = []
@@ -293,18 +307,8 @@ class SaveJob:
             optim, _, training = self.sections
         return optim, router, training
 
-    def _place(self, held: list[list[ItemDescriptor]]) -> None:
-        """Every tensor's tier, decided from the global list (the same on every rank)."""
-        totals: dict[str, list[Any]] = {}
-        seen: set[tuple[str, tuple[int, ...] | None]] = set()
-        for items in held:
-            for item in items:
-                identity = (item.key, item.global_offset)
-                if identity in seen:
-                    continue  # a replicated tensor held by several ranks is written once
-                seen.add(identity)
-                entry = totals.setdefault(item.key, [0, item.dtype])
-                entry[0] += item.nbytes
+    def _place(self, totals: dict[str, tuple[int, str]]) -> None:
+        """Every tensor's tier, decided from the global sizes (the same on every rank)."""
         optim, router, _ = self._sections_of()
         self.tier_of = place(
             [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
@@ -321,20 +325,51 @@ class SaveJob:
 
     def prepare(self) -> None:
         coordinator = self.coordinator
-        held = coordinator.step("prepare the save", self._describe)
-        if coordinator.distributed:
-            mine = assign_writers(held)[coordinator.rank]
-            planned_here = [p for p in self.planned if (p.leaf.key, _offset_key(p.global_offset)) in mine]
+        digests = coordinator.step("prepare the save", lambda: agreement_digest(self._describe()))
+        local = [item.descriptor for item in self.planned]
+        self.chunked = any(item.global_offset is not None for item in local)
+        if not coordinator.distributed:
+            planned_here, totals = self.planned, global_totals(local)
         else:
-            planned_here = self.planned
-        coordinator.step("place the tensors on tiers", lambda: self._place(held))
+            planned_here, totals = self._writers(local, alike=len(set(digests)) == 1)
+        coordinator.step("place the tensors on tiers", lambda: self._place(totals))
+        self.totals = totals
         staging = coordinator.step("begin the save", self._begin)[0]
         self.commit = CheckpointCommit(self.location.store, self.location.name, staging, tier_stores=self.tier_stores)
         if self.base is not None:
             self.base_manifest = coordinator.step("read the incremental base", self._read_base)[coordinator.rank]
-        coordinator.step("lay out the files", lambda: self._lay_out(planned_here, held))
+        coordinator.step("lay out the files", lambda: self._lay_out(planned_here))
 
-    def _lay_out(self, planned_here: list[PlannedItem], held: list[list[ItemDescriptor]]) -> None:
+    def _writers(
+        self, local: list[ItemDescriptor], *, alike: bool
+    ) -> tuple[list[PlannedItem], dict[str, tuple[int, str]]]:
+        """What this rank writes, and every tensor's global size. Chunks: the replica
+        :func:`chunk_writer` names. Whole tensors: placed by each rank alone when every rank
+        holds the same (``alike``); otherwise from the all-gathered whole-tensor lists."""
+        coordinator = self.coordinator
+        if alike:  # every rank holds the same whole tensors and sharded tensors
+            mine = assign_identical(local, coordinator.world_size)[coordinator.rank]
+            totals = global_totals(local)
+        else:
+            whole = [item for item in local if item.global_offset is None]
+            summaries = coordinator.all_gather((whole, sharded_facts(local)), label="compare what the ranks hold")
+            check_sharded_agreement([facts for _, facts in summaries])
+            mine = assign_writers([items for items, _ in summaries])[coordinator.rank]
+            totals = {}
+            for items, facts in summaries:
+                totals.update(global_totals(items))
+                totals.update(sharded_totals(facts))
+            self.chunked = any(facts for _, facts in summaries)
+        planned_here = []
+        for item in self.planned:
+            if item.global_offset is None:
+                if (item.leaf.key, None) in mine:
+                    planned_here.append(item)
+            elif chunk_writer(item.leaf.key, tuple(item.global_offset), item.replica[1]) == item.replica[0]:
+                planned_here.append(item)
+        return planned_here, totals
+
+    def _lay_out(self, planned_here: list[PlannedItem]) -> None:
         coordinator = self.coordinator
         assert self.commit is not None
         optim, router, _ = self._sections_of()
@@ -376,7 +411,8 @@ class SaveJob:
                 self.state,
                 self.flat,
                 records,
-                held,
+                chunked=self.chunked,
+                precision=_precision(self.totals),
                 world_size=coordinator.world_size,
                 digest=self.options.digest,
                 tiers=self.tiers,
@@ -541,8 +577,9 @@ def _manifest_for(
     state: Mapping[str, Any],
     flat: FlatState,
     records: list[FileRecord],
-    held: list[list[ItemDescriptor]],
     *,
+    chunked: bool,
+    precision: str | None,
     world_size: int,
     digest: str,
     tiers: list[Tier],
@@ -556,7 +593,6 @@ def _manifest_for(
         # An async save describes a snapshot, where modules and optimizers are plain dicts: the
         # optimizer section and training fields come from the caller's original state.
         optim, _, detected = sections
-    chunked = any(item.global_offset is not None for items in held for item in items)
     strategy = settings.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
         model_id=settings.model_id,
@@ -564,7 +600,7 @@ def _manifest_for(
         epoch=settings.epoch,
         world_size=world_size,
         digest_algorithm=digest,
-        sharding=Sharding(strategy=strategy, shard_count=len(records), precision=_precision(held)),
+        sharding=Sharding(strategy=strategy, shard_count=len(records), precision=precision),
         training=_training_fields(settings.training, detected),
         tiers=tiers,
         files=records,
@@ -636,13 +672,12 @@ def _training_fields(given: Mapping[str, Any] | None, detected: Training) -> Tra
     )
 
 
-def _precision(held: list[list[ItemDescriptor]]) -> str | None:
+def _precision(totals: dict[str, tuple[int, str]]) -> str | None:
     """The floating-point dtype holding the most bytes, as fp32/bf16/fp16/fp64/fp8."""
     float_bytes: dict[str, int] = {}
-    for items in held:
-        for item in items:
-            if item.dtype in _PRECISION:
-                float_bytes[item.dtype] = float_bytes.get(item.dtype, 0) + item.nbytes
+    for nbytes, dtype in totals.values():
+        if dtype in _PRECISION:
+            float_bytes[dtype] = float_bytes.get(dtype, 0) + nbytes
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
 
 

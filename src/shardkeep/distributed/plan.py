@@ -2,23 +2,51 @@
 :func:`coverage_problems`, lives in :mod:`shardkeep.tensors.coverage`, which readers use without
 this package; it is re-exported here.)
 
-Every rank describes the tensors it holds as :class:`ItemDescriptor` values; after an
-all-gather, every rank computes the same :func:`assign_writers` result, so no second round trip
-is needed. A replicated tensor (the DDP case: every rank holds the same key) and a chunk held by
-several replicas are written once in total; items are placed largest first on the rank with the
-fewest bytes so far, so ranks write about the same number of bytes.
+Every rank describes the tensors it holds as :class:`ItemDescriptor` values, and every tensor or
+chunk is written once in total. What crosses ranks stays small at any world size:
+
+- **Chunks of sharded tensors** (``DTensor``) never cross: a chunk held by several replicas
+  (``Replicate`` mesh dimensions) is written by the replica :func:`chunk_writer` names, which
+  every holder computes alone from the chunk's key and offset.
+- **Whole tensors** (replicated, as in DDP) are placed largest first on the rank with the fewest
+  bytes so far. Ranks first exchange one digest of what they hold (:func:`agreement_digest`:
+  the whole tensors, and each sharded tensor's key, dtype and global shape). When every rank
+  holds the same (the usual case), each computes the placement alone
+  (:func:`assign_identical`); otherwise the whole-tensor lists are all-gathered and
+  :func:`assign_writers` places them, and ranks that disagree about a sharded tensor are
+  refused (:func:`check_sharded_agreement`).
 
 This module does not import torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
+import math
+import zlib
 from typing import NamedTuple
 
+import msgspec
+
 from shardkeep.errors import CoordinationError
+from shardkeep.manifest import DTYPE_ITEMSIZE
 from shardkeep.tensors.coverage import coverage_problems
 
-__all__ = ["ItemDescriptor", "assign_writers", "coverage_problems"]
+__all__ = [
+    "ItemDescriptor",
+    "agreement_digest",
+    "assign_identical",
+    "assign_writers",
+    "check_sharded_agreement",
+    "chunk_writer",
+    "coverage_problems",
+    "global_totals",
+    "sharded_facts",
+    "sharded_totals",
+]
+
+Ident = tuple[str, tuple[int, ...] | None]
 
 
 class ItemDescriptor(NamedTuple):
@@ -65,3 +93,67 @@ def assign_writers(held: list[list[ItemDescriptor]]) -> list[set[tuple[str, tupl
         assigned[writer].add(ident)
         load[writer] += first[ident].nbytes
     return assigned
+
+
+def sharded_facts(items: list[ItemDescriptor]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(key, dtype, global shape) of each sharded tensor among ``items``, sorted by key."""
+    facts = {item.key: (item.key, item.dtype, item.global_shape) for item in items if item.global_shape is not None}
+    return [fact for _, fact in sorted(facts.items())]
+
+
+def agreement_digest(items: list[ItemDescriptor]) -> str:
+    """A digest of what every rank must hold alike: its whole tensors (key, dtype, shape) and
+    each sharded tensor's key, dtype and global shape. Equal digests on every rank let each
+    rank plan alone; 32 hex characters per rank is all that crosses."""
+    whole = sorted((item.key, item.dtype, item.shape, item.nbytes) for item in items if item.global_offset is None)
+    encoded = msgspec.msgpack.encode([whole, sharded_facts(items)])
+    return hashlib.blake2b(encoded, digest_size=16).hexdigest()
+
+
+def check_sharded_agreement(per_rank: list[list[tuple[str, str, tuple[int, ...]]]]) -> None:
+    """Refuse ranks that hold one sharded tensor with different dtypes or global shapes (a rank
+    may lack a key: pipeline stages hold different layers)."""
+    first: dict[str, tuple[int, tuple[str, tuple[int, ...]]]] = {}
+    for rank, facts in enumerate(per_rank):
+        for key, dtype, shape in facts:
+            known = first.setdefault(key, (rank, (dtype, tuple(shape))))
+            if known[1] != (dtype, tuple(shape)):
+                raise CoordinationError(
+                    f"ranks disagree about sharded tensor {key!r}: rank {known[0]} has {known[1][0]}{list(known[1][1])}, "
+                    f"rank {rank} has {dtype}{list(shape)}"
+                )
+
+
+def assign_identical(items: list[ItemDescriptor], world_size: int) -> list[set[Ident]]:
+    """:func:`assign_writers` for whole tensors that every rank holds alike (equal
+    :func:`agreement_digest`): the same result, computed by each rank alone in
+    O(n log R) instead of over every rank's list."""
+    assigned: list[set[Ident]] = [set() for _ in range(world_size)]
+    loads = [(0, rank) for rank in range(world_size)]  # (bytes so far, rank): a heap
+    whole = [item for item in items if item.global_offset is None]
+    for item in sorted(whole, key=lambda item: (-item.nbytes, item.key)):
+        load, rank = heapq.heappop(loads)
+        assigned[rank].add(item.ident)
+        heapq.heappush(loads, (load + item.nbytes, rank))
+    return assigned
+
+
+def chunk_writer(key: str, offset: tuple[int, ...], replicas: int) -> int:
+    """Which of ``replicas`` holders of the chunk of ``key`` at ``offset`` writes it: the same
+    answer on every holder, spread evenly over replicas (a stable hash, not Python's)."""
+    if replicas <= 1:
+        return 0
+    return zlib.crc32(f"{key}@{list(offset)}".encode()) % replicas
+
+
+def global_totals(items: list[ItemDescriptor]) -> dict[str, tuple[int, str]]:
+    """Per key, the bytes it takes in the whole checkpoint and its dtype: a whole tensor's own
+    size, a sharded tensor's global size (from its global shape)."""
+    totals = {item.key: (item.nbytes, item.dtype) for item in items if item.global_shape is None}
+    totals.update(sharded_totals(sharded_facts(items)))
+    return totals
+
+
+def sharded_totals(facts: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, tuple[int, str]]:
+    """Per sharded key (from :func:`sharded_facts`), its global size in bytes and its dtype."""
+    return {key: (math.prod(shape) * DTYPE_ITEMSIZE.get(dtype, 1), dtype) for key, dtype, shape in facts}

@@ -87,6 +87,20 @@ def dtensor_chunk(key: str, value: Any) -> tuple[torch.Tensor, list[int], list[i
     return local, list(value.shape), list(global_offset)
 
 
+def replica_of(value: Any) -> tuple[int, int]:
+    """(this rank's index among the replicas of its chunk, how many replicas there are) for a
+    ``DTensor``: ranks that differ only on ``Replicate`` mesh dimensions hold the same chunk."""
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    index, count = 0, 1
+    for dim, placement in enumerate(value.placements):
+        if placement.is_replicate():
+            size = mesh.size(dim)
+            index = index * size + (coordinate[dim] if coordinate is not None else 0)
+            count *= size
+    return index, count
+
+
 def local_region(value: Any) -> tuple[list[int], list[int]]:
     """(global offset, local shape) of a DTensor's local chunk."""
     local_shape, global_offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
