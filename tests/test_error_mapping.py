@@ -1312,6 +1312,13 @@ def from_config_file(data: bytes) -> Callable[[Scene], object]:
     return trigger
 
 
+def from_config_fifo(scene: Scene) -> object:
+    """A config path that is a FIFO with no writer: reading it must not block."""
+    fifo = scene.tmp / "config.yaml"
+    os.mkfifo(fifo)
+    return sk.CheckpointManager.from_config(scene.tmp / "root", fifo)
+
+
 def restore_rng_state(mutate: Callable[[dict[str, Any]], object]) -> Callable[[Scene], object]:
     def trigger(scene: Scene) -> object:
         from shardkeep.training import TrainingCheckpoint
@@ -1356,6 +1363,10 @@ OTHER_CASES = [
     pytest.param(
         Case(from_config_file(b"{{{{ : : :\n"), sk.ConfigError, "config.yaml", yaml.YAMLError),
         id="from_config-invalid-YAML",
+    ),
+    pytest.param(
+        Case(from_config_fifo, sk.ConfigError, "FIFO", sk.UnsafePathError),
+        id="from_config-FIFO-does-not-block",
     ),
     pytest.param(
         Case(

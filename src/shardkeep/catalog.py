@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
-from shardkeep.integrity import SignaturePolicy
+from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
+from shardkeep.integrity import SignaturePolicy, read_regular_file
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
@@ -765,6 +765,10 @@ def _metric(manifest: Manifest | None, metric: str) -> float | None:
     return None if value is None or not math.isfinite(value) else value
 
 
+#: The largest config file read (a run's whole YAML config is a few kilobytes).
+CONFIG_FILE_LIMIT = 4 << 20
+
+
 def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
     """A retention policy from a YAML file: either the ``checkpointing`` section itself, or a
     ``RuntimeConfig`` file with a top-level ``checkpointing:`` key (other keys belong to the
@@ -792,8 +796,11 @@ def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
 
     _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     try:
-        with open(path, encoding="utf-8") as stream:
-            document = yaml.load(stream, Loader=_StrictLoader)  # a SafeLoader subclass
+        # A bounded regular file: a FIFO or device never blocks, a huge file is refused.
+        text = read_regular_file(path, limit=CONFIG_FILE_LIMIT, follow_symlinks=True).decode("utf-8")
+        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except UnsafePathError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} {exc}") from exc
     except OSError as exc:
         raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
