@@ -82,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardkeep {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_inspect(commands)
+    _add_verify(commands)
+    _add_keygen(commands)
+    _add_sign(commands)
+    _add_import_command(commands)
+    _add_export_command(commands)
+    _add_ls(commands)
+    _add_prune(commands)
+    _add_ledger(commands)
+    return parser
+
+
+def _add_inspect(commands: Any) -> None:
+    """``shardkeep inspect``: summarize a checkpoint."""
     inspect = commands.add_parser(
         "inspect", help="summarize a checkpoint: tensors, dtypes, sizes, files, tiers, training fields"
     )
@@ -96,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tier_location_argument(inspect)
     _limits_argument(inspect)
 
+
+def _add_verify(commands: Any) -> None:
+    """``shardkeep verify``: check a checkpoint completely."""
     check = commands.add_parser(
         "verify",
         help="check the file set, sizes, digests and headers; exit 0 only if all is well",
@@ -136,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show a progress bar on stderr (default: when stderr is a terminal)",
     )
 
+
+def _add_keygen(commands: Any) -> None:
+    """``shardkeep keygen``: a new Ed25519 key pair."""
     keygen = commands.add_parser(
         "keygen",
         help="write a new Ed25519 key pair for signing checkpoints",
@@ -146,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("private", metavar="PRIVATE", help="where to write the private key, e.g. signing.pem")
     keygen.add_argument("--public", metavar="PATH", help="where to write the public key (default: PRIVATE.pub)")
 
+
+def _add_sign(commands: Any) -> None:
+    """``shardkeep sign``: write manifest.sig."""
     sign = commands.add_parser(
         "sign",
         help="sign a committed checkpoint: write manifest.sig over the manifest's exact bytes",
@@ -157,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     sign.add_argument("--key", required=True, metavar="PEM", help="the Ed25519 private key (from shardkeep keygen)")
     sign.add_argument("--replace", action="store_true", help="replace an existing signature")
 
+
+def _add_import_command(commands: Any) -> None:
+    """``shardkeep import``: convert another format into a checkpoint."""
     importing = commands.add_parser(
         "import",
         help="convert a torch .pt, a safetensors file or a DCP directory into a shardkeep checkpoint",
@@ -180,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     importing.add_argument("--key", metavar="PEM", help="sign the new checkpoint with this Ed25519 private key")
     importing.add_argument("--progress", action="store_true", help="show a progress bar while writing")
 
+
+def _add_export_command(commands: Any) -> None:
+    """``shardkeep export``: convert a checkpoint into one file."""
     exporting = commands.add_parser(
         "export",
         help="convert a checkpoint to a single torch .pt or safetensors file",
@@ -195,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tier_location_argument(exporting)
     _limits_argument(exporting)
 
+
+def _add_ls(commands: Any) -> None:
+    """``shardkeep ls``: list the checkpoints of a root."""
     listing = commands.add_parser(
         "ls",
         help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
@@ -224,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tier_location_argument(listing)
     _limits_argument(listing)
 
+
+def _add_prune(commands: Any) -> None:
+    """``shardkeep prune``: apply a retention policy to a root."""
     prune = commands.add_parser(
         "prune",
         help="delete checkpoints that the retention policy no longer keeps (dry run unless --apply)",
@@ -247,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _policy_arguments(prune)
 
+
+def _add_ledger(commands: Any) -> None:
+    """``shardkeep ledger status|reassign``: progress ledgers."""
     ledger = commands.add_parser(
         "ledger",
         help="show or change a progress ledger of a multi-worker batch job",
@@ -287,7 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
     reassign.add_argument("path", metavar="PATH", help="the ledger's JSON file")
     reassign.add_argument("shard", metavar="SHARD", type=int, help="the shard (its original rank)")
     reassign.add_argument("rank", metavar="RANK", type=int, help="the worker that takes it over")
-    return parser
 
 
 def _positive_int(text: str) -> int:
