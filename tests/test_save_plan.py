@@ -163,3 +163,40 @@ def _count_planning_payloads(rank: int, world_size: int, path: str) -> list[int]
     state = {f"layer{i}.weight": torch.randn(64, 8) for i in range(200)}
     sk.save(state, path)
     return sizes
+
+
+def _save_uneven(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {
+        # 2 rows over 4 ranks: ranks 2 and 3 hold empty chunks at the same offset (2, 0).
+        "two_rows": distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(0)]),
+        # A tensor with no elements at all: its key must still be recorded, once.
+        "empty": distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)]),
+        "cols": distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(1)]),
+    }
+    sk.save(state, path)
+    return {}
+
+
+def test_empty_chunks_held_by_several_ranks_are_not_written_twice(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    results_or_raise(run_ranks(4, _save_uneven, path, outbox=tmp_path / "out"))
+    assert sk.verify(path).ok
+    loaded = sk.load(path)
+    assert torch.equal(loaded["two_rows"], torch.arange(8.0).reshape(2, 4))
+    assert loaded["empty"].shape == (0, 4)
+    assert torch.equal(loaded["cols"], torch.arange(6.0).reshape(2, 3))
+    manifest = sk.read_manifest(path)
+    assert sum(1 for _, entry in manifest.iter_tensors() if entry.key == "empty") == 1
+
+
+def test_a_distributed_manifest_omits_default_fields_like_a_single_process_one(tmp_path: Path) -> None:
+    """File records cross ranks as msgpack: the coordinator's manifest omits default fields
+    ("type": "dense", "tier": "hot" ...), as a one-process save does."""
+    path = tmp_path / "ckpt"
+    results_or_raise(run_ranks(2, _save_rank_specific, str(path), outbox=tmp_path / "out"))
+    text = (path / "manifest.json").read_text()
+    assert '"type":"dense"' not in text.replace(" ", "") and '"array_type":"torch"' not in text.replace(" ", "")

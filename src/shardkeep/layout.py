@@ -17,6 +17,7 @@ from shardkeep.manifest import (
     TensorEntry,
 )
 from shardkeep.tensors.convert import (
+    at_mesh_origin,
     byte_view,
     contiguous_pieces,
     describe_array,
@@ -43,6 +44,7 @@ class PlannedItem:
         "global_shape",
         "itemsize",
         "leaf",
+        "mesh_origin",
         "nbytes",
         "replica",
         "shape",
@@ -57,8 +59,11 @@ class PlannedItem:
         self.global_offset: list[int] | None = None
         #: (this rank's index among the holders of this chunk, how many hold it).
         self.replica = (0, 1)
+        #: Whether this rank is at coordinate (0, ..., 0) of the chunk's device mesh.
+        self.mesh_origin = True
         if chunk is not None:
             self.replica = replica_of(value)
+            self.mesh_origin = at_mesh_origin(value)
             value, self.global_shape, self.global_offset = chunk
         self.array = value
         self.wants_digest = chunk is not None

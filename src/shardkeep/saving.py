@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 if TYPE_CHECKING:
@@ -365,6 +366,12 @@ class SaveJob:
             if item.global_offset is None:
                 if (item.leaf.key, None) in mine:
                     planned_here.append(item)
+            elif item.nbytes == 0:
+                # An empty chunk covers nothing, and several ranks may hold one at the same offset
+                # (uneven sharding): skip it, unless the whole tensor is empty, whose key must
+                # still be recorded once: by the rank at the mesh's origin.
+                if item.mesh_origin and not math.prod(item.global_shape or ()):
+                    planned_here.append(item)
             elif chunk_writer(item.leaf.key, tuple(item.global_offset), item.replica[1]) == item.replica[0]:
                 planned_here.append(item)
         return planned_here, totals
@@ -681,6 +688,10 @@ def _precision(totals: dict[str, tuple[int, str]]) -> str | None:
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
 
 
+_RECORDS_ENCODER = msgspec.msgpack.Encoder()
+_RECORDS_DECODER = msgspec.msgpack.Decoder(list[FileRecord])
+
+
 def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:
     """The body of :func:`~shardkeep.save` (and of the checkpoint manager's save): prepare,
     write (every rank), commit (the coordinator), and abort on any failure."""
@@ -693,9 +704,13 @@ def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: S
     coordinator = job.coordinator
     try:
         job.prepare()
-        # Only the coordinator needs the file records: each rank sends its own, once.
-        records = coordinator.step_to_coordinator("write the shards", job.write)
-        committed = coordinator.step("commit the checkpoint", lambda: job.finish(records))[0]
+        # Only the coordinator needs the file records: each rank sends its own, once, as msgpack
+        # bytes (compact, and decoded with their defaults intact, so the manifest omits them).
+        encoded = coordinator.step_to_coordinator("write the shards", lambda: _RECORDS_ENCODER.encode(job.write()))
+        records = None if encoded is None else [_RECORDS_DECODER.decode(part) for part in encoded]
+        # The coordinator commits; the others receive the committed manifest once (a broadcast:
+        # an all-gather would pad every rank's empty result to the manifest's size).
+        committed = coordinator.on_coordinator("commit the checkpoint", lambda: job.finish(records))
     except BaseException:
         job.abort()
         raise

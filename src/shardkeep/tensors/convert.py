@@ -101,6 +101,12 @@ def replica_of(value: Any) -> tuple[int, int]:
     return index, count
 
 
+def at_mesh_origin(value: Any) -> bool:
+    """Whether this rank is at coordinate (0, ..., 0) of a ``DTensor``'s device mesh."""
+    coordinate = value.device_mesh.get_coordinate()
+    return coordinate is not None and not any(coordinate)
+
+
 def local_region(value: Any) -> tuple[list[int], list[int]]:
     """(global offset, local shape) of a DTensor's local chunk."""
     local_shape, global_offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
