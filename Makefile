@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability clean
+.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench-ledger: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(PY) bench/tiers.py
+
+# Metadata growth with tensors and ranks (issue 18): the real save, read and load-plan code for R
+# simulated ranks in one process, R = 8 ... 4096 (about 40 minutes on 2 cores); SCALE_ARGS=--quick
+# for a few minutes.
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py $(SCALE_ARGS)
 
 # The reliability figures at full size (1000 kill -9 trials, 10,000+ fuzz inputs ...); --ci for CI sizes.
 bench-reliability: $(STAMP)
