@@ -200,3 +200,20 @@ def test_a_distributed_manifest_omits_default_fields_like_a_single_process_one(t
     results_or_raise(run_ranks(2, _save_rank_specific, str(path), outbox=tmp_path / "out"))
     text = (path / "manifest.json").read_text()
     assert '"type":"dense"' not in text.replace(" ", "") and '"array_type":"torch"' not in text.replace(" ", "")
+
+
+def _save_expert_parallel(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    # Expert parallelism: each rank holds its own experts, under containers the others lack.
+    experts = {str(2 * rank + i): {"w": torch.full((2,), float(2 * rank + i))} for i in range(2)}
+    sk.save({"shared": torch.zeros(2), "experts": experts, "names": ["a", "b"]}, path)
+    return {}
+
+
+def test_containers_only_other_ranks_hold_join_the_tree(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    results_or_raise(run_ranks(3, _save_expert_parallel, path, outbox=tmp_path / "out"))
+    loaded = sk.load(path)
+    assert sorted(loaded["experts"], key=int) == [str(i) for i in range(6)]
+    for index in range(6):
+        assert torch.equal(loaded["experts"][str(index)]["w"], torch.full((2,), float(index)))
+    assert loaded["names"] == ["a", "b"]

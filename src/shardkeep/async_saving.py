@@ -15,13 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-import msgspec
-
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import (
     SaveInProgressError,
 )
-from shardkeep.manifest import FileRecord, Manifest
+from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveJob, SaveSettings, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
@@ -194,16 +192,11 @@ def _finish_through_store(job: SaveJob) -> Manifest:
     committed: list[Manifest] = []
 
     def complete(payloads: list[bytes]) -> None:
-        manifest = job.finish([_RECORDS.decode(payload) for payload in payloads])
+        manifest = job.finish(job.read_payloads(payloads))
         assert manifest is not None
         committed.append(manifest)
 
-    job.coordinator.finish_through_store(
-        f"shardkeep/{job.commit.staging}", lambda: msgspec.json.encode(job.write()), complete, job.abort
-    )
+    job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", job.write_payload, complete, job.abort)
     if committed:
         return committed[0]
     return read_manifest(job.location.name, storage=job.location.store)
-
-
-_RECORDS = msgspec.json.Decoder(list[FileRecord])

@@ -42,6 +42,7 @@ from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, load_private_key, seal_ma
 from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
 from shardkeep.layout import PlannedItem, file_header, plan_files
 from shardkeep.manifest import (
+    ContainerEntry,
     FileRecord,
     Manifest,
     RunInfo,
@@ -275,6 +276,7 @@ class SaveJob:
         #: Per key, its size in the whole checkpoint and dtype; whether any tensor is sharded.
         self.totals: dict[str, tuple[int, str]] = {}
         self.chunked = False
+        self.alike = True
         self.flat = FlatState()
         self.planned: list[PlannedItem] = []
         self.plans: list[ShardPlan] = []
@@ -326,13 +328,16 @@ class SaveJob:
 
     def prepare(self) -> None:
         coordinator = self.coordinator
-        digests = coordinator.step("prepare the save", lambda: agreement_digest(self._describe()))
+        digests = coordinator.step("prepare the save", lambda: agreement_digest(self._describe(), self.flat.containers))
+        #: Every rank holds the same tree and whole tensors (the usual case): the coordinator's
+        #: tree is the checkpoint's. Otherwise each rank sends its containers with its records.
+        self.alike = len(set(digests)) == 1
         local = [item.descriptor for item in self.planned]
         self.chunked = any(item.global_offset is not None for item in local)
         if not coordinator.distributed:
             planned_here, totals = self.planned, global_totals(local)
         else:
-            planned_here, totals = self._writers(local, alike=len(set(digests)) == 1)
+            planned_here, totals = self._writers(local, alike=self.alike)
         coordinator.step("place the tensors on tiers", lambda: self._place(totals))
         self.totals = totals
         staging = coordinator.step("begin the save", self._begin)[0]
@@ -485,6 +490,27 @@ class SaveJob:
             close()
         return list(self.manifest.files)
 
+    def write_payload(self) -> bytes:
+        """Write this rank's files; return what the coordinator needs, as msgpack bytes (compact,
+        and decoded with their defaults intact, so the manifest omits them): this rank's file
+        records, and its containers when the ranks' trees differ."""
+        records = self.write()
+        return _PAYLOAD_ENCODER.encode((records, None if self.alike else self.flat.containers))
+
+    def read_payloads(self, payloads: list[bytes]) -> list[list[FileRecord]]:
+        """On the coordinator: every rank's records from :meth:`write_payload`; the containers of
+        ranks whose trees differ join the manifest's structure."""
+        records: list[list[FileRecord]] = []
+        trees: list[list[ContainerEntry]] = []
+        for payload in payloads:
+            part, containers = _PAYLOAD_DECODER.decode(payload)
+            records.append(part)
+            if containers is not None:
+                trees.append(containers)
+        if trees and self.manifest is not None:
+            self.manifest.structure = _merged_structure(self.manifest.structure, trees)
+        return records
+
     def finish(self, records: list[list[FileRecord]] | None) -> Manifest | None:
         """On the coordinator: merge every rank's file records, check coverage, seal, sign and
         commit; ``None`` on the other ranks."""
@@ -562,6 +588,21 @@ def _logical(path: str) -> str:
     """A data file's path without the attempt prefix object stores and tier locations add."""
     first, _, rest = path.partition("/")
     return rest if first.startswith(ATTEMPT_PREFIX) and rest else path
+
+
+def _merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
+    """The coordinator's containers plus those only other ranks hold (expert-parallel ranks
+    hold different experts); ranks that disagree about a container's kind are refused."""
+    merged = {tuple(entry.path): entry for entry in own}
+    for containers in others:
+        for entry in containers:
+            known = merged.setdefault(tuple(entry.path), entry)
+            if known.kind != entry.kind:
+                raise UnsupportedValueError(
+                    f"ranks disagree about the container at {'.'.join(map(str, entry.path)) or '<root>'}: "
+                    f"{known.kind} and {entry.kind}"
+                )
+    return list(merged.values())
 
 
 def _previous_files(manifest: Manifest, tiers: list[Tier]) -> dict[tuple[str, str], FileRecord]:
@@ -688,8 +729,8 @@ def _precision(totals: dict[str, tuple[int, str]]) -> str | None:
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
 
 
-_RECORDS_ENCODER = msgspec.msgpack.Encoder()
-_RECORDS_DECODER = msgspec.msgpack.Decoder(list[FileRecord])
+_PAYLOAD_ENCODER = msgspec.msgpack.Encoder()
+_PAYLOAD_DECODER = msgspec.msgpack.Decoder(tuple[list[FileRecord], list[ContainerEntry] | None])
 
 
 def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:
@@ -704,10 +745,9 @@ def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: S
     coordinator = job.coordinator
     try:
         job.prepare()
-        # Only the coordinator needs the file records: each rank sends its own, once, as msgpack
-        # bytes (compact, and decoded with their defaults intact, so the manifest omits them).
-        encoded = coordinator.step_to_coordinator("write the shards", lambda: _RECORDS_ENCODER.encode(job.write()))
-        records = None if encoded is None else [_RECORDS_DECODER.decode(part) for part in encoded]
+        # Only the coordinator needs the file records: each rank sends its own, once.
+        payloads = coordinator.step_to_coordinator("write the shards", job.write_payload)
+        records = None if payloads is None else job.read_payloads(payloads)
         # The coordinator commits; the others receive the committed manifest once (a broadcast:
         # an all-gather would pad every rank's empty result to the manifest's size).
         committed = coordinator.on_coordinator("commit the checkpoint", lambda: job.finish(records))

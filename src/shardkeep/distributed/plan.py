@@ -101,12 +101,13 @@ def sharded_facts(items: list[ItemDescriptor]) -> list[tuple[str, str, tuple[int
     return [fact for _, fact in sorted(facts.items())]
 
 
-def agreement_digest(items: list[ItemDescriptor]) -> str:
-    """A digest of what every rank must hold alike: its whole tensors (key, dtype, shape) and
-    each sharded tensor's key, dtype and global shape. Equal digests on every rank let each
-    rank plan alone; 32 hex characters per rank is all that crosses."""
+def agreement_digest(items: list[ItemDescriptor], tree: object = None) -> str:
+    """A digest of what every rank must hold alike: its whole tensors (key, dtype, shape), each
+    sharded tensor's key, dtype and global shape, and ``tree`` (the state's containers, any
+    msgspec-encodable value). Equal digests on every rank let each rank plan alone; 32 hex
+    characters per rank is all that crosses."""
     whole = sorted((item.key, item.dtype, item.shape, item.nbytes) for item in items if item.global_offset is None)
-    encoded = msgspec.msgpack.encode([whole, sharded_facts(items)])
+    encoded = msgspec.msgpack.encode([whole, sharded_facts(items), tree])
     return hashlib.blake2b(encoded, digest_size=16).hexdigest()
 
 
