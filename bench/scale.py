@@ -40,7 +40,8 @@ Constructed, because the real code needs a process group, DTensors or tensor byt
   own DTensor arithmetic, ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``
   (what ``compute_local_shape_and_global_offset`` calls, given the mesh shape and the rank's mesh
   coordinate instead of a ``DeviceMesh``), with FSDP2's ``_StridedShard`` where FSDP and TP shard
-  one dimension; ``replica`` (where the version has it) as ``replica_of`` computes it;
+  one dimension; ``replica`` and ``mesh_origin`` (where the version has them) as ``replica_of``
+  and ``at_mesh_origin`` compute them;
 * ``write_shards`` is replaced by a function that records what it would (a well-formed blake3
   digest per file and per chunk) and writes nothing; after the real ``write``, a rank's job drops
   what no later step reads (its planned items, a non-coordinator's manifest), so R ranks fit in
@@ -274,6 +275,11 @@ class Workload:
                     held.append((index, shape, offset))
         held.sort(key=lambda chunk: chunk[0])
         return held
+
+    def coordinate_of(self, index: int, rank: int) -> tuple[int, ...]:
+        """This rank's coordinate on the mesh of tensor ``index``."""
+        _, coordinates = self._index()
+        return tuple(coordinates[self.tensors[index].mesh][rank])
 
     def replica_of(self, index: int, rank: int) -> tuple[int, int]:
         """(this rank's index among the holders of its chunk, how many hold it): the ranks that
@@ -765,6 +771,7 @@ class Simulation:
         self.finish_seconds = 0.0
         self.local = threading.local()
         self.has_replica = "replica" in PlannedItem.__slots__
+        self.has_mesh_origin = "mesh_origin" in PlannedItem.__slots__
 
     def planned(self, rank: int) -> list[PlannedItem]:
         """This rank's PlannedItems, as ``PlannedItem(leaf)`` would describe its tensors."""
@@ -786,6 +793,8 @@ class Simulation:
             item.address = None
             if self.has_replica:
                 item.replica = workload.replica_of(index, rank) if offset is not None else (0, 1)
+            if self.has_mesh_origin:  # as tensors.convert.at_mesh_origin computes
+                item.mesh_origin = offset is None or not any(workload.coordinate_of(index, rank))
             items.append(item)
         return items
 
