@@ -48,9 +48,15 @@ def test_every_setting_reaches_the_job(tmp_path: Path, monkeypatch: pytest.Monke
     """A value given to ``save`` arrives in the SaveSettings the job runs with (so a new field
     cannot be silently dropped by ``from_arguments``)."""
     seen: list[SaveSettings] = []
-    monkeypatch.setattr(saving, "run_save", lambda state, path, settings: seen.append(settings))
-    monkeypatch.setattr(sk.api, "run_save", lambda state, path, settings: seen.append(settings))
-    sk.save({"w": torch.zeros(2)}, tmp_path / "c", digest="sha256", model_id="m", epoch=3, timeout=7.0)
+    real = saving.run_save
+
+    def spy(state: Any, path: Any, settings: SaveSettings) -> Any:
+        seen.append(settings)
+        return real(state, path, settings)  # the real save: the manifest must agree too
+
+    monkeypatch.setattr(sk.api, "run_save", spy)
+    manifest = sk.save({"w": torch.zeros(2)}, tmp_path / "c", digest="sha256", model_id="m", epoch=3, timeout=7.0)
+    assert (manifest.digest_algorithm, manifest.model_id, manifest.epoch) == ("sha256", "m", 3)
     assert seen and seen[0].digest == "sha256" and seen[0].model_id == "m"
     assert seen[0].epoch == 3 and seen[0].timeout == 7.0
 

@@ -182,7 +182,7 @@ class Coordinator:
             return [work()]  # one process: the original error, with its own type
         outcome, local_error = self._attempt(work)
         outcomes = self.all_gather(outcome, label=label)
-        self._raise_failures(label, outcomes, local_error)
+        self._raise_failures(label, _failures(outcomes), local_error)
         return [payload for _, payload in outcomes]
 
     def step_to_coordinator(self, label: str, work: Callable[[], T]) -> list[T] | None:
@@ -195,22 +195,8 @@ class Coordinator:
             return [work()]
         outcome, local_error = self._attempt(work)
         outcomes = self.gather(outcome, label=label)
-        failures: dict[int, str] = {}
-        if outcomes is not None:
-            failures = {
-                index: f"{payload.error_type}: {payload.message}"
-                for index, (kind, payload) in enumerate(outcomes)
-                if kind == "error"
-            }
-        status: dict[int, str] = self.broadcast(failures if self.is_coordinator else None, label=label)
-        if status:
-            details = "; ".join(f"rank {rank}: {text}" for rank, text in status.items())
-            error = CoordinationError(
-                f"{label} failed on rank(s) {sorted(status)} of {self.world_size}: {details}", status
-            )
-            if local_error is not None:
-                raise error from local_error
-            raise error
+        failures = _failures(outcomes) if outcomes is not None else None
+        self._raise_failures(label, self.broadcast(failures, label=label), local_error)
         return None if outcomes is None else [payload for _, payload in outcomes]
 
     def _attempt(self, work: Callable[[], T]) -> tuple[Any, BaseException | None]:
@@ -221,16 +207,14 @@ class Coordinator:
             summary = str(exc).splitlines()[0] if str(exc) else traceback.format_exception_only(exc)[-1].strip()
             return ("error", RankFailure(self.rank, type(exc).__name__, summary[:2000])), exc
 
-    def _raise_failures(self, label: str, outcomes: list[Any], local_error: BaseException | None) -> None:
-        failures = {index: payload for index, (kind, payload) in enumerate(outcomes) if kind == "error"}
+    def _raise_failures(self, label: str, failures: dict[int, str], local_error: BaseException | None) -> None:
+        """Raise one :class:`CoordinationError` naming every failed rank (``rank: "Type:
+        message"``), chained to this rank's own error; nothing when no rank failed."""
         if not failures:
             return
-        details = "; ".join(
-            f"rank {rank}: {failure.error_type}: {failure.message}" for rank, failure in failures.items()
-        )
+        details = "; ".join(f"rank {rank}: {text}" for rank, text in failures.items())
         error = CoordinationError(
-            f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}",
-            {rank: f"{failure.error_type}: {failure.message}" for rank, failure in failures.items()},
+            f"{label} failed on rank(s) {sorted(failures)} of {self.world_size}: {details}", failures
         )
         if local_error is not None:
             raise error from local_error
@@ -346,3 +330,12 @@ class Coordinator:
         with contextlib.suppress(Exception):
             for name in [*keys, f"{key}/result"]:
                 store.delete_key(name)
+
+
+def _failures(outcomes: list[Any]) -> dict[int, str]:
+    """The failed ranks of a step's outcomes, as ``{rank: "Type: message"}``."""
+    return {
+        rank: f"{payload.error_type}: {payload.message}"
+        for rank, (kind, payload) in enumerate(outcomes)
+        if kind == "error"
+    }
