@@ -99,9 +99,17 @@ def _sharded_training_state(world_size: int, *, trained: bool) -> tuple[torch.nn
 
 def _save_sharded(rank: int, world_size: int, path: str) -> dict[str, Any]:
     module, optimizer = _sharded_training_state(world_size, trained=True)
-    manifest = sk.save({"model": module, "optim": optimizer, "note": "sharded"}, path)
+    saved = sk.save({"model": module, "optim": optimizer, "note": "sharded"}, path)
+    if rank != 0:
+        return {}
+    manifest = sk.read_manifest(path)  # format 2.0: with every rank index expanded
     chunks = [(e.key, e.global_offset, e.shape) for _, e in manifest.iter_tensors() if e.global_offset is not None]
-    return {"strategy": manifest.sharding.strategy, "chunks": sorted(chunks, key=str), "files": len(manifest.files)}
+    return {
+        "version": saved.metadata_version,
+        "strategy": manifest.sharding.strategy,
+        "chunks": sorted(chunks, key=str),
+        "files": len(manifest.files),
+    }
 
 
 def _load_sharded(rank: int, world_size: int, path: str) -> dict[str, bool]:
@@ -133,6 +141,7 @@ def test_dtensor_state_reshards_across_world_sizes(tmp_path: Path, saved_on: int
     path = str(tmp_path / "ckpt")
     saved = results_or_raise(run_ranks(saved_on, _save_sharded, path, outbox=tmp_path / "save"))
     assert saved[0]["strategy"] == "dtensor"
+    assert saved[0]["version"] == "2.0"  # regularly sharded: described once, chunks in rank indexes
     weight_chunks = [chunk for chunk in saved[0]["chunks"] if chunk[0] == "model.weight"]
     assert len(weight_chunks) == saved_on  # one chunk per rank, with its global offset
     assert sk.verify(path).ok

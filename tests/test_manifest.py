@@ -16,6 +16,7 @@ from conftest import reseal
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import seal_manifest, unseal_manifest
 from shardkeep.manifest import (
+    INDEXED_VERSION,
     METADATA_VERSION,
     ContainerEntry,
     FileRecord,
@@ -172,9 +173,9 @@ def test_unknown_fields_of_a_newer_minor_are_kept_and_ignored() -> None:
 def test_newer_major_version_is_refused_naming_both_versions() -> None:
     raw = json.loads(encode_manifest(full_manifest()))
     raw["metadata_version"] = "3.0"
-    with pytest.raises(sk.ManifestVersionError, match=r"3\.0.*1\.3") as info:
+    with pytest.raises(sk.ManifestVersionError, match=r"3\.0.*2\.0") as info:
         decode_manifest(json.dumps(raw).encode())
-    assert info.value.found == "3.0" and info.value.supported == METADATA_VERSION
+    assert info.value.found == "3.0" and info.value.supported == INDEXED_VERSION
     assert isinstance(info.value, sk.ManifestError)
 
 
@@ -380,8 +381,8 @@ def test_golden_newer_minor_manifest_decodes_with_unknown_fields() -> None:
 
 
 def test_golden_newer_major_manifest_is_refused() -> None:
-    data = (GOLDEN / "manifest-v2.0-newer-major.json").read_bytes()
-    with pytest.raises(sk.ManifestVersionError, match=r"2\.0"):
+    data = (GOLDEN / "manifest-v3.0-newer-major.json").read_bytes()
+    with pytest.raises(sk.ManifestVersionError, match=r"3\.0"):
         decode_manifest(data)
 
 

@@ -77,9 +77,10 @@ def _hsdp_state(world_size: int) -> dict[str, Any]:
 
 
 def _save_hsdp(rank: int, world_size: int, path: str) -> dict[str, Any]:
-    manifest = sk.save(_hsdp_state(world_size), path)
+    sk.save(_hsdp_state(world_size), path)
     if rank != 0:
         return {}
+    manifest = sk.read_manifest(path)  # format 2.0: with every rank index expanded
     writers = sorted({(record.rank, entry.key) for record in manifest.files for entry in record.tensors})
     return {"writers": writers, "strategy": manifest.sharding.strategy}
 

@@ -242,7 +242,7 @@ def load(
         )
     location = locate(path, storage, storage_options)
     with collector_paused():
-        manifest = read_checked_manifest(location, policy, limits)
+        manifest = read_checked_manifest(location, policy, limits, expand=False)
     job = LoadJob(
         location,
         manifest,
@@ -254,6 +254,7 @@ def load(
         storage_options=storage_options,
         lazy=lazy,
         progress=progress,
+        limits=limits,
     )
     return job.run()
 

@@ -172,7 +172,7 @@ def _finish_in_background(
             manifest = _finish_through_store(job)
         else:
             try:
-                manifest = job.finish([job.write()])
+                manifest = job.finish([job.report()])
             except BaseException:
                 job.abort()
                 raise

@@ -12,19 +12,24 @@ import numpy as np
 import torch
 
 from shardkeep.distributed.plan import ItemDescriptor
+from shardkeep.errors import UnsupportedValueError
 from shardkeep.manifest import (
     FileRecord,
     TensorEntry,
+    parse_placements,
 )
 from shardkeep.tensors.convert import (
+    Layout,
     at_mesh_origin,
     byte_view,
     contiguous_pieces,
     describe_array,
     dtensor_chunk,
+    regular_layout,
     replica_of,
 )
 from shardkeep.tensors.flatten import TensorLeaf
+from shardkeep.tensors.grid import Grid
 from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY
 from shardkeep.tensors.shardfile import build_header
 
@@ -43,6 +48,7 @@ class PlannedItem:
         "global_offset",
         "global_shape",
         "itemsize",
+        "layout",
         "leaf",
         "mesh_origin",
         "nbytes",
@@ -61,10 +67,18 @@ class PlannedItem:
         self.replica = (0, 1)
         #: Whether this rank is at coordinate (0, ..., 0) of the chunk's device mesh.
         self.mesh_origin = True
+        #: The grid this chunk belongs to (a regularly sharded tensor), or None.
+        self.layout: Layout | None = None
         if chunk is not None:
             self.replica = replica_of(value)
             self.mesh_origin = at_mesh_origin(value)
+            self.layout = regular_layout(value)
+            coordinate = value.device_mesh.get_coordinate()
             value, self.global_shape, self.global_offset = chunk
+            if self.layout is not None and coordinate is not None:
+                _check_on_grid(
+                    leaf.key, self.layout, self.global_shape, self.global_offset, list(value.shape), coordinate
+                )
         self.array = value
         self.wants_digest = chunk is not None
         self.dtype, self.shape, self.nbytes, self.itemsize, self.array_type, self.address = describe_array(
@@ -80,6 +94,7 @@ class PlannedItem:
             self.nbytes,
             None if self.global_shape is None else tuple(self.global_shape),
             None if self.global_offset is None else tuple(self.global_offset),
+            None if self.layout is None else (self.layout[0], self.layout[2], self.layout[3]),
         )
 
     def pieces(self, max_bytes: int) -> Iterator[memoryview]:
@@ -91,7 +106,22 @@ class PlannedItem:
 _PLAIN_ARRAYS = (torch.Tensor, np.ndarray)
 
 
-def _expert_key(key: str, tier_id: int) -> list[int] | None:
+def _check_on_grid(
+    key: str, layout: Layout, global_shape: list[int], offset: list[int], shape: list[int], coordinate: list[int]
+) -> None:
+    """Refuse a chunk that is not where its placements put it: a format 2.0 manifest records
+    the grid, not the chunk, so a chunk off the grid would otherwise be lost silently."""
+    dims = parse_placements(layout[3], len(global_shape))
+    assert dims is not None
+    expected = Grid.of(tuple(global_shape), layout[0], dims).chunk(coordinate)
+    if expected != (tuple(offset), tuple(shape)):
+        raise UnsupportedValueError(
+            f"DTensor {key!r}: its local chunk at {offset} of shape {shape} is not the chunk its placements "
+            f"{list(layout[3])} give on mesh {list(layout[0])} ({[list(b) for b in expected]})"
+        )
+
+
+def expert_key_of(key: str, tier_id: int) -> list[int] | None:
     if "experts." not in key:
         return None
     match = EXPERT_KEY.search(key)
@@ -129,7 +159,9 @@ def plan_files(
     groups: dict[str, list[PlannedItem]] = {}
     for item in planned:
         key = item.leaf.key
-        sharded = "_sharded" if item.global_offset is not None else ""
+        # Chunks on a regular grid go to "_sharded" files (listed in the rank's index in format
+        # 2.0); other chunks to "_chunks" files (listed in the manifest).
+        sharded = "" if item.global_offset is None else "_sharded" if item.layout is not None else "_chunks"
         section = (sections or {}).get(key)
         if section is not None:
             stem = f"_{section}{sharded}"
@@ -179,7 +211,7 @@ def file_header(record: FileRecord, group: list[PlannedItem], tier_id: int) -> b
     tensors = record.tensors
     tensors.clear()
     for item, (key, _, _, begin, _) in zip(group, spans, strict=True):
-        expert = _expert_key(key, tier_id)
+        expert = expert_key_of(key, tier_id)
         tensors.append(
             TensorEntry(
                 key=key,

@@ -8,15 +8,18 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shardkeep.config import LoadOptions
+from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.errors import (
     IntegrityError,
     UnsupportedValueError,
 )
 from shardkeep.fill import fill_into
+from shardkeep.indexes import expand, needed_ranks
 from shardkeep.io import check_shard
 from shardkeep.manifest import (
+    IndexedManifest,
     Manifest,
+    ShardedTensor,
     TensorEntry,
 )
 from shardkeep.progress import collector_paused, progress_bar
@@ -63,8 +66,11 @@ class LoadJob:
         storage_options: Mapping[str, Any] | None,
         lazy: bool,
         progress: bool,
+        limits: ManifestLimits | None = None,
     ) -> None:
         self.location = location
+        if isinstance(manifest, IndexedManifest):
+            manifest = _expanded(location, manifest, into, options, limits)
         self.manifest = manifest
         self.options = options
         self.into = into
@@ -185,7 +191,7 @@ class LoadJob:
                 if key in self.absent:
                     continue  # on a tier or in a section this partial load leaves out
                 # This rank's region is empty (fewer rows than ranks): no chunk overlaps it.
-                first = next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
+                first = _sharded_entry(manifest, key)
                 assert first.global_shape is not None
                 offset, shape = wanted[key]
                 tensors.append((first.path, first.order, Region([], offset, shape, first.global_shape, first.dtype)))
@@ -202,6 +208,31 @@ class LoadJob:
             return loaded
         fill_into(self.into, loaded, partial=self.partial, absent=frozenset(self.absent))
         return self.into
+
+
+def _expanded(
+    location: CheckpointLocation,
+    manifest: IndexedManifest,
+    into: Any,
+    options: LoadOptions,
+    limits: ManifestLimits | None,
+) -> Manifest:
+    """Format 2.0: the manifest with only the rank indexes this load needs expanded: those
+    whose chunks overlap the regions ``into`` holds (every index without ``into``, or when
+    ``into`` lacks a described tensor)."""
+    wanted = wanted_regions(into, manifest) if into is not None else {}
+    ranks = needed_ranks(manifest, wanted)
+    return expand(location.store, location.name, manifest, ranks, limits=limits, threads=options.io_threads)
+
+
+def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:
+    """How ``manifest`` describes sharded tensor ``key``: a chunk entry, or (format 2.0) its
+    description."""
+    if isinstance(manifest, IndexedManifest):
+        for tensor in manifest.sharded:
+            if tensor.key == key:
+                return tensor
+    return next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
 
 
 def _section_function(manifest: Manifest) -> Callable[[str], str]:

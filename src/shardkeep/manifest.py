@@ -42,7 +42,13 @@ __all__ = [
     "Compression",
     "ContainerEntry",
     "FileRecord",
+    "INDEXED_VERSION",
+    "IndexRecord",
+    "IndexedManifest",
     "Manifest",
+    "Mesh",
+    "RankIndex",
+    "ShardedTensor",
     "HistoryPoint",
     "RetentionRecord",
     "RunInfo",
@@ -57,6 +63,8 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "has_chunks",
+    "index_path",
+    "parse_placements",
     "is_staging_name",
     "lineage",
     "key_for_path",
@@ -66,6 +74,10 @@ __all__ = [
 
 FORMAT_NAME = "shardkeep"
 METADATA_VERSION = "1.3"
+#: The version of a manifest that describes regularly sharded tensors once, with rank indexes
+#: (:class:`IndexedManifest`); saves without such tensors still write :data:`METADATA_VERSION`.
+INDEXED_VERSION = "2.0"
+INDEX_FORMAT = "shardkeep-index"
 MANIFEST_FILENAME = "manifest.json"
 SIGNATURE_FILENAME = "manifest.sig"
 #: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
@@ -304,6 +316,92 @@ class Manifest(msgspec.Struct, kw_only=True, dict=True):
         return sum(map(_NBYTES, chain.from_iterable(map(_TENSORS, self.files))))
 
 
+class Mesh(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A device mesh (format 2.0): its shape, and its global ranks in row-major order of the
+    mesh coordinates (absent: ``0, 1, ...``, the usual case)."""
+
+    shape: list[int]
+    ranks: list[int] | None = None
+
+    def rank_list(self) -> list[int]:
+        return self.ranks if self.ranks is not None else list(range(math.prod(self.shape)))
+
+
+class ShardedTensor(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A regularly sharded tensor (format 2.0), described once: its chunks are computed from
+    ``global_shape``, the mesh and the placements (``"R"``: replicated over that mesh
+    dimension; ``"S<d>"``: tensor dimension ``d`` split over it, as ``torch.chunk`` splits).
+    Which file holds each chunk is in the index of the rank that wrote it."""
+
+    key: str
+    path: KeyPath
+    dtype: str
+    global_shape: list[int]
+    mesh: int
+    placements: list[str]
+    kind: Literal["dense", "expert"] = msgspec.field(default="dense", name="type")
+    expert_key: list[int] | None = None
+    order: int = 0
+
+
+class IndexRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One rank's index file (format 2.0), ``index/rank_NNNNN.json``: its path (on an object
+    store, below the save attempt's prefix, as data files are), size and digest."""
+
+    rank: int
+    path: str
+    size: int
+    digest: str
+
+
+class RankIndex(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """The contents of a rank index: the file records (with every chunk entry) of the files
+    that rank wrote for regularly sharded tensors."""
+
+    format: str
+    metadata_version: str
+    rank: int
+    files: list[FileRecord]
+
+
+class IndexedManifest(Manifest, kw_only=True, dict=True):
+    """A format 2.0 manifest: everything a 1.x manifest holds, except that the chunks of
+    regularly sharded tensors are not listed. ``sharded`` describes each such tensor once,
+    ``meshes`` the meshes they refer to, and ``indexes`` each rank's index file, which lists
+    the files that rank wrote for them and their chunk entries. A reader expands the indexes it
+    needs (:mod:`shardkeep.indexes`) into a view with the 1.x shape."""
+
+    meshes: list[Mesh] = msgspec.field(default_factory=list)
+    sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
+    indexes: list[IndexRecord] = msgspec.field(default_factory=list)
+
+
+_PLACEMENT = re.compile(r"R|S(\d{1,3})")
+
+
+def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | None, ...] | None:
+    """Placement names (``"R"``, ``"S0"``, ``"S1"``...) as the tensor dimension each mesh
+    dimension shards (``None``: replicated); ``None`` when a name is not valid for ``ndim``."""
+    dims: list[int | None] = []
+    for name in placements:
+        match = _PLACEMENT.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            return None
+        if match.group(1) is None:
+            dims.append(None)
+            continue
+        dim = int(match.group(1))
+        if dim >= ndim:
+            return None
+        dims.append(dim)
+    return tuple(dims)
+
+
+def index_path(rank: int) -> str:
+    """Where the index of ``rank`` lies in a format 2.0 checkpoint."""
+    return f"index/rank_{rank:05d}.json"
+
+
 # Field getters for column-at-a-time work: ``map(_KEY, entries)`` runs in C, with no Python
 # frame per entry.
 _TENSORS = operator.attrgetter("tensors")
@@ -480,7 +578,9 @@ def _collect_unknown(raw: Any, cls: type, where: str, out: dict[str, Any]) -> No
 
 _CANONICAL_START = re.compile(rb'\{"metadata_version":"(\d{1,6})\.\d{1,6}","format":"shardkeep",')
 _CANONICAL_SEAL = re.compile(rb'"' + SEAL_FIELD.encode() + rb'":"[a-z0-9-]{1,16}:[0-9a-f]{1,128}"\}\n\Z')
-_typed_decoder = msgspec.json.Decoder(Manifest)
+#: The struct of each readable major version.
+_BY_MAJOR: dict[int, type[Manifest]] = {1: Manifest, 2: IndexedManifest}
+_typed_decoders = {major: msgspec.json.Decoder(cls) for major, cls in _BY_MAJOR.items()}
 
 
 def _json_depth_exceeds(value: Any, limit: int) -> bool:
@@ -517,10 +617,11 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
     the strict slow path is only needed for manifests written some other way.
     """
     match = _CANONICAL_START.match(data)
-    if match is None or int(match.group(1)) != int(METADATA_VERSION.split(".")[0]):
+    decoder = _typed_decoders.get(int(match.group(1))) if match is not None else None
+    if decoder is None:
         return None
     try:
-        manifest = _typed_decoder.decode(data)
+        manifest = decoder.decode(data)
         encoded = _encoder.encode(manifest)
     except (msgspec.DecodeError, msgspec.EncodeError, RecursionError, ValueError):
         return None  # the strict path gives the precise error (UnicodeDecodeError is a ValueError)
@@ -542,8 +643,18 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
         )
     ):
         raise ManifestError(f"manifest JSON is nested deeper than the limit of {limits.max_depth}")
-    _check_counts(len(manifest.files), sum(map(len, map(_TENSORS, manifest.files))), limits)
+    _check_counts(*_counts(manifest), limits)
     return manifest
+
+
+def _counts(manifest: Manifest) -> tuple[int, int]:
+    """(files, tensor entries) that the limits bound: a format 2.0 manifest's rank indexes
+    count as files, and its described tensors as entries."""
+    files, tensors = len(manifest.files), sum(map(len, map(_TENSORS, manifest.files)))
+    if isinstance(manifest, IndexedManifest):
+        files += len(manifest.indexes)
+        tensors += len(manifest.sharded)
+    return files, tensors
 
 
 def decode_manifest(data: bytes, *, limits: ManifestLimits | None = None) -> Manifest:
@@ -574,24 +685,26 @@ def _decode(data: bytes, limits: ManifestLimits) -> Manifest:
     if raw.get("format", FORMAT_NAME) != FORMAT_NAME:
         raise ManifestError(f"not a shardkeep manifest: format is {raw.get('format')!r}")
     major, _minor = _parse_version(raw.get("metadata_version"))
-    supported_major, _ = _parse_version(METADATA_VERSION)
-    if major > supported_major:
-        raise ManifestVersionError(str(raw["metadata_version"]), METADATA_VERSION)
+    if major > max(_BY_MAJOR):
+        raise ManifestVersionError(str(raw["metadata_version"]), INDEXED_VERSION)
     if major < 1:
         raise ManifestError(f"metadata_version {raw['metadata_version']!r} is not supported")
+    cls = _BY_MAJOR[major]
     files = raw.get("files", [])
     if isinstance(files, list):
+        extra = [raw.get(name) for name in ("indexes", "sharded")] if major >= 2 else [None, None]
         _check_counts(
-            len(files),
-            sum(len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list)),
+            len(files) + (len(extra[0]) if isinstance(extra[0], list) else 0),
+            sum(len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list))
+            + (len(extra[1]) if isinstance(extra[1], list) else 0),
             limits,
         )
     unknown: dict[str, Any] = {}
-    _collect_unknown(raw, Manifest, "", unknown)
+    _collect_unknown(raw, cls, "", unknown)
     unknown.pop(SEAL_FIELD, None)
     raw_known = {k: v for k, v in raw.items() if k not in unknown and k != SEAL_FIELD}
     try:
-        manifest = msgspec.convert(raw_known, Manifest, strict=True)
+        manifest = msgspec.convert(raw_known, cls, strict=True)
     except msgspec.ValidationError as exc:
         raise ManifestError(f"manifest does not match the schema: {exc}") from exc
     if "created_at" not in raw:
@@ -616,10 +729,17 @@ _CHILD_STRUCTS.update(
             "timing": (SaveTiming, False),
         },
         FileRecord: {"tensors": (TensorEntry, True), "compression": (Compression, False)},
+        ShardedTensor: {},
         RunInfo: {"retention": (RetentionRecord, False), "history": (HistoryPoint, True)},
         HistoryPoint: {"timing": (SaveTiming, False)},
     }
 )
+_CHILD_STRUCTS[IndexedManifest] = {
+    **_CHILD_STRUCTS[Manifest],
+    "meshes": (Mesh, True),
+    "sharded": (ShardedTensor, True),
+    "indexes": (IndexRecord, True),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,6 +841,8 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         _check_top_level(manifest, result.add_error)
         tier_names = _check_tiers(manifest, result.add_error)
         tensor_keys = _check_files(manifest, table, tier_names, limits, result)
+        if isinstance(manifest, IndexedManifest):
+            tensor_keys = tensor_keys | _check_indexed(manifest, tensor_keys, limits, result)
         _check_parents(manifest, table, result.add_error)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -740,7 +862,13 @@ def _check_top_level(manifest: Manifest, err: Callable[[str], None]) -> None:
         err(f"coordinator_rank {manifest.coordinator_rank} is outside world_size {manifest.world_size}")
     if manifest.digest_algorithm not in DIGEST_ALGORITHMS:
         err(f"digest_algorithm {manifest.digest_algorithm!r} is not one of {', '.join(DIGEST_ALGORITHMS)}")
-    if manifest.sharding.shard_count != len(manifest.files):
+    if isinstance(manifest, IndexedManifest):
+        if manifest.sharding.shard_count < len(manifest.files):
+            err(
+                f"shard count mismatch: sharding.shard_count is {manifest.sharding.shard_count} "
+                f"but the manifest lists {len(manifest.files)} files besides its rank indexes"
+            )
+    elif manifest.sharding.shard_count != len(manifest.files):
         err(
             f"shard count mismatch: sharding.shard_count is {manifest.sharding.shard_count} "
             f"but the manifest lists {len(manifest.files)} files"
@@ -1114,6 +1242,8 @@ def _check_parents(manifest: Manifest, table: _TensorTable, err: Callable[[str],
     orphans = [
         entry.key for record in manifest.files for entry in record.tensors if tuple(entry.path[:-1]) not in containers
     ]
+    if isinstance(manifest, IndexedManifest):
+        orphans += [tensor.key for tensor in manifest.sharded if tuple(tensor.path[:-1]) not in containers]
     orphans += [value.key for value in manifest.values if tuple(value.path[:-1]) not in containers]
     orphans += [key_for_path(c.path) for c in manifest.structure if c.path and tuple(c.path[:-1]) not in containers]
     if orphans:
@@ -1131,6 +1261,10 @@ def _parents_pass(manifest: Manifest, table: _TensorTable, containers: set[tuple
                 else containers.issuperset(map(tuple, map(_PARENT, table.paths)))
             )
             and containers.issuperset(map(tuple, map(_PARENT, map(_PATH, manifest.values))))
+            and (
+                not isinstance(manifest, IndexedManifest)
+                or containers.issuperset(map(tuple, map(_PARENT, map(_PATH, manifest.sharded))))
+            )
             and containers.issuperset(map(tuple, map(_PARENT, filter(None, map(_PATH, manifest.structure)))))
         )
     except TypeError:
@@ -1163,6 +1297,82 @@ def _check_containers(manifest: Manifest, limits: ManifestLimits, err: Callable[
         container_paths.add(rendered)
         if len(container.path) > limits.max_path_components:
             err(f"container {key_for_path(container.path[:8])!r}...: path is nested too deeply")
+
+
+def _check_indexed(
+    manifest: IndexedManifest, tensor_keys: set[str], limits: ManifestLimits, result: ValidationResult
+) -> set[str]:
+    """Format 2.0: the meshes, the described tensors (keys unique and not listed as entries,
+    valid dtypes, shapes and placements) and the rank indexes (one per rank, in range, with
+    well-formed digests). Returns the described keys."""
+    err = result.add_error
+    world = max(manifest.world_size, 1)
+    for position, mesh in enumerate(manifest.meshes):
+        where = f"mesh {position}"
+        if not mesh.shape or len(mesh.shape) > limits.max_ndim or min(mesh.shape) < 1:
+            err(f"{where} has shape {_short(mesh.shape)}: it needs 1 to {limits.max_ndim} dimensions of at least 1")
+            continue
+        size = math.prod(mesh.shape)
+        if size > world:
+            err(f"{where} has {size} ranks, more than world_size {manifest.world_size}")
+        elif mesh.ranks is not None and (
+            len(mesh.ranks) != size or len(set(mesh.ranks)) != size or not all(0 <= r < world for r in mesh.ranks)
+        ):
+            err(f"{where} lists ranks that are not {size} distinct ranks below world_size {manifest.world_size}")
+    described: set[str] = set()
+    for tensor in manifest.sharded:
+        key = tensor.key
+        where = f"sharded tensor {key[:80]!r}"
+        if key in described or key in tensor_keys:
+            err(f"duplicate key {key[:80]!r} (described as a sharded tensor and listed again)")
+        described.add(key)
+        if len(key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
+            err(f"{where}: key is longer than {limits.max_key_bytes} bytes")
+        problem = _path_problem(key, tensor.path, limits)
+        if problem:
+            err(problem)
+        itemsize = DTYPE_ITEMSIZE.get(tensor.dtype)
+        if itemsize is None:
+            err(f"{where}: unknown dtype {tensor.dtype!r}")
+        shape = tensor.global_shape
+        if len(shape) > limits.max_ndim or (shape and min(shape) < 0) or shape_problem(shape, itemsize or 1):
+            err(f"{where}: global_shape {_short(shape)} is not a valid shape")
+            continue
+        if not 0 <= tensor.mesh < len(manifest.meshes):
+            err(f"{where}: mesh {tensor.mesh} is not one of the {len(manifest.meshes)} meshes")
+            continue
+        mesh = manifest.meshes[tensor.mesh]
+        dims = parse_placements(tensor.placements, len(shape))
+        if dims is None or len(dims) != len(mesh.shape):
+            err(
+                f"{where}: placements {tensor.placements[:8]!r} are not one of 'R' or 'S<dim>' per dimension of "
+                f"mesh {tensor.mesh} (shape {_short(mesh.shape)})"
+            )
+        if tensor.kind == "expert" and tensor.expert_key is None:
+            result.add_warning(f"{where}: expert tensor without an expert_key")
+    ranks: set[int] = set()
+    paths = {record.path for record in manifest.files}
+    for record in manifest.indexes:
+        where = f"the index of rank {record.rank}"
+        if not 0 <= record.rank < world:
+            err(f"{where}: rank {record.rank} is outside world_size {manifest.world_size}")
+        if record.rank in ranks:
+            err(f"{where} is listed twice")
+        ranks.add(record.rank)
+        reason = unsafe_path_reason(record.path)
+        if reason is not None:
+            err(f"{where} has an unsafe path {record.path!r}: {reason}")
+        elif record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME) or record.path in paths:
+            err(f"{where} has path {record.path!r}, which names another file")
+        paths.add(record.path)
+        if record.size < 0:
+            err(f"{where} has a negative size {record.size}")
+        problem = _digest_problem(record.digest)
+        if problem:
+            err(f"{where} has {problem}")
+    if described and not manifest.indexes and any(math.prod(t.global_shape) for t in manifest.sharded):
+        err("the manifest describes sharded tensors but lists no rank index")
+    return described
 
 
 #: A run id: 1-128 characters of letters, digits, ``.``, ``_`` or ``-``, starting alphanumeric.

@@ -38,20 +38,28 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, load_private_key, seal_manifest, sign_manifest
+from shardkeep.indexes import encode_index, index_paths
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, load_private_key, seal_manifest, sign_manifest
 from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
-from shardkeep.layout import PlannedItem, file_header, plan_files
+from shardkeep.layout import PlannedItem, expert_key_of, file_header, plan_files
 from shardkeep.manifest import (
+    DTYPE_ITEMSIZE,
+    INDEXED_VERSION,
     ContainerEntry,
     FileRecord,
+    IndexedManifest,
+    IndexRecord,
     Manifest,
+    Mesh,
     RunInfo,
     SaveTiming,
+    ShardedTensor,
     Sharding,
     StateSection,
     Tier,
     Training,
     encode_manifest,
+    index_path,
     validate_manifest,
 )
 from shardkeep.progress import collector_paused, progress_bar
@@ -277,6 +285,8 @@ class SaveJob:
         self.totals: dict[str, tuple[int, str]] = {}
         self.chunked = False
         self.alike = True
+        #: The keys of this rank's chunks on a regular grid (described once in format 2.0).
+        self.on_grid: set[str] = set()
         self.flat = FlatState()
         self.planned: list[PlannedItem] = []
         self.plans: list[ShardPlan] = []
@@ -287,6 +297,7 @@ class SaveJob:
         with collector_paused():
             self.flat = flatten_state(self.state)
             self.planned = [PlannedItem(leaf) for leaf in self.flat.tensors]
+            self.on_grid = {item.leaf.key for item in self.planned if item.layout is not None}
             return [item.descriptor for item in self.planned]
 
     def _begin(self) -> str | None:
@@ -490,47 +501,124 @@ class SaveJob:
             close()
         return list(self.manifest.files)
 
-    def write_payload(self) -> bytes:
-        """Write this rank's files; return what the coordinator needs, as msgpack bytes (compact,
-        and decoded with their defaults intact, so the manifest omits them): this rank's file
-        records, and its containers when the ranks' trees differ."""
+    def report(self) -> RankReport:
+        """Write this rank's files (and, in format 2.0, its index); return what the coordinator
+        needs: the records of the files the manifest lists, this rank's index record and the
+        counts the coordinator checks, and the containers (and sharded tensors) of a rank whose
+        tree differs from the coordinator's."""
         records = self.write()
-        return _PAYLOAD_ENCODER.encode((records, None if self.alike else self.flat.containers))
+        listed: list[FileRecord] = []
+        indexed: list[FileRecord] = []
+        for record in records:
+            on_grid = bool(record.tensors) and all(
+                entry.global_offset is not None and entry.key in self.on_grid for entry in record.tensors
+            )
+            (indexed if on_grid else listed).append(record)
+        report = RankReport(files=listed)
+        if indexed:
+            report.index = self._write_index(indexed)
+            report.indexed_files = len(indexed)
+            report.indexed_bytes = sum(entry.nbytes for record in indexed for entry in record.tensors)
+            report.directories = sorted(
+                {
+                    record.path.rpartition("/")[0]
+                    for record in indexed
+                    if record.ref is None and record.tier not in self.tier_stores
+                }
+            )
+        if not self.alike:
+            report.containers = self.flat.containers
+            report.meshes, report.sharded = self._descriptions()
+        return report
 
-    def read_payloads(self, payloads: list[bytes]) -> list[list[FileRecord]]:
-        """On the coordinator: every rank's records from :meth:`write_payload`; the containers of
+    def _write_index(self, files: list[FileRecord]) -> IndexRecord:
+        """Write this rank's index (durably, like a data file) and return its record."""
+        assert self.commit is not None
+        rank = self.coordinator.rank
+        data = encode_index(rank, files)
+        recorded, store, where = self.commit.place(index_path(rank))
+        handle = store.open_write(where)
+        try:
+            handle.write(data)
+            handle.commit()
+        except BaseException:
+            handle.abort()
+            raise
+        return IndexRecord(rank=rank, path=recorded, size=len(data), digest=digest_bytes(self.options.digest, data))
+
+    def _descriptions(self) -> tuple[list[Mesh], list[ShardedTensor]]:
+        """The meshes and the descriptions of the regularly sharded tensors this rank holds."""
+        tier_ids = {tier.name: tier.tier_id for tier in self.tiers}
+        meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        described: dict[str, ShardedTensor] = {}
+        for item in self.planned:
+            if item.layout is None or item.leaf.key in described:
+                continue
+            mesh_shape, ranks, _, placements = item.layout
+            mesh = meshes.setdefault((mesh_shape, ranks), len(meshes))
+            key = item.leaf.key
+            expert = expert_key_of(key, tier_ids.get(self.tier_of.get(key, ""), 1))
+            assert item.global_shape is not None
+            described[key] = ShardedTensor(
+                key=key,
+                path=list(item.leaf.path),
+                dtype=item.dtype,
+                global_shape=list(item.global_shape),
+                mesh=mesh,
+                placements=list(placements),
+                kind="expert" if expert else "dense",
+                expert_key=expert,
+                order=item.leaf.order,
+            )
+        mesh_list = [
+            Mesh(shape=list(shape), ranks=None if list(ranks) == list(range(len(ranks))) else list(ranks))
+            for (shape, ranks) in meshes
+        ]
+        return mesh_list, sorted(described.values(), key=lambda tensor: tensor.key)
+
+    def write_payload(self) -> bytes:
+        """:meth:`report`, as msgpack bytes (compact, and decoded with their defaults intact,
+        so the manifest omits them)."""
+        return _PAYLOAD_ENCODER.encode(self.report())
+
+    def read_payloads(self, payloads: list[bytes]) -> list[RankReport]:
+        """On the coordinator: every rank's report from :meth:`write_payload`; the containers of
         ranks whose trees differ join the manifest's structure."""
-        records: list[list[FileRecord]] = []
-        trees: list[list[ContainerEntry]] = []
-        for payload in payloads:
-            part, containers = _PAYLOAD_DECODER.decode(payload)
-            records.append(part)
-            if containers is not None:
-                trees.append(containers)
+        reports = [_PAYLOAD_DECODER.decode(payload) for payload in payloads]
+        trees = [report.containers for report in reports if report.containers is not None]
         if trees and self.manifest is not None:
             self.manifest.structure = _merged_structure(self.manifest.structure, trees)
-        return records
+        return reports
 
-    def finish(self, records: list[list[FileRecord]] | None) -> Manifest | None:
-        """On the coordinator: merge every rank's file records, check coverage, seal, sign and
+    def finish(self, reports: list[RankReport] | None) -> Manifest | None:
+        """On the coordinator: merge every rank's report, check coverage, seal, sign and
         commit; ``None`` on the other ranks."""
         if not self.coordinator.is_coordinator:
             return None
-        manifest = self.manifest
-        assert manifest is not None and self.commit is not None and records is not None
+        assert self.manifest is not None and self.commit is not None and reports is not None
+        listed = [record for report in reports for record in report.files]
         if self.coordinator.distributed:
-            manifest.files = sorted((record for part in records for record in part), key=lambda r: r.path)
-            manifest.sharding.shard_count = len(manifest.files)
-            problems = validate_manifest(manifest).errors
-        else:
-            problems = []
+            listed.sort(key=lambda record: record.path)
+        manifest = self._indexed(reports) if any(report.index is not None for report in reports) else self.manifest
+        manifest.files = listed
+        manifest.sharding.shard_count = len(listed) + sum(report.indexed_files for report in reports)
+        problems = (
+            validate_manifest(manifest).errors if self.coordinator.distributed or manifest is not self.manifest else []
+        )
         # Never commit what load would refuse: every tensor tiled exactly once, every leaf placed.
+        # (The chunks of a format 2.0 manifest's described tensors tile by construction; their
+        # bytes are counted in _indexed.)
         problems += coverage_problems(manifest)
         if problems:
             raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         for record in manifest.files:
             if record.ref is None and record.tier not in self.tier_stores:
                 self.commit.add_data_file(record.path)  # every rank's data directories are fsynced, not only ours
+        for report in reports:
+            for directory in report.directories:
+                self.commit.add_data_file(f"{directory}/-")
+        for path in index_paths(manifest):
+            self.commit.add_data_file(path)
         total = time.perf_counter() - self.started
         blocked = total if self.blocked_seconds is None else min(self.blocked_seconds, total)
         manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
@@ -539,7 +627,33 @@ class SaveJob:
         warn_if_over_read_limits(self.location, sealed, manifest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
         self.commit.commit(sealed, signature)
+        self.manifest = manifest
         return manifest
+
+    def _indexed(self, reports: list[RankReport]) -> IndexedManifest:
+        """The format 2.0 manifest: the sharded tensors described once (from this rank, or
+        merged from every rank's report when the ranks hold different trees), and the rank
+        indexes; refused unless the ranks' indexed chunks hold exactly the described bytes."""
+        assert self.manifest is not None
+        if self.alike:
+            meshes, sharded = self._descriptions()
+        else:
+            meshes, sharded = _merged_descriptions(reports)
+        expected = sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in sharded)
+        written = sum(report.indexed_bytes for report in reports)
+        if written != expected:
+            raise UnsupportedValueError(
+                f"cannot commit {self.location}: the ranks wrote {written} bytes of chunks of sharded tensors, "
+                f"but those tensors hold {expected} bytes"
+            )
+        base = {name: getattr(self.manifest, name) for name in self.manifest.__struct_fields__}
+        base["metadata_version"] = INDEXED_VERSION
+        return IndexedManifest(
+            **base,
+            meshes=meshes,
+            sharded=sharded,
+            indexes=sorted((r.index for r in reports if r.index is not None), key=lambda record: record.rank),
+        )
 
     def abort(self) -> None:
         if self.coordinator.is_coordinator and self.commit is not None:
@@ -729,8 +843,41 @@ def _precision(totals: dict[str, tuple[int, str]]) -> str | None:
     return _PRECISION[max(float_bytes, key=float_bytes.__getitem__)] if float_bytes else None
 
 
+class RankReport(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """What each rank sends the coordinator after writing: O(files it lists + 1), whatever the
+    number of chunks it wrote."""
+
+    #: The records of the files the manifest lists (whole tensors, chunks off a grid).
+    files: list[FileRecord]
+    #: Format 2.0: this rank's index, how many files it lists, their chunk bytes and directories.
+    index: IndexRecord | None = None
+    indexed_files: int = 0
+    indexed_bytes: int = 0
+    directories: list[str] = msgspec.field(default_factory=list)
+    #: Only when the ranks' trees differ: this rank's containers and sharded tensors.
+    containers: list[ContainerEntry] | None = None
+    meshes: list[Mesh] = msgspec.field(default_factory=list)
+    sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
+
+
+def _merged_descriptions(reports: list[RankReport]) -> tuple[list[Mesh], list[ShardedTensor]]:
+    """Every rank's sharded tensors, each once, with their meshes renumbered into one list."""
+    meshes: dict[tuple[tuple[int, ...], tuple[int, ...] | None], int] = {}
+    described: dict[str, ShardedTensor] = {}
+    for report in reports:
+        for tensor in report.sharded:
+            if tensor.key in described:
+                continue
+            mesh = report.meshes[tensor.mesh]
+            ident = (tuple(mesh.shape), None if mesh.ranks is None else tuple(mesh.ranks))
+            tensor.mesh = meshes.setdefault(ident, len(meshes))
+            described[tensor.key] = tensor
+    mesh_list = [Mesh(shape=list(shape), ranks=None if ranks is None else list(ranks)) for shape, ranks in meshes]
+    return mesh_list, sorted(described.values(), key=lambda tensor: tensor.key)
+
+
 _PAYLOAD_ENCODER = msgspec.msgpack.Encoder()
-_PAYLOAD_DECODER = msgspec.msgpack.Decoder(tuple[list[FileRecord], list[ContainerEntry] | None])
+_PAYLOAD_DECODER = msgspec.msgpack.Decoder(RankReport)
 
 
 def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:

@@ -26,6 +26,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
+from shardkeep.indexes import expand_all, index_paths, is_partial_view, read_index, read_small
 from shardkeep.integrity import (
     MAX_SIGNATURE_BYTES,
     SignaturePolicy,
@@ -42,6 +43,7 @@ from shardkeep.manifest import (
     MANIFEST_FILENAME,
     SIGNATURE_FILENAME,
     FileRecord,
+    IndexedManifest,
     Manifest,
     decode_manifest,
     has_chunks,
@@ -119,22 +121,6 @@ def locate(
     return CheckpointLocation(LocalStore(parent or "/"), name)
 
 
-def _read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepError]) -> bytes:
-    """The whole file at ``path``, refused before allocation when over ``limit`` bytes."""
-    handle = store.open_read(path)
-    try:
-        if handle.size > limit:
-            raise error(
-                f"{path} is {handle.size} bytes, over the limit of {limit} (for a large manifest you trust, "
-                "pass limits=ManifestLimits(max_bytes=...))"
-            )
-        buffer = bytearray(handle.size)
-        handle.read_into(0, memoryview(buffer))
-    finally:
-        handle.close()
-    return bytes(buffer)
-
-
 def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | None = None) -> bytes:
     limits = limits or ManifestLimits()
     if is_staging_name(location.name):
@@ -149,7 +135,7 @@ def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | N
     # On an object store only the manifest object itself proves a checkpoint (rule 12).
     if location.store.stat(manifest_path) is None:
         raise CheckpointNotFoundError(f"{location} has no {MANIFEST_FILENAME}: it is not a committed checkpoint")
-    return _read_small(location.store, manifest_path, limits.max_bytes, ManifestError)
+    return read_small(location.store, manifest_path, limits.max_bytes, ManifestError)
 
 
 def authenticate(location: CheckpointLocation, data: bytes, policy: SignaturePolicy) -> SignatureStatus:
@@ -158,7 +144,7 @@ def authenticate(location: CheckpointLocation, data: bytes, policy: SignaturePol
     path = f"{location.name}/{SIGNATURE_FILENAME}"
     signature = None
     if location.store.stat(path) is not None:
-        signature = _read_small(location.store, path, MAX_SIGNATURE_BYTES, SignatureError)
+        signature = read_small(location.store, path, MAX_SIGNATURE_BYTES, SignatureError)
     return check_signature(data, signature, policy)
 
 
@@ -180,10 +166,16 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
 
 
 def read_checked_manifest(
-    location: CheckpointLocation, policy: SignaturePolicy, limits: ManifestLimits | None = None
+    location: CheckpointLocation,
+    policy: SignaturePolicy,
+    limits: ManifestLimits | None = None,
+    *,
+    expand: bool = True,
 ) -> Manifest:
     """Read the manifest, check its signature as ``policy`` says (before parsing), then parse
-    and validate it."""
+    and validate it. A format 2.0 manifest is expanded with every rank index (checked; see
+    :mod:`shardkeep.indexes`) unless ``expand=False``, which returns the manifest alone (what a
+    load reads before it expands only the indexes it needs)."""
     data = read_manifest_bytes(location, limits)
     try:
         status = authenticate(location, data, policy) if policy.public_key is not None else None
@@ -192,6 +184,8 @@ def read_checked_manifest(
             check_signed_digests(manifest, data)
     except SignatureError as exc:
         raise SignatureError(f"{location}: {exc}") from exc
+    if expand and isinstance(manifest, IndexedManifest):
+        manifest = expand_all(location.store, location.name, manifest, limits=limits)
     return manifest
 
 
@@ -206,7 +200,8 @@ def read_manifest(
 ) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``. With ``public_key`` (an
     ``Ed25519PublicKey`` or the path of a PEM file), ``manifest.sig`` is checked first; see
-    :func:`verify` for ``require_signature``."""
+    :func:`verify` for ``require_signature``. A format 2.0 manifest comes with every rank index
+    read, checked and expanded into its ``files``, so that it reads like a 1.x manifest."""
     policy = SignaturePolicy.of(public_key, require_signature)
     return read_checked_manifest(locate(path, storage, storage_options), policy, limits)
 
@@ -345,8 +340,14 @@ def file_set_problems(
     if not renames(location.store):
         return []
     resolver = resolver or FileResolver(location, manifest)
-    expected = {record.path: record for record in manifest.files if resolver.own_directory(record)}
+    expected: dict[str, FileRecord | None] = {
+        record.path: record for record in manifest.files if resolver.own_directory(record)
+    }
+    expected.update((path, None) for path in index_paths(manifest))
     allowed = {MANIFEST_FILENAME, SIGNATURE_FILENAME}
+    # A load of a format 2.0 checkpoint expands only the indexes it needs: the files the others
+    # list are not known, so only missing files are reported.
+    complete = not is_partial_view(manifest)
     problems: list[str] = []
     found: set[str] = set()
     for relative, info in location.store.list_files(location.name) if listing is None else listing:
@@ -354,7 +355,7 @@ def file_set_problems(
             problems.append(f"{relative}: is a symlink or special file, not a regular file")
             continue
         found.add(relative)
-        if relative not in expected and relative not in allowed:
+        if complete and relative not in expected and relative not in allowed:
             problems.append(f"{relative}: extra file not listed in the manifest")
     for relative in expected:
         if relative not in found:
@@ -411,6 +412,10 @@ def verify(
     manifest = _verify_read_manifest(report, location, policy, limits)
     if manifest is None or not _verify_consistency(report, manifest, limits):
         return report
+    if isinstance(manifest, IndexedManifest):
+        manifest = _verify_indexes(report, location, manifest, limits)
+        if manifest is None:
+            return report
     with collector_paused():  # many small header objects, no cycles (see LoadJob.run)
         _verify_data_files(
             report,
@@ -478,6 +483,32 @@ def _verify_consistency(report: VerifyReport, manifest: Manifest, limits: Manife
     report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in validation.errors)
     report.warnings.extend(validation.warnings)
     return not validation.errors
+
+
+def _verify_indexes(
+    report: VerifyReport, location: CheckpointLocation, manifest: IndexedManifest, limits: ManifestLimits | None
+) -> Manifest | None:
+    """Phase 2b of :func:`verify` (format 2.0): read and check every rank index, reporting each
+    bad one, then check that all chunks together tile each tensor exactly once. Returns the
+    expanded manifest, or ``None`` when a problem stops the check here."""
+    bad = False
+    for record in manifest.indexes:
+        try:
+            read_index(location.store, location.name, manifest, record, limits)
+        except ShardkeepError as exc:
+            report.problems.append(str(exc))
+            bad = True
+    if bad:
+        return None
+    try:
+        view = expand_all(location.store, location.name, manifest, limits=limits)
+    except ShardkeepError as exc:
+        report.problems.append(str(exc))
+        return None
+    problems = coverage_problems(view)
+    report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in problems)
+    report.manifest = view
+    return None if problems else view
 
 
 def _verify_data_files(

@@ -43,8 +43,8 @@ def main() -> None:
     (HERE / "manifest-v1.1-unknown-fields.json").write_bytes(
         seal_manifest(json.dumps(body, separators=(",", ":")).encode(), "blake3")
     )
-    body["metadata_version"] = "2.0"
-    (HERE / "manifest-v2.0-newer-major.json").write_bytes(
+    body["metadata_version"] = "3.0"  # 2.0 is readable since format 2.0 (rank indexes)
+    (HERE / "manifest-v3.0-newer-major.json").write_bytes(
         seal_manifest(json.dumps(body, separators=(",", ":")).encode(), "blake3")
     )
 

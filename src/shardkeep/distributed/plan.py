@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import zlib
 from typing import NamedTuple
 
 import msgspec
@@ -32,6 +31,7 @@ import msgspec
 from shardkeep.errors import CoordinationError
 from shardkeep.manifest import DTYPE_ITEMSIZE
 from shardkeep.tensors.coverage import coverage_problems
+from shardkeep.tensors.grid import chunk_writer
 
 __all__ = [
     "ItemDescriptor",
@@ -58,6 +58,8 @@ class ItemDescriptor(NamedTuple):
     nbytes: int
     global_shape: tuple[int, ...] | None
     global_offset: tuple[int, ...] | None
+    #: A chunk on a regular grid: (mesh shape, mesh token, placement names); see ``regular_layout``.
+    layout: tuple[tuple[int, ...], str, tuple[str, ...]] | None = None
 
     @property
     def ident(self) -> tuple[str, tuple[int, ...] | None]:
@@ -95,9 +97,16 @@ def assign_writers(held: list[list[ItemDescriptor]]) -> list[set[tuple[str, tupl
     return assigned
 
 
-def sharded_facts(items: list[ItemDescriptor]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(key, dtype, global shape) of each sharded tensor among ``items``, sorted by key."""
-    facts = {item.key: (item.key, item.dtype, item.global_shape) for item in items if item.global_shape is not None}
+Fact = tuple[str, str, tuple[int, ...], tuple[tuple[int, ...], str, tuple[str, ...]] | None]
+
+
+def sharded_facts(items: list[ItemDescriptor]) -> list[Fact]:
+    """(key, dtype, global shape, layout) of each sharded tensor among ``items``, sorted by key."""
+    facts = {
+        item.key: (item.key, item.dtype, item.global_shape, item.layout)
+        for item in items
+        if item.global_shape is not None
+    }
     return [fact for _, fact in sorted(facts.items())]
 
 
@@ -111,18 +120,32 @@ def agreement_digest(items: list[ItemDescriptor], tree: object = None) -> str:
     return hashlib.blake2b(encoded, digest_size=16).hexdigest()
 
 
-def check_sharded_agreement(per_rank: list[list[tuple[str, str, tuple[int, ...]]]]) -> None:
-    """Refuse ranks that hold one sharded tensor with different dtypes or global shapes (a rank
-    may lack a key: pipeline stages hold different layers)."""
-    first: dict[str, tuple[int, tuple[str, tuple[int, ...]]]] = {}
+def check_sharded_agreement(per_rank: list[list[Fact]]) -> None:
+    """Refuse ranks that hold one sharded tensor with different dtypes, global shapes or
+    layouts (a rank may lack a key: pipeline stages hold different layers)."""
+    first: dict[str, tuple[int, Fact]] = {}
     for rank, facts in enumerate(per_rank):
-        for key, dtype, shape in facts:
-            known = first.setdefault(key, (rank, (dtype, tuple(shape))))
-            if known[1] != (dtype, tuple(shape)):
+        for fact in facts:
+            key, dtype, shape, layout = fact[0], fact[1], tuple(fact[2]), _plain(fact[3])
+            known = first.setdefault(key, (rank, (key, dtype, shape, layout)))  # type: ignore[arg-type]
+            _, known_dtype, known_shape, known_layout = known[1]
+            if (known_dtype, known_shape) != (dtype, shape):
                 raise CoordinationError(
-                    f"ranks disagree about sharded tensor {key!r}: rank {known[0]} has {known[1][0]}{list(known[1][1])}, "
+                    f"ranks disagree about sharded tensor {key!r}: rank {known[0]} has {known_dtype}{list(known_shape)}, "
                     f"rank {rank} has {dtype}{list(shape)}"
                 )
+            if known_layout != layout:
+                raise CoordinationError(
+                    f"ranks disagree about how sharded tensor {key!r} is laid out: rank {known[0]} has {known_layout}, "
+                    f"rank {rank} has {layout}"
+                )
+
+
+def _plain(layout: object) -> object:
+    """A layout as tuples (msgpack gives lists back)."""
+    if isinstance(layout, (list, tuple)):
+        return tuple(_plain(part) for part in layout)
+    return layout
 
 
 def assign_identical(items: list[ItemDescriptor], world_size: int) -> list[set[Ident]]:
@@ -139,14 +162,6 @@ def assign_identical(items: list[ItemDescriptor], world_size: int) -> list[set[I
     return assigned
 
 
-def chunk_writer(key: str, offset: tuple[int, ...], replicas: int) -> int:
-    """Which of ``replicas`` holders of the chunk of ``key`` at ``offset`` writes it: the same
-    answer on every holder, spread evenly over replicas (a stable hash, not Python's)."""
-    if replicas <= 1:
-        return 0
-    return zlib.crc32(f"{key}@{list(offset)}".encode()) % replicas
-
-
 def global_totals(items: list[ItemDescriptor]) -> dict[str, tuple[int, str]]:
     """Per key, the bytes it takes in the whole checkpoint and its dtype: a whole tensor's own
     size, a sharded tensor's global size (from its global shape)."""
@@ -155,6 +170,6 @@ def global_totals(items: list[ItemDescriptor]) -> dict[str, tuple[int, str]]:
     return totals
 
 
-def sharded_totals(facts: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, tuple[int, str]]:
+def sharded_totals(facts: list[Fact]) -> dict[str, tuple[int, str]]:
     """Per sharded key (from :func:`sharded_facts`), its global size in bytes and its dtype."""
-    return {key: (math.prod(shape) * DTYPE_ITEMSIZE.get(dtype, 1), dtype) for key, dtype, shape in facts}
+    return {fact[0]: (math.prod(fact[2]) * DTYPE_ITEMSIZE.get(fact[1], 1), fact[1]) for fact in facts}

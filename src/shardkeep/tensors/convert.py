@@ -8,6 +8,8 @@ full-size temporary copy. Loading views tensors directly in the file's memory ma
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the helper DCP uses
-from torch.distributed.tensor.placement_types import Partial
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from shardkeep.errors import UnsupportedValueError
 
@@ -99,6 +101,36 @@ def replica_of(value: Any) -> tuple[int, int]:
             index = index * size + (coordinate[dim] if coordinate is not None else 0)
             count *= size
     return index, count
+
+
+#: A regular layout: (mesh shape, mesh ranks in row-major order, a token naming both, placement names).
+Layout = tuple[tuple[int, ...], tuple[int, ...], str, tuple[str, ...]]
+
+
+@functools.lru_cache(maxsize=64)
+def mesh_facts(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(shape, ranks in row-major order of the coordinates, a short token naming both) of a
+    device mesh; computed once per mesh."""
+    shape = tuple(int(n) for n in mesh.shape)
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    token = hashlib.blake2b(repr((shape, ranks)).encode(), digest_size=8).hexdigest()
+    return shape, ranks, token
+
+
+def regular_layout(value: Any) -> Layout | None:
+    """The layout of a ``DTensor`` whose placements are all ``Shard`` or ``Replicate`` (its
+    chunks then form the grid :class:`~shardkeep.tensors.grid.Grid` computes), or ``None``
+    (``_StridedShard`` and other placements: the chunks are listed one by one)."""
+    names: list[str] = []
+    for placement in value.placements:
+        if type(placement) is Shard and placement.dim >= 0:
+            names.append(f"S{placement.dim}")
+        elif placement.is_replicate():
+            names.append("R")
+        else:
+            return None
+    shape, ranks, token = mesh_facts(value.device_mesh)
+    return shape, ranks, token, tuple(names)
 
 
 def at_mesh_origin(value: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardkeep.manifest import FileRecord, Manifest, TensorEntry
+from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, ShardedTensor, TensorEntry
 from shardkeep.tensors.convert import NAME_TO_TORCH, local_region
 
 __all__ = ["Region", "assemble", "needed_entries", "overlap", "region_slices", "wanted_regions"]
@@ -109,7 +109,10 @@ def wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], 
     """For each sharded key whose target in ``into`` is a DTensor: that rank's (offset, shape)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
     state_dicts: dict[int, Mapping[str, Any]] = {}
-    for _, entry in manifest.iter_tensors():
+    sharded: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
+    if isinstance(manifest, IndexedManifest):
+        sharded += manifest.sharded  # format 2.0: described once, whether or not a chunk is listed
+    for entry in sharded:
         if entry.global_shape is None or entry.key in regions:
             continue
         target = resolve_target(into, entry.path, state_dicts)

@@ -1,0 +1,305 @@
+"""The rank indexes of a format 2.0 checkpoint: encoding one, reading and checking one, which
+ranks' indexes a load needs, and the expanded view (the 1.x shape) built from them.
+
+A format 2.0 manifest (:class:`~shardkeep.manifest.IndexedManifest`) describes each regularly
+sharded tensor once; the files and chunk entries each rank wrote for them are in that rank's
+index, ``index/rank_NNNNN.json``, whose size and digest the manifest records. The chain of trust
+stays whole: signature -> manifest seal -> index digest -> file digests -> data.
+
+Reading an index checks more than its digest. Every chunk entry must be the chunk the grid
+gives that rank (:class:`~shardkeep.tensors.grid.Grid`: offset, shape, and that this rank is
+the replica that writes it), with the described dtype, global shape and path, and the index
+must hold every chunk that rank writes. So the chunks of the indexes a load expands tile the
+regions it needs exactly, without reading the other ranks' indexes.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from shardkeep.config import ManifestLimits
+from shardkeep.errors import IntegrityError, ManifestError, ShardkeepError
+from shardkeep.integrity import digest_bytes, digests_equal
+from shardkeep.manifest import (
+    DTYPE_ITEMSIZE,
+    INDEX_FORMAT,
+    INDEXED_VERSION,
+    FileRecord,
+    IndexedManifest,
+    IndexRecord,
+    Manifest,
+    RankIndex,
+    ShardedTensor,
+    Sharding,
+    parse_placements,
+    validate_manifest,
+)
+from shardkeep.progress import collector_paused
+from shardkeep.storage import ByteStore
+from shardkeep.tensors.grid import Grid
+
+__all__ = [
+    "encode_index",
+    "expand",
+    "expand_all",
+    "described_bytes",
+    "index_paths",
+    "is_partial_view",
+    "needed_ranks",
+    "read_index",
+    "read_small",
+]
+
+Region = tuple[Sequence[int], Sequence[int]]
+
+_INDEX_DECODER = msgspec.json.Decoder(RankIndex)
+_INDEX_ENCODER = msgspec.json.Encoder()
+
+
+def read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepError]) -> bytes:
+    """The whole file at ``path``, refused before allocation when over ``limit`` bytes."""
+    handle = store.open_read(path)
+    try:
+        if handle.size > limit:
+            raise error(
+                f"{path} is {handle.size} bytes, over the limit of {limit} (for a large manifest you trust, "
+                "pass limits=ManifestLimits(max_bytes=...))"
+            )
+        buffer = bytearray(handle.size)
+        handle.read_into(0, memoryview(buffer))
+    finally:
+        handle.close()
+    return bytes(buffer)
+
+
+def encode_index(rank: int, files: list[FileRecord]) -> bytes:
+    """The bytes of the index of ``rank``, listing ``files`` with their chunk entries."""
+    index = RankIndex(format=INDEX_FORMAT, metadata_version=INDEXED_VERSION, rank=rank, files=files)
+    return _INDEX_ENCODER.encode(index) + b"\n"
+
+
+def index_paths(manifest: Manifest) -> list[str]:
+    """The index files of a format 2.0 manifest (none for 1.x)."""
+    if not isinstance(manifest, IndexedManifest):
+        return []
+    return [record.path for record in manifest.indexes]
+
+
+class _Layouts:
+    """Per described key: its descriptor and grid; per mesh: each rank's coordinate."""
+
+    def __init__(self, manifest: IndexedManifest) -> None:
+        self.manifest = manifest
+        self.tensors: dict[str, ShardedTensor] = {tensor.key: tensor for tensor in manifest.sharded}
+        self.grids: dict[str, Grid] = {}
+        self._coordinates: dict[int, dict[int, tuple[int, ...]]] = {}
+        for tensor in manifest.sharded:
+            mesh = manifest.meshes[tensor.mesh]
+            dims = parse_placements(tensor.placements, len(tensor.global_shape))
+            assert dims is not None  # validate_manifest checked it
+            self.grids[tensor.key] = Grid.of(tuple(tensor.global_shape), tuple(mesh.shape), dims)
+
+    def coordinates(self, mesh: int) -> dict[int, tuple[int, ...]]:
+        """Rank -> its coordinate in mesh ``mesh``."""
+        found = self._coordinates.get(mesh)
+        if found is None:
+            shape = self.manifest.meshes[mesh].shape
+            ranks = self.manifest.meshes[mesh].rank_list()
+            found = {rank: _unravel(position, shape) for position, rank in enumerate(ranks)}
+            self._coordinates[mesh] = found
+        return found
+
+    def rank_at(self, mesh: int, coordinate: Sequence[int]) -> int:
+        shape = self.manifest.meshes[mesh].shape
+        position = 0
+        for size, index in zip(shape, coordinate, strict=True):
+            position = position * size + index
+        return self.manifest.meshes[mesh].rank_list()[position]
+
+    def expected(self, rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Every chunk ``rank`` writes: key -> (global offset, shape)."""
+        chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for key, tensor in self.tensors.items():
+            coordinate = self.coordinates(tensor.mesh).get(rank)
+            if coordinate is None:
+                continue
+            box = self.grids[key].writes(key, coordinate)
+            if box is not None:
+                chunks[key] = box
+        return chunks
+
+
+def _unravel(position: int, shape: Sequence[int]) -> tuple[int, ...]:
+    coordinate = []
+    for size in reversed(shape):
+        coordinate.append(position % size)
+        position //= size
+    return tuple(reversed(coordinate))
+
+
+def read_index(
+    store: ByteStore,
+    name: str,
+    manifest: IndexedManifest,
+    record: IndexRecord,
+    limits: ManifestLimits | None = None,
+    layouts: _Layouts | None = None,
+) -> list[FileRecord]:
+    """The file records of one rank index, checked: size and digest against ``record``, strict
+    decoding, the records and entries as :func:`~shardkeep.manifest.validate_manifest` checks
+    them, and every chunk against the grid (this rank's chunks, all of them, nothing else).
+    Raises :class:`IntegrityError` for bytes that do not match and :class:`ManifestError` for
+    content that is wrong."""
+    limits = limits or ManifestLimits()
+    where = f"{name}/{record.path}"
+    data = read_small(store, where, limits.max_bytes, ManifestError)
+    if len(data) != record.size:
+        raise IntegrityError(f"{where}: size is {len(data)} bytes, the manifest records {record.size}", [where])
+    algorithm = record.digest.partition(":")[0]
+    if not digests_equal(record.digest, digest_bytes(algorithm, data)):
+        raise IntegrityError(f"{where}: digest mismatch (the index was changed or damaged)", [where])
+    try:
+        index = _INDEX_DECODER.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    problems = _index_problems(index, record, manifest, limits, layouts or _Layouts(manifest))
+    if problems:
+        more = f"; ... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
+        raise ManifestError(f"{where}: invalid rank index: " + "; ".join(problems[:20]) + more)
+    return index.files
+
+
+def _index_problems(
+    index: RankIndex, record: IndexRecord, manifest: IndexedManifest, limits: ManifestLimits, layouts: _Layouts
+) -> list[str]:
+    if index.format != INDEX_FORMAT or index.metadata_version.partition(".")[0] != INDEXED_VERSION.partition(".")[0]:
+        return [f"format {index.format!r} version {index.metadata_version!r} is not a {INDEX_FORMAT} 2.x index"]
+    if index.rank != record.rank:
+        return [f"it is the index of rank {index.rank}, not of rank {record.rank}"]
+    # The records and entries, checked as a manifest of these files alone would be.
+    alone = Manifest(
+        files=index.files,
+        world_size=manifest.world_size,
+        digest_algorithm=manifest.digest_algorithm,
+        tiers=manifest.tiers,
+        sharding=Sharding(shard_count=len(index.files)),
+    )
+    problems = list(validate_manifest(alone, limits=limits).errors)
+    if problems:
+        return problems
+    expected = layouts.expected(record.rank)
+    seen: set[str] = set()
+    for file in index.files:
+        if file.rank != record.rank:
+            problems.append(f"file {file.path!r} has rank {file.rank}")
+        if file.digest is None:
+            problems.append(f"file {file.path!r} has no digest")
+        for entry in file.tensors:
+            key = entry.key
+            tensor = layouts.tensors.get(key)
+            if tensor is None:
+                problems.append(f"{key!r} is not a sharded tensor the manifest describes")
+                continue
+            if key in seen:
+                problems.append(f"{key!r} is listed twice")
+            seen.add(key)
+            box = expected.get(key)
+            if (
+                entry.global_offset is None
+                or box is None
+                or (tuple(entry.global_offset), tuple(entry.shape)) != box
+                or entry.global_shape != tensor.global_shape
+                or (entry.dtype, entry.path, entry.kind, entry.expert_key, entry.order)
+                != (tensor.dtype, tensor.path, tensor.kind, tensor.expert_key, tensor.order)
+            ):
+                problems.append(
+                    f"the chunk of {key!r} at {entry.global_offset} of shape {entry.shape} is not the chunk "
+                    f"rank {record.rank} writes ({'none' if box is None else list(map(list, box))}) "
+                    "or does not match its description"
+                )
+    missing = expected.keys() - seen
+    if missing:
+        problems.append(f"it lacks the chunks of {len(missing)} tensor(s) this rank writes, e.g. {min(missing)!r}")
+    return problems
+
+
+def needed_ranks(manifest: IndexedManifest, wanted: Mapping[str, Region]) -> set[int]:
+    """The ranks whose indexes hold every chunk that overlaps ``wanted`` (key -> this rank's
+    (offset, shape)); a described key that ``wanted`` lacks is needed whole."""
+    layouts = _Layouts(manifest)
+    if any(key not in wanted for key in layouts.tensors):
+        return {record.rank for record in manifest.indexes}
+    ranks: set[int] = set()
+    cache: dict[tuple[object, ...], list[tuple[int | None, ...]]] = {}
+    for key, tensor in layouts.tensors.items():
+        grid = layouts.grids[key]
+        offset, shape = wanted[key]
+        signature = (tensor.mesh, grid.global_shape, grid.dims, tuple(offset), tuple(shape))
+        shards = cache.get(signature)
+        if shards is None:
+            shards = cache[signature] = grid.overlapping(offset, shape)
+        for shard in shards:
+            ranks.add(layouts.rank_at(tensor.mesh, grid.writer(key, shard)))
+    return ranks
+
+
+def expand(
+    store: ByteStore,
+    name: str,
+    manifest: Manifest,
+    ranks: Iterable[int] | None = None,
+    *,
+    limits: ManifestLimits | None = None,
+    threads: int = 8,
+) -> Manifest:
+    """A view of ``manifest`` with the files (and chunk entries) of the indexes of ``ranks``
+    (``None``: every rank) listed as in a 1.x manifest, sorted by path. A 1.x manifest is
+    returned as it is. The view's ``complete`` attribute says whether every index is in it."""
+    if not isinstance(manifest, IndexedManifest):
+        return manifest
+    by_rank = {record.rank: record for record in manifest.indexes}
+    wanted = sorted(by_rank) if ranks is None else sorted(set(ranks))
+    absent = [rank for rank in wanted if rank not in by_rank]
+    if absent:
+        raise IntegrityError(
+            f"{name}: the manifest lists no index for rank(s) {absent[:8]}, which hold chunks this load needs",
+            [f"index of rank {rank}" for rank in absent],
+        )
+    layouts = _Layouts(manifest)
+    with collector_paused(), ThreadPoolExecutor(max(1, min(threads, len(wanted) or 1))) as pool:
+        parts = list(pool.map(lambda rank: read_index(store, name, manifest, by_rank[rank], limits, layouts), wanted))
+    files = list(manifest.files)
+    paths = {record.path for record in files}
+    for part in parts:
+        for record in part:
+            if record.path in paths:
+                raise ManifestError(f"{name}: file {record.path!r} is listed twice (in the manifest or an index)")
+            paths.add(record.path)
+            files.append(record)
+    files.sort(key=lambda record: record.path)
+    view = msgspec.structs.replace(manifest, files=files)
+    view.__dict__["complete"] = len(wanted) == len(by_rank)
+    return view
+
+
+def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: ManifestLimits | None = None) -> Manifest:
+    """:func:`expand` with every index: what ``verify``, ``inspect`` and export read."""
+    return expand(store, name, manifest, None, limits=limits)
+
+
+def is_partial_view(manifest: Manifest) -> bool:
+    """Whether ``manifest`` is a format 2.0 manifest without some of its indexes expanded."""
+    return isinstance(manifest, IndexedManifest) and bool(manifest.indexes) and not manifest.__dict__.get("complete")
+
+
+def described_bytes(manifest: Manifest) -> int:
+    """The bytes of the described (sharded) tensors of a format 2.0 manifest."""
+    if not isinstance(manifest, IndexedManifest):
+        return 0
+    return sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in manifest.sharded)
