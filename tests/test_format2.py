@@ -1,0 +1,222 @@
+"""Format 2.0 (regularly sharded tensors described once, chunks in rank indexes) on real gloo
+ranks: what the root manifest holds, partial loads reading only the indexes they need, and the
+checks every index gets (digest, grid, completeness)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from tests.distributed_harness import results_or_raise, run_ranks
+
+import shardkeep as sk
+from shardkeep.integrity import digest_bytes, seal_manifest
+from shardkeep.manifest import IndexedManifest, RankIndex
+from shardkeep.storage import ForwardingStore, LocalStore, ReadHandle
+from shardkeep.tensors.grid import chunk_writer
+
+ROWS = 12
+
+
+def _full() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4),
+        "col": torch.arange(40, dtype=torch.float64).reshape(4, 10),
+        "rep": torch.arange(6, dtype=torch.int64),
+        "uneven": torch.arange(10, dtype=torch.float32).reshape(5, 2),
+        "empty": torch.zeros(0, 3),
+        "bias": torch.full((3,), 7.0),
+    }
+
+
+def _state(world_size: int, fill: bool = True) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = _full()
+    if not fill:
+        full = {key: torch.zeros_like(value) for key, value in full.items()}
+    placements = {"w": Shard(0), "col": Shard(1), "rep": Replicate(), "uneven": Shard(0), "empty": Shard(0)}
+    model: dict[str, Any] = {key: distribute_tensor(full[key], mesh, [p]) for key, p in placements.items()}
+    model["bias"] = full["bias"]  # a plain tensor every rank holds
+    return {"model": model, "note": "format 2.0"}
+
+
+def _save(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    manifest = sk.save(_state(world_size), path, step=3)
+    return {
+        "type": type(manifest).__name__,
+        "version": manifest.metadata_version,
+        "listed": sorted(entry.key for _, entry in manifest.iter_tensors()),
+        "sharded": sorted(tensor.key for tensor in manifest.sharded) if isinstance(manifest, IndexedManifest) else [],
+    }
+
+
+class _IndexReads(ForwardingStore):
+    """Records which index files a load opens."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        super().__init__(inner)
+        self.opened: list[str] = []
+
+    def open_read(self, path: str) -> ReadHandle:
+        if "/index/" in path:
+            self.opened.append(path.rpartition("/")[2])
+        return self.inner.open_read(path)
+
+
+def _load(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    target = _state(world_size, fill=False)
+    store = _IndexReads(LocalStore(str(Path(path).parent)))
+    sk.load(Path(path).name, into=target, storage=store)
+    full = _full()
+    model = target["model"]
+    same = {
+        key: torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, full[key])
+        for key, value in model.items()
+    }
+    return {"same": same, "note": target["note"], "indexes": sorted(store.opened)}
+
+
+def test_sharded_tensors_are_described_once_and_chunks_live_in_rank_indexes(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = results_or_raise(run_ranks(4, _save, path, outbox=tmp_path / "save"))[0]
+    assert saved["type"] == "IndexedManifest" and saved["version"] == "2.0"
+    assert saved["sharded"] == ["model.col", "model.empty", "model.rep", "model.uneven", "model.w"]
+    assert saved["listed"] == ["model.bias"]  # only the whole tensor is listed in the root
+    root = json.loads((Path(path) / "manifest.json").read_bytes())
+    assert [index["rank"] for index in root["indexes"]] == [0, 1, 2, 3]
+    assert root["meshes"] == [{"shape": [4]}]
+    assert {t["key"]: t["placements"] for t in root["sharded"]}["model.col"] == ["S1"]
+    assert sorted(p.name for p in (Path(path) / "index").iterdir()) == [f"rank_0000{r}.json" for r in range(4)]
+    # read_manifest expands every index: the chunks read like a 1.x manifest's.
+    full = sk.read_manifest(path)
+    chunks = [e for _, e in full.iter_tensors() if e.key == "model.w"]
+    assert sorted(tuple(e.global_offset or ()) for e in chunks) == [(0, 0), (3, 0), (6, 0), (9, 0)]
+    assert len([e for _, e in full.iter_tensors() if e.key == "model.rep"]) == 1  # replicated: written once
+    assert len([e for _, e in full.iter_tensors() if e.key == "model.empty"]) == 1  # recorded by the origin
+    uneven = sorted(tuple(e.global_offset or ()) for _, e in full.iter_tensors() if e.key == "model.uneven")
+    assert uneven == [(0, 0), (2, 0), (4, 0)]  # 5 rows over 4 ranks: 2, 2, 1 and an empty chunk
+    report = sk.verify(path)
+    assert report.ok, report.problems
+    loaded = sk.load(path)  # one process, no group: whole tensors
+    for key, value in _full().items():
+        assert torch.equal(loaded["model"][key], value), key
+    # Loading on 2 ranks: each reads only the indexes of the ranks whose chunks overlap its own.
+    for result in results_or_raise(run_ranks(2, _load, path, outbox=tmp_path / "load2")):
+        assert all(result["same"].values()), result
+    on_two = results_or_raise(run_ranks(2, _load, path, outbox=tmp_path / "load2b"))
+    # Rank 0 of 2 holds rows 0-5 of w (saved by ranks 0, 1), columns 0-4 of col (0, 1), rows
+    # 0-2 of uneven (0, 1), the empty tensor (recorded by rank 0), and rep (one writer).
+    rep_writer = chunk_writer("model.rep", [0], 4)
+    assert on_two[0]["indexes"] == [f"rank_0000{r}.json" for r in sorted({0, 1, rep_writer})]
+    # Rank 1 holds rows 6-11 of w (2, 3), columns 5-9 of col (1, 2, 3), rows 3-4 of uneven (1, 2).
+    assert on_two[1]["indexes"] == [f"rank_0000{r}.json" for r in range(4)]
+
+
+def _save_then_copy(tmp_path: Path) -> str:
+    path = str(tmp_path / "ckpt")
+    results_or_raise(run_ranks(2, _save, path, outbox=tmp_path / "save"))
+    return path
+
+
+def _reseal(path: Path, edit: Any) -> None:
+    """Rewrite manifest.json after ``edit(body)``, sealed again (what a hostile writer could do)."""
+    raw = json.loads((path / "manifest.json").read_bytes())
+    raw.pop("manifest_digest")
+    edit(raw)
+    (path / "manifest.json").write_bytes(seal_manifest(msgspec.json.encode(raw), raw["digest_algorithm"]))
+
+
+def test_damaged_missing_and_forged_indexes_are_refused(tmp_path: Path) -> None:
+    path = Path(_save_then_copy(tmp_path))
+    index = path / "index" / "rank_00001.json"
+    pristine = index.read_bytes()
+
+    # A flipped byte: the digest the manifest records no longer matches.
+    damaged = bytearray(pristine)
+    damaged[len(damaged) // 2] ^= 0x01
+    index.write_bytes(bytes(damaged))
+    with pytest.raises(sk.IntegrityError, match=r"rank_00001\.json: digest mismatch"):
+        sk.load(str(path))
+    assert not sk.verify(str(path)).ok
+
+    # A truncated index.
+    index.write_bytes(pristine[:-10])
+    with pytest.raises(sk.IntegrityError, match="size is"):
+        sk.load(str(path))
+
+    # A missing index.
+    index.unlink()
+    with pytest.raises(sk.ShardkeepError, match=r"rank_00001\.json"):
+        sk.load(str(path))
+    report = sk.verify(str(path))
+    assert any("rank_00001.json" in problem for problem in report.problems), report.problems
+    index.write_bytes(pristine)
+    assert sk.verify(str(path)).ok
+
+    # A forged index (digest and seal redone): a chunk moved off the grid is refused.
+    forged = msgspec.json.decode(pristine, type=RankIndex)
+    entry = next(e for f in forged.files for e in f.tensors if e.key == "model.w")
+    assert entry.global_offset is not None
+    entry.global_offset = [entry.global_offset[0] - 1, 0]
+    data = msgspec.json.encode(forged) + b"\n"
+    index.write_bytes(data)
+
+    def point_at_forgery(raw: dict[str, Any]) -> None:
+        for record in raw["indexes"]:
+            if record["rank"] == 1:
+                record["size"], record["digest"] = len(data), digest_bytes(raw["digest_algorithm"], data)
+
+    _reseal(path, point_at_forgery)
+    with pytest.raises(sk.ManifestError, match="not the chunk rank 1 writes"):
+        sk.load(str(path))
+    report = sk.verify(str(path))
+    assert any("not the chunk rank 1 writes" in problem for problem in report.problems), report.problems
+
+    # An index that leaves out a chunk its rank writes is refused too.
+    forged = msgspec.json.decode(pristine, type=RankIndex)
+    for record in forged.files:
+        record.tensors = [e for e in record.tensors if e.key != "model.col"]
+    data = msgspec.json.encode(forged) + b"\n"
+    index.write_bytes(data)
+    _reseal(path, point_at_forgery)
+    with pytest.raises(sk.ManifestError, match="lacks the chunks of 1 tensor"):
+        sk.load(str(path))
+
+
+def test_hostile_root_fields_are_refused(tmp_path: Path) -> None:
+    path = Path(_save_then_copy(tmp_path))
+    pristine = (path / "manifest.json").read_bytes()
+    cases = {
+        "bad placement": lambda raw: raw["sharded"][0].__setitem__("placements", ["S7"]),
+        "unknown mesh": lambda raw: raw["sharded"][0].__setitem__("mesh", 5),
+        "mesh too large": lambda raw: raw["meshes"][0].__setitem__("shape", [64]),
+        "duplicate rank": lambda raw: raw["meshes"][0].__setitem__("ranks", [0, 0]),
+        "index outside the world": lambda raw: raw["indexes"][0].__setitem__("rank", 9),
+        "unsafe index path": lambda raw: raw["indexes"][0].__setitem__("path", "../x.json"),
+        "key described twice": lambda raw: raw["sharded"].append(raw["sharded"][0]),
+        "negative shape": lambda raw: raw["sharded"][0].__setitem__("global_shape", [-1, 4]),
+    }
+    for name, edit in cases.items():
+        (path / "manifest.json").write_bytes(pristine)
+        _reseal(path, edit)
+        with pytest.raises(sk.ManifestError):
+            sk.read_manifest(str(path))
+        assert not sk.verify(str(path)).ok, name
+
+
+def test_a_copy_without_its_index_directory_is_not_loadable(tmp_path: Path) -> None:
+    path = Path(_save_then_copy(tmp_path))
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns("index"))
+    with pytest.raises(sk.ShardkeepError, match="index"):
+        sk.load(str(copy))
