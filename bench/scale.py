@@ -88,6 +88,7 @@ import argparse
 import atexit
 import contextlib
 import gc
+import hashlib
 import io
 import itertools
 import json
@@ -169,7 +170,7 @@ from shardkeep.distributed.coordinator import Coordinator  # noqa: E402
 from shardkeep.layout import PlannedItem  # noqa: E402
 from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, Manifest  # noqa: E402
 from shardkeep.progress import collector_paused  # noqa: E402
-from shardkeep.storage import MemoryStore  # noqa: E402
+from shardkeep.storage import ForwardingStore, MemoryStore  # noqa: E402
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state  # noqa: E402
 from shardkeep.verification import CheckpointLocation, parse_manifest  # noqa: E402
 
@@ -772,6 +773,31 @@ class Simulation:
         self.local = threading.local()
         self.has_replica = "replica" in PlannedItem.__slots__
         self.has_mesh_origin = "mesh_origin" in PlannedItem.__slots__
+        self.has_layout = "layout" in PlannedItem.__slots__
+        self.layouts: dict[int, Any] = {}
+
+    def layout(self, index: int) -> Any:
+        """``tensors.convert.regular_layout`` of tensor ``index`` (``None`` off a regular grid)."""
+        found = self.layouts.get(index, False)
+        if found is not False:
+            return found
+        spec = self.workload.tensors[index]
+        names: list[str] | None = []
+        for placement in spec.placements or ():
+            if type(placement) is Shard and placement.dim >= 0:
+                names.append(f"S{placement.dim}")  # type: ignore[union-attr]
+            elif placement.is_replicate():
+                names.append("R")  # type: ignore[union-attr]
+            else:
+                names = None
+                break
+        layout = None
+        if names is not None and spec.placements is not None:
+            mesh = self.workload.meshes[spec.mesh]
+            token = hashlib.blake2b(repr((mesh.shape, mesh.ranks)).encode(), digest_size=8).hexdigest()
+            layout = (mesh.shape, mesh.ranks, token, tuple(names))
+        self.layouts[index] = layout
+        return layout
 
     def planned(self, rank: int) -> list[PlannedItem]:
         """This rank's PlannedItems, as ``PlannedItem(leaf)`` would describe its tensors."""
@@ -795,6 +821,8 @@ class Simulation:
                 item.replica = workload.replica_of(index, rank) if offset is not None else (0, 1)
             if self.has_mesh_origin:  # as tensors.convert.at_mesh_origin computes
                 item.mesh_origin = offset is None or not any(workload.coordinate_of(index, rank))
+            if self.has_layout:
+                item.layout = self.layout(index) if offset is not None else None
             items.append(item)
         return items
 
@@ -810,6 +838,8 @@ class SimulatedSaveJob(saving.SaveJob):
         assert SIMULATION is not None
         self.flat = SIMULATION.flat
         self.planned = SIMULATION.planned(self.coordinator.rank)
+        if hasattr(self, "on_grid"):
+            self.on_grid = {item.leaf.key for item in self.planned if item.layout is not None}
         return [item.descriptor for item in self.planned]
 
     def _place(self, *arguments: Any) -> None:
@@ -914,7 +944,9 @@ def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[
     """``tensors.regions.wanted_regions``' loop over the manifest, with the DTensor found in
     ``into`` replaced by the region its placements give (``local_region``'s arithmetic)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
-    for _, entry in manifest.iter_tensors():
+    described: list[Any] = [entry for _, entry in manifest.iter_tensors()]
+    described += getattr(manifest, "sharded", [])  # format 2.0
+    for entry in described:
         if entry.global_shape is None or entry.key in regions:
             continue
         target = into.regions.get(entry.key)
@@ -1020,6 +1052,21 @@ class SaveRound:
     header_bytes: dict[str, int]  # data file path -> safetensors header bytes (8 + length)
     rank_seconds: float  # the most any rank spent on its own work, the coordinator's finish left out
     first_finish_seconds: float
+    location: Any = None  # where the save's files (format 2.0: its rank indexes) were written
+
+
+class _IndexReads(ForwardingStore):
+    """Counts the bytes of the rank indexes a load plan reads."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.index_bytes = 0
+
+    def open_read(self, path: str) -> Any:
+        handle = self.inner.open_read(path)
+        if "/index/" in path:
+            self.index_bytes += handle.size
+        return handle
 
 
 @dataclass
@@ -1063,7 +1110,8 @@ class Format1x:
         global SIMULATION
         SIMULATION = simulation = Simulation(workload)
         baton = Baton(workload.world)
-        settings = saving.SaveSettings(step=1, storage=MemoryStore())
+        store = MemoryStore()
+        settings = saving.SaveSettings(step=1, storage=store)
 
         def rank(index: int) -> None:
             simulation.local.coordinator = InProcessCoordinator(index, workload.world, baton)
@@ -1083,6 +1131,8 @@ class Format1x:
         # The coordinator's work before "commit the checkpoint" is its finish.
         if workload.world == 1:
             per_rank[0] -= simulation.finish_seconds
+        job = simulation.finish_inputs[0]
+        staging = getattr(job.commit, "real", job.commit).staging
         result = SaveRound(
             workload.world,
             simulation.finish_inputs,
@@ -1090,6 +1140,7 @@ class Format1x:
             simulation.header_bytes,
             max(per_rank),
             simulation.finish_seconds,
+            CheckpointLocation(_IndexReads(store), staging),
         )
         SIMULATION = None
         return result
@@ -1111,22 +1162,27 @@ class Format1x:
             if offset is not None:
                 spec = target.tensors[index]
                 regions[spec.key] = (list(offset), list(shape), list(spec.global_shape))
-        job = loading.LoadJob(
-            self.location,
-            parsed,
-            LoadOptions(),
-            into=_Regions(regions),
-            tiers=None,
-            sections=None,
-            tier_locations=None,
-            storage_options=None,
-            lazy=False,
-            progress=False,
-        )
+        location = save.location or self.location
+        if isinstance(location.store, _IndexReads):
+            location.store.index_bytes = 0
         with _plain_regions():
+            job = loading.LoadJob(
+                location,
+                parsed,
+                LoadOptions(),
+                into=_Regions(regions),
+                tiers=None,
+                sections=None,
+                tier_locations=None,
+                storage_options=None,
+                lazy=False,
+                progress=False,
+                limits=LIFTED,
+            )
             job.select()
         opened = entries = metadata = data = 0
-        for record, needed in zip(parsed.files, job.needed, strict=True):
+        metadata += getattr(location.store, "index_bytes", 0)
+        for record, needed in zip(job.manifest.files, job.needed, strict=True):
             if needed == []:
                 continue
             header = save.header_bytes[record.path]
@@ -1189,8 +1245,10 @@ def run_point(workload_name: str, world: int, reps: int, format_name: str, touch
             sealed = fmt.build_manifest(save)
             coord_s.append(time.perf_counter() - t0)
     job, _ = save.coordinator_input
-    out["entries"] = sum(len(record.tensors) for record in job.manifest.files)
-    out["files"] = len(job.manifest.files)
+    root = msgspec.json.decode(sealed)  # what the manifest lists (format 2.0: the root alone)
+    out["version"] = root["metadata_version"]
+    out["entries"] = sum(len(record.get("tensors", [])) for record in root["files"]) + len(root.get("sharded", []))
+    out["files"] = len(root["files"]) + len(root.get("indexes", []))
     out["manifest_bytes"] = len(sealed)
     out["over_read_limits"] = len(sealed) > ManifestLimits().max_bytes or out["entries"] > ManifestLimits().max_tensors
     out["traffic"] = save.traffic
@@ -1408,18 +1466,20 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 LEGEND = """\
-columns: entries = TensorEntries in the manifest (exact, also where '~'); files = data files; manifest = sealed bytes;
+columns: entries = TensorEntries in the manifest (format 2.0: in the root, plus one per described sharded tensor; exact,
+  also where '~'); files = data files listed (format 2.0: in the root, plus one index per rank); manifest = sealed bytes;
   sent/rank = the most any rank sends over the save's collectives; recv/rank and coord recv = what any other rank, and
   the coordinator, receive (both msgpack-encoded, logical); padded = what torch's object collectives move to one rank
   (pickled, every payload padded to the largest, times R); rank CPU = the most any rank spends on its own part of the
   save (the coordinator's finish left out); coordinator = SaveJob.finish (merge, validate, coverage, encode, seal);
   dRSS = RSS growth of that step; read+validate = parse_manifest of the sealed bytes (every loading rank does it);
-  plan = LoadJob.select on one rank of a world of R/2 or 2R; meta read = the manifest plus the safetensors headers
-  of the files that rank opens. Times: median (min-max) over --reps. '~' = extrapolated with the last growth exponent."""
+  plan = LoadJob (format 2.0: the indexes it needs, read and checked) and select on one rank of a world of R/2 or
+  2R; meta read = the manifest, the indexes read and the safetensors headers of the files that rank opens. Times: median (min-max) over --reps. '~' = extrapolated with the last growth exponent."""
 
 
 def report_workload(name: str, points: list[dict[str, Any]], tensors: int, sharded: int) -> str:
-    out = [f"\n== {name}: {tensors} tensors ({sharded} DTensors); format 1.x =="]
+    versions = sorted({str(p.get("version", "1.x")) for p in points if "version" in p}) or ["?"]
+    out = [f"\n== {name}: {tensors} tensors ({sharded} DTensors); manifest format {', '.join(versions)} =="]
     rows = [
         [
             str(p["world"]),

@@ -287,6 +287,9 @@ class SaveJob:
         self.alike = True
         #: The keys of this rank's chunks on a regular grid (described once in format 2.0).
         self.on_grid: set[str] = set()
+        #: The meshes and descriptions of the regularly sharded tensors this rank holds (on the
+        #: coordinator, and on every rank when the ranks' trees differ).
+        self.descriptions: tuple[list[Mesh], list[ShardedTensor]] = ([], [])
         self.flat = FlatState()
         self.planned: list[PlannedItem] = []
         self.plans: list[ShardPlan] = []
@@ -430,6 +433,8 @@ class SaveJob:
                     self.plans.append(
                         ShardPlan(path=store_path, header=header, sources=group, record=record, store=store)
                     )
+            if self.on_grid and (coordinator.is_coordinator or not self.alike):
+                self.descriptions = self._descriptions()
             self.manifest = _manifest_for(
                 self.state,
                 self.flat,
@@ -528,7 +533,7 @@ class SaveJob:
             )
         if not self.alike:
             report.containers = self.flat.containers
-            report.meshes, report.sharded = self._descriptions()
+            report.meshes, report.sharded = self.descriptions
         return report
 
     def _write_index(self, files: list[FileRecord]) -> IndexRecord:
@@ -627,7 +632,6 @@ class SaveJob:
         warn_if_over_read_limits(self.location, sealed, manifest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
         self.commit.commit(sealed, signature)
-        self.manifest = manifest
         return manifest
 
     def _indexed(self, reports: list[RankReport]) -> IndexedManifest:
@@ -636,7 +640,7 @@ class SaveJob:
         indexes; refused unless the ranks' indexed chunks hold exactly the described bytes."""
         assert self.manifest is not None
         if self.alike:
-            meshes, sharded = self._descriptions()
+            meshes, sharded = self.descriptions
         else:
             meshes, sharded = _merged_descriptions(reports)
         expected = sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in sharded)
@@ -646,7 +650,7 @@ class SaveJob:
                 f"cannot commit {self.location}: the ranks wrote {written} bytes of chunks of sharded tensors, "
                 f"but those tensors hold {expected} bytes"
             )
-        base = {name: getattr(self.manifest, name) for name in self.manifest.__struct_fields__}
+        base = {name: getattr(self.manifest, name) for name in Manifest.__struct_fields__}
         base["metadata_version"] = INDEXED_VERSION
         return IndexedManifest(
             **base,
