@@ -220,3 +220,44 @@ def test_a_copy_without_its_index_directory_is_not_loadable(tmp_path: Path) -> N
     shutil.copytree(path, copy, ignore=shutil.ignore_patterns("index"))
     with pytest.raises(sk.ShardkeepError, match="index"):
         sk.load(str(copy))
+
+
+def _save_uneven_trees(rank: int, world_size: int, path: str) -> str:
+    """Each rank also holds a whole tensor of its own (expert-parallel style): the ranks' trees
+    differ, so each sends its sharded tensors' descriptions, which the coordinator merges."""
+    state = _state(world_size)
+    state["model"][f"own{rank}"] = torch.full((2,), float(rank))
+    return sk.save(state, path).metadata_version
+
+
+def test_ranks_with_different_trees_still_describe_each_sharded_tensor_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    assert results_or_raise(run_ranks(3, _save_uneven_trees, path, outbox=tmp_path / "save")) == ["2.0"] * 3
+    root = json.loads((Path(path) / "manifest.json").read_bytes())
+    assert sorted(t["key"] for t in root["sharded"]) == [
+        "model.col",
+        "model.empty",
+        "model.rep",
+        "model.uneven",
+        "model.w",
+    ]
+    assert sk.verify(path).ok
+    loaded = sk.load(path)
+    for key, value in _full().items():
+        assert torch.equal(loaded["model"][key], value), key
+    for rank in range(3):
+        assert torch.equal(loaded["model"][f"own{rank}"], torch.full((2,), float(rank)))
+
+
+def _async_save(rank: int, world_size: int, path: str) -> str:
+    handle = sk.async_save(_state(world_size), path, step=4)
+    return handle.result().metadata_version
+
+
+def test_async_saves_write_format_2(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    assert results_or_raise(run_ranks(2, _async_save, path, outbox=tmp_path / "save")) == ["2.0"] * 2
+    assert sk.verify(path).ok
+    loaded = sk.load(path)
+    for key, value in _full().items():
+        assert torch.equal(loaded["model"][key], value), key
