@@ -38,6 +38,10 @@ def _whole(key: str, nbytes: int) -> ItemDescriptor:
 def test_assigning_alone_equals_assigning_over_every_rank(sizes: list[int], world_size: int) -> None:
     items = [_whole(f"t{index}", 4 * (size // 4)) for index, size in enumerate(sizes)]
     assert assign_identical(items, world_size) == assign_writers([items] * world_size)
+    small = 1 << 18  # with sharded tensors, the small whole tensors all go to the lowest rank
+    together = assign_identical(items, world_size, small=small)
+    assert together == assign_writers([items] * world_size, small=small)
+    assert all(item.ident in together[0] for item in items if item.nbytes <= small)
 
 
 def test_chunk_writer_is_stable_and_spreads() -> None:

@@ -23,6 +23,7 @@ from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import ATTEMPT_PREFIX, CheckpointCommit
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.distributed.plan import (
+    SMALL_WHOLE,
     ItemDescriptor,
     agreement_digest,
     assign_identical,
@@ -368,13 +369,15 @@ class SaveJob:
         holds the same (``alike``); otherwise from the all-gathered whole-tensor lists."""
         coordinator = self.coordinator
         if alike:  # every rank holds the same whole tensors and sharded tensors
-            mine = assign_identical(local, coordinator.world_size)[coordinator.rank]
+            small = SMALL_WHOLE if self.chunked else 0
+            mine = assign_identical(local, coordinator.world_size, small=small)[coordinator.rank]
             totals = global_totals(local)
         else:
             whole = [item for item in local if item.global_offset is None]
             summaries = coordinator.all_gather((whole, sharded_facts(local)), label="compare what the ranks hold")
             check_sharded_agreement([facts for _, facts in summaries])
-            mine = assign_writers([items for items, _ in summaries])[coordinator.rank]
+            small = SMALL_WHOLE if any(facts for _, facts in summaries) else 0
+            mine = assign_writers([items for items, _ in summaries], small=small)[coordinator.rank]
             totals = {}
             for items, facts in summaries:
                 totals.update(global_totals(items))

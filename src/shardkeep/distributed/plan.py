@@ -34,6 +34,7 @@ from shardkeep.tensors.coverage import coverage_problems
 from shardkeep.tensors.grid import chunk_writer
 
 __all__ = [
+    "SMALL_WHOLE",
     "ItemDescriptor",
     "agreement_digest",
     "assign_identical",
@@ -66,9 +67,13 @@ class ItemDescriptor(NamedTuple):
         return (self.key, self.global_offset)
 
 
-def assign_writers(held: list[list[ItemDescriptor]]) -> list[set[tuple[str, tuple[int, ...] | None]]]:
+def assign_writers(
+    held: list[list[ItemDescriptor]], *, small: int = 0
+) -> list[set[tuple[str, tuple[int, ...] | None]]]:
     """For each rank, the idents it writes. ``held[r]`` lists what rank ``r`` holds.
 
+    Largest first, each tensor goes to the holder with the fewest bytes so far; a whole tensor
+    of at most ``small`` bytes goes to its lowest holder instead (see :data:`SMALL_WHOLE`).
     Raises :class:`CoordinationError` when ranks disagree about an item (dtype or shape).
     """
     holders: dict[tuple[str, tuple[int, ...] | None], list[int]] = {}
@@ -91,10 +96,20 @@ def assign_writers(held: list[list[ItemDescriptor]]) -> list[set[tuple[str, tupl
     load = [0] * len(held)
     order = sorted(first, key=lambda ident: (-first[ident].nbytes, ident[0], ident[1] or ()))
     for ident in order:
-        writer = min(holders[ident], key=lambda rank: (load[rank], rank))
+        if first[ident].nbytes <= small and ident[1] is None:
+            writer = holders[ident][0]
+        else:
+            writer = min(holders[ident], key=lambda rank: (load[rank], rank))
         assigned[writer].add(ident)
         load[writer] += first[ident].nbytes
     return assigned
+
+
+#: In a save with sharded tensors, whole tensors of at most this many bytes (optimizer step
+#: counters, norms' buffers) all go to the lowest rank holding them: every loading rank needs
+#: every whole tensor, and one file of them beats one file per rank (a 70B model's AdamW has
+#: 723 step counters). Larger whole tensors are still spread over the ranks.
+SMALL_WHOLE = 1 << 20
 
 
 Fact = tuple[str, str, tuple[int, ...], tuple[tuple[int, ...], str, tuple[str, ...]] | None]
@@ -148,7 +163,7 @@ def _plain(layout: object) -> object:
     return layout
 
 
-def assign_identical(items: list[ItemDescriptor], world_size: int) -> list[set[Ident]]:
+def assign_identical(items: list[ItemDescriptor], world_size: int, *, small: int = 0) -> list[set[Ident]]:
     """:func:`assign_writers` for whole tensors that every rank holds alike (equal
     :func:`agreement_digest`): the same result, computed by each rank alone in
     O(n log R) instead of over every rank's list."""
@@ -156,6 +171,9 @@ def assign_identical(items: list[ItemDescriptor], world_size: int) -> list[set[I
     loads = [(0, rank) for rank in range(world_size)]  # (bytes so far, rank): a heap
     whole = [item for item in items if item.global_offset is None]
     for item in sorted(whole, key=lambda item: (-item.nbytes, item.key)):
+        if item.nbytes <= small:  # to rank 0, the lowest holder (small ones come last: no load to track)
+            assigned[0].add(item.ident)
+            continue
         load, rank = heapq.heappop(loads)
         assigned[rank].add(item.ident)
         heapq.heappush(loads, (load + item.nbytes, rank))
