@@ -60,6 +60,7 @@ from shardkeep.manifest import (
     Tier,
     Training,
     encode_manifest,
+    has_chunks,
     index_path,
     validate_manifest,
 )
@@ -343,11 +344,18 @@ class SaveJob:
 
     def prepare(self) -> None:
         coordinator = self.coordinator
-        digests = coordinator.step("prepare the save", lambda: agreement_digest(self._describe(), self.flat.containers))
+        described: list[ItemDescriptor] = []
+
+        def describe() -> str:
+            described.extend(self._describe())
+            # One process agrees with itself: no digest to compare.
+            return agreement_digest(described, self.flat.containers) if coordinator.distributed else ""
+
+        digests = coordinator.step("prepare the save", describe)
         #: Every rank holds the same tree and whole tensors (the usual case): the coordinator's
         #: tree is the checkpoint's. Otherwise each rank sends its containers with its records.
         self.alike = len(set(digests)) == 1
-        local = [item.descriptor for item in self.planned]
+        local = described
         self.chunked = any(item.global_offset is not None for item in local)
         if not coordinator.distributed:
             planned_here, totals = self.planned, global_totals(local)
@@ -616,7 +624,8 @@ class SaveJob:
         # Never commit what load would refuse: every tensor tiled exactly once, every leaf placed.
         # (The chunks of a format 2.0 manifest's described tensors tile by construction; their
         # bytes are counted in _indexed.)
-        problems += coverage_problems(manifest)
+        if has_chunks(manifest):  # coverage_problems finds nothing without chunks
+            problems += coverage_problems(manifest)
         if problems:
             raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         for record in manifest.files:
@@ -898,10 +907,16 @@ def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: S
     )
     coordinator = job.coordinator
     try:
-        job.prepare()
-        # Only the coordinator needs the file records: each rank sends its own, once.
-        payloads = coordinator.step_to_coordinator("write the shards", job.write_payload)
-        records = None if payloads is None else job.read_payloads(payloads)
+        # Planning builds a few objects per tensor and no cycles: the collector's scans of them
+        # would cost more than the planning (as when reading a manifest).
+        with collector_paused():
+            job.prepare()
+        if coordinator.distributed:
+            # Only the coordinator needs the file records: each rank sends its own, once.
+            payloads = coordinator.step_to_coordinator("write the shards", job.write_payload)
+            records = None if payloads is None else job.read_payloads(payloads)
+        else:
+            records = [job.report()]
         # The coordinator commits; the others receive the committed manifest once (a broadcast:
         # an all-gather would pad every rank's empty result to the manifest's size).
         committed = coordinator.on_coordinator("commit the checkpoint", lambda: job.finish(records))

@@ -205,6 +205,8 @@ def place(
 ) -> dict[str, str]:
     """The tier of every tensor key in ``items`` (key, total bytes, dtype), in ``items`` order,
     with size budgets enforced as each tier's policy says."""
+    if placement is None and len(tiers) == 1 and tiers[0].size_budget is None:
+        return dict.fromkeys((key for key, _, _ in items), tiers[0].name)  # nothing to decide
     decide = _rule_function(placement, tiers)
     names = [tier.name for tier in tiers]
     by_name = {tier.name: tier for tier in tiers}
