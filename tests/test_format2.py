@@ -261,3 +261,32 @@ def test_async_saves_write_format_2(tmp_path: Path) -> None:
     loaded = sk.load(path)
     for key, value in _full().items():
         assert torch.equal(loaded["model"][key], value), key
+
+
+def _managed(rank: int, world_size: int, root: str) -> list[str]:
+    manager = sk.CheckpointManager(root, keep_last=2, keep_best=0)
+    for step in (1, 2, 3):
+        manager.save(_state(world_size), step=step)
+    target = _state(world_size, fill=False)
+    manager.restore(into=target)
+    from torch.distributed.tensor import DTensor
+
+    return [
+        key
+        for key, value in target["model"].items()
+        if not torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, _full()[key])
+    ]
+
+
+def test_the_manager_keeps_prunes_and_restores_format_2_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert results_or_raise(run_ranks(2, _managed, str(root), outbox=tmp_path / "out")) == [[], []]
+    kept = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_00000002", "step_00000003"]
+    for name in kept:
+        assert sk.verify(str(root / name)).ok
+    listing = sk.CheckpointManager(root, keep_last=2, keep_best=0, read_only=True).list()
+    assert [info.size for info in listing] == [
+        sum(p.stat().st_size for p in (root / name).rglob("*") if p.is_file() and not p.name.startswith("manifest"))
+        for name in kept
+    ]

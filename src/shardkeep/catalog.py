@@ -52,8 +52,16 @@ from typing import Any
 
 from shardkeep.config import ManifestLimits
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
+from shardkeep.indexes import expand_all
 from shardkeep.integrity import SignaturePolicy, read_regular_file
-from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER, Manifest
+from shardkeep.manifest import (
+    DELETING_MARKER,
+    MANIFEST_FILENAME,
+    SIGNATURE_FILENAME,
+    STAGING_MARKER,
+    Manifest,
+    stored_bytes,
+)
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
 from shardkeep.verification import (
@@ -258,6 +266,11 @@ class CheckpointRoot:
             store = self._tier_stores[location] = open_store(location, self.storage_options)
         return store
 
+    def _expanded(self, name: str, manifest: Manifest) -> Manifest:
+        """A format 2.0 manifest with its rank indexes expanded: what every file of the
+        checkpoint is (retention and pruning must see the files the indexes list)."""
+        return expand_all(self.store, name, manifest, limits=self.limits)
+
     def path_of(self, name: str) -> str:
         return f"{self.display.rstrip('/')}/{name}"
 
@@ -277,7 +290,7 @@ class CheckpointRoot:
             location = CheckpointLocation(self.store, name)
             try:
                 data = read_manifest_bytes(location, self.limits)
-                manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
+                manifest = self._expanded(name, parse_manifest(data, where=self.path_of(name), limits=self.limits))
             except StorageError:
                 raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
             except CheckpointNotFoundError as exc:
@@ -477,7 +490,7 @@ class CheckpointRoot:
             is_newest=is_newest,
             verified=verified,
             problems=tuple(item.problems),
-            size=sum(record.stored_size for record in manifest.files) if manifest is not None else 0,
+            size=stored_bytes(manifest) if manifest is not None else 0,
             run_id=self.run_of(item),
             created_at=manifest.created_at if manifest is not None else None,
             misnamed=item.misnamed,
@@ -500,7 +513,8 @@ class CheckpointRoot:
             except CheckpointNotFoundError:
                 continue
             try:
-                readable.append((name, parse_manifest(data, where=self.path_of(name), limits=self.limits)))
+                manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
+                readable.append((name, self._expanded(name, manifest)))
             except StorageError:
                 raise
             except ShardkeepError:

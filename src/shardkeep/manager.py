@@ -50,7 +50,16 @@ from shardkeep.errors import (
     StorageError,
 )
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.manifest import RUN_ID_PATTERN, HistoryPoint, Manifest, RetentionRecord, RunInfo, Tier, lineage
+from shardkeep.manifest import (
+    RUN_ID_PATTERN,
+    HistoryPoint,
+    Manifest,
+    RetentionRecord,
+    RunInfo,
+    Tier,
+    lineage,
+    stored_bytes,
+)
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store, renames
@@ -500,7 +509,7 @@ class CheckpointManager:
             is_best=is_best,
             is_newest=is_newest,
             verified=verified,
-            size=sum(record.stored_size for record in manifest.files),
+            size=stored_bytes(manifest),
             run_id=self._run_id,
             created_at=manifest.created_at,
             manifest=manifest,

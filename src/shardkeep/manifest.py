@@ -65,6 +65,7 @@ __all__ = [
     "has_chunks",
     "index_path",
     "parse_placements",
+    "stored_bytes",
     "is_staging_name",
     "lineage",
     "key_for_path",
@@ -352,6 +353,8 @@ class IndexRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     path: str
     size: int
     digest: str
+    #: Bytes on storage of the data files the index lists (informational: sizes in listings).
+    data_bytes: int = 0
 
 
 class RankIndex(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -395,6 +398,17 @@ def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | None, 
             return None
         dims.append(dim)
     return tuple(dims)
+
+
+def stored_bytes(manifest: Manifest) -> int:
+    """Bytes on storage of a checkpoint's data files, including (format 2.0) the files that
+    the rank indexes list when ``manifest`` is the root alone."""
+    total = sum(record.stored_size for record in manifest.files)
+    if isinstance(manifest, IndexedManifest):
+        total += sum(record.size for record in manifest.indexes)  # the index files themselves
+        if not manifest.__dict__.get("complete"):
+            total += sum(record.data_bytes for record in manifest.indexes)
+    return total
 
 
 def index_path(rank: int) -> str:

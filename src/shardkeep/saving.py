@@ -533,6 +533,7 @@ class SaveJob:
         report = RankReport(files=listed)
         if indexed:
             report.index = self._write_index(indexed)
+            report.index.data_bytes = sum(record.stored_size for record in indexed)
             report.indexed_files = len(indexed)
             report.indexed_bytes = sum(entry.nbytes for record in indexed for entry in record.tensors)
             report.directories = sorted(
