@@ -290,3 +290,25 @@ def test_the_manager_keeps_prunes_and_restores_format_2_checkpoints(tmp_path: Pa
         sum(p.stat().st_size for p in (root / name).rglob("*") if p.is_file() and not p.name.startswith("manifest"))
         for name in kept
     ]
+
+
+def _incremental(rank: int, world_size: int, root: str) -> list[str]:
+    first = _state(world_size)
+    sk.save(first, f"{root}/step_00000001")
+    first["model"]["bias"] = torch.full((3,), 8.0)  # only the whole tensor changes
+    manifest = sk.save(first, f"{root}/step_00000002", incremental=f"{root}/step_00000001")
+    if rank != 0:
+        return []
+    view = sk.read_manifest(f"{root}/step_00000002")
+    return [*sorted(record.path for record in view.files if record.ref is not None), manifest.metadata_version]
+
+
+def test_incremental_saves_reference_unchanged_chunk_files(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    referenced = results_or_raise(run_ranks(2, _incremental, root, outbox=tmp_path / "out"))[0]
+    assert referenced[-1] == "2.0"
+    assert referenced[:-1] == ["shards/rank_00000_sharded.safetensors", "shards/rank_00001_sharded.safetensors"]
+    assert sk.verify(f"{root}/step_00000002").ok
+    loaded = sk.load(f"{root}/step_00000002")
+    assert torch.equal(loaded["model"]["bias"], torch.full((3,), 8.0))
+    assert torch.equal(loaded["model"]["w"], _full()["w"])

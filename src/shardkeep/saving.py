@@ -39,7 +39,7 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from shardkeep.indexes import encode_index, index_paths
+from shardkeep.indexes import encode_index, expand, index_paths
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, load_private_key, seal_manifest, sign_manifest
 from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
 from shardkeep.layout import PlannedItem, expert_key_of, file_header, plan_files
@@ -340,7 +340,11 @@ class SaveJob:
     def _read_base(self) -> Manifest | None:
         if self.base is None:
             return None
-        return parse_manifest(read_manifest_bytes(self.base), where=str(self.base))
+        base = parse_manifest(read_manifest_bytes(self.base), where=str(self.base))
+        if isinstance(base, IndexedManifest):  # this rank's files are in its own index
+            own = [record.rank for record in base.indexes if record.rank == self.coordinator.rank]
+            base = expand(self.base.store, self.base.name, base, own)
+        return base
 
     def prepare(self) -> None:
         coordinator = self.coordinator
