@@ -494,3 +494,115 @@ def test_golden_checkpoints_of_every_format_version_read_verify_load_and_restore
     )
     assert restored.step == 42 and torch.allclose(model.weight.detach(), weight, atol=1e-6)
     assert optim.param_groups[0]["lr"] == 0.01 and set(optim.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _golden_v2_values() -> dict[str, Any]:
+    """What tests/golden/make_golden_checkpoint.py --v2 saved (constants here, not read back)."""
+    return {
+        "w": torch.tensor([[0.0, 0.25], [0.5, 0.75], [1.0, 1.25], [1.5, 1.75]]),
+        "col": torch.tensor([[-3, -2, -1, 0], [1, 2, 3, 4]]),
+        "rep": torch.tensor([1.5, -2.0, 3.25], dtype=torch.float64),
+        "uneven": torch.tensor([[0.0, -1.0], [-2.0, -3.0], [-4.0, -5.0]]),
+        "bias": torch.tensor([0.5, -0.5, 1.0]),
+    }
+
+
+def _exactly(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_golden_v2_0_checkpoint_reads_verifies_and_loads_on_one_process(tmp_path: Path) -> None:
+    """The format 2.0 checkpoint written by a 2-rank gloo save (tests/golden/make_golden_checkpoint.py
+    --v2): DTensors Shard(0), Shard(1), Replicate and an uneven Shard(0) on a mesh of 2, whole
+    tensors (one bf16) and JSON values. The committed bytes are read from a copy, never rewritten."""
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v2.0", root)
+    checkpoint = root / "step_00000042"
+    raw = json.loads((checkpoint / "manifest.json").read_bytes())
+    assert raw["metadata_version"] == INDEXED_VERSION == "2.0"
+    assert raw["meshes"] == [{"shape": [2]}] and [r["rank"] for r in raw["indexes"]] == [0, 1]
+    assert {t["key"]: t["placements"] for t in raw["sharded"]} == {
+        "model.col": ["S1"],
+        "model.rep": ["R"],
+        "model.uneven": ["S0"],
+        "model.w": ["S0"],
+    }
+    manifest = sk.read_manifest(checkpoint)
+    assert manifest.metadata_version == "2.0" and manifest.world_size == 2
+    assert manifest.step == 42 and manifest.metrics == {"val_loss": 0.25}
+    assert manifest.run is not None and manifest.run.run_id == "golden-run"
+    chunks = sorted((e.key, tuple(e.global_offset or ())) for _, e in manifest.iter_tensors() if e.global_offset)
+    assert chunks == [
+        ("model.col", (0, 0)),
+        ("model.col", (0, 2)),
+        ("model.rep", (0,)),
+        ("model.uneven", (0, 0)),
+        ("model.uneven", (2, 0)),
+        ("model.w", (0, 0)),
+        ("model.w", (2, 0)),
+    ]
+    report = sk.verify(checkpoint)
+    assert report.ok, report.problems
+    loaded = sk.load(checkpoint)
+    expected = _golden_v2_values()
+    assert set(loaded["model"]) == set(expected)
+    for key, value in expected.items():
+        assert _exactly(loaded["model"][key], value), key
+    assert _exactly(loaded["experts"]["experts.0.w"], torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.bfloat16))
+    assert loaded["step"] == 42 and loaded["config"] == {"name": "golden", "lr": 0.01}
+    restored = sk.CheckpointManager(root, keep_last=1, keep_best=0, read_only=True).restore()
+    assert restored.step == 42 and _exactly(restored.state["model"]["uneven"], expected["uneven"])
+
+
+def _load_golden_v2_into_dtensors(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = {"w": Shard(0), "col": Shard(1), "rep": Replicate(), "uneven": Shard(0)}
+    model: dict[str, Any] = {
+        key: distribute_tensor(torch.zeros_like(value), mesh, [placements[key]])
+        if key in placements
+        else torch.zeros_like(value)
+        for key, value in _golden_v2_values().items()
+    }
+    target: dict[str, Any] = {"model": model, "experts": {}, "step": 0, "config": {}}
+    sk.load(path, into=target)
+    return {
+        "locals": {k: v.to_local().clone() for k, v in model.items() if isinstance(v, DTensor)},
+        "whole": {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in model.items()},
+        "dtensors": sorted(k for k, v in model.items() if isinstance(v, DTensor)),
+        "step": target["step"],
+    }
+
+
+def test_golden_v2_0_checkpoint_loads_into_dtensors_on_two_ranks(tmp_path: Path) -> None:
+    from distributed_harness import results_or_raise, run_ranks
+
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v2.0", root)
+    results = results_or_raise(
+        run_ranks(2, _load_golden_v2_into_dtensors, str(root / "step_00000042"), outbox=tmp_path / "out")
+    )
+    expected = _golden_v2_values()
+    # Each rank's local chunk, as torch.chunk splits the saved global tensors over 2 ranks.
+    local = [
+        {
+            "w": expected["w"][:2],
+            "col": expected["col"][:, :2],
+            "rep": expected["rep"],
+            "uneven": expected["uneven"][:2],
+        },
+        {
+            "w": expected["w"][2:],
+            "col": expected["col"][:, 2:],
+            "rep": expected["rep"],
+            "uneven": expected["uneven"][2:],
+        },
+    ]
+    for rank, result in enumerate(results):
+        assert result["dtensors"] == ["col", "rep", "uneven", "w"] and result["step"] == 42
+        for key, value in local[rank].items():
+            assert _exactly(result["locals"][key], value), (rank, key)
+        for key, value in expected.items():
+            assert _exactly(result["whole"][key], value), (rank, key)

@@ -37,7 +37,7 @@ from shardkeep.errors import (
 )
 from shardkeep.integrity import PASSPHRASE_ENV, SignaturePolicy, generate_key_pair
 from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
-from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER, Manifest
+from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER, IndexedManifest, Manifest
 from shardkeep.retention import RetentionDecision, RetentionPolicy
 from shardkeep.verification import (
     CheckpointLocation,
@@ -414,7 +414,10 @@ def summary(manifest: Manifest) -> dict[str, Any]:
     for _, entry in manifest.iter_tensors():
         by_dtype[entry.dtype] += 1
         bytes_by_dtype[entry.dtype] += entry.nbytes
+    indexed = manifest if isinstance(manifest, IndexedManifest) else None
     return {
+        "sharded_tensors": len(indexed.sharded) if indexed is not None else 0,
+        "rank_indexes": len(indexed.indexes) if indexed is not None else 0,
         "tensor_count": sum(len(record.tensors) for record in manifest.files),
         "tensor_bytes": manifest.total_tensor_bytes,
         "file_count": len(manifest.files),
@@ -466,6 +469,11 @@ def _print_inspect(
         f"training     learning_rate {_dash(manifest.training.learning_rate)}   "
         f"optimizer {manifest.training.optimizer_type or '-'}\n"
     )
+    if isinstance(manifest, IndexedManifest):
+        w(
+            f"format 2.0   {info['sharded_tensors']} sharded tensor(s) described once, "
+            f"{info['rank_indexes']} rank index(es) (index/rank_NNNNN.json)\n"
+        )
     w(f"digest       {manifest.digest_algorithm}\n")
     for tier in manifest.tiers:
         w(

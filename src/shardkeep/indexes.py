@@ -42,6 +42,7 @@ from shardkeep.manifest import (
 )
 from shardkeep.progress import collector_paused
 from shardkeep.storage import ByteStore
+from shardkeep.tensors.coverage import coverage_problems
 from shardkeep.tensors.grid import Grid
 
 __all__ = [
@@ -168,6 +169,9 @@ def read_index(
         index = _INDEX_DECODER.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    if _INDEX_ENCODER.encode(index) + b"\n" != data:
+        # Exactly as a save writes it: no unknown field at any depth, nothing spelled otherwise.
+        raise ManifestError(f"{where}: invalid rank index: not in the canonical encoding (an unknown field?)")
     problems = _index_problems(index, record, manifest, limits, layouts or _Layouts(manifest))
     if problems:
         more = f"; ... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
@@ -233,7 +237,7 @@ def needed_ranks(manifest: IndexedManifest, wanted: Mapping[str, Region]) -> set
     """The ranks whose indexes hold every chunk that overlaps ``wanted`` (key -> this rank's
     (offset, shape)); a described key that ``wanted`` lacks is needed whole."""
     layouts = _Layouts(manifest)
-    if any(key not in wanted for key in layouts.tensors):
+    if not wanted or any(key not in wanted for key in layouts.tensors):
         return {record.rank for record in manifest.indexes}
     ranks: set[int] = set()
     cache: dict[tuple[object, ...], list[tuple[int | None, ...]]] = {}
@@ -284,8 +288,24 @@ def expand(
             files.append(record)
     files.sort(key=lambda record: record.path)
     view = msgspec.structs.replace(manifest, files=files)
-    view.__dict__["complete"] = len(wanted) == len(by_rank)
+    complete = len(wanted) == len(by_rank)
+    view.__dict__["complete"] = complete
+    if complete:
+        # Every index is in: the chunks must tile every tensor (an index record missing from
+        # the manifest would otherwise leave chunks out unnoticed).
+        with collector_paused():
+            problems = coverage_problems(view) + [
+                f"sharded tensor {key!r} has no chunk in any index" for key in _described_without_chunks(view)
+            ]
+        if problems:
+            more = f"; ... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
+            raise ManifestError(f"{name}: invalid manifest: " + "; ".join(problems[:20]) + more)
     return view
+
+
+def _described_without_chunks(view: IndexedManifest) -> list[str]:
+    found = {entry.key for _, entry in view.iter_tensors() if entry.global_offset is not None}
+    return sorted(tensor.key for tensor in view.sharded if tensor.key not in found)
 
 
 def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: ManifestLimits | None = None) -> Manifest:

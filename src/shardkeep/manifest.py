@@ -1384,8 +1384,10 @@ def _check_indexed(
         problem = _digest_problem(record.digest)
         if problem:
             err(f"{where} has {problem}")
-    if described and not manifest.indexes and any(math.prod(t.global_shape) for t in manifest.sharded):
+    if described and not manifest.indexes:
         err("the manifest describes sharded tensors but lists no rank index")
+    if manifest.indexes and not described:
+        err("the manifest lists rank indexes but describes no sharded tensor")
     return described
 
 

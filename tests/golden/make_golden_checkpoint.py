@@ -9,6 +9,15 @@ commit before the next version, checked out beside this one and put first on the
 (1.1: ee04182, 1.2: 5587072, 1.3: this session's code.) They are never regenerated once
 committed: the tests read the committed bytes, so a reader change that breaks old checkpoints
 fails loudly.
+
+``v2.0/step_00000042`` (format 2.0: DTensors described once, chunks in rank indexes) was
+written by a real 2-rank gloo save (this script forks the 2 ranks itself)::
+
+    PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py tests/golden --v2
+
+(2.0: the code after bfacfdb.) Its state: on a 1-D mesh of 2, ``model.w`` Shard(0),
+``model.col`` Shard(1), ``model.rep`` Replicate and ``model.uneven`` Shard(0) of 3 rows (2 and
+1); a whole tensor, a bf16 tensor and JSON values (:func:`golden_v2_state`).
 """
 
 import sys
@@ -17,7 +26,7 @@ from pathlib import Path
 import torch
 
 import shardkeep as sk
-from shardkeep.manifest import METADATA_VERSION
+from shardkeep.manifest import INDEXED_VERSION, METADATA_VERSION
 
 
 def golden_state() -> dict:
@@ -37,7 +46,59 @@ def golden_state() -> dict:
     }
 
 
+def golden_v2_values() -> dict:
+    """The values of the format 2.0 golden state, whole (as a load on one process returns them)."""
+    return {
+        "model": {
+            "w": torch.arange(8, dtype=torch.float32).reshape(4, 2) / 4,
+            "col": torch.arange(8, dtype=torch.int64).reshape(2, 4) - 3,
+            "rep": torch.tensor([1.5, -2.0, 3.25], dtype=torch.float64),
+            "uneven": torch.arange(6, dtype=torch.float32).reshape(3, 2) * -1,
+            "bias": torch.tensor([0.5, -0.5, 1.0]),
+        },
+        "experts": {"experts.0.w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)},
+        "step": 42,
+        "config": {"name": "golden", "lr": 0.01},
+    }
+
+
+def golden_v2_state(world_size: int) -> dict:
+    """The format 2.0 golden state as each rank holds it (a process group must be initialized)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = golden_v2_values()
+    placements = {"w": Shard(0), "col": Shard(1), "rep": Replicate(), "uneven": Shard(0)}
+    for key, placement in placements.items():
+        state["model"][key] = distribute_tensor(state["model"][key], mesh, [placement])
+    return state
+
+
+def _save_v2(rank: int, world_size: int, out: str) -> str:
+    manager = sk.CheckpointManager(out, keep_last=1, keep_best=0, run_id="golden-run")
+    manager.save(golden_v2_state(world_size), step=42, metrics={"val_loss": 0.25})
+    return sk.read_manifest(Path(out) / "step_00000042").metadata_version
+
+
+def make_v2(out: Path) -> None:
+    """``v2.0/step_00000042``, saved by 2 forked gloo ranks."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from distributed_harness import results_or_raise, run_ranks
+
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as outbox:
+        versions = results_or_raise(run_ranks(2, _save_v2, str(out), outbox=Path(outbox)))
+    assert versions == [INDEXED_VERSION, INDEXED_VERSION], versions
+    print(out, INDEXED_VERSION)
+
+
 def main() -> None:
+    if "--v2" in sys.argv:
+        make_v2(Path(sys.argv[1]) / f"v{INDEXED_VERSION}")
+        return
     if "--ledger" in sys.argv:
         make_ledger(Path(sys.argv[1]) / "ledger-v1")
         return

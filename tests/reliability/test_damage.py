@@ -8,15 +8,17 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import blake3
+import format2
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
 from conftest import checkpoint_files, flip_bit, reseal
-from figures import record
+from figures import FULL, record
 
 KEY = Ed25519PrivateKey.generate()
 
@@ -331,3 +333,180 @@ def test_the_largest_representable_empty_shape_still_loads(tmp_path: Path) -> No
     _forge_shape(checkpoint, "empty", [0, 2**40])
     assert sk.verify(checkpoint).ok
     assert sk.load(checkpoint)["empty"].shape == (0, 2**40)
+
+
+# --------------------------------------------------------------------------------------------
+# format 2.0: a checkpoint saved by 2 gloo ranks (root manifest, rank indexes, _sharded files)
+# --------------------------------------------------------------------------------------------
+
+
+def _format2_outcome(path: Path, signed: bool) -> tuple[bool, str]:
+    """(verify failed, what load did): ``"refused"`` (a ShardkeepError), ``"exact"`` (the saved
+    values, bit for bit), ``"WRONG"`` (other values) or ``"untyped <error>"``."""
+    key = format2.KEY.public_key() if signed else None
+    verify_failed = not sk.verify(path, public_key=key).ok
+    try:
+        loaded = sk.load(path, public_key=key)
+    except sk.ShardkeepError:
+        return verify_failed, "refused"
+    except Exception as exc:
+        return verify_failed, f"untyped {type(exc).__name__}: {exc}"
+    return verify_failed, "exact" if format2.same(loaded) else "WRONG"
+
+
+def _format2_checkpoint(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, signed: bool) -> Path:
+    work = format2.copy(tmp_path_factory, tmp_path / "work", signed=signed)
+    assert _format2_outcome(work, signed) == (False, "exact")
+    return work
+
+
+def _format2_flips(work: Path, positions: Any) -> tuple[int, list[str], dict[str, int]]:
+    """Flip ``positions(relative, size)`` -> [(byte, bit)] of every file, one at a time (each
+    restored after). Returns (flips, failures, what load did -> count)."""
+    flips = 0
+    failures: list[str] = []
+    outcomes: dict[str, int] = {}
+    signed = (work / "manifest.sig").exists()
+    for target in checkpoint_files(work):
+        relative = target.relative_to(work)
+        for byte_index, bit in positions(str(relative), target.stat().st_size):
+            flip_bit(target, byte_index, bit)
+            flips += 1
+            verify_failed, load = _format2_outcome(work, signed)
+            outcomes[load.partition(":")[0]] = outcomes.get(load.partition(":")[0], 0) + 1
+            if not verify_failed or load not in ("refused", "exact"):
+                failures.append(f"{relative}[{byte_index}] bit {bit}: verify failed={verify_failed}, load {load}")
+            flip_bit(target, byte_index, bit)
+    return flips, failures, outcomes
+
+
+def _format2_truncations(work: Path, lengths: Any) -> tuple[int, list[str], dict[str, int]]:
+    """Truncate every file to each of ``lengths(relative, size)`` (restored after)."""
+    truncations = 0
+    failures: list[str] = []
+    outcomes: dict[str, int] = {}
+    signed = (work / "manifest.sig").exists()
+    for target in checkpoint_files(work):
+        relative = target.relative_to(work)
+        content = target.read_bytes()
+        for length in lengths(str(relative), len(content)):
+            target.write_bytes(content[:length])
+            truncations += 1
+            verify_failed, load = _format2_outcome(work, signed)
+            outcomes[load.partition(":")[0]] = outcomes.get(load.partition(":")[0], 0) + 1
+            if not verify_failed or load not in ("refused", "exact"):
+                failures.append(f"{relative} truncated to {length}: verify failed={verify_failed}, load {load}")
+        target.write_bytes(content)
+    return truncations, failures, outcomes
+
+
+def _sizes(work: Path) -> str:
+    return ", ".join(f"{p.relative_to(work)} {p.stat().st_size} B" for p in checkpoint_files(work))
+
+
+def test_sampled_bit_flips_and_truncations_of_a_format_2_checkpoint_are_detected(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The fast sample of the sweeps below: 24 evenly spread bytes of every file (the first and
+    the last included, the bit rotating), and 6 truncations of every file. Verify reports each
+    one; load refuses it (or returns exactly the saved values: never other ones)."""
+    work = _format2_checkpoint(tmp_path_factory, tmp_path, signed=True)
+    assert sorted(str(p.relative_to(work)) for p in checkpoint_files(work)) == format2.FILES
+
+    def spread(relative: str, size: int) -> list[tuple[int, int]]:
+        return [(i * (size - 1) // 23, i % 8) for i in range(24)]
+
+    flips, flip_failures, _ = _format2_flips(work, spread)
+    truncations, cut_failures, _ = _format2_truncations(
+        work, lambda relative, size: sorted({0, 1, size // 3, size // 2, size - 8, size - 1})
+    )
+    assert flips == 24 * len(format2.FILES) and truncations >= 5 * len(format2.FILES)
+    assert flip_failures == [] and cut_failures == []
+    assert _format2_outcome(work, True) == (False, "exact")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_bit_flips_in_every_byte_of_a_format_2_checkpoint_are_detected(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, signed: bool
+) -> None:
+    """Every byte of every file of a format 2.0 checkpoint (the rank indexes and the _sharded
+    data files included), one flip at a time: all 8 bits of every byte of the files format 2.0
+    adds (the rank indexes and the _sharded data files) in the signed checkpoint, one bit per
+    byte otherwise, rotating over the 8 bit positions (the 1.x sweeps above flip every bit of
+    those formats); all 8 bits everywhere with SHARDKEEP_RELIABILITY=full. Every byte is covered
+    by a digest (the manifest's seal, an index digest in the manifest, a file digest in an
+    index or the manifest, the signature), so verify must report each flip, and load must refuse
+    it or return exactly the saved values."""
+    work = _format2_checkpoint(tmp_path_factory, tmp_path, signed)
+    sizes = _sizes(work)
+
+    def every_byte(relative: str, size: int) -> list[tuple[int, int]]:
+        if FULL or (signed and (relative.startswith("index/") or "_sharded" in relative)):
+            return [(i, bit) for i in range(size) for bit in range(8)]
+        return [(i, (i + len(relative)) % 8) for i in range(size)]
+
+    flips, failures, outcomes = _format2_flips(work, every_byte)
+    kind = "signed checkpoint, read with its public key" if signed else "unsigned checkpoint, read without a key"
+    record(
+        "bit flips (format 2.0)",
+        trials=flips,
+        failures=len(failures),
+        detail=f"{'every bit' if FULL else 'every bit of the indexes and _sharded files, else one rotating bit' if signed else 'one rotating bit'} "
+        f"of every byte of a format 2.0 {kind} saved by 2 "
+        f"gloo ranks ({sizes}); verify must report each, load refuse it or return the exact values "
+        f"(load: {outcomes})",
+    )
+    assert flips > 3000
+    assert failures == []
+    assert _format2_outcome(work, signed) == (False, "exact")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_every_truncation_of_a_format_2_checkpoint_is_detected(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, signed: bool
+) -> None:
+    work = _format2_checkpoint(tmp_path_factory, tmp_path, signed)
+    truncations, failures, outcomes = _format2_truncations(work, lambda relative, size: range(size))
+    record(
+        "truncation (format 2.0)",
+        trials=truncations,
+        failures=len(failures),
+        detail=f"each file of the {'signed' if signed else 'unsigned'} format 2.0 checkpoint (rank indexes and "
+        f"_sharded files included) truncated to every shorter length (load: {outcomes})",
+    )
+    assert failures == []
+
+
+def test_every_extra_or_missing_file_of_a_format_2_checkpoint_is_detected(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    pristine = format2.pristine(tmp_path_factory)
+    cases = {
+        "an index removed": lambda c: (c / "index" / "rank_00001.json").unlink(),
+        "the index directory removed": lambda c: shutil.rmtree(c / "index"),
+        "a stray file in index/": lambda c: (c / "index" / "rank_00002.json").write_bytes(b"{}"),
+        "a rank's _sharded file removed": lambda c: (c / "shards" / "rank_00001_sharded.safetensors").unlink(),
+        "the indexes swapped": lambda c: (
+            (c / "index" / "rank_00000.json").rename(c / "index" / "x"),
+            (c / "index" / "rank_00001.json").rename(c / "index" / "rank_00000.json"),
+            (c / "index" / "x").rename(c / "index" / "rank_00001.json"),
+        ),
+        "the _sharded files swapped": lambda c: (
+            (c / "shards" / "rank_00000_sharded.safetensors").rename(c / "shards" / "x"),
+            (c / "shards" / "rank_00001_sharded.safetensors").rename(c / "shards" / "rank_00000_sharded.safetensors"),
+            (c / "shards" / "x").rename(c / "shards" / "rank_00001_sharded.safetensors"),
+        ),
+    }
+    missed = []
+    for name, damage in cases.items():
+        work = tmp_path / "work"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work)
+        damage(work)
+        verify_failed, load = _format2_outcome(work, signed=True)
+        if not verify_failed or load != "refused":
+            missed.append(f"{name}: verify failed={verify_failed}, load {load}")
+    record("extra or missing files (format 2.0)", trials=len(cases), failures=len(missed), detail=", ".join(cases))
+    assert missed == []

@@ -6,12 +6,17 @@ disk is simulated (``powerloss.PowerLossStore``): a power cut loses every file w
 fsynced and every directory change whose directory was not fsynced since. After each cut the
 surviving disk must hold the previous checkpoint intact, and every checkpoint that looks
 committed must verify and load; after a save that returned, the new checkpoint must survive.
+
+The format 2.0 configuration saves DTensors on a 1-rank gloo group with a 1-rank device mesh
+(the simulated disk lives in one process), which writes a rank index like a multi-rank save;
+its sweeps run in a forked rank.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from powerloss import PowerCut, PowerLossStore
 
 import shardkeep as sk
+from distributed_harness import results_or_raise, run_ranks
 from figures import FULL, record
 from shardkeep.manifest import is_staging_name
 
@@ -31,21 +37,37 @@ class Config:
     name: str
     tensors: int
     options: dict[str, Any]
+    #: DTensors on a 1-rank device mesh (format 2.0), saved in a forked 1-rank gloo group.
+    format2: bool = False
 
 
 CONFIGS = [
     Config("3 files, signed", 3, {"file_size_target": 5_000, "signer": KEY}),
+    Config("format 2.0, 1 gloo rank, signed", 3, {"file_size_target": 5_000, "signer": KEY}, format2=True),
     Config("8 files, zstd", 8, {"file_size_target": 5_000, "compression": "zstd"}),
 ]
 if not FULL:
-    CONFIGS = CONFIGS[:1]
+    CONFIGS = CONFIGS[:2]
 
 
 def _state(config: Config, seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, Any] = {f"layer{i}": torch.randn(32, 32, generator=generator) for i in range(config.tensors)}
     state["step"] = seed
+    if config.format2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        state["layer0"] = distribute_tensor(state["layer0"], mesh, [Shard(0)])
+        state["layer1"] = distribute_tensor(state["layer1"], mesh, [Replicate()])
     return state
+
+
+def _whole(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _violations(disk: Any, returned: bool, config: Config) -> list[str]:
@@ -63,9 +85,11 @@ def _violations(disk: Any, returned: bool, config: Config) -> list[str]:
         if not report.ok:
             problems.append(f"{name} looks committed but fails to verify: {report.problems[:2]}")
             continue
+        if config.format2 and sk.read_manifest(name, storage=disk).metadata_version != "2.0":
+            problems.append(f"{name} is not a format 2.0 checkpoint")
         loaded = sk.load(name, storage=disk)
         expected = _state(config, int(name.split("_")[1]))
-        if not all(torch.equal(loaded[key], value) for key, value in expected.items() if key != "step"):
+        if not all(torch.equal(loaded[key], _whole(value)) for key, value in expected.items() if key != "step"):
             problems.append(f"{name} loads different data")
     return problems
 
@@ -96,9 +120,20 @@ def _sweep(config: Config, skip_sync: int | None = None) -> tuple[int, int, list
     return total, syncs, violations
 
 
+def _in_process(config: Config, tmp_path: Path, function: Any) -> Any:
+    """``function(config)`` here, or for a format 2.0 configuration in a forked 1-rank gloo group."""
+    if not config.format2:
+        return function(config)
+
+    def on_rank(rank: int, world_size: int) -> Any:
+        return function(config)
+
+    return results_or_raise(run_ranks(1, on_rank, outbox=tmp_path / "outbox", timeout=280))[0]
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_power_loss_at_every_operation_of_a_save(config: Config) -> None:
-    total, syncs, violations = _sweep(config)
+def test_power_loss_at_every_operation_of_a_save(config: Config, tmp_path: Path) -> None:
+    total, syncs, violations = _in_process(config, tmp_path, _sweep)
     record(
         "power loss",
         trials=total + 1,
@@ -109,8 +144,8 @@ def test_power_loss_at_every_operation_of_a_save(config: Config) -> None:
     assert violations == []
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_removing_any_fsync_makes_the_power_loss_check_fail(config: Config) -> None:
+def _unneeded_fsyncs(config: Config) -> tuple[list[str], list[str]]:
+    """(the save's fsyncs, those whose removal the sweep does not catch)."""
     probe = PowerLossStore()
     sk.save(_state(config, 1), "step_1", storage=probe, **config.options)
     probe.arm(None)
@@ -121,6 +156,19 @@ def test_removing_any_fsync_makes_the_power_loss_check_fail(config: Config) -> N
         _, _, violations = _sweep(config, skip_sync=index)
         if not violations:
             unneeded.append(f"#{index} {what}")
+    return fsyncs, unneeded
+
+
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=[pytest.mark.slow] if c.format2 else []) for c in CONFIGS],  # about 6 s in a forked rank
+    ids=[c.name for c in CONFIGS],
+)
+def test_removing_any_fsync_makes_the_power_loss_check_fail(config: Config, tmp_path: Path) -> None:
+    fsyncs, unneeded = _in_process(config, tmp_path, _unneeded_fsyncs)
+    if config.format2:  # the rank index is written durably: its fsync and its directory's are checked
+        assert any("/index/rank_00000.json" in what for what in fsyncs), fsyncs
+        assert any(what.endswith("/index") for what in fsyncs), fsyncs
     record(
         "power loss: mutation check",
         trials=len(fsyncs),
