@@ -52,6 +52,7 @@ __all__ = [
     "described_bytes",
     "index_paths",
     "is_partial_view",
+    "merged",
     "needed_ranks",
     "read_index",
     "read_small",
@@ -278,6 +279,12 @@ def expand(
     layouts = _Layouts(manifest)
     with collector_paused(), ThreadPoolExecutor(max(1, min(threads, len(wanted) or 1))) as pool:
         parts = list(pool.map(lambda rank: read_index(store, name, manifest, by_rank[rank], limits, layouts), wanted))
+    return merged(name, manifest, parts, complete=len(wanted) == len(by_rank))
+
+
+def merged(name: str, manifest: IndexedManifest, parts: list[list[FileRecord]], *, complete: bool) -> Manifest:
+    """The view of ``manifest`` with the file records of some indexes (``parts``, checked by
+    :func:`read_index`); with every index (``complete``), also checked for coverage."""
     files = list(manifest.files)
     paths = {record.path for record in files}
     for part in parts:
@@ -288,7 +295,6 @@ def expand(
             files.append(record)
     files.sort(key=lambda record: record.path)
     view = msgspec.structs.replace(manifest, files=files)
-    complete = len(wanted) == len(by_rank)
     view.__dict__["complete"] = complete
     if complete:
         # Every index is in: the chunks must tile every tensor (an index record missing from
