@@ -1248,7 +1248,7 @@ def run_point(workload_name: str, world: int, reps: int, format_name: str, touch
     root = msgspec.json.decode(sealed)  # what the manifest lists (format 2.0: the root alone)
     out["version"] = root["metadata_version"]
     out["entries"] = sum(len(record.get("tensors", [])) for record in root["files"]) + len(root.get("sharded", []))
-    out["files"] = len(root["files"]) + len(root.get("indexes", []))
+    out["files"] = len(root["files"]) + len((root.get("indexes") or {}).get("ranks", []))
     out["manifest_bytes"] = len(sealed)
     out["over_read_limits"] = len(sealed) > ManifestLimits().max_bytes or out["entries"] > ManifestLimits().max_tensors
     out["traffic"] = save.traffic

@@ -93,7 +93,7 @@ def test_sharded_tensors_are_described_once_and_chunks_live_in_rank_indexes(tmp_
     assert saved["sharded"] == ["model.col", "model.empty", "model.rep", "model.uneven", "model.w"]
     assert saved["listed"] == ["model.bias"]  # only the whole tensor is listed in the root
     root = json.loads((Path(path) / "manifest.json").read_bytes())
-    assert [index["rank"] for index in root["indexes"]] == [0, 1, 2, 3]
+    assert root["indexes"]["ranks"] == [0, 1, 2, 3] and len(root["indexes"]["digests"]) == 4
     assert root["meshes"] == [{"shape": [4]}]
     assert {t["key"]: t["placements"] for t in root["sharded"]}["model.col"] == ["S1"]
     assert sorted(p.name for p in (Path(path) / "index").iterdir()) == [f"rank_0000{r}.json" for r in range(4)]
@@ -172,9 +172,10 @@ def test_damaged_missing_and_forged_indexes_are_refused(tmp_path: Path) -> None:
     index.write_bytes(data)
 
     def point_at_forgery(raw: dict[str, Any]) -> None:
-        for record in raw["indexes"]:
-            if record["rank"] == 1:
-                record["size"], record["digest"] = len(data), digest_bytes(raw["digest_algorithm"], data)
+        table = raw["indexes"]
+        position = table["ranks"].index(1)
+        table["sizes"][position] = len(data)
+        table["digests"][position] = digest_bytes(table["algorithm"], data).partition(":")[2]
 
     _reseal(path, point_at_forgery)
     with pytest.raises(sk.ManifestError, match="not the chunk rank 1 writes"):
@@ -201,8 +202,8 @@ def test_hostile_root_fields_are_refused(tmp_path: Path) -> None:
         "unknown mesh": lambda raw: raw["sharded"][0].__setitem__("mesh", 5),
         "mesh too large": lambda raw: raw["meshes"][0].__setitem__("shape", [64]),
         "duplicate rank": lambda raw: raw["meshes"][0].__setitem__("ranks", [0, 0]),
-        "index outside the world": lambda raw: raw["indexes"][0].__setitem__("rank", 9),
-        "unsafe index path": lambda raw: raw["indexes"][0].__setitem__("path", "../x.json"),
+        "index outside the world": lambda raw: raw["indexes"]["ranks"].__setitem__(0, 9),
+        "unsafe index directory": lambda raw: raw["indexes"].__setitem__("prefix", "../"),
         "key described twice": lambda raw: raw["sharded"].append(raw["sharded"][0]),
         "negative shape": lambda raw: raw["sharded"][0].__setitem__("global_shape", [-1, 4]),
     }

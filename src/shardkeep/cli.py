@@ -417,7 +417,7 @@ def summary(manifest: Manifest) -> dict[str, Any]:
     indexed = manifest if isinstance(manifest, IndexedManifest) else None
     return {
         "sharded_tensors": len(indexed.sharded) if indexed is not None else 0,
-        "rank_indexes": len(indexed.indexes) if indexed is not None else 0,
+        "rank_indexes": len(indexed.index_records()) if indexed is not None else 0,
         "tensor_count": sum(len(record.tensors) for record in manifest.files),
         "tensor_bytes": manifest.total_tensor_bytes,
         "file_count": len(manifest.files),

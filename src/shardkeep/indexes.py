@@ -90,7 +90,7 @@ def index_paths(manifest: Manifest) -> list[str]:
     """The index files of a format 2.0 manifest (none for 1.x)."""
     if not isinstance(manifest, IndexedManifest):
         return []
-    return [record.path for record in manifest.indexes]
+    return [record.path for record in manifest.index_records()]
 
 
 class _Layouts:
@@ -239,7 +239,7 @@ def needed_ranks(manifest: IndexedManifest, wanted: Mapping[str, Region]) -> set
     (offset, shape)); a described key that ``wanted`` lacks is needed whole."""
     layouts = _Layouts(manifest)
     if not wanted or any(key not in wanted for key in layouts.tensors):
-        return {record.rank for record in manifest.indexes}
+        return {record.rank for record in manifest.index_records()}
     ranks: set[int] = set()
     cache: dict[tuple[object, ...], list[tuple[int | None, ...]]] = {}
     for key, tensor in layouts.tensors.items():
@@ -268,7 +268,7 @@ def expand(
     returned as it is. The view's ``complete`` attribute says whether every index is in it."""
     if not isinstance(manifest, IndexedManifest):
         return manifest
-    by_rank = {record.rank: record for record in manifest.indexes}
+    by_rank = {record.rank: record for record in manifest.index_records()}
     wanted = sorted(by_rank) if ranks is None else sorted(set(ranks))
     absent = [rank for rank in wanted if rank not in by_rank]
     if absent:
@@ -321,7 +321,11 @@ def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: Manif
 
 def is_partial_view(manifest: Manifest) -> bool:
     """Whether ``manifest`` is a format 2.0 manifest without some of its indexes expanded."""
-    return isinstance(manifest, IndexedManifest) and bool(manifest.indexes) and not manifest.__dict__.get("complete")
+    return (
+        isinstance(manifest, IndexedManifest)
+        and bool(manifest.index_records())
+        and not manifest.__dict__.get("complete")
+    )
 
 
 def described_bytes(manifest: Manifest) -> int:

@@ -343,6 +343,9 @@ def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
 
     found = [record.path for record in manifest.files if record.digest is None or weak(record.digest)]
     found += [f"{record.path}:{entry.key}" for record, entry in manifest.iter_tensors() if weak(entry.digest)]
+    table = getattr(manifest, "indexes", None)  # format 2.0: the rank indexes' digests
+    if table is not None and table.ranks and table.algorithm not in CRYPTOGRAPHIC_DIGESTS:
+        found.append("indexes")
     seal = _SEAL.search(manifest_bytes[-256:])
     if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:
         found.append(SEAL_FIELD)

@@ -44,6 +44,7 @@ __all__ = [
     "FileRecord",
     "INDEXED_VERSION",
     "IndexRecord",
+    "IndexTable",
     "IndexedManifest",
     "Manifest",
     "Mesh",
@@ -357,6 +358,46 @@ class IndexRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     data_bytes: int = 0
 
 
+class IndexTable(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The rank indexes of a format 2.0 manifest, one column per field, so that each rank
+    costs about 80 bytes of the manifest: rank ``ranks[i]``'s index is
+    ``{prefix}index/rank_NNNNN.json``, of ``sizes[i]`` bytes and digest
+    ``{algorithm}:{digests[i]}``. ``prefix`` is the save attempt's directory on an object
+    store (as data files have). ``data_bytes`` is the stored size of the files the indexes list."""
+
+    algorithm: str
+    ranks: list[int]
+    sizes: list[int]
+    digests: list[str]
+    prefix: str = ""
+    data_bytes: int = 0
+
+    def records(self) -> list[IndexRecord]:
+        return [
+            IndexRecord(
+                rank=rank, path=f"{self.prefix}{index_path(rank)}", size=size, digest=f"{self.algorithm}:{hex_}"
+            )
+            for rank, size, hex_ in zip(self.ranks, self.sizes, self.digests, strict=True)
+        ]
+
+    @classmethod
+    def of(cls, records: list[IndexRecord]) -> IndexTable:
+        """The table of some index records (sorted by rank), which share one algorithm and prefix."""
+        records = sorted(records, key=lambda record: record.rank)
+        prefixes = {record.path.removesuffix(index_path(record.rank)) for record in records}
+        algorithms = {record.digest.partition(":")[0] for record in records}
+        if len(prefixes) > 1 or len(algorithms) > 1:
+            raise ManifestError(f"rank indexes differ in their directory or digest algorithm: {prefixes} {algorithms}")
+        return cls(
+            algorithm=algorithms.pop() if algorithms else "blake3",
+            ranks=[record.rank for record in records],
+            sizes=[record.size for record in records],
+            digests=[record.digest.partition(":")[2] for record in records],
+            prefix=prefixes.pop() if prefixes else "",
+            data_bytes=sum(record.data_bytes for record in records),
+        )
+
+
 class RankIndex(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     """The contents of a rank index: the file records (with every chunk entry) of the files
     that rank wrote for regularly sharded tensors."""
@@ -376,7 +417,15 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
 
     meshes: list[Mesh] = msgspec.field(default_factory=list)
     sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
-    indexes: list[IndexRecord] = msgspec.field(default_factory=list)
+    indexes: IndexTable | None = None
+
+    def index_records(self) -> list[IndexRecord]:
+        """The rank indexes, one record each (built once)."""
+        found: list[IndexRecord] | None = self.__dict__.get("_index_records")
+        if found is None:
+            found = self.indexes.records() if self.indexes is not None else []
+            self.__dict__["_index_records"] = found
+        return found
 
 
 _PLACEMENT = re.compile(r"R|S(\d{1,3})")
@@ -405,9 +454,11 @@ def stored_bytes(manifest: Manifest) -> int:
     the rank indexes list when ``manifest`` is the root alone."""
     total = sum(record.stored_size for record in manifest.files)
     if isinstance(manifest, IndexedManifest):
-        total += sum(record.size for record in manifest.indexes)  # the index files themselves
-        if not manifest.__dict__.get("complete"):
-            total += sum(record.data_bytes for record in manifest.indexes)
+        table = manifest.indexes
+        if table is not None:
+            total += sum(table.sizes)  # the index files themselves
+            if not manifest.__dict__.get("complete"):
+                total += table.data_bytes
     return total
 
 
@@ -666,7 +717,7 @@ def _counts(manifest: Manifest) -> tuple[int, int]:
     count as files, and its described tensors as entries."""
     files, tensors = len(manifest.files), sum(map(len, map(_TENSORS, manifest.files)))
     if isinstance(manifest, IndexedManifest):
-        files += len(manifest.indexes)
+        files += len(manifest.indexes.ranks) if manifest.indexes is not None else 0
         tensors += len(manifest.sharded)
     return files, tensors
 
@@ -706,7 +757,9 @@ def _decode(data: bytes, limits: ManifestLimits) -> Manifest:
     cls = _BY_MAJOR[major]
     files = raw.get("files", [])
     if isinstance(files, list):
-        extra = [raw.get(name) for name in ("indexes", "sharded")] if major >= 2 else [None, None]
+        table = raw.get("indexes") if major >= 2 else None
+        ranks = table.get("ranks") if isinstance(table, dict) else None
+        extra = [ranks, raw.get("sharded") if major >= 2 else None]
         _check_counts(
             len(files) + (len(extra[0]) if isinstance(extra[0], list) else 0),
             sum(len(f["tensors"]) for f in files if isinstance(f, dict) and isinstance(f.get("tensors"), list))
@@ -752,7 +805,7 @@ _CHILD_STRUCTS[IndexedManifest] = {
     **_CHILD_STRUCTS[Manifest],
     "meshes": (Mesh, True),
     "sharded": (ShardedTensor, True),
-    "indexes": (IndexRecord, True),
+    "indexes": (IndexTable, False),
 }
 
 
@@ -1364,31 +1417,43 @@ def _check_indexed(
             )
         if tensor.kind == "expert" and tensor.expert_key is None:
             result.add_warning(f"{where}: expert tensor without an expert_key")
-    ranks: set[int] = set()
-    paths = {record.path for record in manifest.files}
-    for record in manifest.indexes:
-        where = f"the index of rank {record.rank}"
-        if not 0 <= record.rank < world:
-            err(f"{where}: rank {record.rank} is outside world_size {manifest.world_size}")
-        if record.rank in ranks:
-            err(f"{where} is listed twice")
-        ranks.add(record.rank)
-        reason = unsafe_path_reason(record.path)
-        if reason is not None:
-            err(f"{where} has an unsafe path {record.path!r}: {reason}")
-        elif record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME) or record.path in paths:
-            err(f"{where} has path {record.path!r}, which names another file")
-        paths.add(record.path)
-        if record.size < 0:
-            err(f"{where} has a negative size {record.size}")
-        problem = _digest_problem(record.digest)
-        if problem:
-            err(f"{where} has {problem}")
-    if described and not manifest.indexes:
+    if manifest.indexes is not None:
+        _check_index_table(manifest, manifest.indexes, err)
+    has_indexes = manifest.indexes is not None and bool(manifest.indexes.ranks)
+    if described and not has_indexes:
         err("the manifest describes sharded tensors but lists no rank index")
-    if manifest.indexes and not described:
+    if has_indexes and not described:
         err("the manifest lists rank indexes but describes no sharded tensor")
     return described
+
+
+def _check_index_table(manifest: Manifest, table: IndexTable, err: Callable[[str], None]) -> None:
+    """The rank index table: columns of one length, ranks unique and in range, sizes not
+    negative, digests well-formed, a safe directory; a column at a time."""
+    count = len(table.ranks)
+    if len(table.sizes) != count or len(table.digests) != count:
+        err(
+            f"indexes: ranks, sizes and digests have different lengths ({count}, {len(table.sizes)}, {len(table.digests)})"
+        )
+        return
+    length = _DIGEST_HEX_LENGTH.get(table.algorithm)
+    if length is None:
+        err(f"indexes: unknown digest algorithm {table.algorithm!r}")
+    elif count and (
+        not all(isinstance(d, str) and len(d) == length for d in table.digests)
+        or _LOWER_HEX.fullmatch("".join(table.digests)) is None
+    ):
+        err(f"indexes: a digest is not {length} lower-case hex digits of {table.algorithm}")
+    if count and (min(table.ranks) < 0 or max(table.ranks) >= max(manifest.world_size, 1)):
+        err(f"indexes: a rank is outside world_size {manifest.world_size}")
+    if len(set(table.ranks)) != count:
+        err("indexes: a rank is listed twice")
+    if (count and min(table.sizes) < 0) or table.data_bytes < 0:
+        err("indexes: a negative size")
+    if table.prefix and (not table.prefix.endswith("/") or unsafe_path_reason(table.prefix.rstrip("/")) is not None):
+        err(f"indexes: prefix {table.prefix[:80]!r} is not a safe directory")
+    if any(record.path.startswith(f"{table.prefix}index/") for record in manifest.files):
+        err("indexes: a data file is listed inside the index directory")
 
 
 #: A run id: 1-128 characters of letters, digits, ``.``, ``_`` or ``-``, starting alphanumeric.

@@ -50,6 +50,7 @@ from shardkeep.manifest import (
     FileRecord,
     IndexedManifest,
     IndexRecord,
+    IndexTable,
     Manifest,
     Mesh,
     RunInfo,
@@ -342,7 +343,7 @@ class SaveJob:
             return None
         base = parse_manifest(read_manifest_bytes(self.base), where=str(self.base))
         if isinstance(base, IndexedManifest):  # this rank's files are in its own index
-            own = [record.rank for record in base.indexes if record.rank == self.coordinator.rank]
+            own = [record.rank for record in base.index_records() if record.rank == self.coordinator.rank]
             base = expand(self.base.store, self.base.name, base, own)
         return base
 
@@ -673,7 +674,7 @@ class SaveJob:
             **base,
             meshes=meshes,
             sharded=sharded,
-            indexes=sorted((r.index for r in reports if r.index is not None), key=lambda record: record.rank),
+            indexes=IndexTable.of([report.index for report in reports if report.index is not None]),
         )
 
     def abort(self) -> None:

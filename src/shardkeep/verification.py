@@ -492,12 +492,13 @@ def _verify_indexes(
     bad one, then check that all chunks together tile each tensor exactly once. Returns the
     expanded manifest, or ``None`` when a problem stops the check here."""
     parts = []
-    for record in manifest.indexes:
+    records = manifest.index_records()
+    for record in records:
         try:
             parts.append(read_index(location.store, location.name, manifest, record, limits))
         except ShardkeepError as exc:
             report.problems.append(str(exc))
-    if len(parts) < len(manifest.indexes):
+    if len(parts) < len(records):
         return None
     try:
         view = merged(location.name, manifest, parts, complete=True)

@@ -15,7 +15,7 @@ written by a real 2-rank gloo save (this script forks the 2 ranks itself)::
 
     PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py tests/golden --v2
 
-(2.0: the code after bfacfdb.) Its state: on a 1-D mesh of 2, ``model.w`` Shard(0),
+(2.0: the code after 2874581, with the rank indexes as a column table; the manager's ``last`` pointer file was removed, as for 1.x.) Its state: on a 1-D mesh of 2, ``model.w`` Shard(0),
 ``model.col`` Shard(1), ``model.rep`` Replicate and ``model.uneven`` Shard(0) of 3 rows (2 and
 1); a whole tensor, a bf16 tensor and JSON values (:func:`golden_v2_state`).
 """

@@ -254,7 +254,7 @@ def _duplicate(path: str) -> Callable[[dict[str, Any]], None]:
 
 _W = "root.sharded.w"
 _CHUNK = "index1.files.0.tensors.w"
-_RECORD = "root.indexes.1"
+_TABLE = "root.indexes"
 _SHARDED_X = {"key": "x", "path": ["x"], "dtype": "F32", "global_shape": [4, 2], "mesh": 0, "placements": ["S0"]}
 
 #: name -> (the edit, whether the index records keep their pristine size and digest instead of
@@ -325,43 +325,42 @@ FORMAT2_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], bool, bool]] = 
     "sharded type unknown": (_set(f"{_W}.type", "other"), False, False),
     "sharded order changed": (_set(f"{_W}.order", 99), False, False),
     "sharded unknown field": (_set(f"{_W}.future", [1]), False, True),
-    # the root manifest's index records
-    "indexes not a list": (_set("root.indexes", 1), False, False),
-    "indexes empty": (_set("root.indexes", []), False, False),
-    "indexes removed": (_set("root.indexes", _DELETE), False, False),
-    "index record removed": (_set(_RECORD, _DELETE), False, False),
-    "index record of rank 0 twice": (_set(_RECORD, lambda old: {**old, "rank": 0}), False, False),
-    "index record rank 2": (_set(f"{_RECORD}.rank", 2), False, False),
-    "index record rank -1": (_set(f"{_RECORD}.rank", -1), False, False),
-    "index record rank 2**64": (_set(f"{_RECORD}.rank", 2**64), False, False),
-    "index record rank a string": (_set(f"{_RECORD}.rank", "1"), False, False),
-    "index records' ranks swapped": (
-        _all_of(_set("root.indexes.0.rank", 1), _set(_RECORD, lambda old: {**old, "rank": 0})),
-        True,
+    # the root manifest's index table
+    "indexes not an object": (_set(_TABLE, 1), False, False),
+    "indexes a list": (_set(_TABLE, []), False, False),
+    "indexes removed": (_set(_TABLE, _DELETE), False, False),
+    "index table empty": (_set(_TABLE, lambda t: {**t, "ranks": [], "sizes": [], "digests": []}), False, False),
+    "index of rank 1 removed": (
+        _set(_TABLE, lambda t: {k: v[:1] if isinstance(v, list) else v for k, v in t.items()}),
+        False,
         False,
     ),
-    "index record size -1": (_set(f"{_RECORD}.size", -1), True, False),
-    "index record size one more": (_set(f"{_RECORD}.size", lambda old: old + 1), True, False),
-    "index record size 2**64": (_set(f"{_RECORD}.size", 2**64), True, False),
-    "index record size 10**400": (_set(f"{_RECORD}.size", 10**400), True, False),
-    "index record size a string": (_set(f"{_RECORD}.size", "1"), True, False),
-    "index record digest malformed": (_set(f"{_RECORD}.digest", "blake3:zz"), True, False),
-    "index record digest of another algorithm": (_set(f"{_RECORD}.digest", "md5:" + "0" * 32), True, False),
-    "index record digest of rank 0's index": (_set(f"{_RECORD}.digest", lambda _: "rank0"), True, False),
-    "index record digest null": (_set(f"{_RECORD}.digest", None), True, False),
-    "index record path ..": (_set(f"{_RECORD}.path", "../index/rank_00001.json"), True, False),
-    "index record path index/../..": (_set(f"{_RECORD}.path", "index/../../work/index/rank_00001.json"), True, False),
-    "index record path absolute": (_set(f"{_RECORD}.path", "/etc/passwd"), True, False),
-    "index record path with NUL": (_set(f"{_RECORD}.path", "index/rank\x00.json"), True, False),
-    "index record path with a backslash": (_set(f"{_RECORD}.path", "index\\rank_00001.json"), True, False),
-    "index record path empty": (_set(f"{_RECORD}.path", ""), True, False),
-    "index record path of a directory": (_set(f"{_RECORD}.path", "index"), True, False),
-    "index record path of the manifest": (_set(f"{_RECORD}.path", "manifest.json"), True, False),
-    "index record path of the signature": (_set(f"{_RECORD}.path", "manifest.sig"), True, False),
-    "index record path of a data file": (_set(f"{_RECORD}.path", "shards/rank_00000.safetensors"), True, False),
-    "index record path of rank 0's index": (_set(f"{_RECORD}.path", "index/rank_00000.json"), True, False),
-    "index record path of a missing file": (_set(f"{_RECORD}.path", "index/rank_00009.json"), True, False),
-    "index record unknown field": (_set(f"{_RECORD}.future", "x"), False, True),
+    "index ranks repeated": (_set(f"{_TABLE}.ranks", [0, 0]), False, False),
+    "index rank 2": (_set(f"{_TABLE}.ranks", [0, 2]), False, False),
+    "index rank -1": (_set(f"{_TABLE}.ranks", [0, -1]), False, False),
+    "index rank 2**64": (_set(f"{_TABLE}.ranks", [0, 2**64]), False, False),
+    "index rank a string": (_set(f"{_TABLE}.ranks", [0, "1"]), False, False),
+    "index ranks swapped": (_set(f"{_TABLE}.ranks", [1, 0]), True, False),
+    "index columns of different lengths": (_set(f"{_TABLE}.sizes", lambda old: old[:1]), True, False),
+    "index size -1": (_set(f"{_TABLE}.sizes.1", -1), True, False),
+    "index size one more": (_set(f"{_TABLE}.sizes.1", lambda old: old + 1), True, False),
+    "index size 2**64": (_set(f"{_TABLE}.sizes.1", 2**64), True, False),
+    "index size 10**400": (_set(f"{_TABLE}.sizes.1", 10**400), True, False),
+    "index size a string": (_set(f"{_TABLE}.sizes.1", "1"), True, False),
+    "index digest malformed": (_set(f"{_TABLE}.digests.1", "zz"), True, False),
+    "index digest upper-case": (_set(f"{_TABLE}.digests.1", lambda old: old.upper()), True, False),
+    "index digest of rank 0's index": (_set(f"{_TABLE}.digests", lambda old: [old[0], old[0]]), True, False),
+    "index digest null": (_set(f"{_TABLE}.digests.1", None), True, False),
+    "index algorithm unknown": (_set(f"{_TABLE}.algorithm", "md5"), True, False),
+    "index algorithm of another length": (_set(f"{_TABLE}.algorithm", "xxh3-128"), True, False),
+    "index algorithm sha256": (_set(f"{_TABLE}.algorithm", "sha256"), True, False),
+    "index prefix ..": (_set(f"{_TABLE}.prefix", "../"), True, False),
+    "index prefix absolute": (_set(f"{_TABLE}.prefix", "/etc/"), True, False),
+    "index prefix without a slash": (_set(f"{_TABLE}.prefix", "x"), True, False),
+    "index prefix with NUL": (_set(f"{_TABLE}.prefix", "a\x00/"), True, False),
+    "index prefix of a missing directory": (_set(f"{_TABLE}.prefix", "attempt/"), True, False),
+    "index data_bytes negative": (_set(f"{_TABLE}.data_bytes", -1), True, False),
+    "index table unknown field": (_set(f"{_TABLE}.future", "x"), False, True),
     "world_size 1": (_set("root.world_size", 1), False, False),
     "world_size 3": (_set("root.world_size", 3), False, True),
     "world_size 2**64": (_set("root.world_size", 2**64), False, True),  # a record (as in 1.x): the meshes count
@@ -471,13 +470,15 @@ def _write_case(checkpoint: Path, edit: Callable[[dict[str, Any]], None], keep_r
         if documents[f"index{rank}"] != pristine[f"index{rank}"]:
             written[rank] = _dumps(documents[f"index{rank}"]) + b"\n"
             (checkpoint / "index" / f"rank_0000{rank}.json").write_bytes(written[rank])
-    records = root.get("indexes")
-    for index_record in records if isinstance(records, list) and not keep_records else []:
-        if isinstance(index_record, dict) and index_record.get("rank") in (0, 1):
-            data = written[index_record["rank"]]
-            index_record["size"], index_record["digest"] = len(data), digest_bytes("blake3", data)
-    if keep_records and isinstance(records, list) and len(records) > 1 and records[1].get("digest") == "rank0":
-        records[1]["digest"] = records[0]["digest"]
+    table = root.get("indexes")
+    if not keep_records and isinstance(table, dict):
+        ranks, sizes, digests = table.get("ranks"), table.get("sizes"), table.get("digests")
+        if isinstance(ranks, list) and isinstance(sizes, list) and isinstance(digests, list):
+            for position, rank in enumerate(ranks):
+                if rank in (0, 1) and position < len(sizes) and position < len(digests):
+                    data = written[rank]
+                    sizes[position] = len(data)
+                    digests[position] = digest_bytes("blake3", data).partition(":")[2]
     (checkpoint / "manifest.json").write_bytes(seal_manifest(_dumps(root), "blake3"))
 
 
