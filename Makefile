@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale clean
+.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale bench-dcp-metadata clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench-tiers: $(STAMP)
 # for a few minutes.
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py $(SCALE_ARGS)
+
+# DCP's side of issue 18: the size of torch.distributed.checkpoint's .metadata and its save/load planning
+# time for bench/scale.py's dense-70b layout, R = 8 ... 1024 simulated ranks in one process (about 35 minutes,
+# R = 1024 alone 25, on 2 cores); DCP_METADATA_ARGS=--quick for 8, 64, 256 (about 8 minutes).
+bench-dcp-metadata: $(STAMP)
+	$(PY) bench/dcp_metadata.py $(DCP_METADATA_ARGS)
 
 # The reliability figures at full size (1000 kill -9 trials, 10,000+ fuzz inputs ...); --ci for CI sizes.
 bench-reliability: $(STAMP)
