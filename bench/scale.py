@@ -77,7 +77,9 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --json scale.json            # 8 ... 4096 ranks, wide 100k
     .venv/bin/python bench/scale.py --full                       # also wide 1M on disk
 
-Manifest 1.x is the only :class:`ManifestFormat` today; a format-2.0 class with the same methods
+:class:`CurrentFormat` measures whatever the imported shardkeep writes: format 2.0 for the
+DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
+listed one by one, as in 1.x), 1.3 for the wide one. Another format class with the same methods
 (``save``, ``build_manifest``, ``read``, ``plan_load``) registered in ``FORMATS`` plugs into
 ``--format``.
 """
@@ -1038,7 +1040,7 @@ def timed(samples: list[float], work: Callable[[], Any], touch: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# The format interface, and format 1.x
+# The format interface, and the format this shardkeep writes
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1097,11 +1099,12 @@ class ManifestFormat(Protocol):
     def plan_load(self, parsed: Any, target: Workload, rank: int, save: SaveRound, sealed_size: int) -> LoadPlan: ...
 
 
-class Format1x:
-    """Manifest 1.x as the imported shardkeep writes it: one TensorEntry per chunk inside
-    per-file FileRecords, built and validated by the coordinator."""
+class CurrentFormat:
+    """The manifest as the imported shardkeep writes it (format 2.0 with DTensors on regular
+    grids: the root, and one index per rank that the load plan reads as it needs; 1.x: one
+    TensorEntry per chunk), built and validated by the coordinator."""
 
-    name = "1.x"
+    name = "current"
 
     def __init__(self) -> None:
         self.location = CheckpointLocation(MemoryStore(), "step_00000001")
@@ -1197,7 +1200,7 @@ class Format1x:
         return LoadPlan(opened, entries, sealed_size + metadata, data)
 
 
-FORMATS: dict[str, Callable[[], ManifestFormat]] = {"1.x": Format1x}
+FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1561,7 +1564,7 @@ def report_workload(name: str, points: list[dict[str, Any]], tensors: int, shard
 
 def report_wide(point: dict[str, Any], disk: dict[str, Any] | None) -> str:
     count = point["entries"]
-    out = [f"\n== wide: {count} whole tensors of 64 x fp32 on one rank; format 1.x =="]
+    out = [f"\n== wide: {count} whole tensors of 64 x fp32 on one rank; manifest format 1.3 =="]
     out.append(
         f"simulated: {count} entries, {point['files']} file(s), manifest {fmt_bytes(point['manifest_bytes'])}, "
         f"rank CPU {fmt_seconds(point['rank_s'])}, coordinator {fmt_range(point['coord_s'], fmt_seconds)} "
@@ -1621,7 +1624,7 @@ def main() -> None:
     parser.add_argument(
         "--pretouch-mib", type=int, default=None, help="memory touched before each timed step (default: by size)"
     )
-    parser.add_argument("--format", default="1.x", choices=sorted(FORMATS))
+    parser.add_argument("--format", default="current", choices=sorted(FORMATS))
     parser.add_argument("--src", default="head", help="which shardkeep: head (default), worktree, or a git revision")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -384,7 +384,8 @@ class IndexTable(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     def of(cls, records: list[IndexRecord]) -> IndexTable:
         """The table of some index records (sorted by rank), which share one algorithm and prefix."""
         records = sorted(records, key=lambda record: record.rank)
-        prefixes = {record.path.removesuffix(index_path(record.rank)) for record in records}
+        prefix = records[0].path.removesuffix(index_path(records[0].rank)) if records else ""
+        prefixes = {prefix} if all(r.path == f"{prefix}{index_path(r.rank)}" for r in records) else {"", "?"}
         algorithms = {record.digest.partition(":")[0] for record in records}
         if len(prefixes) > 1 or len(algorithms) > 1:
             raise ManifestError(f"rank indexes differ in their directory or digest algorithm: {prefixes} {algorithms}")

@@ -39,7 +39,7 @@ from shardkeep.errors import (
     StorageError,
     UnsupportedValueError,
 )
-from shardkeep.indexes import encode_index, expand, index_paths
+from shardkeep.indexes import encode_index, expand
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, load_private_key, seal_manifest, sign_manifest
 from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
 from shardkeep.layout import PlannedItem, expert_key_of, file_header, plan_files
@@ -617,6 +617,10 @@ class SaveJob:
         commit; ``None`` on the other ranks."""
         if not self.coordinator.is_coordinator:
             return None
+        with collector_paused():  # a few objects per rank and file, no cycles (see LoadJob.run)
+            return self._finish(reports)
+
+    def _finish(self, reports: list[RankReport] | None) -> Manifest:
         assert self.manifest is not None and self.commit is not None and reports is not None
         listed = [record for report in reports for record in report.files]
         if self.coordinator.distributed:
@@ -637,16 +641,14 @@ class SaveJob:
         for record in manifest.files:
             if record.ref is None and record.tier not in self.tier_stores:
                 self.commit.add_data_file(record.path)  # every rank's data directories are fsynced, not only ours
-        for report in reports:
-            for directory in report.directories:
-                self.commit.add_data_file(f"{directory}/-")
-        for path in index_paths(manifest):
-            self.commit.add_data_file(path)
+        for directory in sorted({directory for report in reports for directory in report.directories}):
+            self.commit.add_data_file(f"{directory}/-")
+        if isinstance(manifest, IndexedManifest):
+            self.commit.add_data_file(index_path(0))  # the index directory (prefix: see IndexTable)
         total = time.perf_counter() - self.started
         blocked = total if self.blocked_seconds is None else min(self.blocked_seconds, total)
         manifest.timing = SaveTiming(blocked_seconds=round(blocked, 6), total_seconds=round(total, 6))
-        with collector_paused():
-            sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
+        sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
         warn_if_over_read_limits(self.location, sealed, manifest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
         self.commit.commit(sealed, signature)
