@@ -418,7 +418,7 @@ class SaveJob:
         optim_prefixes = optim.prefixes if optim is not None else []
         router_prefixes = router.prefixes if router is not None else []
         sections: dict[str, str] = {}
-        for item in planned_here:
+        for item in planned_here if optim_prefixes or router_prefixes else ():  # else all "model"
             section = section_of(item.leaf.key, optim_prefixes, router_prefixes)
             if section != "model":
                 sections[item.leaf.key] = section
