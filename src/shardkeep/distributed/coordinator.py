@@ -194,7 +194,13 @@ class Coordinator:
         if not self.distributed:
             return [work()]
         outcome, local_error = self._attempt(work)
-        outcomes = self.gather(outcome, label=label)
+        # The coordinator keeps its own result: torch's object gather pads every rank's payload
+        # to the largest, so a large result of its own (the whole tensors it writes) would
+        # otherwise cost R times its size.
+        sent: tuple[Any, Any] = ("ok", None) if self.is_coordinator and outcome[0] == "ok" else outcome
+        outcomes: list[Any] | None = self.gather(sent, label=label)
+        if outcomes is not None:
+            outcomes[self.rank] = outcome
         failures = _failures(outcomes) if outcomes is not None else None
         self._raise_failures(label, self.broadcast(failures, label=label), local_error)
         return None if outcomes is None else [payload for _, payload in outcomes]
