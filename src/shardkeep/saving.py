@@ -329,6 +329,9 @@ class SaveJob:
 
     def _place(self, totals: dict[str, tuple[int, str]]) -> None:
         """Every tensor's tier, decided from the global sizes (the same on every rank)."""
+        if self.placement is None and len(self.tiers) == 1 and self.tiers[0].size_budget is None:
+            self.tier_of = dict.fromkeys(totals, self.tiers[0].name)  # nothing to decide
+            return
         optim, router, _ = self._sections_of()
         self.tier_of = place(
             [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
