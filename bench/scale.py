@@ -893,8 +893,9 @@ def _memo(name: str, compute: Callable[[], Any], arguments: Any) -> Any:
 
 
 def _memoized(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*arguments: Any) -> Any:
-        return _memo(name, lambda: function(*arguments), arguments)
+    def call(*arguments: Any, **options: Any) -> Any:
+        # Keyword options are plain values (``small=``): they name the memo, the arguments key it.
+        return _memo(f"{name}{sorted(options.items())}", lambda: function(*arguments, **options), arguments)
 
     return call
 

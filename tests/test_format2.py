@@ -313,3 +313,43 @@ def test_incremental_saves_reference_unchanged_chunk_files(tmp_path: Path) -> No
     loaded = sk.load(f"{root}/step_00000002")
     assert torch.equal(loaded["model"]["bias"], torch.full((3,), 8.0))
     assert torch.equal(loaded["model"]["w"], _full()["w"])
+
+
+def _strided_state(fill: bool) -> dict[str, Any]:
+    """FSDP2 over tensor parallelism, as torchtitan places a column-parallel weight: on a
+    (dp, tp) mesh, ``_StridedShard(0, split_factor=tp)`` on dp and ``Shard(0)`` on tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    value = full if fill else torch.zeros_like(full)
+    return {"w": distribute_tensor(value, mesh, [_StridedShard(0, split_factor=2), Shard(0)])}
+
+
+def _save_strided(rank: int, world_size: int, path: str) -> list[int]:
+    state = _strided_state(fill=True)
+    sk.save(state, path)
+    return [int(state["w"].to_local()[0, 0].item()) // 3]  # the first global row this rank holds
+
+
+def _load_strided(rank: int, world_size: int, path: str) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    target = {"w": distribute_tensor(torch.zeros(16, 3), init_device_mesh("cpu", (world_size,)), [Shard(0)])}
+    sk.load(path, into=target)
+    return torch.equal(target["w"].full_tensor(), torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3))
+
+
+def test_fsdp_over_tensor_parallel_strided_shards_are_described_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    first_rows = results_or_raise(run_ranks(4, _save_strided, path, outbox=tmp_path / "save"))
+    assert first_rows == [[0], [8], [4], [12]]  # (dp, tp): TP chunk tp, its dp-th half
+    root = json.loads((Path(path) / "manifest.json").read_bytes())
+    assert [t["placements"] for t in root["sharded"]] == [["S0/2", "S0"]]
+    assert all(not record["tensors"] for record in root["files"])
+    assert sk.verify(path).ok
+    assert torch.equal(sk.load(path)["w"], torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3))
+    assert results_or_raise(run_ranks(3, _load_strided, path, outbox=tmp_path / "load3")) == [True] * 3

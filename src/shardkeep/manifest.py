@@ -429,13 +429,15 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
         return found
 
 
-_PLACEMENT = re.compile(r"R|S(\d{1,3})")
+_PLACEMENT = re.compile(r"R|S(\d{1,3})(?:/([1-9]\d{0,5}))?")
 
 
-def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | None, ...] | None:
-    """Placement names (``"R"``, ``"S0"``, ``"S1"``...) as the tensor dimension each mesh
-    dimension shards (``None``: replicated); ``None`` when a name is not valid for ``ndim``."""
-    dims: list[int | None] = []
+def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | tuple[int, int] | None, ...] | None:
+    """Placement names as what each mesh dimension does to the tensor: ``"R"`` replicates
+    (``None``), ``"S<d>"`` splits dimension ``d`` (``d``), ``"S<d>/<f>"`` splits it as
+    ``_StridedShard(d, split_factor=f)`` does (``(d, f)``); ``None`` when a name is not valid
+    for a tensor of ``ndim`` dimensions."""
+    dims: list[int | tuple[int, int] | None] = []
     for name in placements:
         match = _PLACEMENT.fullmatch(name) if isinstance(name, str) else None
         if match is None:
@@ -446,7 +448,7 @@ def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | None, 
         dim = int(match.group(1))
         if dim >= ndim:
             return None
-        dims.append(dim)
+        dims.append(dim if match.group(2) is None else (dim, int(match.group(2))))
     return tuple(dims)
 
 

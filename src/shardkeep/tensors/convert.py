@@ -17,9 +17,11 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the helper DCP uses
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
 from shardkeep.errors import UnsupportedValueError
+from shardkeep.manifest import parse_placements
+from shardkeep.tensors.grid import Grid
 
 __all__ = [
     "NUMPY_TO_NAME",
@@ -118,18 +120,24 @@ def mesh_facts(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], str]:
 
 
 def regular_layout(value: Any) -> Layout | None:
-    """The layout of a ``DTensor`` whose placements are all ``Shard`` or ``Replicate`` (its
-    chunks then form the grid :class:`~shardkeep.tensors.grid.Grid` computes), or ``None``
-    (``_StridedShard`` and other placements: the chunks are listed one by one)."""
+    """The layout of a ``DTensor`` whose chunks form the grid
+    :class:`~shardkeep.tensors.grid.Grid` computes: placements ``Shard``, ``Replicate`` and
+    ``_StridedShard`` (FSDP2 over tensor parallelism), as long as every rank's part is a box
+    of the global tensor. ``None`` otherwise: its chunks are listed one by one."""
     names: list[str] = []
     for placement in value.placements:
         if type(placement) is Shard and placement.dim >= 0:
             names.append(f"S{placement.dim}")
+        elif isinstance(placement, _StridedShard) and placement.dim >= 0 and isinstance(placement.split_factor, int):
+            names.append(f"S{placement.dim}/{placement.split_factor}")
         elif placement.is_replicate():
             names.append("R")
         else:
             return None
     shape, ranks, token = mesh_facts(value.device_mesh)
+    dims = parse_placements(names, value.ndim)
+    if dims is None or not Grid.of(tuple(value.shape), shape, dims).regular:
+        return None  # some rank's part is not a box (a strided split that does not line up)
     return shape, ranks, token, tuple(names)
 
 

@@ -14,6 +14,7 @@ This module does not import torch: ``verify`` and the CLI use it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Sequence
@@ -28,6 +29,9 @@ __all__ = [
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+#: What a mesh dimension does to the tensor: ``None`` (replicate), ``d`` (``Shard(d)``) or
+#: ``(d, split_factor)`` (``_StridedShard``); see :class:`Grid`.
+Dim = int | tuple[int, int] | None
 
 
 def chunk_writer(key: str, offset: Sequence[int], replicas: int) -> int:
@@ -42,24 +46,27 @@ def chunk_writer(key: str, offset: Sequence[int], replicas: int) -> int:
 class Grid:
     """The chunks of one global shape sharded over one mesh shape by one set of placements.
 
-    ``dims[m]`` is the tensor dimension mesh dimension ``m`` shards, or ``None`` where it
-    replicates. Coordinates are mesh coordinates; ranks are found through ``ranks`` (the
-    mesh's ranks in row-major order of its coordinates; ``None`` for ``range(size)``).
+    ``dims[m]`` says what mesh dimension ``m`` does: ``None`` replicates; an integer ``d``
+    splits tensor dimension ``d`` (``Shard(d)``); a pair ``(d, f)`` splits it as
+    ``_StridedShard(d, split_factor=f)`` does (into ``f`` pieces first, each piece into the
+    mesh dimension's size, this rank taking its part of every piece: FSDP2 over tensor
+    parallelism). Coordinates are mesh coordinates.
     """
 
-    __slots__ = ("dims", "global_shape", "mesh_shape", "replicas", "size")
+    __slots__ = ("dims", "global_shape", "mesh_shape", "replicas", "size", "strided")
 
-    def __init__(self, global_shape: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int | None]) -> None:
+    def __init__(self, global_shape: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[Dim]) -> None:
         self.global_shape = tuple(global_shape)
         self.mesh_shape = tuple(mesh_shape)
         self.dims = tuple(dims)
         self.size = math.prod(self.mesh_shape)
         #: How many ranks hold each chunk (the product of the replicated mesh dimensions).
         self.replicas = math.prod(n for n, d in zip(self.mesh_shape, self.dims, strict=True) if d is None)
+        self.strided = any(isinstance(d, tuple) for d in self.dims)
 
     @classmethod
     @lru_cache(maxsize=4096)
-    def of(cls, global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[int | None, ...]) -> Grid:
+    def of(cls, global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[Dim, ...]) -> Grid:
         return cls(global_shape, mesh_shape, dims)
 
     @property
@@ -67,8 +74,18 @@ class Grid:
         return math.prod(self.global_shape) == 0
 
     def chunk(self, coordinate: Sequence[int]) -> Box:
-        """(global offset, shape) of the chunk at a mesh coordinate."""
+        """(global offset, shape) of the chunk at a mesh coordinate. (With ``_StridedShard``
+        placements a rank's elements may not form a box; :meth:`regular` says whether they do
+        at every coordinate, and only then is this the rank's chunk.)"""
+        if self.strided:
+            return _strided_chunk(self.global_shape, self.mesh_shape, self.dims, tuple(coordinate))[0]
         return _chunk(self.global_shape, self.mesh_shape, self.dims, tuple(coordinate))
+
+    @property
+    def regular(self) -> bool:
+        """Whether every coordinate's elements form a box (always, without ``_StridedShard``;
+        with it, checked at every coordinate, once per grid)."""
+        return not self.strided or _all_boxes(self)
 
     def replica_index(self, coordinate: Sequence[int]) -> int:
         """The position of a coordinate among the holders of its chunk (row-major over the
@@ -111,6 +128,15 @@ class Grid:
         if self.empty:
             return [tuple(None if d is None else 0 for d in self.dims)]
         found: list[tuple[int | None, ...]] = []
+        if self.strided:  # no interval arithmetic across a strided split: every coordinate is looked at
+            ranges = [range(1) if d is None else range(n) for n, d in zip(self.mesh_shape, self.dims, strict=True)]
+            for coordinate in itertools.product(*ranges):
+                start, size = self.chunk(coordinate)
+                if all(size) and all(
+                    e > 0 and s < o + e and o < s + n for s, n, o, e in zip(start, size, offset, shape, strict=True)
+                ):
+                    found.append(tuple(None if d is None else c for d, c in zip(self.dims, coordinate, strict=True)))
+            return found
         self._walk(0, list(self.global_shape), [0] * len(self.global_shape), (), tuple(offset), tuple(shape), found)
         return found
 
@@ -134,6 +160,7 @@ class Grid:
         if dim is None:
             self._walk(mesh_dim + 1, shape, start, (*coordinate, None), offset, extent, found)
             return
+        assert isinstance(dim, int)
         size, chunks = shape[dim], self.mesh_shape[mesh_dim]
         full = -(-size // chunks)
         if full == 0 or extent[dim] <= 0:
@@ -148,6 +175,79 @@ class Grid:
             shape_here, start_here = list(shape), list(start)
             shape_here[dim], start_here[dim] = length, start[dim] + begin
             self._walk(mesh_dim + 1, shape_here, start_here, (*coordinate, index), offset, extent, found)
+
+
+@lru_cache(maxsize=1024)
+def _all_boxes(grid: Grid) -> bool:
+    ranges = [range(1) if d is None else range(n) for n, d in zip(grid.mesh_shape, grid.dims, strict=True)]
+    return all(
+        _strided_chunk(grid.global_shape, grid.mesh_shape, grid.dims, coordinate)[1]
+        for coordinate in itertools.product(*ranges)
+    )
+
+
+Runs = list[tuple[int, int]]  # an ascending-or-not list of global indices, as (start, stop) runs
+
+
+def _take(runs: Runs, begin: int, end: int) -> Runs:
+    """Positions ``begin`` to ``end`` of the index list that ``runs`` spells out."""
+    taken: Runs = []
+    position = 0
+    for start, stop in runs:
+        length = stop - start
+        low, high = max(begin, position), min(end, position + length)
+        if low < high:
+            taken.append((start + low - position, start + high - position))
+        position += length
+        if position >= end:
+            break
+    return taken
+
+
+def _piece(length: int, chunks: int, index: int) -> tuple[int, int]:
+    """(begin, end) of piece ``index`` of ``torch.chunk`` of ``length`` items into ``chunks``."""
+    full = -(-length // chunks)
+    begin = min(full * index, length)
+    return begin, min(full * (index + 1), length)
+
+
+@lru_cache(maxsize=65536)
+def _strided_chunk(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims: tuple[Dim, ...], coordinate: tuple[int, ...]
+) -> tuple[Box, bool]:
+    """(the chunk's box, whether the rank's elements are exactly that box): torch's
+    arithmetic with every index kept, so that a strided split whose parts are not contiguous
+    is seen as such."""
+    indices: dict[int, Runs] = {}
+    for mesh_dim, how in enumerate(dims):
+        if how is None:
+            continue
+        dim, factor = (how, 0) if isinstance(how, int) else how
+        current = indices.get(dim, [(0, global_shape[dim])])
+        length = sum(stop - start for start, stop in current)
+        chunks, index = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        if factor == 0:
+            indices[dim] = _take(current, *_piece(length, chunks, index))
+        else:
+            taken: Runs = []
+            for part in range(factor):
+                first, last = _piece(length, factor, part)
+                begin, end = _piece(last - first, chunks, index)
+                taken += _take(current, first + begin, first + end)
+            indices[dim] = taken
+    offset, shape = [0] * len(global_shape), list(global_shape)
+    box = True
+    for dim, runs in indices.items():
+        merged: Runs = []
+        for start, stop in runs:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            elif stop > start:
+                merged.append((start, stop))
+        shape[dim] = sum(stop - start for start, stop in merged)
+        offset[dim] = merged[0][0] if merged else global_shape[dim]  # an empty part: as torch records it
+        box = box and len(merged) <= 1
+    return (tuple(offset), tuple(shape)), box
 
 
 @lru_cache(maxsize=65536)
