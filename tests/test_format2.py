@@ -353,3 +353,26 @@ def test_fsdp_over_tensor_parallel_strided_shards_are_described_once(tmp_path: P
     assert sk.verify(path).ok
     assert torch.equal(sk.load(path)["w"], torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3))
     assert results_or_raise(run_ranks(3, _load_strided, path, outbox=tmp_path / "load3")) == [True] * 3
+
+
+def _save_scattered(rank: int, world_size: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2,))
+    tensor = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [_StridedShard(0, split_factor=2)])
+    try:
+        sk.save({"w": tensor}, path)
+    except sk.ShardkeepError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_strided_split_that_scatters_a_rank_s_rows_is_refused_by_name(tmp_path: Path) -> None:
+    """Rank 0 holds rows 0 and 2, rank 1 rows 1 and 3: no box describes either part."""
+    path = str(tmp_path / "ckpt")
+    outcomes = results_or_raise(run_ranks(2, _save_scattered, path, outbox=tmp_path / "save"))
+    for outcome in outcomes:
+        assert outcome.startswith("CoordinationError") and "'w'" in outcome and "not one box" in outcome, outcome
+    assert not Path(path).exists()

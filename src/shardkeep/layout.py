@@ -72,7 +72,7 @@ class PlannedItem:
         if chunk is not None:
             self.replica = replica_of(value)
             self.mesh_origin = at_mesh_origin(value)
-            self.layout = regular_layout(value)
+            self.layout = regular_layout(leaf.key, value)
             coordinate = value.device_mesh.get_coordinate()
             value, self.global_shape, self.global_offset = chunk
             if self.layout is not None and coordinate is not None:

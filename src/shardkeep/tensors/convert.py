@@ -119,7 +119,7 @@ def mesh_facts(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], str]:
     return shape, ranks, token
 
 
-def regular_layout(value: Any) -> Layout | None:
+def regular_layout(key: str, value: Any) -> Layout | None:
     """The layout of a ``DTensor`` whose chunks form the grid
     :class:`~shardkeep.tensors.grid.Grid` computes: placements ``Shard``, ``Replicate`` and
     ``_StridedShard`` (FSDP2 over tensor parallelism), as long as every rank's part is a box
@@ -136,8 +136,20 @@ def regular_layout(value: Any) -> Layout | None:
             return None
     shape, ranks, token = mesh_facts(value.device_mesh)
     dims = parse_placements(names, value.ndim)
-    if dims is None or not Grid.of(tuple(value.shape), shape, dims).regular:
-        return None  # some rank's part is not a box (a strided split that does not line up)
+    assert dims is not None
+    grid = Grid.of(tuple(value.shape), shape, dims)
+    if not grid.regular:
+        # Some rank's part is not a box (a strided split that does not line up). This rank's
+        # may still be one (its chunk is then listed on its own); if it is not, no chunk entry
+        # can describe it.
+        coordinate = value.device_mesh.get_coordinate()
+        if coordinate is not None and not grid.is_box(coordinate):
+            raise UnsupportedValueError(
+                f"DTensor {key!r}: its placements {list(value.placements)} leave this rank's elements "
+                "scattered over the global tensor (not one box); redistribute it to Shard/Replicate "
+                "placements before saving"
+            )
+        return None
     return shape, ranks, token, tuple(names)
 
 

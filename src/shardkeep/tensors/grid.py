@@ -81,6 +81,10 @@ class Grid:
             return _strided_chunk(self.global_shape, self.mesh_shape, self.dims, tuple(coordinate))[0]
         return _chunk(self.global_shape, self.mesh_shape, self.dims, tuple(coordinate))
 
+    def is_box(self, coordinate: Sequence[int]) -> bool:
+        """Whether the elements at ``coordinate`` form one box (see :meth:`regular`)."""
+        return not self.strided or _strided_chunk(self.global_shape, self.mesh_shape, self.dims, tuple(coordinate))[1]
+
     @property
     def regular(self) -> bool:
         """Whether every coordinate's elements form a box (always, without ``_StridedShard``;
