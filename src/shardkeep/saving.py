@@ -66,7 +66,7 @@ from shardkeep.manifest import (
     validate_manifest,
 )
 from shardkeep.progress import collector_paused, progress_bar
-from shardkeep.storage import LocalStore, StoreOperations, open_store
+from shardkeep.storage import LocalStore, StoreOperations, open_store, write_new
 from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
 from shardkeep.tensors.keys import ROUTER_KEY, section_of
 from shardkeep.tiers import Placement, check_tiers, place
@@ -562,13 +562,7 @@ class SaveJob:
         rank = self.coordinator.rank
         data = encode_index(rank, files)
         recorded, store, where = self.commit.place(index_path(rank))
-        handle = store.open_write(where)
-        try:
-            handle.write(data)
-            handle.commit()
-        except BaseException:
-            handle.abort()
-            raise
+        write_new(store, where, data)
         return IndexRecord(rank=rank, path=recorded, size=len(data), digest=digest_bytes(self.options.digest, data))
 
     def _descriptions(self) -> tuple[list[Mesh], list[ShardedTensor]]:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
-from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore
+from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore, write_new
 
 __all__ = ["ATTEMPT_PREFIX", "CheckpointCommit", "FilesystemCommit", "ObjectStoreCommit"]
 
@@ -143,13 +143,7 @@ class CheckpointCommit:
             tier_store.sync_dir("")
 
     def _write_new(self, path: str, data: bytes) -> None:
-        handle = self.store.open_write(path)
-        try:
-            handle.write(data)
-            handle.commit()
-        except BaseException:
-            handle.abort()
-            raise
+        write_new(self.store, path, data)
 
     def committed(self) -> bool | None:
         """After the manifest write was attempted: whether the manifest under the final name

@@ -19,6 +19,7 @@ from shardkeep.storage.base import (
     WriteHandle,
     adapt_store,
     renames,
+    write_new,
 )
 from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
@@ -43,6 +44,7 @@ __all__ = [
     "open_store",
     "renames",
     "split_url",
+    "write_new",
 ]
 
 

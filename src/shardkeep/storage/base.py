@@ -37,6 +37,7 @@ __all__ = [
     "WriteHandle",
     "adapt_store",
     "renames",
+    "write_new",
 ]
 
 #: Data written by one save attempt on a store without rename (or in a tier location) lives
@@ -307,3 +308,16 @@ def renames(store: StoreOperations) -> bool:
     """Whether ``store`` has an atomic no-replace rename (filesystems) or not (object stores):
     its ``atomic_rename``, for any store (through :func:`adapt_store`)."""
     return adapt_store(store).atomic_rename
+
+
+def write_new(store: StoreOperations, path: str, data: bytes) -> None:
+    """Write the small file ``path`` (new) with ``data`` and make it durable (the handle's
+    commit: fsync on a filesystem, a completed upload on an object store); nothing is left
+    behind on failure."""
+    handle = store.open_write(path)
+    try:
+        handle.write(data)
+        handle.commit()
+    except BaseException:
+        handle.abort()
+        raise
