@@ -170,10 +170,11 @@ from shardkeep import loading, saving  # noqa: E402
 from shardkeep.config import LoadOptions, ManifestLimits  # noqa: E402
 from shardkeep.distributed.coordinator import Coordinator  # noqa: E402
 from shardkeep.layout import PlannedItem  # noqa: E402
-from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, Manifest  # noqa: E402
+from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, Manifest, parse_placements  # noqa: E402
 from shardkeep.progress import collector_paused  # noqa: E402
 from shardkeep.storage import ForwardingStore, MemoryStore  # noqa: E402
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state  # noqa: E402
+from shardkeep.tensors.grid import Grid  # noqa: E402
 from shardkeep.verification import CheckpointLocation, parse_manifest  # noqa: E402
 
 MiB = 1 << 20
@@ -788,6 +789,8 @@ class Simulation:
         for placement in spec.placements or ():
             if type(placement) is Shard and placement.dim >= 0:
                 names.append(f"S{placement.dim}")  # type: ignore[union-attr]
+            elif isinstance(placement, _StridedShard) and placement.dim >= 0:
+                names.append(f"S{placement.dim}/{placement.split_factor}")  # type: ignore[union-attr]
             elif placement.is_replicate():
                 names.append("R")  # type: ignore[union-attr]
             else:
@@ -797,7 +800,9 @@ class Simulation:
         if names is not None and spec.placements is not None:
             mesh = self.workload.meshes[spec.mesh]
             token = hashlib.blake2b(repr((mesh.shape, mesh.ranks)).encode(), digest_size=8).hexdigest()
-            layout = (mesh.shape, mesh.ranks, token, tuple(names))
+            dims = parse_placements(names, len(spec.global_shape))
+            if dims is not None and Grid.of(tuple(spec.global_shape), mesh.shape, dims).regular:
+                layout = (mesh.shape, mesh.ranks, token, tuple(names))
         self.layouts[index] = layout
         return layout
 

@@ -376,3 +376,28 @@ def test_a_strided_split_that_scatters_a_rank_s_rows_is_refused_by_name(tmp_path
     for outcome in outcomes:
         assert outcome.startswith("CoordinationError") and "'w'" in outcome and "not one box" in outcome, outcome
     assert not Path(path).exists()
+
+
+def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> None:
+    """The coordinator renumbers the ranks' meshes into one list; doing it twice (a commit
+    attempted again) gives the same answer, because the reports are not changed."""
+    from shardkeep.manifest import Mesh, ShardedTensor
+    from shardkeep.saving import RankReport, _merged_descriptions
+
+    def described(key: str, mesh: int) -> ShardedTensor:
+        return ShardedTensor(key=key, path=[key], dtype="F32", global_shape=[4], mesh=mesh, placements=["S0"])
+
+    reports = [
+        RankReport(files=[], meshes=[Mesh(shape=[2], ranks=[0, 1])], sharded=[described("a", 0)]),
+        RankReport(
+            files=[],
+            meshes=[Mesh(shape=[2], ranks=[2, 3]), Mesh(shape=[2], ranks=[0, 1])],
+            sharded=[described("b", 0), described("a", 1)],
+        ),
+    ]
+    first = _merged_descriptions(reports)
+    assert first == _merged_descriptions(reports)
+    meshes, tensors = first
+    assert [m.ranks for m in meshes] == [[0, 1], [2, 3]]
+    assert [(t.key, t.mesh) for t in tensors] == [("a", 0), ("b", 1)]
+    assert reports[1].sharded[0].mesh == 0  # as received

@@ -891,8 +891,8 @@ def _merged_descriptions(reports: list[RankReport]) -> tuple[list[Mesh], list[Sh
                 continue
             mesh = report.meshes[tensor.mesh]
             ident = (tuple(mesh.shape), None if mesh.ranks is None else tuple(mesh.ranks))
-            tensor.mesh = meshes.setdefault(ident, len(meshes))
-            described[tensor.key] = tensor
+            # A renumbered copy: the reports stay as received (a commit may be attempted again).
+            described[tensor.key] = msgspec.structs.replace(tensor, mesh=meshes.setdefault(ident, len(meshes)))
     mesh_list = [Mesh(shape=list(shape), ranks=None if ranks is None else list(ranks)) for shape, ranks in meshes]
     return mesh_list, sorted(described.values(), key=lambda tensor: tensor.key)
 
