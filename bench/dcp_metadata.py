@@ -67,12 +67,11 @@ import json
 import math
 import os
 import pickle
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,6 +98,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from common import fmt_bytes, fmt_range, fmt_seconds, growth, median, status_kib, table, touch_memory
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -234,26 +235,9 @@ def state_dict(workload: Any, position: Position, optim_keys: str) -> dict[str, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def pretouch(nbytes: int) -> None:
-    """Touch and free ``nbytes``: memory this VM handed back to its host is slow on first touch
-    (/work/shared/BENCHMARKING.md)."""
-    if nbytes > 0:
-        buffer = bytearray(nbytes)
-        buffer[::4096] = b"\x01" * len(range(0, nbytes, 4096))
-        del buffer
-
-
 def timed(samples: list[float], touch: int, work: Callable[..., Any], *args: Any) -> Any:
     gc.collect()
-    pretouch(touch)
+    touch_memory(touch)
     started = time.perf_counter()
     result = work(*args)
     samples.append(time.perf_counter() - started)
@@ -393,7 +377,7 @@ def run_point(world: int, reps: int, touch: int, optim_keys: str, directory: str
     out["load_rank"] = load_world // 2
     out["load_plan_s"] = plan_s
     out["read_items"] = read_items
-    out["peak_rss_mib"] = _status_kib("VmHWM") / 1024
+    out["peak_rss_mib"] = status_kib("VmHWM") / 1024
     return out
 
 
@@ -408,42 +392,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if finished.returncode != 0:
         raise SystemExit(f"R={spec['world']}: the measuring process failed:\n{finished.stderr}")
     return json.loads(finished.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def median(samples: Sequence[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
-def growth(m1: float, m2: float, r1: int, r2: int) -> float:
-    if not (m1 > 0 and m2 > 0) or r1 == r2:
-        return float("nan")
-    return math.log(m2 / m1) / math.log(r2 / r1)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_seconds(n: float) -> str:
-    return f"{n * 1e3:.3g} ms" if n < 1 else f"{n:.3g} s"
-
-
-def fmt_range(samples: Sequence[float], render: Callable[[float], str] = fmt_seconds) -> str:
-    """median (min-max), or the one sample."""
-    if len(samples) == 1:
-        return render(samples[0])
-    return f"{render(median(samples))} ({render(min(samples))}-{render(max(samples))})"
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
 
 
 LEGEND = """\

@@ -166,6 +166,7 @@ SOURCE_DIR, SOURCE = _choose_shardkeep()
 
 # The imports of shardkeep follow the choice of which shardkeep to import (hence noqa: E402).
 import shardkeep as sk  # noqa: E402
+from common import fmt_bytes, fmt_count, fmt_range, fmt_seconds, growth, median, status_kib, table, touch_memory  # noqa: E402  (bench/ is the script's directory)
 from shardkeep import loading, saving  # noqa: E402
 from shardkeep.config import LoadOptions, ManifestLimits  # noqa: E402
 from shardkeep.distributed.coordinator import Coordinator  # noqa: E402
@@ -978,14 +979,6 @@ def _plain_regions() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 class Memory:
     """RSS growth of a phase: the peak (``VmHWM``, reset through ``/proc/self/clear_refs``)
     minus the RSS before it; and the process's peak over the run, pretouching excluded."""
@@ -994,7 +987,7 @@ class Memory:
         self.process_peak_kib = 0
 
     def note(self) -> None:
-        self.process_peak_kib = max(self.process_peak_kib, _status_kib("VmHWM"))
+        self.process_peak_kib = max(self.process_peak_kib, status_kib("VmHWM"))
 
     @staticmethod
     def clear() -> None:
@@ -1009,11 +1002,11 @@ class Memory:
         self.note()
         gc.collect()
         self.clear()
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         try:
             yield
         finally:
-            peak = _status_kib("VmHWM")
+            peak = status_kib("VmHWM")
             self.process_peak_kib = max(self.process_peak_kib, peak)
             out[key] = max(out.get(key, 0.0), (peak - before) / 1024)
 
@@ -1031,9 +1024,7 @@ def pretouch(nbytes: int) -> None:
     if nbytes <= 0:
         return
     MEMORY.note()
-    buffer = bytearray(nbytes)
-    buffer[::4096] = b"\x01" * len(range(0, nbytes, 4096))
-    del buffer
+    touch_memory(nbytes)
     MEMORY.clear()
 
 
@@ -1347,10 +1338,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(finished.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def median(samples: Sequence[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
 def _metric(point: dict[str, Any] | None, name: str) -> float:
     """One scalar of a measured point (the median of timed samples)."""
     if point is None:
@@ -1392,12 +1379,6 @@ EXTRAPOLATED_METRICS = [
 ]  # fmt: skip
 
 
-def growth(m1: float, m2: float, r1: int, r2: int) -> float:
-    if not (m1 > 0 and m2 > 0) or r1 == r2:
-        return float("nan")
-    return math.log(m2 / m1) / math.log(r2 / r1)
-
-
 def extrapolate(measured: list[dict[str, Any]], world: int, entries: int) -> dict[str, Any]:
     """A point past the cap: every metric from the last two measured points, m2 * (R/R2)^k
     with k their growth exponent (one measured point: proportional to R)."""
@@ -1417,38 +1398,8 @@ def value(point: dict[str, Any], name: str) -> float:
     return _metric(point, name)
 
 
-def fmt_bytes(n: float) -> str:
-    if math.isnan(n):
-        return "-"
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_count(n: float) -> str:
-    if math.isnan(n):
-        return "-"
-    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" if n >= 1e4 else f"{n:.0f}"
-
-
-def fmt_seconds(n: float) -> str:
-    if math.isnan(n):
-        return "-"
-    return f"{n * 1e3:.3g} ms" if n < 1 else f"{n:.3g} s"
-
-
 def fmt_mib(n: float) -> str:
     return fmt_bytes(n * MiB)
-
-
-def fmt_range(samples: Sequence[float], render: Callable[[float], str]) -> str:
-    """median (min-max), or the one sample."""
-    if not samples:
-        return "-"
-    if len(samples) == 1:
-        return render(samples[0])
-    return f"{render(median(samples))} ({render(min(samples))}-{render(max(samples))})"
 
 
 def timing(point: dict[str, Any], name: str, samples: Callable[[dict[str, Any]], list[float]]) -> str:
@@ -1464,14 +1415,6 @@ def timing(point: dict[str, Any], name: str, samples: Callable[[dict[str, Any]],
 def cell(point: dict[str, Any], name: str, render: Callable[[float], str]) -> str:
     text = render(value(point, name))
     return ("~" + text) if point.get("extrapolated") and name != "entries" and text != "-" else text
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
 
 
 LEGEND = """\
