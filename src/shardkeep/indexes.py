@@ -101,6 +101,7 @@ class _Layouts:
         self.tensors: dict[str, ShardedTensor] = {tensor.key: tensor for tensor in manifest.sharded}
         self.grids: dict[str, Grid] = {}
         self._coordinates: dict[int, dict[int, tuple[int, ...]]] = {}
+        self._ranks = [mesh.rank_list() for mesh in manifest.meshes]
         for tensor in manifest.sharded:
             mesh = manifest.meshes[tensor.mesh]
             dims = parse_placements(tensor.placements, len(tensor.global_shape))
@@ -112,8 +113,7 @@ class _Layouts:
         found = self._coordinates.get(mesh)
         if found is None:
             shape = self.manifest.meshes[mesh].shape
-            ranks = self.manifest.meshes[mesh].rank_list()
-            found = {rank: _unravel(position, shape) for position, rank in enumerate(ranks)}
+            found = {rank: _unravel(position, shape) for position, rank in enumerate(self._ranks[mesh])}
             self._coordinates[mesh] = found
         return found
 
@@ -122,7 +122,7 @@ class _Layouts:
         position = 0
         for size, index in zip(shape, coordinate, strict=True):
             position = position * size + index
-        return self.manifest.meshes[mesh].rank_list()[position]
+        return self._ranks[mesh][position]
 
     def expected(self, rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every chunk ``rank`` writes: key -> (global offset, shape)."""
