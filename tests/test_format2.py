@@ -401,3 +401,26 @@ def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> No
     assert [m.ranks for m in meshes] == [[0, 1], [2, 3]]
     assert [(t.key, t.mesh) for t in tensors] == [("a", 0), ("b", 1)]
     assert reports[1].sharded[0].mesh == 0  # as received
+
+
+def _save_on_tiers(rank: int, world_size: int, root: str) -> str:
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=f"{root}/cold")]
+    rules = [("model.col", "cold"), ("model.w", "cold"), ("*", "hot")]
+    return sk.save(_state(world_size), f"{root}/main/step_00000001", tiers=tiers, placement=rules).metadata_version
+
+
+def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) -> None:
+    """The index lives with the manifest; the chunk files it lists may be on another tier's
+    location, and are found there (and a load of the hot tier alone needs none of them)."""
+    root = str(tmp_path)
+    assert results_or_raise(run_ranks(2, _save_on_tiers, root, outbox=tmp_path / "save")) == ["2.0", "2.0"]
+    path = f"{root}/main/step_00000001"
+    assert sorted(p.name for p in (tmp_path / "cold").rglob("*_sharded*.safetensors"))
+    assert sk.verify(path).ok
+    loaded = sk.load(path)
+    for key, value in _full().items():
+        assert torch.equal(loaded["model"][key], value), key
+    hot = sk.load(path, tiers=["hot"])  # the cold tier's tensors are left out
+    assert torch.equal(hot["model"]["bias"], _full()["bias"])
+    assert "w" not in hot["model"] and "col" not in hot["model"]
+    assert torch.equal(hot["model"]["rep"], _full()["rep"])
