@@ -186,8 +186,9 @@ def _save_two_ranks_to_s3(rank: int, world_size: int, url: str, options: dict[st
         "replicated": torch.arange(5.0) + 1,
         "step": 3,
     }
-    manifest = sk.save(state, url, step=3, storage_options=options)
-    return {"ranks": sorted({record.rank for record in manifest.files})}
+    saved = sk.save(state, url, step=3, storage_options=options)
+    manifest = sk.read_manifest(url, storage_options=options)  # format 2.0: every rank's index expanded
+    return {"ranks": sorted({record.rank for record in manifest.files}), "version": saved.metadata_version}
 
 
 def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
@@ -195,6 +196,11 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
     url = f"{root}/step_00000003"
     results = results_or_raise(run_ranks(2, _save_two_ranks_to_s3, url, options, outbox=tmp_path / "out"))
     assert results[0]["ranks"] == [0, 1]  # both ranks wrote files
+    assert results[0]["version"] == "2.0"
+    root_manifest = sk.read_manifest(url, storage_options=options)
+    assert isinstance(root_manifest, sk.Manifest) and root_manifest.__dict__.get("complete")
+    table = root_manifest.indexes  # type: ignore[attr-defined]
+    assert table.prefix.startswith("attempt-") and table.ranks == [0, 1]  # the indexes sit with the attempt's files
     assert sk.verify(url, storage_options=options).ok
     loaded = sk.load(url, storage_options=options)
     assert torch.equal(loaded["sharded"], torch.arange(40.0).reshape(10, 4))
