@@ -17,7 +17,6 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +26,6 @@ from shardkeep.config import ManifestLimits
 from shardkeep.errors import IntegrityError, ManifestError, ShardkeepError
 from shardkeep.integrity import digest_bytes, digests_equal
 from shardkeep.manifest import (
-    DTYPE_ITEMSIZE,
     INDEX_FORMAT,
     INDEXED_VERSION,
     FileRecord,
@@ -49,7 +47,6 @@ __all__ = [
     "encode_index",
     "expand",
     "expand_all",
-    "described_bytes",
     "index_paths",
     "is_partial_view",
     "merged",
@@ -326,10 +323,3 @@ def is_partial_view(manifest: Manifest) -> bool:
         and bool(manifest.index_records())
         and not manifest.__dict__.get("complete")
     )
-
-
-def described_bytes(manifest: Manifest) -> int:
-    """The bytes of the described (sharded) tensors of a format 2.0 manifest."""
-    if not isinstance(manifest, IndexedManifest):
-        return 0
-    return sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in manifest.sharded)
