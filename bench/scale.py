@@ -842,7 +842,7 @@ class SimulatedSaveJob(saving.SaveJob):
     """``SaveJob`` with ``_describe`` built from the workload instead of tensors, ``_place``
     computed once for identical gathered input, and ``finish`` recording its inputs."""
 
-    def _describe(self) -> list[Any]:
+    def _describe(self, descriptors: bool = True) -> list[Any]:
         assert SIMULATION is not None
         self.flat = SIMULATION.flat
         self.planned = SIMULATION.planned(self.coordinator.rank)

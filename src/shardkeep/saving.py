@@ -299,12 +299,18 @@ class SaveJob:
         self.commit: CheckpointCommit | None = None
         self.manifest: Manifest | None = None
 
-    def _describe(self) -> list[ItemDescriptor]:
+    def _describe(self, descriptors: bool = True) -> list[ItemDescriptor]:
+        """Flatten the state and plan its leaves; their descriptors (what ranks compare) unless
+        ``descriptors=False`` (one process compares with nobody)."""
         with collector_paused():
             self.flat = flatten_state(self.state)
             self.planned = [PlannedItem(leaf) for leaf in self.flat.tensors]
             self.on_grid = {item.leaf.key for item in self.planned if item.layout is not None}
-            return [item.descriptor for item in self.planned]
+            return [item.descriptor for item in self.planned] if descriptors else []
+
+    def _whole_totals(self) -> dict[str, tuple[int, str]]:
+        """:func:`global_totals` of a state without chunks, straight from the planned items."""
+        return {item.leaf.key: (item.nbytes, item.dtype) for item in self.planned}
 
     def _begin(self) -> str | None:
         if not self.coordinator.is_coordinator:
@@ -355,7 +361,7 @@ class SaveJob:
         described: list[ItemDescriptor] = []
 
         def describe() -> str:
-            described.extend(self._describe())
+            described.extend(self._describe(descriptors=coordinator.distributed))
             # One process agrees with itself: no digest to compare.
             return agreement_digest(described, self.flat.containers) if coordinator.distributed else ""
 
@@ -364,9 +370,11 @@ class SaveJob:
         #: tree is the checkpoint's. Otherwise each rank sends its containers with its records.
         self.alike = len(set(digests)) == 1
         local = described
-        self.chunked = any(item.global_offset is not None for item in local)
+        self.chunked = any(item.global_offset is not None for item in self.planned)
         if not coordinator.distributed:
-            planned_here, totals = self.planned, global_totals(local)
+            if self.chunked and not local:
+                local = [item.descriptor for item in self.planned]
+            planned_here, totals = self.planned, global_totals(local) if self.chunked else self._whole_totals()
         else:
             planned_here, totals = self._writers(local, alike=self.alike)
         coordinator.step("place the tensors on tiers", lambda: self._place(totals))
