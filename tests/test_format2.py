@@ -424,3 +424,31 @@ def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) 
     assert torch.equal(hot["model"]["bias"], _full()["bias"])
     assert "w" not in hot["model"] and "col" not in hot["model"]
     assert torch.equal(hot["model"]["rep"], _full()["rep"])
+
+
+def test_meshes_and_strided_splits_too_large_to_work_out_are_refused(tmp_path: Path) -> None:
+    """A root whose numbers would make a reader build huge rank lists or walk a huge strided
+    grid is refused before any index is read."""
+    path = Path(_save_then_copy(tmp_path))
+    pristine = (path / "manifest.json").read_bytes()
+    cases = {
+        "a mesh of 2**21 ranks": lambda raw: (
+            raw.__setitem__("world_size", 2**22),
+            raw["meshes"][0].__setitem__("shape", [2**21]),
+        ),
+        "meshes of 2**23 ranks in all": lambda raw: (
+            raw.__setitem__("world_size", 2**20),
+            raw.__setitem__("meshes", [{"shape": [2**20]}] * 9),
+        ),
+        "a strided split of 10**5 on a mesh of 2**10": lambda raw: (
+            raw.__setitem__("world_size", 2**10),
+            raw["meshes"][0].__setitem__("shape", [2**10]),
+            raw["sharded"][0].__setitem__("placements", ["S0/100000"]),
+        ),
+    }
+    for name, edit in cases.items():
+        (path / "manifest.json").write_bytes(pristine)
+        _reseal(path, edit)
+        with pytest.raises(sk.ManifestError, match=r"ranks|strided"):
+            sk.read_manifest(str(path))
+        assert not sk.verify(str(path)).ok, name

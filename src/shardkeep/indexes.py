@@ -100,7 +100,7 @@ class _Layouts:
         self.tensors: dict[str, ShardedTensor] = {tensor.key: tensor for tensor in manifest.sharded}
         self.grids: dict[str, Grid] = {}
         self._coordinates: dict[int, dict[int, tuple[int, ...]]] = {}
-        self._ranks = [mesh.rank_list() for mesh in manifest.meshes]
+        self._ranks: dict[int, list[int]] = {}
         for tensor in manifest.sharded:
             mesh = manifest.meshes[tensor.mesh]
             dims = parse_placements(tensor.placements, len(tensor.global_shape))
@@ -112,7 +112,7 @@ class _Layouts:
         found = self._coordinates.get(mesh)
         if found is None:
             shape = self.manifest.meshes[mesh].shape
-            found = {rank: _unravel(position, shape) for position, rank in enumerate(self._ranks[mesh])}
+            found = {rank: _unravel(position, shape) for position, rank in enumerate(self.ranks(mesh))}
             self._coordinates[mesh] = found
         return found
 
@@ -121,7 +121,14 @@ class _Layouts:
         position = 0
         for size, index in zip(shape, coordinate, strict=True):
             position = position * size + index
-        return self._ranks[mesh][position]
+        return self.ranks(mesh)[position]
+
+    def ranks(self, mesh: int) -> list[int]:
+        """The ranks of mesh ``mesh`` in row-major order (built once, when first needed)."""
+        found = self._ranks.get(mesh)
+        if found is None:
+            found = self._ranks[mesh] = self.manifest.meshes[mesh].rank_list()
+        return found
 
     def expected(self, rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every chunk ``rank`` writes: key -> (global offset, shape)."""

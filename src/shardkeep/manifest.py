@@ -80,6 +80,11 @@ METADATA_VERSION = "1.3"
 #: (:class:`IndexedManifest`); saves without such tensors still write :data:`METADATA_VERSION`.
 INDEXED_VERSION = "2.0"
 INDEX_FORMAT = "shardkeep-index"
+#: The most ranks a format 2.0 mesh may have (its rank list is built when an index is read).
+MAX_MESH_RANKS = 1 << 20
+#: The most (mesh coordinates x split factor) of a ``_StridedShard`` grid, whose chunks a
+#: reader works out one coordinate and one piece at a time.
+MAX_STRIDED_WORK = 1 << 24
 MANIFEST_FILENAME = "manifest.json"
 SIGNATURE_FILENAME = "manifest.sig"
 #: Staging directories are named ``<final>.tmp-<uuid>``; they are never read as checkpoints.
@@ -1383,12 +1388,17 @@ def _check_indexed(
             err(f"{where} has shape {_short(mesh.shape)}: it needs 1 to {limits.max_ndim} dimensions of at least 1")
             continue
         size = math.prod(mesh.shape)
-        if size > world:
-            err(f"{where} has {size} ranks, more than world_size {manifest.world_size}")
+        if size > world or size > MAX_MESH_RANKS:
+            err(f"{where} has {size} ranks, more than world_size {manifest.world_size} (or {MAX_MESH_RANKS})")
         elif mesh.ranks is not None and (
             len(mesh.ranks) != size or len(set(mesh.ranks)) != size or not all(0 <= r < world for r in mesh.ranks)
         ):
             err(f"{where} lists ranks that are not {size} distinct ranks below world_size {manifest.world_size}")
+    if (
+        sum(math.prod(mesh.shape) for mesh in manifest.meshes if 0 < len(mesh.shape) <= limits.max_ndim)
+        > 4 * MAX_MESH_RANKS
+    ):
+        err(f"the meshes have more than {4 * MAX_MESH_RANKS} ranks in all")
     described: set[str] = set()
     for tensor in manifest.sharded:
         key = tensor.key
@@ -1418,6 +1428,9 @@ def _check_indexed(
                 f"{where}: placements {tensor.placements[:8]!r} are not one of 'R' or 'S<dim>' per dimension of "
                 f"mesh {tensor.mesh} (shape {_short(mesh.shape)})"
             )
+        elif any(isinstance(d, tuple) and d[1] * math.prod(mesh.shape) > MAX_STRIDED_WORK for d in dims):
+            # A strided grid is worked out coordinate by coordinate, piece by piece: bounded.
+            err(f"{where}: a strided split factor times the mesh's size is over {MAX_STRIDED_WORK}")
         if tensor.kind == "expert" and tensor.expert_key is None:
             result.add_warning(f"{where}: expert tensor without an expert_key")
     if manifest.indexes is not None:
