@@ -97,8 +97,10 @@ def test_sharded_tensors_are_described_once_and_chunks_live_in_rank_indexes(tmp_
     assert root["meshes"] == [{"shape": [4]}]
     assert {t["key"]: t["placements"] for t in root["sharded"]}["model.col"] == ["S1"]
     assert sorted(p.name for p in (Path(path) / "index").iterdir()) == [f"rank_0000{r}.json" for r in range(4)]
-    # read_manifest expands every index: the chunks read like a 1.x manifest's.
+    # read_manifest expands every index: the chunks read like a 1.x manifest's, and the view
+    # validates as it is.
     full = sk.read_manifest(path)
+    assert sk.validate_manifest(full).errors == []
     chunks = [e for _, e in full.iter_tensors() if e.key == "model.w"]
     assert sorted(tuple(e.global_offset or ()) for e in chunks) == [(0, 0), (3, 0), (6, 0), (9, 0)]
     assert len([e for _, e in full.iter_tensors() if e.key == "model.rep"]) == 1  # replicated: written once

@@ -303,3 +303,30 @@ def test_a_failure_after_the_commit_point_never_deletes_committed_data(
         )
     assert sk.verify("step_00000001", storage=store).ok
     assert torch.equal(sk.load("step_00000001", storage=store)["a.experts.0.w"], torch.ones(8))
+
+
+def _save_chunks_on_a_cold_tier(rank: int, world_size: int, url: str, cold: str, options: dict[str, Any]) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {"w": distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Shard(0)])}
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)]
+    manifest = sk.save(state, url, tiers=tiers, placement=[("*", "cold")], storage_options=options)
+    return manifest.metadata_version
+
+
+def test_leftover_collection_keeps_an_attempt_that_holds_only_rank_indexes(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Every chunk on another tier's location: the checkpoint's attempt prefix in the root
+    holds only its rank indexes, which collecting leftovers must not take for an abandoned
+    save's objects."""
+    root, options = s3_root
+    url = f"{root}/step_00000001"
+    outcome = run_ranks(2, _save_chunks_on_a_cold_tier, url, f"{root}_cold", options, outbox=tmp_path / "out")
+    assert results_or_raise(outcome) == ["2.0", "2.0"]
+    catalog = CheckpointRoot(FsspecStore(root, options), display=root)
+    assert catalog.collect_leftovers(lease=0) == []
+    assert sk.verify(url, storage_options=options).ok
+    assert torch.equal(sk.load(url, storage_options=options)["w"], torch.arange(40.0).reshape(10, 4))

@@ -52,7 +52,7 @@ from typing import Any
 
 from shardkeep.config import ManifestLimits
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
-from shardkeep.indexes import expand_all
+from shardkeep.indexes import expand_all, index_paths
 from shardkeep.integrity import SignaturePolicy, read_regular_file
 from shardkeep.manifest import (
     DELETING_MARKER,
@@ -697,6 +697,8 @@ class CheckpointRoot:
             for record in manifest.files:
                 if locations.get(record.tier) is None:
                     used.setdefault(record.ref or owner_name, set()).add(record.path.partition("/")[0])
+            for path in index_paths(manifest):  # format 2.0: the rank indexes sit in the attempt too
+                used.setdefault(owner_name, set()).add(path.partition("/")[0])
         for name, info in self.store.list_dir(""):
             if CHECKPOINT_NAME.fullmatch(name) is None or info.kind != "dir" or name in unreadable:
                 continue  # an unreadable manifest's attempts may be committed data: never touched

@@ -49,6 +49,7 @@ __all__ = [
     "encode_index",
     "expand",
     "expand_all",
+    "layouts_of",
     "index_paths",
     "is_partial_view",
     "merged",
@@ -101,7 +102,10 @@ class _Layouts:
         self.grids: dict[str, Grid] = {}
         self._coordinates: dict[int, dict[int, tuple[int, ...]]] = {}
         self._ranks: dict[int, list[int]] = {}
+        #: The described keys on each mesh (a rank writes chunks only of its meshes' tensors).
+        self.by_mesh: dict[int, list[str]] = {}
         for tensor in manifest.sharded:
+            self.by_mesh.setdefault(tensor.mesh, []).append(tensor.key)
             mesh = manifest.meshes[tensor.mesh]
             dims = parse_placements(tensor.placements, len(tensor.global_shape))
             assert dims is not None  # validate_manifest checked it
@@ -133,14 +137,21 @@ class _Layouts:
     def expected(self, rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Every chunk ``rank`` writes: key -> (global offset, shape)."""
         chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        for key, tensor in self.tensors.items():
-            coordinate = self.coordinates(tensor.mesh).get(rank)
+        for mesh, keys in self.by_mesh.items():
+            coordinate = self.coordinates(mesh).get(rank)
             if coordinate is None:
-                continue
-            box = self.grids[key].writes(key, coordinate)
-            if box is not None:
-                chunks[key] = box
+                continue  # not on this mesh: none of its tensors
+            for key in keys:
+                box = self.grids[key].writes(key, coordinate)
+                if box is not None:
+                    chunks[key] = box
         return chunks
+
+
+def layouts_of(manifest: IndexedManifest) -> _Layouts:
+    """The grids and mesh coordinates of a format 2.0 manifest, to share between the
+    :func:`read_index` calls of one reading."""
+    return _Layouts(manifest)
 
 
 def _unravel(position: int, shape: Sequence[int]) -> tuple[int, ...]:

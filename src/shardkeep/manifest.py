@@ -917,7 +917,8 @@ def validate_manifest(manifest: Manifest, *, limits: ManifestLimits | None = Non
         tier_names = _check_tiers(manifest, result.add_error)
         tensor_keys = _check_files(manifest, table, tier_names, limits, result)
         if isinstance(manifest, IndexedManifest):
-            tensor_keys = tensor_keys | _check_indexed(manifest, tensor_keys, limits, result)
+            chunk_keys = set(compress(table.keys, map(_IS_NOT_NONE, map(_GLOBAL_OFFSET, table.entries))))
+            tensor_keys = tensor_keys | _check_indexed(manifest, tensor_keys, chunk_keys, limits, result)
         _check_parents(manifest, table, result.add_error)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -1375,7 +1376,11 @@ def _check_containers(manifest: Manifest, limits: ManifestLimits, err: Callable[
 
 
 def _check_indexed(
-    manifest: IndexedManifest, tensor_keys: set[str], limits: ManifestLimits, result: ValidationResult
+    manifest: IndexedManifest,
+    tensor_keys: set[str],
+    chunk_keys: set[str],
+    limits: ManifestLimits,
+    result: ValidationResult,
 ) -> set[str]:
     """Format 2.0: the meshes, the described tensors (keys unique and not listed as entries,
     valid dtypes, shapes and placements) and the rank indexes (one per rank, in range, with
@@ -1400,10 +1405,14 @@ def _check_indexed(
     ):
         err(f"the meshes have more than {4 * MAX_MESH_RANKS} ranks in all")
     described: set[str] = set()
+    strided_grids: set[tuple[object, ...]] = set()
+    strided_work = 0
+    # A view expanded from the indexes (read_manifest) lists the described tensors' chunks too.
+    view = "complete" in manifest.__dict__
     for tensor in manifest.sharded:
         key = tensor.key
         where = f"sharded tensor {key[:80]!r}"
-        if key in described or key in tensor_keys:
+        if key in described or (key in tensor_keys and not (view and key in chunk_keys)):
             err(f"duplicate key {key[:80]!r} (described as a sharded tensor and listed again)")
         described.add(key)
         if len(key.encode("utf-8", "surrogatepass")) > limits.max_key_bytes:
@@ -1428,13 +1437,24 @@ def _check_indexed(
                 f"{where}: placements {tensor.placements[:8]!r} are not one of 'R' or 'S<dim>' per dimension of "
                 f"mesh {tensor.mesh} (shape {_short(mesh.shape)})"
             )
-        elif any(isinstance(d, tuple) and d[1] * math.prod(mesh.shape) > MAX_STRIDED_WORK for d in dims):
-            # A strided grid is worked out coordinate by coordinate, piece by piece: bounded.
-            err(f"{where}: a strided split factor times the mesh's size is over {MAX_STRIDED_WORK}")
+        else:
+            strided = [d for d in dims if isinstance(d, tuple)]
+            if len({d[0] for d in strided}) < len(strided):
+                err(f"{where}: two strided splits of one tensor dimension (FSDP2 over TP makes at most one)")
+            elif any(d[1] * math.prod(mesh.shape) > MAX_STRIDED_WORK for d in strided):
+                # A strided grid is worked out coordinate by coordinate, piece by piece: bounded.
+                err(f"{where}: a strided split factor times the mesh's size is over {MAX_STRIDED_WORK}")
+            elif strided:
+                grid = (tuple(shape), tensor.mesh, tuple(tensor.placements))
+                if grid not in strided_grids:
+                    strided_grids.add(grid)
+                    strided_work += max(d[1] for d in strided) * math.prod(mesh.shape)
         if tensor.kind == "expert" and tensor.expert_key is None:
             result.add_warning(f"{where}: expert tensor without an expert_key")
     if manifest.indexes is not None:
         _check_index_table(manifest, manifest.indexes, err)
+    if strided_work > 4 * MAX_STRIDED_WORK:
+        err(f"the strided grids take more than {4 * MAX_STRIDED_WORK} steps to work out in all")
     has_indexes = manifest.indexes is not None and bool(manifest.indexes.ranks)
     if described and not has_indexes:
         err("the manifest describes sharded tensors but lists no rank index")

@@ -26,7 +26,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.indexes import expand_all, index_paths, is_partial_view, merged, read_index, read_small
+from shardkeep.indexes import expand_all, index_paths, is_partial_view, layouts_of, merged, read_index, read_small
 from shardkeep.integrity import (
     MAX_SIGNATURE_BYTES,
     SignaturePolicy,
@@ -493,9 +493,10 @@ def _verify_indexes(
     expanded manifest, or ``None`` when a problem stops the check here."""
     parts = []
     records = manifest.index_records()
+    layouts = layouts_of(manifest)
     for record in records:
         try:
-            parts.append(read_index(location.store, location.name, manifest, record, limits))
+            parts.append(read_index(location.store, location.name, manifest, record, limits, layouts))
         except ShardkeepError as exc:
             report.problems.append(str(exc))
     if len(parts) < len(records):
