@@ -643,9 +643,12 @@ class Baton:
         if len(kinds) != 1:
             raise RuntimeError(f"ranks reached different collectives: {sorted(kinds)}")
         ((kind, label),) = kinds
+        source = 0
+        if kind.startswith("broadcast@"):  # from rank ``source`` (the coordinator by default)
+            kind, source = "broadcast", int(kind.partition("@")[2])
         values = [value for _, _, value in self.pending]
         self.pending = [("", "", None)] * self.world
-        senders = [0] if kind == "broadcast" else [] if kind == "barrier" else list(range(self.world))
+        senders = [source] if kind == "broadcast" else [] if kind == "barrier" else list(range(self.world))
         blobs = {rank: pickle.dumps(values[rank]) for rank in senders}
         pickled = [len(blobs[rank]) if rank in blobs else 0 for rank in range(self.world)]
         packed = [self._msgpack_size(values[rank]) if rank in blobs else 0 for rank in range(self.world)]
@@ -656,7 +659,8 @@ class Baton:
         elif kind == "gather":
             self.results = [[pickle.loads(blobs[rank]) for rank in range(self.world)]] + [None] * (self.world - 1)
         elif kind == "broadcast":
-            self.results = [values[0]] + [pickle.loads(blobs[0])] * (self.world - 1)
+            received = pickle.loads(blobs[source])
+            self.results = [values[source] if rank == source else received for rank in range(self.world)]
         else:
             self.results = [None] * self.world
         self.traffic.append(StepTraffic(label, kind, pickled, packed, time.perf_counter() - started))
@@ -727,10 +731,10 @@ class InProcessCoordinator(Coordinator):
             return [value]
         return self.baton.exchange(self.rank, "gather", label, value)  # type: ignore[no-any-return]
 
-    def broadcast(self, value: Any, *, label: str = "broadcast") -> Any:
+    def broadcast(self, value: Any, *, label: str = "broadcast", source: int = 0) -> Any:
         if not self.distributed:
             return value
-        return self.baton.exchange(self.rank, "broadcast", label, value)
+        return self.baton.exchange(self.rank, f"broadcast@{source}", label, value)
 
     def barrier(self, *, label: str = "barrier") -> None:
         if self.distributed:

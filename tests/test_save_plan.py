@@ -19,6 +19,7 @@ from distributed_harness import results_or_raise, run_ranks
 from shardkeep.distributed.plan import (
     ItemDescriptor,
     agreement_digest,
+    assign_by_class,
     assign_identical,
     assign_writers,
     chunk_writer,
@@ -222,3 +223,26 @@ def test_containers_only_other_ranks_hold_join_the_tree(tmp_path: Path) -> None:
     for index in range(6):
         assert torch.equal(loaded["experts"][str(index)]["w"], torch.full((2,), float(index)))
     assert loaded["names"] == ["a", "b"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    holdings=st.lists(
+        st.lists(st.integers(min_value=0, max_value=12), min_size=0, max_size=8, unique=True), min_size=1, max_size=4
+    ),
+    world_size=st.integers(min_value=1, max_value=9),
+    small=st.sampled_from([0, 64]),
+    data=st.data(),
+)
+def test_assigning_by_class_equals_assigning_over_every_rank(
+    holdings: list[list[int]], world_size: int, small: int, data: st.DataObject
+) -> None:
+    """Ranks in classes that hold the same: sent once per class, placed as if every rank had
+    sent its own list."""
+    classes = [[_whole(f"t{index}", 4 * (index * 37 % 97)) for index in held] for held in holdings]
+    labels = [data.draw(st.integers(0, len(classes) - 1)) for _ in range(world_size)]
+    members = [[rank for rank, label in enumerate(labels) if label == position] for position in range(len(classes))]
+    present = [position for position in range(len(classes)) if members[position]]
+    expected = assign_writers([classes[label] for label in labels], small=small)
+    got = assign_by_class([classes[p] for p in present], [members[p] for p in present], world_size, small=small)
+    assert got == expected

@@ -26,8 +26,8 @@ from shardkeep.distributed.plan import (
     SMALL_WHOLE,
     ItemDescriptor,
     agreement_digest,
+    assign_by_class,
     assign_identical,
-    assign_writers,
     check_sharded_agreement,
     chunk_writer,
     coverage_problems,
@@ -288,6 +288,8 @@ class SaveJob:
         self.totals: dict[str, tuple[int, str]] = {}
         self.chunked = False
         self.alike = True
+        #: When the ranks' trees differ: the lowest rank holding the same tree as this one.
+        self.class_source = 0
         #: The keys of this rank's chunks on a regular grid (described once in format 2.0).
         self.on_grid: set[str] = set()
         #: The meshes and descriptions of the regularly sharded tensors this rank holds (on the
@@ -376,7 +378,7 @@ class SaveJob:
                 local = [item.descriptor for item in self.planned]
             planned_here, totals = self.planned, global_totals(local) if self.chunked else self._whole_totals()
         else:
-            planned_here, totals = self._writers(local, alike=self.alike)
+            planned_here, totals = self._writers(local, digests)
         coordinator.step("place the tensors on tiers", lambda: self._place(totals))
         self.totals = totals
         staging = coordinator.step("begin the save", self._begin)[0]
@@ -386,27 +388,42 @@ class SaveJob:
         coordinator.step("lay out the files", lambda: self._lay_out(planned_here))
 
     def _writers(
-        self, local: list[ItemDescriptor], *, alike: bool
+        self, local: list[ItemDescriptor], digests: list[str]
     ) -> tuple[list[PlannedItem], dict[str, tuple[int, str]]]:
         """What this rank writes, and every tensor's global size. Chunks: the replica
         :func:`chunk_writer` names. Whole tensors: placed by each rank alone when every rank
-        holds the same (``alike``); otherwise from the all-gathered whole-tensor lists."""
+        holds the same (equal ``digests``); otherwise each distinct tree's lists are sent once,
+        by the lowest rank holding it (a broadcast per class of equal digests: what crosses
+        grows with the number of distinct trees, not of ranks), and every rank places them
+        the same way (:func:`assign_by_class`)."""
         coordinator = self.coordinator
-        if alike:  # every rank holds the same whole tensors and sharded tensors
+        if self.alike:  # every rank holds the same whole tensors and sharded tensors
             small = SMALL_WHOLE if self.chunked else 0
             mine = assign_identical(local, coordinator.world_size, small=small)[coordinator.rank]
             totals = global_totals(local)
         else:
-            whole = [item for item in local if item.global_offset is None]
-            summaries = coordinator.all_gather((whole, sharded_facts(local)), label="compare what the ranks hold")
-            check_sharded_agreement([facts for _, facts in summaries])
-            small = SMALL_WHOLE if any(facts for _, facts in summaries) else 0
-            mine = assign_writers([items for items, _ in summaries], small=small)[coordinator.rank]
+            members: dict[str, list[int]] = {}
+            for rank, digest in enumerate(digests):
+                members.setdefault(digest, []).append(rank)
+            self.class_source = members[digests[coordinator.rank]][0]
+            own = ([item for item in local if item.global_offset is None], sharded_facts(local))
+            lists = [
+                coordinator.broadcast(
+                    own if coordinator.rank == ranks[0] else None, label="compare what the ranks hold", source=ranks[0]
+                )
+                for ranks in members.values()
+            ]
+            sources = [ranks[0] for ranks in members.values()]
+            check_sharded_agreement([facts for _, facts in lists], ranks=sources)
+            self.chunked = any(facts for _, facts in lists)
+            small = SMALL_WHOLE if self.chunked else 0
+            mine = assign_by_class(
+                [items for items, _ in lists], list(members.values()), coordinator.world_size, small=small
+            )[coordinator.rank]
             totals = {}
-            for items, facts in summaries:
+            for items, facts in lists:
                 totals.update(global_totals(items))
                 totals.update(sharded_totals(facts))
-            self.chunked = any(facts for _, facts in summaries)
         planned_here = []
         for item in self.planned:
             if item.global_offset is None:
@@ -559,7 +576,8 @@ class SaveJob:
                     if record.ref is None and record.tier not in self.tier_stores
                 }
             )
-        if not self.alike:
+        if not self.alike and self.coordinator.rank == self.class_source:
+            # One rank per distinct tree sends it (and its sharded tensors' descriptions).
             report.containers = self.flat.containers
             report.meshes, report.sharded = self.descriptions
         return report

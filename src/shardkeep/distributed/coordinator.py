@@ -139,13 +139,14 @@ class Coordinator:
         self._collective(label, lambda: self._dist.all_gather_object(gathered, value, group=self.group))
         return gathered
 
-    def broadcast(self, value: T | None, *, label: str = "broadcast") -> T:
-        """The coordinator's ``value`` on every rank (other ranks pass anything, e.g. ``None``)."""
+    def broadcast(self, value: T | None, *, label: str = "broadcast", source: int = 0) -> T:
+        """The ``value`` of rank ``source`` (the coordinator by default) on every rank (other
+        ranks pass anything, e.g. ``None``)."""
         if not self.distributed:
             assert value is not None
             return value
-        box: list[Any] = [value if self.is_coordinator else None]
-        source = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        box: list[Any] = [value if self.rank == source else None]
+        source = self._dist.get_global_rank(self.group, source) if self.group is not None else source
         self._collective(label, lambda: self._dist.broadcast_object_list(box, src=source, group=self.group))
         return box[0]  # type: ignore[no-any-return]  # the coordinator's value, typed T
 

@@ -38,6 +38,7 @@ __all__ = [
     "ItemDescriptor",
     "agreement_digest",
     "assign_identical",
+    "assign_by_class",
     "assign_writers",
     "check_sharded_agreement",
     "chunk_writer",
@@ -105,6 +106,47 @@ def assign_writers(
     return assigned
 
 
+def assign_by_class(
+    classes: list[list[ItemDescriptor]], members: list[list[int]], world_size: int, *, small: int = 0
+) -> list[set[Ident]]:
+    """:func:`assign_writers` when ranks come in classes that hold the same (equal
+    :func:`agreement_digest`): ``classes[c]`` is what the ranks ``members[c]`` hold (ascending).
+    The same result, in O(tensors x classes + ranks log ranks) instead of over every rank's list:
+    each class keeps a heap of its ranks by (bytes so far, rank), and a tensor goes to the best
+    top among the classes that hold it."""
+    holders: dict[Ident, list[int]] = {}
+    first: dict[Ident, ItemDescriptor] = {}
+    for position, items in enumerate(classes):
+        for item in items:
+            ident = item.ident
+            known = first.get(ident)
+            if known is None:
+                first[ident] = item
+                holders[ident] = [position]
+                continue
+            if (known.dtype, known.shape, known.global_shape) != (item.dtype, item.shape, item.global_shape):
+                raise CoordinationError(
+                    f"ranks disagree about tensor {item.key!r}: rank {members[holders[ident][0]][0]} has "
+                    f"{known.dtype}{list(known.shape)}, rank {members[position][0]} has {item.dtype}{list(item.shape)}"
+                )
+            holders[ident].append(position)
+    heaps = [[(0, rank) for rank in ranks] for ranks in members]  # sorted ascending: already heaps
+    assigned: list[set[Ident]] = [set() for _ in range(world_size)]
+    order = sorted(first, key=lambda ident: (-first[ident].nbytes, ident[0], ident[1] or ()))
+    for ident in order:
+        nbytes = first[ident].nbytes
+        if nbytes <= small and ident[1] is None:
+            position = min(holders[ident], key=lambda c: members[c][0])
+            rank = members[position][0]  # the lowest holder; small ones come last: loads no longer matter
+            assigned[rank].add(ident)
+            continue
+        position = min(holders[ident], key=lambda c: heaps[c][0])
+        load, rank = heapq.heappop(heaps[position])
+        assigned[rank].add(ident)
+        heapq.heappush(heaps[position], (load + nbytes, rank))
+    return assigned
+
+
 #: In a save with sharded tensors, whole tensors of at most this many bytes (optimizer step
 #: counters, norms' buffers) all go to the lowest rank holding them: every loading rank needs
 #: every whole tensor, and one file of them beats one file per rank (a 70B model's AdamW has
@@ -135,11 +177,13 @@ def agreement_digest(items: list[ItemDescriptor], tree: object = None) -> str:
     return hashlib.blake2b(encoded, digest_size=16).hexdigest()
 
 
-def check_sharded_agreement(per_rank: list[list[Fact]]) -> None:
+def check_sharded_agreement(per_rank: list[list[Fact]], *, ranks: list[int] | None = None) -> None:
     """Refuse ranks that hold one sharded tensor with different dtypes, global shapes or
-    layouts (a rank may lack a key: pipeline stages hold different layers)."""
+    layouts (a rank may lack a key: pipeline stages hold different layers). ``ranks`` names
+    the rank of each list (default: its position)."""
     first: dict[str, tuple[int, Fact]] = {}
-    for rank, facts in enumerate(per_rank):
+    for position, facts in enumerate(per_rank):
+        rank = ranks[position] if ranks is not None else position
         for fact in facts:
             key, dtype, shape, layout = fact[0], fact[1], tuple(fact[2]), _plain(fact[3])
             known = first.setdefault(key, (rank, (key, dtype, shape, layout)))  # type: ignore[arg-type]
