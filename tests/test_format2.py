@@ -252,14 +252,18 @@ def test_ranks_with_different_trees_still_describe_each_sharded_tensor_once(tmp_
         assert torch.equal(loaded["model"][f"own{rank}"], torch.full((2,), float(rank)))
 
 
-def _async_save(rank: int, world_size: int, path: str) -> str:
+def _async_save(rank: int, world_size: int, path: str) -> tuple[str, list[str]]:
     handle = sk.async_save(_state(world_size), path, step=4)
-    return handle.result().metadata_version
+    manifest = handle.result()
+    return manifest.metadata_version, [record.path for record in manifest.files]
 
 
 def test_async_saves_write_format_2(tmp_path: Path) -> None:
+    """Every rank gets the manifest alone, as the coordinator committed it: no rank reads
+    every rank's index to return it."""
     path = str(tmp_path / "ckpt")
-    assert results_or_raise(run_ranks(2, _async_save, path, outbox=tmp_path / "save")) == ["2.0"] * 2
+    results = results_or_raise(run_ranks(2, _async_save, path, outbox=tmp_path / "save"))
+    assert results[0] == results[1] == ("2.0", ["shards/rank_00000.safetensors"])
     assert sk.verify(path).ok
     loaded = sk.load(path)
     for key, value in _full().items():

@@ -19,13 +19,14 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import (
     SaveInProgressError,
 )
+from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveJob, SaveSettings, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.verification import (
     locate,
-    read_manifest,
+    read_checked_manifest,
 )
 
 
@@ -199,4 +200,6 @@ def _finish_through_store(job: SaveJob) -> Manifest:
     job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", job.write_payload, complete, job.abort)
     if committed:
         return committed[0]
-    return read_manifest(job.location.name, storage=job.location.store)
+    # The manifest alone, as the coordinator returns it: a format 2.0 manifest's rank indexes
+    # are not read (every rank reading every index would cost tensors x ranks).
+    return read_checked_manifest(job.location, SignaturePolicy(), expand=False)
