@@ -458,3 +458,28 @@ def test_meshes_and_strided_splits_too_large_to_work_out_are_refused(tmp_path: P
         with pytest.raises(sk.ManifestError, match=r"ranks|strided"):
             sk.read_manifest(str(path))
         assert not sk.verify(str(path)).ok, name
+
+
+def _managed_incrementally(rank: int, world_size: int, root: str) -> list[str]:
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=0, incremental=True)
+    state = _state(world_size)
+    for step in (1, 2, 3):
+        state["model"]["bias"] = torch.full((3,), float(step))  # only the whole tensor changes
+        manager.save(state, step=step)
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step_"))
+
+
+def test_retention_keeps_the_chunk_files_an_incremental_format_2_checkpoint_references(tmp_path: Path) -> None:
+    """keep_last=1 deletes steps 1 and 2, but step 3's indexes reference their unchanged chunk
+    files (recorded in the root's index table, so retention knows without reading every
+    index): those files stay, and step 3 loads and verifies."""
+    root = tmp_path / "run"
+    kept = results_or_raise(run_ranks(2, _managed_incrementally, str(root), outbox=tmp_path / "out"))[0]
+    assert "step_00000003" in kept
+    table = json.loads((root / "step_00000003" / "manifest.json").read_bytes())["indexes"]
+    assert table["refs"] == ["step_00000001"]  # the chunk files were written once, at step 1
+    assert sk.verify(str(root / "step_00000003")).ok
+    loaded = sk.load(str(root / "step_00000003"))
+    assert torch.equal(loaded["model"]["bias"], torch.full((3,), 3.0))
+    for key in ("w", "col", "rep", "uneven"):
+        assert torch.equal(loaded["model"][key], _full()[key]), key

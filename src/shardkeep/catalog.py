@@ -267,9 +267,19 @@ class CheckpointRoot:
         return store
 
     def _expanded(self, name: str, manifest: Manifest) -> Manifest:
-        """A format 2.0 manifest with its rank indexes expanded: what every file of the
-        checkpoint is (retention and pruning must see the files the indexes list)."""
+        """A format 2.0 manifest with its rank indexes expanded: every file of the checkpoint,
+        for the few steps that need them (deleting it; the references of an incremental one).
+        Scans and listings read the manifest alone: at a thousand ranks, the indexes of one
+        checkpoint are hundreds of megabytes."""
         return expand_all(self.store, name, manifest, limits=self.limits)
+
+    def _with_refs(self, name: str, manifest: Manifest) -> Manifest:
+        """``manifest`` expanded when its indexes reference files of earlier checkpoints (an
+        incremental save), else as it is: only then can its indexes keep files of others."""
+        table = getattr(manifest, "indexes", None)
+        if table is None or not table.refs:
+            return manifest
+        return self._expanded(name, manifest)
 
     def path_of(self, name: str) -> str:
         return f"{self.display.rstrip('/')}/{name}"
@@ -290,7 +300,7 @@ class CheckpointRoot:
             location = CheckpointLocation(self.store, name)
             try:
                 data = read_manifest_bytes(location, self.limits)
-                manifest = self._expanded(name, parse_manifest(data, where=self.path_of(name), limits=self.limits))
+                manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
             except StorageError:
                 raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
             except CheckpointNotFoundError as exc:
@@ -513,8 +523,7 @@ class CheckpointRoot:
             except CheckpointNotFoundError:
                 continue
             try:
-                manifest = parse_manifest(data, where=self.path_of(name), limits=self.limits)
-                readable.append((name, self._expanded(name, manifest)))
+                readable.append((name, parse_manifest(data, where=self.path_of(name), limits=self.limits)))
             except StorageError:
                 raise
             except ShardkeepError:
@@ -536,7 +545,28 @@ class CheckpointRoot:
         """
         readable, unreadable = known if known is not None else self.manifests()
         manifest = next((m for other, m in readable if other == name), None)
-        remaining = [(other, m) for other, m in readable if other != name]
+        unreadable = list(unreadable)
+        if manifest is not None:
+            try:
+                manifest = self._expanded(name, manifest)  # every file of it (format 2.0: in its indexes)
+            except StorageError:
+                raise
+            except ShardkeepError as exc:
+                logger.warning(
+                    "deleting %s: its rank indexes cannot be read (%s); only the files its manifest lists are known",
+                    self.path_of(name),
+                    exc,
+                )
+        remaining: list[tuple[str, Manifest]] = []
+        for other, kept in readable:
+            if other == name:
+                continue
+            try:
+                remaining.append((other, self._with_refs(other, kept)))
+            except StorageError:
+                raise
+            except ShardkeepError:
+                unreadable.append(other)  # its references into this checkpoint are unknown: keep its files
         listed: set[tuple[str | None, str, str]] = set()
         for other, kept in remaining:
             locations = {tier.name: tier.location for tier in kept.tiers}
@@ -693,6 +723,7 @@ class CheckpointRoot:
         readable, unreadable = self.manifests()
         used: dict[str, set[str]] = {}
         for owner_name, manifest in readable:
+            manifest = self._with_refs(owner_name, manifest)  # its indexes' references into other attempts
             locations = {tier.name: tier.location for tier in manifest.tiers}
             for record in manifest.files:
                 if locations.get(record.tier) is None:

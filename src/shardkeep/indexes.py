@@ -338,8 +338,14 @@ def merged(name: str, manifest: IndexedManifest, parts: list[list[FileRecord]], 
     :func:`read_index`); with every index (``complete``), also checked for coverage."""
     files = list(manifest.files)
     paths = {record.path for record in files}
+    refs = set(manifest.indexes.refs) if manifest.indexes is not None else set()
     for part in parts:
         for record in part:
+            if record.ref is not None and record.ref not in refs:
+                raise ManifestError(
+                    f"{name}: file {record.path!r} of an index references {record.ref!r}, which the manifest's "
+                    "index table does not list"
+                )
             if record.path in paths:
                 raise ManifestError(f"{name}: file {record.path!r} is listed twice (in the manifest or an index)")
             paths.add(record.path)

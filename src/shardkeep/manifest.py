@@ -376,6 +376,9 @@ class IndexTable(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     digests: list[str]
     prefix: str = ""
     data_bytes: int = 0
+    #: The earlier checkpoints whose files the indexes reference (an incremental save's
+    #: unchanged chunk files): what retention must know without reading every index.
+    refs: list[str] = msgspec.field(default_factory=list)
 
     def records(self) -> list[IndexRecord]:
         return [
@@ -1490,6 +1493,8 @@ def _check_index_table(manifest: Manifest, table: IndexTable, err: Callable[[str
         err(f"indexes: prefix {table.prefix[:80]!r} is not a safe directory")
     if any(record.path.startswith(f"{table.prefix}index/") for record in manifest.files):
         err("indexes: a data file is listed inside the index directory")
+    if any(not isinstance(ref, str) or "/" in ref or unsafe_path_reason(ref) is not None for ref in table.refs):
+        err("indexes: refs must be single safe checkpoint names")
 
 
 #: A run id: 1-128 characters of letters, digits, ``.``, ``_`` or ``-``, starting alphanumeric.

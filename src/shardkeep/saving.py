@@ -567,6 +567,7 @@ class SaveJob:
         if indexed:
             report.index = self._write_index(indexed)
             report.index.data_bytes = sum(record.stored_size for record in indexed)
+            report.refs = sorted({record.ref for record in indexed if record.ref is not None})
             report.indexed_files = len(indexed)
             report.indexed_bytes = sum(entry.nbytes for record in indexed for entry in record.tensors)
             report.directories = sorted(
@@ -699,7 +700,10 @@ class SaveJob:
             **base,
             meshes=meshes,
             sharded=sharded,
-            indexes=IndexTable.of([report.index for report in reports if report.index is not None]),
+            indexes=msgspec.structs.replace(
+                IndexTable.of([report.index for report in reports if report.index is not None]),
+                refs=sorted({ref for report in reports for ref in report.refs}),
+            ),
         )
 
     def abort(self) -> None:
@@ -900,6 +904,8 @@ class RankReport(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     index: IndexRecord | None = None
     indexed_files: int = 0
     indexed_bytes: int = 0
+    #: The earlier checkpoints the indexed files reference (incremental saves).
+    refs: list[str] = msgspec.field(default_factory=list)
     directories: list[str] = msgspec.field(default_factory=list)
     #: Only when the ranks' trees differ: this rank's containers and sharded tensors.
     containers: list[ContainerEntry] | None = None
