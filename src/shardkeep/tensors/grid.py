@@ -1,6 +1,7 @@
 """The chunk grid of a regularly sharded tensor: which chunk each rank of a device mesh holds
-under ``Shard``/``Replicate`` placements, which chunks overlap a region, and which rank
-writes each chunk, computed from (global shape, mesh, placements) alone.
+under ``Shard``, ``Replicate`` and ``_StridedShard`` placements (whether each rank's part is a
+box at all, for the strided ones), which chunks overlap a region, and which rank writes each
+chunk, computed from (global shape, mesh, placements) alone.
 
 This is what lets a format 2.0 manifest describe a sharded tensor once instead of once per
 chunk: a reader recomputes the chunks. The arithmetic follows
