@@ -69,8 +69,19 @@ class LoadJob:
         limits: ManifestLimits | None = None,
     ) -> None:
         self.location = location
+        #: This rank's region of each sharded key it loads into a DTensor (``select``).
+        self.wanted: dict[str, tuple[list[int], list[int]]] | None = None
         if isinstance(manifest, IndexedManifest):
-            manifest = _expanded(location, manifest, into, options, limits)
+            # Format 2.0: the regions first, then only the rank indexes holding chunks of them.
+            self.wanted = wanted_regions(into, manifest) if into is not None else {}
+            manifest = expand(
+                location.store,
+                location.name,
+                manifest,
+                needed_ranks(manifest, self.wanted),
+                limits=limits,
+                threads=options.io_threads,
+            )
         self.manifest = manifest
         self.options = options
         self.into = into
@@ -80,7 +91,6 @@ class LoadJob:
         self.progress = progress
         self.resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
         self.partial = False
-        self.wanted: dict[str, tuple[list[int], list[int]]] = {}
         self.needed: list[list[int] | None] = []
         self.buffers: list[memoryview | None] = []
         self.absent: dict[str, tuple[TensorEntry, int]] = {}
@@ -99,7 +109,8 @@ class LoadJob:
         manifest = self.manifest
         selected = set(select_files(manifest, self.tiers))
         self.partial = len(selected) < len(manifest.files) or self.sections is not None
-        self.wanted = wanted_regions(self.into, manifest) if self.into is not None else {}
+        if self.wanted is None:
+            self.wanted = wanted_regions(self.into, manifest) if self.into is not None else {}
         section_of = _section_function(manifest)
         for index, record in enumerate(manifest.files):
             entries = needed_entries(record, self.wanted)
@@ -156,7 +167,7 @@ class LoadJob:
         self.buffers = [buffer for buffer, _ in results]
 
     def assemble(self) -> Any:
-        manifest, wanted = self.manifest, self.wanted
+        manifest, wanted = self.manifest, self.wanted or {}
         with collector_paused():
             tensors: list[tuple[list[str | int], int, Any]] = []
             chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
@@ -208,21 +219,6 @@ class LoadJob:
             return loaded
         fill_into(self.into, loaded, partial=self.partial, absent=frozenset(self.absent))
         return self.into
-
-
-def _expanded(
-    location: CheckpointLocation,
-    manifest: IndexedManifest,
-    into: Any,
-    options: LoadOptions,
-    limits: ManifestLimits | None,
-) -> Manifest:
-    """Format 2.0: the manifest with only the rank indexes this load needs expanded: those
-    whose chunks overlap the regions ``into`` holds (every index without ``into``, or when
-    ``into`` lacks a described tensor)."""
-    wanted = wanted_regions(into, manifest) if into is not None else {}
-    ranks = needed_ranks(manifest, wanted)
-    return expand(location.store, location.name, manifest, ranks, limits=limits, threads=options.io_threads)
 
 
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:

@@ -68,6 +68,31 @@ class ItemDescriptor(NamedTuple):
         return (self.key, self.global_offset)
 
 
+def _holders(
+    lists: list[list[ItemDescriptor]], ranks: list[int]
+) -> tuple[dict[Ident, ItemDescriptor], dict[Ident, list[int]]]:
+    """Each ident's first description, and the positions (in ``lists``) of the lists holding
+    it; raises :class:`CoordinationError` when two lists disagree about an item (dtype or
+    shape), naming the rank ``ranks[position]`` each list came from."""
+    holders: dict[Ident, list[int]] = {}
+    first: dict[Ident, ItemDescriptor] = {}
+    for position, items in enumerate(lists):
+        for item in items:
+            ident = item.ident
+            known = first.get(ident)
+            if known is None:
+                first[ident] = item
+                holders[ident] = [position]
+                continue
+            if (known.dtype, known.shape, known.global_shape) != (item.dtype, item.shape, item.global_shape):
+                raise CoordinationError(
+                    f"ranks disagree about tensor {item.key!r}: rank {ranks[holders[ident][0]]} has "
+                    f"{known.dtype}{list(known.shape)}, rank {ranks[position]} has {item.dtype}{list(item.shape)}"
+                )
+            holders[ident].append(position)
+    return first, holders
+
+
 def assign_writers(
     held: list[list[ItemDescriptor]], *, small: int = 0
 ) -> list[set[tuple[str, tuple[int, ...] | None]]]:
@@ -77,22 +102,7 @@ def assign_writers(
     of at most ``small`` bytes goes to its lowest holder instead (see :data:`SMALL_WHOLE`).
     Raises :class:`CoordinationError` when ranks disagree about an item (dtype or shape).
     """
-    holders: dict[tuple[str, tuple[int, ...] | None], list[int]] = {}
-    first: dict[tuple[str, tuple[int, ...] | None], ItemDescriptor] = {}
-    for rank, items in enumerate(held):
-        for item in items:
-            ident = item.ident
-            known = first.get(ident)
-            if known is None:
-                first[ident] = item
-                holders[ident] = [rank]
-                continue
-            if (known.dtype, known.shape, known.global_shape) != (item.dtype, item.shape, item.global_shape):
-                raise CoordinationError(
-                    f"ranks disagree about tensor {item.key!r}: rank {holders[ident][0]} has "
-                    f"{known.dtype}{list(known.shape)}, rank {rank} has {item.dtype}{list(item.shape)}"
-                )
-            holders[ident].append(rank)
+    first, holders = _holders(held, list(range(len(held))))
     assigned: list[set[tuple[str, tuple[int, ...] | None]]] = [set() for _ in held]
     load = [0] * len(held)
     order = sorted(first, key=lambda ident: (-first[ident].nbytes, ident[0], ident[1] or ()))
@@ -114,22 +124,7 @@ def assign_by_class(
     The same result, in O(tensors x classes + ranks log ranks) instead of over every rank's list:
     each class keeps a heap of its ranks by (bytes so far, rank), and a tensor goes to the best
     top among the classes that hold it."""
-    holders: dict[Ident, list[int]] = {}
-    first: dict[Ident, ItemDescriptor] = {}
-    for position, items in enumerate(classes):
-        for item in items:
-            ident = item.ident
-            known = first.get(ident)
-            if known is None:
-                first[ident] = item
-                holders[ident] = [position]
-                continue
-            if (known.dtype, known.shape, known.global_shape) != (item.dtype, item.shape, item.global_shape):
-                raise CoordinationError(
-                    f"ranks disagree about tensor {item.key!r}: rank {members[holders[ident][0]][0]} has "
-                    f"{known.dtype}{list(known.shape)}, rank {members[position][0]} has {item.dtype}{list(item.shape)}"
-                )
-            holders[ident].append(position)
+    first, holders = _holders(classes, [ranks[0] for ranks in members])
     heaps = [[(0, rank) for rank in ranks] for ranks in members]  # sorted ascending: already heaps
     assigned: list[set[Ident]] = [set() for _ in range(world_size)]
     order = sorted(first, key=lambda ident: (-first[ident].nbytes, ident[0], ident[1] or ()))
