@@ -243,10 +243,32 @@ def test_every_reading_finds_a_flipped_byte(
 
     _, problems = check_shard(damaged, record.path, record, verify=True, keep=keep, needed=needed)
 
+    chunk_problem = f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)"
     if needed is None:
-        assert problems == [f"{record.path}: digest mismatch (file is corrupt)"]
+        assert problems == [f"{record.path}: digest mismatch (file is corrupt)", chunk_problem]
     else:
-        assert problems == [f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)"]
+        assert problems == [chunk_problem]
+
+
+@pytest.mark.parametrize(("keep", "use_mmap"), [(False, True), (True, True), (True, False)])
+def test_a_whole_file_reading_checks_each_chunk_digest_too(
+    written: tuple[MemoryStore, FileRecord, bytes], keep: bool, use_mmap: bool
+) -> None:
+    """A file whose bytes match its own digest but whose record gives one chunk another digest
+    (a writer that re-sealed the manifest) is refused by a whole-file reading (verify, a full
+    load) exactly as a reading of that chunk alone refuses it: both readers agree."""
+    store, record, _ = written
+    entry = record.tensors[3]
+    assert entry.digest is not None
+    entry.digest = entry.digest.partition(":")[0] + ":" + "ab" * 32
+
+    _, whole = check_shard(store, record.path, record, verify=True, keep=keep, use_mmap=use_mmap)
+    _, alone = check_shard(store, record.path, record, verify=True, keep=True, use_mmap=use_mmap, needed=[3])
+    _, unverified = check_shard(store, record.path, record, verify=False, keep=keep, use_mmap=use_mmap)
+
+    expected = [f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)"]
+    assert whole == alone == expected
+    assert unverified == []
 
 
 def test_a_file_without_a_digest_is_reported_unverifiable(written: tuple[MemoryStore, FileRecord, bytes]) -> None:

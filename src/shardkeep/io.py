@@ -375,15 +375,69 @@ def digest_of(header: bytes, sources: Sequence[TensorSource], algorithm: str, pi
 # --------------------------------------------------------------------------------------------
 
 
-def _digest_view(algorithm: str, view: memoryview) -> str:
+class _EntryDigests:
+    """The digests of a file's entries that carry one of their own (the chunks of sharded
+    tensors), computed from pieces of the file fed in order of offset, so that a whole-file check
+    also proves each chunk digest a partial read would later trust."""
+
+    def __init__(self, record: FileRecord) -> None:
+        self._record = record
+        self._waiting = sorted(
+            (entry.offset, entry.offset + entry.nbytes, index)
+            for index, entry in enumerate(record.tensors)
+            if entry.digest
+        )
+        self._next = 0
+        self._open: list[tuple[int, int, int]] = []
+        self._digesters = {
+            index: new_digester(record.tensors[index].digest.partition(":")[0])  # type: ignore[union-attr]
+            for _, _, index in self._waiting
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def feed(self, offset: int, view: memoryview) -> None:
+        """Hash the parts of the entries that ``view`` (the file's bytes from ``offset``) holds."""
+        end = offset + len(view)
+        while self._next < len(self._waiting) and self._waiting[self._next][0] < end:
+            self._open.append(self._waiting[self._next])
+            self._next += 1
+        still_open = []
+        for start, stop, index in self._open:
+            low, high = max(start, offset), min(stop, end)
+            if high > low:
+                self._digesters[index].update(view[low - offset : high - offset])
+            if stop > end:
+                still_open.append((start, stop, index))
+        self._open = still_open
+
+    def problems(self) -> list[str]:
+        """One problem per entry whose bytes do not give its recorded digest."""
+        found = []
+        for _, _, index in self._waiting:
+            entry = self._record.tensors[index]
+            algorithm = entry.digest.partition(":")[0]  # type: ignore[union-attr]
+            if not digests_equal(entry.digest, format_digest(algorithm, self._digesters[index].hexdigest())):  # type: ignore[arg-type]
+                found.append(f"{self._record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
+        return found
+
+
+def _digest_view(algorithm: str, view: memoryview, entries: _EntryDigests | None = None) -> str:
+    """The digest of ``view`` (a whole file); ``entries`` are fed the same slices on the way."""
     digester = new_digester(algorithm)
     for start in range(0, len(view), _HASH_SLICE):
         digester.update(view[start : start + _HASH_SLICE])
+        if entries:
+            entries.feed(start, view[start : start + _HASH_SLICE])
     return format_digest(algorithm, digester.hexdigest())
 
 
-def _stream_digest(handle: ReadHandle, algorithm: str, on_bytes: Callable[[int], None] | None) -> tuple[str, bytes]:
-    """Digest a file by streaming reads through one reused buffer; also return its first bytes."""
+def _stream_digest(
+    handle: ReadHandle, algorithm: str, on_bytes: Callable[[int], None] | None, entries: _EntryDigests | None = None
+) -> tuple[str, bytes]:
+    """Digest a file by streaming reads through one reused buffer; also return its first bytes.
+    ``entries`` are fed every piece on the way."""
     digester = new_digester(algorithm)
     buffer = bytearray(min(_HASH_SLICE, max(handle.size, 1)))
     view = memoryview(buffer)
@@ -395,6 +449,8 @@ def _stream_digest(handle: ReadHandle, algorithm: str, on_bytes: Callable[[int],
         if offset == 0:
             head = bytes(view[: min(count, 1 << 20)])
         digester.update(view[:count])
+        if entries:
+            entries.feed(offset, view[:count])
         offset += count
         if on_bytes:
             on_bytes(count)
@@ -485,8 +541,11 @@ def _check_compressed(
     if verify:
         if not record.digest:
             problems.append(f"{record.path}: has no digest, so it cannot be verified")
-        elif not digests_equal(record.digest, _digest_view(record.digest.partition(":")[0], data)):
-            problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        else:
+            entries = _EntryDigests(record)
+            if not digests_equal(record.digest, _digest_view(record.digest.partition(":")[0], data, entries)):
+                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+            problems.extend(entries.problems())
         if on_bytes:
             on_bytes(handle.size)
     problems.extend(_header_problems(handle, data, record, size=len(data)))
@@ -508,7 +567,8 @@ def check_shard(
 
     Returns the file's bytes (when ``keep``: a private memory map, or a copy when ``use_mmap`` is
     false) and every problem found: size, digest, and safetensors header disagreements. With
-    ``verify`` false only the size and header are checked.
+    ``verify`` false only the size and header are checked. A verified whole-file read checks the
+    file's digest and each entry's own digest (chunks have one), hashing both in one pass.
 
     ``needed`` lists the indices of the tensor entries the caller will use (``None``: all). When
     it leaves some out and every needed entry has a digest of its own, only the header and the
@@ -609,24 +669,30 @@ def _check_whole_file(
     use_mmap: bool,
     on_bytes: Callable[[int], None] | None,
 ) -> memoryview | None:
-    """Check the file's digest (with ``verify``) and header. With ``keep`` the whole file is
+    """Check the file's digest (with ``verify``, and in the same pass each chunk's own digest)
+    and header. With ``keep`` the whole file is
     mapped (or read into memory) and returned; without it, it is digested by streaming reads, or
     only its first MiB is read when there is no digest to check. Problems are appended to
-    ``problems`` as they are found."""
+    ``problems`` as they are found. Checking the chunk digests too keeps a whole-file reader
+    (verify, a full load) from passing a file that a reader of one chunk would refuse."""
     data: memoryview | None = None
     if keep:
         data = handle.map() if use_mmap else _read_whole(handle)
         head: bytes | memoryview = data
         if verify and record.digest:
-            actual = _digest_view(record.digest.partition(":")[0], data)
+            entries = _EntryDigests(record)
+            actual = _digest_view(record.digest.partition(":")[0], data, entries)
             if on_bytes:
                 on_bytes(handle.size)
             if not digests_equal(record.digest, actual):
                 problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+            problems.extend(entries.problems())
     elif verify and record.digest:
-        actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes)
+        entries = _EntryDigests(record)
+        actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes, entries)
         if not digests_equal(record.digest, actual):
             problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        problems.extend(entries.problems())
     else:
         head_buffer = memoryview(bytearray(min(handle.size, 1 << 20)))
         handle.read_into(0, head_buffer)

@@ -482,14 +482,6 @@ def _write_case(checkpoint: Path, edit: Callable[[dict[str, Any]], None], keep_r
     (checkpoint / "manifest.json").write_bytes(seal_manifest(_dumps(root), "blake3"))
 
 
-#: Cases the readers do not refuse yet (src bugs, see the reasons); each runs as a strict xfail, so
-#: a fix makes it pass and fail the xfail: then move it back into the corpus.
-FORMAT2_KNOWN_GAPS = {
-    "index: chunk digest of other bytes": "verify (and a full load) never check a chunk's own digest; a resharding "
-    "load that reads only that chunk refuses the checkpoint verify passed",
-}
-
-
 def _chunks(manifest: sk.Manifest) -> list[tuple[str, tuple[int, ...]]]:
     return sorted((entry.key, tuple(entry.global_offset or ())) for _, entry in manifest.iter_tensors())
 
@@ -552,7 +544,7 @@ def test_hostile_format_2_fields_and_indexes_are_refused_by_every_reader(
     read_manifest must raise one too, or (for what only the data files show) return exactly the
     pristine chunks; never another exception, never other values. A few edits that a newer 2.x
     minor may make (unknown fields in the root, an unused mesh) may also load exactly."""
-    cases = [name for name in FORMAT2_CASES if name not in FORMAT2_KNOWN_GAPS]
+    cases = list(FORMAT2_CASES)
     failures = [
         failure
         for position, name in enumerate(cases)
@@ -563,17 +555,6 @@ def test_hostile_format_2_fields_and_indexes_are_refused_by_every_reader(
         trials=3 * len(cases),
         failures=len(failures),
         detail=f"{len(cases)} hostile edits of the root's meshes/sharded/indexes and of a rank index (re-digested "
-        "and re-sealed) x read_manifest, load, verify: a ShardkeepError, nothing else "
-        f"({len(FORMAT2_KNOWN_GAPS)} known gaps run as strict xfails)",
+        "and re-sealed) x read_manifest, load, verify: a ShardkeepError, nothing else",
     )
     assert failures == [], "\n".join(failures)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why)) for name, why in FORMAT2_KNOWN_GAPS.items()],
-)
-def test_known_gaps_in_refusing_hostile_format_2_input(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, name: str
-) -> None:
-    assert _format2_case_failure(tmp_path_factory, tmp_path / "case", name) is None
