@@ -10,7 +10,7 @@ Only the collective transport is replaced: :class:`InProcessCoordinator` subclas
 ``step``, ``step_to_coordinator`` and ``on_coordinator`` are the real ones and the protocol
 (which step all-gathers, which gathers) is whatever the imported shardkeep does. Each payload is
 pickled as ``all_gather_object`` pickles it (its size recorded, and the padding torch adds: every
-payload padded to the largest, times R), also ``msgspec.msgpack``-encoded for its logical size,
+payload padded to the largest, times R; a gather is exact where shardkeep's is), also ``msgspec.msgpack``-encoded for its logical size,
 and unpickled once for the receivers. No data file is written; files are laid out (headers and
 byte offsets are real) and committed into an in-memory store.
 
@@ -91,6 +91,7 @@ import atexit
 import contextlib
 import gc
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -170,6 +171,9 @@ from common import fmt_bytes, fmt_count, fmt_range, fmt_seconds, growth, median,
 from shardkeep import loading, saving  # noqa: E402
 from shardkeep.config import LoadOptions, ManifestLimits  # noqa: E402
 from shardkeep.distributed.coordinator import Coordinator  # noqa: E402
+
+#: Whether the imported shardkeep gathers to the coordinator without padding (see ``padded``).
+_EXACT_GATHER = hasattr(Coordinator, "_gather_exact")
 from shardkeep.layout import PlannedItem  # noqa: E402
 from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, Manifest, parse_placements  # noqa: E402
 from shardkeep.progress import collector_paused  # noqa: E402
@@ -546,8 +550,12 @@ class StepTraffic:
         return 0
 
     def padded(self, *, coordinator: bool) -> int:
-        """Bytes one rank receives through torch's object collectives: ``all_gather_object`` and
-        ``gather_object`` pad every payload to the largest, ``broadcast_object_list`` does not."""
+        """Bytes one rank receives through the transport: ``all_gather_object`` pads every payload
+        to the largest, ``broadcast_object_list`` does not; a gather pads like ``gather_object``
+        in shardkeep versions that used it, and is exact (8 bytes of size per rank, then each
+        payload) in those whose ``Coordinator`` has ``_gather_exact``."""
+        if self.kind == "gather" and coordinator and _EXACT_GATHER:
+            return 8 * len(self.pickled) + sum(self.pickled)
         if self.kind == "all_gather" or (self.kind == "gather" and coordinator):
             return len(self.pickled) * max(self.pickled)
         if self.kind == "broadcast" and not coordinator:
@@ -947,10 +955,17 @@ def _simulated_saving(baton: Baton) -> Iterator[None]:
 
 
 class _Regions:
-    """Stands in for ``into`` on load: each sharded key's (offset, shape, global shape) on this rank."""
+    """Stands in for ``into`` on load: each sharded key's (offset, shape, global shape) on this
+    rank, and every key it holds (an expert-parallel rank holds only its own experts)."""
 
-    def __init__(self, regions: dict[str, tuple[list[int], list[int], list[int]]]) -> None:
+    def __init__(self, regions: dict[str, tuple[list[int], list[int], list[int]]], held: set[str]) -> None:
         self.regions = regions
+        self.held = held
+
+
+def _held_keys_of_regions(into: _Regions, manifest: Manifest) -> set[str]:
+    """``loading.held_keys`` for :class:`_Regions`: the keys the loading rank holds."""
+    return into.held
 
 
 def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[str, tuple[list[int], list[int]]]:
@@ -971,11 +986,16 @@ def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[
 @contextlib.contextmanager
 def _plain_regions() -> Iterator[None]:
     original = loading.wanted_regions
+    original_held = getattr(loading, "held_keys", None)
     loading.wanted_regions = _wanted_regions_from_placements  # type: ignore[assignment]
+    if original_held is not None:
+        loading.held_keys = _held_keys_of_regions  # type: ignore[assignment]
     try:
         yield
     finally:
         loading.wanted_regions = original
+        if original_held is not None:
+            loading.held_keys = original_held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1162,10 +1182,14 @@ class CurrentFormat:
 
     def plan_load(self, parsed: Manifest, target: Workload, rank: int, save: SaveRound, sealed_size: int) -> LoadPlan:
         regions: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        held: set[str] = set()
         for index, shape, offset in target.rank_chunks(rank):
+            spec = target.tensors[index]
+            held.add(spec.key)
             if offset is not None:
-                spec = target.tensors[index]
                 regions[spec.key] = (list(offset), list(shape), list(spec.global_shape))
+        # load(into=..., extra="ignore") where shardkeep has it: a rank reads what it holds.
+        only_into = {"only_into": True} if "only_into" in inspect.signature(loading.LoadJob).parameters else {}
         location = save.location or self.location
         if isinstance(location.store, _IndexReads):
             location.store.index_bytes = 0
@@ -1174,7 +1198,7 @@ class CurrentFormat:
                 location,
                 parsed,
                 LoadOptions(),
-                into=_Regions(regions),
+                into=_Regions(regions, held),
                 tiers=None,
                 sections=None,
                 tier_locations=None,
@@ -1182,6 +1206,7 @@ class CurrentFormat:
                 lazy=False,
                 progress=False,
                 limits=LIFTED,
+                **only_into,
             )
             job.select()
         opened = entries = metadata = data = 0

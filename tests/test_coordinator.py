@@ -74,21 +74,28 @@ def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
         assert result["cause"] == ("ValueError" if rank == 1 else "NoneType")
 
 
-def _one_rank_hangs(rank: int, world_size: int) -> dict[str, Any]:
+def _one_rank_hangs(rank: int, world_size: int, step: str = "step") -> dict[str, Any]:
     coordinator = Coordinator(timeout=3)
     if rank == 1:
         time.sleep(60)  # hung: never reaches the collective; the harness kills it
     started = time.monotonic()
     try:
-        coordinator.step("write shards", lambda: rank)
+        getattr(coordinator, step)("write shards", lambda: rank)
     except sk.CoordinationError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+def _one_rank_hangs_before_sending(rank: int, world_size: int) -> dict[str, Any]:
+    return _one_rank_hangs(rank, world_size, "step_to_coordinator")
+
+
 @pytest.mark.slow
-def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path) -> None:
-    outcomes = run_ranks(3, _one_rank_hangs, outbox=tmp_path, timeout=45, allow_unfinished=frozenset({1}))
+@pytest.mark.parametrize("hangs", [_one_rank_hangs, _one_rank_hangs_before_sending])
+def test_a_hung_rank_produces_a_deadline_error_not_a_hang(tmp_path: Path, hangs: Any) -> None:
+    """In an all-gather step and in a step whose results go to the coordinator alone (sizes,
+    then one message per rank): the ranks still alive get a deadline error, never a hang."""
+    outcomes = run_ranks(3, hangs, outbox=tmp_path, timeout=45, allow_unfinished=frozenset({1}))
     for rank in (0, 2):
         kind, result = outcomes[rank]
         assert kind == "ok", result
@@ -137,6 +144,8 @@ def test_an_error_on_the_coordinator_is_raised_with_its_type_on_every_rank(tmp_p
 def _to_coordinator(rank: int, world_size: int) -> dict[str, Any]:
     coordinator = Coordinator(timeout=30)
     gathered = coordinator.gather({"rank": rank})
+    # Payloads of very different sizes (3 MiB, a few bytes, an empty list) arrive intact.
+    uneven = coordinator.gather([bytes([7]) * (3 << 20), "small", []][rank])
     results = coordinator.step_to_coordinator("square", lambda: rank * rank)
 
     def work() -> int:
@@ -147,8 +156,14 @@ def _to_coordinator(rank: int, world_size: int) -> dict[str, Any]:
     try:
         coordinator.step_to_coordinator("write", work)
     except sk.CoordinationError as exc:
-        return {"gathered": gathered, "results": results, "error": str(exc), "failures": exc.failures}
-    return {"gathered": gathered, "results": results, "error": None}
+        return {
+            "gathered": gathered,
+            "uneven": uneven,
+            "results": results,
+            "error": str(exc),
+            "failures": exc.failures,
+        }
+    return {"gathered": gathered, "uneven": uneven, "results": results, "error": None}
 
 
 def test_results_to_the_coordinator_only_and_failures_everywhere(tmp_path: Path) -> None:
@@ -157,8 +172,10 @@ def test_results_to_the_coordinator_only_and_failures_everywhere(tmp_path: Path)
     results = results_or_raise(run_ranks(3, _to_coordinator, outbox=tmp_path))
     assert results[0]["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
     assert results[0]["results"] == [0, 1, 4]
+    assert results[0]["uneven"] == [bytes([7]) * (3 << 20), "small", []]
     for rank in (1, 2):
         assert results[rank]["gathered"] is None and results[rank]["results"] is None
+        assert results[rank]["uneven"] is None
     for result in results:
         assert result["error"] is not None and "rank(s) [2]" in result["error"] and "disk on fire" in result["error"]
         assert list(result["failures"]) == [2]

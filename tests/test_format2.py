@@ -483,3 +483,34 @@ def test_retention_keeps_the_chunk_files_an_incremental_format_2_checkpoint_refe
     assert torch.equal(loaded["model"]["bias"], torch.full((3,), 3.0))
     for key in ("w", "col", "rep", "uneven"):
         assert torch.equal(loaded["model"][key], _full()[key]), key
+
+
+def _load_only_w(rank: int, world_size: int, path: str, extra: str) -> dict[str, Any]:
+    """A rank whose into= holds one sharded tensor of the checkpoint (as an expert-parallel rank
+    holds only its own experts)."""
+    target = {"model": {"w": _state(world_size, fill=False)["model"]["w"]}}
+    store = _IndexReads(LocalStore(str(Path(path).parent)))
+    sk.load(Path(path).name, into=target, storage=store, extra=extra)
+    return {
+        "same": torch.equal(target["model"]["w"].full_tensor(), _full()["w"]),
+        "keys": sorted(target) + sorted(target["model"]),
+        "indexes": sorted(store.opened),
+    }
+
+
+def test_extra_ignore_reads_only_the_indexes_of_what_into_holds(tmp_path: Path) -> None:
+    """load(extra="ignore"): a rank whose into= lacks most of the checkpoint reads only the rank
+    indexes that list chunks of what it holds (here its own), and into= gains nothing; the
+    default (extra="add") reads every index, to add the described tensors into= lacks."""
+    path = str(tmp_path / "ckpt")
+    results_or_raise(run_ranks(4, _save, path, outbox=tmp_path / "save"))
+    ignoring = results_or_raise(run_ranks(4, _load_only_w, path, "ignore", outbox=tmp_path / "ignore"))
+    for rank, result in enumerate(ignoring):
+        assert result["same"], rank
+        assert result["keys"] == ["model", "w"], rank
+        assert result["indexes"] == [f"rank_0000{rank}.json"], rank  # rows 3r..3r+2 of w: rank r's chunk
+    adding = results_or_raise(run_ranks(4, _load_only_w, path, "add", outbox=tmp_path / "add"))
+    for result in adding:
+        assert result["same"]
+        assert result["keys"] == ["model", "note", *sorted(_full())]
+        assert result["indexes"] == [f"rank_0000{r}.json" for r in range(4)]

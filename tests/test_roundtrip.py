@@ -151,6 +151,33 @@ def test_modules_and_optimizers_expand_and_load_in_place(tmp_path: Path) -> None
     assert torch.equal(target["rng"], original["rng"])
 
 
+def test_extra_ignore_fills_what_into_holds_and_adds_nothing(tmp_path: Path) -> None:
+    """load(into=..., extra="ignore"): what into= holds is filled (a module, an optimizer and
+    plain tensors alike); saved state it lacks (tensors, JSON values) is neither read into it
+    nor added; a key of into= the checkpoint lacks is still an error, before anything changes."""
+    original = make_state(seed=1)
+    sk.save(original, tmp_path / "ckpt")
+    target = make_state(seed=2)
+    del target["ema"], target["step"]
+    target["model"] = torch.nn.Sequential(torch.nn.Linear(8, 6))  # the first of its layers
+    result = sk.load(tmp_path / "ckpt", into=target, extra="ignore")
+    assert result is target and "ema" not in target and "step" not in target
+    assert torch.equal(target["model"][0].weight, original["model"][0].weight)
+    assert torch.equal(target["rng"], original["rng"])
+    added = make_state(seed=2)
+    del added["ema"]
+    sk.load(tmp_path / "ckpt", into=added)  # the default adds what into= lacks
+    assert torch.equal(added["ema"]["0.weight"], original["ema"]["0.weight"])
+    rng_before = target["rng"].clone()
+    with pytest.raises(sk.UnsupportedValueError, match="not_saved"):
+        sk.load(tmp_path / "ckpt", into={**target, "not_saved": torch.zeros(1)}, extra="ignore")
+    assert torch.equal(target["rng"], rng_before)
+    with pytest.raises(sk.UnsupportedValueError, match="extra='sometimes'"):
+        sk.load(tmp_path / "ckpt", into=target, extra="sometimes")
+    with pytest.raises(sk.UnsupportedValueError, match="needs into="):
+        sk.load(tmp_path / "ckpt", extra="ignore")
+
+
 def test_load_into_checks_everything_before_modifying_anything(tmp_path: Path) -> None:
     sk.save(make_state(seed=1), tmp_path / "ckpt")
     target = make_state(seed=2)

@@ -209,6 +209,7 @@ def load(
     tier_locations: TierLocations | None = None,
     public_key: Any = None,
     require_signature: bool | None = None,
+    extra: str = "add",
 ) -> Any:
     """Load the checkpoint at ``path`` (a local path or a URL such as ``s3://bucket/p/step_1``).
 
@@ -225,6 +226,11 @@ def load(
     fills only what it read and leaves the rest of ``into`` as it is. ``tier_locations`` maps a
     tier name to where its files are now (a path, URL or byte store), for a tier that moved.
 
+    ``extra`` says what becomes of saved state that ``into`` lacks: ``"add"`` (the default)
+    loads it and adds it to ``into``; ``"ignore"`` never reads it, so a rank whose ``into``
+    holds only its own experts reads only their files (and, in format 2.0, only the rank indexes
+    that list their chunks). Keys of ``into`` that the checkpoint lacks are an error either way.
+
     ``public_key`` (an ``Ed25519PublicKey`` or the path of a PEM file): ``manifest.sig`` must
     be a valid signature by that key, checked before the manifest is parsed; since every file
     is then checked against the signed digests, the signature covers the data. An unsigned
@@ -232,6 +238,10 @@ def load(
     :class:`~shardkeep.errors.SignatureError` otherwise.
     """
     options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
+    if extra not in ("add", "ignore"):
+        raise UnsupportedValueError(f"extra={extra!r} must be 'add' or 'ignore'")
+    if extra == "ignore" and into is None:
+        raise UnsupportedValueError("extra='ignore' leaves out the saved state into= lacks: it needs into=")
     if lazy and into is not None:
         raise UnsupportedValueError("lazy=True returns placeholders; it cannot fill into= (load the tiers you need)")
     policy = SignaturePolicy.of(public_key, require_signature)
@@ -255,6 +265,7 @@ def load(
         lazy=lazy,
         progress=progress,
         limits=limits,
+        only_into=extra == "ignore",
     )
     return job.run()
 

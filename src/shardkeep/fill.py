@@ -28,9 +28,15 @@ __all__ = ["fill_into", "restore_optimizer_ids"]
 
 
 def fill_into(
-    target: Any, loaded: dict[str, Any], *, partial: bool = False, absent: frozenset[str] = frozenset()
+    target: Any,
+    loaded: dict[str, Any],
+    *,
+    partial: bool = False,
+    absent: frozenset[str] = frozenset(),
+    add_extra: bool = True,
 ) -> None:
-    """Fill ``target`` with ``loaded``, all or nothing.
+    """Fill ``target`` with ``loaded``, all or nothing. What ``loaded`` holds and ``target``
+    lacks is added to it, or with ``add_extra`` false left out.
 
     First every target is checked (keys, shapes, dtypes, writability, optimizer groups): a
     mismatch raises before anything is modified. Then the fills that can still fail, the
@@ -41,7 +47,7 @@ def fill_into(
     assignments, which cannot fail once checked, run last.
     """
     actions: list[_FillAction] = []
-    _plan_fill(target, loaded, "", actions, partial=partial, absent=absent)
+    _plan_fill(target, loaded, "", actions, partial=partial, absent=absent, add_extra=add_extra)
     actions.sort(key=lambda action: action.order)
     applied: list[_FillAction] = []
     with torch.no_grad():
@@ -438,10 +444,11 @@ def _plan_fill(
     *,
     partial: bool = False,
     absent: frozenset[str] = frozenset(),
+    add_extra: bool = True,
 ) -> None:
     """Check ``loaded`` against ``target`` and queue the copies. ``partial`` (a load of some
     tiers or sections): what was not loaded (the keys in ``absent``) is left as it is in
-    ``target``."""
+    ``target``. Keys ``target`` lacks are added, or skipped without ``add_extra``."""
     if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
         raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
     missing = [key for key in target if key not in loaded]
@@ -450,11 +457,13 @@ def _plan_fill(
     for key, new in loaded.items():
         name = _join(prefix, key)
         if key not in target:
+            if not add_extra:
+                continue
             if not hasattr(target, "__setitem__"):
                 raise UnsupportedValueError(f"{name!r} is in the checkpoint but not in into=, which is read-only")
             actions.append(_Assign(name, target, key, new))
         else:
-            _plan_entry(target, key, new, name, actions, partial=partial, absent=absent)
+            _plan_entry(target, key, new, name, actions, partial=partial, absent=absent, add_extra=add_extra)
 
 
 def _plan_entry(
@@ -466,6 +475,7 @@ def _plan_entry(
     *,
     partial: bool,
     absent: frozenset[str],
+    add_extra: bool = True,
 ) -> None:
     """Check and queue the fill of ``target[key]`` (which exists) with ``new``, by the kind of
     object it is: tensor, array, module, optimizer, stateful object, mapping, list, plain value."""
@@ -483,7 +493,7 @@ def _plan_entry(
     elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
         actions.append(_LoadState(name, current, new))
     elif isinstance(current, Mapping) and isinstance(new, Mapping):
-        _plan_fill(current, new, name, actions, partial=partial, absent=absent)
+        _plan_fill(current, new, name, actions, partial=partial, absent=absent, add_extra=add_extra)
     elif (
         partial
         and isinstance(current, list)

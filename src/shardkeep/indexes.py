@@ -18,7 +18,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 
@@ -285,15 +285,20 @@ def _entries_pass(
     return list(map(_FACTS, entries)) == list(map(_FACTS, map(tensors.__getitem__, keys)))
 
 
-def needed_ranks(manifest: IndexedManifest, wanted: Mapping[str, Region]) -> set[int]:
+def needed_ranks(
+    manifest: IndexedManifest, wanted: Mapping[str, Region], held: Collection[str] | None = None
+) -> set[int]:
     """The ranks whose indexes hold every chunk that overlaps ``wanted`` (key -> this rank's
-    (offset, shape)); a described key that ``wanted`` lacks is needed whole."""
+    (offset, shape)); a described key that ``wanted`` lacks is needed whole, unless ``held``
+    (the keys a load reads; ``None``: all) leaves it out."""
     layouts = _Layouts(manifest)
-    if not wanted or any(key not in wanted for key in layouts.tensors):
+    keys = [key for key in layouts.tensors if held is None or key in held]
+    if any(key not in wanted for key in keys):
         return {record.rank for record in manifest.index_records()}
     ranks: set[int] = set()
     cache: dict[tuple[object, ...], list[tuple[int | None, ...]]] = {}
-    for key, tensor in layouts.tensors.items():
+    for key in keys:
+        tensor = layouts.tensors[key]
         grid = layouts.grids[key]
         offset, shape = wanted[key]
         signature = (tensor.mesh, grid.global_shape, grid.dims, tuple(offset), tuple(shape))

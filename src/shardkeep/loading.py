@@ -28,7 +28,7 @@ from shardkeep.tensors.convert import (
 )
 from shardkeep.tensors.flatten import rebuild_state
 from shardkeep.tensors.keys import section_of
-from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
+from shardkeep.tensors.regions import Region, assemble, needed_entries, resolve_target, wanted_regions
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -67,18 +67,26 @@ class LoadJob:
         lazy: bool,
         progress: bool,
         limits: ManifestLimits | None = None,
+        only_into: bool = False,
     ) -> None:
         self.location = location
         #: This rank's region of each sharded key it loads into a DTensor (``select``).
         self.wanted: dict[str, tuple[list[int], list[int]]] | None = None
+        #: With ``only_into`` (``load(extra="ignore")``): the saved keys ``into`` holds, the only
+        #: ones read; ``None``: every key.
+        self.held: set[str] | None = held_keys(into, manifest) if only_into else None
+        #: Described (format 2.0) tensors left out because ``into`` lacks them.
+        self.unheld: list[ShardedTensor] = []
         if isinstance(manifest, IndexedManifest):
             # Format 2.0: the regions first, then only the rank indexes holding chunks of them.
             self.wanted = wanted_regions(into, manifest) if into is not None else {}
+            if self.held is not None:
+                self.unheld = [tensor for tensor in manifest.sharded if tensor.key not in self.held]
             manifest = expand(
                 location.store,
                 location.name,
                 manifest,
-                needed_ranks(manifest, self.wanted),
+                needed_ranks(manifest, self.wanted, self.held),
                 limits=limits,
                 threads=options.io_threads,
             )
@@ -112,15 +120,17 @@ class LoadJob:
         if self.wanted is None:
             self.wanted = wanted_regions(self.into, manifest) if self.into is not None else {}
         section_of = _section_function(manifest)
+        sections, held = self.sections, self.held
         for index, record in enumerate(manifest.files):
             entries = needed_entries(record, self.wanted)
             if index not in selected:
                 entries = []
-            elif self.sections is not None:
+            elif sections is not None or held is not None:
                 keep = [
                     i
                     for i in (range(len(record.tensors)) if entries is None else entries)
-                    if section_of(record.tensors[i].key) in self.sections
+                    if (sections is None or section_of(record.tensors[i].key) in sections)
+                    and (held is None or record.tensors[i].key in held)
                 ]
                 entries = None if entries is None and len(keep) == len(record.tensors) else keep
             self.needed.append(entries)
@@ -179,7 +189,7 @@ class LoadJob:
                 chosen = (
                     (range(len(record.tensors)) if wanted_here is None else wanted_here) if buffer is not None else ()
                 )
-                if self.partial:
+                if self.partial or self.held is not None:
                     picked = set(chosen)
                     for position, entry in enumerate(record.tensors):
                         if position not in picked:
@@ -209,16 +219,37 @@ class LoadJob:
             tensors.extend(
                 _placeholders(manifest, self.absent, self.resolver, lazy=self.lazy, verify=self.options.verify)
             )
+            # Described tensors into= lacks, none of whose chunks this load's indexes list.
+            unheld = [tensor for tensor in self.unheld if tensor.key not in self.absent]
+            tensors.extend((tensor.path, tensor.order, None) for tensor in unheld)
             loaded = rebuild_state(manifest.structure, manifest.values, tensors)
-            if self.absent and not self.lazy:
-                _drop_absent(loaded, [entry for entry, _ in self.absent.values()])
+            if (self.absent or unheld) and not self.lazy:
+                _drop_absent(loaded, [*(entry for entry, _ in self.absent.values()), *unheld])
         return loaded
 
     def fill(self, loaded: Any) -> Any:
         if self.into is None:
             return loaded
-        fill_into(self.into, loaded, partial=self.partial, absent=frozenset(self.absent))
+        fill_into(self.into, loaded, partial=self.partial, absent=frozenset(self.absent), add_extra=self.held is None)
         return self.into
+
+
+def held_keys(into: Any, manifest: Manifest) -> set[str]:
+    """The saved tensor keys whose place exists in ``into`` (looking through its modules and
+    optimizers): what ``load(extra="ignore")`` reads."""
+    state_dicts: dict[int, Mapping[str, Any]] = {}
+    held: set[str] = set()
+    seen: set[str] = set()
+    described: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
+    if isinstance(manifest, IndexedManifest):
+        described += manifest.sharded
+    for entry in described:
+        if entry.key in seen:
+            continue
+        seen.add(entry.key)
+        if resolve_target(into, entry.path, state_dicts) is not None:
+            held.add(entry.key)
+    return held
 
 
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:
@@ -273,7 +304,7 @@ def _placeholders(
     return result
 
 
-def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry]) -> None:
+def _drop_absent(loaded: dict[str, Any], absent: list[TensorEntry | ShardedTensor]) -> None:
     """Remove the ``None`` placeholders of absent tensors from mappings (lists keep them)."""
     for entry in absent:
         node: Any = loaded

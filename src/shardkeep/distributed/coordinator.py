@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import pickle
 import threading
 import traceback
 from collections.abc import Callable
@@ -163,12 +164,47 @@ class Coordinator:
 
     def gather(self, value: T, *, label: str = "gather") -> list[T] | None:
         """Every rank's ``value``, in rank order, on the coordinator; ``None`` on the other ranks
-        (each sends its own value once and receives nothing)."""
+        (each sends its own value once and receives nothing).
+
+        On a gloo group the coordinator receives exactly the bytes the ranks send: one small
+        gather of sizes, then one message per rank. (torch's ``gather_object`` pads every payload
+        to the largest, so one large payload, the lists of one expert-parallel class, say,
+        would cost ranks times its size.) Other backends go through ``gather_object``, whose
+        tensors live where the backend wants them."""
         if not self.distributed:
             return [value]
-        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
         destination = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        if self._dist.get_backend(self.group) == "gloo":
+            return self._collective(label, lambda: self._gather_exact(value, destination))
+        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
         self._collective(label, lambda: self._dist.gather_object(value, gathered, dst=destination, group=self.group))
+        return gathered
+
+    def _gather_exact(self, value: T, destination: int) -> list[T] | None:
+        """:meth:`gather` without padding: sizes first (8 bytes a rank), then each payload as a
+        message of its own size. Pickled, like torch's object collectives: it only ever moves
+        values between the ranks of one job."""
+        import torch
+
+        dist = self._dist
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)] if self.is_coordinator else None
+        dist.gather(size, sizes, dst=destination, group=self.group)
+        if not self.is_coordinator:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=destination, group=self.group)
+            return None
+        assert sizes is not None
+        buffers = [torch.empty(int(sizes[rank].item()), dtype=torch.uint8) for rank in range(self.world_size)]
+        pending = [
+            dist.irecv(buffers[rank], src=dist.get_global_rank(self.group, rank), group=self.group)
+            for rank in range(1, self.world_size)
+        ]
+        deadline = _dt.timedelta(seconds=self.timeout)
+        for work in pending:
+            work.wait(deadline)
+        gathered: list[Any] = [value]
+        gathered += [pickle.loads(buffers[rank].numpy().tobytes()) for rank in range(1, self.world_size)]
         return gathered
 
     # -- errors as values ---------------------------------------------------------------------
