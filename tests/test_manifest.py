@@ -14,10 +14,11 @@ import torch
 import shardkeep as sk
 from conftest import reseal
 from shardkeep.config import ManifestLimits
-from shardkeep.integrity import seal_manifest, unseal_manifest
+from shardkeep.integrity import digest_bytes, seal_manifest, unseal_manifest
 from shardkeep.manifest import (
     INDEXED_VERSION,
     METADATA_VERSION,
+    SEAL_FIELD,
     ContainerEntry,
     FileRecord,
     Manifest,
@@ -342,6 +343,19 @@ def test_seal_detects_any_change_and_truncation() -> None:
         unseal_manifest(changed)
     with pytest.raises(sk.IntegrityError):
         unseal_manifest(sealed[:-5])
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "xxh3-128", "sha256"])
+@pytest.mark.parametrize("body", [b"{}", b"{ }", b'{"a":1}', b'{"x":"' + b"a" * 5000 + b'"}'])
+def test_the_seal_is_the_body_a_comma_and_the_digest_of_both(body: bytes, algorithm: str) -> None:
+    """The sealed bytes are exactly: the body without its closing brace, a comma unless the
+    object is empty, and the seal member holding the digest of everything before it (the
+    format every released checkpoint carries)."""
+    sealed = seal_manifest(body, algorithm)
+    prefix = body[:-1] + (b"" if body[1:-1].strip() == b"" else b",")
+    digest = digest_bytes(algorithm, prefix)
+    assert sealed == prefix + b'"' + SEAL_FIELD.encode() + b'":"' + digest.encode() + b'"}\n'
+    unseal_manifest(sealed)
 
 
 # ---------------------------------------------------------------------------------------------
