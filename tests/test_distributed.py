@@ -400,3 +400,21 @@ def test_only_the_coordinator_signs_a_distributed_save(tmp_path: Path) -> None:
     assert {record.rank for record in report.manifest.files} == {0, 1}  # type: ignore[union-attr]
     assert not (tmp_path / "unsigned").exists()
     assert not [p for p in tmp_path.iterdir() if is_staging_name(p.name)]
+
+
+def _save_on_rank_zero_alone(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 0 saves on its own while rank 1 does something else (Lightning's rank-zero saves):
+    with process_group=sk.LOCAL no collective runs, so neither waits for the other."""
+    if rank != 0:
+        return {"saved": None}
+    state = {"w": torch.arange(6.0), "step": 4}
+    manifest = sk.save(state, f"{root}/alone", process_group=sk.LOCAL, timeout=5)
+    loaded = sk.load(f"{root}/alone")
+    return {"saved": manifest.world_size, "same": torch.equal(loaded["w"], state["w"]) and loaded["step"] == 4}
+
+
+def test_a_local_save_runs_on_one_rank_without_collectives(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(2, _save_on_rank_zero_alone, str(tmp_path), outbox=tmp_path / "out"))
+    assert results[0] == {"saved": 1, "same": True}
+    assert results[1] == {"saved": None}
+    assert sk.verify(tmp_path / "alone").ok

@@ -23,6 +23,7 @@ EXPECTED_ALL = [
     "DependencyError",
     "FingerprintMismatchError",
     "IntegrityError",
+    "LOCAL",
     "LazyTensor",
     "LedgerError",
     "LedgerMismatchError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.catalog import CheckpointEntry
+from shardkeep.distributed.coordinator import LOCAL
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,
@@ -60,6 +61,7 @@ __all__ = [
     "DependencyError",
     "FingerprintMismatchError",
     "IntegrityError",
+    "LOCAL",
     "LazyTensor",
     "LedgerError",
     "LedgerMismatchError",

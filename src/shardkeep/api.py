@@ -89,7 +89,9 @@ def save(
     holds, with their global shape and offset. JSON values and the tree structure come from the
     coordinator (the lowest rank). If any rank fails, every rank raises the same
     :class:`~shardkeep.errors.CoordinationError` and nothing is committed. ``process_group``
-    picks the group (default: a dedicated gloo group); ``timeout`` bounds every wait.
+    picks the group (default: a dedicated gloo group); ``process_group=shardkeep.LOCAL`` saves
+    what this process holds on its own, with no collective, even when ``torch.distributed`` is
+    initialized (a rank-zero-only save). ``timeout`` bounds every wait.
 
     ``metrics`` (name to number; NaN and infinities are recorded as null) and ``run`` (a
     :class:`~shardkeep.manifest.RunInfo`) go into the manifest; the checkpoint manager sets them.

@@ -82,7 +82,7 @@ def _refuse_implicit_group() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise UnsupportedValueError(
             "save_batch saves one worker's result, but torch.distributed is initialized in this process, so "
-            "shardkeep.save would coordinate every rank; pass process_group= a group that holds only this rank"
+            "shardkeep.save would coordinate every rank; pass process_group=shardkeep.LOCAL (this process alone)"
         )
 
 

@@ -30,12 +30,17 @@ from typing import Any, TypeVar
 
 from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "RankFailure"]
+__all__ = ["DEFAULT_TIMEOUT", "LOCAL", "Coordinator", "RankFailure"]
 
 T = TypeVar("T")
 
 #: Seconds any single collective may wait before the operation fails with a deadline error.
 DEFAULT_TIMEOUT = 300.0
+
+#: ``process_group=LOCAL``: this process alone, even when ``torch.distributed`` is initialized
+#: (a save that one rank makes on its own: Lightning's and Accelerate's rank-zero saves, a batch
+#: worker's result). No collective runs; the save is that of a single process.
+LOCAL = "local"
 
 _groups: dict[tuple[int, float], Any] = {}
 _groups_lock = threading.RLock()
@@ -77,7 +82,10 @@ class Coordinator:
         if timeout <= 0:
             raise ShardkeepError(f"timeout={timeout!r} must be positive")
         self.timeout = float(timeout)
-        self._dist = _torch_distributed()
+        local = isinstance(process_group, str) and process_group == LOCAL
+        self._dist: Any = None if local else _torch_distributed()
+        if local:
+            process_group = None
         if self._dist is None:
             if process_group is not None:
                 raise ShardkeepError("process_group= was given but torch.distributed is not initialized")
