@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.errors import (
     IntegrityError,
@@ -247,9 +249,22 @@ def held_keys(into: Any, manifest: Manifest) -> set[str]:
         if entry.key in seen:
             continue
         seen.add(entry.key)
-        if resolve_target(into, entry.path, state_dicts) is not None:
+        if _under_stateful(into, entry.path) or resolve_target(into, entry.path, state_dicts) is not None:
             held.add(entry.key)
     return held
+
+
+def _under_stateful(node: Any, path: list[str | int]) -> bool:
+    """Whether ``path`` leads through an object of ``into`` (other than a module or an
+    optimizer, whose parts are matched one by one) that takes its whole state through
+    ``load_state_dict``: everything under it is held."""
+    for part in path:
+        if isinstance(node, (torch.nn.Module, torch.optim.Optimizer)):
+            return False
+        if not isinstance(node, Mapping):
+            return callable(getattr(node, "state_dict", None)) and callable(getattr(node, "load_state_dict", None))
+        node = node.get(part)
+    return False
 
 
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:

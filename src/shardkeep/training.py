@@ -107,20 +107,27 @@ class TrainingCheckpoint:
     @staticmethod
     def capture_rng() -> dict[str, Any]:
         """The RNG states of Python's ``random``, numpy's global generator and torch's CPU
-        generator, as a value for ``rng=``."""
+        generator, as a value for ``rng=``; with CUDA available, also each CUDA device's
+        generator (``"cuda"``: one uint8 tensor per device; never run on the CPU-only machines
+        the tests run on)."""
         python_state = random.getstate()
-        return {
+        states: dict[str, Any] = {
             "python": [python_state[0], list(python_state[1]), python_state[2]],
             "numpy": _numpy_rng_state(),
             "torch": torch.get_rng_state(),
         }
+        if torch.cuda.is_available():
+            states["cuda"] = list(torch.cuda.get_rng_state_all())
+        return states
 
     @staticmethod
     def restore_rng(rng: Mapping[str, Any]) -> None:
         """Put back RNG states captured by :meth:`capture_rng` (as loaded from a checkpoint).
 
         All or nothing: if any state is refused, :class:`~shardkeep.errors.CheckpointFieldError`
-        is raised and every generator keeps the state it had."""
+        is raised and every generator keeps the state it had. CUDA states (``"cuda"``) are put
+        back when CUDA is available, and must then number one per device; on a machine without
+        CUDA they are left unused, so a GPU run's checkpoint resumes on the CPU."""
         previous = TrainingCheckpoint.capture_rng()
         try:
             _set_rng(rng)
@@ -145,6 +152,11 @@ def _set_rng(rng: Mapping[str, Any]) -> None:
         )
     )
     torch.set_rng_state(torch.as_tensor(rng["torch"], dtype=torch.uint8))
+    cuda = rng.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise ValueError(f"{len(cuda)} CUDA generator states for {torch.cuda.device_count()} CUDA devices")
+        torch.cuda.set_rng_state_all([torch.as_tensor(state, dtype=torch.uint8) for state in cuda])
 
 
 def _numpy_rng_state() -> dict[str, Any]:
