@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.catalog import CheckpointEntry
-from shardkeep.distributed.coordinator import LOCAL
+from shardkeep.config import LOCAL
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,

@@ -185,18 +185,31 @@ def _add_import_command(commands: Any) -> None:
     """``shardkeep import``: convert another format into a checkpoint."""
     importing = commands.add_parser(
         "import",
-        help="convert a torch .pt, a safetensors file or a DCP directory into a shardkeep checkpoint",
+        help="convert a torch .pt, a safetensors file, a DCP directory or a Hugging Face model folder into a "
+        "shardkeep checkpoint",
         description="Convert SOURCE into a new shardkeep checkpoint at DEST. Torch files are read only with "
         "torch.load(weights_only=True), even when TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set; safetensors files hold "
         "no code. A torch.distributed.checkpoint directory keeps its metadata as a Python pickle, and reading a "
-        "pickle runs the code it names: it is refused unless --trust-pickle is given.",
+        "pickle runs the code it names: it is refused unless --trust-pickle is given. A Hugging Face model folder "
+        "(model.safetensors, or shards and model.safetensors.index.json) is read with safetensors only, after its "
+        "index is checked; its tensors go under --subtree and its config.json under the value hf_config. A folder "
+        "of pytorch_model.bin pickles is refused: import the .bin file itself (--format pt).",
     )
     importing.add_argument(
-        "source", metavar="SOURCE", help="a .pt/.pth/.bin file, a .safetensors file or a DCP directory"
+        "source",
+        metavar="SOURCE",
+        help="a .pt/.pth/.bin file, a .safetensors file, a DCP directory or a Hugging Face model folder",
     )
     importing.add_argument("dest", metavar="DEST", help="the new checkpoint: a directory or a URL (s3://...)")
     importing.add_argument(
-        "--format", choices=("pt", "safetensors", "dcp"), help="the source format (default: from the name and content)"
+        "--format",
+        choices=("pt", "safetensors", "dcp", "hf"),
+        help="the source format (default: from the name and content)",
+    )
+    importing.add_argument(
+        "--subtree",
+        metavar="KEY",
+        help="with a Hugging Face folder: the dotted key to put its tensors under (default: model; '' for the top)",
     )
     importing.add_argument(
         "--trust-pickle",
@@ -208,17 +221,45 @@ def _add_import_command(commands: Any) -> None:
 
 
 def _add_export_command(commands: Any) -> None:
-    """``shardkeep export``: convert a checkpoint into one file."""
+    """``shardkeep export``: convert a checkpoint into one file or a Hugging Face model folder."""
     exporting = commands.add_parser(
         "export",
-        help="convert a checkpoint to a single torch .pt or safetensors file",
+        help="convert a checkpoint to a single torch .pt or safetensors file, or a Hugging Face model folder",
         description="Read PATH (verifying every digest) and write DEST as one torch .pt file (loadable with "
         "weights_only=True) or one safetensors file (tensors under dotted keys; JSON values in the header's "
-        "metadata as shardkeep.values).",
+        "metadata as shardkeep.values). With --format hf, DEST is a folder that transformers' from_pretrained "
+        "loads: the tensors under --subtree (prefix stripped) in safetensors files split at --max-shard-size, "
+        "config.json, tied copies left out; with a config, the keys are checked against the model class and a "
+        "mismatch is an error. DEST is written under a temporary name and renamed into place.",
     )
     exporting.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
-    exporting.add_argument("dest", metavar="DEST", help="the file to write: *.pt or *.safetensors")
-    exporting.add_argument("--format", choices=("pt", "safetensors"), help="the output format (default: from DEST)")
+    exporting.add_argument(
+        "dest",
+        metavar="DEST",
+        help="the file to write (*.pt or *.safetensors), or the folder to write with --format hf",
+    )
+    exporting.add_argument(
+        "--format", choices=("pt", "safetensors", "hf"), help="the output format (default: from DEST)"
+    )
+    exporting.add_argument(
+        "--subtree", metavar="KEY", help="--format hf: the dotted key holding the model's state dict (default: model)"
+    )
+    exporting.add_argument(
+        "--config",
+        metavar="JSON",
+        help="--format hf: the model's config.json (default: the checkpoint's hf_config value, stored by an "
+        "import; without one only the weights are written and the keys are not checked)",
+    )
+    exporting.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="--format hf: the largest weight file, e.g. 5GB, 500MB or bytes (default: 5GB)",
+    )
+    exporting.add_argument(
+        "--skip-key-check",
+        action="store_true",
+        help="--format hf: do not check the keys against the model class (no transformers needed)",
+    )
     exporting.add_argument("--public-key", metavar="PEM", help="require a valid signature by this key first")
     exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
     _tier_location_argument(exporting)
@@ -675,6 +716,7 @@ def _run_import(args: argparse.Namespace, out: TextIO) -> int:
         args.dest,
         source_format=args.format,
         trust_pickle=args.trust_pickle,
+        subtree=args.subtree,
         signer=args.key,
         progress=args.progress,
     )
@@ -688,7 +730,22 @@ def _run_import(args: argparse.Namespace, out: TextIO) -> int:
 
 def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     if args.format is None and not args.dest.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors")):
-        raise ConfigError(f"cannot tell the format from {args.dest!r}: end it in .pt or .safetensors, or pass --format")
+        raise ConfigError(
+            f"cannot tell the format from {args.dest!r}: end it in .pt or .safetensors, or pass --format "
+            "(--format hf for a Hugging Face model folder)"
+        )
+    hf_flags = [
+        flag
+        for flag, given in (
+            ("--subtree", args.subtree is not None),
+            ("--config", args.config is not None),
+            ("--max-shard-size", args.max_shard_size is not None),
+            ("--skip-key-check", args.skip_key_check),
+        )
+        if given
+    ]
+    if hf_flags and args.format != "hf":
+        raise ConfigError(f"{', '.join(hf_flags)} apply to --format hf only")
     remapped = _tier_locations(args)
     location = locate(args.path)
     policy = SignaturePolicy.of(args.public_key)
@@ -697,6 +754,37 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     missing = _missing_tier_problems(location, manifest, remapped)
     if missing:
         raise CheckpointNotFoundError(f"cannot export {args.path}: {'; '.join(missing.values())}")
+
+    if args.format == "hf":
+        from shardkeep.hf import DEFAULT_MAX_SHARD_SIZE, export_hf  # imports torch
+
+        try:
+            folder = export_hf(
+                args.path,
+                args.dest,
+                subtree="model" if args.subtree is None else args.subtree,
+                config=args.config,
+                max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                check_keys=not args.skip_key_check,
+                overwrite=args.force,
+                public_key=policy.public_key,
+                tier_locations=remapped or None,
+                limits=_limits(args),
+            )
+        except CheckpointExistsError as exc:
+            if "pass overwrite=True" not in str(exc):  # a shardkeep checkpoint at DEST: never replaced
+                raise
+            raise CheckpointExistsError(f"{args.dest} already exists; pass --force to replace it") from exc
+        weight_files = sum(1 for name in folder.files if name.endswith(".safetensors"))
+        checked = f"keys checked against {folder.checked_against}" if folder.checked_against else "keys not checked"
+        tied = f"; tied copies left out: {', '.join(folder.tied_dropped)}" if folder.tied_dropped else ""
+        out.write(
+            f"exported {args.path} -> {folder.path} (hf): {folder.tensors} tensor(s), {human_bytes(folder.bytes)} "
+            f"in {weight_files} weight file(s); config from {folder.config_source or '-'}; {checked}{tied}\n"
+        )
+        for note in folder.notes:
+            out.write(f"note: {note}\n")
+        return 0
 
     from shardkeep.interop import export_checkpoint  # imports torch
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from shardkeep.errors import UnsupportedValueError
 
 __all__ = [
+    "LOCAL",
     "DIGEST_ALGORITHMS",
     "LoadOptions",
     "ManifestLimits",
@@ -18,6 +19,11 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+
+#: ``process_group=LOCAL``: this process alone, even when ``torch.distributed`` is initialized
+#: (a save that one rank makes on its own: Lightning's and Accelerate's rank-zero saves, a batch
+#: worker's result). No collective runs; the save is that of a single process.
+LOCAL = "local"
 
 #: Digest algorithms that can be recorded in a manifest. The first is the default.
 DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")

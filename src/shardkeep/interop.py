@@ -11,9 +11,13 @@ Imports treat their input as untrusted:
   ``torch.load(weights_only=False)``: reading one runs whatever code the file names. It is
   refused unless the caller passes ``trust_pickle=True`` (``--trust-pickle``).
 
-Exports write a single torch ``.pt`` file (loadable with ``weights_only=True``) or a single
+- a Hugging Face model folder (``model.safetensors``, or shards and their index) is read with
+  ``safetensors`` only, after its index is checked (:mod:`shardkeep.hf`); a folder of
+  ``pytorch_model.bin`` pickles is refused (import the file itself as ``pt``).
+
+Exports write a single torch ``.pt`` file (loadable with ``weights_only=True``), a single
 safetensors file (tensors under their dotted keys; JSON values go into the header's metadata as
-``shardkeep.values``).
+``shardkeep.values``), or a Hugging Face model folder (:func:`shardkeep.hf.export_hf`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 import shardkeep.api as api
+import shardkeep.hf as hf
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -44,8 +49,10 @@ from shardkeep.tensors.flatten import FlatState, flatten_state
 
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
 
-SourceFormat = Literal["pt", "safetensors", "dcp"]
-ExportFormat = Literal["pt", "safetensors"]
+SourceFormat = Literal["pt", "safetensors", "dcp", "hf"]
+ExportFormat = Literal["pt", "safetensors", "hf"]
+#: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.hf.export_hf`.
+_HF_EXPORT_OPTIONS = ("subtree", "config", "max_shard_size", "check_keys")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 #: The safetensors metadata key holding a checkpoint's JSON values on export.
@@ -61,14 +68,18 @@ PICKLE_REFUSAL = (
 
 
 def detect_format(source: str | os.PathLike[str]) -> SourceFormat:
-    """The format of ``source``: a DCP directory (it has ``.metadata``), a safetensors file, or a
+    """The format of ``source``: a DCP directory (it has ``.metadata``), a Hugging Face model
+    folder (``model.safetensors``, ``model.safetensors.index.json``), a safetensors file, or a
     torch file."""
     path = os.fspath(source)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, ".metadata")):
             return "dcp"
+        if hf.is_hf_folder(path):
+            return "hf"
         raise UnsupportedValueError(
-            f"{path} is a directory without a .metadata file: not a torch.distributed.checkpoint; "
+            f"{path} is a directory without a .metadata file (not a torch.distributed.checkpoint) and without "
+            f"{hf.SINGLE_FILE} or {hf.INDEX_FILE} (not a Hugging Face model folder); "
             "to copy a shardkeep checkpoint, load and save it"
         )
     if not os.path.exists(path):
@@ -171,16 +182,25 @@ def import_checkpoint(
     *,
     source_format: SourceFormat | None = None,
     trust_pickle: bool = False,
+    subtree: str | None = None,
     **save_options: Any,
 ) -> Manifest:
-    """Convert ``source`` (a torch file, a safetensors file, or a DCP directory) into a new
-    shardkeep checkpoint at ``destination``; ``save_options`` go to :func:`shardkeep.save`
-    (``signer``, ``digest``, ``storage_options`` ...). See the module docstring for what is
-    trusted."""
+    """Convert ``source`` (a torch file, a safetensors file, a DCP directory or a Hugging Face
+    model folder) into a new shardkeep checkpoint at ``destination``; ``save_options`` go to
+    :func:`shardkeep.save` (``signer``, ``digest``, ``storage_options`` ...). See the module
+    docstring for what is trusted.
+
+    A Hugging Face folder's tensors go under ``subtree`` (dotted; default ``"model"``, ``""``
+    for the top level) and its ``config.json`` under the value ``hf_config``, where a later
+    ``export_checkpoint(..., format="hf")`` finds it."""
     path = os.fspath(source)
     found = source_format or detect_format(path)
+    if subtree is not None and found != "hf":
+        raise ConfigError(f"subtree= (--subtree) applies to Hugging Face folders only, not to {found!r}")
     custom: dict[str, Any] = {"imported_from": {"format": found, "path": os.path.basename(path.rstrip("/"))}}
-    if found == "pt":
+    if found == "hf":
+        state = _hf_state(path, "model" if subtree is None else subtree)
+    elif found == "pt":
         state = _read_torch(path)
     elif found == "safetensors":
         state, metadata = _read_safetensors(path)
@@ -191,13 +211,34 @@ def import_checkpoint(
             raise UnsupportedValueError(PICKLE_REFUSAL.format(source=path))
         state = _read_dcp(path)
     else:
-        raise ConfigError(f"source_format={source_format!r} must be 'pt', 'safetensors' or 'dcp'")
+        raise ConfigError(f"source_format={source_format!r} must be 'pt', 'safetensors', 'dcp' or 'hf'")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             f"{path} holds a {type(state).__name__}, not a mapping of names to tensors; a checkpoint's state is a dict"
         )
     given = save_options.pop("custom_fields", None) or {}
     return api.save(state, destination, custom_fields={**custom, **given}, **save_options)
+
+
+def _hf_state(path: str, subtree: str) -> dict[str, Any]:
+    """The state of an imported Hugging Face folder: its tensors nested under ``subtree`` and its
+    config as the value ``hf_config``."""
+    if not os.path.isdir(path):
+        raise UnsupportedValueError(f"{path} is not a directory: a Hugging Face model folder is one")
+    folder = hf.read_folder(path)
+    parts = subtree.split(".") if subtree else []
+    if any(not part for part in parts):
+        raise ConfigError(f"subtree={subtree!r} has an empty component")
+    state: dict[str, Any] = {}
+    node = state
+    for part in parts:
+        node = node.setdefault(part, {})
+    node.update(folder.tensors)
+    if folder.config is not None:
+        if hf.CONFIG_VALUE_KEY in state:
+            raise UnsupportedValueError(f"{path} has a tensor named {hf.CONFIG_VALUE_KEY!r}; import it under a subtree")
+        state[hf.CONFIG_VALUE_KEY] = folder.config
+    return state
 
 
 @dataclass(frozen=True)
@@ -213,14 +254,17 @@ class ExportSummary:
 
 def _export_format(destination: str, given: str | None) -> ExportFormat:
     if given is not None:
-        if given not in ("pt", "safetensors"):
-            raise ConfigError(f"format={given!r} must be 'pt' or 'safetensors'")
+        if given not in ("pt", "safetensors", "hf"):
+            raise ConfigError(f"format={given!r} must be 'pt', 'safetensors' or 'hf'")
         return given  # type: ignore[return-value]  # checked just above
     if destination.endswith(".safetensors"):
         return "safetensors"
     if destination.endswith(_TORCH_SUFFIXES):
         return "pt"
-    raise ConfigError(f"cannot tell the format from {destination!r}: end it in .pt or .safetensors, or pass format=")
+    raise ConfigError(
+        f"cannot tell the format from {destination!r}: end it in .pt or .safetensors, or pass format= "
+        "('hf' for a Hugging Face model folder)"
+    )
 
 
 def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: str) -> None:
@@ -281,9 +325,18 @@ def export_checkpoint(
     **load_options: Any,
 ) -> ExportSummary:
     """Write the checkpoint at ``checkpoint`` (verified while it is read; ``load_options`` go to
-    :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file."""
+    :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file, or,
+    with ``format="hf"``, as a Hugging Face model folder: then ``subtree``, ``config``,
+    ``max_shard_size`` and ``check_keys`` go to :func:`shardkeep.hf.export_hf` (which says more
+    in its :class:`~shardkeep.hf.HFExportSummary`; here ``values`` is 0)."""
     target = os.fspath(destination)
     kind = _export_format(target, format)
+    hf_options = {name: load_options.pop(name) for name in _HF_EXPORT_OPTIONS if name in load_options}
+    if kind == "hf":
+        written = hf.export_hf(checkpoint, target, overwrite=overwrite, **hf_options, **load_options)
+        return ExportSummary(written.path, "hf", written.tensors, 0, written.bytes)
+    if hf_options:
+        raise ConfigError(f"{sorted(hf_options)} apply to format='hf' only")
     if os.path.exists(target) and not overwrite:
         raise CheckpointExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
     state = api.load(checkpoint, **load_options)

@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from shardkeep.config import LOCAL
 from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
 __all__ = ["DEFAULT_TIMEOUT", "LOCAL", "Coordinator", "RankFailure"]
@@ -37,10 +38,6 @@ T = TypeVar("T")
 #: Seconds any single collective may wait before the operation fails with a deadline error.
 DEFAULT_TIMEOUT = 300.0
 
-#: ``process_group=LOCAL``: this process alone, even when ``torch.distributed`` is initialized
-#: (a save that one rank makes on its own: Lightning's and Accelerate's rank-zero saves, a batch
-#: worker's result). No collective runs; the save is that of a single process.
-LOCAL = "local"
 
 _groups: dict[tuple[int, float], Any] = {}
 _groups_lock = threading.RLock()

@@ -1,0 +1,635 @@
+"""Hugging Face model folders: writing a checkpoint's model as a folder that ``transformers``'
+``from_pretrained`` loads, and reading such a folder (``--format hf``).
+
+Export (:func:`export_hf`) loads the checkpoint with every digest (and, with ``public_key``, the
+signature) checked before a byte is written, takes the tensors under one subtree (``model``:
+``model.transformer.wte.weight`` becomes ``transformer.wte.weight``) and writes them as
+safetensors files with ``{"format": "pt"}`` metadata, split at ``max_shard_size`` and named as
+``save_pretrained`` names them (``model.safetensors``, or ``model-00001-of-0000N.safetensors``
+plus ``model.safetensors.index.json``), with ``config.json`` beside them. The folder is built
+under a temporary name next to the destination and renamed into place: it is there whole or
+not at all.
+
+With a config, the exported keys are compared with the keys the model class expects (the class
+is built from the config on the meta device, so no memory is spent on weights): a key the model
+expects and the folder lacks would be initialised at random by ``from_pretrained`` without an
+error, so any difference is refused, naming the keys and the subtree that would fit. The same
+meta model says which weights are tied (``lm_head.weight`` to ``transformer.wte.weight`` in
+GPT-2): the tied copy is left out, as ``save_pretrained`` leaves it out, but only when its bytes
+equal the kept one's. ``transformers`` is imported only for that check.
+
+Import (:func:`read_folder`) reads ``model.safetensors`` or the shards an index names, with
+``safetensors`` only (no pickle): the index is checked first (every file named inside the
+folder and present, every key in exactly one file, every file holding exactly the keys the
+index gives it). A folder holding only ``pytorch_model.bin`` is refused: import that file with
+``--format pt`` (read with ``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import shardkeep.api as api
+from shardkeep.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DependencyError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from shardkeep.manifest import MANIFEST_FILENAME
+from shardkeep.tensors.flatten import flatten_state
+
+__all__ = [
+    "CONFIG_VALUE_KEY",
+    "HFExportSummary",
+    "HFFolder",
+    "export_hf",
+    "is_hf_folder",
+    "parse_size",
+    "read_folder",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+#: The top-level key under which an import stores ``config.json`` (as JSON values), and where an
+#: export looks for a config when none is given.
+CONFIG_VALUE_KEY = "hf_config"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: Bounds on the JSON files read from a folder (an index of a very large model is a few MiB).
+_MAX_JSON_BYTES = 64 << 20
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``value``: an int, or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` or
+    ``"1000"`` (decimal units, as ``save_pretrained`` reads them; ``KiB``/``MiB``/``GiB`` binary)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"max_shard_size={value!r} must be a size such as '5GB', '500MB' or a number of bytes")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(f"max_shard_size={value!r} must be a size such as '5GB', '500MB' or a number of bytes")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"max_shard_size={value!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class HFExportSummary:
+    """What :func:`export_hf` wrote and what it checked."""
+
+    path: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    #: The tied copies left out (each equal, byte for byte, to the weight it is tied to).
+    tied_dropped: tuple[str, ...]
+    #: Where ``config.json`` came from (a path, ``checkpoint value 'hf_config'``, ``given``), or None.
+    config_source: str | None
+    #: The model class the keys were checked against, or None when the check was skipped.
+    checked_against: str | None
+    #: Sentences worth telling the user: a skipped key check, values left out, untied copies.
+    notes: tuple[str, ...] = field(default=())
+
+
+def _json_file(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointNotFoundError(f"cannot read {what} {path}: {exc}") from exc
+    if len(data) > _MAX_JSON_BYTES:
+        raise UnsupportedValueError(f"{what} {path} is larger than {_MAX_JSON_BYTES >> 20} MiB")
+
+    def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, item in pairs:
+            if key in result:
+                raise UnsupportedValueError(f"{what} {path} repeats the key {key!r}")
+            result[key] = item
+        return result
+
+    try:
+        document = json.loads(data, object_pairs_hook=no_repeats)
+    except (ValueError, RecursionError) as exc:
+        raise UnsupportedValueError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise UnsupportedValueError(f"{what} {path} must hold a JSON object")
+    return document
+
+
+def _given_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(dict(config))), "given"  # a plain JSON copy, or TypeError
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"config {path} does not exist")
+    return _json_file(path, "config"), path
+
+
+# --------------------------------------------------------------------------------- the key check
+
+
+@dataclass(frozen=True)
+class _ModelKeys:
+    """The keys a model class reads from a folder, from an instance built on the meta device."""
+
+    name: str
+    expected: frozenset[str]
+    #: target -> source: the target is filled from the source when the folder lacks it.
+    tied: dict[str, str]
+    ignore_missing: re.Pattern[str] | None
+    ignore_unexpected: re.Pattern[str] | None
+
+    def difference(self, keys: set[str]) -> tuple[list[str], list[str]]:
+        """(missing, unexpected): keys the model needs that ``keys`` lacks, and keys it would not read."""
+        missing = []
+        for key in sorted(self.expected - keys):
+            source = self.tied.get(key)
+            if source is not None and source in keys:
+                continue
+            if any(target in keys for target, tied_source in self.tied.items() if tied_source == key):
+                continue  # from_pretrained ties symmetrically: the target fills the source
+            if self.ignore_missing is not None and self.ignore_missing.search(key):
+                continue
+            missing.append(key)
+        unexpected = [
+            key
+            for key in sorted(keys - self.expected)
+            if self.ignore_unexpected is None or not self.ignore_unexpected.search(key)
+        ]
+        return missing, unexpected
+
+
+def _pattern(patterns: Any) -> re.Pattern[str] | None:
+    found = [str(item) for item in (patterns or ())]
+    return re.compile("|".join(f"({item})" for item in found)) if found else None
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise DependencyError(
+            "checking the exported keys against the model needs transformers (pip install transformers); "
+            "or skip the check (check_keys=False, --skip-key-check)"
+        ) from exc
+    return transformers
+
+
+def _model_keys(config_doc: dict[str, Any]) -> list[_ModelKeys]:
+    """The key sets of the classes a config names (``architectures``), or, when it names none, of
+    the first of ``AutoModelForCausalLM`` and ``AutoModel`` that has its ``model_type``: only
+    one, since a base model's keys also load into the causal LM class, which would then
+    initialise its head at random."""
+    transformers = _transformers()
+    if not isinstance(config_doc.get("model_type"), str):
+        raise ConfigError("the config has no 'model_type': it is not a transformers config.json")
+    try:
+        config = transformers.AutoConfig.for_model(**config_doc)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"transformers cannot build a config from it: {exc}") from exc
+    builders: list[tuple[str, Any]] = []
+    for name in config_doc.get("architectures") or ():
+        klass = getattr(transformers, str(name), None)
+        if klass is None:
+            raise ConfigError(f"the config names the architecture {name!r}, which this transformers does not have")
+        builders.append((str(name), klass._from_config))
+    if not builders:
+        builders = [(name, getattr(transformers, name).from_config) for name in ("AutoModelForCausalLM", "AutoModel")]
+    found: list[_ModelKeys] = []
+    for name, build in builders:
+        try:
+            with torch.device("meta"):
+                model = build(config)
+        except ValueError:
+            continue  # an Auto class without this model_type
+        found.append(_keys_of(type(model).__name__ if name.startswith("Auto") else name, model))
+        if name.startswith("Auto"):
+            break
+    if not found:
+        raise ConfigError(f"transformers has no model class for model_type {config_doc['model_type']!r}")
+    return found
+
+
+def _keys_of(name: str, model: Any) -> _ModelKeys:
+    expected = frozenset(model.state_dict().keys())
+    tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    # Parameters that are one object are tied whatever the model declares.
+    first_name: dict[int, str] = {}
+    for key, parameter in model.named_parameters(remove_duplicate=False):
+        source = first_name.setdefault(id(parameter), key)
+        if source != key and key not in tied and key in expected:
+            tied[key] = source
+    unexpected_patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    # from_pretrained also ignores the buffers that used to be persistent.
+    if any(buffer.endswith("rotary_emb.inv_freq") for buffer, _ in model.named_buffers()):
+        unexpected_patterns.add(r"rotary_emb\.inv_freq")
+    if any(buffer.endswith("position_ids") for buffer, _ in model.named_buffers()):
+        unexpected_patterns.add(r"(^|\.)position_ids$")
+    return _ModelKeys(
+        name=name,
+        expected=expected,
+        tied=tied,
+        ignore_missing=_pattern(getattr(model, "_keys_to_ignore_on_load_missing", None)),
+        ignore_unexpected=_pattern(unexpected_patterns),
+    )
+
+
+def _fitting_subtree(model: _ModelKeys, all_keys: set[str]) -> str | None:
+    """The subtree of the checkpoint (a prefix of its dotted keys) whose keys fit ``model``."""
+    probe = next((key for key in sorted(model.expected) if key not in model.tied), None)
+    if probe is None:
+        return None
+    candidates = sorted(
+        {key[: -len(probe)].rstrip(".") for key in all_keys if key == probe or key.endswith("." + probe)}
+    )
+    for prefix in candidates:
+        keys = _strip(all_keys, prefix)
+        missing, unexpected = model.difference(keys)
+        if not missing and not unexpected:
+            return prefix
+    return None
+
+
+def _strip(keys: set[str], prefix: str) -> set[str]:
+    if not prefix:
+        return set(keys)
+    return {key[len(prefix) + 1 :] for key in keys if key.startswith(prefix + ".")}
+
+
+def _check_keys(models: list[_ModelKeys], keys: set[str], all_keys: set[str], subtree: str) -> _ModelKeys:
+    for model in models:
+        missing, unexpected = model.difference(keys)
+        if not missing and not unexpected:
+            return model
+    model = models[0]
+    missing, unexpected = model.difference(keys)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} key(s) the model expects are missing ({', '.join(missing[:5])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} key(s) are not the model's ({', '.join(unexpected[:5])})")
+    hint = ""
+    fitting = _fitting_subtree(model, all_keys)
+    if fitting is not None and fitting != subtree:
+        hint = f"; subtree {fitting!r} fits (--subtree {fitting or chr(39) * 2})"
+    raise ConfigError(
+        f"the tensors under subtree {subtree!r} do not fit {model.name}: {' and '.join(problems)}; "
+        f"from_pretrained would initialise missing weights at random, so nothing was written{hint}"
+    )
+
+
+# ----------------------------------------------------------------------------------- the export
+
+
+def _subtree_tensors(state: Any, subtree: str) -> tuple[dict[str, torch.Tensor], set[str], int]:
+    """The tensors under ``subtree`` (keys without the prefix), every tensor key of the checkpoint,
+    and how many JSON values lie under the subtree."""
+    flat = flatten_state(state)
+    every = {leaf.key for leaf in flat.tensors}
+    prefix = f"{subtree}." if subtree else ""
+    chosen: dict[str, torch.Tensor] = {}
+    for leaf in flat.tensors:
+        if leaf.key == subtree:
+            raise ConfigError(f"{subtree!r} is a tensor, not a subtree; pick the key holding the model's state dict")
+        if leaf.key.startswith(prefix):
+            value = leaf.value
+            chosen[leaf.key[len(prefix) :]] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    values = sum(1 for entry in flat.values if entry.key.startswith(prefix) or entry.key == subtree)
+    if not chosen:
+        counts: dict[str, int] = {}
+        for leaf in flat.tensors:
+            head = str(leaf.path[0])
+            counts[head] = counts.get(head, 0) + 1
+        there = ", ".join(f"{name!r} ({count} tensor(s))" for name, count in sorted(counts.items())) or "none"
+        raise _NoTensorsError(
+            f"the checkpoint has no tensors under subtree {subtree!r}; the subtrees with tensors: {there}", every
+        )
+    return chosen, every, values
+
+
+class _NoTensorsError(ConfigError):
+    """No tensors under the subtree; carries the checkpoint's tensor keys, to suggest one."""
+
+    def __init__(self, message: str, keys: set[str]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    if first.dtype != second.dtype or first.shape != second.shape:
+        return False
+    return torch.equal(
+        first.contiguous().reshape(-1).view(torch.uint8), second.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Keys in order, cut into files of at most ``limit`` bytes (a larger tensor gets its own)."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if files[-1] and used + size > limit:
+            files.append([])
+            used = 0
+        files[-1].append(key)
+        used += size
+    return files
+
+
+def _fsync_directory(path: str) -> None:
+    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _write_json(path: str, document: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_folder(
+    staging: str, tensors: dict[str, torch.Tensor], plan: list[list[str]], config_doc: dict[str, Any] | None
+) -> list[str]:
+    from safetensors.torch import save_file
+
+    names = (
+        [SINGLE_FILE]
+        if len(plan) == 1
+        else [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
+    )
+    weight_map: dict[str, str] = {}
+    for name, keys in zip(names, plan, strict=True):
+        path = os.path.join(staging, name)
+        save_file({key: tensors[key].contiguous() for key in keys}, path, metadata={"format": "pt"})
+        with open(path, "rb+") as handle:
+            os.fsync(handle.fileno())
+        weight_map.update(dict.fromkeys(keys, name))
+    written = list(names)
+    if len(plan) > 1:
+        total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        _write_json(os.path.join(staging, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(INDEX_FILE)
+    if config_doc is not None:
+        _write_json(os.path.join(staging, CONFIG_FILE), config_doc)
+        written.append(CONFIG_FILE)
+    _fsync_directory(staging)
+    return written
+
+
+def _check_destination(target: str, overwrite: bool) -> None:
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
+    if not os.path.isdir(target) or os.path.islink(target):
+        raise CheckpointExistsError(f"{target} exists and is not a directory; it is not replaced by a model folder")
+    if os.path.exists(os.path.join(target, MANIFEST_FILENAME)):
+        raise CheckpointExistsError(f"{target} is a shardkeep checkpoint; an export never replaces one")
+
+
+def _place(staging: str, target: str, overwrite: bool) -> None:
+    """Rename the finished ``staging`` folder to ``target``, moving an old ``target`` aside first."""
+    parent = os.path.dirname(target)
+    old = None
+    if os.path.lexists(target):
+        _check_destination(target, overwrite)
+        old = os.path.join(parent, f".{os.path.basename(target)}.old-{uuid.uuid4().hex[:12]}")
+        os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    _fsync_directory(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_hf(
+    checkpoint: str | os.PathLike[str],
+    directory: str | os.PathLike[str],
+    *,
+    subtree: str = "model",
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    check_keys: bool = True,
+    public_key: Any = None,
+    overwrite: bool = False,
+    **load_options: Any,
+) -> HFExportSummary:
+    """Write the tensors under ``subtree`` of the checkpoint at ``checkpoint`` as a Hugging Face
+    model folder at ``directory`` (see the module docstring).
+
+    ``config`` is a ``config.json`` path (or the folder holding one) or a mapping; without it the
+    checkpoint's ``hf_config`` value (stored by an import) is used when present, and otherwise
+    only the weights are written. With a config and ``check_keys`` the keys are checked against
+    the model class (needs ``transformers``) and tied copies are left out; a mismatch raises
+    :class:`~shardkeep.errors.ConfigError` before anything is written. ``public_key`` and
+    ``load_options`` go to :func:`shardkeep.load`, which checks every digest (and the
+    signature) before any tensor is read. ``directory`` must not exist unless ``overwrite``
+    (a shardkeep checkpoint there is never replaced)."""
+    target = os.path.abspath(os.fspath(directory))
+    if load_options.pop("verify", True) is not True:
+        raise ConfigError("an export always verifies the checkpoint; verify=False is not accepted")
+    limit = parse_size(max_shard_size)
+    _check_destination(target, overwrite)
+    config_doc, config_source = _given_config(config) if config is not None else (None, None)
+
+    state = api.load(checkpoint, public_key=public_key, **load_options)
+    if config_doc is None and isinstance(state, Mapping) and isinstance(state.get(CONFIG_VALUE_KEY), Mapping):
+        config_doc = json.loads(json.dumps(state[CONFIG_VALUE_KEY]))
+        config_source = f"checkpoint value {CONFIG_VALUE_KEY!r}"
+    try:
+        tensors, every_key, values = _subtree_tensors(state, subtree)
+    except _NoTensorsError as exc:
+        fitting = None
+        if config_doc is not None and check_keys:
+            fitting = _fitting_subtree(_model_keys(config_doc)[0], exc.keys)
+        if fitting is None:
+            raise
+        raise ConfigError(f"{exc}; subtree {fitting!r} fits (--subtree {fitting or chr(39) * 2})") from exc
+
+    notes: list[str] = []
+    if values:
+        notes.append(f"{values} JSON value(s) under {subtree!r} are not tensors and were not written")
+    checked_against = None
+    dropped: list[str] = []
+    if config_doc is None:
+        notes.append("no config: only the weights were written (no config.json), and the keys were not checked")
+    elif not check_keys:
+        notes.append("the key check was skipped: nothing guarantees from_pretrained finds every weight")
+    else:
+        model = _check_keys(_model_keys(config_doc), set(tensors), every_key, subtree)
+        checked_against = model.name
+        if not config_doc.get("architectures"):
+            config_doc["architectures"] = [model.name]  # as save_pretrained writes it: the class checked
+            notes.append(f"the config names no architecture; config.json names {model.name}, the class checked")
+        for target_key, source_key in sorted(model.tied.items()):
+            if target_key in tensors and source_key in tensors:
+                if _same_bytes(tensors[target_key], tensors[source_key]):
+                    del tensors[target_key]
+                    dropped.append(target_key)
+                else:
+                    notes.append(
+                        f"{target_key} is tied to {source_key} in the config but differs from it; both were written "
+                        "(from_pretrained will not tie them)"
+                    )
+
+    plan = _plan_files(tensors, limit)
+    parent = os.path.dirname(target)
+    staging = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        os.mkdir(staging)
+        try:
+            files = _write_folder(staging, tensors, plan, config_doc)
+            _place(staging, target, overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except OSError as exc:
+        raise StorageError(f"cannot write {target}: {exc}") from exc
+    return HFExportSummary(
+        path=target,
+        files=tuple(files),
+        tensors=len(tensors),
+        bytes=sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()),
+        tied_dropped=tuple(dropped),
+        config_source=config_source,
+        checked_against=checked_against,
+        notes=tuple(notes),
+    )
+
+
+# ----------------------------------------------------------------------------------- the import
+
+
+@dataclass(frozen=True)
+class HFFolder:
+    """What a Hugging Face model folder holds: its tensors by key, its ``config.json`` and the
+    weight files read."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any] | None
+    files: tuple[str, ...]
+
+
+def is_hf_folder(path: str) -> bool:
+    """True when ``path`` is a directory holding ``model.safetensors``, an index of shards, or
+    ``pytorch_model.bin`` weights (refused by :func:`read_folder`, with the way to import them)."""
+    if not os.path.isdir(path):
+        return False
+    names = (SINGLE_FILE, INDEX_FILE, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names)
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118  # safe_open has no iterator
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UnsupportedValueError(f"{path} is not a valid safetensors file: {exc}") from exc
+
+
+def _index_files(folder: str) -> dict[str, list[str]]:
+    """File name -> the keys the index puts in it, after checking every name stays in ``folder``."""
+    path = os.path.join(folder, INDEX_FILE)
+    index = _json_file(path, "index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UnsupportedValueError(f"{path} has no 'weight_map' object naming the file of each weight")
+    files: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise UnsupportedValueError(f"{path}: the file of {key!r} is not a string")
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.basename(name) != name:
+            raise UnsafePathError(f"{path}: the file {name!r} of {key!r} is not a plain name inside the folder")
+        files.setdefault(name, []).append(key)
+    for name in files:
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise CheckpointNotFoundError(f"{path} names {name}, which is not in {folder}")
+    return files
+
+
+def read_folder(folder: str | os.PathLike[str]) -> HFFolder:
+    """The tensors and config of the Hugging Face model folder ``folder`` (see the module
+    docstring for what is checked). Raises :class:`~shardkeep.errors.UnsupportedValueError`
+    for a folder without safetensors weights or a damaged index or file."""
+    root = os.fspath(folder)
+    single = os.path.join(root, SINGLE_FILE)
+    has_index = os.path.isfile(os.path.join(root, INDEX_FILE))
+    if os.path.isfile(single) and has_index:
+        raise UnsupportedValueError(
+            f"{root} holds both {SINGLE_FILE} and {INDEX_FILE}; which one is the model is unclear: remove one"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    if has_index:
+        files = _index_files(root)
+        owner = {key: name for name, keys in files.items() for key in keys}
+        for name, keys in files.items():
+            found = _read_weights(os.path.join(root, name))
+            absent = sorted(set(keys) - set(found))
+            if absent:
+                raise UnsupportedValueError(f"{INDEX_FILE} puts {absent[:5]} in {name}, which does not hold them")
+            for key in sorted(set(found) - set(keys)):
+                if key in owner:
+                    raise UnsupportedValueError(f"{key!r} is in two files: {name} and {owner[key]}")
+                raise UnsupportedValueError(f"{name} holds {key!r}, which {INDEX_FILE} does not list")
+            tensors.update(found)
+        names = tuple(files)
+    elif os.path.isfile(single):
+        tensors = _read_weights(single)
+        names = (SINGLE_FILE,)
+    elif os.path.isfile(os.path.join(root, "pytorch_model.bin")) or os.path.isfile(
+        os.path.join(root, "pytorch_model.bin.index.json")
+    ):
+        raise UnsupportedValueError(
+            f"{root} holds pytorch_model.bin weights (Python pickles), not safetensors; import the file itself with "
+            "--format pt (format 'pt', read with torch.load(weights_only=True)), or save the model again with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    else:
+        raise CheckpointNotFoundError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    config_path = os.path.join(root, CONFIG_FILE)
+    config = _json_file(config_path, "config") if os.path.isfile(config_path) else None
+    return HFFolder(tensors=tensors, config=config, files=names)

@@ -1,0 +1,275 @@
+"""shardkeep.dcp: torch.distributed.checkpoint's save, async_save and load write and read real
+shardkeep checkpoints (FSDP2 on gloo ranks, one process without a process group, sk.save
+checkpoints, damage, existing checkpoints, signatures)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tests.distributed_harness import results_or_raise, run_ranks
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import shardkeep as sk
+from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
+
+# DCP on one process (no process group) warns once per call; only that warning is expected.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning"
+)
+
+EXTRA = {"epoch": 3, "tag": "run-a", "ratios": [0.5, 0.25]}
+
+
+def _model(world_size: int | None, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small MLP (5 output rows: uneven shards on 2 and 3 ranks), FSDP2 when ``world_size``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    if world_size is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(4, 8, generator=generator)  # the same batch on every rank
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "extra": dict(extra)}
+
+
+def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full (unsharded) model and optimizer state, on rank 0 (empty elsewhere)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _assert_same(found: Any, expected: Any, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(found, torch.Tensor), where
+        found = found.full_tensor() if hasattr(found, "full_tensor") else found
+        assert found.dtype == expected.dtype and torch.equal(found, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(found, dict) and set(found) == set(expected), (where, sorted(found), sorted(expected))
+        for key in expected:
+            _assert_same(found[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(found) == len(expected), where
+        for index, (a, b) in enumerate(zip(found, expected, strict=True)):
+            _assert_same(a, b, f"{where}.{index}")
+    else:
+        assert found == expected, (where, found, expected)
+
+
+def _save_fsdp(rank: int, world_size: int, path: str, mode: str) -> dict[str, Any]:
+    model, optimizer = _model(world_size, seed=0)
+    _train_one_step(model, optimizer)
+    state = _state(model, optimizer, EXTRA)
+    if mode == "async":
+        # The background save runs DCP's collectives on a group of its own, so that training's
+        # collectives on the default group go on meanwhile.
+        group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save(state, storage_writer=ShardkeepWriter(path), process_group=group)
+        _train_one_step(model, optimizer)  # training goes on: the save holds its own copy
+        future.result()
+        model, optimizer = _model(world_size, seed=0)  # the reference is the state as saved
+        _train_one_step(model, optimizer)
+    elif mode == "sk":
+        sk.save(state, path)
+    else:
+        dcp.save(state, storage_writer=ShardkeepWriter(path))
+    return _full(model, optimizer)
+
+
+def _load_fsdp(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    model, optimizer = _model(world_size, seed=123)
+    state = _state(model, optimizer, {"epoch": 0, "tag": "", "ratios": [0.0, 0.0]})
+    dcp.load(state, storage_reader=ShardkeepReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {**_full(model, optimizer), "extra": state["extra"]}
+
+
+def _load_one_process(path: str) -> dict[str, Any]:
+    model, optimizer = _model(None, seed=123)
+    state = _state(model, optimizer, {"epoch": 0, "tag": "", "ratios": [0.0, 0.0]})
+    dcp.load(state, storage_reader=ShardkeepReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "extra": state["extra"]}
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((path / "manifest.json").read_bytes())
+    return data
+
+
+def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "step_1"
+    reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "sync", outbox=tmp_path / "save"))[0]
+    assert not list(tmp_path.glob("*.tmp-*")), "the staging directory was left behind"
+    report = sk.verify(path)
+    assert report.ok, report.problems
+    manifest = _manifest(path)
+    assert manifest["metadata_version"] == "1.3" and manifest["world_size"] == 2
+    entries = {}
+    for record in manifest["files"]:
+        assert record["path"].startswith("shards/rank_0000") and record["digest"].startswith("blake3:")
+        for entry in record["tensors"]:
+            entries.setdefault(entry["key"], []).append(entry)
+    # Each FSDP2 parameter and its AdamW moments: one chunk per rank, with its own digest.
+    for key in ("model.2.weight", "optim.state.2.weight.exp_avg", "optim.state.2.bias.exp_avg_sq"):
+        chunks = sorted(entries[key], key=lambda entry: entry["global_offset"])
+        assert [chunk["global_offset"][0] for chunk in chunks] == [0, 3], key
+        assert all(chunk["global_shape"][0] == 5 and chunk["digest"] for chunk in chunks), key
+    # DCP's non-tensor items are opaque bytes, listed as such; the nested paths are kept as JSON.
+    recorded = manifest["custom_fields"]["dcp"]
+    assert "extra.tag" in recorded["bytes"] and "extra.epoch" in recorded["bytes"]
+    assert entries["extra.tag"][0]["dtype"] == "U8" and entries["extra.tag"][0]["path"] == ["extra", "tag"]
+    assert recorded["planner_data"]["model.2.weight"] == ["model", "2.weight"]
+    # sk.load reads it: chunks assembled, DCP's bytes handed back as uint8 tensors, never unpickled.
+    loaded = sk.load(path)
+    _assert_same(loaded["model"]["2.weight"], reference["model"]["2.weight"])
+    assert loaded["extra"]["tag"].dtype == torch.uint8
+    assert torch.load(io.BytesIO(loaded["extra"]["tag"].numpy().tobytes())) == "run-a"
+
+    on_one = _load_one_process(str(path))
+    _assert_same(on_one, {**reference, "extra": EXTRA})
+    on_three = results_or_raise(run_ranks(3, _load_fsdp, str(path), outbox=tmp_path / "load3"))[0]
+    _assert_same(on_three, {**reference, "extra": EXTRA})
+
+
+def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "step_2"
+    reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "async", outbox=tmp_path / "save"))[0]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    report = sk.verify(path)
+    assert report.ok, report.problems
+    assert _manifest(path)["world_size"] == 2
+    _assert_same(sk.load(path)["model"], reference["model"])
+    _assert_same(_load_one_process(str(path)), {**reference, "extra": EXTRA})
+
+
+def test_the_reader_loads_a_sharded_sk_save_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "by_sk_save"
+    reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "sk", outbox=tmp_path / "save"))[0]
+    _assert_same(_load_one_process(str(path)), {**reference, "extra": EXTRA})
+
+
+def test_the_reader_loads_a_checkpoint_written_by_sk_save(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    saved = {
+        "model": layer.state_dict(),
+        "step": 5,
+        "meta": {"name": "x", "betas": (0.9, 0.95), "loss": float("inf")},
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
+    sk.save(saved, tmp_path / "ckpt")
+    target = {
+        "model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)},
+        "step": 0,
+        "meta": {"name": "", "betas": (0.0, 0.0), "loss": 0.0},
+        "ids": torch.zeros(2, 3, dtype=torch.int64),
+    }
+    dcp.load(target, storage_reader=ShardkeepReader(tmp_path / "ckpt"))
+    _assert_same(target, saved)
+
+
+def _flip_byte(path: Path, key: str) -> None:
+    """Flip one byte of ``key``'s data in its file (the manifest is left as it is)."""
+    for record in _manifest(path)["files"]:
+        for entry in record["tensors"]:
+            if entry["key"] == key:
+                file = path / record["path"]
+                data = bytearray(file.read_bytes())
+                data[entry["offset"]] ^= 0xFF
+                file.write_bytes(bytes(data))
+                return
+    raise AssertionError(f"{key} not found")
+
+
+def _small_state(scale: float) -> dict[str, Any]:
+    return {
+        "model": {"weight": torch.full((4, 3), scale), "bias": torch.full((4,), scale)},
+        "extra": {"epoch": int(scale)},
+    }
+
+
+def test_a_flipped_byte_fails_the_load_before_any_value_changes(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
+    assert sk.verify(path).ok
+    _flip_byte(path, "model.bias")
+    assert not sk.verify(path).ok
+    target = _small_state(0.0)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(target, storage_reader=ShardkeepReader(path))
+    # DCP wraps every storage error; the one inside is shardkeep's, naming the file.
+    (error, _), *_ = raised.value.failures.values()
+    assert isinstance(error, sk.IntegrityError) and "shards/rank_00000.safetensors" in str(error)
+    _assert_same(target, _small_state(0.0))  # nothing was loaded, not even the intact weight
+
+
+def test_a_damaged_manifest_is_refused_when_the_reader_is_built(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
+    manifest = path / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"world_size":1', b'"world_size":2'))
+    with pytest.raises(sk.IntegrityError):
+        ShardkeepReader(path)
+
+
+def test_a_second_save_to_the_same_path_is_refused_and_leaves_the_first(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
+    before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with pytest.raises(sk.CheckpointExistsError, match="ckpt"):
+        dcp.save(_small_state(3.0), storage_writer=ShardkeepWriter(path))
+    # A writer built before the checkpoint appeared: the commit refuses it (DCP wraps the error).
+    late = ShardkeepWriter(tmp_path / "other")
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(tmp_path / "other"))
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(_small_state(3.0), storage_writer=late)
+    assert any(isinstance(error, sk.CheckpointExistsError) for error, _ in raised.value.failures.values())
+    assert {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.glob("*.tmp-*"))
+    target = _small_state(0.0)
+    dcp.load(target, storage_reader=ShardkeepReader(path))
+    _assert_same(target, _small_state(2.0))
+
+
+def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    path = tmp_path / "signed"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path, signer=key))
+    assert (path / "manifest.sig").is_file()
+    assert sk.verify(path, public_key=key.public_key()).ok
+    assert not sk.verify(path, public_key=Ed25519PrivateKey.generate().public_key()).ok
+    target = _small_state(0.0)
+    dcp.load(target, storage_reader=ShardkeepReader(path, public_key=key.public_key()))
+    _assert_same(target, _small_state(2.0))
+    with pytest.raises(sk.SignatureError):
+        ShardkeepReader(path, public_key=Ed25519PrivateKey.generate().public_key())
+    with pytest.raises(sk.UnsupportedValueError, match="cryptographic"):
+        ShardkeepWriter(tmp_path / "weak", signer=key, digest="xxh3-128")
