@@ -408,3 +408,80 @@ def test_manifest_limit_mib_reads_a_checkpoint_over_the_default_limits(tmp_path:
         out.getvalue()
     )
     assert main(["ls", str(root), "--verify", "--manifest-limit-mib", "1"], out=io.StringIO(), err=io.StringIO()) != 0
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every runnable command of the CLI, by name (``ledger status``, ``ledger reassign`` ...)."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                nested = _subcommands(sub)
+                found.update({f"{name} {inner}": p for inner, p in nested.items()} if nested else {name: sub})
+    return found
+
+
+def test_every_command_has_json_output() -> None:
+    from shardkeep.cli import build_parser
+
+    commands = _subcommands(build_parser())
+    assert len(commands) >= 10, sorted(commands)
+    without = [name for name, parser in commands.items() if "--json" not in parser._option_string_actions]
+    assert without == []
+
+
+def test_json_output_of_every_command_parses_and_holds_its_fields(
+    checkpoint: Path, managed_root: Path, tmp_path: Path
+) -> None:
+    """Each command with --json prints one JSON object on stdout (the fields docs/cli.md
+    documents), and nothing else."""
+
+    def document(*argv: str) -> dict[str, object]:
+        code, out, err = run(*argv, "--json")
+        assert code == 0 and err == "", (argv, err)
+        parsed = json.loads(out)
+        assert isinstance(parsed, dict)
+        return parsed
+
+    key = tmp_path / "k.pem"
+    made = document("keygen", str(key))
+    assert made["private"] == str(key) and made["public"] == f"{key}.pub" and made["encrypted"] is False
+    signed = document("sign", str(checkpoint), "--key", str(key))
+    assert signed == {"path": str(checkpoint), "key_id": made["key_id"], "replaced": False}
+    exported = document("export", str(checkpoint), str(tmp_path / "out.pt"))
+    assert exported["format"] == "pt" and exported["tensors"] and str(exported["dest"]).endswith("out.pt")
+    imported = document("import", str(tmp_path / "out.pt"), str(tmp_path / "back"))
+    assert imported["format"] == "pt" and imported["signed"] is False
+    assert imported["summary"]["tensor_count"] == exported["tensors"]
+    pruned = document("prune", str(managed_root), "--keep-last", "1", "--keep-best", "0")
+    assert pruned["applied"] is False and pruned["delete"] and pruned["keep"]
+    assert pruned["policy"]["keep_last"] == 1
+    assert {p.name for p in managed_root.iterdir()} >= set(pruned["delete"])  # a dry run deletes nothing
+    applied = document("prune", str(managed_root), "--keep-last", "1", "--keep-best", "0", "--apply")
+    assert applied["applied"] is True and applied["delete"] == pruned["delete"]
+    assert not ({p.name for p in managed_root.iterdir()} & set(applied["delete"]))
+    ledger = sk.ProgressLedger(str(tmp_path / "ledger.json"), world_size=2)
+    ledger.initialize()
+    moved = document("ledger", "reassign", str(tmp_path / "ledger.json"), "1", "0")
+    assert moved == {
+        "path": str(tmp_path / "ledger.json"),
+        "shard": 1,
+        "original_rank": 1,
+        "previous_worker": 1,
+        "worker": 0,
+    }
+    assert document("ledger", "status", str(tmp_path / "ledger.json"))["progress"]
+    assert document("verify", str(checkpoint))["ok"] is True
+    assert document("inspect", str(checkpoint))["manifest"]["step"] == 7
+    assert document("ls", str(managed_root))["checkpoints"]
+
+
+def test_errors_with_json_are_one_json_object_on_stderr(tmp_path: Path) -> None:
+    code, out, err = run("inspect", str(tmp_path / "missing"), "--json")
+    assert code == 2 and out == ""
+    error = json.loads(err)["error"]
+    assert (
+        error["command"] == "inspect" and error["type"] == "CheckpointNotFoundError" and "missing" in error["message"]
+    )
+    code, out, err = run("ledger", "reassign", str(tmp_path / "none.json"), "0", "1", "--json")
+    assert code == 2 and json.loads(err)["error"]["command"] == "ledger reassign"

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import msgspec
@@ -165,6 +166,7 @@ def _add_keygen(commands: Any) -> None:
     )
     keygen.add_argument("private", metavar="PRIVATE", help="where to write the private key, e.g. signing.pem")
     keygen.add_argument("--public", metavar="PATH", help="where to write the public key (default: PRIVATE.pub)")
+    _json_argument(keygen, "the files written and the key id")
 
 
 def _add_sign(commands: Any) -> None:
@@ -179,6 +181,7 @@ def _add_sign(commands: Any) -> None:
     sign.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
     sign.add_argument("--key", required=True, metavar="PEM", help="the Ed25519 private key (from shardkeep keygen)")
     sign.add_argument("--replace", action="store_true", help="replace an existing signature")
+    _json_argument(sign, "the checkpoint and the key id")
 
 
 def _add_import_command(commands: Any) -> None:
@@ -218,6 +221,7 @@ def _add_import_command(commands: Any) -> None:
     )
     importing.add_argument("--key", metavar="PEM", help="sign the new checkpoint with this Ed25519 private key")
     importing.add_argument("--progress", action="store_true", help="show a progress bar while writing")
+    _json_argument(importing, "the new checkpoint's summary")
 
 
 def _add_export_command(commands: Any) -> None:
@@ -264,6 +268,7 @@ def _add_export_command(commands: Any) -> None:
     exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
     _tier_location_argument(exporting)
     _limits_argument(exporting)
+    _json_argument(exporting, "what was written")
 
 
 def _add_ls(commands: Any) -> None:
@@ -322,6 +327,7 @@ def _add_prune(commands: Any) -> None:
         f"prefixes, unfinished multipart uploads) untouched for this long (default {DEFAULT_LEASE:.0f})",
     )
     _policy_arguments(prune)
+    _json_argument(prune, "the policy, what is kept, what is (or would be) deleted")
 
 
 def _add_ledger(commands: Any) -> None:
@@ -366,6 +372,17 @@ def _add_ledger(commands: Any) -> None:
     reassign.add_argument("path", metavar="PATH", help="the ledger's JSON file")
     reassign.add_argument("shard", metavar="SHARD", type=int, help="the shard (its original rank)")
     reassign.add_argument("rank", metavar="RANK", type=int, help="the worker that takes it over")
+    _json_argument(reassign, "the shard, its previous and its new worker")
+
+
+def _json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help=f"print {what} as one JSON object (schema: docs/cli.md); errors too"
+    )
+
+
+def _write_json(out: TextIO, document: Mapping[str, Any]) -> None:
+    out.write(json.dumps(document, indent=2) + "\n")
 
 
 def _positive_int(text: str) -> int:
@@ -693,6 +710,10 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _run_keygen(args: argparse.Namespace, out: TextIO) -> int:
     public = args.public or f"{args.private}.pub"
     identity = generate_key_pair(args.private, public)
+    if args.json:
+        encrypted = bool(os.environ.get(PASSPHRASE_ENV))
+        _write_json(out, {"private": args.private, "public": public, "key_id": identity, "encrypted": encrypted})
+        return 0
     out.write(f"wrote {args.private} (private, keep it secret) and {public} (public)\nkey id {identity}\n")
     return 0
 
@@ -704,13 +725,17 @@ def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
         raise CheckpointExistsError(
             f"{args.path} is already signed (manifest.sig exists); pass --replace to replace the signature"
         ) from exc
+    if args.json:
+        _write_json(out, {"path": args.path, "key_id": identity, "replaced": bool(args.replace)})
+        return 0
     out.write(f"signed {args.path} with key {identity[:16]}\n")
     return 0
 
 
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:
-    from shardkeep.interop import import_checkpoint  # imports torch
+    from shardkeep.interop import detect_format, import_checkpoint  # imports torch
 
+    source_format = args.format or detect_format(args.source)
     manifest = import_checkpoint(
         args.source,
         args.dest,
@@ -721,6 +746,10 @@ def _run_import(args: argparse.Namespace, out: TextIO) -> int:
         progress=args.progress,
     )
     info = summary(manifest)
+    if args.json:
+        document = {"source": args.source, "dest": args.dest, "format": source_format, "signed": bool(args.key)}
+        _write_json(out, document | {"summary": info})
+        return 0
     out.write(
         f"imported {args.source} -> {args.dest}: {info['tensor_count']} tensor(s), "
         f"{human_bytes(info['tensor_bytes'])}, {info['value_count']} value(s)" + (", signed" if args.key else "") + "\n"
@@ -776,6 +805,22 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
                 raise
             raise CheckpointExistsError(f"{args.dest} already exists; pass --force to replace it") from exc
         weight_files = sum(1 for name in folder.files if name.endswith(".safetensors"))
+        if args.json:
+            document = {
+                "path": args.path,
+                "dest": folder.path,
+                "format": "hf",
+                "tensors": folder.tensors,
+                "bytes": folder.bytes,
+                "files": list(folder.files),
+                "weight_files": weight_files,
+                "config_source": folder.config_source,
+                "checked_against": folder.checked_against,
+                "tied_dropped": list(folder.tied_dropped),
+                "notes": list(folder.notes),
+            }
+            _write_json(out, document)
+            return 0
         checked = f"keys checked against {folder.checked_against}" if folder.checked_against else "keys not checked"
         tied = f"; tied copies left out: {', '.join(folder.tied_dropped)}" if folder.tied_dropped else ""
         out.write(
@@ -800,6 +845,17 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
         )
     except CheckpointExistsError as exc:  # DEST exists (export_checkpoint checks nothing else so)
         raise CheckpointExistsError(f"{args.dest} already exists; pass --force to replace it") from exc
+    if args.json:
+        document = {
+            "path": args.path,
+            "dest": written.path,
+            "format": written.format,
+            "tensors": written.tensors,
+            "bytes": written.bytes,
+            "values": written.values,
+        }
+        _write_json(out, document)
+        return 0
     out.write(
         f"exported {args.path} -> {written.path} ({written.format}): {written.tensors} tensor(s), "
         f"{human_bytes(written.bytes)}, {written.values} value(s)\n"
@@ -1046,7 +1102,32 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     run = args.run or root.owner(found)
     policy, source = _policy_for(args, root, found, run)
     entries, decision = root.decide(found, policy, run, verify_newest=True)
-    verb = "deleting" if args.apply else "would delete"
+    left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed]
+    removed: list[str] = []
+    if args.apply:
+        root.apply(decision)
+        root.write_pointers(entries, decision, policy.metric)
+        removed = list(root.collect_leftovers(lease=args.lease))
+    if args.json:
+        document = {
+            "root": root.display,
+            "run": run,
+            "applied": bool(args.apply),
+            "policy": {
+                "keep_last": policy.keep_last,
+                "keep_best": policy.keep_best,
+                "metric": policy.metric,
+                "mode": policy.mode,
+                "source": source,
+            },
+            "keep": list(decision.keep),
+            "delete": list(decision.delete),
+            "left_alone": [{"name": name, "reason": reason} for name, reason in left_alone],
+            "leftovers_removed": removed,
+        }
+        _write_json(out, document)
+        return 0
+    verb = "deleted" if args.apply else "would delete"
     out.write(
         _printable(
             f"policy keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} "
@@ -1057,15 +1138,11 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
         out.write(_printable(f"keep          {name}\n"))
     for name in decision.delete:
         out.write(_printable(f"{verb:<13} {name}\n"))
-    for entry in entries:
-        if entry.misnamed:
-            out.write(_printable(f"leave alone   {entry.name}: {entry.problems[0]}\n"))
+    for name, reason in left_alone:
+        out.write(_printable(f"leave alone   {name}: {reason}\n"))
     if not args.apply:
         out.write(f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; pass --apply to delete them\n")
         return 0
-    root.apply(decision)
-    root.write_pointers(entries, decision, policy.metric)
-    removed = root.collect_leftovers(lease=args.lease)
     out.write(f"deleted {len(decision.delete)} checkpoint(s), removed {len(removed)} leftover(s)\n")
     return 0
 
@@ -1155,6 +1232,16 @@ def _run_ledger_reassign(args: argparse.Namespace, out: TextIO) -> int:
     except LedgerNotFoundError as exc:
         raise _ledger_missing(args.path) from exc
     previous = before["assigned_rank"] if before else "?"
+    if args.json:
+        document = {
+            "path": args.path,
+            "shard": args.shard,
+            "original_rank": before["original_rank"] if before else None,
+            "previous_worker": before["assigned_rank"] if before else None,
+            "worker": args.rank,
+        }
+        _write_json(out, document)
+        return 0
     out.write(
         f"shard {args.shard} (original rank {before['original_rank'] if before else '?'}): worker {previous} -> {args.rank}\n"
     )
@@ -1187,6 +1274,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         if args.command == "ledger" and args.ledger_command == "reassign":
             return _run_ledger_reassign(args, out)
     except ShardkeepError as exc:
+        if getattr(args, "json", False):
+            command = " ".join(part for part in (args.command, getattr(args, "ledger_command", None)) if part)
+            _write_json(err, {"error": {"command": command, "type": type(exc).__name__, "message": str(exc)}})
+            return 2
         err.write(f"shardkeep {args.command}: error: {_cli_words(str(exc))}\n")
         return 2
     except BrokenPipeError:
