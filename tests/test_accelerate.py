@@ -82,7 +82,10 @@ def test_an_accelerate_run_resumes_exactly_from_a_shardkeep_checkpoint(tmp_path:
 
     assert sk.verify(tmp_path / "ckpt").ok
     keys = {entry.key for _, entry in manifest.iter_tensors()}
-    assert {"models.0.weight", "custom.0.value", "rng.process_0"} <= keys
+    assert {"models.0.weight", "custom.0.value", "rng.process_0.states", "counters.step"} <= {
+        *keys,
+        *(value.key for value in manifest.values),
+    }
     assert not any(path.suffix in (".pkl", ".bin") for path in (tmp_path / "ckpt").rglob("*"))
 
     # A fresh run with other seeds, other weights and another scheduler position.
@@ -110,3 +113,23 @@ def test_a_damaged_checkpoint_changes_nothing(tmp_path: Path) -> None:
         load_state(accelerator, tmp_path / "ckpt")
     assert torch.equal(accelerator.unwrap_model(model).weight, before)
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_a_refused_rng_state_rolls_back_the_whole_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RNG states the generators refuse (here: saved as bytes that are not JSON) fail the load
+    after the weights were filled, and the fill is rolled back: weights, optimizer, step and
+    RNG as they were."""
+    import shardkeep.accelerate as shardkeep_accelerate
+
+    accelerator, model, optimizer, loader, scheduler, ema = _setup(seed=0)
+    _train(accelerator, model, optimizer, loader, scheduler, ema, steps=2)
+    monkeypatch.setattr(shardkeep_accelerate, "_rng_bytes", lambda: torch.tensor([0xFF, 0xFE], dtype=torch.uint8))
+    save_state(accelerator, tmp_path / "ckpt")
+    monkeypatch.undo()
+    _train(accelerator, model, optimizer, loader, scheduler, ema, steps=1)
+    weight = accelerator.unwrap_model(model).weight.detach().clone()
+    step, rng = accelerator.step, torch.get_rng_state()
+    with pytest.raises(sk.ShardkeepError, match="RNG states"):
+        load_state(accelerator, tmp_path / "ckpt")
+    assert torch.equal(accelerator.unwrap_model(model).weight, weight)
+    assert accelerator.step == step and torch.equal(torch.get_rng_state(), rng)

@@ -178,6 +178,45 @@ def test_extra_ignore_fills_what_into_holds_and_adds_nothing(tmp_path: Path) -> 
         sk.load(tmp_path / "ckpt", extra="ignore")
 
 
+@pytest.mark.parametrize("extra", ["add", "ignore"])
+def test_lists_in_into_are_filled_in_place_and_optimizers_whole(tmp_path: Path, extra: str) -> None:
+    """Tensors and modules inside lists of into= are filled in place (never replaced by their
+    loaded state), an optimizer gets all of its state (a tensor learning rate too), and a None
+    slot takes the saved value: with the default and with extra="ignore"."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    saved = {"bufs": [torch.ones(3), torch.full((2,), 7.0)], "m": [torch.nn.Linear(2, 2)], "o": optimizer}
+    saved["slot"] = torch.arange(4.0)
+    sk.save(saved, tmp_path / "ckpt")
+
+    new_model = torch.nn.Linear(2, 2)
+    into = {
+        "bufs": [torch.zeros(3), torch.zeros(2)],
+        "m": [torch.nn.Linear(2, 2)],
+        "o": torch.optim.Adam(new_model.parameters(), lr=torch.tensor(0.5)),
+        "slot": None,
+    }
+    buffer, module = into["bufs"][0], into["m"][0]
+    sk.load(tmp_path / "ckpt", into=into, extra=extra)
+
+    assert into["bufs"][0] is buffer and torch.equal(buffer, torch.ones(3))
+    assert torch.equal(into["bufs"][1], torch.full((2,), 7.0))
+    assert into["m"][0] is module and torch.equal(module.weight, saved["m"][0].weight)
+    assert float(into["o"].param_groups[0]["lr"]) == pytest.approx(0.01)
+    assert torch.equal(into["slot"], torch.arange(4.0))
+
+
+def test_a_list_of_live_objects_of_another_length_is_refused(tmp_path: Path) -> None:
+    sk.save({"m": [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]}, tmp_path / "ckpt")
+    into = {"m": [torch.nn.Linear(2, 2)]}
+    before = into["m"][0].weight.detach().clone()
+    with pytest.raises(sk.UnsupportedValueError, match=r"'m': into= holds a list of 1 .* a list of 2"):
+        sk.load(tmp_path / "ckpt", into=into)
+    assert len(into["m"]) == 1 and torch.equal(into["m"][0].weight, before)
+
+
 def test_load_into_checks_everything_before_modifying_anything(tmp_path: Path) -> None:
     sk.save(make_state(seed=1), tmp_path / "ckpt")
     target = make_state(seed=2)

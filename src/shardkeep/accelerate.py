@@ -96,58 +96,79 @@ def _rng_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(plain).encode()), dtype=torch.uint8)
 
 
+class _ProcessRng:
+    """This process's RNG states as a stateful object of the saved state: restored by the fill
+    itself (``load_state_dict``), so a refused state rolls back everything the load changed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"states": _rng_bytes()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _restore_rng(state["states"])
+
+
+class _Counters:
+    """``accelerator.step`` and the samplers' epochs and seeds, restored inside the fill."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.samplers = {
+            str(i): sampler
+            for i, loader in enumerate(accelerator._dataloaders)
+            if (sampler := _sampler_of(loader)) is not None
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": int(self.accelerator.step),
+            "samplers": {
+                index: {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}
+                for index, sampler in self.samplers.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            step = int(state["step"])
+            samplers = {
+                index: (int(state["samplers"][index]["epoch"]), int(state["samplers"][index]["initial_seed"]))
+                for index in self.samplers
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointFieldError("counters", f"the saved step or sampler states are unusable: {exc!r}") from exc
+        self.accelerator.step = step
+        for index, (epoch, seed) in samplers.items():
+            self.samplers[index].epoch, self.samplers[index].initial_seed = epoch, seed
+
+
+def _state_with_counters(accelerator: Any) -> dict[str, Any]:
+    state = accelerator_state(accelerator)
+    state["counters"] = _Counters(accelerator)
+    state["rng"] = {_process_key(accelerator): _ProcessRng()}
+    return state
+
+
 def save_state(accelerator: Any, path: str | os.PathLike[str], **save_options: Any) -> Manifest:
     """Save what ``accelerator.save_state`` would save as one shardkeep checkpoint at ``path``
     and return its manifest. ``save_options`` go to :func:`shardkeep.save` (``signer=``,
     ``digest=``, ``compression=`` ...). With several processes, every process calls it, as it
     calls ``save_state``; each keeps its own RNG states."""
-    state = accelerator_state(accelerator)
-    state["samplers"] = {
-        str(i): {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}
-        for i, loader in enumerate(accelerator._dataloaders)
-        if (sampler := _sampler_of(loader)) is not None
-    }
-    state["step"] = int(accelerator.step)
-    state["rng"] = {_process_key(accelerator): _rng_bytes()}
-    return save(state, path, **save_options)
+    return save(_state_with_counters(accelerator), path, **save_options)
 
 
 def load_state(accelerator: Any, path: str | os.PathLike[str], **load_options: Any) -> None:
     """Restore a checkpoint written by :func:`save_state` into ``accelerator``'s prepared
-    objects, in place, after every digest is checked; then its step, samplers and this
-    process's RNG states. The objects must be prepared in the same order as when it was saved;
-    other processes' RNG states are not read. ``load_options`` go to :func:`shardkeep.load`
-    (``public_key=`` ...)."""
-    state = accelerator_state(accelerator)
-    samplers = {
-        str(i): sampler
-        for i, loader in enumerate(accelerator._dataloaders)
-        if (sampler := _sampler_of(loader)) is not None
-    }
-    process = _process_key(accelerator)
-    # Slots are replaced by what the checkpoint holds there; saved state with no slot (another
-    # process's RNG states) is never read (extra="ignore").
-    state["samplers"] = {index: _Slot() for index in samplers}
-    state["step"] = _Slot()
-    state["rng"] = {process: _Slot()}
-    load(path, into=state, extra="ignore", **load_options)
-    if isinstance(state["step"], _Slot) or isinstance(state["rng"][process], _Slot):
-        raise CheckpointFieldError("rng", f"the checkpoint holds no step or no RNG states for {process}")
-    accelerator.step = int(state["step"])
-    for index, sampler in samplers.items():
-        saved = state["samplers"][index]
-        sampler.epoch = int(saved["epoch"])
-        sampler.initial_seed = int(saved["initial_seed"])
-    _restore_rng(state["rng"][process])
-
-
-class _Slot:
-    """A place in ``into`` for a value the checkpoint provides (replaced on load)."""
+    objects, its step and samplers, and this process's RNG states, in place, after every digest
+    is checked; all or nothing (a refused RNG state, say for another number of CUDA devices,
+    leaves everything as it was). The objects must be prepared in the same order as when it
+    was saved; other processes' RNG states are not read (``extra="ignore"``). ``load_options``
+    go to :func:`shardkeep.load` (``public_key=`` ...)."""
+    load(path, into=_state_with_counters(accelerator), extra="ignore", **load_options)
 
 
 def _restore_rng(rng: Any) -> None:
     try:
         plain: Mapping[str, Any] = json.loads(bytes(np.asarray(rng, dtype=np.uint8)).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
         raise CheckpointFieldError("rng", f"the saved RNG states are not JSON: {exc}") from exc
     TrainingCheckpoint.restore_rng(plain)

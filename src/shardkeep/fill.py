@@ -494,20 +494,33 @@ def _plan_entry(
         actions.append(_LoadState(name, current, new))
     elif isinstance(current, Mapping) and isinstance(new, Mapping):
         _plan_fill(current, new, name, actions, partial=partial, absent=absent, add_extra=add_extra)
-    elif (
-        partial
-        and isinstance(current, list)
-        and isinstance(new, (list, tuple))
-        and len(current) == len(new)
-        and any(key.startswith(f"{name}.") for key in absent)
-    ):
-        # A list part of which was not loaded: fill the loaded elements, keep the others.
-        loaded_elements = {i: v for i, v in enumerate(new) if v is not None}
-        _plan_fill(_ListTarget(current), loaded_elements, name, actions, partial=partial, absent=absent)
+    elif isinstance(current, list) and isinstance(new, (list, tuple)) and len(current) == len(new):
+        # Element by element, like a mapping: modules, optimizers and tensors in the list are
+        # filled in place, never replaced by their loaded state; elements a partial load left
+        # out keep their value.
+        loaded_elements = {i: v for i, v in enumerate(new) if not (v is None and _join(name, i) in absent)}
+        _plan_fill(
+            _ListTarget(current), loaded_elements, name, actions, partial=partial, absent=absent, add_extra=add_extra
+        )
     else:
+        if isinstance(current, (list, tuple)) and any(_is_live(element) for element in current):
+            size = len(new) if isinstance(new, (list, tuple)) else None
+            raise UnsupportedValueError(
+                f"{name!r}: into= holds a {type(current).__name__} of {len(current)} with modules, optimizers, "
+                f"tensors or arrays in it, and the checkpoint "
+                + (f"a list of {size}" if size is not None else f"a {type(new).__name__}")
+                + ": they cannot be filled in place"
+            )
         if not hasattr(target, "__setitem__"):
             raise UnsupportedValueError(f"{name!r} cannot be replaced in a read-only into=")
         actions.append(_Assign(name, target, key, new))
+
+
+def _is_live(value: Any) -> bool:
+    """A value of ``into`` that is filled in place, never replaced."""
+    return isinstance(value, (torch.Tensor, np.ndarray, torch.nn.Module, torch.optim.Optimizer)) or (
+        callable(getattr(value, "load_state_dict", None)) and not isinstance(value, Mapping)
+    )
 
 
 def _fill_tensor(current: torch.Tensor, new: Any, name: str) -> _FillAction:
