@@ -174,9 +174,8 @@ def test_an_existing_destination_is_refused_unless_forced(tmp_path: Path) -> Non
     model = _gpt2()
     sk.save({"model": model, "step": 3}, tmp_path / "ckpt")
     config = str(_config_file(model, tmp_path))
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "stale.txt").write_text("old")
     argv = ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf", "--config", config]
+    assert _run(*argv)[0] == 0
     code, _, err = _run(*argv)
     assert code == 2 and "already exists; pass --force" in err
     with pytest.raises(sk.CheckpointExistsError, match="already exists"):
@@ -188,6 +187,223 @@ def test_an_existing_destination_is_refused_unless_forced(tmp_path: Path) -> Non
     code, _, err = _run("export", str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), "--subtree", "model")
     assert code == 2 and "--subtree apply to --format hf only" in err
     assert not [entry for entry in os.listdir(tmp_path) if entry.startswith(".")]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` (directories as None, files with their bytes)."""
+    found: dict[str, bytes | None] = {}
+    for path in sorted(root.rglob("*")):
+        found[str(path.relative_to(root))] = None if path.is_dir() else path.read_bytes()
+    return found
+
+
+def test_overwrite_never_replaces_a_directory_holding_the_checkpoint(tmp_path: Path) -> None:
+    # The reviewer's repro: exporting runs/step_2 to runs/ with overwrite removed both checkpoints
+    # and notes.txt.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "notes.txt").write_text("precious")
+    sk.save({"model": {"w": torch.ones(2)}}, runs / "step_1")
+    sk.save({"model": {"w": torch.ones(2) * 2}}, runs / "step_2")
+    (tmp_path / "alias").symlink_to(runs)
+    before = _tree(tmp_path)
+    for dest in (runs, tmp_path, tmp_path / "alias"):
+        with pytest.raises(sk.UnsafePathError, match="holds the checkpoint being exported"):
+            export_hf(runs / "step_2", dest, check_keys=False, overwrite=True)
+        code, out, err = _run("export", str(runs / "step_2"), str(dest), "--format", "hf", "--force")
+        assert code == 2 and "holds the checkpoint being exported" in err and out == "", err
+    assert _tree(tmp_path) == before
+    assert sk.verify(runs / "step_1").ok and sk.verify(runs / "step_2").ok
+
+    # Another checkpoint below the destination: refused too, naming it.
+    other = tmp_path / "other"
+    sk.save({"model": {"w": torch.ones(2)}}, other / "kept")
+    (other / "model.safetensors").write_bytes(b"not an export")
+    before = _tree(tmp_path)
+    with pytest.raises(sk.CheckpointExistsError, match=r"holds kept/ \(a shardkeep checkpoint\)"):
+        export_hf(runs / "step_2", other, check_keys=False, overwrite=True)
+    assert _tree(tmp_path) == before
+
+
+def test_a_destination_inside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+    before = _tree(tmp_path)
+    for dest in (tmp_path / "ckpt" / "shards", tmp_path / "ckpt" / "hf"):
+        for overwrite in (False, True):
+            with pytest.raises(sk.UnsafePathError, match="is inside the checkpoint being exported"):
+                export_hf(tmp_path / "ckpt", dest, check_keys=False, overwrite=overwrite)
+        code, _, err = _run("export", str(tmp_path / "ckpt"), str(dest), "--format", "hf", "--force")
+        assert code == 2 and "inside the checkpoint" in err
+    assert _tree(tmp_path) == before
+    assert sk.verify(tmp_path / "ckpt").ok
+
+
+def test_overwrite_refuses_a_folder_holding_what_an_export_does_not_write(tmp_path: Path) -> None:
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", check_keys=False)
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # added by the user after the export
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("precious")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("precious")
+    before = _tree(tmp_path)
+    cases = {
+        "hf": "holds tokenizer.json, which an export does not write",
+        "plain": "holds notes.txt, which an export does not write",
+        "empty": "is not a Hugging Face model folder",
+        "file": "is not a directory",
+    }
+    for name, message in cases.items():
+        with pytest.raises(sk.CheckpointExistsError, match=message):
+            export_hf(tmp_path / "ckpt", tmp_path / name, check_keys=False, overwrite=True)
+        code, _, err = _run("export", str(tmp_path / "ckpt"), str(tmp_path / name), "--format", "hf", "--force")
+        assert code == 2 and message in err, err
+        assert name == "file" or "nothing was changed" in err, err
+    assert _tree(tmp_path) == before
+
+
+class _Inotify:
+    """The renames in one directory, read with Linux inotify (the kernel's own record)."""
+
+    MOVED_FROM, MOVED_TO, DELETE = 0x40, 0x80, 0x200
+
+    def __init__(self, directory: Path) -> None:
+        import ctypes
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
+        assert self.fd >= 0
+        mask = self.MOVED_FROM | self.MOVED_TO | self.DELETE
+        assert self.libc.inotify_add_watch(self.fd, os.fsencode(directory), mask) >= 0
+
+    def events(self) -> list[tuple[int, int, str]]:
+        import struct
+
+        found = []
+        try:
+            data = os.read(self.fd, 1 << 20)
+        except BlockingIOError:
+            return found
+        offset = 0
+        while offset < len(data):
+            _, mask, cookie, length = struct.unpack_from("iIII", data, offset)
+            name = data[offset + 16 : offset + 16 + length].rstrip(b"\0").decode()
+            found.append((mask & 0xFFF, cookie, name))
+            offset += 16 + length
+        os.close(self.fd)
+        return found
+
+
+def _exchange_supported(directory: Path) -> bool:
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return False
+    (directory / "probe-a").mkdir()
+    (directory / "probe-b").mkdir()
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        return renameat2(-100, os.fsencode(directory / "probe-a"), -100, os.fsencode(directory / "probe-b"), 2) == 0
+    except AttributeError:
+        return False
+    finally:
+        os.rmdir(directory / "probe-a")
+        os.rmdir(directory / "probe-b")
+
+
+def test_overwrite_swaps_a_previous_export_in_one_step(tmp_path: Path) -> None:
+    if not _exchange_supported(tmp_path):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not supported here")
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "one")
+    sk.save({"model": {"w": torch.full((3,), 2.0), "b": torch.zeros(2)}}, tmp_path / "two")
+    export_hf(tmp_path / "one", tmp_path / "hf", check_keys=False)
+    old_inode = os.stat(tmp_path / "hf").st_ino
+    watch = _Inotify(tmp_path)
+    summary = export_hf(tmp_path / "two", tmp_path / "hf", check_keys=False, overwrite=True)
+    events = watch.events()
+    # Each rename is a MOVED_FROM and a MOVED_TO with one cookie.
+    moves = [
+        (source, target)
+        for mask, cookie, source in events
+        if mask == _Inotify.MOVED_FROM
+        for mask_to, cookie_to, target in events
+        if mask_to == _Inotify.MOVED_TO and cookie_to == cookie
+    ]
+    # One exchange: the new folder's name and "hf" swapped in one step (two renames would move "hf"
+    # to a third name first, leaving no "hf" until the second rename).
+    assert len(moves) == 2, events
+    (staging, first_target), (second_source, second_target) = moves
+    assert first_target == "hf" and staging.startswith(".hf.tmp-"), moves
+    assert (second_source, second_target) == ("hf", staging), moves
+    assert not [name for mask, _, name in events if mask == _Inotify.DELETE and name == "hf"]
+    assert os.stat(tmp_path / "hf").st_ino != old_inode
+    assert not any("kept" in note for note in summary.notes)
+    assert torch.equal(read_folder(tmp_path / "hf").tensors["w"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["hf", "one", "two"]  # the old folder is removed
+
+
+def test_overwrite_falls_back_to_two_renames_without_the_exchange(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardkeep.hf as hf
+
+    def no_renameat2(source: str, destination: str, flags: int) -> None:
+        raise hf._ExchangeUnsupported(22, "not here")
+
+    monkeypatch.setattr(hf, "_renameat2", no_renameat2)  # as on a filesystem without renameat2
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "one")
+    sk.save({"model": {"w": torch.full((3,), 2.0)}}, tmp_path / "two")
+    export_hf(tmp_path / "one", tmp_path / "hf", check_keys=False)
+    export_hf(tmp_path / "two", tmp_path / "hf", check_keys=False, overwrite=True)
+    assert torch.equal(read_folder(tmp_path / "hf").tensors["w"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["hf", "one", "two"]
+
+
+BAD_CONFIGS = {
+    "not-a-model-class": ({"architectures": ["pipeline"]}, "names the architecture 'pipeline', which is not a model"),
+    "class-of-another-type": ({"architectures": ["BertModel"]}, "cannot build BertModel from"),
+    "bad-field": ({"n_embd": "x"}, r"cannot build a config from .*GPT2LMHeadModel.*n_embd"),
+}
+
+
+@pytest.mark.parametrize("where", ["config-file", "checkpoint-value"])
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_a_config_transformers_cannot_build_is_a_config_error(case: str, where: str, tmp_path: Path) -> None:
+    import re
+
+    change, message = BAD_CONFIGS[case]
+    config = _gpt2().config.to_dict() | change
+    state: dict[str, Any] = {"model": {"w": torch.ones(2)}}
+    argv = ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]
+    if where == "config-file":
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        argv += ["--config", str(tmp_path / "config.json")]
+        source = f"config {tmp_path / 'config.json'}"
+        given: Any = tmp_path / "config.json"
+    else:
+        state["hf_config"] = config
+        source = "the config in the checkpoint value 'hf_config'"
+        given = None
+    sk.save(state, tmp_path / "ckpt")
+    code, out, err = _run(*argv)
+    assert code == 2 and out == "", err
+    assert err.startswith("shardkeep export: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert source in err and re.search(message, err), err
+    with pytest.raises(sk.ConfigError, match=message) as caught:
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", config=given)
+    assert source in str(caught.value)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_config_mapping_that_is_not_json_is_a_config_error(tmp_path: Path) -> None:
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+    config = _gpt2().config.to_dict() | {"extra": object()}
+    with pytest.raises(sk.ConfigError, match="the config given is not JSON: TypeError"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config)
+    with pytest.raises(sk.ConfigError, match="not JSON"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", format="hf", config=config)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_damaged_checkpoint_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -265,7 +265,11 @@ def _add_export_command(commands: Any) -> None:
         help="--format hf: do not check the keys against the model class (no transformers needed)",
     )
     exporting.add_argument("--public-key", metavar="PEM", help="require a valid signature by this key first")
-    exporting.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    exporting.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DEST if it exists (--format hf: only a folder holding nothing but what an export writes)",
+    )
     _tier_location_argument(exporting)
     _limits_argument(exporting)
     _json_argument(exporting, "what was written")

@@ -8,7 +8,9 @@ safetensors files with ``{"format": "pt"}`` metadata, split at ``max_shard_size`
 ``save_pretrained`` names them (``model.safetensors``, or ``model-00001-of-0000N.safetensors``
 plus ``model.safetensors.index.json``), with ``config.json`` beside them. The folder is built
 under a temporary name next to the destination and renamed into place: it is there whole or
-not at all.
+not at all. ``overwrite`` replaces only a folder holding nothing but those files (so never a
+checkpoint, a directory holding one, or files an export would not write back), by swapping
+the two folders in one ``renameat2(RENAME_EXCHANGE)`` and then removing the old one's files.
 
 With a config, the exported keys are compared with the keys the model class expects (the class
 is built from the config on the meta device, so no memory is spent on weights): a key the model
@@ -27,10 +29,14 @@ index gives it). A folder holding only ``pytorch_model.bin`` is refused: import 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
+import stat
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -147,9 +153,32 @@ def _json_file(path: str, what: str) -> dict[str, Any]:
     return document
 
 
+def _json_copy(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A plain JSON copy of ``config`` (what ``config.json`` will hold), or ConfigError."""
+    try:
+        return json.loads(json.dumps(dict(config)))  # type: ignore[no-any-return]
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{_config_label(source)} is not JSON: {_one_line(exc)}") from exc
+
+
+def _config_label(source: str) -> str:
+    """``source`` (a path, ``given``, ``checkpoint value 'hf_config'``) as words for an error."""
+    if source == "given":
+        return "the config given"
+    if source.startswith("checkpoint value "):
+        return f"the config in the {source}"
+    return f"config {source}"
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
 def _given_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(config, Mapping):
-        return json.loads(json.dumps(dict(config))), "given"  # a plain JSON copy, or TypeError
+        return _json_copy(config, "given"), "given"
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, CONFIG_FILE)
@@ -208,38 +237,67 @@ def _transformers() -> Any:
     return transformers
 
 
-def _model_keys(config_doc: dict[str, Any]) -> list[_ModelKeys]:
+def _architecture(transformers: Any, name: Any, label: str) -> Any:
+    """The ``transformers.PreTrainedModel`` subclass ``name`` names (only a model class: any other
+    attribute of the package, such as ``pipeline``, is refused)."""
+    found = None
+    if isinstance(name, str) and name.isidentifier():
+        try:
+            found = getattr(transformers, name, None)
+        except Exception:  # a lazy attribute whose import fails (a missing backend)
+            found = None
+    if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)):
+        raise ConfigError(
+            f"{label} names the architecture {name!r}, which is not a model class of this transformers "
+            f"({transformers.__version__}); use the class save_pretrained writes there, e.g. 'GPT2LMHeadModel'"
+        )
+    return found
+
+
+def _model_keys(config_doc: dict[str, Any], source: str) -> list[_ModelKeys]:
     """The key sets of the classes a config names (``architectures``), or, when it names none, of
     the first of ``AutoModelForCausalLM`` and ``AutoModel`` that has its ``model_type``: only
     one, since a base model's keys also load into the causal LM class, which would then
-    initialise its head at random."""
+    initialise its head at random. Whatever transformers raises on a bad config is a
+    :class:`ConfigError` naming ``source`` (see :func:`_config_label`) and the class."""
     transformers = _transformers()
-    if not isinstance(config_doc.get("model_type"), str):
-        raise ConfigError("the config has no 'model_type': it is not a transformers config.json")
+    label = _config_label(source)
+    model_type = config_doc.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{label} has no 'model_type': it is not a transformers config.json")
+    architectures = config_doc.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ConfigError(f"{label}: 'architectures' must be a list of model class names, not {architectures!r}")
+    builders = [(str(name), _architecture(transformers, name, label)._from_config) for name in architectures]
     try:
         config = transformers.AutoConfig.for_model(**config_doc)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"transformers cannot build a config from it: {exc}") from exc
-    builders: list[tuple[str, Any]] = []
-    for name in config_doc.get("architectures") or ():
-        klass = getattr(transformers, str(name), None)
-        if klass is None:
-            raise ConfigError(f"the config names the architecture {name!r}, which this transformers does not have")
-        builders.append((str(name), klass._from_config))
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's validation errors ...
+        raise ConfigError(
+            f"transformers cannot build a config from {label} (model_type {model_type!r}"
+            f"{''.join(f', architecture {name}' for name, _ in builders)}): {_one_line(exc)}"
+        ) from exc
     if not builders:
         builders = [(name, getattr(transformers, name).from_config) for name in ("AutoModelForCausalLM", "AutoModel")]
     found: list[_ModelKeys] = []
+    refused: list[str] = []
     for name, build in builders:
         try:
             with torch.device("meta"):
                 model = build(config)
-        except ValueError:
-            continue  # an Auto class without this model_type
+        except Exception as exc:  # AttributeError from a class of another model_type, ...
+            if name.startswith("Auto") and isinstance(exc, ValueError):
+                refused.append(f"{name}: {_one_line(exc, 200)}")
+                continue  # an Auto class without this model_type
+            raise ConfigError(
+                f"cannot build {name} from {label} (model_type {model_type!r}): {_one_line(exc)}"
+            ) from exc
         found.append(_keys_of(type(model).__name__ if name.startswith("Auto") else name, model))
         if name.startswith("Auto"):
             break
     if not found:
-        raise ConfigError(f"transformers has no model class for model_type {config_doc['model_type']!r}")
+        raise ConfigError(
+            f"transformers has no model class for model_type {model_type!r} of {label} ({'; '.join(refused)})"
+        )
     return found
 
 
@@ -414,34 +472,173 @@ def _write_folder(
     return written
 
 
-def _check_destination(target: str, overwrite: bool) -> None:
+# ------------------------------------------------------------------------- placing the folder
+
+#: The files an export writes. ``overwrite`` replaces only a directory holding these and nothing
+#: else: files added beside an export (tokenizer, README, generation_config.json) are user data
+#: an export would not write back, so such a directory is refused, not emptied.
+_SHARD_FILE = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+
+
+def _written_by_export(name: str) -> bool:
+    return name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_FILE.fullmatch(name) is not None
+
+
+def _local_checkpoint(checkpoint: str | os.PathLike[str], load_options: Mapping[str, Any]) -> str | None:
+    """The local directory of the checkpoint being exported, or None (a URL, or a store given)."""
+    if load_options.get("storage") is not None:
+        return None
+    text = os.fspath(checkpoint)
+    if "://" in text:
+        protocol, _, rest = text.partition("://")
+        return os.path.abspath(rest) if protocol == "file" else None
+    return os.path.abspath(text)
+
+
+def _describe(folder: str, name: str) -> str:
+    path = os.path.join(folder, name)
+    if os.path.islink(path):
+        return f"{name} (a symlink)"
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, MANIFEST_FILENAME)):
+            return f"{name}/ (a shardkeep checkpoint)"
+        return f"{name}/"
+    return name
+
+
+def _check_destination(target: str, overwrite: bool, source: str | None) -> None:
+    """Refuse a destination that is, holds or lies inside the checkpoint ``source``, and an
+    existing one unless ``overwrite`` and it is a Hugging Face folder holding only what an
+    export writes. Nothing is changed here."""
+    real = os.path.realpath(target)
+    if source is not None:
+        checkpoint = os.path.realpath(source)
+        if real == checkpoint:
+            raise CheckpointExistsError(
+                f"{target} is the checkpoint being exported; an export never replaces a shardkeep checkpoint"
+            )
+        common = os.path.commonpath([real, checkpoint])
+        if common == real:
+            raise UnsafePathError(
+                f"{target} holds the checkpoint being exported ({source}); an export never replaces a directory "
+                "holding a checkpoint: choose a new folder beside it"
+            )
+        if common == checkpoint:
+            raise UnsafePathError(
+                f"{target} is inside the checkpoint being exported ({source}); an export never writes into a "
+                "checkpoint: choose a folder outside it"
+            )
     if not os.path.lexists(target):
         return
     if not overwrite:
         raise CheckpointExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
-    if not os.path.isdir(target) or os.path.islink(target):
+    if os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointExistsError(f"{target} exists and is not a directory; it is not replaced by a model folder")
     if os.path.exists(os.path.join(target, MANIFEST_FILENAME)):
         raise CheckpointExistsError(f"{target} is a shardkeep checkpoint; an export never replaces one")
+    try:
+        names = sorted(os.listdir(target))
+        foreign = [
+            name
+            for name in names
+            if not (_written_by_export(name) and stat.S_ISREG(os.lstat(os.path.join(target, name)).st_mode))
+        ]
+    except OSError as exc:
+        raise StorageError(f"cannot read {target} to check it may be replaced: {exc}") from exc
+    if foreign:
+        shown = ", ".join(_describe(target, name) for name in foreign[:8])
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        raise CheckpointExistsError(
+            f"{target} holds {shown}{more}, which an export does not write; overwrite (--force) replaces only a Hugging Face "
+            f"folder holding nothing but {SINGLE_FILE} or model-*-of-*.safetensors shards with {INDEX_FILE}, "
+            f"and {CONFIG_FILE}: nothing was changed; move them away or choose another folder"
+        )
+    if not is_hf_folder(target):
+        raise CheckpointExistsError(
+            f"{target} is not a Hugging Face model folder (it holds no {SINGLE_FILE} or {INDEX_FILE}); overwrite "
+            "(--force) replaces only a folder an export wrote: nothing was changed; remove it or choose another folder"
+        )
 
 
-def _place(staging: str, target: str, overwrite: bool) -> None:
-    """Rename the finished ``staging`` folder to ``target``, moving an old ``target`` aside first."""
-    parent = os.path.dirname(target)
-    old = None
-    if os.path.lexists(target):
-        _check_destination(target, overwrite)
-        old = os.path.join(parent, f".{os.path.basename(target)}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(target, old)
+# Atomic replacement of a directory: a copy of the helper in shardkeep.lightning, which cannot be
+# imported without Lightning installed.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+class _ExchangeUnsupported(OSError):
+    """``renameat2`` with the requested flag is not available here (OS, libc or filesystem)."""
+
+
+def _renameat2(source: str, destination: str, flags: int) -> None:
+    if not sys.platform.startswith("linux"):
+        raise _ExchangeUnsupported(errno.ENOSYS, "renameat2 is Linux only")
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError as exc:  # glibc < 2.28 or another libc without the wrapper
+        raise _ExchangeUnsupported(errno.ENOSYS, "the C library has no renameat2") from exc
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) != 0:
+        code = ctypes.get_errno()
+        if code in _UNSUPPORTED:
+            raise _ExchangeUnsupported(code, os.strerror(code), source, None, destination)
+        raise OSError(code, os.strerror(code), source, None, destination)
+
+
+def _rename_noreplace(source: str, destination: str) -> None:
+    try:
+        _renameat2(source, destination, _RENAME_NOREPLACE)
+    except _ExchangeUnsupported:
+        if os.path.lexists(destination):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), destination) from None
+        os.rename(source, destination)
+
+
+def _place(staging: str, target: str, overwrite: bool, source: str | None) -> str | None:
+    """Put the finished ``staging`` folder at ``target``; returns where the replaced folder now
+    is (to be removed by :func:`_remove_previous`), or None. If it raises, ``staging`` still
+    holds the new folder and ``target`` is as it was.
+
+    A new ``target`` is a rename that never replaces anything (``RENAME_NOREPLACE``). An existing
+    one is checked again, then swapped with ``staging`` in one step (``RENAME_EXCHANGE``):
+    ``target`` is the old folder, then the new one, and never missing. Where the exchange is not
+    supported it is two renames (old aside, new in), with a moment in which ``target`` is
+    missing; a crash there leaves the old folder at ``.NAME.old-<id>`` beside it."""
+    parent, name = os.path.split(target)
+    if not os.path.lexists(target):
+        _rename_noreplace(staging, target)
+        return None
+    _check_destination(target, overwrite, source)
+    try:
+        _renameat2(staging, target, _RENAME_EXCHANGE)
+        return staging  # which now holds the replaced folder
+    except _ExchangeUnsupported:
+        pass
+    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+    os.rename(target, old)
     try:
         os.rename(staging, target)
-    except OSError:
-        if old is not None:
-            os.rename(old, target)
+    except BaseException:
+        os.rename(old, target)
         raise
-    _fsync_directory(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return old
+
+
+def _remove_previous(old: str) -> bool:
+    """Remove the replaced folder ``old`` file by file, only the files an export writes; a folder
+    holding anything else (written into it after the check) is left where it is: False."""
+    try:
+        for entry in os.listdir(old):
+            path = os.path.join(old, entry)
+            if _written_by_export(entry) and stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+        os.rmdir(old)
+    except OSError:
+        return False
+    return True
 
 
 def export_hf(
@@ -463,27 +660,36 @@ def export_hf(
     checkpoint's ``hf_config`` value (stored by an import) is used when present, and otherwise
     only the weights are written. With a config and ``check_keys`` the keys are checked against
     the model class (needs ``transformers``) and tied copies are left out; a mismatch raises
-    :class:`~shardkeep.errors.ConfigError` before anything is written. ``public_key`` and
-    ``load_options`` go to :func:`shardkeep.load`, which checks every digest (and the
-    signature) before any tensor is read. ``directory`` must not exist unless ``overwrite``
-    (a shardkeep checkpoint there is never replaced)."""
+    :class:`~shardkeep.errors.ConfigError` before anything is written, as is a config
+    transformers cannot build the model from. ``public_key`` and ``load_options`` go to
+    :func:`shardkeep.load`, which checks every digest (and the signature) before any tensor is
+    read.
+
+    ``directory`` must not be the checkpoint, hold it or lie inside it
+    (:class:`~shardkeep.errors.UnsafePathError`), and must not exist unless ``overwrite``
+    (:class:`~shardkeep.errors.CheckpointExistsError`). With ``overwrite`` only a Hugging Face
+    folder holding nothing but what an export writes (``model.safetensors`` or
+    ``model-*-of-*.safetensors`` shards with ``model.safetensors.index.json``, and
+    ``config.json``) is replaced, by an atomic swap; anything else there (a file, a checkpoint,
+    a folder with other files or subdirectories) is refused and left untouched."""
     target = os.path.abspath(os.fspath(directory))
     if load_options.pop("verify", True) is not True:
         raise ConfigError("an export always verifies the checkpoint; verify=False is not accepted")
     limit = parse_size(max_shard_size)
-    _check_destination(target, overwrite)
+    source = _local_checkpoint(checkpoint, load_options)
+    _check_destination(target, overwrite, source)
     config_doc, config_source = _given_config(config) if config is not None else (None, None)
 
     state = api.load(checkpoint, public_key=public_key, **load_options)
     if config_doc is None and isinstance(state, Mapping) and isinstance(state.get(CONFIG_VALUE_KEY), Mapping):
-        config_doc = json.loads(json.dumps(state[CONFIG_VALUE_KEY]))
         config_source = f"checkpoint value {CONFIG_VALUE_KEY!r}"
+        config_doc = _json_copy(state[CONFIG_VALUE_KEY], config_source)
     try:
         tensors, every_key, values = _subtree_tensors(state, subtree)
     except _NoTensorsError as exc:
         fitting = None
         if config_doc is not None and check_keys:
-            fitting = _fitting_subtree(_model_keys(config_doc)[0], exc.keys)
+            fitting = _fitting_subtree(_model_keys(config_doc, config_source or "given")[0], exc.keys)
         if fitting is None:
             raise
         raise ConfigError(f"{exc}; subtree {fitting!r} fits (--subtree {fitting or chr(39) * 2})") from exc
@@ -498,7 +704,7 @@ def export_hf(
     elif not check_keys:
         notes.append("the key check was skipped: nothing guarantees from_pretrained finds every weight")
     else:
-        model = _check_keys(_model_keys(config_doc), set(tensors), every_key, subtree)
+        model = _check_keys(_model_keys(config_doc, config_source or "given"), set(tensors), every_key, subtree)
         checked_against = model.name
         if not config_doc.get("architectures"):
             config_doc["architectures"] = [model.name]  # as save_pretrained writes it: the class checked
@@ -521,12 +727,15 @@ def export_hf(
         os.mkdir(staging)
         try:
             files = _write_folder(staging, tensors, plan, config_doc)
-            _place(staging, target, overwrite)
+            previous = _place(staging, target, overwrite, source)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)  # still the new folder (see _place)
             raise
+        _fsync_directory(parent)
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc}") from exc
+    if previous is not None and not _remove_previous(previous):
+        notes.append(f"the replaced folder was kept at {previous}: it holds files an export does not write")
     return HFExportSummary(
         path=target,
         files=tuple(files),
