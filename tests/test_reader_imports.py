@@ -72,3 +72,21 @@ def test_the_moved_names_are_still_importable_from_their_old_modules() -> None:
 
     assert commit_prefix == ATTEMPT_PREFIX == "attempt-"
     assert plan_coverage is coverage_problems
+
+
+def test_a_save_and_load_without_dtensors_never_imports_torch_distributed_tensor(tmp_path: Path) -> None:
+    """torch.distributed.tensor costs about a second to import (it pulls in sympy): a fresh
+    process that saves, loads (into= too), verifies and async-saves a state without DTensors
+    never imports it. No DTensor can exist before it is imported, so nothing is missed."""
+    program = (
+        "import json, sys, torch\n"
+        "import shardkeep as sk\n"
+        "state = {'model': torch.nn.Linear(4, 2), 'w': torch.zeros(8), 'step': 3}\n"
+        f"sk.save(state, {str(tmp_path / 'a')!r})\n"
+        f"sk.load({str(tmp_path / 'a')!r})\n"
+        f"sk.load({str(tmp_path / 'a')!r}, into=state)\n"
+        f"assert sk.verify({str(tmp_path / 'a')!r}).ok\n"
+        f"sk.async_save(state, {str(tmp_path / 'b')!r}).result(60)\n"
+        "print(json.dumps({'dtensor': 'torch.distributed.tensor' in sys.modules, 'sympy': 'sympy' in sys.modules}))\n"
+    )
+    assert _run_isolated(program) == {"dtensor": False, "sympy": False}

@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkeep.errors import ShardkeepError, UnsupportedValueError
-from shardkeep.tensors.convert import local_region
+from shardkeep.tensors.convert import is_dtensor, local_region
 from shardkeep.tensors.regions import Region, region_slices
 
 __all__ = ["fill_into", "restore_optimizer_ids"]
@@ -480,7 +479,7 @@ def _plan_entry(
     """Check and queue the fill of ``target[key]`` (which exists) with ``new``, by the kind of
     object it is: tensor, array, module, optimizer, stateful object, mapping, list, plain value."""
     current = target[key]
-    if isinstance(current, DTensor):
+    if is_dtensor(current):
         actions.append(_fill_dtensor(current, new, name))
     elif isinstance(current, torch.Tensor):
         actions.append(_fill_tensor(current, new, name))
@@ -568,7 +567,7 @@ def _plan_module(
         _plan_fill(dict(own), new, name, actions, partial=partial, absent=absent)
         return
     _check_module(module, new, name)
-    if any(isinstance(tensor, DTensor) for tensor in own.values()) or _plain_module(module):
+    if any(is_dtensor(tensor) for tensor in own.values()) or _plain_module(module):
         # Parameters and buffers only (and sharded ones: FSDP2, tensor parallel, copy each
         # rank's region): copied in place, which cannot fail once checked.
         _plan_fill(dict(own), new, name, actions)
@@ -590,7 +589,7 @@ def _fill_optimizer(
     return _LoadState(name, optimizer, _shard_optimizer_state(optimizer, checked, name))
 
 
-def _fill_dtensor(current: DTensor, new: Any, name: str) -> _FillAction:
+def _fill_dtensor(current: Any, new: Any, name: str) -> _FillAction:
     """Copy this rank's region of the loaded tensor into a DTensor's local shard."""
     offset, local_shape = local_region(current)
     if isinstance(new, Region):
@@ -613,8 +612,10 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
     state tensor shaped like its parameter into a DTensor with the parameter's placement,
     keeping only this rank's region. Other optimizers get the state unchanged."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    if not any(isinstance(param, DTensor) for param in params):
+    if not any(is_dtensor(param) for param in params):
         return new
+    from torch.distributed.tensor import DTensor  # imported already: the parameters are DTensors
+
     groups = new.get("param_groups")
     state = new.get("state")
     if not isinstance(groups, list) or not isinstance(state, Mapping):

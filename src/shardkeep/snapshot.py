@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkeep.errors import UnsupportedValueError
-from shardkeep.tensors.convert import NAME_TO_NUMPY, describe_array, dtensor_chunk
+from shardkeep.tensors.convert import NAME_TO_NUMPY, describe_array, dtensor_chunk, is_dtensor
 from shardkeep.tensors.flatten import flatten_state, rebuild_state
 
 __all__ = ["StagingArena", "snapshot_state"]
@@ -61,7 +60,7 @@ def snapshot_state(state: Any, arena: StagingArena, *, budget: int | None = None
     layout: list[tuple[Any, Any, int, str, list[int], int]] = []
     total = 0
     for leaf in flat.tensors:
-        chunk = dtensor_chunk(leaf.key, leaf.value) if isinstance(leaf.value, DTensor) else None
+        chunk = dtensor_chunk(leaf.key, leaf.value)
         source = chunk[0] if chunk is not None else leaf.value
         dtype, shape, nbytes, _, _, _ = describe_array(leaf.key, source)
         offset = _aligned(total)
@@ -95,7 +94,9 @@ def snapshot_state(state: Any, arena: StagingArena, *, budget: int | None = None
                 with torch.no_grad():
                     target.copy_(source)
             value = target
-            if isinstance(leaf.value, DTensor):
+            if is_dtensor(leaf.value):
+                from torch.distributed.tensor import DTensor  # imported already: leaf.value is one
+
                 original = leaf.value
                 value = DTensor.from_local(
                     target,

@@ -10,14 +10,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # the helper DCP uses
-from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
 from shardkeep.errors import UnsupportedValueError
 from shardkeep.manifest import parse_placements
@@ -73,13 +71,45 @@ NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
 NAME_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in NUMPY_TO_NAME.items()}
 
 
+def dtensor_type() -> type | None:
+    """``DTensor``'s class once ``torch.distributed.tensor`` is imported, else ``None``.
+
+    That package costs about a second to import (it pulls in sympy), and no ``DTensor`` can
+    exist before it is imported, so a state without one never pays for it: a plain save or load
+    in a fresh process does not import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    found = getattr(module, "DTensor", None) if module is not None else None
+    return found if isinstance(found, type) else None
+
+
+def is_dtensor(value: Any) -> bool:
+    """``isinstance(value, DTensor)``, without importing ``torch.distributed.tensor``."""
+    kind = dtensor_type()
+    return kind is not None and isinstance(value, kind)
+
+
+def _placement_types() -> tuple[Any, Any, Any]:
+    """(Partial, Shard, _StridedShard); only called for a DTensor, so the import is done."""
+    from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
+
+    return Partial, Shard, _StridedShard
+
+
+def compute_local_shape_and_global_offset(shape: Any, mesh: Any, placements: Any) -> tuple[Any, Any]:
+    """torch's own helper (the one DCP uses), imported when a DTensor needs it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as compute
+
+    return compute(shape, mesh, placements)
+
+
 def dtensor_chunk(key: str, value: Any) -> tuple[torch.Tensor, list[int], list[int]] | None:
     """For a ``DTensor``: (local tensor, global shape, global offset of the local chunk).
 
     ``None`` for anything else. ``Partial`` placements (pending reductions) are refused.
     """
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         return None
+    Partial, _, _ = _placement_types()
     if any(isinstance(placement, Partial) for placement in value.placements):
         raise UnsupportedValueError(f"DTensor {key!r} has a Partial placement; reduce it (e.g. redistribute) first")
     local_shape, global_offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
@@ -124,6 +154,7 @@ def regular_layout(key: str, value: Any) -> Layout | None:
     :class:`~shardkeep.tensors.grid.Grid` computes: placements ``Shard``, ``Replicate`` and
     ``_StridedShard`` (FSDP2 over tensor parallelism), as long as every rank's part is a box
     of the global tensor. ``None`` otherwise: its chunks are listed one by one."""
+    _, Shard, _StridedShard = _placement_types()
     names: list[str] = []
     for placement in value.placements:
         if type(placement) is Shard and placement.dim >= 0:

@@ -13,10 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, ShardedTensor, TensorEntry
-from shardkeep.tensors.convert import NAME_TO_TORCH, local_region
+from shardkeep.tensors.convert import NAME_TO_TORCH, is_dtensor, local_region
 
 __all__ = ["Region", "assemble", "needed_entries", "overlap", "region_slices", "wanted_regions"]
 
@@ -116,7 +115,7 @@ def wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], 
         if entry.global_shape is None or entry.key in regions:
             continue
         target = resolve_target(into, entry.path, state_dicts)
-        if isinstance(target, DTensor) and list(target.shape) == entry.global_shape:
+        if is_dtensor(target) and list(target.shape) == entry.global_shape:
             regions[entry.key] = local_region(target)
     return regions
 
