@@ -8,12 +8,13 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import zstandard
 
 from shardkeep.errors import StorageError
 from shardkeep.integrity import digest_bytes
-from shardkeep.io import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, check_shard, write_shards
+from shardkeep.io import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, _digest_view, check_shard, write_shards
 from shardkeep.manifest import FileRecord, TensorEntry
 from shardkeep.storage.memory import MemoryStore
 from shardkeep.tensors.shardfile import build_header
@@ -280,3 +281,19 @@ def test_a_file_without_a_digest_is_reported_unverifiable(written: tuple[MemoryS
 
     assert verified == [f"{record.path}: has no digest, so it cannot be verified"]
     assert unverified == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 1023, (16 << 20) + 12345])
+def test_parallel_blake3_gives_the_sequential_digest(size: int) -> None:
+    """Loads and verify hash whole files with blake3 on every core: the digest must be the one
+    the save recorded sequentially, whatever the size and the update boundaries."""
+    from shardkeep.integrity import format_digest, new_digester
+
+    data = memoryview(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes())
+    sequential = new_digester("blake3")
+    sequential.update(data)
+    parallel = new_digester("blake3", parallel=True)
+    for start in range(0, size, 7 << 20):
+        parallel.update(data[start : start + (7 << 20)])
+    assert parallel.hexdigest() == sequential.hexdigest()
+    assert _digest_view("blake3", data) == format_digest("blake3", sequential.hexdigest())

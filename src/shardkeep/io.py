@@ -424,8 +424,9 @@ class _EntryDigests:
 
 
 def _digest_view(algorithm: str, view: memoryview, entries: _EntryDigests | None = None) -> str:
-    """The digest of ``view`` (a whole file); ``entries`` are fed the same slices on the way."""
-    digester = new_digester(algorithm)
+    """The digest of ``view`` (a whole file), hashed on every core where the algorithm allows
+    it; ``entries`` are fed the same slices on the way."""
+    digester = new_digester(algorithm, parallel=True)
     for start in range(0, len(view), _HASH_SLICE):
         digester.update(view[start : start + _HASH_SLICE])
         if entries:
@@ -437,8 +438,9 @@ def _stream_digest(
     handle: ReadHandle, algorithm: str, on_bytes: Callable[[int], None] | None, entries: _EntryDigests | None = None
 ) -> tuple[str, bytes]:
     """Digest a file by streaming reads through one reused buffer; also return its first bytes.
-    ``entries`` are fed every piece on the way."""
-    digester = new_digester(algorithm)
+    ``entries`` are fed every piece on the way. Each piece is hashed on every core where the
+    algorithm allows it."""
+    digester = new_digester(algorithm, parallel=True)
     buffer = bytearray(min(_HASH_SLICE, max(handle.size, 1)))
     view = memoryview(buffer)
     head = b""
