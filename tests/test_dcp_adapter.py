@@ -1,11 +1,17 @@
 """shardkeep.dcp: torch.distributed.checkpoint's save, async_save and load write and read real
 shardkeep checkpoints (FSDP2 on gloo ranks, one process without a process group, sk.save
-checkpoints, damage, existing checkpoints, signatures)."""
+checkpoints, damage, existing checkpoints, signatures, non-tensor values without pickle,
+failed saves)."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import gc
 import io
 import json
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +25,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import shardkeep as sk
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
+from shardkeep.storage import local
 
 # DCP on one process (no process group) warns once per call; only that warning is expected.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning"
 )
 
-EXTRA = {"epoch": 3, "tag": "run-a", "ratios": [0.5, 0.25]}
+EXTRA = {"epoch": 3, "tag": "run-a", "ratios": [0.5, 0.25], "best": float("-inf"), "window": (2, 3)}
+#: The extra state a load starts from (the same keys, other values).
+BLANK_EXTRA = {"epoch": 0, "tag": "", "ratios": [0.0, 0.0], "best": 0.0, "window": (0, 0)}
 
 
 def _model(world_size: int | None, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -102,7 +111,7 @@ def _save_fsdp(rank: int, world_size: int, path: str, mode: str) -> dict[str, An
 
 def _load_fsdp(rank: int, world_size: int, path: str) -> dict[str, Any]:
     model, optimizer = _model(world_size, seed=123)
-    state = _state(model, optimizer, {"epoch": 0, "tag": "", "ratios": [0.0, 0.0]})
+    state = _state(model, optimizer, BLANK_EXTRA)
     dcp.load(state, storage_reader=ShardkeepReader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {**_full(model, optimizer), "extra": state["extra"]}
@@ -110,7 +119,7 @@ def _load_fsdp(rank: int, world_size: int, path: str) -> dict[str, Any]:
 
 def _load_one_process(path: str) -> dict[str, Any]:
     model, optimizer = _model(None, seed=123)
-    state = _state(model, optimizer, {"epoch": 0, "tag": "", "ratios": [0.0, 0.0]})
+    state = _state(model, optimizer, BLANK_EXTRA)
     dcp.load(state, storage_reader=ShardkeepReader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -140,17 +149,25 @@ def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(tmp_pat
         chunks = sorted(entries[key], key=lambda entry: entry["global_offset"])
         assert [chunk["global_offset"][0] for chunk in chunks] == [0, 3], key
         assert all(chunk["global_shape"][0] == 5 and chunk["digest"] for chunk in chunks), key
-    # DCP's non-tensor items are opaque bytes, listed as such; the nested paths are kept as JSON.
+    # DCP's non-tensor items (param_groups, the extra values) are all JSON-able: they are the
+    # manifest's JSON values, and no opaque (pickled) bytes are left; nested paths are kept too.
     recorded = manifest["custom_fields"]["dcp"]
-    assert "extra.tag" in recorded["bytes"] and "extra.epoch" in recorded["bytes"]
-    assert entries["extra.tag"][0]["dtype"] == "U8" and entries["extra.tag"][0]["path"] == ["extra", "tag"]
+    assert recorded.get("bytes", []) == []
+    assert not any(entry["dtype"] == "U8" for found in entries.values() for entry in found)
+    values = {value["key"]: value for value in manifest["values"]}
+    assert values["extra.tag"]["value"] == "run-a" and values["extra.tag"]["path"] == ["extra", "tag"]
+    assert values["extra.best"]["special"] == "-inf" and values["optim.param_groups.0.lr"]["value"] == 0.01
+    assert values["optim.param_groups.0.betas.1"]["value"] == 0.999
+    kinds = {tuple(container["path"]): container.get("kind", "dict") for container in manifest["structure"]}
+    assert kinds[("optim", "param_groups", 0, "betas")] == "tuple"
     assert recorded["planner_data"]["model.2.weight"] == ["model", "2.weight"]
-    # sk.load reads it: chunks assembled, DCP's bytes handed back as uint8 tensors, never unpickled.
+    # sk.load reads it: chunks assembled, DCP's non-tensor values as the values they were.
     loaded = sk.load(path)
     _assert_same(loaded["model"]["2.weight"], reference["model"]["2.weight"])
-    assert loaded["extra"]["tag"].dtype == torch.uint8
-    assert torch.load(io.BytesIO(loaded["extra"]["tag"].numpy().tobytes())) == "run-a"
+    _assert_same(loaded["extra"], EXTRA)
+    assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
 
+    # The default reader (no trust_pickle) loads it: nothing read from storage is unpickled.
     on_one = _load_one_process(str(path))
     _assert_same(on_one, {**reference, "extra": EXTRA})
     on_three = results_or_raise(run_ranks(3, _load_fsdp, str(path), outbox=tmp_path / "load3"))[0]
@@ -273,3 +290,142 @@ def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
         ShardkeepReader(path, public_key=Ed25519PrivateKey.generate().public_key())
     with pytest.raises(sk.UnsupportedValueError, match="cryptographic"):
         ShardkeepWriter(tmp_path / "weak", signer=key, digest="xxh3-128")
+
+
+# -- non-tensor values: JSON, never an unpickled byte from storage by default -----------------
+
+
+@dataclasses.dataclass
+class _Point:
+    """A value that is not JSON-able (DCP's planner pickles it; weights_only refuses it)."""
+
+    x: int
+    y: int
+
+
+class _RunsACommand:
+    """Unpickling this runs a shell command (what a hostile checkpoint would hold)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (self.command,))
+
+
+def test_a_hostile_checkpoint_that_verifies_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned.txt"
+    buffer = io.BytesIO()
+    torch.save(_RunsACommand(f"touch {shlex.quote(str(marker))}"), buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    # A plain sk.save checkpoint, unsigned, that claims its uint8 tensor is one of DCP's items.
+    hostile = tmp_path / "hostile"
+    sk.save({"w": torch.ones(2), "step": payload}, hostile, custom_fields={"dcp": {"bytes": ["step"]}})
+    assert sk.verify(hostile).ok
+    with pytest.raises(sk.UnsupportedValueError, match=r"'step'.*unpickle.*trust_pickle=True"):
+        ShardkeepReader(hostile)
+    # Through DCP's checkpoint_id (the reader's reset): refused too, before DCP starts, unwrapped.
+    good = tmp_path / "good"
+    sk.save({"w": torch.full((2,), 3.0), "step": 7}, good)
+    state: dict[str, Any] = {"w": torch.zeros(2), "step": 0}
+    with pytest.raises(sk.UnsupportedValueError, match="'step'"):
+        dcp.load(state, checkpoint_id=hostile, storage_reader=ShardkeepReader(good))
+    assert not marker.exists(), "the checkpoint's pickle ran"
+    assert state["step"] == 0 and torch.equal(state["w"], torch.zeros(2))
+    # The reader of the good checkpoint still loads it.
+    dcp.load(state, storage_reader=ShardkeepReader(good))
+    assert state["step"] == 7 and torch.equal(state["w"], torch.full((2,), 3.0))
+
+
+def test_values_that_are_not_json_stay_opaque_and_load_only_with_trust_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    saved = {
+        "w": torch.arange(4.0),
+        "extra": {"seen": {1, 2}, "point": _Point(1, 2), "epoch": 3, "loss": float("nan"), "shape": (2, [3, None])},
+    }
+    dcp.save(saved, storage_writer=ShardkeepWriter(path))
+    assert sk.verify(path).ok
+    manifest = _manifest(path)
+    assert manifest["custom_fields"]["dcp"]["bytes"] == ["extra.point", "extra.seen"]
+    assert {value["key"] for value in manifest["values"]} >= {"extra.epoch", "extra.loss", "extra.shape.1"}
+    with pytest.raises(sk.UnsupportedValueError, match=r"'extra\.point', 'extra\.seen'.*trust_pickle"):
+        ShardkeepReader(path)
+    target: dict[str, Any] = {
+        "w": torch.zeros(4),
+        "extra": {"seen": set(), "point": None, "epoch": 0, "loss": 0.0, "shape": (0, [0, 0])},
+    }
+    dcp.load(target, storage_reader=ShardkeepReader(path, trust_pickle=True))
+    loss = target["extra"].pop("loss")
+    assert loss != loss  # nan
+    _assert_same(target, {**saved, "extra": {k: v for k, v in saved["extra"].items() if k != "loss"}})
+    # sk.load never unpickles: the opaque items are uint8 tensors, the JSON ones values.
+    loaded = sk.load(path)
+    assert loaded["extra"]["seen"].dtype == torch.uint8 and loaded["extra"]["shape"] == (2, [3, None])
+
+
+# -- failed saves: nothing left where the cleanup promises ----------------------------------------
+
+
+def _failing_commit(original: Any) -> Any:
+    def commit(self: Any) -> None:
+        original(self)  # the file is written, fsynced and closed: it is on disk
+        raise OSError(errno.EIO, "injected: the disk failed after the file was written")
+
+    return commit
+
+
+def test_a_failed_write_on_one_process_leaves_no_staging_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt"
+    writer = ShardkeepWriter(path)
+    monkeypatch.setattr(local._LocalWriter, "commit", _failing_commit(local._LocalWriter.commit))
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(_small_state(2.0), storage_writer=writer)
+    (error, _), *_ = raised.value.failures.values()
+    assert isinstance(error, OSError) and "injected" in str(error)
+    # Removed at once (the writer is still alive): one rank, so nobody else writes there.
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    dcp.save(_small_state(2.0), storage_writer=writer)  # the same writer saves again
+    assert sk.verify(path).ok and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _save_failing_on(rank: int, world_size: int, path: str, failing_rank: int, cleanup: str) -> Any:
+    if rank == failing_rank:  # this forked rank only
+        local._LocalWriter.commit = _failing_commit(local._LocalWriter.commit)  # type: ignore[method-assign]
+    model, optimizer = _model(world_size, seed=0)  # FSDP2: every rank writes chunks of its own
+    writer = ShardkeepWriter(path)
+    try:
+        dcp.save(_state(model, optimizer, EXTRA), storage_writer=writer)
+    except CheckpointException as exc:
+        failed = sorted(exc.failures)
+    else:
+        raise AssertionError("the save did not fail")
+    torch.distributed.barrier()  # every rank is past the failed save
+    parent = Path(path).parent
+    left = sorted(str(p.relative_to(parent)) for p in parent.glob("*.tmp-*/**/*") if p.is_file())
+    torch.distributed.barrier()
+    if cleanup == "reset":
+        writer.reset()  # as DCP does at the next save with checkpoint_id=
+    else:
+        del writer  # dropped: the exception DCP raised is a reference cycle, hence collect()
+        gc.collect()
+    torch.distributed.barrier()
+    return failed, left
+
+
+@pytest.mark.parametrize(("failing_rank", "cleanup"), [(1, "drop"), (0, "reset")])
+def test_a_failed_write_on_one_of_two_ranks_is_cleaned_up(tmp_path: Path, failing_rank: int, cleanup: str) -> None:
+    path = tmp_path / "ckpts" / "step_1"
+    outcomes = results_or_raise(
+        run_ranks(2, _save_failing_on, str(path), failing_rank, cleanup, outbox=tmp_path / "out")
+    )
+    failed, left = outcomes[0]
+    assert failed == [failing_rank]
+    # The failing rank removed its own files at once; the other rank's stay until the coordinator
+    # aborts the save (it alone knows, and only once every rank is done writing).
+    other = 1 - failing_rank
+    assert left and all(f"rank_{other:05d}" in name for name in left), left
+    # Then the coordinator removed the staging directory, with what every rank wrote.
+    assert list((tmp_path / "ckpts").iterdir()) == []

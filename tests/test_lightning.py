@@ -170,6 +170,72 @@ def test_reserved_key_and_storage_options_are_refused(tmp_path: Path) -> None:
         ShardkeepCheckpointIO(save_options={"process_group": None})
 
 
+def save_crafted(target: Path, record: Any, **values: Any) -> None:
+    """A checkpoint as the plugin would write it, with ``record`` as its conversion record."""
+    sk.save({"epoch": 0, "hyper_parameters": values, RESERVED_KEY: record}, target)
+
+
+def test_a_concrete_path_from_another_os_comes_back_as_its_pure_class(tmp_path: Path) -> None:
+    # On Linux a checkpoint saved on Windows names WindowsPath, which cannot be instantiated here
+    # (NotImplementedError); on Windows the same holds for a PosixPath saved on Linux.
+    foreign, pure, text = (
+        ("PosixPath", pathlib.PurePosixPath, "/data/train")
+        if os.name == "nt"
+        else ("WindowsPath", pathlib.PureWindowsPath, "C:\\runs\\1")
+    )
+    native = "WindowsPath" if os.name == "nt" else "PosixPath"
+    target = tmp_path / "foreign.ckpt"
+    conversions = [
+        {"path": ["hyper_parameters", "out"], "type": "path", "cls": foreign},
+        {"path": ["hyper_parameters", "here"], "type": "path", "cls": native},
+    ]
+    save_crafted(target, {"format": 1, "conversions": conversions}, out=text, here="runs/2")
+    hparams = ShardkeepCheckpointIO().load_checkpoint(target)["hyper_parameters"]
+    assert type(hparams["out"]) is pure and hparams["out"] == pure(text) and str(hparams["out"]) == text
+    assert type(hparams["here"]) is type(pathlib.Path()) and hparams["here"] == pathlib.Path("runs/2")
+
+
+@pytest.mark.parametrize(
+    ("record", "values"),
+    [
+        ({"format": 1, "conversions": 5}, {}),
+        ({"format": 1, "conversions": [{"path": [["hyper_parameters"]], "type": "set"}]}, {}),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": 3}]}, {"x": [1]}),
+        ({"format": 1, "conversions": ["junk"]}, {}),
+        ({"format": 1, "conversions": [{"path": ["nowhere", 0], "type": "set"}]}, {}),
+        ({"format": True, "conversions": []}, {}),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "set"}] * 2}, {"x": [1]}),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "torch.device"}]}, {"x": "no:pe"}),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "int"}]}, {"x": math.inf}),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "path", "cls": ["P"]}]}, {"x": "a"}),
+        (
+            {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "path", "cls": "PosixPath"}]},
+            {"x": 5},
+        ),
+    ],
+    ids=[
+        "conversions-not-a-list",
+        "unhashable-path-element",
+        "type-not-a-str",
+        "record-not-a-mapping",
+        "path-not-in-the-checkpoint",
+        "format-true",
+        "two-records-at-one-path",
+        "bad-device-runtime-error",
+        "int-from-inf-overflow-error",
+        "unhashable-path-class",
+        "path-from-a-number",
+    ],
+)
+def test_a_hostile_conversion_record_is_an_integrity_error_naming_the_checkpoint(
+    tmp_path: Path, record: Any, values: dict[str, Any]
+) -> None:
+    target = tmp_path / "hostile.ckpt"
+    save_crafted(target, record, **values)
+    with pytest.raises(sk.IntegrityError, match=re_escape(str(target))):
+        ShardkeepCheckpointIO().load_checkpoint(target)
+
+
 def test_map_location(tmp_path: Path) -> None:
     io = ShardkeepCheckpointIO()
     target = tmp_path / "m.ckpt"
@@ -426,8 +492,6 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
     single.write_bytes(b"a torch file from before")
     io.remove_checkpoint(single)
     assert entries(tmp_path) == []
-    with pytest.raises(sk.CheckpointNotFoundError):
-        io.remove_checkpoint(tmp_path / "gone.ckpt")
 
 
 def test_a_crash_while_removing_never_brings_the_checkpoint_back(
@@ -462,6 +526,280 @@ def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, monkeypatch: p
     with pytest.raises(sk.StorageError, match="I/O error"):
         io.save_checkpoint(state(2), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
+
+
+def test_removing_a_missing_checkpoint_does_nothing(tmp_path: Path) -> None:
+    # as TorchCheckpointIO.remove_checkpoint: ModelCheckpoint may remove a stale last_model_path
+    io = ShardkeepCheckpointIO()
+    keep = tmp_path / "keep.ckpt"
+    io.save_checkpoint(state(1), keep)
+    io.remove_checkpoint(tmp_path / "gone.ckpt")
+    io.remove_checkpoint(tmp_path / "no" / "such" / "dir" / "gone.ckpt")
+    io.remove_checkpoint(keep / "manifest.json" / "gone.ckpt")  # a path under a regular file
+    assert entries(tmp_path) == ["keep.ckpt"] and value_at(keep) == 1
+
+
+def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "last.ckpt"
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint(state(1), target)
+    monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+    real_rename = skl._rename
+
+    def crash_on_second(source: str, destination: str) -> None:
+        if not target.exists():
+            raise KeyboardInterrupt("killed between the two renames")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(state(2), target)
+    monkeypatch.undo()
+    assert not target.exists() and len(entries(tmp_path)) == 2  # old- and new-, both complete
+    io.remove_checkpoint(target)
+    assert entries(tmp_path) == []
+    assert ShardkeepCheckpointIO.clean_leftovers(tmp_path) == [] and entries(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# crash points: a removed or replaced checkpoint never comes back
+# ---------------------------------------------------------------------------------------------
+
+
+def crash_removing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill the next remove_checkpoint once its checkpoint is gone from its name."""
+    monkeypatch.setattr(skl, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+
+
+def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurrect_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not exchange_supported(tmp_path):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
+    target = tmp_path / "last.ckpt"
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint(state(1), target)
+    real_exchange = skl.exchange
+
+    def exchange_then_crash(source: str, destination: str) -> None:
+        real_exchange(source, destination)
+        raise KeyboardInterrupt("killed right after the exchange")
+
+    monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(state(2), target)
+    monkeypatch.undo()
+    # the new checkpoint is in place; the exchanged-out side (the OLD checkpoint) is left over
+    assert value_at(target) == 2 and len(entries(tmp_path)) == 2
+    # a removal killed after the checkpoint is renamed: nothing may come back as last.ckpt
+    crash_removing(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        io.remove_checkpoint(target)
+    monkeypatch.undo()
+    assert not target.exists()
+    ShardkeepCheckpointIO.clean_leftovers(tmp_path)
+    assert entries(tmp_path) == []
+    io.save_checkpoint(state(3), target)  # and a later save starts from nothing stale
+    assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 3
+
+
+def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "last.ckpt"
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint(state(1), target)
+    stale = tmp_path / f"{skl._tag(target.name)}new-0123"  # e.g. an exchanged-out side
+    io.save_checkpoint(state(0), stale)
+    real_retire = skl._retire
+
+    def crash_at_the_checkpoint(parent: str, tag: str, entry: str) -> str:
+        if entry == target.name:
+            raise KeyboardInterrupt("killed before renaming the checkpoint itself")
+        return real_retire(parent, tag, entry)
+
+    monkeypatch.setattr(skl, "_retire", crash_at_the_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        io.remove_checkpoint(target)
+    monkeypatch.undo()
+    assert value_at(target) == 1  # the leftovers went first; the checkpoint is untouched
+    assert all(".del-" in name for name in entries(tmp_path) if name != target.name)
+    ShardkeepCheckpointIO.clean_leftovers(tmp_path)
+    assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 1
+
+
+def partial_delete_then_crash(path: str) -> None:
+    """What a kill inside shutil.rmtree can leave: the tensors gone, the manifest still there."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            if name != "manifest.json":
+                os.remove(os.path.join(root, name))
+    raise KeyboardInterrupt("killed while deleting")
+
+
+CRASH_POINTS = {
+    # point: (exchange available, what the path holds right after the crash)
+    "after-exchange": (True, 2),
+    "after-retire": (True, 2),
+    "during-delete": (True, 2),
+    "fallback-between-renames": (False, None),
+    "fallback-after-second-rename": (False, 2),
+    "fallback-during-delete": (False, 2),
+}
+
+
+def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
+    if not CRASH_POINTS[point][0]:
+        monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+    if point == "after-exchange":
+        real_exchange = skl.exchange
+
+        def exchange_then_crash(source: str, destination: str) -> None:
+            real_exchange(source, destination)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+    elif point == "fallback-between-renames":
+        real_rename = skl._rename
+
+        def crash_when_gone(source: str, destination: str) -> None:
+            if not target.exists():
+                raise KeyboardInterrupt
+            real_rename(source, destination)
+
+        monkeypatch.setattr(skl, "_rename", crash_when_gone)
+    elif point == "fallback-after-second-rename":
+        real_rename, calls = skl._rename, []
+
+        def rename_then_crash_on_second(source: str, destination: str) -> None:
+            real_rename(source, destination)
+            calls.append(source)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(skl, "_rename", rename_then_crash_on_second)
+    elif point == "after-retire":
+        crash_removing(monkeypatch)
+    else:
+        monkeypatch.setattr(skl, "_remove_tree", partial_delete_then_crash)
+
+
+@pytest.mark.parametrize("then", ["recover", "remove"])
+@pytest.mark.parametrize("point", list(CRASH_POINTS))
+def test_every_crash_point_of_a_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str) -> None:
+    if CRASH_POINTS[point][0] and not exchange_supported(tmp_path):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
+    target = tmp_path / "last.ckpt"
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint({**state(1), "global_step": 100}, target)
+    crash_save_at(point, monkeypatch, target)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({**state(2), "global_step": 5}, target)  # a run resumed from an earlier step
+    monkeypatch.undo()
+    expected = CRASH_POINTS[point][1]
+    if expected is None:
+        assert not target.exists()
+    else:
+        assert value_at(target) == expected and sk.verify(target).ok
+    if then == "recover":
+        ShardkeepCheckpointIO.clean_leftovers(tmp_path)
+        assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2 and sk.verify(target).ok
+    else:
+        crash_removing(monkeypatch)  # killed once everything is renamed away, before any deletion
+        with pytest.raises(KeyboardInterrupt):
+            io.remove_checkpoint(target)  # (when the path is gone already: its leftovers)
+        monkeypatch.undo()
+        assert not target.exists()
+        ShardkeepCheckpointIO.clean_leftovers(tmp_path)  # nothing comes back
+        assert entries(tmp_path) == []
+
+
+def test_recovery_puts_back_the_last_committed_leftover_not_the_one_named_new(tmp_path: Path) -> None:
+    # After an exchange the entry named "new-" holds the *previous* checkpoint, and a run resumed
+    # from an earlier checkpoint saves a lower step: only the commit time tells which is newer.
+    tag = skl._tag("last.ckpt")
+    sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}new-aaaa", step=100)
+    sk.save({"w": torch.ones(1), "epoch": 2}, tmp_path / f"{tag}old-bbbb", step=5)
+    sk.save({"w": torch.full((1,), 7.0)}, tmp_path / f"{tag}del-cccc", step=200)  # being deleted
+    ShardkeepCheckpointIO.clean_leftovers(tmp_path)
+    assert entries(tmp_path) == ["last.ckpt"]
+    assert int(ShardkeepCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")["epoch"]) == 2
+
+
+def test_a_checkpoint_being_deleted_is_never_put_back(tmp_path: Path) -> None:
+    tag = skl._tag("last.ckpt")
+    sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}del-aaaa")
+    assert ShardkeepCheckpointIO.clean_leftovers(tmp_path) == [f"{tag}del-aaaa"]
+    assert entries(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# I/O errors are StorageError naming the path
+# ---------------------------------------------------------------------------------------------
+
+
+def test_io_errors_are_storage_errors_naming_the_path(tmp_path: Path) -> None:
+    io = ShardkeepCheckpointIO()
+    regular = tmp_path / "a-file"
+    regular.write_text("not a directory")
+    with pytest.raises(sk.StorageError, match=re_escape(str(regular))) as saving:
+        io.save_checkpoint(state(1), regular / "x.ckpt")  # ENOTDIR
+    assert isinstance(saving.value.__cause__, OSError)
+    with pytest.raises(sk.StorageError, match=re_escape(str(regular))) as saving:
+        io.save_checkpoint(state(1), regular / "sub" / "x.ckpt")
+    assert isinstance(saving.value.__cause__, OSError)
+    with pytest.raises(sk.StorageError, match=re_escape(str(regular))) as cleaning:
+        ShardkeepCheckpointIO.clean_leftovers(regular)
+    assert isinstance(cleaning.value.__cause__, OSError)
+    with pytest.raises(sk.StorageError, match=re_escape(str(tmp_path / "missing"))):
+        ShardkeepCheckpointIO.clean_leftovers(tmp_path / "missing")
+    with pytest.raises(sk.CheckpointNotFoundError, match=re_escape(str(regular / "x.ckpt"))):
+        io.load_checkpoint(regular / "x.ckpt")
+    for bad in (None, 5, "a\x00b"):
+        with pytest.raises(sk.UnsupportedValueError):
+            io.save_checkpoint(state(1), bad)  # type: ignore[arg-type]
+    assert entries(tmp_path) == ["a-file"]
+
+
+def test_a_failed_delete_while_removing_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    io = ShardkeepCheckpointIO()
+    target = tmp_path / "epoch=0-step=1.ckpt"
+    io.save_checkpoint(state(1), target)
+
+    def failing(path: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(skl, "_remove_tree", failing)
+    with pytest.raises(sk.StorageError, match=re_escape(str(target))) as removing:
+        io.remove_checkpoint(target)
+    assert isinstance(removing.value.__cause__, PermissionError)
+    monkeypatch.undo()
+    assert not target.exists()
+    ShardkeepCheckpointIO.clean_leftovers(tmp_path)
+    assert entries(tmp_path) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="chmod does not restrict root")
+def test_unwritable_and_unlistable_directories_are_storage_errors(tmp_path: Path) -> None:
+    io = ShardkeepCheckpointIO()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    target = locked / "epoch=0-step=1.ckpt"
+    io.save_checkpoint(state(1), target)
+    locked.chmod(0o500)  # r-x: cannot rename, create or delete entries in it
+    try:
+        with pytest.raises(sk.StorageError, match=re_escape(str(target))):
+            io.remove_checkpoint(target)
+        with pytest.raises(sk.StorageError, match=re_escape(str(locked / "sub"))):
+            io.save_checkpoint(state(2), locked / "sub" / "x.ckpt")
+        locked.chmod(0o000)  # cannot list it either
+        with pytest.raises(sk.StorageError, match=re_escape(str(locked))):
+            ShardkeepCheckpointIO.clean_leftovers(locked)
+    finally:
+        locked.chmod(0o700)
+    assert value_at(target) == 1 and entries(locked) == [target.name]
 
 
 def test_importing_shardkeep_does_not_import_lightning() -> None:

@@ -14,18 +14,25 @@ The result is an ordinary 1.x checkpoint (``metadata_version`` 1.3) that ``shard
 - a chunk of a sharded tensor (DCP ``SHARD`` item: a DTensor's local shard) is a chunk entry
   with ``global_shape``, ``global_offset`` and a digest of its own, in
   ``shards/rank_NNNNN_chunks.safetensors``;
-- a non-tensor value (DCP ``BYTE_IO`` item, which DCP's planner serialises with
-  ``torch.save``) is stored as opaque ``U8`` data under its key and listed in
-  ``custom_fields["dcp"]["bytes"]``: shardkeep never unpickles it (``sk.load`` returns a uint8
-  tensor), and ``ShardkeepReader`` hands the exact bytes back to DCP's planner, which loads them
-  as DCP always does (``torch.load(..., weights_only=False)`` in the default planner);
+- a non-tensor value (DCP ``BYTE_IO`` item: bytes that DCP's planner made with ``torch.save``
+  from a local object) is decoded with the restricted unpickler (``weights_only=True``) and,
+  when it is plain JSON-able data (``None``, bools, ints, floats including inf and nan,
+  strings, lists, tuples and dicts of those: optimizer ``param_groups`` entries, step counters),
+  stored as the manifest's JSON values and containers, like an ``sk.save`` value; anything else
+  is stored as opaque ``U8`` data under its key and listed in ``custom_fields["dcp"]["bytes"]``
+  (``sk.load`` returns it as a uint8 tensor, never unpickled);
 - DCP's ``planner_data`` (each key's nested path) is kept as JSON in
   ``custom_fields["dcp"]["planner_data"]`` and as each entry's ``path``.
 
 ``ShardkeepReader(path)`` rebuilds DCP's ``Metadata`` from the manifest (of a checkpoint written
 by this writer or by ``sk.save``) and reads only the files a rank's plan needs, each checked
 before any value is handed to the planner: a file's digest when it is read whole, each chunk's
-own digest when only some chunks of it are read (:func:`shardkeep.io.check_shard`).
+own digest when only some chunks of it are read (:func:`shardkeep.io.check_shard`). Non-tensor
+values reach the planner as bytes the reader builds itself from the manifest's JSON; opaque
+byte items, which DCP's planner would unpickle (``torch.load(..., weights_only=False)``), are
+refused unless ``trust_pickle=True``.
+
+A failed save removes what it wrote as far as DCP's hooks allow: see :class:`ShardkeepWriter`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import dataclasses
 import io
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -79,6 +87,7 @@ from shardkeep.manifest import (
     Sharding,
     StateSection,
     Tier,
+    ValueEntry,
     encode_manifest,
     has_chunks,
     key_for_path,
@@ -88,7 +97,7 @@ from shardkeep.saving import DEFAULT_TIER, _ensure_directory, _plain_json_mappin
 from shardkeep.storage import LocalStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
 from shardkeep.tensors.coverage import coverage_problems
-from shardkeep.tensors.flatten import TensorLeaf, rebuild_state
+from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
 from shardkeep.verification import CheckpointLocation, FileResolver, locate, read_checked_manifest
 
 if TYPE_CHECKING:
@@ -101,6 +110,9 @@ DCP_FIELD = "dcp"
 _TIER = Tier(tier_id=1, name=DEFAULT_TIER)
 _RECORDS = msgspec.msgpack.Encoder()
 _RECORDS_DECODER = msgspec.msgpack.Decoder(list[FileRecord])
+#: One DCP byte item stored as JSON: its containers and values, with paths under ``["v"]``.
+_JsonItem = tuple[list[ContainerEntry], list[ValueEntry]]
+_JSON_ITEM_DECODER = msgspec.msgpack.Decoder(_JsonItem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +124,13 @@ class _PlanData:
 
 @dataclasses.dataclass(frozen=True)
 class _Written:
-    """A write result's ``storage_data``: where the item went; the first result of a rank also
-    carries that rank's file records (msgpack), for the coordinator's manifest."""
+    """A write result's ``storage_data``: where the item went (``value``: a byte item stored as
+    JSON, its containers and values in msgpack); the first result of a rank also carries that
+    rank's file records (msgpack), for the coordinator's manifest."""
 
     path: str | None
     records: bytes | None = None
+    value: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +158,20 @@ class ShardkeepWriter(StorageWriter):
     (or ``reset`` with a checkpoint id) for an existing checkpoint raises
     :class:`~shardkeep.errors.CheckpointExistsError`; a checkpoint that appears while the save
     runs makes the commit fail (DCP reports it wrapped in its ``CheckpointException``).
+
+    DCP's non-tensor items (``BYTE_IO``: ``torch.save`` bytes from DCP's planner) are decoded
+    here with ``torch.load(..., weights_only=True)``; a plain JSON-able value (``None``, bools,
+    ints, floats including inf and nan, strings, and lists, tuples and dicts of those) is stored
+    as JSON in the manifest, which :class:`ShardkeepReader` turns back into bytes itself. Only
+    other values stay opaque bytes, which the reader refuses unless ``trust_pickle=True``.
+
+    A failed save cleans up after itself as far as DCP's hooks allow (DCP calls no abort hook,
+    and never calls ``finish`` when ``write_data`` failed on any rank): a rank whose
+    ``write_data`` fails removes the files it wrote before re-raising; on one rank the
+    coordinator also removes the staging directory then. With several ranks, the coordinator
+    removes the staging directory (what other ranks wrote included) when the writer is
+    ``reset``, plans its next save, or is garbage-collected (or at a normal interpreter exit),
+    since only then is every rank known to be done writing.
     """
 
     def __init__(
@@ -181,15 +209,19 @@ class ShardkeepWriter(StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self._commit: CheckpointCommit | None = None
+        self._pending: weakref.finalize[Any, Any] | None = None  # aborts _commit if the writer is dropped
+        self._ranks = 0  # how many ranks write the pending save (len of DCP's global plan)
         self._private_key: Ed25519PrivateKey | None = None
         self._refuse_existing()
 
     # -- DCP's calls, in order ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Forget the previous save; on the coordinator, remove the staging directory of a save
+        that failed before its ``finish`` (DCP calls no abort hook)."""
+        self._abort_pending()
         if checkpoint_id is not None:
             self.path = _checkpoint_path(checkpoint_id)
             self._refuse_existing()
-        self._commit = None
         self._private_key = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -204,7 +236,9 @@ class ShardkeepWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: refuse an existing checkpoint, load the signing key, and open the
-        staging directory, whose name every rank's plan carries."""
+        staging directory, whose name every rank's plan carries (a previous save of this writer
+        that failed before its ``finish`` is aborted first)."""
+        self._abort_pending()
         location = self._location()
         if self.signer is not None:
             self._private_key = load_private_key(self.signer)
@@ -213,6 +247,9 @@ class ShardkeepWriter(StorageWriter):
         commit = CheckpointCommit(location.store, location.name)
         commit.begin()
         self._commit = commit
+        self._ranks = len(plans)
+        # DCP never calls finish after a failed write: abort when this writer is dropped.
+        self._pending = weakref.finalize(self, _abort_quietly, commit)
         return [dataclasses.replace(plan, storage_data=_PlanData(commit.staging)) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -225,14 +262,36 @@ class ShardkeepWriter(StorageWriter):
             )
         location = self._location()
         commit = CheckpointCommit(location.store, location.name, plan.storage_data.staging)
-        items: list[PlannedItem] = []
-        sizes: list[tuple[WriteItem, PlannedItem | None]] = []
-        for write_item in plan.items:
-            planned = _planned(write_item, planner.resolve_data(write_item))
-            sizes.append((write_item, planned))
-            if planned is not None:
-                items.append(planned)
         shard_plans: list[ShardPlan] = []
+        try:
+            results = self._write(plan, planner, location, commit, shard_plans)
+        except BaseException:
+            self._discard(location, commit, shard_plans)
+            raise
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write(
+        self,
+        plan: SavePlan,
+        planner: SavePlanner,
+        location: CheckpointLocation,
+        commit: CheckpointCommit,
+        shard_plans: list[ShardPlan],
+    ) -> list[WriteResult]:
+        items: list[PlannedItem] = []
+        sizes: list[tuple[WriteItem, PlannedItem | bytes | None]] = []
+        for write_item in plan.items:
+            data = planner.resolve_data(write_item)
+            stored: PlannedItem | bytes | None = None
+            if write_item.type == WriteItemType.BYTE_IO and isinstance(data, io.BytesIO):
+                stored = _json_item(data.getvalue())
+            if stored is None:
+                stored = _planned(write_item, data)
+            sizes.append((write_item, stored))
+            if isinstance(stored, PlannedItem):
+                items.append(stored)
         records: list[FileRecord] = []
         where: dict[int, str] = {}
         for record, group in plan_files(
@@ -253,19 +312,32 @@ class ShardkeepWriter(StorageWriter):
         results = [
             WriteResult(
                 index=write_item.index,
-                size_in_bytes=0 if planned is None else planned.nbytes,
-                storage_data=_Written(None if planned is None else where[id(planned)]),
+                size_in_bytes=stored.nbytes if isinstance(stored, PlannedItem) else 0,
+                storage_data=_Written(where[id(stored)])
+                if isinstance(stored, PlannedItem)
+                else _Written(None, value=stored),
             )
-            for write_item, planned in sizes
+            for write_item, stored in sizes
         ]
         if results:
             first = results[0]
             results[0] = dataclasses.replace(
-                first, storage_data=_Written(first.storage_data.path, _RECORDS.encode(records))
+                first, storage_data=dataclasses.replace(first.storage_data, records=_RECORDS.encode(records))
             )
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
+
+    def _discard(self, location: CheckpointLocation, commit: CheckpointCommit, shard_plans: list[ShardPlan]) -> None:
+        """After this rank's write failed: remove the files it planned (written or not), so that
+        nothing of this rank is left; DCP will not call ``finish``. On the coordinator of a
+        one-rank save nobody else writes, so the whole staging directory goes as well."""
+        for shard_plan in shard_plans:
+            try:
+                (shard_plan.store or location.store).remove_file(shard_plan.path)
+            except Exception:  # the save is already failing; the lease collects what stays
+                pass
+        pending = self._commit
+        if self.is_coordinator and self._ranks == 1 and pending is not None and pending.staging == commit.staging:
+            self._abort_pending()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: build the manifest from every rank's records, check it (every
@@ -287,14 +359,35 @@ class ShardkeepWriter(StorageWriter):
             raise
         finally:
             self._commit = None
+            self._forget_pending()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickled for another process, or deep-copied) never owns this writer's pending
+        save: only the original aborts it."""
+        state = dict(self.__dict__)
+        state.update(_commit=None, _pending=None, _ranks=0, _private_key=None)
+        return state
+
     # -- helpers -------------------------------------------------------------------------------
     def _location(self) -> CheckpointLocation:
         return locate(self.path, None, self.storage_options)
+
+    def _forget_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.detach()
+
+    def _abort_pending(self) -> None:
+        """On the coordinator: abort the save whose ``finish`` was never reached (removing its
+        staging directory, with every rank's files); a failure to remove is left to the lease."""
+        commit, self._commit = self._commit, None
+        self._forget_pending()
+        if commit is not None:
+            _abort_quietly(commit)
 
     def _refuse_existing(self) -> None:
         location = self._location()
@@ -308,14 +401,23 @@ class ShardkeepWriter(StorageWriter):
                 if isinstance(data, _Written) and data.records:
                     records.extend(_RECORDS_DECODER.decode(data.records))
         records.sort(key=lambda record: record.path)
+        json_items: dict[str, _JsonItem] = {}
+        for rank_results in results:
+            for result in rank_results:
+                data = result.storage_data
+                if isinstance(data, _Written) and data.value is not None:
+                    json_items[result.index.fqn] = _JSON_ITEM_DECODER.decode(data.value)
+        # Only the byte items that are not JSON stay opaque (the reader refuses them by default).
         byte_keys = sorted(
             key
             for key, described in metadata.state_dict_metadata.items()
-            if isinstance(described, BytesStorageMetadata)
+            if isinstance(described, BytesStorageMetadata) and key not in json_items
         )
         paths = _json_paths(metadata.planner_data)
-        containers = _place_entries(records, paths)
-        dcp_record: dict[str, Any] = {"bytes": byte_keys}
+        containers, values = _place_entries(records, paths, json_items)
+        # "values": the byte items stored as JSON, the only values and containers the reader
+        # offers DCP (exactly DCP's own keys, not the parts of a tuple, say).
+        dcp_record: dict[str, Any] = {"bytes": byte_keys, "values": sorted(json_items)}
         if paths:
             dcp_record["planner_data"] = {key: list(path) for key, path in paths.items()}
         if metadata.version is not None:
@@ -345,6 +447,7 @@ class ShardkeepWriter(StorageWriter):
             files=records,
             optim_state=StateSection(prefixes=optim, description="optimizer state") if optim else None,
             structure=containers,
+            values=values,
             custom_fields={**self.custom_fields, DCP_FIELD: dcp_record},
         )
         problems = validate_manifest(manifest).errors
@@ -357,6 +460,65 @@ class ShardkeepWriter(StorageWriter):
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _abort_quietly(commit: CheckpointCommit) -> None:
+    """Abort a save that will never be finished; what cannot be removed now is collected after
+    the lease (``CheckpointManager``, ``shardkeep prune --apply``)."""
+    try:
+        commit.abort()
+    except Exception:  # cleaning up a failed save must not raise over the real error
+        pass
+
+
+def _json_able(value: Any, depth: int = 0) -> bool:
+    """True for exactly the plain values a manifest stores: ``None``, bools, ints, floats
+    (non-finite ones too), valid Unicode strings, and lists, tuples and dicts (str or int keys)
+    of those; subclasses (``OrderedDict``, named tuples) and everything else are not."""
+    if depth > MAX_PATH_DEPTH:
+        return False
+    kind = type(value)
+    if value is None or kind in (bool, int, float):
+        return True
+    if kind is str:
+        return _valid_text(value)
+    if kind in (list, tuple):
+        return all(_json_able(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(
+            (type(key) is int or (type(key) is str and _valid_text(key))) and _json_able(item, depth + 1)
+            for key, item in value.items()
+        )
+    return False
+
+
+def _valid_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _json_item(data: bytes) -> bytes | None:
+    """A DCP byte item (``torch.save`` bytes from DCP's planner, of a local object) as the
+    manifest's containers and values (msgpack, paths under ``["v"]``), or ``None`` when it is
+    not plain JSON-able data and must stay opaque. The bytes are decoded with the restricted
+    unpickler (``weights_only=True``), which builds no arbitrary objects."""
+    try:
+        value = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:
+        return None
+    if not _json_able(value):
+        return None
+    try:
+        flat = flatten_state({"v": value})
+    except UnsupportedValueError:  # an int beyond 64 bits, keys that flatten to the same key
+        return None
+    if flat.tensors:
+        return None
+    containers = [container for container in flat.containers if container.path]
+    return _RECORDS.encode((containers, flat.values))
 
 
 def _planned(item: WriteItem, data: Any) -> PlannedItem | None:
@@ -411,31 +573,57 @@ def _json_paths(planner_data: Any) -> dict[str, tuple[str | int, ...]]:
     return paths
 
 
-def _place_entries(records: list[FileRecord], paths: dict[str, tuple[str | int, ...]]) -> list[ContainerEntry]:
+def _place_entries(
+    records: list[FileRecord], paths: dict[str, tuple[str | int, ...]], json_items: Mapping[str, _JsonItem]
+) -> tuple[list[ContainerEntry], list[ValueEntry]]:
     """Give every entry its nested path (from DCP's ``planner_data``, else the key alone) and
-    its depth-first order, in the order of the state DCP saved; return the containers."""
-    keys = {entry.key for record in records for entry in record.tensors}
+    its depth-first order, in the order of the state DCP saved; place the byte items stored as
+    JSON there too. Return the containers and the JSON values."""
+    keys = {entry.key for record in records for entry in record.tensors} | set(json_items)
     ordered = [key for key in paths if key in keys] + sorted(keys - set(paths))
-    containers: dict[tuple[str | int, ...], int] = {(): 1}
+    containers: dict[tuple[str | int, ...], ContainerEntry] = {(): ContainerEntry(path=[], order=1)}
     counter = 1
     orders: dict[str, tuple[list[str | int], int]] = {}
+    values: list[ValueEntry] = []
+    leaves: set[tuple[str | int, ...]] = set()
+    twice: list[str] = []
     for key in ordered:
         path = paths.get(key, (key,))
         for depth in range(1, len(path)):
             prefix = path[:depth]
             if prefix not in containers:
                 counter += 1
-                containers[prefix] = counter
-        counter += 1
-        orders[key] = (list(path), counter)
-    leaves = {tuple(path) for path, _ in orders.values()}
-    clash = sorted(key_for_path(prefix) for prefix in containers if prefix in leaves)
+                containers[prefix] = ContainerEntry(path=list(prefix), order=counter)
+        item = json_items.get(key)
+        if item is None:
+            counter += 1
+            orders[key] = (list(path), counter)
+            leaves.add(path)
+            continue
+        # A byte item stored as JSON: its own containers and values, in their depth-first order,
+        # re-rooted from ["v", ...] at the item's path.
+        inner: list[ContainerEntry | ValueEntry] = [*item[0], *item[1]]
+        for part in sorted(inner, key=lambda entry: entry.order):
+            full = (*path, *part.path[1:])
+            counter += 1
+            if isinstance(part, ContainerEntry):
+                if full in containers:
+                    twice.append(key_for_path(full))
+                containers[full] = ContainerEntry(path=list(full), kind=part.kind, order=counter)
+            else:
+                values.append(
+                    msgspec.structs.replace(
+                        part, key=key if full == path else key_for_path(full), path=list(full), order=counter
+                    )
+                )
+                leaves.add(full)
+    clash = sorted(key_for_path(prefix) for prefix in containers if prefix in leaves) + twice
     if clash:
         raise UnsupportedValueError(f"DCP keys {clash[:5]} are both values and containers of other values")
     for record in records:
         for entry in record.tensors:
             entry.path, entry.order = orders[entry.key]
-    return [ContainerEntry(path=list(path), order=order) for path, order in containers.items()]
+    return list(containers.values()), values
 
 
 class ShardkeepReader(StorageReader):
@@ -449,6 +637,15 @@ class ShardkeepReader(StorageReader):
     (or, when only some of its chunks are read, those chunks' digests), else its size and
     header. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
     DCP reports wrapped in its ``CheckpointException``.
+
+    Non-tensor values are handed to DCP's planner as bytes that this reader builds itself with
+    ``torch.save`` from the manifest's plain JSON. A checkpoint that holds *opaque* byte items
+    (``custom_fields["dcp"]["bytes"]``: values that were not JSON-able, or any checkpoint
+    written by an older writer) is refused when the reader is built, with an
+    :class:`~shardkeep.errors.UnsupportedValueError` naming the keys: DCP's default planner
+    unpickles such bytes (``torch.load(..., weights_only=False)``), which runs whatever code
+    they name, and a valid digest or signature does not make them safe. Pass
+    ``trust_pickle=True`` only for a checkpoint whose origin you trust.
     """
 
     def __init__(
@@ -461,11 +658,13 @@ class ShardkeepReader(StorageReader):
         limits: ManifestLimits | None = None,
         use_mmap: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        trust_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.path = _checkpoint_path(path)
         self.policy = SignaturePolicy.of(public_key, require_signature)
         self.verify = verify
+        self.trust_pickle = trust_pickle
         self.limits = limits
         self.use_mmap = use_mmap
         self.storage_options = storage_options
@@ -476,6 +675,10 @@ class ShardkeepReader(StorageReader):
         self.location = locate(self.path, None, self.storage_options)
         self.manifest = read_checked_manifest(self.location, self.policy, self.limits)
         self._resolver = FileResolver(self.location, self.manifest, storage_options=self.storage_options)
+        _, self._storage = _metadata_of(self.manifest, str(self.location))
+        opaque = sorted(index.fqn for index, stored in self._storage.items() if stored.kind == "bytes")
+        if opaque and not self.trust_pickle:
+            raise UnsupportedValueError(_pickle_refusal(str(self.location), opaque))
 
     # -- DCP's calls, in order ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -518,6 +721,8 @@ class ShardkeepReader(StorageReader):
                     f"{'a tensor' if stored.kind == 'tensor' else 'bytes'}, but DCP asks for "
                     f"{'bytes' if is_bytes else 'a tensor'}"
                 )
+            if stored.kind == "bytes" and not self.trust_pickle:
+                raise UnsupportedValueError(_pickle_refusal(str(self.location), [item.storage_index.fqn]))
             wanted.append((item, stored))
             if stored.kind in ("tensor", "bytes"):
                 needed.setdefault(stored.file, set()).add(stored.entry)
@@ -569,6 +774,14 @@ def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[Metadat
     if not isinstance(byte_keys, list) or not all(isinstance(key, str) for key in byte_keys):
         raise ManifestError(f"{where}: custom_fields.{DCP_FIELD}.bytes must be a list of keys")
     bytes_of = set(byte_keys)
+    json_keys = dcp_record.get("values")
+    if json_keys is not None and (
+        not isinstance(json_keys, list) or not all(isinstance(key, str) for key in json_keys)
+    ):
+        raise ManifestError(f"{where}: custom_fields.{DCP_FIELD}.values must be a list of keys")
+    # Written by ShardkeepWriter: offer DCP exactly the byte items it saved as JSON. Otherwise
+    # (sk.save), every value, and every container without tensors below it.
+    offered = None if json_keys is None else set(json_keys)
     described: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, _Stored] = {}
     planner_data: dict[str, tuple[str | int, ...]] = {}
@@ -601,8 +814,10 @@ def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[Metadat
             known.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(entry.shape)))
             storage[MetadataIndex(key, offset)] = _Stored("tensor", file_index, entry_index)
     for value_index, value in enumerate(manifest.values):
-        # A JSON leaf of an ``sk.save`` checkpoint: offered as bytes that this reader builds
-        # itself (torch.save of the plain JSON value), so nothing from storage is unpickled.
+        # A JSON leaf of the manifest: offered as bytes that this reader builds itself
+        # (torch.save of the plain JSON value), so nothing from storage is unpickled.
+        if offered is not None and value.key not in offered:
+            continue
         described[value.key] = BytesStorageMetadata()
         storage[MetadataIndex(value.key)] = _Stored("value", -1, value_index)
         planner_data[value.key] = tuple(value.path)
@@ -610,6 +825,8 @@ def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[Metadat
         # A container without tensors below it (a tuple of floats, a list of dicts of JSON) is
         # one leaf to DCP, which flattens only what holds tensors: offer it whole as well.
         key = key_for_path(container.path)
+        if offered is not None and key not in offered:
+            continue
         if container.path and key not in described and not _holds_tensors(manifest, container.path):
             described[key] = BytesStorageMetadata()
             storage[MetadataIndex(key)] = _Stored("container", -1, container_index)
@@ -630,6 +847,18 @@ def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[Metadat
 
 
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _pickle_refusal(where: str, keys: list[str]) -> str:
+    shown = ", ".join(repr(key) for key in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return (
+        f"{where}: {len(keys)} non-tensor item(s) ({shown}) are stored as opaque bytes "
+        f"(custom_fields.{DCP_FIELD}.bytes) that DCP's planner would unpickle on load "
+        "(torch.load(..., weights_only=False)), and unpickling runs whatever code the bytes name; a digest or "
+        "signature that checks out does not make them safe. shardkeep refuses them by default. If you trust "
+        "where this checkpoint came from, pass ShardkeepReader(..., trust_pickle=True); sk.load reads it "
+        "without unpickling (those items as uint8 tensors)."
+    )
 
 
 def _holds_tensors(manifest: Manifest, path: list[str | int]) -> bool:

@@ -16,19 +16,25 @@ restored on load; the conversions are recorded (by path) in the checkpoint itsel
 :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
 Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
 ``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device`` and
-``argparse.Namespace``. Tuples, integer dict keys (optimizer state), NaN and infinities are
-stored natively by shardkeep. Anything else (dataclasses, enums, classes, OmegaConf configs,
-arbitrary objects) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming
-its key: nothing is pickled.
+``argparse.Namespace``. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
+Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its pure class
+(``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. A malformed
+conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
+Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
+Anything else (dataclasses, enums, classes, OmegaConf configs, arbitrary objects) is refused
+with an :class:`~shardkeep.errors.UnsupportedValueError` naming its key: nothing is pickled.
 
 Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
 path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
 atomically with ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+; ext4, xfs, btrfs, tmpfs), then
-removes the old one: at every moment ``path`` holds one complete checkpoint. Where the exchange
-is not supported (another OS, or a filesystem that refuses it, such as some network
+renames the old one out of the way and removes it: at every moment ``path`` holds one complete
+checkpoint, and nothing removed (an old checkpoint, a checkpoint Lightning removes) can come back
+under its name after a crash (see :class:`ShardkeepCheckpointIO` for every crash point). Where
+the exchange is not supported (another OS, or a filesystem that refuses it, such as some network
 filesystems) it falls back to two renames, with a short window in which ``path`` does not
 exist; the next save of the same path (or :meth:`ShardkeepCheckpointIO.clean_leftovers`) puts
-the complete checkpoint back in place and removes the leftovers of an interrupted save.
+the complete checkpoint back in place and removes the leftovers of an interrupted save. I/O
+failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 """
 
 from __future__ import annotations
@@ -56,11 +62,13 @@ from shardkeep.errors import (
     ConfigError,
     DependencyError,
     IntegrityError,
+    ShardkeepError,
     StorageError,
     UnsafePathError,
     UnsupportedValueError,
 )
 from shardkeep.manifest import Manifest
+from shardkeep.verification import read_manifest
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -84,6 +92,13 @@ _INT64_MIN = -(1 << 63)
 _UINT64_MAX = (1 << 64) - 1
 _PATH_CLASSES = {cls.__name__: cls for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath)}
 _PATH_CLASSES["WindowsPath"] = pathlib.WindowsPath
+#: What a concrete path class recorded on another OS comes back as: its pure flavour, which keeps
+#: the string, the parts and the comparisons exactly (the native ``Path`` would not: it would read
+#: ``C:\\data`` as one relative POSIX name, or ``/data`` without a drive on Windows).
+_PURE_FLAVOUR: dict[type, type] = {
+    pathlib.PosixPath: pathlib.PurePosixPath,
+    pathlib.WindowsPath: pathlib.PureWindowsPath,
+}
 
 Path_ = str | os.PathLike[str]
 
@@ -210,9 +225,14 @@ def encode_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return state  # type: ignore[return-value]  # the top level keys were checked to be str or int
 
 
-def _restored_value(value: Any, conversion: Mapping[str, Any]) -> Any:
-    kind = conversion.get("type")
-    where = _where(tuple(conversion.get("path", ())))
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _restored_value(value: Any, conversion: Mapping[str, Any], source: str) -> Any:
+    kind = conversion["type"]
+    where = _where(tuple(conversion["path"]))
     try:
         if kind == "dict":
             return dict(value)
@@ -239,7 +259,12 @@ def _restored_value(value: Any, conversion: Mapping[str, Any]) -> Any:
             return complex(real, imag)
         if kind == "path":
             cls = _PATH_CLASSES[conversion["cls"]]
-            return cls(value)
+            if not isinstance(value, str):
+                raise TypeError(f"a path is stored as a str, found {type(value).__name__}")
+            try:
+                return cls(value)
+            except NotImplementedError:  # WindowsPath on POSIX, PosixPath on Windows
+                return _PURE_FLAVOUR[cls](value)
         if kind == "numpy_scalar":
             return _as_numpy(value)[()]
         if kind == "torch.dtype":
@@ -249,9 +274,11 @@ def _restored_value(value: Any, conversion: Mapping[str, Any]) -> Any:
             return dtype
         if kind == "torch.device":
             return torch.device(value)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise IntegrityError(f"cannot restore the {kind} at {where!r} from the checkpoint: {exc}") from exc
-    raise IntegrityError(f"the checkpoint records an unknown conversion {kind!r} at {where!r}")
+    # Whatever a damaged or hostile record holds, the result is an IntegrityError naming it
+    # (torch.device("nonsense") raises RuntimeError, int(float("inf")) OverflowError ...).
+    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RuntimeError) as exc:
+        raise IntegrityError(f"{source}: cannot restore the {kind} at {where!r}: {exc}") from exc
+    raise IntegrityError(f"{source}: {RESERVED_KEY} records an unknown conversion {_short(kind)} at {where!r}")
 
 
 def _as_numpy(value: Any) -> np.ndarray[Any, Any]:
@@ -260,24 +287,49 @@ def _as_numpy(value: Any) -> np.ndarray[Any, Any]:
     return np.asarray(value)
 
 
-def decode_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
-    """The Lightning checkpoint dict that :func:`encode_checkpoint` turned into ``state``."""
+def _conversion_records(record: Any, source: str) -> dict[tuple[str | int, ...], Mapping[str, Any]]:
+    """The conversions :data:`RESERVED_KEY` records, by path; every malformed record (whatever its
+    shape) is an :class:`IntegrityError` naming ``source``."""
+    if not isinstance(record, Mapping) or type(record.get("format")) is not int or record["format"] != FORMAT_VERSION:
+        found = record.get("format") if isinstance(record, Mapping) else record
+        raise IntegrityError(
+            f"{source}: {RESERVED_KEY} records format {_short(found)}; this shardkeep reads format {FORMAT_VERSION}"
+        )
+    listed = record.get("conversions", [])
+    if not isinstance(listed, (list, tuple)):
+        raise IntegrityError(
+            f"{source}: {RESERVED_KEY}.conversions is a {type(listed).__name__} ({_short(listed)}), not a list"
+        )
+    conversions: dict[tuple[str | int, ...], Mapping[str, Any]] = {}
+    for conversion in listed:
+        path = conversion.get("path") if isinstance(conversion, Mapping) else None
+        if (
+            not isinstance(path, (list, tuple))
+            or not all(type(part) in (str, int) for part in path)
+            or not isinstance(conversion.get("type"), str)
+        ):
+            raise IntegrityError(
+                f"{source}: {RESERVED_KEY} holds a malformed conversion record {_short(conversion)} "
+                "(a mapping with a 'path' list of str/int and a 'type' str)"
+            )
+        key = tuple(path)
+        if key in conversions:
+            raise IntegrityError(f"{source}: {RESERVED_KEY} records two conversions at {_where(key)!r}")
+        conversions[key] = conversion
+    return conversions
+
+
+def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:
+    """The Lightning checkpoint dict that :func:`encode_checkpoint` turned into ``state``;
+    ``source`` (the checkpoint's path) names it in errors."""
     record = state.pop(RESERVED_KEY, None)
     if record is None:
         return state  # a plain shardkeep checkpoint: nothing was converted
-    if not isinstance(record, Mapping) or record.get("format") != FORMAT_VERSION:
-        raise IntegrityError(
-            f"{RESERVED_KEY} records format {record.get('format') if isinstance(record, Mapping) else record!r}; "
-            f"this shardkeep reads format {FORMAT_VERSION}"
-        )
-    conversions: dict[tuple[str | int, ...], Mapping[str, Any]] = {}
-    for conversion in record.get("conversions", []):
-        if not isinstance(conversion, Mapping) or not isinstance(conversion.get("path"), list):
-            raise IntegrityError(f"{RESERVED_KEY} holds a malformed conversion record: {conversion!r}")
-        conversions[tuple(conversion["path"])] = conversion
+    conversions = _conversion_records(record, source)
     if not conversions:
         return state
     prefixes = {path[:length] for path in conversions for length in range(len(path) + 1)}
+    applied: set[tuple[str | int, ...]] = set()
 
     def restore(value: Any, path: tuple[str | int, ...]) -> Any:
         if path not in prefixes:
@@ -287,9 +339,17 @@ def decode_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, (list, tuple)):
             value = type(value)(restore(item, (*path, index)) for index, item in enumerate(value))
         conversion = conversions.get(path)
-        return value if conversion is None else _restored_value(value, conversion)
+        if conversion is None:
+            return value
+        applied.add(path)
+        return _restored_value(value, conversion, source)
 
     restored: dict[str, Any] = restore(state, ())
+    if len(applied) != len(conversions):
+        missing = sorted(_where(path) for path in conversions if path not in applied)
+        raise IntegrityError(
+            f"{source}: {RESERVED_KEY} records conversions at {missing[:5]} where the checkpoint holds no such value"
+        )
     return restored
 
 
@@ -397,12 +457,28 @@ def _rename(source: str, destination: str) -> None:
     os.rename(source, destination)
 
 
+def _retire(parent: str, tag: str, entry: str) -> str:
+    """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
+    the new path; only then is it deleted, so a half-deleted tree always has such a name."""
+    doomed = os.path.join(parent, f"{tag}del-{uuid.uuid4().hex}")
+    os.rename(os.path.join(parent, entry), doomed)
+    return doomed
+
+
 def _remove_tree(path: str) -> None:
     """Remove a file, a symlink or a directory tree (tests interrupt it to simulate a crash)."""
     if os.path.islink(path) or not os.path.isdir(path):
         os.remove(path)
     else:
         shutil.rmtree(path)
+
+
+def _remove_trees(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            _remove_tree(path)
+        except FileNotFoundError:
+            pass
 
 
 def _fsync_directory(directory: str) -> None:
@@ -449,6 +525,37 @@ class ShardkeepCheckpointIO(CheckpointIO):
     other keyword of :func:`shardkeep.save`) apply to every save; ``public_key``,
     ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
     only. See the module docstring for the conversions and the atomic replacement.
+
+    Working names beside a checkpoint ``X`` are hidden and tagged with ``X``'s name
+    (``.sk-<hex>.``): ``new-<id>`` a save being written (``new-<id>.tmp-*`` until shardkeep
+    commits it), ``old-<id>`` the previous checkpoint during a fallback swap, ``del-<id>`` anything
+    being deleted. No directory is deleted under another name than ``del-``, and recovery never
+    brings a ``del-`` entry back, so a half-deleted tree is never put in place. Recovery (the
+    start of every save of ``X``, and :meth:`clean_leftovers`) deletes every leftover when ``X``
+    exists; when ``X`` is missing it first puts back the last committed complete
+    ``new-``/``old-`` checkpoint (by the manifest's ``created_at``).
+
+    Where a crash (or kill) can stop a save of ``X`` over an existing checkpoint, and what the
+    next save, removal or ``clean_leftovers`` of ``X`` finds:
+
+    1. inside :func:`shardkeep.save`: ``X`` is the previous checkpoint; the uncommitted or
+       committed ``new-`` staging is deleted.
+    2. right after ``renameat2(RENAME_EXCHANGE)``: ``X`` is the new checkpoint and ``new-<id>``
+       holds the *previous* one; it is deleted, never put back, because ``X`` exists (and a
+       removal of ``X`` deletes the leftovers before ``X`` itself).
+    3. after the exchanged-out side is renamed to ``del-`` (the next step, before its deletion
+       starts): ``X`` is the new checkpoint; the ``del-`` tree is deleted.
+    4. fallback, after ``X`` -> ``old-<id>``: nothing is at ``X``; ``old-`` (previous) and
+       ``new-`` (the new one, committed) are both complete; the later committed (``new-``) is
+       put back at ``X`` and the other deleted.
+    5. fallback, after ``new-`` -> ``X``: ``X`` is the new checkpoint; ``old-`` is deleted
+       (then as 3).
+
+    A first save of ``X`` renames its committed ``new-`` with ``RENAME_NOREPLACE``; a crash
+    before that leaves ``X`` missing and the ``new-`` entry, which recovery puts at ``X``.
+    :meth:`remove_checkpoint` renames every leftover of ``X`` to ``del-``, then ``X`` itself,
+    then fsyncs the directory and deletes them: after a crash anywhere in it, either ``X`` is
+    still there whole or only ``del-`` entries are left, so a removed checkpoint never comes back.
     """
 
     def __init__(
@@ -486,7 +593,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Path_, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` as a shardkeep checkpoint directory at ``path``, replacing a
-        checkpoint already there atomically."""
+        checkpoint already there atomically (see the class docstring for every crash point)."""
         if storage_options is not None:
             raise ConfigError(
                 f"ShardkeepCheckpointIO.save_checkpoint(..., storage_options={storage_options!r}): per-call options "
@@ -495,13 +602,19 @@ class ShardkeepCheckpointIO(CheckpointIO):
         target = _local_path(path)
         state = encode_checkpoint(checkpoint)
         parent, name = os.path.split(target)
-        os.makedirs(parent, exist_ok=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the directory {parent} to save the checkpoint {target}: {exc}") from exc
         if not os.path.islink(target) and os.path.isdir(target) and not _is_checkpoint_dir(target):
             raise UnsupportedValueError(
                 f"{target} is a directory that is not a shardkeep checkpoint (no manifest.json); "
                 "ShardkeepCheckpointIO does not replace it"
             )
-        self._recover(parent, name)
+        try:
+            self._recover(parent, name)
+        except OSError as exc:
+            raise StorageError(f"cannot repair what an interrupted save left beside {target}: {exc}") from exc
         staging = os.path.join(parent, f"{_tag(name)}new-{uuid.uuid4().hex}")
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         try:
@@ -520,16 +633,27 @@ class ShardkeepCheckpointIO(CheckpointIO):
                 **self._save_options,
             )
         except BaseException:
-            self._remove_leftovers(parent, name)
+            try:
+                self._remove_leftovers(parent, name)
+            except OSError:
+                pass  # the original error matters; the next save of this path removes the rest
             raise
         try:
-            self._install(staging, target)
+            old = self._install(staging, target)
         except OSError as exc:
             try:
                 self._recover(parent, name)  # the complete checkpoint back at ``target``, no leftovers
             except OSError:
                 pass
             raise StorageError(f"cannot put the new checkpoint in place at {target}: {exc}") from exc
+        if old is not None:
+            try:
+                _remove_trees([old])
+            except OSError as exc:
+                raise StorageError(
+                    f"the new checkpoint is in place at {target}, but deleting the previous one ({old}) failed: "
+                    f"{exc}; the next save of this path, or clean_leftovers, removes it"
+                ) from exc
 
     def load_checkpoint(
         self, path: Path_, map_location: Any | None = None, weights_only: bool | None = None
@@ -539,7 +663,10 @@ class ShardkeepCheckpointIO(CheckpointIO):
         target = _local_path(path)
         if not os.path.lexists(target):
             parent, name = os.path.split(target)
-            found = self._leftovers(parent, name)
+            try:
+                found = self._leftovers(parent, name)
+            except OSError:
+                found = []  # only a hint
             hint = (
                 f"; an interrupted save left {sorted(found)} beside it: the next save of this path, or "
                 "ShardkeepCheckpointIO.clean_leftovers(directory), puts the complete checkpoint back"
@@ -561,85 +688,134 @@ class ShardkeepCheckpointIO(CheckpointIO):
             public_key=self._public_key,
             require_signature=self._require_signature,
         )
-        checkpoint = decode_checkpoint(state)
+        checkpoint = decode_checkpoint(state, target)
         mapped: dict[str, Any] = _map_location(checkpoint, map_location)
         return mapped
 
     def remove_checkpoint(self, path: Path_) -> None:
         """Remove the checkpoint at ``path``: a shardkeep checkpoint directory (renamed out of
-        the way first, so it disappears at once) or a single file. Anything else is refused."""
+        the way first, so it disappears at once) or a single file, with every leftover of an
+        interrupted save of that name. A path that does not exist is not an error (as with
+        Lightning's own ``CheckpointIO``). Any other directory is refused."""
         target = _local_path(path)
         parent, name = os.path.split(target)
         if not os.path.lexists(target):
-            raise CheckpointNotFoundError(f"cannot remove {target}: it does not exist")
-        if os.path.islink(target) or os.path.isfile(target):
-            os.remove(target)
+            kind = "missing"
+        elif os.path.islink(target) or os.path.isfile(target):
+            kind = "file"
         elif _is_checkpoint_dir(target):
-            doomed = os.path.join(parent, f"{_tag(name)}del-{uuid.uuid4().hex}")
-            os.rename(target, doomed)
-            _fsync_directory(parent)
-            _remove_tree(doomed)
+            kind = "checkpoint"
         elif os.path.isdir(target):
             raise UnsupportedValueError(
                 f"{target} is a directory that is not a shardkeep checkpoint (no manifest.json); not removed"
             )
         else:
             raise UnsupportedValueError(f"{target} is not a regular file or a checkpoint directory; not removed")
-        self._remove_leftovers(parent, name)
+        try:
+            # The leftovers first: once ``target`` is gone, nothing that recovery could bring back
+            # under its name may remain (a stale exchanged-out side, a fallback swap's halves).
+            doomed = self._retire_leftovers(parent, name)
+            if kind == "file":
+                os.remove(target)
+            elif kind == "checkpoint":
+                doomed.append(_retire(parent, _tag(name), name))
+            if doomed:
+                _fsync_directory(parent)
+            _remove_trees(doomed)
+        except OSError as exc:
+            gone = "" if os.path.lexists(target) else f" ({target} itself is already gone)"
+            raise StorageError(
+                f"cannot remove the checkpoint {target}: {exc}{gone}; the hidden .sk-* entries left beside it are "
+                "removed by the next save of this path or by clean_leftovers"
+            ) from exc
 
     def teardown(self) -> None:
         """Nothing to release: every save finishes before ``save_checkpoint`` returns."""
 
     # -- leftovers and the swap ----------------------------------------------------------------
+    # These raise OSError; the public methods turn it into StorageError naming the path.
 
     @staticmethod
     def _leftovers(parent: str, name: str) -> list[str]:
         prefix = _tag(name)
         try:
             entries = os.listdir(parent)
-        except FileNotFoundError:
-            return []
+        except (FileNotFoundError, NotADirectoryError):
+            return []  # no directory, so nothing left in it
         return [entry for entry in entries if entry.startswith(prefix)]
 
-    def _remove_leftovers(self, parent: str, name: str) -> None:
+    def _retire_leftovers(self, parent: str, name: str, keep: str | None = None) -> list[str]:
+        """Rename every leftover of ``name`` (but ``keep``) to a ``del-`` name; return the paths to
+        delete (the caller fsyncs ``parent`` first, so that no rename is lost after a deletion)."""
+        prefix = _tag(name)
+        doomed: list[str] = []
         for entry in self._leftovers(parent, name):
+            if entry == keep:
+                continue
+            if entry[len(prefix) :].startswith("del-"):
+                doomed.append(os.path.join(parent, entry))
+                continue
             try:
-                _remove_tree(os.path.join(parent, entry))
+                doomed.append(_retire(parent, prefix, entry))
             except FileNotFoundError:
                 pass
+        return doomed
+
+    def _remove_leftovers(self, parent: str, name: str) -> None:
+        doomed = self._retire_leftovers(parent, name)
+        if doomed:
+            _fsync_directory(parent)
+        _remove_trees(doomed)
+
+    @staticmethod
+    def _newest_complete(parent: str, name: str, entries: list[str]) -> str | None:
+        """The leftover to put back at ``name`` when nothing is there: among the complete
+        checkpoints named ``new-``/``old-`` (never ``del-``, never an uncommitted ``.tmp-``), the
+        last committed (the manifest's ``created_at``; not ``step``, which a run resumed from an
+        earlier checkpoint lowers); ``new-`` wins a tie, and one whose manifest cannot be read
+        comes last but is still put back rather than lost."""
+        prefix = _tag(name)
+        best: tuple[bool, float, bool] | None = None
+        chosen: str | None = None
+        for entry in entries:
+            role = entry[len(prefix) :]
+            if not role.startswith(("new-", "old-")) or ".tmp-" in role:
+                continue
+            candidate = os.path.join(parent, entry)
+            if not _is_checkpoint_dir(candidate):
+                continue
+            try:
+                rank = (True, read_manifest(candidate).created_at.timestamp())
+            except ShardkeepError:
+                rank = (False, 0.0)
+            key = (*rank, role.startswith("new-"))
+            if best is None or key > best:
+                best, chosen = key, entry
+        return chosen
 
     def _recover(self, parent: str, name: str) -> None:
-        """Finish or undo what an interrupted save of ``parent/name`` left: if ``name`` is gone
-        (a crash inside the fallback swap, or before a first save's rename), the newest complete
-        checkpoint among the leftovers takes its place; every other leftover is removed."""
+        """Finish or undo what an interrupted save or removal of ``parent/name`` left: if
+        ``name`` is gone, the newest complete checkpoint among its leftovers takes its place (see
+        :meth:`_newest_complete`); every other leftover is renamed to ``del-`` and deleted."""
         target = os.path.join(parent, name)
         entries = self._leftovers(parent, name)
         if not entries:
             return
         if not os.path.lexists(target):
-            prefix = _tag(name)
-            # Only a swap's two sides count: a "del-" entry is a checkpoint being removed, a
-            # ".tmp-" one a save that never committed.
-            complete = [
-                entry
-                for entry in entries
-                if entry[len(prefix) :].startswith(("new-", "old-"))
-                and ".tmp-" not in entry
-                and _is_checkpoint_dir(os.path.join(parent, entry))
-            ]
-            # A "new-" directory is the save being put in place, newer than an "old-" one.
-            complete.sort(key=lambda entry: (not entry[len(prefix) :].startswith("new-"), entry))
-            if complete:
-                os.rename(os.path.join(parent, complete[0]), target)
+            chosen = self._newest_complete(parent, name, entries)
+            if chosen is not None:
+                _rename_noreplace(os.path.join(parent, chosen), target)
                 _fsync_directory(parent)
         self._remove_leftovers(parent, name)
 
-    def _install(self, staging: str, target: str) -> None:
+    def _install(self, staging: str, target: str) -> str | None:
+        """Put the committed ``staging`` at ``target``; return the ``del-`` path of the previous
+        checkpoint, for the caller to delete, or None when there was none."""
         parent, name = os.path.split(target)
         if not os.path.lexists(target):
             _rename_noreplace(staging, target)
             _fsync_directory(parent)
-            return
+            return None
         try:
             exchange(staging, target)  # target now holds the new checkpoint, staging the old one
             old = staging
@@ -649,20 +825,30 @@ class ShardkeepCheckpointIO(CheckpointIO):
             old = os.path.join(parent, f"{_tag(name)}old-{uuid.uuid4().hex}")
             _rename(target, old)
             _rename(staging, target)
+        # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
+        # name) holds the *previous* checkpoint.
+        doomed = _retire(parent, _tag(name), os.path.basename(old))
         _fsync_directory(parent)
-        _remove_tree(old)
+        return doomed
 
     @classmethod
     def clean_leftovers(cls, directory: Path_) -> list[str]:
         """Repair and remove what interrupted saves left in ``directory`` (hidden ``.sk-*``
         entries); returns the names handled. Call it only while no save is running there."""
         parent = _local_path(directory)
+        try:
+            listing = os.listdir(parent)
+        except OSError as exc:
+            raise StorageError(f"cannot list {parent} for the leftovers of interrupted saves: {exc}") from exc
         handled: list[str] = []
-        names = {_name_of_tag(entry) for entry in os.listdir(parent)} - {None}
+        names = {_name_of_tag(entry) for entry in listing} - {None}
         plugin = cls()
         for name in sorted(name for name in names if name is not None):
-            handled.extend(plugin._leftovers(parent, name))
-            plugin._recover(parent, name)
+            try:
+                handled.extend(plugin._leftovers(parent, name))
+                plugin._recover(parent, name)
+            except OSError as exc:
+                raise StorageError(f"cannot repair the leftovers of {os.path.join(parent, name)}: {exc}") from exc
         return sorted(handled)
 
 
@@ -681,9 +867,12 @@ def _followed_link(link: str) -> str:
 
 
 def _local_path(path: Path_) -> str:
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise UnsupportedValueError(f"checkpoint path {path!r} must be text")
+    try:
+        text = os.fspath(path)
+    except TypeError as exc:
+        raise UnsupportedValueError(f"checkpoint path {path!r} is not a path: {exc}") from exc
+    if not isinstance(text, str) or "\x00" in text:
+        raise UnsupportedValueError(f"checkpoint path {path!r} must be text without NUL characters")
     if "://" in text:
         raise UnsupportedValueError(
             f"{text}: ShardkeepCheckpointIO writes local paths only (its atomic replacement needs a rename); "
