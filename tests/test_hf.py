@@ -346,12 +346,12 @@ def test_overwrite_swaps_a_previous_export_in_one_step(tmp_path: Path) -> None:
 def test_overwrite_falls_back_to_two_renames_without_the_exchange(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shardkeep.hf as hf
+    from shardkeep.storage import local
 
     def no_renameat2(source: str, destination: str, flags: int) -> None:
-        raise hf._ExchangeUnsupported(22, "not here")
+        raise local.ExchangeUnsupported(22, "not here")
 
-    monkeypatch.setattr(hf, "_renameat2", no_renameat2)  # as on a filesystem without renameat2
+    monkeypatch.setattr(local, "renameat2", no_renameat2)  # as on a filesystem without renameat2
     sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "one")
     sk.save({"model": {"w": torch.full((3,), 2.0)}}, tmp_path / "two")
     export_hf(tmp_path / "one", tmp_path / "hf", check_keys=False)

@@ -1014,13 +1014,7 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
             "root": root.display,
             "run": run,
             "digests_checked": bool(args.verify),
-            "policy": {
-                "keep_last": policy.keep_last,
-                "keep_best": policy.keep_best,
-                "metric": policy.metric,
-                "mode": policy.mode,
-                "source": source,
-            },
+            "policy": _policy_document(policy, source),
             "checkpoints": [
                 {
                     "name": entry.name,
@@ -1101,6 +1095,17 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
     return status
 
 
+def _policy_document(policy: RetentionPolicy, source: str) -> dict[str, Any]:
+    """The retention policy as ``ls --json`` and ``prune --json`` print it."""
+    return {
+        "keep_last": policy.keep_last,
+        "keep_best": policy.keep_best,
+        "metric": policy.metric,
+        "mode": policy.mode,
+        "source": source,
+    }
+
+
 def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     root, found = _open_root(args)
     run = args.run or root.owner(found)
@@ -1117,13 +1122,7 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
             "root": root.display,
             "run": run,
             "applied": bool(args.apply),
-            "policy": {
-                "keep_last": policy.keep_last,
-                "keep_best": policy.keep_best,
-                "metric": policy.metric,
-                "mode": policy.mode,
-                "source": source,
-            },
+            "policy": _policy_document(policy, source),
             "keep": list(decision.keep),
             "delete": list(decision.delete),
             "left_alone": [{"name": name, "reason": reason} for name, reason in left_alone],

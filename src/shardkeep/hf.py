@@ -29,14 +29,11 @@ index gives it). A folder holding only ``pytorch_model.bin`` is refused: import 
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import re
 import shutil
 import stat
-import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +53,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import MANIFEST_FILENAME
+from shardkeep.storage import local
 from shardkeep.tensors.flatten import flatten_state
 
 __all__ = [
@@ -429,11 +427,7 @@ def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]
 
 
 def _fsync_directory(path: str) -> None:
-    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+    local.fsync_directory_path(path)
 
 
 def _write_json(path: str, document: Any) -> None:
@@ -560,43 +554,6 @@ def _check_destination(target: str, overwrite: bool, source: str | None) -> None
         )
 
 
-# Atomic replacement of a directory: a copy of the helper in shardkeep.lightning, which cannot be
-# imported without Lightning installed.
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
-
-
-class _ExchangeUnsupported(OSError):
-    """``renameat2`` with the requested flag is not available here (OS, libc or filesystem)."""
-
-
-def _renameat2(source: str, destination: str, flags: int) -> None:
-    if not sys.platform.startswith("linux"):
-        raise _ExchangeUnsupported(errno.ENOSYS, "renameat2 is Linux only")
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except AttributeError as exc:  # glibc < 2.28 or another libc without the wrapper
-        raise _ExchangeUnsupported(errno.ENOSYS, "the C library has no renameat2") from exc
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) != 0:
-        code = ctypes.get_errno()
-        if code in _UNSUPPORTED:
-            raise _ExchangeUnsupported(code, os.strerror(code), source, None, destination)
-        raise OSError(code, os.strerror(code), source, None, destination)
-
-
-def _rename_noreplace(source: str, destination: str) -> None:
-    try:
-        _renameat2(source, destination, _RENAME_NOREPLACE)
-    except _ExchangeUnsupported:
-        if os.path.lexists(destination):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), destination) from None
-        os.rename(source, destination)
-
-
 def _place(staging: str, target: str, overwrite: bool, source: str | None) -> str | None:
     """Put the finished ``staging`` folder at ``target``; returns where the replaced folder now
     is (to be removed by :func:`_remove_previous`), or None. If it raises, ``staging`` still
@@ -609,13 +566,13 @@ def _place(staging: str, target: str, overwrite: bool, source: str | None) -> st
     missing; a crash there leaves the old folder at ``.NAME.old-<id>`` beside it."""
     parent, name = os.path.split(target)
     if not os.path.lexists(target):
-        _rename_noreplace(staging, target)
+        local.rename_noreplace_path(staging, target)
         return None
     _check_destination(target, overwrite, source)
     try:
-        _renameat2(staging, target, _RENAME_EXCHANGE)
+        local.exchange_paths(staging, target)
         return staging  # which now holds the replaced folder
-    except _ExchangeUnsupported:
+    except local.ExchangeUnsupported:
         pass
     old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
     os.rename(target, old)

@@ -45,6 +45,7 @@ from shardkeep.errors import (
 )
 from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
+from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.flatten import FlatState, flatten_state
 
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
@@ -298,11 +299,7 @@ def _write_replacing(target: str, write: Callable[[str], None]) -> None:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
-    parent = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(parent)
-    finally:
-        os.close(parent)
+    fsync_directory_path(directory)
 
 
 def _as_torch(value: Any) -> Any:

@@ -41,13 +41,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import errno
 import hashlib
 import os
 import pathlib
 import shutil
-import sys
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -56,7 +53,7 @@ import numpy as np
 import torch
 
 import shardkeep.api as api
-from shardkeep.distributed.coordinator import LOCAL
+from shardkeep.config import LOCAL
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -68,6 +65,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import Manifest
+from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
 from shardkeep.verification import read_manifest
 
 try:
@@ -408,48 +406,13 @@ def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> An
 
 
 # --------------------------------------------------------------------------------------------
-# Atomic replacement of a directory
+# Atomic replacement of a directory (renameat2: shardkeep.storage.local)
 # --------------------------------------------------------------------------------------------
 
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
-
-class ExchangeUnsupported(OSError):
-    """``renameat2`` with the requested flag is not available here (OS, libc or filesystem)."""
-
-
-def _renameat2(source: str, destination: str, flags: int) -> None:
-    if not sys.platform.startswith("linux"):
-        raise ExchangeUnsupported(errno.ENOSYS, "renameat2 is Linux only")
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except AttributeError as exc:  # glibc < 2.28 or another libc without the wrapper
-        raise ExchangeUnsupported(errno.ENOSYS, "the C library has no renameat2") from exc
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) != 0:
-        code = ctypes.get_errno()
-        if code in _UNSUPPORTED:
-            raise ExchangeUnsupported(code, os.strerror(code), source, None, destination)
-        raise OSError(code, os.strerror(code), source, None, destination)
-
-
-def exchange(source: str, destination: str) -> None:
-    """Swap ``source`` and ``destination`` (both exist) in one atomic step; raises
-    :class:`ExchangeUnsupported` where the OS or filesystem cannot."""
-    _renameat2(source, destination, _RENAME_EXCHANGE)
-
-
-def _rename_noreplace(source: str, destination: str) -> None:
-    try:
-        _renameat2(source, destination, _RENAME_NOREPLACE)
-    except ExchangeUnsupported:
-        if os.path.lexists(destination):
-            raise FileExistsError(errno.EEXIST, "exists", destination) from None
-        os.rename(source, destination)
+#: Module names the replace calls through, so that tests can interrupt each step.
+exchange = exchange_paths
+_rename_noreplace = rename_noreplace_path
 
 
 def _rename(source: str, destination: str) -> None:
@@ -481,12 +444,8 @@ def _remove_trees(paths: list[str]) -> None:
             pass
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_directory(path: str) -> None:
+    fsync_directory_path(path)
 
 
 def _is_checkpoint_dir(path: str) -> bool:

@@ -27,7 +27,14 @@ from shardkeep.errors import (
 from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
 
-__all__ = ["LocalStore"]
+__all__ = [
+    "RENAME_EXCHANGE",
+    "ExchangeUnsupported",
+    "LocalStore",
+    "exchange_paths",
+    "rename_noreplace_path",
+    "renameat2",
+]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -94,6 +101,58 @@ def _rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> N
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         return
     raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
+
+
+#: ``renameat2`` flag: swap two existing paths in one step.
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_FLAG_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+class ExchangeUnsupported(OSError):
+    """``renameat2`` with the requested flag is not available here (OS, C library or filesystem)."""
+
+
+def renameat2(source: str, destination: str, flags: int) -> None:
+    """``renameat2(2)`` on two paths (relative to the working directory). Raises
+    :class:`ExchangeUnsupported` where the OS, the C library or the filesystem lacks it or the
+    flag, and ``OSError`` for any other failure."""
+    function = _Libc.load().renameat2
+    if function is None:
+        raise ExchangeUnsupported(errno.ENOSYS, "the C library has no renameat2 (Linux only)")
+    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) != 0:
+        code = ctypes.get_errno()
+        if code in _FLAG_UNSUPPORTED:
+            raise ExchangeUnsupported(code, os.strerror(code), source, None, destination)
+        raise OSError(code, os.strerror(code), source, None, destination)
+
+
+def exchange_paths(source: str, destination: str) -> None:
+    """Swap ``source`` and ``destination`` (both exist) in one atomic step: at no moment is
+    either name missing. :class:`ExchangeUnsupported` where that cannot be done here. Used to
+    replace a directory that must never be missing (Lightning's ``last.ckpt``, a Hugging Face
+    export)."""
+    renameat2(source, destination, RENAME_EXCHANGE)
+
+
+def rename_noreplace_path(source: str, destination: str) -> None:
+    """Rename ``source`` to ``destination``, never replacing anything there
+    (``FileExistsError``); where ``RENAME_NOREPLACE`` is unsupported, a check then a rename."""
+    try:
+        renameat2(source, destination, _RENAME_NOREPLACE)
+    except ExchangeUnsupported:
+        if os.path.lexists(destination):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), destination) from None
+        os.rename(source, destination)
+
+
+def fsync_directory_path(path: str) -> None:
+    """fsync the directory ``path``, so that the renames and creations in it are durable."""
+    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 class _LocalWriter:
