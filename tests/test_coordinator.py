@@ -31,8 +31,13 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     chosen = coordinator.broadcast(f"from {rank}" if coordinator.is_coordinator else None)
     coordinator.barrier()
     results = coordinator.step("square", lambda: rank * rank)
+    # Small values cross in fixed 256-byte slots (4 bytes of length, then up to 252 of pickle:
+    # b"z" * 237 pickles to exactly 252); one value too large for its slot, on rank 1 only,
+    # sends every rank's value the usual way. Either way all arrive intact.
+    uneven = [coordinator.all_gather(b"z" * n if rank == 1 else bytes([rank]) * 9) for n in (237, 238, 5000)]
     again = Coordinator(timeout=30)
     return {
+        "uneven": uneven,
         "gathered": gathered,
         "chosen": chosen,
         "results": results,
@@ -47,6 +52,7 @@ def test_collectives_on_three_ranks(tmp_path: Path) -> None:
         assert result["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
         assert result["chosen"] == "from 0"
         assert result["results"] == [0, 1, 4]
+        assert result["uneven"] == [[bytes(9), b"z" * n, bytes([2]) * 9] for n in (237, 238, 5000)]
         assert result["same_group"] is True
         assert result["rank"] == rank
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.errors import (
     SaveInProgressError,
 )
@@ -136,17 +137,22 @@ class AsyncSaver:
                 )
         coordinator = Coordinator(settings.process_group, timeout=timeout)
         location = locate(path, settings.storage, settings.storage_options)
-        staged: dict[str, Any] = {}
+        jobs: list[SaveJob] = []
+        described: list[ItemDescriptor] = []
 
-        def stage() -> None:
-            nonlocal staged
+        def stage_and_describe() -> str:
+            # The staging copy and the save's first collective step are one step: the caller
+            # waits for every collective, each of which costs milliseconds on a real group.
             with collector_paused():
                 staged = snapshot_state(state, self.arena, budget=staging_budget)
+                jobs.append(SaveJob(staged, location, settings, coordinator, sections=state_sections(state, [])))
+                return jobs[0].describe_for_agreement(described)
 
-        coordinator.step("stage the state", stage)
-        job = SaveJob(staged, location, settings, coordinator, sections=state_sections(state, []))
+        digests = coordinator.step("stage and prepare the save", stage_and_describe)
+        job = jobs[0]
         try:
-            job.prepare()
+            with collector_paused():
+                job.prepare(digests, described)
         except BaseException:
             job.abort()
             raise

@@ -358,16 +358,24 @@ class SaveJob:
             base = expand(self.base.store, self.base.name, base, own)
         return base
 
-    def prepare(self) -> None:
+    def describe_for_agreement(self, described: list[ItemDescriptor]) -> str:
+        """Describe this rank's part (into ``described``) and return its agreement digest: the
+        work of the save's first collective step."""
+        described.extend(self._describe(descriptors=self.coordinator.distributed))
+        # One process agrees with itself: no digest to compare.
+        return agreement_digest(described, self.flat.containers) if self.coordinator.distributed else ""
+
+    def prepare(self, digests: list[str] | None = None, described: list[ItemDescriptor] | None = None) -> None:
+        """Plan the save in two collective steps: every rank's agreement digest (unless the
+        caller ran :meth:`describe_for_agreement` in a step of its own and passes ``digests``
+        and ``described``: ``async_save`` runs it with the staging copy), then one step in
+        which every rank places its tensors on tiers and lays out its files while the
+        coordinator opens the staging directory. Each collective costs milliseconds on a real
+        group, and an async save's caller waits for all of them."""
         coordinator = self.coordinator
-        described: list[ItemDescriptor] = []
-
-        def describe() -> str:
-            described.extend(self._describe(descriptors=coordinator.distributed))
-            # One process agrees with itself: no digest to compare.
-            return agreement_digest(described, self.flat.containers) if coordinator.distributed else ""
-
-        digests = coordinator.step("prepare the save", describe)
+        if digests is None or described is None:
+            described = []
+            digests = coordinator.step("prepare the save", lambda: self.describe_for_agreement(described))
         #: Every rank holds the same tree and whole tensors (the usual case): the coordinator's
         #: tree is the checkpoint's. Otherwise each rank sends its containers with its records.
         self.alike = len(set(digests)) == 1
@@ -379,13 +387,28 @@ class SaveJob:
             planned_here, totals = self.planned, global_totals(local) if self.chunked else self._whole_totals()
         else:
             planned_here, totals = self._writers(local, digests)
-        coordinator.step("place the tensors on tiers", lambda: self._place(totals))
         self.totals = totals
-        staging = coordinator.step("begin the save", self._begin)[0]
-        self.commit = CheckpointCommit(self.location.store, self.location.name, staging, tier_stores=self.tier_stores)
         if self.base is not None:
             self.base_manifest = coordinator.step("read the incremental base", self._read_base)[coordinator.rank]
-        coordinator.step("lay out the files", lambda: self._lay_out(planned_here))
+        laid_out: list[tuple[FileRecord, list[PlannedItem], Tier, bytes | None]] = []
+
+        def plan() -> str | None:
+            self._place(totals)
+            laid_out.extend(self._lay_out(planned_here))
+            # Last, so that a failure above opens nothing. The coordinator keeps what it opened
+            # at once: if another rank fails in this step, abort() removes it.
+            staging = self._begin()
+            if staging is not None:
+                self.commit = self._commit_for(staging)
+            return staging
+
+        staging = coordinator.step("plan the save", plan)[0]
+        if self.commit is None:
+            self.commit = self._commit_for(staging)
+        self._place_files(laid_out)
+
+    def _commit_for(self, staging: str | None) -> CheckpointCommit:
+        return CheckpointCommit(self.location.store, self.location.name, staging, tier_stores=self.tier_stores)
 
     def _writers(
         self, local: list[ItemDescriptor], digests: list[str]
@@ -439,9 +462,14 @@ class SaveJob:
                 planned_here.append(item)
         return planned_here, totals
 
-    def _lay_out(self, planned_here: list[PlannedItem]) -> None:
+    def _lay_out(
+        self, planned_here: list[PlannedItem]
+    ) -> list[tuple[FileRecord, list[PlannedItem], Tier, bytes | None]]:
+        """Group this rank's tensors into files and build each file's header: (record, its
+        tensors, its tier, its header, or ``None`` when the file equals the base checkpoint's
+        file of the same name). Where the files go is decided once the staging directory is
+        open (:meth:`_place_files`)."""
         coordinator = self.coordinator
-        assert self.commit is not None
         optim, router, _ = self._sections_of()
         optim_prefixes = optim.prefixes if optim is not None else []
         router_prefixes = router.prefixes if router is not None else []
@@ -451,7 +479,7 @@ class SaveJob:
             if section != "model":
                 sections[item.leaf.key] = section
         previous = _previous_files(self.base_manifest, self.tiers) if self.base_manifest is not None else {}
-        records: list[FileRecord] = []
+        laid_out: list[tuple[FileRecord, list[PlannedItem], Tier, bytes | None]] = []
         with collector_paused():
             by_tier: dict[str, list[PlannedItem]] = {}
             for item in planned_here:
@@ -469,14 +497,22 @@ class SaveJob:
                     per_expert=self.incremental,
                 )
                 for record, group in groups:
-                    header = self._lay_out_one(record, group, tier, previous)
-                    records.append(record)
-                    if header is None:
-                        continue  # unchanged: the record references the earlier file
-                    record.path, store, store_path = self.commit.place(record.path, tier.name)
-                    self.plans.append(
-                        ShardPlan(path=store_path, header=header, sources=group, record=record, store=store)
-                    )
+                    laid_out.append((record, group, tier, self._lay_out_one(record, group, tier, previous)))
+        return laid_out
+
+    def _place_files(self, laid_out: list[tuple[FileRecord, list[PlannedItem], Tier, bytes | None]]) -> None:
+        """Put each laid-out file in the open staging directory (or its tier's location) and
+        build this rank's part of the manifest."""
+        assert self.commit is not None
+        coordinator = self.coordinator
+        records: list[FileRecord] = []
+        with collector_paused():
+            for record, group, tier, header in laid_out:
+                records.append(record)
+                if header is None:
+                    continue  # unchanged: the record references the earlier file
+                record.path, store, store_path = self.commit.place(record.path, tier.name)
+                self.plans.append(ShardPlan(path=store_path, header=header, sources=group, record=record, store=store))
             if self.on_grid and (coordinator.is_coordinator or not self.alike):
                 self.descriptions = self._descriptions()
             self.manifest = _manifest_for(
