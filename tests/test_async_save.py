@@ -144,3 +144,17 @@ def test_async_manifest_records_the_same_sections_as_a_sync_save(tmp_path: Path)
     assert asynchronous.optim_state == synchronous.optim_state
     assert asynchronous.router_state == synchronous.router_state
     assert asynchronous.training == synchronous.training
+
+
+def test_the_handle_tells_the_staged_bytes_and_the_arena_size(tmp_path: Path) -> None:
+    """``staged_bytes`` is what was copied (this rank's tensors); ``staging_arena_bytes`` the
+    host memory the reused arena holds, at least the staged bytes, and unchanged by a second
+    save of the same state (the arena is reused, not grown)."""
+    state = {"a": torch.zeros(1000), "b": torch.ones(10, 10, dtype=torch.float64), "step": 1}
+    first = sk.async_save(state, tmp_path / "one")
+    first.result(60)
+    second = sk.async_save(state, tmp_path / "two")
+    second.result(60)
+    assert first.staged_bytes == second.staged_bytes == 1000 * 4 + 100 * 8
+    assert second.staging_arena_bytes >= second.staged_bytes
+    assert second.staging_arena_bytes == first.staging_arena_bytes

@@ -38,6 +38,9 @@ class SaveHandle:
     waits and returns the committed :class:`~shardkeep.manifest.Manifest`, or raises the
     failure with its own type (a :class:`~shardkeep.errors.CoordinationError` when ranks
     failed). ``wait_staged()`` returns at once: staging finished before ``async_save`` returned.
+    ``blocked_seconds`` is how long the call held the caller; ``staged_bytes`` the tensor bytes
+    copied, and ``staging_arena_bytes`` the host memory the process's staging arena holds (it
+    is reused by every async save of the process, and grows by a quarter when too small).
     """
 
     def __init__(self, path: str) -> None:
@@ -46,6 +49,8 @@ class SaveHandle:
         self._manifest: Manifest | None = None
         self._error: BaseException | None = None
         self.blocked_seconds = 0.0
+        self.staged_bytes = 0
+        self.staging_arena_bytes = 0
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._error else "committed")
@@ -162,6 +167,8 @@ class AsyncSaver:
             target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
         )
         job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started
+        handle.staged_bytes = sum(item.nbytes for item in job.planned)
+        handle.staging_arena_bytes = self.arena.capacity
         worker.start()
         return handle
 

@@ -38,6 +38,12 @@ class StagingArena:
         self._buffer: torch.Tensor | None = None
         self._lock = threading.Lock()
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of host memory the arena holds now (0 before the first snapshot)."""
+        buffer = self._buffer
+        return 0 if buffer is None else int(buffer.numel())
+
     def reserve(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (grown by a quarter more when too small)."""
         with self._lock:
