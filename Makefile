@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale bench-dcp-metadata clean
+.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale bench-dcp-metadata bench-async bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,15 @@ bench-ledger: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(PY) bench/tiers.py
+
+# How long async_save blocks training, step by step: 4 MiB, 64 MiB and 1 GiB on 1 process and
+# 3 gloo ranks (a few minutes); ASYNC_ARGS=--quick for 4 and 64 MiB.
+bench-async: $(STAMP)
+	$(PY) bench/async_save.py $(ASYNC_ARGS)
+
+# The first save of 1 MiB in a fresh process against torch.save, both from process start.
+bench-cold-start: $(STAMP)
+	$(PY) bench/cold_start.py
 
 # Metadata growth with tensors and ranks (issue 18): the real save, read and load-plan code for R
 # simulated ranks in one process, R = 8 ... 4096 (about 40 minutes on 2 cores); SCALE_ARGS=--quick
