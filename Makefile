@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # torch pulls gigabytes of CUDA packages.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale bench-dcp-metadata bench-async bench-cold-start clean
+.PHONY: test test-fast lint typecheck unit demo bench bench-distributed bench-ledger bench-tiers bench-reliability bench-scale bench-dcp-metadata bench-async bench-cold-start bench-memory clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-async: $(STAMP)
 # The first save of 1 MiB in a fresh process against torch.save, both from process start.
 bench-cold-start: $(STAMP)
 	$(PY) bench/cold_start.py
+
+# Peak memory beyond the state for save, async save and load of 1 GiB, each in a fresh process.
+bench-memory: $(STAMP)
+	$(PY) bench/memory.py
 
 # Metadata growth with tensors and ranks (issue 18): the real save, read and load-plan code for R
 # simulated ranks in one process, R = 8 ... 4096 (about 40 minutes on 2 cores); SCALE_ARGS=--quick
