@@ -134,22 +134,24 @@ def rank_main(
 ) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = run_saves(rank, world, scratch, total_bytes, reps, think)
         with open(f"{out}.{rank}", "w") as handle:
             json.dump(results, handle)
     finally:
-        dist.destroy_process_group()
+        if world > 1:
+            dist.destroy_process_group()
 
 
 def measure(world: int, total_bytes: int, reps: int, think: float) -> list[dict[str, Any]]:
     """Per repetition: the slowest rank's figures (each step: the slowest rank's time)."""
     scratch = tempfile.mkdtemp(prefix="sk-async-bench-", dir=os.environ.get("BENCH_DIR"))
     try:
-        if world == 1:
-            return run_saves(0, 1, scratch, total_bytes, reps, think)
+        # Every point runs in fresh forked processes, one process too: this one never starts the
+        # async saver's threads, which a fork would copy in whatever state they were.
         out = os.path.join(scratch, "result")
         context = multiprocessing.get_context("fork")
         port = free_port()
