@@ -5,8 +5,9 @@ Each operation runs in its own process, which builds the state (fp32 tensors of 
 resets the kernel's high-water mark of its resident set (``/proc/self/clear_refs`` with 5) and
 reads ``VmHWM`` after the operation. Reported per operation:
 
-* **peak beyond the state**: the high-water mark minus the resident set just before the
-  operation (the state's tensors were resident then);
+* **peak growth**: the high-water mark minus the resident set just before the operation; for
+  save and async save the state's tensors were resident then, so this is what the save needs
+  beyond them; a load builds the state, so its growth includes the loaded tensors;
 * the bound it should stay under:
   - ``save``: the byte budget (``byte_budget``, 256 MiB by default);
   - ``async_save``: the byte budget plus one staging arena (``SaveHandle.staging_arena_bytes``,
@@ -106,7 +107,7 @@ def main() -> None:
             bound, rule = budget + state_bytes, "byte budget + the mapped files"
         figures[operation] = result | {"beyond": beyond, "bound": bound}
         rows.append([operation, fmt_bytes(beyond), f"{fmt_bytes(bound)} ({rule})", "yes" if beyond <= bound else "no"])
-    print(table(["operation", "peak beyond the state", "bound", "within"], rows))
+    print(table(["operation", "peak growth", "bound", "within"], rows))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=2)

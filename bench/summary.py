@@ -68,7 +68,7 @@ def _async_rows(data: Any) -> list[Row]:
         if size != "4MiB":
             continue
         runs = figures["runs"][1:] or figures["runs"]
-        beyond = statistics.median(run["blocked"] - run["copy"] for run in runs)
+        beyond = statistics.median(run.get("beyond", run["blocked"] - run["copy"]) for run in runs)
         rows.append(
             (
                 f"async save 4 MiB, {world} rank(s): blocked beyond the copy",
@@ -90,7 +90,7 @@ def _cold_rows(data: Any) -> list[Row]:
 def _memory_rows(data: Any) -> list[Row]:
     return [
         (
-            f"peak memory beyond the state: {operation}",
+            f"peak memory growth: {operation}",
             f"{figures['beyond'] / 2**20:.0f} MiB",
             f"<= {figures['bound'] / 2**20:.0f} MiB",
             _verdict(figures["beyond"] <= figures["bound"]),
@@ -108,7 +108,7 @@ SOURCES: list[tuple[str, Callable[[Any], list[Row]], list[str]]] = [
     ("distributed", _distributed_rows, ["2-rank durable save and load vs DCP"]),
     ("async_save", _async_rows, ["async save 4 MiB: blocked beyond the copy"]),
     ("cold_start", _cold_rows, ["first save in a fresh process vs torch.save"]),
-    ("memory", _memory_rows, ["peak memory beyond the state"]),
+    ("memory", _memory_rows, ["peak memory growth"]),
 ]
 
 NOT_BUILT: list[Row] = [

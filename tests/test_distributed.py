@@ -418,3 +418,32 @@ def test_a_local_save_runs_on_one_rank_without_collectives(tmp_path: Path) -> No
     assert results[0] == {"saved": 1, "same": True}
     assert results[1] == {"saved": None}
     assert sk.verify(tmp_path / "alone").ok
+
+
+def _one_rank_has_a_bad_value(rank: int, world_size: int, root: str, bad: int, mode: str) -> tuple[str, float]:
+    """Rank ``bad`` passes custom_fields that are not JSON (NaN): it fails while building its
+    part of the manifest, which happens inside the plan step, so every rank fails together."""
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10)}
+    fields = {"loss": float("nan")} if rank == bad else {"loss": 1.0}
+    started = time.monotonic()
+    try:
+        if mode == "async":
+            sk.async_save(state, f"{root}/ck", custom_fields=fields, timeout=20).result(60)
+        else:
+            sk.save(state, f"{root}/ck", custom_fields=fields, timeout=20)
+    except sk.ShardkeepError as exc:
+        return type(exc).__name__, time.monotonic() - started
+    return "ok", time.monotonic() - started
+
+
+@pytest.mark.parametrize(("bad", "mode"), [(0, "sync"), (1, "sync"), (0, "async"), (1, "async")])
+def test_a_bad_value_on_one_rank_fails_every_rank_at_once_and_leaves_nothing(
+    tmp_path: Path, bad: int, mode: str
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    results = results_or_raise(run_ranks(3, _one_rank_has_a_bad_value, str(root), bad, mode, outbox=tmp_path / "out"))
+    for rank, (kind, seconds) in enumerate(results):
+        assert kind == "CoordinationError", (rank, kind)
+        assert seconds < 10, (rank, seconds)  # at once, not at a deadline (20 s)
+    assert sorted(p.name for p in root.iterdir()) == []  # no checkpoint, no staging directory

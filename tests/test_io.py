@@ -297,3 +297,32 @@ def test_parallel_blake3_gives_the_sequential_digest(size: int) -> None:
         parallel.update(data[start : start + (7 << 20)])
     assert parallel.hexdigest() == sequential.hexdigest()
     assert _digest_view("blake3", data) == format_digest("blake3", sequential.hexdigest())
+
+
+def test_a_forked_child_hashes_after_the_parent_hashed_in_parallel() -> None:
+    """blake3's worker threads do not survive fork(), but its pool thinks they do: a parallel
+    update in a child (a DataLoader worker, an evaluation subprocess) after the parent hashed in
+    parallel would wait forever. Children hash on their own thread, with the same digest."""
+    import os
+    import select
+    import signal
+
+    data = memoryview(np.random.default_rng(3).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())
+    expected = _digest_view("blake3", data)  # the parent's pool is running now
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write_end, _digest_view("blake3", data).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 60)
+        assert ready, "the forked child's hash did not finish within 60 s (it hangs)"
+        assert os.read(read_end, 200).decode() == expected
+    finally:
+        os.close(read_end)
+        if os.waitpid(child, os.WNOHANG)[0] == 0:  # still running (hung, or about to exit)
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)

@@ -163,24 +163,33 @@ class AsyncSaver:
             raise
         handle = SaveHandle(str(location))
         self._inflight = handle
-        worker = threading.Thread(
-            target=_finish_in_background, args=(job, handle, after_commit), name="shardkeep-async-save"
-        )
-        job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started
         handle.staged_bytes = sum(item.nbytes for item in job.planned)
         handle.staging_arena_bytes = self.arena.capacity
+        started = threading.Event()
+        worker = threading.Thread(
+            target=_finish_in_background, args=(job, handle, after_commit, started), name="shardkeep-async-save"
+        )
         worker.start()
+        # Starting the thread is part of what the caller waits for (it can hand the interpreter
+        # to the new thread for milliseconds); the worker reads the figure only after this.
+        job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started
+        started.set()
         return handle
 
 
 def _finish_in_background(
-    job: SaveJob, handle: SaveHandle, after_commit: Callable[[Manifest], None] | None = None
+    job: SaveJob,
+    handle: SaveHandle,
+    after_commit: Callable[[Manifest], None] | None = None,
+    started: threading.Event | None = None,
 ) -> None:
     """Write this rank's files and complete the commit without any collective, then run
     ``after_commit``. The handle is always completed, even when cleaning up after a failure
-    fails too."""
+    fails too. ``started`` is set once the caller has recorded how long it was blocked."""
     manifest: Manifest | None = None
     error: BaseException | None = None
+    if started is not None:
+        started.wait()
     try:
         if job.coordinator.distributed:
             manifest = _finish_through_store(job)

@@ -84,12 +84,27 @@ class Digester(Protocol):
     def hexdigest(self) -> str: ...
 
 
+#: Whether blake3 may hash on its worker threads in this process. A forked child gets none of
+#: the parent's threads but the pool's state says they exist: a parallel update there would
+#: wait forever. So a child hashes on its own thread (see the fork hook below).
+_PARALLEL_HASHING = True
+
+
+def _no_parallel_hashing_after_fork() -> None:
+    global _PARALLEL_HASHING
+    _PARALLEL_HASHING = False
+
+
+os.register_at_fork(after_in_child=_no_parallel_hashing_after_fork)
+
+
 def new_digester(algorithm: str, *, parallel: bool = False) -> Digester:
     """A fresh streaming digester for ``algorithm`` (one of ``DIGEST_ALGORITHMS``). With
     ``parallel``, blake3 hashes each large update on every core (its tree allows it; the
-    digest is the same); the other algorithms are sequential by construction."""
+    digest is the same), except in a forked child; the other algorithms are sequential by
+    construction."""
     if algorithm == "blake3":
-        return blake3.blake3(max_threads=blake3.blake3.AUTO) if parallel else blake3.blake3()
+        return blake3.blake3(max_threads=blake3.blake3.AUTO) if parallel and _PARALLEL_HASHING else blake3.blake3()
     if algorithm == "xxh3-128":
         return xxhash.xxh3_128()
     if algorithm == "sha256":

@@ -32,6 +32,8 @@ MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
 SMALL_TENSOR_BYTES = 256 * 1024
 _HASH_SLICE = 16 * MiB
+#: Views at least this large are hashed on every core (blake3); smaller ones on one thread.
+_PARALLEL_HASH_BYTES = 1 * MiB
 _memmove = ctypes.memmove  # one lookup per small tensor copied, not two
 
 
@@ -424,9 +426,10 @@ class _EntryDigests:
 
 
 def _digest_view(algorithm: str, view: memoryview, entries: _EntryDigests | None = None) -> str:
-    """The digest of ``view`` (a whole file), hashed on every core where the algorithm allows
-    it; ``entries`` are fed the same slices on the way."""
-    digester = new_digester(algorithm, parallel=True)
+    """The digest of ``view``, hashed on every core where the algorithm allows it and the view
+    is large enough to gain from it (a small chunk pays more for the threads than it saves);
+    ``entries`` are fed the same slices on the way."""
+    digester = new_digester(algorithm, parallel=len(view) >= _PARALLEL_HASH_BYTES)
     for start in range(0, len(view), _HASH_SLICE):
         digester.update(view[start : start + _HASH_SLICE])
         if entries:
@@ -439,8 +442,8 @@ def _stream_digest(
 ) -> tuple[str, bytes]:
     """Digest a file by streaming reads through one reused buffer; also return its first bytes.
     ``entries`` are fed every piece on the way. Each piece is hashed on every core where the
-    algorithm allows it."""
-    digester = new_digester(algorithm, parallel=True)
+    algorithm allows it, for files large enough to gain from it."""
+    digester = new_digester(algorithm, parallel=handle.size >= _PARALLEL_HASH_BYTES)
     buffer = bytearray(min(_HASH_SLICE, max(handle.size, 1)))
     view = memoryview(buffer)
     head = b""

@@ -395,6 +395,10 @@ class SaveJob:
         def plan() -> str | None:
             self._place(totals)
             laid_out.extend(self._lay_out(planned_here))
+            # This rank's part of the manifest, inside the step: whatever fails here (a value
+            # of custom_fields that is not JSON, say) fails every rank together. The records
+            # get their paths once the staging directory is open (_place_files).
+            self._build_manifest([record for record, _, _, _ in laid_out])
             # Last, so that a failure above opens nothing. The coordinator keeps what it opened
             # at once: if another rank fails in this step, abort() removes it.
             staging = self._begin()
@@ -501,18 +505,20 @@ class SaveJob:
         return laid_out
 
     def _place_files(self, laid_out: list[tuple[FileRecord, list[PlannedItem], Tier, bytes | None]]) -> None:
-        """Put each laid-out file in the open staging directory (or its tier's location) and
-        build this rank's part of the manifest."""
+        """Put each laid-out file in the open staging directory (or its tier's location): only
+        paths change, in the records the manifest already holds. No error can arise here
+        that the plan step did not already meet on every rank."""
         assert self.commit is not None
+        for record, group, tier, header in laid_out:
+            if header is None:
+                continue  # unchanged: the record references the earlier file
+            record.path, store, store_path = self.commit.place(record.path, tier.name)
+            self.plans.append(ShardPlan(path=store_path, header=header, sources=group, record=record, store=store))
+
+    def _build_manifest(self, records: list[FileRecord]) -> None:
+        """This rank's part of the manifest (sharing ``records``, whose paths are set later)."""
         coordinator = self.coordinator
-        records: list[FileRecord] = []
         with collector_paused():
-            for record, group, tier, header in laid_out:
-                records.append(record)
-                if header is None:
-                    continue  # unchanged: the record references the earlier file
-                record.path, store, store_path = self.commit.place(record.path, tier.name)
-                self.plans.append(ShardPlan(path=store_path, header=header, sources=group, record=record, store=store))
             if self.on_grid and (coordinator.is_coordinator or not self.alike):
                 self.descriptions = self._descriptions()
             self.manifest = _manifest_for(

@@ -77,9 +77,12 @@ def dtensor_type() -> type | None:
     That package costs about a second to import (it pulls in sympy), and no ``DTensor`` can
     exist before it is imported, so a state without one never pays for it: a plain save or load
     in a fresh process does not import it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    found = getattr(module, "DTensor", None) if module is not None else None
-    return found if isinstance(found, type) else None
+    # torch.distributed._tensor is where older releases (before 2.5) define it.
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        found = getattr(sys.modules.get(name), "DTensor", None)
+        if isinstance(found, type):
+            return found
+    return None
 
 
 def is_dtensor(value: Any) -> bool:
