@@ -306,6 +306,23 @@ def state(value: float) -> dict[str, Any]:
     return {"state_dict": {"w": torch.full((256,), value)}, "epoch": int(value)}
 
 
+def saved_last(tmp_path: Path) -> tuple[Path, ShardkeepCheckpointIO]:
+    """``last.ckpt`` saved once (value 1) in ``tmp_path``, and the plugin that saved it."""
+    target = tmp_path / "last.ckpt"
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint(state(1), target)
+    return target, io
+
+
+def without_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a filesystem without RENAME_EXCHANGE: the replace falls back to two renames."""
+
+    def unsupported(source: str, destination: str) -> None:
+        raise skl.ExchangeUnsupported(22, "no")
+
+    monkeypatch.setattr(skl, "exchange", unsupported)
+
+
 def entries(directory: Path) -> list[str]:
     return sorted(os.listdir(directory))
 
@@ -329,9 +346,7 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
 ) -> None:
     if not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
     steps: list[str] = []
     real_exchange, real_remove = skl.exchange, skl._remove_tree
 
@@ -357,9 +372,7 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
 def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
 
     def crash(path: str) -> None:
         raise KeyboardInterrupt("killed while removing the old checkpoint")
@@ -378,9 +391,7 @@ def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans
 
 
 def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
     # what a kill -9 inside shardkeep.save leaves: a staging directory beside the target
     staging = tmp_path / f"{skl._tag('last.ckpt')}new-0123.tmp-abcd"
     (staging / "shards").mkdir(parents=True)
@@ -397,9 +408,7 @@ def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path, m
 def test_fallback_two_renames_and_repair_of_a_crash_between_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
 
     def unsupported(source: str, destination: str) -> None:
         raise skl.ExchangeUnsupported(22, "not here")
@@ -435,10 +444,8 @@ def test_fallback_two_renames_and_repair_of_a_crash_between_them(
 def test_next_save_repairs_a_crash_between_the_fallback_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
-    monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+    target, io = saved_last(tmp_path)
+    without_exchange(monkeypatch)
     calls = []
 
     def crash_on_second(source: str, destination: str) -> None:
@@ -510,10 +517,8 @@ def test_a_crash_while_removing_never_brings_the_checkpoint_back(
 
 
 def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
-    monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+    target, io = saved_last(tmp_path)
+    without_exchange(monkeypatch)
     calls: list[str] = []
 
     def fail_second(source: str, destination: str) -> None:
@@ -542,10 +547,8 @@ def test_removing_a_missing_checkpoint_does_nothing(tmp_path: Path) -> None:
 def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
-    monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+    target, io = saved_last(tmp_path)
+    without_exchange(monkeypatch)
     real_rename = skl._rename
 
     def crash_on_second(source: str, destination: str) -> None:
@@ -578,9 +581,7 @@ def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurr
 ) -> None:
     if not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
     real_exchange = skl.exchange
 
     def exchange_then_crash(source: str, destination: str) -> None:
@@ -608,9 +609,7 @@ def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurr
 def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "last.ckpt"
-    io = ShardkeepCheckpointIO()
-    io.save_checkpoint(state(1), target)
+    target, io = saved_last(tmp_path)
     stale = tmp_path / f"{skl._tag(target.name)}new-0123"  # e.g. an exchanged-out side
     io.save_checkpoint(state(0), stale)
     real_retire = skl._retire
@@ -652,7 +651,7 @@ CRASH_POINTS = {
 
 def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
     if not CRASH_POINTS[point][0]:
-        monkeypatch.setattr(skl, "exchange", lambda a, b: (_ for _ in ()).throw(skl.ExchangeUnsupported(22, "no")))
+        without_exchange(monkeypatch)
     if point == "after-exchange":
         real_exchange = skl.exchange
 

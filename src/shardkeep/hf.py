@@ -52,7 +52,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import MANIFEST_FILENAME
+from shardkeep.manifest import MANIFEST_FILENAME, strict_json_hooks
 from shardkeep.storage import local
 from shardkeep.tensors.flatten import flatten_state
 
@@ -134,14 +134,8 @@ def _json_file(path: str, what: str) -> dict[str, Any]:
     if len(data) > _MAX_JSON_BYTES:
         raise UnsupportedValueError(f"{what} {path} is larger than {_MAX_JSON_BYTES >> 20} MiB")
 
-    def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, item in pairs:
-            if key in result:
-                raise UnsupportedValueError(f"{what} {path} repeats the key {key!r}")
-            result[key] = item
-        return result
-
+    # Duplicate keys refused, as in manifests (NaN and Infinity are allowed: configs hold them).
+    no_repeats = strict_json_hooks(UnsupportedValueError, f"{what} {path}")["object_pairs_hook"]
     try:
         document = json.loads(data, object_pairs_hook=no_repeats)
     except (ValueError, RecursionError) as exc:
