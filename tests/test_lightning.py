@@ -1048,3 +1048,33 @@ def test_ddp_rank_zero_saves_do_not_hang_and_verify(tmp_path: Path) -> None:
     )
     assert json.loads((tmp_path / "result2.json").read_text())["step"] == 6
     assert sk.verify(root / "last.ckpt").ok
+
+
+def _save_a_dtensor(rank: int, world_size: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    class Tagged(DTensor):  # a subclass: recognised as a DTensor too
+        pass
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    messages = []
+    for value in (sharded, Tagged.__new__(Tagged, sharded._local_tensor, sharded._spec, requires_grad=False)):
+        try:
+            ShardkeepCheckpointIO().save_checkpoint({"state_dict": {"w": value}}, f"{path}-{len(messages)}")
+            messages.append("saved")
+        except sk.UnsupportedValueError as exc:
+            messages.append(str(exc))
+    return " | ".join(messages)
+
+
+def test_a_dtensor_in_a_lightning_checkpoint_is_refused_by_key(tmp_path: Path) -> None:
+    """Rank 0 alone saves: a DTensor (a subclass too) would keep only rank 0's shard, so it is
+    refused, naming its key, before anything is written."""
+    from distributed_harness import results_or_raise, run_ranks
+
+    (message,) = results_or_raise(run_ranks(1, _save_a_dtensor, str(tmp_path / "ckpt"), outbox=tmp_path / "out"))
+    assert message.split(" | ") == [message.split(" | ")[0]] * 2, message  # both refused alike
+    assert message.startswith("'state_dict.w' is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone"), message
+    assert not any(p.name.startswith("ckpt") for p in tmp_path.iterdir())

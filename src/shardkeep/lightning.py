@@ -66,6 +66,7 @@ from shardkeep.errors import (
 )
 from shardkeep.manifest import Manifest
 from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
+from shardkeep.tensors.convert import is_dtensor
 from shardkeep.verification import read_manifest
 
 try:
@@ -131,7 +132,7 @@ class _Encoder:
     def encode(self, value: Any, path: tuple[str | int, ...]) -> Any:
         kind = type(value)
         if isinstance(value, torch.Tensor):
-            if type(value).__name__ == "DTensor":
+            if is_dtensor(value):  # a subclass too
                 raise UnsupportedValueError(
                     f"{_where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
                     "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
