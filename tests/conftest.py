@@ -37,6 +37,25 @@ def state() -> dict[str, Any]:
     return make_state()
 
 
+def assert_same_tree(found: Any, expected: Any, where: str = "") -> None:
+    """``found`` holds exactly ``expected``: the same keys, lengths, values, and tensors of the
+    same dtype and values (a DTensor is compared by its full tensor)."""
+    if isinstance(expected, torch.Tensor) or isinstance(found, torch.Tensor):
+        assert isinstance(found, torch.Tensor) and isinstance(expected, torch.Tensor), where
+        found = found.full_tensor() if hasattr(found, "full_tensor") else found
+        assert found.dtype == expected.dtype and torch.equal(found, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(found, dict) and set(found) == set(expected), (where, sorted(found), sorted(expected))
+        for key in expected:
+            assert_same_tree(found[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(found) == len(expected), where
+        for index, (a, b) in enumerate(zip(found, expected, strict=True)):
+            assert_same_tree(a, b, f"{where}[{index}]")
+    else:
+        assert found == expected, (where, found, expected)
+
+
 def flip_bit(path: Path, byte_index: int, bit: int) -> None:
     with open(path, "r+b") as handle:
         handle.seek(byte_index)

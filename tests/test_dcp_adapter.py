@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import shardkeep as sk
+from conftest import assert_same_tree
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
 from shardkeep.storage import local
 
@@ -70,23 +71,6 @@ def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optim": optim_state}
-
-
-def _assert_same(found: Any, expected: Any, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(found, torch.Tensor), where
-        found = found.full_tensor() if hasattr(found, "full_tensor") else found
-        assert found.dtype == expected.dtype and torch.equal(found, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(found, dict) and set(found) == set(expected), (where, sorted(found), sorted(expected))
-        for key in expected:
-            _assert_same(found[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (a, b) in enumerate(zip(found, expected, strict=True)):
-            _assert_same(a, b, f"{where}.{index}")
-    else:
-        assert found == expected, (where, found, expected)
 
 
 def _save_fsdp(rank: int, world_size: int, path: str, mode: str) -> dict[str, Any]:
@@ -163,15 +147,15 @@ def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(tmp_pat
     assert recorded["planner_data"]["model.2.weight"] == ["model", "2.weight"]
     # sk.load reads it: chunks assembled, DCP's non-tensor values as the values they were.
     loaded = sk.load(path)
-    _assert_same(loaded["model"]["2.weight"], reference["model"]["2.weight"])
-    _assert_same(loaded["extra"], EXTRA)
+    assert_same_tree(loaded["model"]["2.weight"], reference["model"]["2.weight"])
+    assert_same_tree(loaded["extra"], EXTRA)
     assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
 
     # The default reader (no trust_pickle) loads it: nothing read from storage is unpickled.
     on_one = _load_one_process(str(path))
-    _assert_same(on_one, {**reference, "extra": EXTRA})
+    assert_same_tree(on_one, {**reference, "extra": EXTRA})
     on_three = results_or_raise(run_ranks(3, _load_fsdp, str(path), outbox=tmp_path / "load3"))[0]
-    _assert_same(on_three, {**reference, "extra": EXTRA})
+    assert_same_tree(on_three, {**reference, "extra": EXTRA})
 
 
 def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(tmp_path: Path) -> None:
@@ -181,14 +165,14 @@ def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(tmp_path: Path)
     report = sk.verify(path)
     assert report.ok, report.problems
     assert _manifest(path)["world_size"] == 2
-    _assert_same(sk.load(path)["model"], reference["model"])
-    _assert_same(_load_one_process(str(path)), {**reference, "extra": EXTRA})
+    assert_same_tree(sk.load(path)["model"], reference["model"])
+    assert_same_tree(_load_one_process(str(path)), {**reference, "extra": EXTRA})
 
 
 def test_the_reader_loads_a_sharded_sk_save_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "by_sk_save"
     reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "sk", outbox=tmp_path / "save"))[0]
-    _assert_same(_load_one_process(str(path)), {**reference, "extra": EXTRA})
+    assert_same_tree(_load_one_process(str(path)), {**reference, "extra": EXTRA})
 
 
 def test_the_reader_loads_a_checkpoint_written_by_sk_save(tmp_path: Path) -> None:
@@ -208,7 +192,7 @@ def test_the_reader_loads_a_checkpoint_written_by_sk_save(tmp_path: Path) -> Non
         "ids": torch.zeros(2, 3, dtype=torch.int64),
     }
     dcp.load(target, storage_reader=ShardkeepReader(tmp_path / "ckpt"))
-    _assert_same(target, saved)
+    assert_same_tree(target, saved)
 
 
 def _flip_byte(path: Path, key: str) -> None:
@@ -243,7 +227,7 @@ def test_a_flipped_byte_fails_the_load_before_any_value_changes(tmp_path: Path) 
     # DCP wraps every storage error; the one inside is shardkeep's, naming the file.
     (error, _), *_ = raised.value.failures.values()
     assert isinstance(error, sk.IntegrityError) and "shards/rank_00000.safetensors" in str(error)
-    _assert_same(target, _small_state(0.0))  # nothing was loaded, not even the intact weight
+    assert_same_tree(target, _small_state(0.0))  # nothing was loaded, not even the intact weight
 
 
 def test_a_damaged_manifest_is_refused_when_the_reader_is_built(tmp_path: Path) -> None:
@@ -271,7 +255,7 @@ def test_a_second_save_to_the_same_path_is_refused_and_leaves_the_first(tmp_path
     assert not list(tmp_path.glob("*.tmp-*"))
     target = _small_state(0.0)
     dcp.load(target, storage_reader=ShardkeepReader(path))
-    _assert_same(target, _small_state(2.0))
+    assert_same_tree(target, _small_state(2.0))
 
 
 def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
@@ -285,7 +269,7 @@ def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
     assert not sk.verify(path, public_key=Ed25519PrivateKey.generate().public_key()).ok
     target = _small_state(0.0)
     dcp.load(target, storage_reader=ShardkeepReader(path, public_key=key.public_key()))
-    _assert_same(target, _small_state(2.0))
+    assert_same_tree(target, _small_state(2.0))
     with pytest.raises(sk.SignatureError):
         ShardkeepReader(path, public_key=Ed25519PrivateKey.generate().public_key())
     with pytest.raises(sk.UnsupportedValueError, match="cryptographic"):
@@ -357,7 +341,7 @@ def test_values_that_are_not_json_stay_opaque_and_load_only_with_trust_pickle(tm
     dcp.load(target, storage_reader=ShardkeepReader(path, trust_pickle=True))
     loss = target["extra"].pop("loss")
     assert loss != loss  # nan
-    _assert_same(target, {**saved, "extra": {k: v for k, v in saved["extra"].items() if k != "loss"}})
+    assert_same_tree(target, {**saved, "extra": {k: v for k, v in saved["extra"].items() if k != "loss"}})
     # sk.load never unpickles: the opaque items are uint8 tensors, the JSON ones values.
     loaded = sk.load(path)
     assert loaded["extra"]["seen"].dtype == torch.uint8 and loaded["extra"]["shape"] == (2, [3, None])

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardkeep as sk
-from conftest import make_state
+from conftest import assert_same_tree, make_state
 from shardkeep.cli import main
 from shardkeep.integrity import generate_key_pair
 from shardkeep.interop import detect_format, export_checkpoint, import_checkpoint
@@ -31,30 +31,15 @@ def _training_state() -> dict[str, Any]:
     }
 
 
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype, where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
-
-
 def test_a_torch_file_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     state = _training_state()
     torch.save(state, tmp_path / "model.pt")
     manifest = import_checkpoint(tmp_path / "model.pt", tmp_path / "ckpt")
     assert manifest.custom_fields["imported_from"] == {"format": "pt", "path": "model.pt"}
-    _assert_same(state, sk.load(tmp_path / "ckpt"))
+    assert_same_tree(state, sk.load(tmp_path / "ckpt"))
     summary = export_checkpoint(tmp_path / "ckpt", tmp_path / "back.pt")
     assert summary.format == "pt" and summary.tensors == 16  # 4 parameters, 2 x 6 optimizer tensors
-    _assert_same(state, torch.load(tmp_path / "back.pt", weights_only=True))
+    assert_same_tree(state, torch.load(tmp_path / "back.pt", weights_only=True))
     with pytest.raises(sk.CheckpointExistsError, match="already exists"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "back.pt")
     export_checkpoint(tmp_path / "ckpt", tmp_path / "back.pt", overwrite=True)
@@ -71,7 +56,7 @@ def test_a_safetensors_file_round_trips_with_its_values(tmp_path: Path) -> None:
     assert detect_format(tmp_path / "m.safetensors") == "safetensors"
     manifest = import_checkpoint(tmp_path / "m.safetensors", tmp_path / "ckpt")
     assert manifest.custom_fields["safetensors_metadata"] == {"format": "pt", "origin": "test"}
-    _assert_same(tensors, sk.load(tmp_path / "ckpt"))
+    assert_same_tree(tensors, sk.load(tmp_path / "ckpt"))
 
     sk.save(_training_state(), tmp_path / "train")
     export_checkpoint(tmp_path / "train", tmp_path / "flat.safetensors")
@@ -101,7 +86,7 @@ def test_a_dcp_directory_needs_trust_pickle(tmp_path: Path) -> None:
     assert "--trust-pickle" in err.getvalue()
     out = io.StringIO()
     assert main(["import", str(tmp_path / "dcp"), str(tmp_path / "ckpt"), "--trust-pickle"], out=out) == 0
-    _assert_same(state, sk.load(tmp_path / "ckpt"))
+    assert_same_tree(state, sk.load(tmp_path / "ckpt"))
 
 
 def test_refusals_are_typed_and_name_the_input(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def _rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> N
         if result == 0:
             return
         err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS):
+        if err not in _FLAG_UNSUPPORTED:
             raise OSError(err, os.strerror(err))
     # Filesystems without RENAME_NOREPLACE: check, then rename. A racing writer could slip in
     # between, but staging names are unique and the final name is checked first.
@@ -136,14 +136,9 @@ def exchange_paths(source: str, destination: str) -> None:
 
 
 def rename_noreplace_path(source: str, destination: str) -> None:
-    """Rename ``source`` to ``destination``, never replacing anything there
-    (``FileExistsError``); where ``RENAME_NOREPLACE`` is unsupported, a check then a rename."""
-    try:
-        renameat2(source, destination, _RENAME_NOREPLACE)
-    except ExchangeUnsupported:
-        if os.path.lexists(destination):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), destination) from None
-        os.rename(source, destination)
+    """Rename ``source`` to ``destination`` (paths, not relative to a store), never replacing
+    anything there (``FileExistsError``): the store's own no-replace rename."""
+    _rename_noreplace(_AT_FDCWD, source, _AT_FDCWD, destination)
 
 
 def fsync_directory_path(path: str) -> None:
