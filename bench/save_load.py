@@ -10,14 +10,17 @@ What it measures, for two workloads (flat dicts of CPU tensors built with a fixe
 ``os.write`` of the same bytes in 64 MiB chunks plus ``fsync`` (and, for reference, without
 ``fsync``), ``torch.save`` into an open file plus ``fsync``, ``safetensors.torch.save_file`` plus
 ``fsync``, ``torch.distributed.checkpoint.save`` (single process) plus ``fsync`` of every file it
-wrote, and ``shardkeep.save`` (which fsyncs files and directories itself). The baselines do not
-fsync directories, which favours them.
+wrote, and ``shardkeep.save`` (which fsyncs files and directories itself; files of 8 MiB or more
+go out with ``O_DIRECT``), and, to show what ``O_DIRECT`` is worth, ``shardkeep.save`` through a
+``LocalStore(direct_io=False)``. The baselines do not fsync directories, which favours them. How
+shardkeep's files were written (``O_DIRECT`` or the page cache) is printed with the targets.
 
 **Warm verified load**: the files were just written, so they are in the page cache; each loader
 runs once untimed before its timed run. Contenders: a raw ``readinto`` of the raw file into a
 preallocated buffer, ``torch.load`` with and without ``mmap=True``, ``safetensors.torch.load_file``,
 ``torch.distributed.checkpoint.load`` into a preallocated state of zero tensors, and
-``shardkeep.load`` (memory-mapped, verifying every file's blake3 digest). Several loaders return
+``shardkeep.load`` (memory-mapped, verifying every file's blake3 digest), and ``shardkeep.load``
+with ``verify=False`` (reported against safetensors). Several loaders return
 tensors that view a lazy memory map (``torch.load(mmap=True)``, shardkeep, and also
 ``safetensors.torch.load_file``, which maps the file by default since safetensors 0.8), so every
 tensor loader has one byte of every memory page of every loaded tensor read before the clock
@@ -40,6 +43,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import gc
 import json
@@ -62,6 +66,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardkeep as sk
+from shardkeep.storage.local import LocalStore
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -300,8 +305,23 @@ def save_dcp(workload: Workload, path: str) -> None:
     fsync_tree(path)
 
 
+#: How shardkeep's data files were written (O_DIRECT or the page cache), per contender.
+WRITE_PATHS: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+def _save_shardkeep_with(workload: Workload, path: str, *, direct_io: bool, contender: str) -> None:
+    store = LocalStore(os.path.dirname(path), direct_io=direct_io)
+    sk.save(workload.state, os.path.basename(path), storage=store)
+    WRITE_PATHS[contender].update(store.write_paths)
+
+
 def save_shardkeep(workload: Workload, path: str) -> None:
-    sk.save(workload.state, path)
+    _save_shardkeep_with(workload, path, direct_io=True, contender=SHARDKEEP)
+
+
+def save_shardkeep_page_cache(workload: Workload, path: str) -> None:
+    """shardkeep with O_DIRECT turned off: what the O_DIRECT lever is worth in this run."""
+    _save_shardkeep_with(workload, path, direct_io=False, contender=SHARDKEEP_PAGE_CACHE)
 
 
 def load_raw(workload: Workload, path: str) -> int:
@@ -341,6 +361,12 @@ def load_shardkeep(workload: Workload, path: str) -> Any:
     return loaded
 
 
+def load_shardkeep_unverified(workload: Workload, path: str) -> Any:
+    loaded = sk.load(path, verify=False)
+    touch_pages(loaded)
+    return loaded
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -350,6 +376,8 @@ class Step:
 
 
 SHARDKEEP = "shardkeep"
+SHARDKEEP_PAGE_CACHE = "shardkeep, page cache"
+SHARDKEEP_UNVERIFIED = "shardkeep verify=False"
 RAW_SAVE = "raw write+fsync"
 RAW_LOAD = "raw read"
 
@@ -359,6 +387,7 @@ SAVE_STEPS = [
     Step("torch.save", save_torch, "torch.pt"),
     Step("safetensors", save_safetensors, "model.safetensors"),
     Step("DCP", save_dcp, "dcp"),
+    Step(SHARDKEEP_PAGE_CACHE, save_shardkeep_page_cache, "shardkeep-page-cache"),
     Step(SHARDKEEP, save_shardkeep, "shardkeep"),
 ]
 LOAD_STEPS = [
@@ -367,6 +396,7 @@ LOAD_STEPS = [
     Step("torch.load", load_torch, "torch.pt"),
     Step("safetensors", load_safetensors, "model.safetensors"),
     Step("DCP", load_dcp, "dcp"),
+    Step(SHARDKEEP_UNVERIFIED, load_shardkeep_unverified, "shardkeep"),
     Step(SHARDKEEP, load_shardkeep, "shardkeep"),
 ]
 PHASES = {"save": ("durable save", SAVE_STEPS, RAW_SAVE), "load": ("warm verified load", LOAD_STEPS, RAW_LOAD)}
@@ -527,6 +557,15 @@ def check_targets(runner: Runner, workloads: dict[str, Workload], quick: bool) -
             f"  [{verdict:>7}] {target.description} >= {target.minimum:g}x: {spread.ratio_text()}  ({workload.label})"
         )
         results.append({**target.__dict__, "workload": workload.label, "median": spread.median, "met": met})
+    mixed = runner.times[workloads["mixed"].label]
+    for phase, contender, against in (
+        ("save", SHARDKEEP_PAGE_CACHE, SHARDKEEP),
+        ("load", "safetensors", SHARDKEEP_UNVERIFIED),
+    ):
+        spread = per_rep_ratios(mixed[phase][contender], mixed[phase][against])
+        print(f"  [   info] {phase}, {against} vs {contender}: {spread.ratio_text()}  ({workloads['mixed'].label})")
+    for contender, paths in WRITE_PATHS.items():
+        print(f"  [   info] files written by {contender}: {dict(paths)}")
     small = workloads["small"]
     microseconds = statistics.median(runner.times[small.label]["save"][SHARDKEEP]) / small.count * 1e6
     print(f"  [   info] shardkeep durable save, {small.label}: {microseconds:.1f} µs per tensor")
@@ -626,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                 for w in workloads.values()
             },
             "targets": targets,
+            "write_paths": {contender: dict(paths) for contender, paths in WRITE_PATHS.items()},
             "problems": runner.problems,
         }
         with open(args.json, "w") as file:

@@ -98,15 +98,17 @@ def _target_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 def fail_syscall(monkeypatch: pytest.MonkeyPatch, call: str, code: int, when: Callable[[str], bool]) -> None:
     """Make ``os.<call>`` raise ``OSError(code)`` (its subclass: ``PermissionError`` for
-    ``EACCES`` ...) whenever the path it acts on satisfies ``when``; other calls run as usual."""
-    real = getattr(os, call)
+    ``EACCES`` ...) whenever the path it acts on satisfies ``when``; other calls run as usual.
+    ``"write"`` fails ``os.pwrite`` too: the local store writes data files at explicit offsets."""
+    for name in ("write", "pwrite") if call == "write" else (call,):
+        real = getattr(os, name)
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        if when(_target_of(args, kwargs)):
-            raise OSError(code, os.strerror(code))
-        return real(*args, **kwargs)
+        def failing(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+            if when(_target_of(args, kwargs)):
+                raise OSError(code, os.strerror(code))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(os, call, failing)
+        monkeypatch.setattr(os, name, failing)
 
 
 def under(path: Path) -> Callable[[str], bool]:
