@@ -48,6 +48,7 @@ bench: $(STAMP)
 	-$(PY) bench/async_save.py --json .bench/async_save.json
 	-$(PY) bench/cold_start.py --json .bench/cold_start.json
 	-$(PY) bench/memory.py --json .bench/memory.json
+	-$(PY) bench/tiers.py --json .bench/tiers.json
 	$(PY) bench/summary.py .bench
 
 bench-distributed: $(STAMP)

@@ -9,7 +9,10 @@ Saves (each on the same state, fsynced before the clock stops):
 * ``torch.save``, ``safetensors`` and ``DCP``: a full save, as those libraries can only do;
 * ``shardkeep full``: a full save with tiers (``incremental=True`` layout, no base);
 * ``shardkeep incremental``: the save after 10% of the experts changed, against the previous
-  checkpoint: unchanged files are referenced, not written (their digests are still computed).
+  checkpoint: unchanged files are referenced, not written (their digests are still computed);
+* ``shardkeep incremental, trust_versions``: the same save with ``trust_versions=True``: files
+  whose tensors' version counters did not move since the full save are referenced without
+  hashing them (issue 20's target: at most 0.15x the full save).
 
 Loads (warm page cache; every loader touches every page it returns):
 
@@ -17,12 +20,14 @@ Loads (warm page cache; every loader touches every page it returns):
 * ``shardkeep hot``: ``load(path, tiers={"hot"})``, which reads only the hot tier's files.
 
 Steps are interleaved and repeated; each ratio is computed per repetition and reported as
-median (min-max). Run: ``make bench-tiers`` or ``.venv/bin/python bench/tiers.py [--quick]``.
+median (min-max). Run: ``make bench-tiers`` or ``.venv/bin/python bench/tiers.py [--quick]
+[--json FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -43,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from save_load import fsync_path, fsync_tree, pretouch, touch_pages
 
 RULES = [("*.experts.*", "cold"), ("*", "hot")]
+TRUSTED = "shardkeep incremental, trust_versions"
+TARGET = 0.15  # issue 20: the trusted incremental save, as a fraction of the full save
 
 
 def build_state(layers: int, experts_per_layer: int, width: int) -> dict[str, torch.Tensor]:
@@ -84,6 +91,7 @@ def one_repetition(
     saves: dict[str, list[float]],
     loads: dict[str, list[float]],
     written: list[float],
+    trusted_written: list[float],
 ) -> None:
     """Every save, then every load, once, interleaved; the directory is removed afterwards."""
     cold = here / "cold"
@@ -105,14 +113,25 @@ def one_repetition(
         dcp.save(state, checkpoint_id=str(here / "dcp"))
         fsync_tree(str(here / "dcp"))
 
-    def sk_full() -> None:
-        sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True)
+    def sk_full() -> None:  # trust_versions records each file's proof: a few µs per tensor
+        sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True, trust_versions=True)
 
     def sk_incremental() -> None:
         manifest = sk.save(
             state, root / "step_00000002", tiers=tiers, placement=RULES, incremental=root / "step_00000001"
         )
         written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
+
+    def sk_trusted() -> None:
+        manifest = sk.save(
+            state,
+            root / "step_00000003",
+            tiers=tiers,
+            placement=RULES,
+            incremental=root / "step_00000001",
+            trust_versions=True,
+        )
+        trusted_written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
 
     here.mkdir()
     try:
@@ -125,6 +144,7 @@ def one_repetition(
             saves.setdefault(name, []).append(timed(work, pretouch_bytes))
         change_experts(state, 0.10, rep)
         saves.setdefault("shardkeep incremental", []).append(timed(sk_incremental, pretouch_bytes))
+        saves.setdefault(TRUSTED, []).append(timed(sk_trusted, pretouch_bytes))
         target = {key: torch.empty_like(value) for key, value in state.items()}
 
         def dcp_load() -> None:
@@ -148,6 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small state and 3 repetitions")
     parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--json", help="also write the results as JSON to this path")
     args = parser.parse_args()
     layers, experts, width = (4, 16, 256) if args.quick else (8, 16, 1024)
     repeat = args.repeat or (3 if args.quick else 5)
@@ -161,9 +182,10 @@ def main() -> None:
     saves: dict[str, list[float]] = {}
     loads: dict[str, list[float]] = {}
     written: list[float] = []
+    trusted_written: list[float] = []
     try:
         for rep in range(repeat):
-            one_repetition(scratch / f"rep{rep}", state, rep, pretouch_bytes, saves, loads, written)
+            one_repetition(scratch / f"rep{rep}", state, rep, pretouch_bytes, saves, loads, written, trusted_written)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -178,8 +200,30 @@ def main() -> None:
 
     report("save", saves, "shardkeep full")
     print(f"  incremental save wrote {statistics.median(written):.1%} of the bytes (10% of experts changed)")
+    ratios = [t / b for t, b in zip(saves[TRUSTED], saves["shardkeep full"], strict=True)]
+    verdict = "met" if statistics.median(ratios) <= TARGET else "NOT MET"
+    print(
+        f"  [{verdict}] {TRUSTED} <= {TARGET}x the full save: {statistics.median(ratios):.2f}x"
+        f" ({min(ratios):.2f}-{max(ratios):.2f}); it wrote {statistics.median(trusted_written):.1%} of the bytes"
+    )
     report("load (warm cache)", loads, "shardkeep full")
     print(f"\nload average at end: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(
+                {
+                    "command": [sys.executable, *sys.argv],
+                    "saves": saves,
+                    "loads": loads,
+                    "written": written,
+                    "trusted_written": trusted_written,
+                    "trusted_ratios": ratios,
+                    "target": TARGET,
+                },
+                handle,
+                indent=2,
+            )
+        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ def save(
     tiers: Sequence[Tier] | None = None,
     placement: Placement | None = None,
     incremental: bool | str | os.PathLike[str] = False,
+    trust_versions: bool = False,
     signer: Any = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
@@ -113,6 +114,13 @@ def save(
     (one file per expert); a path (an earlier checkpoint in the same root) also compares each
     file's digest with that checkpoint's and, where they are equal, records a reference to the
     existing file instead of writing it again.
+
+    ``trust_versions`` (with ``incremental``; off by default): a file whose tensors are the same
+    objects this process saved or proved before, on the same storage, with PyTorch version
+    counters that have not moved since, is known unchanged without hashing it. Writes that
+    bypass the counter are not seen (``tensor.data.add_()``, a NumPy view, another process
+    writing shared memory): turn it on only when every update goes through torch in-place ops
+    on the tensors themselves, as ``torch.optim`` does (docs/tiers.md).
 
     ``signer`` (an ``Ed25519PrivateKey`` or the path of a PEM private key file) signs the
     manifest: ``manifest.sig`` is written beside it, over its exact bytes, before the commit.

@@ -150,7 +150,9 @@ class AsyncSaver:
             # waits for every collective, each of which costs milliseconds on a real group.
             with collector_paused():
                 staged = snapshot_state(state, self.arena, budget=staging_budget)
-                jobs.append(SaveJob(staged, location, settings, coordinator, sections=state_sections(state, [])))
+                # The staged copy lives in reused buffers: no version proof about it would hold.
+                unproved = replace(settings, trust_versions=False)
+                jobs.append(SaveJob(staged, location, unproved, coordinator, sections=state_sections(state, [])))
                 return jobs[0].describe_for_agreement(described)
 
         digests = coordinator.step("stage and prepare the save", stage_and_describe)

@@ -76,6 +76,7 @@ from shardkeep.verification import (
     parse_manifest,
     read_manifest_bytes,
 )
+from shardkeep.versions import KNOWN, TensorVersions, capture
 
 __all__ = [
     "DEFAULT_TIER",
@@ -144,6 +145,7 @@ def _ensure_directory(path: str) -> None:
 
 _CALL = {"scope": "call"}  # set per call (the checkpoint manager sets these itself)
 _SYNC_ONLY = {"scope": "call", "async": False}  # not an option of ``async_save``
+_NOT_ASYNC = {"async": False}  # a manager option, not one of ``async_save`` (whose state is a copy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +182,7 @@ class SaveSettings:
     tiers: Sequence[Tier] | None = None
     placement: Placement | None = None
     incremental: bool | str | os.PathLike[str] = field(default=False, metadata=_CALL)
+    trust_versions: bool = field(default=False, metadata=_NOT_ASYNC)
     signer: Any = None
     # The call's context.
     progress: bool = field(default=False, metadata=_SYNC_ONLY)
@@ -283,6 +286,17 @@ class SaveJob:
                 raise UnsupportedValueError("incremental saves cannot be compressed yet; pass compression=None")
             self.base = _sibling(incremental, location, settings.storage_options)
         self.base_manifest: Manifest | None = None
+        if not isinstance(settings.trust_versions, bool):
+            raise UnsupportedValueError(f"trust_versions={settings.trust_versions!r} must be True or False")
+        if settings.trust_versions and incremental is False:
+            raise UnsupportedValueError("trust_versions=True needs incremental= (it proves files unchanged)")
+        #: Prove files unchanged by version counters (:mod:`shardkeep.versions`) where possible.
+        self.trust_versions = settings.trust_versions
+        #: Per file laid out (by ``id`` of its record): its key in the process's known digests,
+        #: its header and its tensors' version proof, taken before any of its bytes were read.
+        self.proofs: dict[int, tuple[tuple[str, str, str], bytes, TensorVersions]] = {}
+        #: Files whose digest came from a version proof rather than from hashing (for tests).
+        self.proved_by_version = 0
         self.tier_of: dict[str, str] = {}
         #: Per key, its size in the whole checkpoint and dtype; whether any tensor is sharded.
         self.totals: dict[str, tuple[int, str]] = {}
@@ -550,22 +564,30 @@ class SaveJob:
         """Lay out one file; return its header, or ``None`` when the file equals the base
         checkpoint's file of the same name (which ``record`` then references)."""
         earlier = previous.get((tier.name, record.path))
+        key = (self.tier_stores.get(tier.name, self.location.store).root, tier.name, record.path)
+        arrays = [item.array for item in group] if self.trust_versions else []
+        versions = capture(arrays) if self.trust_versions else None  # before any byte is read
         if earlier is not None and earlier.digest and earlier.compression is None:
             algorithm = earlier.digest.partition(":")[0]
             record.version = earlier.version
             header = file_header(record, group, tier.tier_id)
-            if (
-                algorithm == self.options.digest
-                and digest_of(header, group, algorithm) == earlier.digest
-                and self._base_file_present(earlier, tier)
-            ):
-                assert self.base is not None
-                record.ref = earlier.ref or self.base.name
-                record.path = earlier.path
-                record.digest = earlier.digest
-                return None
+            if algorithm == self.options.digest:
+                known = KNOWN.digest(key, header, arrays) if versions is not None else None
+                self.proved_by_version += known is not None
+                digest = known or digest_of(header, group, algorithm)
+                if versions is not None:
+                    KNOWN.record(key, header, versions, digest)
+                if digest == earlier.digest and self._base_file_present(earlier, tier):
+                    assert self.base is not None
+                    record.ref = earlier.ref or self.base.name
+                    record.path = earlier.path
+                    record.digest = earlier.digest
+                    return None
             record.version = earlier.version + 1
-        return file_header(record, group, tier.tier_id)
+        header = file_header(record, group, tier.tier_id)
+        if self.trust_versions:
+            self.proofs[id(record)] = (key, header, versions)
+        return header
 
     def write(self) -> list[FileRecord]:
         """Write this rank's files; return every record of this rank (written or referenced)."""
@@ -590,6 +612,10 @@ class SaveJob:
             )
         finally:
             close()
+        for plan in self.plans if self.trust_versions else ():
+            proof = self.proofs.get(id(plan.record))
+            if proof is not None and plan.record.digest:
+                KNOWN.record(proof[0], proof[1], proof[2], plan.record.digest)
         return list(self.manifest.files)
 
     def report(self) -> RankReport:

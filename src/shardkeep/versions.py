@@ -1,0 +1,137 @@
+"""Digests known without hashing: the proof, from PyTorch's version counters, that a file an
+incremental save lays out holds the same bytes as a file this process wrote (or proved) before.
+
+Every in-place operation on a tensor, or on any view of it, through torch (``add_``, ``copy_``,
+an optimizer's step, under ``no_grad`` or not) increments the version counter the tensor shares
+with its views (``tensor._version``). So when a file's tensors are the very objects this process
+saved before, on the very same storage, with the same shape, strides and offset, and every
+version counter is where it was when their bytes were read, then their bytes are the bytes that
+were read, and the file's digest is the digest computed then.
+
+Writes that bypass the counter are not seen: through ``tensor.data`` (a tensor with a counter of
+its own), through a NumPy array or a DLPack capsule sharing the memory, through raw pointers, or
+by another process writing shared memory. That is why the proof is used only when the caller
+asks for it (``save(..., trust_versions=True)``); without it every byte is hashed. The proof is
+made per file and falls back to hashing whenever any part of it is missing: another process
+(nothing recorded), a new tensor object, a storage swapped in through ``.data =`` (the storage
+object differs), an inference-mode tensor (no counter), a changed header, or a digest that
+differs from the base checkpoint's record.
+
+What is recorded is only a fact about bytes: "this header and these tensors, at these versions,
+have this digest". It holds whatever became of the save that computed it, so it is recorded as
+soon as the digest is known; the base checkpoint's manifest and the file's presence on disk are
+checked by the save itself, as for a hashed proof.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KnownDigests", "TensorVersions", "capture"]
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """One tensor as it was when its bytes were read."""
+
+    tensor: weakref.ref[Any]
+    storage: weakref.ref[Any]
+    version: int
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: Any
+
+    def holds(self, tensor: Any) -> bool:
+        if id(self.tensor()) != id(tensor):  # the same object (a dead reference is None)
+            return False
+        try:
+            return (
+                tensor._version == self.version
+                and self.storage() is tensor.untyped_storage()
+                and tensor.data_ptr() == self.data_ptr
+                and tuple(tensor.shape) == self.shape
+                and tuple(tensor.stride()) == self.stride
+                and tensor.storage_offset() == self.offset
+                and tensor.dtype == self.dtype
+            )
+        except (RuntimeError, TypeError):
+            return False
+
+
+#: The tensors of one file, as they were when its bytes were read (``None`` where no proof can
+#: be made: a tensor without a version counter, or an array that is not a torch tensor).
+TensorVersions = tuple[_Seen, ...] | None
+
+
+def capture(arrays: Sequence[Any]) -> TensorVersions:
+    """The version proof of ``arrays`` as they are now, taken before their bytes are read."""
+    import torch
+
+    seen = []
+    for array in arrays:
+        tensor: Any = array
+        plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
+        if not plain:
+            return None  # a subclass may keep its bytes elsewhere
+        if tensor.is_inference() or tensor.device.type != "cpu" or tensor.is_shared():
+            return None  # no counter; or bytes another process or device may change unseen
+        try:
+            seen.append(
+                _Seen(
+                    tensor=weakref.ref(tensor),
+                    storage=weakref.ref(tensor.untyped_storage()),
+                    version=tensor._version,
+                    data_ptr=tensor.data_ptr(),
+                    shape=tuple(tensor.shape),
+                    stride=tuple(tensor.stride()),
+                    offset=tensor.storage_offset(),
+                    dtype=tensor.dtype,
+                )
+            )
+        except (RuntimeError, TypeError):
+            return None
+    return tuple(seen)
+
+
+class KnownDigests:
+    """Per process: for each file (by store root, tier and path in the checkpoint), the digest of
+    the last bytes written or proved there, with the header and the tensors they came from.
+    One entry per file path, so it holds as many entries as a checkpoint has files."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str, str], tuple[bytes, tuple[_Seen, ...], str]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, key: tuple[str, str, str], header: bytes, versions: TensorVersions, digest: str) -> None:
+        with self._lock:
+            if versions is None:
+                self._entries.pop(key, None)
+            else:
+                self._entries[key] = (header, versions, digest)
+
+    def digest(self, key: tuple[str, str, str], header: bytes, arrays: Sequence[Any]) -> str | None:
+        """The digest of ``header`` then ``arrays``' bytes, if the version proof holds."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        known_header, seen, digest = entry
+        if known_header != header or len(seen) != len(arrays):
+            return None
+        if all(item.holds(array) for item, array in zip(seen, arrays, strict=True)):
+            return digest
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+#: The process's record (a forked child inherits it: the same objects, at the same versions).
+KNOWN = KnownDigests()
