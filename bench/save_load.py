@@ -11,8 +11,9 @@ What it measures, for two workloads (flat dicts of CPU tensors built with a fixe
 ``fsync``), ``torch.save`` into an open file plus ``fsync``, ``safetensors.torch.save_file`` plus
 ``fsync``, ``torch.distributed.checkpoint.save`` (single process) plus ``fsync`` of every file it
 wrote, and ``shardkeep.save`` (which fsyncs files and directories itself; files of 8 MiB or more
-go out with ``O_DIRECT``), and, to show what ``O_DIRECT`` is worth, ``shardkeep.save`` through a
-``LocalStore(direct_io=False)``. The baselines do not fsync directories, which favours them. How
+go out with ``O_DIRECT``); for reference, ``shardkeep.save`` through a
+``LocalStore(direct_io=False)`` (what ``O_DIRECT`` is worth) and with ``digest="xxh3-128"``
+(fast, not cryptographic). The baselines do not fsync directories, which favours them. How
 shardkeep's files were written (``O_DIRECT`` or the page cache) is printed with the targets.
 
 **Warm verified load**: the files were just written, so they are in the page cache; each loader
@@ -20,7 +21,8 @@ runs once untimed before its timed run. Contenders: a raw ``readinto`` of the ra
 preallocated buffer, ``torch.load`` with and without ``mmap=True``, ``safetensors.torch.load_file``,
 ``torch.distributed.checkpoint.load`` into a preallocated state of zero tensors, and
 ``shardkeep.load`` (memory-mapped, verifying every file's blake3 digest), and ``shardkeep.load``
-with ``verify=False`` (reported against safetensors). Several loaders return
+with ``verify=False`` (reported against safetensors), and the verified load of the
+``xxh3-128`` checkpoint (reported against the raw read). Several loaders return
 tensors that view a lazy memory map (``torch.load(mmap=True)``, shardkeep, and also
 ``safetensors.torch.load_file``, which maps the file by default since safetensors 0.8), so every
 tensor loader has one byte of every memory page of every loaded tensor read before the clock
@@ -319,6 +321,11 @@ def save_shardkeep(workload: Workload, path: str) -> None:
     _save_shardkeep_with(workload, path, direct_io=True, contender=SHARDKEEP)
 
 
+def save_shardkeep_xxh3(workload: Workload, path: str) -> None:
+    """shardkeep with the fast non-cryptographic digest (no signatures possible)."""
+    sk.save(workload.state, path, digest="xxh3-128")
+
+
 def save_shardkeep_page_cache(workload: Workload, path: str) -> None:
     """shardkeep with O_DIRECT turned off: what the O_DIRECT lever is worth in this run."""
     _save_shardkeep_with(workload, path, direct_io=False, contender=SHARDKEEP_PAGE_CACHE)
@@ -378,6 +385,7 @@ class Step:
 SHARDKEEP = "shardkeep"
 SHARDKEEP_PAGE_CACHE = "shardkeep, page cache"
 SHARDKEEP_UNVERIFIED = "shardkeep verify=False"
+SHARDKEEP_XXH3 = "shardkeep xxh3-128"
 RAW_SAVE = "raw write+fsync"
 RAW_LOAD = "raw read"
 
@@ -388,6 +396,7 @@ SAVE_STEPS = [
     Step("safetensors", save_safetensors, "model.safetensors"),
     Step("DCP", save_dcp, "dcp"),
     Step(SHARDKEEP_PAGE_CACHE, save_shardkeep_page_cache, "shardkeep-page-cache"),
+    Step(SHARDKEEP_XXH3, save_shardkeep_xxh3, "shardkeep-xxh3"),
     Step(SHARDKEEP, save_shardkeep, "shardkeep"),
 ]
 LOAD_STEPS = [
@@ -397,6 +406,7 @@ LOAD_STEPS = [
     Step("safetensors", load_safetensors, "model.safetensors"),
     Step("DCP", load_dcp, "dcp"),
     Step(SHARDKEEP_UNVERIFIED, load_shardkeep_unverified, "shardkeep"),
+    Step(SHARDKEEP_XXH3, load_shardkeep, "shardkeep-xxh3"),
     Step(SHARDKEEP, load_shardkeep, "shardkeep"),
 ]
 PHASES = {"save": ("durable save", SAVE_STEPS, RAW_SAVE), "load": ("warm verified load", LOAD_STEPS, RAW_LOAD)}
@@ -561,6 +571,7 @@ def check_targets(runner: Runner, workloads: dict[str, Workload], quick: bool) -
     for phase, contender, against in (
         ("save", SHARDKEEP_PAGE_CACHE, SHARDKEEP),
         ("load", "safetensors", SHARDKEEP_UNVERIFIED),
+        ("load", RAW_LOAD, SHARDKEEP_XXH3),
     ):
         spread = per_rep_ratios(mixed[phase][contender], mixed[phase][against])
         print(f"  [   info] {phase}, {against} vs {contender}: {spread.ratio_text()}  ({workloads['mixed'].label})")
