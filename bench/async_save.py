@@ -23,6 +23,7 @@ shown separately). Run from the repository root::
     .venv/bin/python bench/async_save.py                    # 4 MiB, 64 MiB, 1 GiB; 1 and 3 ranks
     .venv/bin/python bench/async_save.py --quick            # 4 MiB and 64 MiB, fewer repetitions
     .venv/bin/python bench/async_save.py --json out.json
+    .venv/bin/python bench/async_save.py --manager          # through CheckpointManager.async_save
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fmt_range, median, table
 
 MiB = 1 << 20
+#: Save through ``CheckpointManager.async_save`` (``--manager``), as the demo does.
+MANAGER = False
 warnings.filterwarnings("ignore", category=UserWarning)
 
 
@@ -70,12 +73,21 @@ def instrument() -> tuple[dict[str, float], dict[str, float]]:
     steps: dict[str, float] = {}
     copy: dict[str, float] = {}
     original_step = Coordinator.step
+    original_on_coordinator = Coordinator.on_coordinator
     original_snapshot = async_saving.snapshot_state
 
     def step(self: Any, label: str, work: Any) -> Any:
         started = time.perf_counter()
         try:
             return original_step(self, label, work)
+        finally:
+            if threading_main():
+                steps[label] = steps.get(label, 0.0) + time.perf_counter() - started
+
+    def on_coordinator(self: Any, label: str, work: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original_on_coordinator(self, label, work)
         finally:
             if threading_main():
                 steps[label] = steps.get(label, 0.0) + time.perf_counter() - started
@@ -88,6 +100,7 @@ def instrument() -> tuple[dict[str, float], dict[str, float]]:
             copy["copy"] = copy.get("copy", 0.0) + time.perf_counter() - started
 
     Coordinator.step = step  # type: ignore[method-assign]
+    Coordinator.on_coordinator = on_coordinator  # type: ignore[method-assign]
     async_saving.snapshot_state = snapshot  # type: ignore[assignment]
     return steps, copy
 
@@ -104,7 +117,10 @@ def run_saves(rank: int, world: int, scratch: str, total_bytes: int, reps: int, 
     steps, copy = instrument()
     state = make_state(total_bytes, rank)
     results = []
-    handle = None
+    handle: Any = None
+    manager = (
+        sk.CheckpointManager(os.path.join(scratch, f"{total_bytes}-{world}-root"), keep_last=2) if MANAGER else None
+    )
     for rep in range(reps):
         if handle is not None:
             handle.result(600)
@@ -114,7 +130,10 @@ def run_saves(rank: int, world: int, scratch: str, total_bytes: int, reps: int, 
         state["step"] = rep
         path = os.path.join(scratch, f"{total_bytes}-{world}", f"step_{rep:08d}")
         started = time.perf_counter()
-        handle = sk.async_save(state, path)
+        if manager is not None:
+            handle = manager.async_save(state, step=rep + 1, metrics={"val_loss": 1.0 / (rep + 1)})
+        else:
+            handle = sk.async_save(state, path)
         returned = time.perf_counter()
         handle.result(600)
         done = time.perf_counter()
@@ -202,7 +221,10 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.2, help="seconds of 'training' between saves")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--manager", action="store_true", help="save through CheckpointManager.async_save")
     args = parser.parse_args()
+    global MANAGER
+    MANAGER = args.manager
     sizes = [int(s) for s in (args.sizes or ("4,64" if args.quick else "4,64,1024")).split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
     reps = args.reps or (4 if args.quick else 6)
