@@ -178,3 +178,22 @@ def test_trust_versions_is_checked(tmp_path: Path) -> None:
         sk.save({"w": torch.ones(2)}, tmp_path / "b", incremental=True, trust_versions="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         sk.async_save({"w": torch.ones(2)}, tmp_path / "c", trust_versions=True)  # type: ignore[call-arg]
+
+
+def test_records_of_tensors_that_are_gone_are_dropped() -> None:
+    """A process that saves into many roots keeps only the records that can still prove something."""
+    from shardkeep.versions import KnownDigests, capture
+
+    known = KnownDigests()
+    known._min_prune = known._prune_at = 3
+    kept = torch.ones(3)
+    known.record(("root", "t", "kept"), b"h", capture([kept]), "blake3:aa")
+    for index in range(4):
+        gone = torch.ones(3)
+        known.record(("root", "t", f"gone{index}"), b"h", capture([gone]), "blake3:bb")
+        del gone
+    assert len(known._entries) < 4  # pruned on the way: at most kept, the live one, and one after
+    assert known.digest(("root", "t", "kept"), b"h", [kept]) == "blake3:aa"
+    assert known.digest(("root", "t", "kept"), b"other header", [kept]) is None
+    kept.add_(1)
+    assert known.digest(("root", "t", "kept"), b"h", [kept]) is None

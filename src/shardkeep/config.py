@@ -85,7 +85,9 @@ class SaveOptions:
     """How a save writes its files.
 
     ``byte_budget`` bounds the memory a save holds beyond the caller's own tensors (contiguous
-    copies, device-to-host copies and the buffer that coalesces small tensors). ``io_threads``
+    copies, device-to-host copies and the buffer that coalesces small tensors); a local store
+    writing a file with ``O_DIRECT`` also holds two aligned buffers of
+    :data:`~shardkeep.storage.local.DIRECT_IO_BLOCK` bytes for it, outside the budget. ``io_threads``
     bounds concurrent file writes (backpressure). A data file is closed and a new one started
     once it holds ``file_size_target`` bytes, so large states are written as several files in
     parallel.

@@ -295,8 +295,6 @@ class SaveJob:
         #: Per file laid out (by ``id`` of its record): its key in the process's known digests,
         #: its header and its tensors' version proof, taken before any of its bytes were read.
         self.proofs: dict[int, tuple[tuple[str, str, str], bytes, TensorVersions]] = {}
-        #: Files whose digest came from a version proof rather than from hashing (for tests).
-        self.proved_by_version = 0
         self.tier_of: dict[str, str] = {}
         #: Per key, its size in the whole checkpoint and dtype; whether any tensor is sharded.
         self.totals: dict[str, tuple[int, str]] = {}
@@ -573,7 +571,6 @@ class SaveJob:
             header = file_header(record, group, tier.tier_id)
             if algorithm == self.options.digest:
                 known = KNOWN.digest(key, header, arrays) if versions is not None else None
-                self.proved_by_version += known is not None
                 digest = known or digest_of(header, group, algorithm)
                 if versions is not None:
                     KNOWN.record(key, header, versions, digest)

@@ -107,13 +107,23 @@ class KnownDigests:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str, str], tuple[bytes, tuple[_Seen, ...], str]] = {}
         self._lock = threading.Lock()
+        self._min_prune = self._prune_at = 1024
 
     def record(self, key: tuple[str, str, str], header: bytes, versions: TensorVersions, digest: str) -> None:
         with self._lock:
             if versions is None:
                 self._entries.pop(key, None)
-            else:
-                self._entries[key] = (header, versions, digest)
+                return
+            self._entries[key] = (header, versions, digest)
+            if len(self._entries) >= self._prune_at:
+                # Entries whose tensors are all gone can never prove anything again (a process
+                # that saves into many roots would otherwise keep them all).
+                self._entries = {
+                    k: entry
+                    for k, entry in self._entries.items()
+                    if any(seen.tensor() is not None for seen in entry[1])
+                }
+                self._prune_at = max(self._min_prune, 2 * len(self._entries))
 
     def digest(self, key: tuple[str, str, str], header: bytes, arrays: Sequence[Any]) -> str | None:
         """The digest of ``header`` then ``arrays``' bytes, if the version proof holds."""
