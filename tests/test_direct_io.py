@@ -322,3 +322,106 @@ def test_forked_writers_never_share_a_buffer(tmp_path: Path, small_blocks: None,
     for i in range(2):
         for round_ in range(20):
             assert (tmp_path / f"child{i}-{round_}").read_bytes() == _payload(size, seed=100 * i + round_)
+
+
+class _SlowBackground(local._FileCalls):
+    """Background block writes take a while, and can fail; records writes and closes in order."""
+
+    def __init__(self, fail_offset: int | None = None) -> None:
+        self.fail_offset = fail_offset
+        self.events: list[str] = []
+        self.fsyncs = 0
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+            if offset == self.fail_offset:
+                self.events.append("failed write")
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            written = super().pwrite(fd, data, offset)
+            self.events.append("background write done")
+            return written
+        return super().pwrite(fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        self.fsyncs += 1
+        super().fsync(fd)
+
+    def close(self, fd: int) -> None:
+        self.events.append("close")
+        super().close(fd)
+
+
+def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
+) -> None:
+    """Ctrl-C while the writer waits for its block in flight: the wait goes on until the block
+    is written, then the interrupt is raised and the descriptor closed (a descriptor closed
+    first could be reused by another file, which the late write would land in)."""
+    calls = _SlowBackground()
+    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    real_wait = local.wait_for
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_wait(futures: Any) -> Any:
+        if interrupts:
+            raise interrupts.pop()
+        return real_wait(futures)
+
+    monkeypatch.setattr(local, "wait_for", interrupted_wait)
+    handle = LocalStore(tmp_path).open_write("f")
+    handle.write(_payload(2 * SMALL_BLOCK + 5))  # block 1 inline, block 2 in the background
+    with pytest.raises(KeyboardInterrupt):
+        handle.commit()
+    assert calls.events == ["background write done", "close"], calls.events
+    assert calls.fsyncs == 0  # never committed
+
+
+def test_a_writer_whose_background_write_failed_refuses_to_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
+) -> None:
+    calls = _SlowBackground(fail_offset=SMALL_BLOCK)
+    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    handle = LocalStore(tmp_path).open_write("f")
+    handle.write(_payload(2 * SMALL_BLOCK))  # block 2 goes to the background and fails
+    with pytest.raises(sk.StorageError, match=r"writing 'f' failed"):
+        handle.write(_payload(SMALL_BLOCK))  # waits for block 2 before handing over block 3
+    with pytest.raises(sk.StorageError, match="a write to it failed"):
+        handle.commit()
+    assert calls.fsyncs == 0
+    handle.abort()
+    with pytest.raises(sk.StorageError, match="a write to it failed"):
+        handle.write(b"x")
+    closed = LocalStore(tmp_path).open_write("g")
+    closed.write(b"y")
+    closed.commit()
+    with pytest.raises(sk.StorageError, match="it is closed"):
+        closed.write(b"z")
+
+
+def _open_write_in_child(root: str) -> None:
+    handle = LocalStore(root).open_write("child")
+    handle.write(b"x")
+    handle.commit()
+    os._exit(0)
+
+
+def test_a_fork_while_another_thread_holds_the_stores_locks_does_not_hang_the_child(tmp_path: Path) -> None:
+    import multiprocessing
+
+    held = [local._Libc._lock, local._BUFFERS._lock]
+    for lock in held:
+        lock.acquire()  # as a parent thread inside open_write would hold them at the fork
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_open_write_in_child, args=(str(tmp_path),))
+        child.start()
+        child.join(20)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        for lock in held:
+            lock.release()
+    assert not hung, "the forked child hung on a lock its parent held"
+    assert child.exitcode == 0 and (tmp_path / "child").read_bytes() == b"x"

@@ -317,7 +317,7 @@ class SaveJob:
         """Flatten the state and plan its leaves; their descriptors (what ranks compare) unless
         ``descriptors=False`` (one process compares with nobody)."""
         with collector_paused():
-            self.flat = flatten_state(self.state)
+            self.flat = flatten_state(self.state, keep_vars=self.trust_versions)
             self.planned = [PlannedItem(leaf) for leaf in self.flat.tensors]
             self.on_grid = {item.leaf.key for item in self.planned if item.layout is not None}
             return [item.descriptor for item in self.planned] if descriptors else []
@@ -571,6 +571,8 @@ class SaveJob:
             header = file_header(record, group, tier.tier_id)
             if algorithm == self.options.digest:
                 known = KNOWN.digest(key, header, arrays) if versions is not None else None
+                if known is not None and known.partition(":")[0] != algorithm:
+                    known = None  # recorded under another digest algorithm
                 digest = known or digest_of(header, group, algorithm)
                 if versions is not None:
                     KNOWN.record(key, header, versions, digest)

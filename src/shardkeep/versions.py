@@ -25,13 +25,16 @@ checked by the save itself, as for a hashed proof.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KnownDigests", "TensorVersions", "capture"]
+__all__ = ["KNOWN", "KnownDigests", "TensorVersions", "capture"]
+
+Key = tuple[str, str, str]  # (store root, tier, path of the file in the checkpoint)
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,6 @@ class _Seen:
     data_ptr: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
     dtype: Any
 
     def holds(self, tensor: Any) -> bool:
@@ -55,9 +57,9 @@ class _Seen:
                 tensor._version == self.version
                 and self.storage() is tensor.untyped_storage()
                 and tensor.data_ptr() == self.data_ptr
+                and tensor.storage_offset() == 0
                 and tuple(tensor.shape) == self.shape
                 and tuple(tensor.stride()) == self.stride
-                and tensor.storage_offset() == self.offset
                 and tensor.dtype == self.dtype
             )
         except (RuntimeError, TypeError):
@@ -65,7 +67,7 @@ class _Seen:
 
 
 #: The tensors of one file, as they were when its bytes were read (``None`` where no proof can
-#: be made: a tensor without a version counter, or an array that is not a torch tensor).
+#: be made for one of them).
 TensorVersions = tuple[_Seen, ...] | None
 
 
@@ -82,20 +84,23 @@ def capture(arrays: Sequence[Any]) -> TensorVersions:
         if tensor.is_inference() or tensor.device.type != "cpu" or tensor.is_shared():
             return None  # no counter; or bytes another process or device may change unseen
         try:
+            storage = tensor.untyped_storage()
+            if tensor.storage_offset() != 0 or storage.nbytes() != tensor.nbytes:
+                return None  # a view into a larger buffer, which other tensors may write unseen
             seen.append(
                 _Seen(
                     tensor=weakref.ref(tensor),
-                    storage=weakref.ref(tensor.untyped_storage()),
+                    storage=weakref.ref(storage),
                     version=tensor._version,
                     data_ptr=tensor.data_ptr(),
                     shape=tuple(tensor.shape),
                     stride=tuple(tensor.stride()),
-                    offset=tensor.storage_offset(),
                     dtype=tensor.dtype,
                 )
             )
         except (RuntimeError, TypeError):
             return None
+    _watch_optimizers()
     return tuple(seen)
 
 
@@ -105,27 +110,48 @@ class KnownDigests:
     One entry per file path, so it holds as many entries as a checkpoint has files."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, str, str], tuple[bytes, tuple[_Seen, ...], str]] = {}
+        self._entries: dict[Key, tuple[bytes, tuple[_Seen, ...], str]] = {}
+        #: The keys whose tensors' storage starts at each address (a superset: a stale key only
+        #: costs a record dropped for nothing).
+        self._by_storage: dict[int, set[Key]] = {}
         self._lock = threading.Lock()
         self._min_prune = self._prune_at = 1024
 
-    def record(self, key: tuple[str, str, str], header: bytes, versions: TensorVersions, digest: str) -> None:
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, key: Key, header: bytes, versions: TensorVersions, digest: str) -> None:
         with self._lock:
             if versions is None:
                 self._entries.pop(key, None)
                 return
             self._entries[key] = (header, versions, digest)
+            for seen in versions:
+                self._by_storage.setdefault(seen.data_ptr, set()).add(key)
             if len(self._entries) >= self._prune_at:
-                # Entries whose tensors are all gone can never prove anything again (a process
-                # that saves into many roots would otherwise keep them all).
-                self._entries = {
-                    k: entry
-                    for k, entry in self._entries.items()
-                    if any(seen.tensor() is not None for seen in entry[1])
-                }
-                self._prune_at = max(self._min_prune, 2 * len(self._entries))
+                self._prune()
 
-    def digest(self, key: tuple[str, str, str], header: bytes, arrays: Sequence[Any]) -> str | None:
+    def _prune(self) -> None:
+        """Drop the entries whose tensors are all gone: they can never prove anything again (a
+        process that saves into many roots would otherwise keep them all)."""
+        self._entries = {
+            key: entry for key, entry in self._entries.items() if any(seen.tensor() is not None for seen in entry[1])
+        }
+        self._by_storage = {}
+        for key, (_, seen_all, _) in self._entries.items():
+            for seen in seen_all:
+                self._by_storage.setdefault(seen.data_ptr, set()).add(key)
+        self._prune_at = max(self._min_prune, 2 * len(self._entries))
+
+    def forget_storages(self, addresses: set[int]) -> None:
+        """Drop every record involving a tensor whose storage starts at one of ``addresses``
+        (bytes that may have changed without moving a version counter)."""
+        with self._lock:
+            for address in addresses:
+                for key in self._by_storage.pop(address, ()):
+                    self._entries.pop(key, None)
+
+    def digest(self, key: Key, header: bytes, arrays: Sequence[Any]) -> str | None:
         """The digest of ``header`` then ``arrays``' bytes, if the version proof holds."""
         with self._lock:
             entry = self._entries.get(key)
@@ -141,7 +167,52 @@ class KnownDigests:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._by_storage.clear()
 
 
 #: The process's record (a forked child inherits it: the same objects, at the same versions).
 KNOWN = KnownDigests()
+
+_watching = threading.Lock()
+_hook: Any = None
+
+
+def _watch_optimizers() -> None:
+    """Install, once, the global optimizer step hook that forgets what a step may have written
+    without moving a version counter (fused and custom kernels)."""
+    global _hook
+    if _hook is not None:
+        return
+    with _watching:
+        if _hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _hook = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: forget every record that involves a parameter the step had a
+    gradient for, or that parameter's state."""
+    if not len(KNOWN):
+        return
+    addresses: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue  # torch.optim leaves a parameter without a gradient, and its state, alone
+            for tensor in (param, *optimizer.state.get(param, {}).values()):
+                local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's bytes are its local tensor's
+                try:
+                    addresses.add(local.untyped_storage().data_ptr())
+                except (AttributeError, RuntimeError):
+                    continue  # not a tensor with storage (a step count, a meta tensor)
+    KNOWN.forget_storages(addresses)
+
+
+def _after_fork_in_child() -> None:
+    KNOWN._lock = threading.Lock()  # a parent thread may have held it at the fork
+    global _watching
+    _watching = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

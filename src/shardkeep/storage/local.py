@@ -21,6 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any
 
 from shardkeep.errors import (
@@ -248,9 +249,18 @@ class _BlockWriters:
         cls._pool = None
 
 
+#: Guards every store's ``write_paths``.
+_COUNTING = threading.Lock()
+
+
 def _after_fork_in_child() -> None:
+    """A parent thread may have held any of these locks at the fork, and the pool's threads are
+    not in the child."""
+    global _COUNTING
     _BlockWriters.forget()
-    _BUFFERS._lock = threading.Lock()  # a parent thread may have held it at the fork
+    _BUFFERS._lock = threading.Lock()
+    _Libc._lock = threading.Lock()
+    _COUNTING = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -279,6 +289,7 @@ class _LocalWriter:
         self._on_commit = on_commit
         self._calls = _FILE_CALLS
         self._closed = False
+        self._failed = False  # a write failed: the file may miss bytes, and must not be committed
         self._offset = 0  # bytes of the file written, or handed to a background write
         self._writeback_from = 0
         self._sync_file_range = _Libc.load().sync_file_range
@@ -292,6 +303,20 @@ class _LocalWriter:
         self.path_taken = "buffered" if direct else "buffered: direct I/O is off for this store"
 
     def write(self, data: bytes | memoryview, /) -> None:
+        self._check_open("write to")
+        try:
+            self._write(data)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _check_open(self, action: str) -> None:
+        """Refuse to go on after a failure (a block may be missing) or after commit or abort."""
+        if self._failed or self._closed:
+            state = "a write to it failed" if self._failed else "it is closed"
+            raise StorageError(f"cannot {action} {self._path!r}: {state}")
+
+    def _write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         if self._view is None:
             self._write_through(view)
@@ -344,12 +369,33 @@ class _LocalWriter:
         self._address = _address_of(self._view) or 0
 
     def _wait_in_flight(self) -> None:
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
+        """Wait for the background write (see :meth:`_settle`), and raise its error."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        self._settle()
+        error = in_flight.exception()
+        if isinstance(error, OSError):
+            raise _storage_error("writing", self._path, error) from error
+        if error is not None:
+            raise error
+
+    def _settle(self) -> None:
+        """Wait until the background write is over, whatever happens meanwhile: its buffer and
+        the file descriptor must outlive it (a descriptor closed early could be reused by another
+        file, which the write would then land in). An interruption (Ctrl-C) is raised after."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        interrupted: BaseException | None = None
+        while not in_flight.done():
             try:
-                in_flight.result()
-            except OSError as exc:
-                raise _storage_error("writing", self._path, exc) from exc
+                wait_for([in_flight])
+            except BaseException as exc:  # kept, and raised once the write is over
+                interrupted = exc
+        self._in_flight = None
+        if interrupted is not None:
+            raise interrupted
 
     def _refused(self, exc: OSError) -> None:
         """O_DIRECT is not possible for this file: write what the buffer holds through the page
@@ -407,19 +453,20 @@ class _LocalWriter:
         self._writeback_from = self._offset
 
     def _release_buffers(self) -> None:
-        """Give the buffers back (after the write in flight, if any, has finished with them)."""
-        if self._in_flight is not None:
-            try:
-                self._in_flight.result()
-            except BaseException:
-                pass  # the writer is already failing: its error was raised, or is being
-            self._in_flight = None
+        """Give the buffers back, once the write in flight (if any) has finished with them."""
+        try:
+            self._settle()
+        finally:
+            self._give_back()
+
+    def _give_back(self) -> None:
         self._view = None
         buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             _BUFFERS.give(buffer)
 
     def commit(self) -> None:
+        self._check_open("commit")
         try:
             if self._view is not None:
                 self._wait_in_flight()
@@ -432,13 +479,17 @@ class _LocalWriter:
                 del pending
                 self._release_buffers()
         except BaseException:
+            self._failed = True
             self.abort()
             raise
         self._closed = True
         try:
             self._calls.fsync(self._fd)
         except OSError as exc:
-            self._calls.close(self._fd)
+            try:
+                self._calls.close(self._fd)
+            except OSError:
+                pass  # the fsync's error is the one to report
             raise _storage_error("fsync of", self._path, exc) from exc
         try:
             self._calls.close(self._fd)
@@ -448,7 +499,12 @@ class _LocalWriter:
             self._on_commit(self.path_taken)
 
     def abort(self) -> None:
-        self._release_buffers()  # waits for the write in flight: the fd is closed only after it
+        try:
+            self._release_buffers()  # waits for the write in flight: the fd is closed only after it
+        finally:
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
         if not self._closed:
             self._closed = True
             try:
@@ -508,7 +564,6 @@ class LocalStore(StoreBase):
         self._directory = os.path.abspath(os.fspath(root))
         self.direct_io = bool(direct_io) and _O_DIRECT != 0
         self.write_paths: collections.Counter[str] = collections.Counter()
-        self._counting = threading.Lock()
 
     @property
     def root(self) -> str:
@@ -575,10 +630,16 @@ class LocalStore(StoreBase):
             raise CheckpointExistsError(f"{path!r} already exists in {self.root!r}") from exc
         except OSError as exc:
             raise _storage_error("creating", path, exc) from exc
-        return _LocalWriter(fd, path, direct=self.direct_io, on_commit=self._count_path)
+        try:
+            return _LocalWriter(fd, path, direct=self.direct_io, on_commit=self._count_path)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):  # no memory for the aligned buffer
+                raise _storage_error("preparing to write", path, exc) from exc
+            raise
 
     def _count_path(self, taken: str) -> None:
-        with self._counting:
+        with _COUNTING:
             self.write_paths[taken] += 1
             first = self.write_paths[taken] == 1
         if first and taken.startswith("buffered: O_DIRECT refused"):

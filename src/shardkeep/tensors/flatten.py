@@ -81,7 +81,8 @@ def _has_state_dict(value: Any) -> bool:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, keep_vars: bool = False) -> None:
+        self.keep_vars = keep_vars
         self.flat = FlatState()
         self.keys: dict[str, tuple[str | int, ...]] = {}
         self.order = 0
@@ -130,7 +131,8 @@ class _Flattener:
             )
             return
         if _has_state_dict(value) and not isinstance(value, Mapping):
-            state = value.state_dict()
+            keep = self.keep_vars and isinstance(value, torch.nn.Module)
+            state = value.state_dict(keep_vars=True) if keep else value.state_dict()
             if not isinstance(state, Mapping):
                 raise UnsupportedValueError(
                     f"{type(value).__name__}.state_dict() at {key_for_path(path)!r} returned {type(state).__name__}, not a mapping"
@@ -175,11 +177,14 @@ class _Flattener:
                 self.visit(item, (*path, key))
 
 
-def flatten_state(state: Mapping[str, Any]) -> FlatState:
-    """Split ``state`` into tensor leaves, JSON leaves and containers (root included)."""
+def flatten_state(state: Mapping[str, Any], *, keep_vars: bool = False) -> FlatState:
+    """Split ``state`` into tensor leaves, JSON leaves and containers (root included). With
+    ``keep_vars``, a module's leaves are its parameters and buffers themselves, not detached
+    copies of them (``state_dict(keep_vars=True)``): the same objects from one save to the next,
+    which a version proof needs (:mod:`shardkeep.versions`)."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(f"state must be a mapping (a dict), got {type(state).__name__}")
-    flattener = _Flattener()
+    flattener = _Flattener(keep_vars)
     flattener.visit(state, ())
     return flattener.flat
 
