@@ -96,8 +96,9 @@ def _committed(root: Path) -> list[Path]:
 def test_kill_9_during_save_never_leaves_a_committed_checkpoint_that_fails(tmp_path: Path) -> None:
     root = tmp_path / "root"
     state = _multi_file_state()
-    # 9 MiB more, so a save spans several ms, and its file is written with O_DIRECT (one aligned
-    # block and a tail through the page cache): the kills land in that path too.
+    # 9 MiB more, so a save spans several ms, and its file is written with O_DIRECT (an aligned
+    # block, and a tail through the page cache): the kills land
+    # in that path too.
     state["payload"] = torch.randn(1536, 1536)
     probe = LocalStore(tmp_path)
     sk.save(state, "probe", storage=probe, file_size_target=200_000)

@@ -56,6 +56,8 @@ _WRITEBACK_CHUNK = 32 << 20
 #: Files of at least this many bytes are written with ``O_DIRECT``, this many bytes per write
 #: (a multiple of every filesystem's direct I/O alignment).
 DIRECT_IO_BLOCK = 8 << 20
+#: Blocks of one file being written in the background at once (each holds a buffer).
+_DIRECT_IN_FLIGHT = 1
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Directories nested deeper than this inside a checkpoint are not descended (none are legitimate).
 _MAX_WALK_DEPTH = 16
@@ -230,7 +232,7 @@ _BUFFERS = _AlignedBuffers(keep=8)
 
 class _BlockWriters:
     """The threads that write full blocks in the background, while the writer fills its other
-    buffer: one block in flight per file. Made on first use, and forgotten in a forked child
+    buffer: up to ``_DIRECT_IN_FLIGHT`` blocks in flight per file. Made on first use, and forgotten in a forked child
     (whose copy of the parent's threads does not run)."""
 
     _lock = threading.Lock()
@@ -270,8 +272,9 @@ class _LocalWriter:
     """A new file written in one of two ways, chosen by its size (see :class:`LocalStore`):
 
     - a file of at least :data:`DIRECT_IO_BLOCK` bytes is copied into reused page-aligned
-      buffers and written with ``O_DIRECT`` one whole block at a time, past the page cache: one
-      block is written in the background while the next is filled. The last partial block is
+      buffers and written with ``O_DIRECT`` one whole block at a time, past the page cache: up
+      to ``_DIRECT_IN_FLIGHT`` blocks are written in the background while the next is filled
+      (``_DIRECT_IN_FLIGHT + 1`` buffers per file). The last partial block is
       written through the page cache, so the file is byte for byte what a buffered write gives
       (no padding);
     - a smaller file, or any file on a filesystem that refuses ``O_DIRECT``, is written through
@@ -294,11 +297,13 @@ class _LocalWriter:
         self._writeback_from = 0
         self._sync_file_range = _Libc.load().sync_file_range
         self._block = DIRECT_IO_BLOCK
-        self._buffers: list[mmap.mmap] = [_BUFFERS.take(self._block)] if direct else []
-        self._view: memoryview | None = memoryview(self._buffers[0]) if direct else None  # the one being filled
+        self._buffers: list[mmap.mmap] = [_BUFFERS.take(self._block)] if direct else []  # every one held
+        self._filling: mmap.mmap | None = self._buffers[0] if direct else None
+        self._view: memoryview | None = memoryview(self._buffers[0]) if direct else None  # of the one filling
         self._address = (_address_of(self._view) if self._view is not None else None) or 0
         self._filled = 0  # bytes collected in the buffer being filled
-        self._in_flight: Future[None] | None = None  # the background write of the other buffer
+        #: The background writes not yet waited for, oldest first, with their buffers.
+        self._in_flight: collections.deque[tuple[Future[None], mmap.mmap]] = collections.deque()
         self._direct = False  # O_DIRECT is on for fd
         self.path_taken = "buffered" if direct else "buffered: direct I/O is off for this store"
 
@@ -358,42 +363,49 @@ class _LocalWriter:
             self._filled = 0
             self.path_taken = "direct"
             return
-        self._wait_in_flight()
-        self._in_flight = _BlockWriters.submit(self._write_at, self._view, self._offset)
+        assert self._filling is not None
+        free = []
+        while len(self._in_flight) >= _DIRECT_IN_FLIGHT:
+            free.append(self._wait_oldest())
+        self._in_flight.append((_BlockWriters.submit(self._write_at, self._view, self._offset), self._filling))
         self._offset += self._block
         self._filled = 0
-        if len(self._buffers) == 1:
-            self._buffers.append(_BUFFERS.take(self._block))
-        self._buffers.reverse()  # fill the other buffer
-        self._view = memoryview(self._buffers[0])
+        if not free:
+            free.append(_BUFFERS.take(self._block))
+            self._buffers.append(free[0])
+        self._filling = free[0]
+        self._view = memoryview(self._filling)
         self._address = _address_of(self._view) or 0
 
-    def _wait_in_flight(self) -> None:
-        """Wait for the background write (see :meth:`_settle`), and raise its error."""
-        in_flight = self._in_flight
-        if in_flight is None:
-            return
-        self._settle()
-        error = in_flight.exception()
+    def _wait_oldest(self) -> mmap.mmap:
+        """Wait for the oldest background write (see :meth:`_settle`), raise its error, and
+        return its buffer, free again."""
+        future, buffer = self._in_flight[0]
+        self._settle(future)
+        self._in_flight.popleft()
+        error = future.exception()
         if isinstance(error, OSError):
             raise _storage_error("writing", self._path, error) from error
         if error is not None:
             raise error
+        return buffer
 
-    def _settle(self) -> None:
-        """Wait until the background write is over, whatever happens meanwhile: its buffer and
-        the file descriptor must outlive it (a descriptor closed early could be reused by another
+    def _wait_in_flight(self) -> None:
+        """Wait for every background write, and raise the first error."""
+        while self._in_flight:
+            self._wait_oldest()
+
+    @staticmethod
+    def _settle(future: Future[None]) -> None:
+        """Wait until a background write is over, whatever happens meanwhile: its buffer and the
+        file descriptor must outlive it (a descriptor closed early could be reused by another
         file, which the write would then land in). An interruption (Ctrl-C) is raised after."""
-        in_flight = self._in_flight
-        if in_flight is None:
-            return
         interrupted: BaseException | None = None
-        while not in_flight.done():
+        while not future.done():
             try:
-                wait_for([in_flight])
+                wait_for([future])
             except BaseException as exc:  # kept, and raised once the write is over
                 interrupted = exc
-        self._in_flight = None
         if interrupted is not None:
             raise interrupted
 
@@ -453,14 +465,19 @@ class _LocalWriter:
         self._writeback_from = self._offset
 
     def _release_buffers(self) -> None:
-        """Give the buffers back, once the write in flight (if any) has finished with them."""
+        """Give the buffers back, once the writes in flight (if any) have finished with them."""
         try:
-            self._settle()
+            for future, _ in self._in_flight:
+                self._settle(future)
         finally:
             self._give_back()
 
     def _give_back(self) -> None:
+        if any(not future.done() for future, _ in self._in_flight):
+            return  # (interrupted twice while settling) never hand out a buffer still being written
+        self._in_flight.clear()
         self._view = None
+        self._filling = None
         buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             _BUFFERS.give(buffer)
