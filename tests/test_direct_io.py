@@ -442,3 +442,54 @@ def test_several_blocks_in_flight_give_the_same_file(
     store = LocalStore(tmp_path)
     assert _write(store, "f", data, [SMALL_BLOCK // 2, 4 * SMALL_BLOCK + 1], writable=True) == "direct"
     assert (tmp_path / "f").read_bytes() == data == calls.durable
+
+
+def test_an_interrupt_while_queueing_a_block_never_lets_it_land_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
+) -> None:
+    """Ctrl-C inside the pool's submit, after the job got in (while the pool starts a thread):
+    the job is cancelled if it has not started, or waited for; either way the descriptor is
+    closed after it, and a file opened next never receives its bytes."""
+    calls = _SlowBackground()
+    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    real_submit = local._BlockWriters.submit.__func__  # type: ignore[attr-defined]
+
+    def submit_then_interrupted(cls: Any, function: Any, *args: Any) -> Any:
+        real_submit(cls, function, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local._BlockWriters, "submit", classmethod(submit_then_interrupted))
+    handle = LocalStore(tmp_path).open_write("victim")
+    with pytest.raises(KeyboardInterrupt):
+        handle.write(_payload(2 * SMALL_BLOCK + 1))
+    handle.abort()
+    monkeypatch.undo()
+    other = LocalStore(tmp_path).open_write("innocent")
+    other.write(b"x" * 20)
+    time.sleep(0.4)  # longer than a slowed background write
+    other.commit()
+    assert (tmp_path / "innocent").read_bytes() == b"x" * 20
+    if "background write done" in calls.events:
+        assert calls.events.index("background write done") < calls.events.index("close"), calls.events
+
+
+def test_an_interrupt_during_abort_with_several_blocks_in_flight_closes_after_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
+) -> None:
+    monkeypatch.setattr(local, "_DIRECT_IN_FLIGHT", 2)
+    calls = _SlowBackground()
+    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    real_wait = local.wait_for
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_wait(futures: Any) -> Any:
+        if interrupts:
+            raise interrupts.pop()
+        return real_wait(futures)
+
+    handle = LocalStore(tmp_path).open_write("f")
+    handle.write(_payload(3 * SMALL_BLOCK))  # block 1 inline, blocks 2 and 3 in the background
+    monkeypatch.setattr(local, "wait_for", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        handle.abort()
+    assert calls.events == ["background write done", "background write done", "close"], calls.events

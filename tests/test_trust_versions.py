@@ -276,3 +276,61 @@ def test_records_of_tensors_that_are_gone_are_dropped() -> None:
     assert known.digest(("root", "t", "kept"), b"other header", [kept]) is None
     kept.add_(1)
     assert known.digest(("root", "t", "kept"), b"h", [kept]) is None
+
+
+def test_module_buffers_are_always_hashed(tmp_path: Path, hashed: list[int]) -> None:
+    """BatchNorm's forward updates running_mean and running_var without moving their version
+    counters (the native op writes an argument other than its first): buffers get no proof."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32))
+    model[0].requires_grad_(False)
+    options: dict[str, Any] = {"incremental": True, "trust_versions": True, "file_size_target": 1024}
+    sk.save({"model": model}, tmp_path / "step_1", **options)
+    model(torch.randn(8, 32))  # train mode: the running statistics move
+    options["incremental"] = tmp_path / "step_1"
+    sk.save({"model": model}, tmp_path / "step_2", **options)
+    loaded = sk.load(tmp_path / "step_2")["model"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_an_optimizer_that_frees_gradients_inside_its_step_is_still_seen(tmp_path: Path) -> None:
+    """The step hooks run before the step too: parameters that had a gradient when the step
+    began are forgotten even if the step frees the gradient (and writes without moving the
+    counter, as a fused kernel does; ``.data`` stands in for one here)."""
+
+    class Freeing(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.data.sub_(param.grad)  # no counter moves
+                        param.grad = None
+
+    model = torch.nn.Linear(16, 16)
+    optimizer = Freeing(model.parameters())
+    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    loaded = sk.load(tmp_path / "step_2")["model"]
+    assert torch.equal(loaded["weight"], model.weight.detach())
+    assert torch.equal(loaded["bias"], model.bias.detach())
+
+
+def test_a_module_whose_state_dict_takes_no_keep_vars_still_saves(tmp_path: Path) -> None:
+    class Legacy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+        def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+            return {"weight": self.weight.detach()}
+
+    model = Legacy()
+    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    assert torch.equal(sk.load(tmp_path / "step_1")["model"]["weight"], torch.ones(4))

@@ -116,11 +116,13 @@ def save(
     existing file instead of writing it again.
 
     ``trust_versions`` (with ``incremental``; off by default): a file whose tensors are the same
-    objects this process saved or proved before, on the same storage, with PyTorch version
-    counters that have not moved since, is known unchanged without hashing it. Writes that
-    bypass the counter are not seen (``tensor.data.add_()``, a NumPy view, another process
-    writing shared memory): turn it on only when every update goes through torch in-place ops
-    on the tensors themselves, as ``torch.optim`` does (docs/tiers.md).
+    objects this process saved or proved before, alone on the same storage, with PyTorch
+    version counters that have not moved since and no optimizer step with a gradient for them,
+    is known unchanged without hashing it (module buffers are always hashed). Writes that bypass
+    the counter are not seen (``tensor.data.add_()``, storage-level writes, native ops writing
+    an argument other than their first, a NumPy view, another process writing shared memory):
+    turn it on only when the saved tensors change through torch in-place ops on themselves and
+    optimizer steps (docs/tiers.md lists every case).
 
     ``signer`` (an ``Ed25519PrivateKey`` or the path of a PEM private key file) signs the
     manifest: ``manifest.sig`` is written beside it, over its exact bytes, before the commit.

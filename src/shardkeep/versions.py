@@ -1,21 +1,37 @@
 """Digests known without hashing: the proof, from PyTorch's version counters, that a file an
 incremental save lays out holds the same bytes as a file this process wrote (or proved) before.
 
-Every in-place operation on a tensor, or on any view of it, through torch (``add_``, ``copy_``,
-an optimizer's step, under ``no_grad`` or not) increments the version counter the tensor shares
-with its views (``tensor._version``). So when a file's tensors are the very objects this process
-saved before, on the very same storage, with the same shape, strides and offset, and every
-version counter is where it was when their bytes were read, then their bytes are the bytes that
-were read, and the file's digest is the digest computed then.
+An in-place operation through torch on a tensor, or on a view of it (``add_``, ``copy_``,
+``lerp_``, a foreach or single-tensor optimizer step, under ``no_grad`` or not), increments the
+version counter the tensor shares with its views (``tensor._version``). So when a file's
+tensors are the very objects this process saved before, each alone on the very same storage
+object (not a view into a larger buffer), with the same shape, strides and dtype, and every
+version counter is where it was when their bytes were read, then their bytes are the bytes
+that were read, and the file's digest is the digest computed then.
 
-Writes that bypass the counter are not seen: through ``tensor.data`` (a tensor with a counter of
-its own), through a NumPy array or a DLPack capsule sharing the memory, through raw pointers, or
-by another process writing shared memory. That is why the proof is used only when the caller
-asks for it (``save(..., trust_versions=True)``); without it every byte is hashed. The proof is
-made per file and falls back to hashing whenever any part of it is missing: another process
-(nothing recorded), a new tensor object, a storage swapped in through ``.data =`` (the storage
-object differs), an inference-mode tensor (no counter), a changed header, or a digest that
-differs from the base checkpoint's record.
+Some writes do not move the counter, and are handled or documented:
+
+- ``torch.optim``'s fused kernels (``fused=True``) and other optimizers' custom kernels update
+  parameters and their state without moving it. Global optimizer step hooks (before and after
+  the step) therefore forget every record that involves the storage of a parameter with a
+  gradient, or of that parameter's state: any :class:`torch.optim.Optimizer`'s step is covered.
+- Native ops that write an argument other than their first do not move its counter (BatchNorm's
+  forward updates its running statistics so): a module's buffers are never proved (the
+  flattener gives detached copies of them, new objects each time).
+- A tensor that views a larger buffer (the flat-parameter buffers of FSDP1, DeepSpeed or
+  Megatron, assigned with ``param.data = flat[...]``) is never proved: writes through the
+  buffer move the buffer's counter, not the parameter's.
+- Writes through another tensor given the same storage with ``.data =`` or ``set_``, through
+  ``tensor.data``, through storage objects (``untyped_storage().copy_()``), through native ops
+  on tensors the state holds outside modules (``F.batch_norm`` on your own running statistics,
+  a functional fused optimizer update outside ``Optimizer.step``), through NumPy or DLPack,
+  through raw pointers or custom kernels outside an optimizer step, or by another process into
+  shared memory, are not seen. That is why the proof is used only when the caller asks for it
+  (``save(..., trust_versions=True)``); docs/tiers.md lists these limits for users.
+
+The proof is made per file and falls back to hashing whenever any part of it is missing:
+another process (nothing recorded), a new tensor object, another storage object, a view, an
+inference-mode tensor (no counter), shared memory, a tensor subclass, a changed header.
 
 What is recorded is only a fact about bytes: "this header and these tensors, at these versions,
 have this digest". It holds whatever became of the save that computed it, so it is recorded as
@@ -174,25 +190,29 @@ class KnownDigests:
 KNOWN = KnownDigests()
 
 _watching = threading.Lock()
-_hook: Any = None
+_hooks: list[Any] = []
 
 
 def _watch_optimizers() -> None:
-    """Install, once, the global optimizer step hook that forgets what a step may have written
+    """Install, once, the global optimizer step hooks that forget what a step may write
     without moving a version counter (fused and custom kernels)."""
-    global _hook
-    if _hook is not None:
+    global _hooks
+    if _hooks:
         return
     with _watching:
-        if _hook is None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
+        if not _hooks:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-            _hook = register_optimizer_step_post_hook(_after_optimizer_step)
+            # Before the step too: an optimizer may free each gradient as soon as it applies it,
+            # and after it: a closure (LBFGS) computes the gradients inside the step.
+            _hooks = [
+                register_optimizer_step_pre_hook(_around_optimizer_step),
+                register_optimizer_step_post_hook(_around_optimizer_step),
+            ]
 
 
-def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """After any optimizer's step: forget every record that involves a parameter the step had a
-    gradient for, or that parameter's state."""
+def _around_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Forget every record that involves a parameter with a gradient, or its state."""
     if not len(KNOWN):
         return
     addresses: set[int] = set()
@@ -200,13 +220,24 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         for param in group["params"]:
             if param.grad is None:
                 continue  # torch.optim leaves a parameter without a gradient, and its state, alone
-            for tensor in (param, *optimizer.state.get(param, {}).values()):
-                local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's bytes are its local tensor's
-                try:
-                    addresses.add(local.untyped_storage().data_ptr())
-                except (AttributeError, RuntimeError):
-                    continue  # not a tensor with storage (a step count, a meta tensor)
+            _storages_of((param, optimizer.state.get(param, {})), addresses, 0)
     KNOWN.forget_storages(addresses)
+
+
+def _storages_of(value: Any, addresses: set[int], depth: int) -> None:
+    """The storage addresses of every tensor in ``value`` (nested lists and dicts included)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        if depth < 8:
+            for item in value:
+                _storages_of(item, addresses, depth + 1)
+        return
+    local = getattr(value, "_local_tensor", value)  # a DTensor's bytes are its local tensor's
+    try:
+        addresses.add(local.untyped_storage().data_ptr())
+    except (AttributeError, RuntimeError, TypeError):
+        return  # not a tensor with storage (a step count, a meta tensor)
 
 
 def _after_fork_in_child() -> None:

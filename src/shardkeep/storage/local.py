@@ -367,7 +367,7 @@ class _LocalWriter:
         free = []
         while len(self._in_flight) >= _DIRECT_IN_FLIGHT:
             free.append(self._wait_oldest())
-        self._in_flight.append((_BlockWriters.submit(self._write_at, self._view, self._offset), self._filling))
+        self._in_flight.append((self._submit(self._view, self._offset), self._filling))
         self._offset += self._block
         self._filled = 0
         if not free:
@@ -376,6 +376,30 @@ class _LocalWriter:
         self._filling = free[0]
         self._view = memoryview(self._filling)
         self._address = _address_of(self._view) or 0
+
+    def _submit(self, view: memoryview, offset: int) -> Future[None]:
+        """Start writing ``view`` at ``offset`` in the background. The future is the writer's
+        own: if queueing is interrupted, a job that has not started is cancelled and never
+        writes, and one that has started is waited for before the interruption goes on."""
+        future: Future[None] = Future()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled: the writer gave up before the job started
+            try:
+                self._write_at(view, offset)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        try:
+            _BlockWriters.submit(job)
+        except BaseException:
+            if not future.cancel():  # the job already runs: let it finish before anything goes
+                self._settle(future)
+            raise
+        return future
 
     def _wait_oldest(self) -> mmap.mmap:
         """Wait for the oldest background write (see :meth:`_settle`), raise its error, and
@@ -465,12 +489,22 @@ class _LocalWriter:
         self._writeback_from = self._offset
 
     def _release_buffers(self) -> None:
-        """Give the buffers back, once the writes in flight (if any) have finished with them."""
+        """Give the buffers back, once every write in flight (if any) has finished with them."""
         try:
-            for future, _ in self._in_flight:
-                self._settle(future)
+            self._settle_all()
         finally:
             self._give_back()
+
+    def _settle_all(self) -> None:
+        """Wait for every background write, through interruptions (the first is raised after)."""
+        interrupted: BaseException | None = None
+        for future, _ in self._in_flight:
+            try:
+                self._settle(future)
+            except BaseException as exc:  # the future is done: _settle waited it out
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
     def _give_back(self) -> None:
         if any(not future.done() for future, _ in self._in_flight):
@@ -522,6 +556,8 @@ class _LocalWriter:
             self._close_quietly()
 
     def _close_quietly(self) -> None:
+        if any(not future.done() for future, _ in self._in_flight):
+            return  # never: every write is settled first; a descriptor still written stays open
         if not self._closed:
             self._closed = True
             try:

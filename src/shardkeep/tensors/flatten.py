@@ -109,6 +109,24 @@ class _Flattener:
         self.keys[key] = path
         return key
 
+    @staticmethod
+    def _module_state(value: Any) -> Any:
+        """A module's parameters themselves (``state_dict(keep_vars=True)``), and detached
+        copies of everything else: buffers change in ways their version counters do not show
+        (BatchNorm's running statistics), so only parameters may be proved unchanged."""
+        if not isinstance(value, torch.nn.Module):
+            return value.state_dict()
+        try:
+            state = value.state_dict(keep_vars=True)
+        except TypeError:  # an override without keep_vars: its leaves get no proof
+            return value.state_dict()
+        if not isinstance(state, Mapping):
+            return state
+        return {
+            key: item.detach() if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter) else item
+            for key, item in state.items()
+        }
+
     def visit(self, value: Any, path: tuple[str | int, ...]) -> None:
         if len(path) > MAX_PATH_DEPTH:
             raise UnsupportedValueError(
@@ -131,8 +149,7 @@ class _Flattener:
             )
             return
         if _has_state_dict(value) and not isinstance(value, Mapping):
-            keep = self.keep_vars and isinstance(value, torch.nn.Module)
-            state = value.state_dict(keep_vars=True) if keep else value.state_dict()
+            state = self._module_state(value) if self.keep_vars else value.state_dict()
             if not isinstance(state, Mapping):
                 raise UnsupportedValueError(
                     f"{type(value).__name__}.state_dict() at {key_for_path(path)!r} returned {type(state).__name__}, not a mapping"
@@ -179,9 +196,9 @@ class _Flattener:
 
 def flatten_state(state: Mapping[str, Any], *, keep_vars: bool = False) -> FlatState:
     """Split ``state`` into tensor leaves, JSON leaves and containers (root included). With
-    ``keep_vars``, a module's leaves are its parameters and buffers themselves, not detached
-    copies of them (``state_dict(keep_vars=True)``): the same objects from one save to the next,
-    which a version proof needs (:mod:`shardkeep.versions`)."""
+    ``keep_vars``, a module's parameters are leaves themselves, not detached copies of them
+    (``state_dict(keep_vars=True)``): the same objects from one save to the next, which a
+    version proof needs (:mod:`shardkeep.versions`); its buffers stay detached copies."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(f"state must be a mapping (a dict), got {type(state).__name__}")
     flattener = _Flattener(keep_vars)
