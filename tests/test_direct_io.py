@@ -353,14 +353,8 @@ class _SlowBackground(local._FileCalls):
         super().close(fd)
 
 
-def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
-    """Ctrl-C while the writer waits for its block in flight: the wait goes on until the block
-    is written, then the interrupt is raised and the descriptor closed (a descriptor closed
-    first could be reused by another file, which the late write would land in)."""
-    calls = _SlowBackground()
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+def _interrupt_the_first_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C lands while the writer first waits for a background write."""
     real_wait = local.wait_for
     interrupts = [KeyboardInterrupt()]
 
@@ -370,6 +364,17 @@ def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
         return real_wait(futures)
 
     monkeypatch.setattr(local, "wait_for", interrupted_wait)
+
+
+def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
+) -> None:
+    """Ctrl-C while the writer waits for its block in flight: the wait goes on until the block
+    is written, then the interrupt is raised and the descriptor closed (a descriptor closed
+    first could be reused by another file, which the late write would land in)."""
+    calls = _SlowBackground()
+    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    _interrupt_the_first_wait(monkeypatch)
     handle = LocalStore(tmp_path).open_write("f")
     handle.write(_payload(2 * SMALL_BLOCK + 5))  # block 1 inline, block 2 in the background
     with pytest.raises(KeyboardInterrupt):
@@ -479,17 +484,9 @@ def test_an_interrupt_during_abort_with_several_blocks_in_flight_closes_after_al
     monkeypatch.setattr(local, "_DIRECT_IN_FLIGHT", 2)
     calls = _SlowBackground()
     monkeypatch.setattr(local, "_FILE_CALLS", calls)
-    real_wait = local.wait_for
-    interrupts = [KeyboardInterrupt()]
-
-    def interrupted_wait(futures: Any) -> Any:
-        if interrupts:
-            raise interrupts.pop()
-        return real_wait(futures)
-
     handle = LocalStore(tmp_path).open_write("f")
     handle.write(_payload(3 * SMALL_BLOCK))  # block 1 inline, blocks 2 and 3 in the background
-    monkeypatch.setattr(local, "wait_for", interrupted_wait)
+    _interrupt_the_first_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         handle.abort()
     assert calls.events == ["background write done", "background write done", "close"], calls.events
