@@ -72,25 +72,20 @@ def instrument() -> tuple[dict[str, float], dict[str, float]]:
 
     steps: dict[str, float] = {}
     copy: dict[str, float] = {}
-    original_step = Coordinator.step
-    original_on_coordinator = Coordinator.on_coordinator
     original_snapshot = async_saving.snapshot_state
 
-    def step(self: Any, label: str, work: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return original_step(self, label, work)
-        finally:
-            if threading_main():
-                steps[label] = steps.get(label, 0.0) + time.perf_counter() - started
+    def timed_by_label(original: Any) -> Any:
+        """``original`` (a Coordinator method taking a label), timed per label on the main thread."""
 
-    def on_coordinator(self: Any, label: str, work: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return original_on_coordinator(self, label, work)
-        finally:
-            if threading_main():
-                steps[label] = steps.get(label, 0.0) + time.perf_counter() - started
+        def timed(self: Any, label: str, work: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(self, label, work)
+            finally:
+                if threading_main():
+                    steps[label] = steps.get(label, 0.0) + time.perf_counter() - started
+
+        return timed
 
     def snapshot(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -99,8 +94,8 @@ def instrument() -> tuple[dict[str, float], dict[str, float]]:
         finally:
             copy["copy"] = copy.get("copy", 0.0) + time.perf_counter() - started
 
-    Coordinator.step = step  # type: ignore[method-assign]
-    Coordinator.on_coordinator = on_coordinator  # type: ignore[method-assign]
+    Coordinator.step = timed_by_label(Coordinator.step)  # type: ignore[method-assign]
+    Coordinator.on_coordinator = timed_by_label(Coordinator.on_coordinator)  # type: ignore[method-assign]
     async_saving.snapshot_state = snapshot  # type: ignore[assignment]
     return steps, copy
 

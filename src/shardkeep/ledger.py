@@ -78,6 +78,7 @@ from shardkeep.errors import (
 )
 from shardkeep.integrity import digest_bytes, digests_equal, file_kind, read_regular_file
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER
+from shardkeep.storage.local import fsync_directory_path
 
 __all__ = [
     "DEFAULT_STALENESS_SEC",
@@ -333,11 +334,7 @@ class _LedgerFiles:
         os.replace(source, target)
 
     def sync_dir(self, directory: str) -> None:
-        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        fsync_directory_path(directory)
 
 
 class ProgressLedger:
