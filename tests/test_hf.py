@@ -563,3 +563,56 @@ def test_a_config_naming_no_architecture_is_checked_against_the_causal_lm_class(
     assert summary.checked_against == "GPT2LMHeadModel" and summary.tied_dropped == ("lm_head.weight",)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     _load_exact(tmp_path / "hf", model)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_imported_folder_without_the_tied_copy_loads_into_a_tied_model(name: str, tmp_path: Path) -> None:
+    model = MODELS[name]()
+    model.config.tie_word_embeddings = True  # Llama ties only when asked
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "hf-model")
+    assert (
+        "lm_head.weight" not in read_folder(tmp_path / "hf-model").tensors
+    )  # save_pretrained leaves the tied copy out
+    import_checkpoint(tmp_path / "hf-model", tmp_path / "ckpt", source_format="hf", subtree="model")
+    fresh = MODELS[name]()
+    fresh.config.tie_word_embeddings = True
+    fresh.tie_weights()
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.zero_()
+    sk.load(tmp_path / "ckpt", into={"model": fresh})
+    assert fresh.lm_head.weight is fresh.get_input_embeddings().weight  # still tied
+    assert torch.equal(_logits(fresh), _logits(model))
+
+
+def test_a_missing_key_is_satisfied_only_by_a_tensor_it_shares_storage_with(tmp_path: Path) -> None:
+    model = _gpt2()
+    state = {key: tensor for key, tensor in model.state_dict().items() if key != "lm_head.weight"}
+    sk.save({"model": state}, tmp_path / "ckpt")
+    untied = _gpt2()
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())  # its own storage now
+    with pytest.raises(sk.UnsupportedValueError, match=r"missing \['lm_head.weight'\]"):
+        sk.load(tmp_path / "ckpt", into={"model": untied})
+
+
+def test_a_config_of_other_shapes_is_refused_naming_the_key_and_both_shapes(tmp_path: Path) -> None:
+    model = _gpt2()
+    sk.save({"model": model}, tmp_path / "ckpt")
+    config = model.config.to_dict() | {"vocab_size": 130}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = _run(
+        "export",
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "hf"),
+        "--format",
+        "hf",
+        "--config",
+        str(tmp_path / "config.json"),
+    )
+    assert code == 2 and out == "", err
+    assert "transformer.wte.weight" in err and "[130, 32]" in err and "[128, 32]" in err, err
+    with pytest.raises(sk.ConfigError, match=r"transformer\.wte\.weight.*\[130, 32\].*\[128, 32\]"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config)
+    assert not (tmp_path / "hf").exists()
+    assert not [entry for entry in os.listdir(tmp_path) if entry.startswith(".")]

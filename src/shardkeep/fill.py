@@ -558,6 +558,7 @@ def _plan_module(
     own ``load_state_dict``."""
     if not isinstance(new, Mapping):
         raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
+    new = _with_tied_copies(module, new)
     own = module.state_dict()
     if partial:
         # Only what was loaded: each tensor copied into the module's own, in place.
@@ -666,6 +667,48 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
 
 def _join(prefix: str, key: Any) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _with_tied_copies(module: torch.nn.Module, new: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``new`` completed with the module's tied keys it lacks: a key is tied when its tensor is
+    the very tensor (or the same view of the same storage) of another key, as GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``. Formats that write each tensor once
+    (``save_pretrained``, and so an imported Hugging Face folder) keep only one of the keys; the
+    value loaded for the one kept fills the other, which is the same tensor. A key whose tensor
+    is its own stays missing."""
+    own = module.state_dict()  # detached views of the same storage (keep_vars is not every module's)
+    absent = [key for key in own if key not in new]
+    if not absent:
+        return new
+    completed = dict(new)
+    for key in absent:
+        tensor = own[key]
+        source = next((other for other in own if other in new and _same_tensor(own[other], tensor)), None)
+        if source is not None:
+            completed[key] = new[source]
+    return completed
+
+
+def _same_tensor(first: Any, second: Any) -> bool:
+    """True when ``first`` and ``second`` are one tensor: the same object, or the same view
+    (offset, shape, strides, dtype) of one storage that holds data."""
+    if first is second:
+        return True
+    if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
+        return False
+    if is_dtensor(first) or is_dtensor(second):
+        return False  # DTensors are tied only when they are one object (FSDP2 keeps one for tied weights)
+    if first.device != second.device or first.is_meta or first.layout is not torch.strided:
+        return False
+    if second.layout is not torch.strided or first.untyped_storage().data_ptr() == 0:
+        return False
+    return (
+        first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        and first.storage_offset() == second.storage_offset()
+        and first.shape == second.shape
+        and first.stride() == second.stride()
+        and first.dtype == second.dtype
+    )
 
 
 def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) -> None:

@@ -188,6 +188,8 @@ class _ModelKeys:
 
     name: str
     expected: frozenset[str]
+    #: key -> the shape of the model's tensor.
+    shapes: dict[str, tuple[int, ...]]
     #: target -> source: the target is filled from the source when the folder lacks it.
     tied: dict[str, str]
     ignore_missing: re.Pattern[str] | None
@@ -311,6 +313,7 @@ def _keys_of(name: str, model: Any) -> _ModelKeys:
     return _ModelKeys(
         name=name,
         expected=expected,
+        shapes={key: tuple(tensor.shape) for key, tensor in model.state_dict().items()},
         tied=tied,
         ignore_missing=_pattern(getattr(model, "_keys_to_ignore_on_load_missing", None)),
         ignore_unexpected=_pattern(unexpected_patterns),
@@ -339,10 +342,17 @@ def _strip(keys: set[str], prefix: str) -> set[str]:
     return {key[len(prefix) + 1 :] for key in keys if key.startswith(prefix + ".")}
 
 
-def _check_keys(models: list[_ModelKeys], keys: set[str], all_keys: set[str], subtree: str) -> _ModelKeys:
+def _check_keys(
+    models: list[_ModelKeys], tensors: Mapping[str, torch.Tensor], all_keys: set[str], subtree: str, source: str
+) -> _ModelKeys:
+    """The first of ``models`` whose keys and shapes ``tensors`` match; else a ConfigError naming
+    the keys that differ or, when the keys fit, each tensor whose shape differs (with both shapes:
+    ``from_pretrained`` refuses those)."""
+    keys = set(tensors)
     for model in models:
         missing, unexpected = model.difference(keys)
         if not missing and not unexpected:
+            _check_shapes(model, tensors, subtree, source)
             return model
     model = models[0]
     missing, unexpected = model.difference(keys)
@@ -359,6 +369,24 @@ def _check_keys(models: list[_ModelKeys], keys: set[str], all_keys: set[str], su
         f"the tensors under subtree {subtree!r} do not fit {model.name}: {' and '.join(problems)}; "
         f"from_pretrained would initialise missing weights at random, so nothing was written{hint}"
     )
+
+
+def _check_shapes(model: _ModelKeys, tensors: Mapping[str, torch.Tensor], subtree: str, source: str) -> None:
+    wrong = [
+        (key, model.shapes[key], tuple(tensor.shape))
+        for key, tensor in sorted(tensors.items())
+        if key in model.shapes and model.shapes[key] != tuple(tensor.shape)
+    ]
+    if wrong:
+        shown = "; ".join(
+            f"{key}: the model has {list(want)}, the checkpoint {list(got)}" for key, want, got in wrong[:5]
+        )
+        more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        raise ConfigError(
+            f"the tensors under subtree {subtree!r} have the keys of {model.name} built from {_config_label(source)}, "
+            f"but {len(wrong)} differ in shape ({shown}{more}); from_pretrained would refuse them, so nothing was "
+            "written: give the config the model was trained with"
+        )
 
 
 # ----------------------------------------------------------------------------------- the export
@@ -655,7 +683,8 @@ def export_hf(
     elif not check_keys:
         notes.append("the key check was skipped: nothing guarantees from_pretrained finds every weight")
     else:
-        model = _check_keys(_model_keys(config_doc, config_source or "given"), set(tensors), every_key, subtree)
+        label = config_source or "given"
+        model = _check_keys(_model_keys(config_doc, label), tensors, every_key, subtree, label)
         checked_against = model.name
         if not config_doc.get("architectures"):
             config_doc["architectures"] = [model.name]  # as save_pretrained writes it: the class checked
