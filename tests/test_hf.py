@@ -428,7 +428,11 @@ def test_import_of_a_save_pretrained_folder_and_round_trip(sharded: bool, tmp_pa
     assert code == 0, err
     assert sk.verify(tmp_path / "ckpt").ok
     manifest = sk.read_manifest(tmp_path / "ckpt")
-    assert manifest.custom_fields["imported_from"] == {"format": "hf", "path": "pretrained"}
+    assert manifest.custom_fields["imported_from"] == {
+        "format": "hf",
+        "path": "pretrained",
+        "keys": f"the state_dict keys of GPT2LMHeadModel (transformers {transformers.__version__})",
+    }
     state = sk.load(tmp_path / "ckpt")
     assert state["hf_config"]["model_type"] == "gpt2"
     written = state["model"]

@@ -260,6 +260,12 @@ def _add_export_command(commands: Any) -> None:
         help="--format hf: the largest weight file, e.g. 5GB, 500MB or bytes (default: 5GB)",
     )
     exporting.add_argument(
+        "--model-class",
+        metavar="CLASS",
+        help="--format hf: the transformers model class to check the keys against and name in config.json, e.g. "
+        "BertForMaskedLM (default: the config's architectures, else the one task-head class the keys fit)",
+    )
+    exporting.add_argument(
         "--skip-key-check",
         action="store_true",
         help="--format hf: do not check the keys against the model class (no transformers needed)",
@@ -774,6 +780,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
             ("--config", args.config is not None),
             ("--max-shard-size", args.max_shard_size is not None),
             ("--skip-key-check", args.skip_key_check),
+            ("--model-class", args.model_class is not None),
         )
         if given
     ]
@@ -799,6 +806,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
                 config=args.config,
                 max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
                 check_keys=not args.skip_key_check,
+                model_class=args.model_class,
                 overwrite=args.force,
                 public_key=policy.public_key,
                 tier_locations=remapped or None,

@@ -29,6 +29,7 @@ index gives it). A folder holding only ``pytorch_model.bin`` is refused: import 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -184,7 +185,10 @@ def _given_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[d
 
 @dataclass(frozen=True)
 class _ModelKeys:
-    """The keys a model class reads from a folder, from an instance built on the meta device."""
+    """The keys a model class reads from a folder, from an instance built on the meta device: its
+    ``state_dict()`` keys, or (``folder``) the keys ``save_pretrained`` writes for it, after
+    transformers' key conversions (Mixtral's fused ``experts.gate_up_proj`` is written as
+    ``block_sparse_moe.experts.N.w1.weight`` and ``w3``)."""
 
     name: str
     expected: frozenset[str]
@@ -194,6 +198,10 @@ class _ModelKeys:
     tied: dict[str, str]
     ignore_missing: re.Pattern[str] | None
     ignore_unexpected: re.Pattern[str] | None
+    #: The model built on the meta device (for the key conversions).
+    meta: Any = field(compare=False, repr=False)
+    #: True: the keys of a folder; False: the model's state_dict keys.
+    folder: bool = False
 
     def difference(self, keys: set[str]) -> tuple[list[str], list[str]]:
         """(missing, unexpected): keys the model needs that ``keys`` lacks, and keys it would not read."""
@@ -213,6 +221,26 @@ class _ModelKeys:
             if self.ignore_unexpected is None or not self.ignore_unexpected.search(key)
         ]
         return missing, unexpected
+
+    def in_folder_layout(self) -> _ModelKeys | None:
+        """The same model's keys as ``save_pretrained`` writes them, or None when transformers
+        converts none of its keys (then they are its state_dict keys)."""
+        if self.folder:
+            return self
+        meta_state = self.meta.state_dict()
+        written = to_folder_keys(self.meta, meta_state)
+        if set(written) == set(meta_state):
+            return None
+        return _ModelKeys(
+            name=self.name,
+            expected=frozenset(written),
+            shapes={key: tuple(tensor.shape) for key, tensor in written.items()},
+            tied={target: source for target, source in self.tied.items() if target in written and source in written},
+            ignore_missing=self.ignore_missing,
+            ignore_unexpected=self.ignore_unexpected,
+            meta=self.meta,
+            folder=True,
+        )
 
 
 def _pattern(patterns: Any) -> re.Pattern[str] | None:
@@ -248,11 +276,33 @@ def _architecture(transformers: Any, name: Any, label: str) -> Any:
     return found
 
 
-def _model_keys(config_doc: dict[str, Any], source: str) -> list[_ModelKeys]:
-    """The key sets of the classes a config names (``architectures``), or, when it names none, of
-    the first of ``AutoModelForCausalLM`` and ``AutoModel`` that has its ``model_type``: only
-    one, since a base model's keys also load into the causal LM class, which would then
-    initialise its head at random. Whatever transformers raises on a bad config is a
+#: The Auto classes whose model the keys choose when neither the config nor ``model_class``
+#: names one: the task heads only. A base model's keys (``transformer.h.0...`` without the
+#: head) also load into a head class, which would then initialise its head at random, so the
+#: base class is used only for a ``model_type`` that has no head class.
+_HEAD_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForPreTraining",
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering",
+)
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """The model classes a config allows; ``by_keys``: none was named, the keys choose one."""
+
+    models: list[_ModelKeys]
+    by_keys: bool
+
+
+def _model_keys(config_doc: dict[str, Any], source: str, model_class: str | None = None) -> _Candidates:
+    """The key sets of ``model_class``, else of the classes a config names (``architectures``),
+    else of every task-head class transformers has for its ``model_type`` (the keys then choose:
+    see :func:`_check_keys`). Whatever transformers raises on a bad config is a
     :class:`ConfigError` naming ``source`` (see :func:`_config_label`) and the class."""
     transformers = _transformers()
     label = _config_label(source)
@@ -262,6 +312,9 @@ def _model_keys(config_doc: dict[str, Any], source: str) -> list[_ModelKeys]:
     architectures = config_doc.get("architectures") or []
     if not isinstance(architectures, list):
         raise ConfigError(f"{label}: 'architectures' must be a list of model class names, not {architectures!r}")
+    if model_class is not None:
+        architectures = [model_class]
+        label = f"{label} with the model class {model_class!r}"
     builders = [(str(name), _architecture(transformers, name, label)._from_config) for name in architectures]
     try:
         config = transformers.AutoConfig.for_model(**config_doc)
@@ -270,11 +323,14 @@ def _model_keys(config_doc: dict[str, Any], source: str) -> list[_ModelKeys]:
             f"transformers cannot build a config from {label} (model_type {model_type!r}"
             f"{''.join(f', architecture {name}' for name, _ in builders)}): {_one_line(exc)}"
         ) from exc
-    if not builders:
-        builders = [(name, getattr(transformers, name).from_config) for name in ("AutoModelForCausalLM", "AutoModel")]
+    by_keys = not builders
+    if by_keys:
+        builders = [(name, getattr(transformers, name).from_config) for name in (*_HEAD_AUTO_CLASSES, "AutoModel")]
     found: list[_ModelKeys] = []
     refused: list[str] = []
     for name, build in builders:
+        if by_keys and name == "AutoModel" and found:
+            break  # the base model only for a model_type without a head class
         try:
             with torch.device("meta"):
                 model = build(config)
@@ -285,18 +341,19 @@ def _model_keys(config_doc: dict[str, Any], source: str) -> list[_ModelKeys]:
             raise ConfigError(
                 f"cannot build {name} from {label} (model_type {model_type!r}): {_one_line(exc)}"
             ) from exc
-        found.append(_keys_of(type(model).__name__ if name.startswith("Auto") else name, model))
-        if name.startswith("Auto"):
-            break
+        class_name = type(model).__name__ if name.startswith("Auto") else name
+        if all(known.name != class_name for known in found):
+            found.append(_keys_of(class_name, model))
     if not found:
         raise ConfigError(
             f"transformers has no model class for model_type {model_type!r} of {label} ({'; '.join(refused)})"
         )
-    return found
+    return _Candidates(found, by_keys)
 
 
 def _keys_of(name: str, model: Any) -> _ModelKeys:
-    expected = frozenset(model.state_dict().keys())
+    state = model.state_dict()
+    expected = frozenset(state.keys())
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     # Parameters that are one object are tied whatever the model declares.
     first_name: dict[int, str] = {}
@@ -313,10 +370,11 @@ def _keys_of(name: str, model: Any) -> _ModelKeys:
     return _ModelKeys(
         name=name,
         expected=expected,
-        shapes={key: tuple(tensor.shape) for key, tensor in model.state_dict().items()},
+        shapes={key: tuple(tensor.shape) for key, tensor in state.items()},
         tied=tied,
         ignore_missing=_pattern(getattr(model, "_keys_to_ignore_on_load_missing", None)),
         ignore_unexpected=_pattern(unexpected_patterns),
+        meta=model,
     )
 
 
@@ -343,18 +401,36 @@ def _strip(keys: set[str], prefix: str) -> set[str]:
 
 
 def _check_keys(
-    models: list[_ModelKeys], tensors: Mapping[str, torch.Tensor], all_keys: set[str], subtree: str, source: str
+    candidates: _Candidates, tensors: Mapping[str, torch.Tensor], all_keys: set[str], subtree: str, source: str
 ) -> _ModelKeys:
-    """The first of ``models`` whose keys and shapes ``tensors`` match; else a ConfigError naming
-    the keys that differ or, when the keys fit, each tensor whose shape differs (with both shapes:
+    """The model whose keys and shapes ``tensors`` match: the first of the classes named, or,
+    when the keys choose (``by_keys``), the one class they fit (several is a ConfigError asking
+    for the class). Each class is tried with its state_dict keys, then with the keys
+    ``save_pretrained`` writes (an imported folder's). Else a ConfigError naming the keys that
+    differ or, when the keys fit, each tensor whose shape differs (with both shapes:
     ``from_pretrained`` refuses those)."""
     keys = set(tensors)
-    for model in models:
-        missing, unexpected = model.difference(keys)
-        if not missing and not unexpected:
-            _check_shapes(model, tensors, subtree, source)
-            return model
-    model = models[0]
+    fitting: list[_ModelKeys] = []
+    for model in candidates.models:
+        for layout in (model, model.in_folder_layout()):
+            if layout is None:
+                continue
+            missing, unexpected = layout.difference(keys)
+            if not missing and not unexpected:
+                fitting.append(layout)
+                break
+        if fitting and not candidates.by_keys:
+            break
+    if len(fitting) > 1:
+        names = ", ".join(model.name for model in fitting)
+        raise ConfigError(
+            f"the tensors under subtree {subtree!r} fit {names}, and {_config_label(source)} names no architecture: "
+            f"name the class with --model-class (model_class=), e.g. --model-class {fitting[0].name}"
+        )
+    if fitting:
+        _check_shapes(fitting[0], tensors, subtree, source)
+        return fitting[0]
+    model = candidates.models[0]
     missing, unexpected = model.difference(keys)
     problems = []
     if missing:
@@ -362,11 +438,13 @@ def _check_keys(
     if unexpected:
         problems.append(f"{len(unexpected)} key(s) are not the model's ({', '.join(unexpected[:5])})")
     hint = ""
-    fitting = _fitting_subtree(model, all_keys)
-    if fitting is not None and fitting != subtree:
-        hint = f"; subtree {fitting!r} fits (--subtree {fitting or chr(39) * 2})"
+    subtree_fits = _fitting_subtree(model, all_keys)
+    if subtree_fits is not None and subtree_fits != subtree:
+        hint = f"; subtree {subtree_fits!r} fits (--subtree {subtree_fits or chr(39) * 2})"
+    others = [other.name for other in candidates.models[1:]]
+    tried = f" (nor {', '.join(others)})" if others else ""
     raise ConfigError(
-        f"the tensors under subtree {subtree!r} do not fit {model.name}: {' and '.join(problems)}; "
+        f"the tensors under subtree {subtree!r} do not fit {model.name}{tried}: {' and '.join(problems)}; "
         f"from_pretrained would initialise missing weights at random, so nothing was written{hint}"
     )
 
@@ -387,6 +465,63 @@ def _check_shapes(model: _ModelKeys, tensors: Mapping[str, torch.Tensor], subtre
             f"but {len(wrong)} differ in shape ({shown}{more}); from_pretrained would refuse them, so nothing was "
             "written: give the config the model was trained with"
         )
+
+
+# ------------------------------------------------------------------------------ key conversions
+
+
+def _conversions(meta: Any, *, loading: bool) -> list[Any]:
+    """transformers' key conversions for the model ``meta`` (those ``from_pretrained`` applies
+    when ``loading``, else those ``save_pretrained`` reverts); empty for a transformers that
+    has none (before 5.0 the model's keys were the folder's)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    return list(get_model_conversion_mapping(meta, add_legacy=loading) or [])
+
+
+def to_folder_keys(meta: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (the model's state_dict keys) under the keys ``save_pretrained`` writes for the
+    model ``meta`` (built on the meta device): transformers' own ``revert_weight_conversion``
+    (Mixtral's ``mlp.experts.gate_up_proj`` becomes ``block_sparse_moe.experts.N.w1.weight``
+    and ``w3.weight``). Unchanged for a model without conversions."""
+    if not _conversions(meta, loading=False):
+        return dict(tensors)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(meta, dict(tensors)))
+
+
+def to_model_keys(meta: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (a folder's keys) under the state_dict keys of the model ``meta`` (built on the
+    meta device), converted as ``from_pretrained`` converts them: each key renamed by
+    transformers' renamings, then gathered by at most one of its converters (per-expert
+    weights stacked into the fused expert tensors). A key the model does not have is kept as
+    it is; a key already in the model's form is taken as it is."""
+    transforms = _conversions(meta, loading=True)
+    if not transforms:
+        return dict(tensors)
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+    renamings = [entry for entry in transforms if not isinstance(entry, WeightConverter)]
+    converters = [entry for entry in transforms if isinstance(entry, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    meta_state = meta.state_dict()
+    converted: dict[str, torch.Tensor] = {}
+    gathering: dict[str, Any] = {}
+    for key, tensor in sorted(tensors.items(), key=lambda item: dot_natural_key(item[0])):
+        renamed, pattern = rename_source_key(key, renamings, converters, meta.base_model_prefix, meta_state)
+        if renamed not in meta_state:
+            converted[key] = tensor
+        elif pattern is None:
+            converted[renamed] = tensor
+        else:
+            gathering.setdefault(renamed, copy.deepcopy(by_pattern[pattern])).add_tensor(renamed, key, pattern, tensor)
+    for first, converter in gathering.items():
+        for target, value in converter.convert(first, model=meta, config=meta.config).items():
+            converted[target] = value[0] if isinstance(value, list) else value
+    return converted
 
 
 # ----------------------------------------------------------------------------------- the export
@@ -434,18 +569,31 @@ def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
     )
 
 
-def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
-    """Keys in order, cut into files of at most ``limit`` bytes (a larger tensor gets its own)."""
-    files: list[list[str]] = [[]]
-    used = 0
+def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> tuple[dict[str, list[str]], int]:
+    """(file name -> its keys, the index's ``total_size``) from
+    ``huggingface_hub.split_torch_state_dict_into_shards``, which ``save_pretrained`` splits and
+    names its files with: one ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` of
+    at most ``limit`` bytes each (a larger tensor gets a file of its own; tensors sharing a
+    storage, such as the experts split from one fused tensor, share a file)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
+    )
+    return {name: list(keys) for name, keys in split.filename_to_tensors.items()}, int(split.metadata["total_size"])
+
+
+def _own_storages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each one in a storage of its own and of its size, as a model's parameters
+    are (a memory-mapped load may give views of one file): the file split counts storages."""
+    seen: set[int] = set()
+    owned: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if files[-1] and used + size > limit:
-            files.append([])
-            used = 0
-        files[-1].append(key)
-        used += size
-    return files
+        storage = tensor.untyped_storage()
+        alone = storage.data_ptr() not in seen and storage.nbytes() == tensor.numel() * tensor.element_size()
+        owned[key] = tensor if alone and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
+        seen.add(owned[key].untyped_storage().data_ptr())
+    return owned
 
 
 def _fsync_directory(path: str) -> None:
@@ -460,17 +608,21 @@ def _write_json(path: str, document: Any) -> None:
 
 
 def _write_folder(
-    staging: str, tensors: dict[str, torch.Tensor], plan: list[list[str]], config_doc: dict[str, Any] | None
+    staging: str,
+    tensors: dict[str, torch.Tensor],
+    plan: dict[str, list[str]],
+    config_doc: dict[str, Any] | None,
+    total_parameters: int,
+    total_size: int,
 ) -> list[str]:
+    """Write the weight files of ``plan``, the index (with ``metadata`` holding
+    ``total_parameters`` and ``total_size``, as ``save_pretrained`` writes it) when there are
+    several, and ``config.json``; each fsynced."""
     from safetensors.torch import save_file
 
-    names = (
-        [SINGLE_FILE]
-        if len(plan) == 1
-        else [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
-    )
+    names = list(plan)
     weight_map: dict[str, str] = {}
-    for name, keys in zip(names, plan, strict=True):
+    for name, keys in plan.items():
         path = os.path.join(staging, name)
         save_file({key: tensors[key].contiguous() for key in keys}, path, metadata={"format": "pt"})
         with open(path, "rb+") as handle:
@@ -478,8 +630,8 @@ def _write_folder(
         weight_map.update(dict.fromkeys(keys, name))
     written = list(names)
     if len(plan) > 1:
-        total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        _write_json(os.path.join(staging, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        metadata = {"total_parameters": total_parameters, "total_size": total_size}
+        _write_json(os.path.join(staging, INDEX_FILE), {"metadata": metadata, "weight_map": weight_map})
         written.append(INDEX_FILE)
     if config_doc is not None:
         _write_json(os.path.join(staging, CONFIG_FILE), config_doc)
@@ -628,6 +780,7 @@ def export_hf(
     config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     check_keys: bool = True,
+    model_class: str | None = None,
     public_key: Any = None,
     overwrite: bool = False,
     **load_options: Any,
@@ -640,7 +793,13 @@ def export_hf(
     only the weights are written. With a config and ``check_keys`` the keys are checked against
     the model class (needs ``transformers``) and tied copies are left out; a mismatch raises
     :class:`~shardkeep.errors.ConfigError` before anything is written, as is a config
-    transformers cannot build the model from. ``public_key`` and ``load_options`` go to
+    transformers cannot build the model from. The model class is ``model_class`` (a class name
+    such as ``"BertForMaskedLM"``), else the config's ``architectures``, else the one task-head
+    class of its ``model_type`` whose keys the tensors fit (several: a ConfigError asking for
+    ``model_class``); ``config.json`` then names the class checked. Tensors under the model's
+    state_dict keys are written under the keys ``save_pretrained`` writes (transformers' own
+    key conversions, reverted as it reverts them); tensors already under those keys (an import
+    without transformers) are written as they are. ``public_key`` and ``load_options`` go to
     :func:`shardkeep.load`, which checks every digest (and the signature) before any tensor is
     read.
 
@@ -665,30 +824,40 @@ def export_hf(
         config_doc = _json_copy(state[CONFIG_VALUE_KEY], config_source)
     try:
         tensors, every_key, values = _subtree_tensors(state, subtree)
+        tensors = _own_storages(tensors)
     except _NoTensorsError as exc:
         fitting = None
         if config_doc is not None and check_keys:
-            fitting = _fitting_subtree(_model_keys(config_doc, config_source or "given")[0], exc.keys)
+            fitting = _fitting_subtree(
+                _model_keys(config_doc, config_source or "given", model_class).models[0], exc.keys
+            )
         if fitting is None:
             raise
         raise ConfigError(f"{exc}; subtree {fitting!r} fits (--subtree {fitting or chr(39) * 2})") from exc
 
+    if model_class is not None and (config_doc is None or not check_keys):
+        raise ConfigError(
+            "model_class= (--model-class) names the class the keys are checked against: it needs a config and the key check"
+        )
     notes: list[str] = []
     if values:
         notes.append(f"{values} JSON value(s) under {subtree!r} are not tensors and were not written")
     checked_against = None
     dropped: list[str] = []
+    total_parameters = None
     if config_doc is None:
         notes.append("no config: only the weights were written (no config.json), and the keys were not checked")
     elif not check_keys:
         notes.append("the key check was skipped: nothing guarantees from_pretrained finds every weight")
     else:
         label = config_source or "given"
-        model = _check_keys(_model_keys(config_doc, label), tensors, every_key, subtree, label)
+        model = _check_keys(_model_keys(config_doc, label, model_class), tensors, every_key, subtree, label)
         checked_against = model.name
-        if not config_doc.get("architectures"):
+        named = config_doc.get("architectures")
+        if named != [model.name]:
             config_doc["architectures"] = [model.name]  # as save_pretrained writes it: the class checked
-            notes.append(f"the config names no architecture; config.json names {model.name}, the class checked")
+            said = f"names {', '.join(map(str, named))}" if named else "names no architecture"
+            notes.append(f"the config {said}; config.json names {model.name}, the class checked")
         for target_key, source_key in sorted(model.tied.items()):
             if target_key in tensors and source_key in tensors:
                 if _same_bytes(tensors[target_key], tensors[source_key]):
@@ -699,14 +868,27 @@ def export_hf(
                         f"{target_key} is tied to {source_key} in the config but differs from it; both were written "
                         "(from_pretrained will not tie them)"
                     )
+        total_parameters = int(model.meta.num_parameters())
+        if not model.folder:
+            order = {key: index for index, key in enumerate(model.meta.state_dict())}
+            tensors = dict(sorted(tensors.items(), key=lambda item: order.get(item[0], len(order))))
+            try:
+                tensors = to_folder_keys(model.meta, tensors)
+            except Exception as exc:  # whatever transformers' converters raise
+                raise ConfigError(
+                    f"transformers could not convert the keys of {model.name} to the ones save_pretrained writes: "
+                    f"{_one_line(exc)}"
+                ) from exc
 
-    plan = _plan_files(tensors, limit)
+    plan, total_size = _plan_files(tensors, limit)
+    if total_parameters is None:  # no model to count its parameters: every element written
+        total_parameters = sum(tensor.numel() for tensor in tensors.values())
     parent = os.path.dirname(target)
     staging = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         os.mkdir(staging)
         try:
-            files = _write_folder(staging, tensors, plan, config_doc)
+            files = _write_folder(staging, tensors, plan, config_doc, total_parameters, total_size)
             previous = _place(staging, target, overwrite, source)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # still the new folder (see _place)
@@ -778,6 +960,37 @@ def _index_files(folder: str) -> dict[str, list[str]]:
         if not os.path.isfile(os.path.join(folder, name)):
             raise CheckpointNotFoundError(f"{path} names {name}, which is not in {folder}")
     return files
+
+
+def model_keys_of(folder: HFFolder, source: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of ``folder`` under the state_dict keys of the model class its config names,
+    converted as ``from_pretrained`` converts them (:func:`to_model_keys`: Mixtral's per-expert
+    ``w1``/``w3`` weights become the fused ``mlp.experts.gate_up_proj``), so that they load into
+    that model with ``shardkeep.load(..., into=)``; and a sentence saying which keys they are
+    (recorded by an import). The folder's keys are kept as they are when there is no config, no
+    transformers, or no class of the config that they fit; ``source`` names the folder."""
+    if folder.config is None:
+        return folder.tensors, f"as in the folder (it has no {CONFIG_FILE})"
+    try:
+        import transformers
+    except ImportError:
+        return folder.tensors, "as in the folder (transformers is not installed to convert them)"
+    try:
+        candidates = _model_keys(folder.config, os.path.join(source, CONFIG_FILE))
+    except ConfigError as exc:
+        return folder.tensors, f"as in the folder ({exc})"
+    for model in candidates.models:
+        try:
+            converted = to_model_keys(model.meta, folder.tensors)
+        except Exception as exc:  # whatever transformers' converters raise
+            raise UnsupportedValueError(
+                f"transformers could not convert the weights of {source} to the keys of {model.name}: {_one_line(exc)}"
+            ) from exc
+        missing, unexpected = model.difference(set(converted))
+        if not missing and not unexpected:
+            return converted, f"the state_dict keys of {model.name} (transformers {transformers.__version__})"
+    names = ", ".join(model.name for model in candidates.models)
+    return folder.tensors, f"as in the folder (they fit no model class of its config: {names})"
 
 
 def read_folder(folder: str | os.PathLike[str]) -> HFFolder:

@@ -53,7 +53,7 @@ __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkp
 SourceFormat = Literal["pt", "safetensors", "dcp", "hf"]
 ExportFormat = Literal["pt", "safetensors", "hf"]
 #: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.hf.export_hf`.
-_HF_EXPORT_OPTIONS = ("subtree", "config", "max_shard_size", "check_keys")
+_HF_EXPORT_OPTIONS = ("subtree", "config", "max_shard_size", "check_keys", "model_class")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 #: The safetensors metadata key holding a checkpoint's JSON values on export.
@@ -192,15 +192,18 @@ def import_checkpoint(
     docstring for what is trusted.
 
     A Hugging Face folder's tensors go under ``subtree`` (dotted; default ``"model"``, ``""``
-    for the top level) and its ``config.json`` under the value ``hf_config``, where a later
-    ``export_checkpoint(..., format="hf")`` finds it."""
+    for the top level), under the state_dict keys of the model class its ``config.json`` names
+    when transformers can convert them (:func:`shardkeep.hf.model_keys_of`; which keys they are
+    is recorded in ``custom_fields["imported_from"]["keys"]``), and its ``config.json`` under
+    the value ``hf_config``, where a later ``export_checkpoint(..., format="hf")`` finds it."""
     path = os.fspath(source)
     found = source_format or detect_format(path)
     if subtree is not None and found != "hf":
         raise ConfigError(f"subtree= (--subtree) applies to Hugging Face folders only, not to {found!r}")
     custom: dict[str, Any] = {"imported_from": {"format": found, "path": os.path.basename(path.rstrip("/"))}}
     if found == "hf":
-        state = _hf_state(path, "model" if subtree is None else subtree)
+        state, keys = _hf_state(path, "model" if subtree is None else subtree)
+        custom["imported_from"]["keys"] = keys
     elif found == "pt":
         state = _read_torch(path)
     elif found == "safetensors":
@@ -221,9 +224,10 @@ def import_checkpoint(
     return api.save(state, destination, custom_fields={**custom, **given}, **save_options)
 
 
-def _hf_state(path: str, subtree: str) -> dict[str, Any]:
-    """The state of an imported Hugging Face folder: its tensors nested under ``subtree`` and its
-    config as the value ``hf_config``."""
+def _hf_state(path: str, subtree: str) -> tuple[dict[str, Any], str]:
+    """The state of an imported Hugging Face folder: its tensors nested under ``subtree``, under
+    the keys of the model its config names (:func:`shardkeep.hf.model_keys_of`), and its config
+    as the value ``hf_config``; and which keys they are."""
     if not os.path.isdir(path):
         raise UnsupportedValueError(f"{path} is not a directory: a Hugging Face model folder is one")
     folder = hf.read_folder(path)
@@ -234,12 +238,13 @@ def _hf_state(path: str, subtree: str) -> dict[str, Any]:
     node = state
     for part in parts:
         node = node.setdefault(part, {})
-    node.update(folder.tensors)
+    tensors, keys = hf.model_keys_of(folder, path)
+    node.update(tensors)
     if folder.config is not None:
         if hf.CONFIG_VALUE_KEY in state:
             raise UnsupportedValueError(f"{path} has a tensor named {hf.CONFIG_VALUE_KEY!r}; import it under a subtree")
         state[hf.CONFIG_VALUE_KEY] = folder.config
-    return state
+    return state, keys
 
 
 @dataclass(frozen=True)
@@ -324,7 +329,7 @@ def export_checkpoint(
     """Write the checkpoint at ``checkpoint`` (verified while it is read; ``load_options`` go to
     :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file, or,
     with ``format="hf"``, as a Hugging Face model folder: then ``subtree``, ``config``,
-    ``max_shard_size`` and ``check_keys`` go to :func:`shardkeep.hf.export_hf` (which says more
+    ``max_shard_size``, ``check_keys`` and ``model_class`` go to :func:`shardkeep.hf.export_hf` (which says more
     in its :class:`~shardkeep.hf.HFExportSummary`; here ``values`` is 0)."""
     target = os.fspath(destination)
     kind = _export_format(target, format)
