@@ -556,3 +556,20 @@ def test_a_step_below_a_valid_newer_checkpoint_is_refused(tmp_path: Path) -> Non
     assert on_disk(tmp_path) == [200, 300]
     with pytest.raises(sk.ConfigError, match="step=-1"):
         manager.restore(step=-1)
+
+
+def test_pointers_name_the_new_checkpoint_even_when_retention_fails_to_delete(tmp_path: Path) -> None:
+    class NoDeleting(LocalStore):
+        def rename(self, source: str, destination: str) -> None:
+            if ".deleting-" in destination:
+                raise sk.StorageError(f"{source}: injected EIO while deleting")
+            super().rename(source, destination)
+
+    manager = sk.CheckpointManager(tmp_path, storage=NoDeleting(tmp_path), keep_last=1, keep_best=1)
+    manager.save(tiny(1), step=1, metrics={"val_loss": 2.0})
+    with pytest.raises(sk.RetentionError, match="injected EIO"):
+        manager.save(tiny(2), step=2, metrics={"val_loss": 1.0})
+    with pytest.raises(sk.RetentionError, match="injected EIO"):
+        manager.save(tiny(3), step=3, metrics={"val_loss": 0.5})
+    for pointer in ("last", "best"):
+        assert json.loads((tmp_path / pointer).read_text())["checkpoint"] == "step_00000003", pointer

@@ -472,8 +472,10 @@ class CheckpointManager:
                     keep=(*decision.keep, name),
                     delete=tuple(other for other in decision.delete if other != name),
                 )
-            self.catalog.apply(decision, found)
+            # Pointers first: they name only checkpoints the decision keeps, so a failure while
+            # deleting never leaves them behind the save that just committed.
             self.catalog.write_pointers(entries, decision, self.policy.metric)
+            self.catalog.apply(decision, found)
             self.catalog.collect_leftovers(lease=self.staging_lease)
         except ShardkeepError as exc:
             raise RetentionError(
