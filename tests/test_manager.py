@@ -127,6 +127,7 @@ def test_rng_states_are_restored(tmp_path: Path) -> None:
     import numpy as np
 
     checkpoint = training_checkpoint()
+    checkpoint.track_rng = False  # the states given as rng= are saved as they are
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     manager = sk.CheckpointManager(tmp_path)
     manager.save(checkpoint, step=0)
@@ -135,6 +136,43 @@ def test_rng_states_are_restored(tmp_path: Path) -> None:
     loaded = sk.CheckpointManager(tmp_path).restore().state
     sk.TrainingCheckpoint.restore_rng(loaded.rng)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_by_default_each_save_records_the_rng_at_that_save_and_restore_puts_it_back(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    checkpoint = training_checkpoint()  # rng= captured once, at the start of the run
+    for _ in range(3):  # training draws from every generator
+        random.random(), np.random.rand(), torch.rand(1)
+    sk.CheckpointManager(tmp_path).save(checkpoint, step=3)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for _ in range(5):
+        random.random(), np.random.rand(), torch.rand(1)
+    sk.CheckpointManager(tmp_path).restore(into=checkpoint)  # no restore_rng call needed
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_track_rng_false_leaves_the_generators_alone_on_restore(tmp_path: Path) -> None:
+    checkpoint = training_checkpoint()
+    checkpoint.track_rng = False
+    sk.CheckpointManager(tmp_path).save(checkpoint, step=0)
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    sk.CheckpointManager(tmp_path).restore(into=checkpoint)
+    assert torch.equal(torch.rand(1), expected)
+    with pytest.raises(sk.CheckpointFieldError, match="track_rng"):
+        sk.TrainingCheckpoint(
+            model=checkpoint.model,
+            optimizer=checkpoint.optimizer,
+            model_args={},
+            iteration=0,
+            best_val_loss=None,
+            config={},
+            track_rng="yes",  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize(

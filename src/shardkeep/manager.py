@@ -599,7 +599,8 @@ class CheckpointManager:
         :class:`~shardkeep.errors.CheckpointNotFoundError` if there is none. With a
         :class:`TrainingCheckpoint` as ``into``, its modules and optimizer are filled in place
         and its iteration, best_val_loss, rng and data_position replaced (model_args and config
-        stay as given); ``into=None`` returns a new TrainingCheckpoint (for a
+        stay as given), and with its ``track_rng`` (the default) the saved RNG states are put back
+        into Python's, numpy's and torch's generators; ``into=None`` returns a new TrainingCheckpoint (for a
         checkpoint saved from one) or a dict. A checkpoint whose model args or config differ
         from ``into``'s (or the manager's ``fingerprint``) raises
         :class:`~shardkeep.errors.FingerprintMismatchError` with a field-by-field diff, unless
@@ -639,6 +640,8 @@ class CheckpointManager:
                     skipped.append((name, reason))
                     continue
                 manifest, state = result
+                if isinstance(into, TrainingCheckpoint) and into.track_rng and into.rng is not None:
+                    TrainingCheckpoint.restore_rng(into.rng)  # every rank loaded: resume the random stream
                 if self._run_id is None and manifest.run is not None:
                     self._run_id = manifest.run.run_id
                 self._history = lineage(manifest)
