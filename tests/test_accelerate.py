@@ -133,3 +133,87 @@ def test_a_refused_rng_state_rolls_back_the_whole_load(tmp_path: Path, monkeypat
         load_state(accelerator, tmp_path / "ckpt")
     assert torch.equal(accelerator.unwrap_model(model).weight, weight)
     assert accelerator.step == step and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state() -> Any:
+    """Each test builds its own ``Accelerator``: the process-wide state is reset after it."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
+def _project_accelerator(project: Path, **config: Any) -> tuple[Any, torch.nn.Module]:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, **config),
+    )
+    return accelerator, accelerator.prepare(torch.nn.Linear(3, 2))
+
+
+def test_automatic_checkpoint_naming_counts_iterations_and_keeps_total_limit(tmp_path: Path) -> None:
+    """Without a path, ``save_state`` writes ``project_dir/checkpoints/checkpoint_<iteration>``,
+    advances ``project_configuration.iteration``, and keeps the newest ``total_limit``;
+    ``load_state()`` without a path restores the newest."""
+    accelerator, model = _project_accelerator(tmp_path, total_limit=2)
+    weights = []
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights.append(model.weight.detach().clone())
+        save_state(accelerator)
+    assert accelerator.project_configuration.iteration == 3
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert all(sk.verify(tmp_path / "checkpoints" / name).ok for name in ("checkpoint_1", "checkpoint_2"))
+    with torch.no_grad():
+        model.weight.zero_()
+    load_state(accelerator)
+    assert torch.equal(model.weight, weights[2])
+
+
+def test_save_and_load_pre_hooks_are_called_like_accelerate_calls_them(tmp_path: Path) -> None:
+    """The hooks get the prepared models, the weights (a save hook that saves a model itself
+    removes its weights) and a directory; what the save hook writes there is in the checkpoint,
+    verified, and the load hook finds it in the directory it gets."""
+    import json
+
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_file
+
+    accelerator = Accelerator(cpu=True)
+    first, second = accelerator.prepare(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    calls: list[str] = []
+
+    def save_hook(models: list[Any], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+        calls.append("save")
+        assert models == [first, second] and len(weights) == 2
+        assert torch.equal(weights[1]["weight"], second.weight)
+        Path(output_dir, "second").mkdir()
+        save_file(weights.pop(), str(Path(output_dir, "second", "weights.safetensors")))
+        Path(output_dir, "config.json").write_text(json.dumps({"class_name": type(second).__name__}))
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        calls.append("load")
+        assert models == [first, second]
+        model = models.pop()
+        model.load_state_dict(load_file(str(Path(input_dir, "second", "weights.safetensors"))))
+        model.class_name = json.loads(Path(input_dir, "config.json").read_text())["class_name"]
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    expected = [first.weight.detach().clone(), second.weight.detach().clone()]
+    manifest = save_state(accelerator, tmp_path / "ckpt")
+    keys = {entry.key for _, entry in manifest.iter_tensors()}
+    assert "models.0.weight" in keys and "models.1.weight" not in keys
+    assert sk.verify(tmp_path / "ckpt").ok
+    with torch.no_grad():
+        first.weight.zero_()
+        second.weight.zero_()
+    load_state(accelerator, tmp_path / "ckpt")
+    assert calls == ["save", "load"]
+    assert torch.equal(first.weight, expected[0]) and torch.equal(second.weight, expected[1])
+    assert second.class_name == "Linear"
