@@ -217,3 +217,46 @@ def test_save_and_load_pre_hooks_are_called_like_accelerate_calls_them(tmp_path:
     assert calls == ["save", "load"]
     assert torch.equal(first.weight, expected[0]) and torch.equal(second.weight, expected[1])
     assert second.class_name == "Linear"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with arrays as (dtype, list), to compare nested states exactly."""
+    if isinstance(value, np.ndarray):
+        return (str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return {key: (type(item).__name__, _plain(item)) for key, item in value.items()}
+    return value
+
+
+class NumpyGeneratorHolder:
+    """A registered object whose state is a numpy ``Generator``'s (PCG64's holds 128-bit ints)."""
+
+    def __init__(self, bit_generator: type[np.random.BitGenerator], seed: int) -> None:
+        self.rng = np.random.Generator(bit_generator(seed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "name": "sampler"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+@pytest.mark.parametrize(
+    "bit_generator", [np.random.PCG64, np.random.PCG64DXSM, np.random.MT19937, np.random.Philox, np.random.SFC64]
+)
+def test_a_registered_numpy_generator_state_round_trips_exactly(
+    tmp_path: Path, bit_generator: type[np.random.BitGenerator]
+) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    holder = NumpyGeneratorHolder(bit_generator, seed=2**100 + 5)
+    accelerator.register_for_checkpointing(holder)
+    holder.rng.random(3)
+    saved_state = holder.rng.bit_generator.state
+    save_state(accelerator, tmp_path / "ckpt")
+    expected = holder.rng.random(5)
+    holder.rng = np.random.Generator(bit_generator(1))
+    load_state(accelerator, tmp_path / "ckpt")
+    assert _plain(holder.rng.bit_generator.state) == _plain(saved_state)
+    assert np.array_equal(holder.rng.random(5), expected)

@@ -484,6 +484,34 @@ def scenario_hook_saves_a_model_itself(ckpt: Checkpointing, tmp: Path) -> dict[s
     return {"first": first.state_dict(), "second": second.state_dict(), "calls": calls}
 
 
+class NumpySampler:
+    """A registered object holding a numpy ``Generator`` (PCG64: 128-bit integers in its state)."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(2**90 + 3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bit_generator": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["bit_generator"]
+
+
+def scenario_registered_numpy_generator(ckpt: Checkpointing, tmp: Path) -> dict[str, Any]:
+    """``register_for_checkpointing`` of an object whose state is a numpy ``Generator``'s."""
+    accelerator = _accelerator()
+    sampler = NumpySampler()
+    accelerator.register_for_checkpointing(sampler)
+    sampler.rng.random(4)
+    ckpt.save(accelerator, str(tmp / "ckpt"))
+    expected = sampler.rng.random(6).tolist()
+    sampler.rng = np.random.default_rng(0)
+    ckpt.load(accelerator, str(tmp / "ckpt"))
+    drawn = sampler.rng.random(6).tolist()
+    assert drawn == expected
+    return {"drawn": drawn, "state": repr(sampler.rng.bit_generator.state)}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): function for name, function in globals().items() if name.startswith("scenario_")
 }

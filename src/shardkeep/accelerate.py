@@ -34,6 +34,7 @@ import torch
 
 from shardkeep.api import load, read_manifest, save
 from shardkeep.catalog import CheckpointRoot
+from shardkeep.conversions import ValueEncoder, decode_values
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,
@@ -94,11 +95,58 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
                 f"custom object {i} ({type(obj).__name__}) registered for checkpointing has no "
                 "state_dict()/load_state_dict()"
             )
-        state["custom"][str(i)] = obj
+        state["custom"][str(i)] = _RegisteredObject(obj, i)
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None:
         state["scaler"] = scaler
     return state
+
+
+#: The key, in a registered object's saved state, of the record of its converted values.
+CONVERSIONS_KEY = "__shardkeep_conversions__"
+
+
+class _RegisteredObject:
+    """An object registered with ``register_for_checkpointing``, as a stateful value of the
+    saved state: the values of its ``state_dict()`` that a state cannot hold as they are (the
+    128-bit integers of a numpy ``Generator``'s ``bit_generator.state``, sets, bytes ...) are
+    converted losslessly (:mod:`shardkeep.conversions`), the conversions recorded under
+    :data:`CONVERSIONS_KEY` in its saved state and undone before its ``load_state_dict``."""
+
+    def __init__(self, obj: Any, index: int) -> None:
+        self.obj, self.index = obj, index
+
+    def _encoder(self) -> ValueEncoder:
+        return ValueEncoder(
+            subject=f"state of the object registered for checkpointing at index {self.index} ({type(self.obj).__name__})",
+            hint="; or have its state_dict() return such values",
+        )
+
+    def state_dict(self) -> Any:
+        state = self.obj.state_dict()
+        if not isinstance(state, Mapping):
+            return state  # stored as it is, or refused by the save with its key named
+        if CONVERSIONS_KEY in state:
+            raise UnsupportedValueError(
+                f"the state of the object registered at index {self.index} has the key {CONVERSIONS_KEY!r}, "
+                "which shardkeep reserves"
+            )
+        encoder = self._encoder()
+        encoded = encoder.mapping(state, ())
+        if encoder.conversions:
+            encoded[CONVERSIONS_KEY] = encoder.conversion_record()
+        return encoded
+
+    def load_state_dict(self, state: Any) -> None:
+        if isinstance(state, Mapping) and CONVERSIONS_KEY in state:
+            plain = {key: value for key, value in state.items() if key != CONVERSIONS_KEY}
+            state = decode_values(
+                plain,
+                state[CONVERSIONS_KEY],
+                source=f"custom.{self.index}",
+                record_name=f"custom.{self.index}.{CONVERSIONS_KEY}",
+            )
+        self.obj.load_state_dict(state)
 
 
 def _rng_bytes() -> torch.Tensor:
