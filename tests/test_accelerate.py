@@ -4,7 +4,10 @@ the step, RNG states) as one verified checkpoint, with no pickle, and resume exa
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +263,137 @@ def test_a_registered_numpy_generator_state_round_trips_exactly(
     load_state(accelerator, tmp_path / "ckpt")
     assert _plain(holder.rng.bit_generator.state) == _plain(saved_state)
     assert np.array_equal(holder.rng.random(5), expected)
+
+
+def test_total_limit_deletes_only_after_the_new_checkpoint_commits(tmp_path: Path) -> None:
+    """A save that fails leaves the checkpoints ``total_limit`` kept, and the iteration, as they
+    were. (``Accelerator.save_state`` deletes the oldest first: the same failing save leaves
+    a partial folder and no complete checkpoint.)"""
+
+    class Unstorable:
+        def state_dict(self) -> dict[str, Any]:
+            return {"handle": threading.Lock()}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    for way in ("accelerate", "shardkeep"):
+        project = tmp_path / way
+        accelerator, _ = _project_accelerator(project, total_limit=1)
+        if way == "shardkeep":
+            save_state(accelerator)
+        else:
+            accelerator.save_state()
+        accelerator.register_for_checkpointing(Unstorable())
+        if way == "shardkeep":
+            with pytest.raises(sk.UnsupportedValueError, match=r"custom\.0|index 0"):
+                save_state(accelerator)
+            assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0"]
+            assert sk.verify(project / "checkpoints" / "checkpoint_0").ok
+            assert accelerator.project_configuration.iteration == 1
+        else:
+            with pytest.raises(TypeError, match="pickle"):
+                accelerator.save_state()
+            assert not (project / "checkpoints" / "checkpoint_0").exists()
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+
+
+def test_total_limit_leaves_what_is_not_a_committed_checkpoint(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path, total_limit=1)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "checkpoint_0.tmp-0123").mkdir()  # another save's staging directory
+    (checkpoints / "notes").mkdir()
+    (checkpoints / "checkpoint_7").mkdir()  # no manifest: not a checkpoint, never deleted
+    accelerator.project_configuration.iteration = 1
+    save_state(accelerator)
+    save_state(accelerator)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "checkpoint_0.tmp-0123",
+        "checkpoint_2",
+        "checkpoint_7",
+        "notes",
+    ]
+
+
+def test_an_existing_checkpoint_name_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path)
+    save_state(accelerator)
+    accelerator.project_configuration.iteration = 0
+    called = []
+    accelerator.register_save_state_pre_hook(lambda *args: called.append(args))
+    with pytest.raises(sk.CheckpointExistsError, match=r"checkpoint_0.*iteration"):
+        save_state(accelerator)
+    assert called == [] and accelerator.project_configuration.iteration == 0
+
+
+def test_without_a_path_or_automatic_naming_is_a_config_error(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(sk.ConfigError, match="automatic_checkpoint_naming"):
+        save_state(accelerator)
+    with pytest.raises(sk.ConfigError, match="automatic_checkpoint_naming"):
+        load_state(accelerator)
+    accelerator, _ = _project_accelerator(tmp_path)
+    with pytest.raises(sk.CheckpointNotFoundError, match="checkpoint_<N>"):
+        load_state(accelerator)
+
+
+def test_load_state_without_a_path_falls_back_from_a_damaged_newest_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    accelerator, model = _project_accelerator(tmp_path)
+    save_state(accelerator)
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_state(accelerator)
+    shard = next((tmp_path / "checkpoints" / "checkpoint_1" / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(sk.IntegrityError):  # named explicitly: no fallback
+        load_state(accelerator, tmp_path / "checkpoints" / "checkpoint_1")
+    with caplog.at_level("WARNING", logger="shardkeep.accelerate"):
+        load_state(accelerator)
+    assert torch.equal(model.weight, first)
+    assert "checkpoint_1 cannot be loaded" in caplog.text and "previous" in caplog.text
+    shard = next((tmp_path / "checkpoints" / "checkpoint_0" / "shards").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(sk.IntegrityError, match=r"no checkpoint .* can be loaded"):
+        load_state(accelerator)
+
+
+def test_a_save_hook_that_writes_a_symlink_is_refused(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    (tmp_path / "secret").write_text("not for the checkpoint")
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: os.symlink(tmp_path / "secret", os.path.join(output_dir, "link"))
+    )
+    with pytest.raises(sk.UnsupportedValueError, match=r"'link'.*not a regular file"):
+        save_state(accelerator, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]
+
+
+@pytest.mark.parametrize("hostile", ["../escaped", "/abs/escaped", "a/../../escaped"])
+def test_hook_files_with_an_unsafe_path_are_refused(tmp_path: Path, hostile: str) -> None:
+    """A checkpoint whose ``hook_files`` name a path outside the hooks' directory writes
+    nothing and calls no hook."""
+    from accelerate import Accelerator
+
+    sk.save(
+        {"hook_files": {"0": {"path": hostile, "data": np.frombuffer(b"owned", dtype=np.uint8)}}}, tmp_path / "ckpt"
+    )
+    accelerator = Accelerator(cpu=True)
+    called = []
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: called.append(input_dir))
+    with pytest.raises(sk.UnsafePathError, match=re.escape(repr(hostile))):
+        load_state(accelerator, tmp_path / "ckpt")
+    assert called == []
+    assert not list(tmp_path.parent.rglob("escaped"))
