@@ -17,6 +17,14 @@ with ``torch.save`` (pickles). :func:`save_state` saves the same things through
 :func:`load_state` fills the live objects in place after checking every digest, and puts the
 RNG states and the step back. Accelerate itself is never imported here: the functions read the
 ``Accelerator``'s own attributes.
+
+Both follow ``Accelerator.save_state``/``load_state`` otherwise: automatic checkpoint naming
+(``project_dir/checkpoints/checkpoint_<iteration>``), ``total_limit``,
+``project_configuration.iteration``, the newest checkpoint when no path is given, and the
+save-state and load-state pre-hooks. Where they differ, it is to lose nothing: ``total_limit``
+deletes only after the new checkpoint is committed, and only committed ``checkpoint_<N>``
+checkpoints; the files the save hooks write are part of the checkpoint, digested like the rest;
+a registered object's state is converted losslessly where a state cannot hold it as it is.
 """
 
 from __future__ import annotations
@@ -270,7 +278,7 @@ def _keep_newest(directory: str, total_limit: int, newest: str) -> None:
             root.delete(os.path.basename(path), known)
         except ShardkeepError as exc:
             raise RetentionError(
-                f"{newest} is committed, but deleting {path} (total_limit={total_limit}) failed: {exc}"
+                f"{newest} is committed, but deleting {path} (total_limit={total_limit}) failed: {exc}", newest
             ) from exc
         known = root.manifests()
 
@@ -373,6 +381,7 @@ def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **s
     the hooks write there is saved in the checkpoint (``hook_files``), digested like the rest.
     """
     config = accelerator.project_configuration
+    directory: str | None = None  # where total_limit applies
     if _automatic(accelerator):
         directory = _checkpoints_dir(accelerator)
         target = os.path.join(directory, f"checkpoint_{config.iteration}")
@@ -390,9 +399,7 @@ def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **s
     state = _state_with_counters(accelerator)
     hooks = list(accelerator._save_model_state_pre_hook.values())
     if hooks:
-        scratch_parent = _scratch_parent(target)
-        prefix = f".{os.path.basename(target.rstrip('/'))}.hooks-"
-        with tempfile.TemporaryDirectory(prefix=prefix, dir=scratch_parent) as scratch:
+        with tempfile.TemporaryDirectory(prefix=".shardkeep-hooks-", dir=_scratch_parent(target)) as scratch:
             weights = [accelerator.unwrap_model(model).state_dict() for model in accelerator._models]
             for hook in hooks:
                 hook(accelerator._models, weights, scratch)
@@ -404,7 +411,7 @@ def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **s
     else:
         manifest = save(state, target, **save_options)
     config.iteration += 1
-    if _automatic(accelerator) and config.total_limit is not None and accelerator.is_main_process:
+    if directory is not None and config.total_limit is not None and accelerator.is_main_process:
         _keep_newest(directory, int(config.total_limit), target)
     return manifest
 
@@ -450,9 +457,9 @@ def load_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **l
         except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             if path is not None or hooks or index == len(candidates) - 1:
                 if skipped:
+                    skipped.append(f"{candidate}: {exc}")
                     raise IntegrityError(
-                        f"no checkpoint in {os.path.dirname(candidate)} can be loaded: {'; '.join(skipped)}; "
-                        f"{candidate}: {exc}"
+                        f"no checkpoint in {os.path.dirname(candidate)} can be loaded: {'; '.join(skipped)}", skipped
                     ) from exc
                 raise
             logger.warning("checkpoint %s cannot be loaded (%s); loading the previous checkpoint", candidate, exc)
