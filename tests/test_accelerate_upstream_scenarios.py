@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -482,6 +483,73 @@ def scenario_hook_saves_a_model_itself(ckpt: Checkpointing, tmp: Path) -> dict[s
     ckpt.load(accelerator, str(tmp / "ckpt"))
     assert [get_signature(first), get_signature(second)] == saved
     return {"first": first.state_dict(), "second": second.state_dict(), "calls": calls}
+
+
+class ModelForTest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(3, 4)
+        self.batchnorm = nn.BatchNorm1d(4)
+        self.linear2 = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.batchnorm(self.linear1(x)))
+
+
+def create_dataloaders_for_test(
+    batch_size: int = 3, n_train_batches: int = 12, n_valid_batches: int = 2
+) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    def get_dataset(n_batches: int) -> TensorDataset:
+        return TensorDataset(torch.randn(batch_size * n_batches, 3), torch.randn(batch_size * n_batches, 5))
+
+    train_dl = DataLoader(get_dataset(n_train_batches), batch_size=batch_size)
+    valid_dl = DataLoader(get_dataset(n_valid_batches), batch_size=batch_size)
+    return train_dl, valid_dl
+
+
+def scenario_save_model_with_stateful_dataloader(ckpt: Checkpointing, tmp: Path) -> dict[str, Any]:
+    """``test_save_model_with_stateful_dataloader`` (one process, no loader workers, batches not
+    dispatched): saved after 3 batches, trained to the end, resumed: the loader resumes at batch
+    4 and the model ends as it did."""
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls its own deprecated set_vital() on every new iterator.
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
+        return _stateful_dataloader_run(ckpt, tmp)
+
+
+def _stateful_dataloader_run(ckpt: Checkpointing, tmp: Path) -> dict[str, Any]:
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    set_seed(42)
+    accelerator = _accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    _, optimizer, scheduler, _, _ = create_components()
+    train_dl, valid_dl = create_dataloaders_for_test(n_train_batches=16)
+    model = ModelForTest()
+    prepared = accelerator.prepare(model, optimizer, scheduler, train_dl, valid_dl)
+    prepared_model, prepared_optimizer, prepared_scheduler, prepared_train_dl, _ = prepared
+
+    def train_step(batch: Any) -> None:
+        x, y = batch
+        accelerator.backward(torch.nn.functional.mse_loss(prepared_model(x), y))
+        prepared_optimizer.step()
+        prepared_scheduler.step()
+        prepared_optimizer.zero_grad()
+
+    untrained_batches = []
+    for step, batch in enumerate(prepared_train_dl):
+        train_step(batch)
+        if step == 2:
+            ckpt.save(accelerator, f"{tmp}/state")
+        if step >= 3:
+            untrained_batches.append(batch)
+    original = {key: value.clone() for key, value in accelerator.unwrap_model(prepared_model).state_dict().items()}
+    ckpt.load(accelerator, f"{tmp}/state")
+    seen = [batch for batch in prepared_train_dl if train_step(batch) is None]
+    assert len(seen) == len(untrained_batches)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(seen, untrained_batches, strict=True))
+    final = accelerator.unwrap_model(prepared_model).state_dict()
+    assert all(torch.allclose(original[key].float(), final[key].float()) for key in original)
+    return {"seen": len(seen), "final": final, "scheduler": prepared_scheduler.state_dict()}
 
 
 class NumpySampler:
