@@ -397,3 +397,17 @@ def test_hook_files_with_an_unsafe_path_are_refused(tmp_path: Path, hostile: str
         load_state(accelerator, tmp_path / "ckpt")
     assert called == []
     assert not list(tmp_path.parent.rglob("escaped"))
+
+
+def test_a_failing_save_hook_commits_nothing_and_leaves_nothing(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path)
+
+    def failing_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        Path(output_dir, "partial.bin").write_bytes(b"half")
+        raise RuntimeError("the hook failed")
+
+    accelerator.register_save_state_pre_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="the hook failed"):
+        save_state(accelerator)
+    assert accelerator.project_configuration.iteration == 0
+    assert list((tmp_path / "checkpoints").iterdir()) == []
