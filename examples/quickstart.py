@@ -122,8 +122,7 @@ def main() -> None:
         iteration=0,
         best_val_loss=None,
         config={"lr": 1e-3},
-        rng=sk.TrainingCheckpoint.capture_rng(),
-    )
+    )  # every save records the RNG states of that moment; restore(into=...) puts them back
     manager = sk.CheckpointManager(root, keep_last=2, keep_best=1)
     manager.save(checkpoint_state, step=0)  # right after init: both last and best
     for step, val_loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5)]:

@@ -406,8 +406,6 @@ def train(args: argparse.Namespace) -> None:
         saved_world = restored.entry.manifest.world_size if restored.entry.manifest else None
         skipped = [name for name, _ in restored.skipped]
         reads = measure_reads(args, cold, restored.entry.name, ckpt) if args.measure_reads else None
-        if ckpt.rng is not None:
-            sk.TrainingCheckpoint.restore_rng(ckpt.rng)
         if rank == 0:
             log_line(log, {"event": "resume", "step": restored.step, "from_world_size": saved_world,
                            "world_size": world, "skipped": skipped})  # fmt: skip
@@ -445,7 +443,6 @@ def train(args: argparse.Namespace) -> None:
             ckpt.iteration = step
             ckpt.best_val_loss = val_loss if ckpt.best_val_loss is None else min(ckpt.best_val_loss, val_loss)
             ckpt.data_position = {"next_step": step + 1}
-            ckpt.rng = sk.TrainingCheckpoint.capture_rng()
             pending = manager.async_save(ckpt, step=step, metrics={"val_loss": val_loss, "train_loss": train_loss})
             if rank == 0:
                 log_line(log, {"event": "save", "step": step, "val_loss": val_loss,

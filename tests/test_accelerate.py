@@ -4,7 +4,10 @@ the step, RNG states) as one verified checkpoint, with no pickle, and resume exa
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +136,278 @@ def test_a_refused_rng_state_rolls_back_the_whole_load(tmp_path: Path, monkeypat
         load_state(accelerator, tmp_path / "ckpt")
     assert torch.equal(accelerator.unwrap_model(model).weight, weight)
     assert accelerator.step == step and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state() -> Any:
+    """Each test builds its own ``Accelerator``: the process-wide state is reset after it."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
+def _project_accelerator(project: Path, **config: Any) -> tuple[Any, torch.nn.Module]:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, **config),
+    )
+    return accelerator, accelerator.prepare(torch.nn.Linear(3, 2))
+
+
+def test_automatic_checkpoint_naming_counts_iterations_and_keeps_total_limit(tmp_path: Path) -> None:
+    """Without a path, ``save_state`` writes ``project_dir/checkpoints/checkpoint_<iteration>``,
+    advances ``project_configuration.iteration``, and keeps the newest ``total_limit``;
+    ``load_state()`` without a path restores the newest."""
+    accelerator, model = _project_accelerator(tmp_path, total_limit=2)
+    weights = []
+    for _ in range(3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights.append(model.weight.detach().clone())
+        save_state(accelerator)
+    assert accelerator.project_configuration.iteration == 3
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert all(sk.verify(tmp_path / "checkpoints" / name).ok for name in ("checkpoint_1", "checkpoint_2"))
+    with torch.no_grad():
+        model.weight.zero_()
+    load_state(accelerator)
+    assert torch.equal(model.weight, weights[2])
+
+
+def test_save_and_load_pre_hooks_are_called_like_accelerate_calls_them(tmp_path: Path) -> None:
+    """The hooks get the prepared models, the weights (a save hook that saves a model itself
+    removes its weights) and a directory; what the save hook writes there is in the checkpoint,
+    verified, and the load hook finds it in the directory it gets."""
+    import json
+
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_file
+
+    accelerator = Accelerator(cpu=True)
+    first, second = accelerator.prepare(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    calls: list[str] = []
+
+    def save_hook(models: list[Any], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+        calls.append("save")
+        assert models == [first, second] and len(weights) == 2
+        assert torch.equal(weights[1]["weight"], second.weight)
+        Path(output_dir, "second").mkdir()
+        save_file(weights.pop(), str(Path(output_dir, "second", "weights.safetensors")))
+        Path(output_dir, "config.json").write_text(json.dumps({"class_name": type(second).__name__}))
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        calls.append("load")
+        assert models == [first, second]
+        model = models.pop()
+        model.load_state_dict(load_file(str(Path(input_dir, "second", "weights.safetensors"))))
+        model.class_name = json.loads(Path(input_dir, "config.json").read_text())["class_name"]
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    expected = [first.weight.detach().clone(), second.weight.detach().clone()]
+    manifest = save_state(accelerator, tmp_path / "ckpt")
+    keys = {entry.key for _, entry in manifest.iter_tensors()}
+    assert "models.0.weight" in keys and "models.1.weight" not in keys
+    assert sk.verify(tmp_path / "ckpt").ok
+    with torch.no_grad():
+        first.weight.zero_()
+        second.weight.zero_()
+    load_state(accelerator, tmp_path / "ckpt")
+    assert calls == ["save", "load"]
+    assert torch.equal(first.weight, expected[0]) and torch.equal(second.weight, expected[1])
+    assert second.class_name == "Linear"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with arrays as (dtype, list), to compare nested states exactly."""
+    if isinstance(value, np.ndarray):
+        return (str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return {key: (type(item).__name__, _plain(item)) for key, item in value.items()}
+    return value
+
+
+class NumpyGeneratorHolder:
+    """A registered object whose state is a numpy ``Generator``'s (PCG64's holds 128-bit ints)."""
+
+    def __init__(self, bit_generator: type[np.random.BitGenerator], seed: int) -> None:
+        self.rng = np.random.Generator(bit_generator(seed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "name": "sampler"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+@pytest.mark.parametrize(
+    "bit_generator", [np.random.PCG64, np.random.PCG64DXSM, np.random.MT19937, np.random.Philox, np.random.SFC64]
+)
+def test_a_registered_numpy_generator_state_round_trips_exactly(
+    tmp_path: Path, bit_generator: type[np.random.BitGenerator]
+) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    holder = NumpyGeneratorHolder(bit_generator, seed=2**100 + 5)
+    accelerator.register_for_checkpointing(holder)
+    holder.rng.random(3)
+    saved_state = holder.rng.bit_generator.state
+    save_state(accelerator, tmp_path / "ckpt")
+    expected = holder.rng.random(5)
+    holder.rng = np.random.Generator(bit_generator(1))
+    load_state(accelerator, tmp_path / "ckpt")
+    assert _plain(holder.rng.bit_generator.state) == _plain(saved_state)
+    assert np.array_equal(holder.rng.random(5), expected)
+
+
+def test_total_limit_deletes_only_after_the_new_checkpoint_commits(tmp_path: Path) -> None:
+    """A save that fails leaves the checkpoints ``total_limit`` kept, and the iteration, as they
+    were. (``Accelerator.save_state`` deletes the oldest first: the same failing save leaves
+    a partial folder and no complete checkpoint.)"""
+
+    class Unstorable:
+        def state_dict(self) -> dict[str, Any]:
+            return {"handle": threading.Lock()}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    for way in ("accelerate", "shardkeep"):
+        project = tmp_path / way
+        accelerator, _ = _project_accelerator(project, total_limit=1)
+        if way == "shardkeep":
+            save_state(accelerator)
+        else:
+            accelerator.save_state()
+        accelerator.register_for_checkpointing(Unstorable())
+        if way == "shardkeep":
+            with pytest.raises(sk.UnsupportedValueError, match=r"custom\.0|index 0"):
+                save_state(accelerator)
+            assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0"]
+            assert sk.verify(project / "checkpoints" / "checkpoint_0").ok
+            assert accelerator.project_configuration.iteration == 1
+        else:
+            with pytest.raises(TypeError, match="pickle"):
+                accelerator.save_state()
+            assert not (project / "checkpoints" / "checkpoint_0").exists()
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+
+
+def test_total_limit_leaves_what_is_not_a_committed_checkpoint(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path, total_limit=1)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "checkpoint_0.tmp-0123").mkdir()  # another save's staging directory
+    (checkpoints / "notes").mkdir()
+    (checkpoints / "checkpoint_7").mkdir()  # no manifest: not a checkpoint, never deleted
+    accelerator.project_configuration.iteration = 1
+    save_state(accelerator)
+    save_state(accelerator)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "checkpoint_0.tmp-0123",
+        "checkpoint_2",
+        "checkpoint_7",
+        "notes",
+    ]
+
+
+def test_an_existing_checkpoint_name_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path)
+    save_state(accelerator)
+    accelerator.project_configuration.iteration = 0
+    called = []
+    accelerator.register_save_state_pre_hook(lambda *args: called.append(args))
+    with pytest.raises(sk.CheckpointExistsError, match=r"checkpoint_0.*iteration"):
+        save_state(accelerator)
+    assert called == [] and accelerator.project_configuration.iteration == 0
+
+
+def test_without_a_path_or_automatic_naming_is_a_config_error(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(sk.ConfigError, match="automatic_checkpoint_naming"):
+        save_state(accelerator)
+    with pytest.raises(sk.ConfigError, match="automatic_checkpoint_naming"):
+        load_state(accelerator)
+    accelerator, _ = _project_accelerator(tmp_path)
+    with pytest.raises(sk.CheckpointNotFoundError, match="checkpoint_<N>"):
+        load_state(accelerator)
+
+
+def test_load_state_without_a_path_falls_back_from_a_damaged_newest_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    accelerator, model = _project_accelerator(tmp_path)
+    save_state(accelerator)
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_state(accelerator)
+    shard = next((tmp_path / "checkpoints" / "checkpoint_1" / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(sk.IntegrityError):  # named explicitly: no fallback
+        load_state(accelerator, tmp_path / "checkpoints" / "checkpoint_1")
+    with caplog.at_level("WARNING", logger="shardkeep.accelerate"):
+        load_state(accelerator)
+    assert torch.equal(model.weight, first)
+    assert "checkpoint_1 cannot be loaded" in caplog.text and "previous" in caplog.text
+    shard = next((tmp_path / "checkpoints" / "checkpoint_0" / "shards").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(sk.IntegrityError, match=r"no checkpoint .* can be loaded"):
+        load_state(accelerator)
+
+
+def test_a_save_hook_that_writes_a_symlink_is_refused(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    (tmp_path / "secret").write_text("not for the checkpoint")
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: os.symlink(tmp_path / "secret", os.path.join(output_dir, "link"))
+    )
+    with pytest.raises(sk.UnsupportedValueError, match=r"'link'.*not a regular file"):
+        save_state(accelerator, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]
+
+
+@pytest.mark.parametrize("hostile", ["../escaped", "/abs/escaped", "a/../../escaped"])
+def test_hook_files_with_an_unsafe_path_are_refused(tmp_path: Path, hostile: str) -> None:
+    """A checkpoint whose ``hook_files`` name a path outside the hooks' directory writes
+    nothing and calls no hook."""
+    from accelerate import Accelerator
+
+    sk.save(
+        {"hook_files": {"0": {"path": hostile, "data": np.frombuffer(b"owned", dtype=np.uint8)}}}, tmp_path / "ckpt"
+    )
+    accelerator = Accelerator(cpu=True)
+    called = []
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: called.append(input_dir))
+    with pytest.raises(sk.UnsafePathError, match=re.escape(repr(hostile))):
+        load_state(accelerator, tmp_path / "ckpt")
+    assert called == []
+    assert not list(tmp_path.parent.rglob("escaped"))
+
+
+def test_a_failing_save_hook_commits_nothing_and_leaves_nothing(tmp_path: Path) -> None:
+    accelerator, _ = _project_accelerator(tmp_path)
+
+    def failing_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        Path(output_dir, "partial.bin").write_bytes(b"half")
+        raise RuntimeError("the hook failed")
+
+    accelerator.register_save_state_pre_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="the hook failed"):
+        save_state(accelerator)
+    assert accelerator.project_configuration.iteration == 0
+    assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -187,3 +187,40 @@ def test_results_to_the_coordinator_only_and_failures_everywhere(tmp_path: Path)
         assert list(result["failures"]) == [2]
     assert Coordinator().step_to_coordinator("one process", lambda: 3) == [3]
     assert Coordinator().gather(4) == [4]
+
+
+def _lying_rank(rank: int, world_size: int, lie: str) -> dict[str, Any]:
+    """Rank 1 announces a report size other than what it has; every rank runs one step."""
+    import resource
+
+    from shardkeep.distributed import coordinator as coordination
+
+    if rank == 1:
+        honest = coordination._announce
+
+        def lying(payload: bytes) -> tuple[int, int]:
+            size, digest = honest(payload)
+            return {"huge": 3 * 2**30, "short": size - 7, "long": size + 7}[lie], digest
+
+        coordination._announce = lying  # type: ignore[assignment]
+    coordinator = Coordinator(timeout=30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        coordinator.step_to_coordinator("write the shards", lambda: {"files": ["rank_00001.safetensors"] * 50})
+    except sk.CoordinationError as exc:
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        return {"error": str(exc), "failures": list(exc.failures), "grown_kib": grown}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("lie", ["huge", "short", "long"])
+def test_a_rank_whose_report_disagrees_with_its_announcement_fails_every_rank(tmp_path: Path, lie: str) -> None:
+    # A claim of 3 GiB made the coordinator allocate it; a claim shorter than the bytes sent
+    # aborted the coordinator's process inside gloo (SIGABRT).
+    results = results_or_raise(run_ranks(2, _lying_rank, lie, outbox=tmp_path))
+    for result in results:
+        assert result["error"] is not None and result["failures"] == [1], result
+        assert "rank 1" in result["error"]
+    expected = "announced a report of 3221225472 bytes" if lie == "huge" else "do not match the digest it announced"
+    assert expected in results[0]["error"]
+    assert results[0]["grown_kib"] < 512 * 1024  # nothing near 3 GiB was allocated

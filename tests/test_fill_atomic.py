@@ -217,3 +217,25 @@ def test_a_module_with_its_own_state_dict_still_loads(tmp_path: Path) -> None:
     target = OwnStateDict()
     sk.load(tmp_path / "c", into={"model": target})
     assert torch.equal(target.linear.weight, source.linear.weight)
+
+
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        (lambda: {"model": torch.nn.Linear(4, 5)}, r"'model.weight'.*torch.float32\[5, 4\].*torch.float32\[3, 4\]"),
+        (lambda: {"model": torch.nn.Linear(4, 3).double()}, r"'model.weight'.*torch.float64\[3, 4\].*torch.float32"),
+        (lambda: {"model": torch.nn.Linear(4, 3), "other": torch.zeros(1)}, r"'other'.*not in the checkpoint"),
+        (lambda: {"model": torch.nn.Linear(4, 3, bias=False)}, r"'model'.*unexpected \['bias'\]"),
+        (lambda: {"w": torch.zeros(2)}, r"'w'.*float32\[2\].*float32\[3\]"),
+    ],
+)
+def test_shape_dtype_and_key_mismatches_raise_a_mismatch_error(tmp_path: Path, target: Any, match: str) -> None:
+    torch.manual_seed(0)
+    sk.save({"model": torch.nn.Linear(4, 3), "w": torch.zeros(3)}, tmp_path / "ckpt")
+    into = target()
+    before = {key: value.clone() for key, value in into["model"].state_dict().items()} if "model" in into else {}
+    with pytest.raises(sk.StateMismatchError, match=match) as caught:
+        sk.load(tmp_path / "ckpt", into=into)
+    assert isinstance(caught.value, sk.UnsupportedValueError)  # code that catches the base still works
+    for key, value in before.items():
+        assert torch.equal(into["model"].state_dict()[key], value)  # nothing changed

@@ -127,6 +127,7 @@ def test_rng_states_are_restored(tmp_path: Path) -> None:
     import numpy as np
 
     checkpoint = training_checkpoint()
+    checkpoint.track_rng = False  # the states given as rng= are saved as they are
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     manager = sk.CheckpointManager(tmp_path)
     manager.save(checkpoint, step=0)
@@ -135,6 +136,43 @@ def test_rng_states_are_restored(tmp_path: Path) -> None:
     loaded = sk.CheckpointManager(tmp_path).restore().state
     sk.TrainingCheckpoint.restore_rng(loaded.rng)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_by_default_each_save_records_the_rng_at_that_save_and_restore_puts_it_back(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    checkpoint = training_checkpoint()  # rng= captured once, at the start of the run
+    for _ in range(3):  # training draws from every generator
+        random.random(), np.random.rand(), torch.rand(1)
+    sk.CheckpointManager(tmp_path).save(checkpoint, step=3)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for _ in range(5):
+        random.random(), np.random.rand(), torch.rand(1)
+    sk.CheckpointManager(tmp_path).restore(into=checkpoint)  # no restore_rng call needed
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_track_rng_false_leaves_the_generators_alone_on_restore(tmp_path: Path) -> None:
+    checkpoint = training_checkpoint()
+    checkpoint.track_rng = False
+    sk.CheckpointManager(tmp_path).save(checkpoint, step=0)
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    sk.CheckpointManager(tmp_path).restore(into=checkpoint)
+    assert torch.equal(torch.rand(1), expected)
+    with pytest.raises(sk.CheckpointFieldError, match="track_rng"):
+        sk.TrainingCheckpoint(
+            model=checkpoint.model,
+            optimizer=checkpoint.optimizer,
+            model_args={},
+            iteration=0,
+            best_val_loss=None,
+            config={},
+            track_rng="yes",  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize(
@@ -556,3 +594,20 @@ def test_a_step_below_a_valid_newer_checkpoint_is_refused(tmp_path: Path) -> Non
     assert on_disk(tmp_path) == [200, 300]
     with pytest.raises(sk.ConfigError, match="step=-1"):
         manager.restore(step=-1)
+
+
+def test_pointers_name_the_new_checkpoint_even_when_retention_fails_to_delete(tmp_path: Path) -> None:
+    class NoDeleting(LocalStore):
+        def rename(self, source: str, destination: str) -> None:
+            if ".deleting-" in destination:
+                raise sk.StorageError(f"{source}: injected EIO while deleting")
+            super().rename(source, destination)
+
+    manager = sk.CheckpointManager(tmp_path, storage=NoDeleting(tmp_path), keep_last=1, keep_best=1)
+    manager.save(tiny(1), step=1, metrics={"val_loss": 2.0})
+    with pytest.raises(sk.RetentionError, match="injected EIO"):
+        manager.save(tiny(2), step=2, metrics={"val_loss": 1.0})
+    with pytest.raises(sk.RetentionError, match="injected EIO"):
+        manager.save(tiny(3), step=3, metrics={"val_loss": 0.5})
+    for pointer in ("last", "best"):
+        assert json.loads((tmp_path / pointer).read_text())["checkpoint"] == "step_00000003", pointer

@@ -43,6 +43,7 @@ EXPECTED_ALL = [
     "SaveInProgressError",
     "ShardkeepError",
     "SignatureError",
+    "StateMismatchError",
     "StorageError",
     "Tier",
     "TierBudgetError",

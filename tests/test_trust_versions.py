@@ -334,3 +334,91 @@ def test_a_module_whose_state_dict_takes_no_keep_vars_still_saves(tmp_path: Path
     model = Legacy()
     sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
     assert torch.equal(sk.load(tmp_path / "step_1")["model"]["weight"], torch.ones(4))
+
+
+_COLLECTIVES = ("broadcast", "all_reduce", "recv", "irecv", "scatter", "all_gather_single", "all_to_all_single")
+
+
+def _change_by_collective(rank: int, weight: torch.Tensor, collective: str) -> None:
+    """Write ``weight`` on every rank through ``collective`` (rank 0 changes its own first where
+    the collective sends from it), as a parameter sync does."""
+    import torch.distributed as dist
+
+    if collective == "broadcast":
+        if rank == 0:
+            with torch.no_grad():
+                weight.add_(1.0)
+        dist.broadcast(weight, src=0)
+    elif collective == "all_reduce":
+        dist.all_reduce(weight)
+    elif collective in ("recv", "irecv"):
+        if rank == 0:
+            with torch.no_grad():
+                weight.add_(1.0)
+            dist.send(weight.clone(), dst=1)
+        elif collective == "recv":
+            dist.recv(weight, src=0)
+        else:
+            dist.irecv(weight, src=0).wait()
+    elif collective == "scatter":
+        parts = [torch.full_like(weight, 5.0 + r) for r in range(2)] if rank == 0 else None
+        dist.scatter(weight, parts, src=0)
+    elif collective == "all_gather_single":
+        dist.all_gather_single(weight, torch.full((weight.numel() // 2,), float(rank + 3)))
+    elif collective == "all_to_all_single":
+        dist.all_to_all_single(weight, torch.full_like(weight, float(rank + 7)))
+    else:  # pragma: no cover
+        raise AssertionError(collective)
+
+
+def _save_collective_save(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
+    """Per collective: save, write every rank's weight through the collective, save again with
+    the proof; return what each rank's weight holds after the collective."""
+    after: dict[str, list[float]] = {}
+    for collective in _COLLECTIVES:
+        weight = torch.ones(4096)
+        state = {"model": {f"w{rank}": weight}}  # each rank saves its own weight
+        sk.save(state, f"{root}/{collective}/step_1", incremental=True, trust_versions=True)
+        _change_by_collective(rank, weight, collective)
+        sk.save(state, f"{root}/{collective}/step_2", incremental=f"{root}/{collective}/step_1", trust_versions=True)
+        after[collective] = weight.tolist()
+    return after
+
+
+def test_a_tensor_written_by_a_collective_is_never_proved_unchanged(tmp_path: Path) -> None:
+    # Collectives write tensors without moving their version counters: with a process group, the
+    # proof must not be trusted, or the second save references the first save's stale bytes.
+    from distributed_harness import results_or_raise, run_ranks
+
+    results = results_or_raise(run_ranks(2, _save_collective_save, str(tmp_path), outbox=tmp_path / "outbox"))
+    stale = []
+    for collective in _COLLECTIVES:
+        checkpoint = tmp_path / collective / "step_2"
+        assert sk.verify(checkpoint).ok, collective
+        loaded = sk.load(checkpoint)["model"]
+        for rank in range(2):
+            if loaded[f"w{rank}"].tolist() != results[rank][collective]:
+                stale.append(f"{collective} (rank {rank})")
+    assert stale == []
+
+
+def test_swap_tensors_works_on_parameters_a_proved_save_holds(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 8)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    replacement = torch.nn.Parameter(torch.full((8, 8), 3.0))
+    torch.utils.swap_tensors(model.weight, replacement)
+    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    assert torch.equal(sk.load(tmp_path / "step_2")["model"]["weight"], torch.full((8, 8), 3.0))
+
+
+def test_load_state_dict_with_the_swap_flag_works_after_a_proved_save(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 8)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict({"weight": torch.full((8, 8), 2.0), "bias": torch.zeros(8)})
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    assert torch.equal(sk.load(tmp_path / "step_2")["model"]["weight"], torch.full((8, 8), 2.0))

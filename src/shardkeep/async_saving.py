@@ -4,10 +4,18 @@
 collectives that planning needs), then a background thread writes this rank's files and
 completes the commit without any collective: ranks exchange outcomes through the process
 group's key-value store, and the coordinator commits once every rank has reported.
+
+A save still in flight when the interpreter exits (the script's last line, or a Ctrl-C during
+training) is settled before the interpreter's own thread pools shut down: the exit waits for
+it, at most until the save's deadline (``timeout=``), and logs whether it committed or failed.
+A Ctrl-C during that wait abandons the save: its writers stop at their next buffer and the
+staging directory is removed; the log says which of the two happened. The background thread
+is a daemon, so nothing but this bounded wait ever holds the exit.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -30,6 +38,12 @@ from shardkeep.verification import (
     read_checked_manifest,
 )
 
+logger = logging.getLogger("shardkeep")
+
+#: How long the exit waits, after a Ctrl-C abandoned a save, for its writers to stop and its
+#: staging directory to be removed.
+ABANDON_SECONDS = 30.0
+
 
 class SaveHandle:
     """The result of :func:`async_save`: the state is already staged when you get one.
@@ -43,11 +57,15 @@ class SaveHandle:
     is reused by every async save of the process, and grows by a quarter when too small).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, job: SaveJob | None = None, deadline: float | None = None) -> None:
         self.path = path
         self._finished = threading.Event()
         self._manifest: Manifest | None = None
         self._error: BaseException | None = None
+        self._reported = False  # result() has handed the outcome to the caller
+        self._job = job  # kept while in flight, to abandon the save at exit
+        self._deadline = deadline  # time.monotonic() by which the save's own deadline has passed
+        self._pid = os.getpid()  # a forked child inherits the handle, not the thread behind it
         self.blocked_seconds = 0.0
         self.staged_bytes = 0
         self.staging_arena_bytes = 0
@@ -65,6 +83,7 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> Manifest:
         if not self._finished.wait(timeout):
             raise SaveInProgressError(f"the save of {self.path} is still running after {timeout} s")
+        self._reported = True
         if self._error is not None:
             raise self._error
         assert self._manifest is not None
@@ -73,7 +92,62 @@ class SaveHandle:
     def _complete(self, manifest: Manifest | None, error: BaseException | None) -> None:
         self._manifest = manifest
         self._error = error
+        self._job = None
         self._finished.set()
+
+    def _settle_at_exit(self) -> None:
+        """At interpreter exit: wait for this save (bounded by its deadline), or abandon it on
+        Ctrl-C, and log the outcome the script never asked for."""
+        if self._pid != os.getpid() or (self.done() and self._reported):
+            return
+        if not self.done():
+            remaining = max(0.0, (self._deadline or time.monotonic()) - time.monotonic())
+            logger.warning(
+                "shardkeep: waiting for the async save of %s to finish before the interpreter exits "
+                "(at most %.0f s; Ctrl-C abandons it)",
+                self.path,
+                remaining,
+            )
+            try:
+                finished = self._finished.wait(remaining)
+            except KeyboardInterrupt:
+                self._abandon("a second Ctrl-C")
+                return
+            if not finished:
+                self._abandon(f"its deadline ({remaining:.0f} s)")
+                return
+        if self._error is None:
+            logger.warning("shardkeep: the async save of %s committed before exit", self.path)
+        else:
+            logger.error(
+                "shardkeep: the async save of %s failed and nothing was committed: %s: %s",
+                self.path,
+                type(self._error).__name__,
+                self._error,
+            )
+
+    def _abandon(self, why: str) -> None:
+        job = self._job
+        if job is not None:
+            job.cancelled.set()
+        logger.warning("shardkeep: abandoning the async save of %s after %s", self.path, why)
+        try:
+            finished = self._finished.wait(ABANDON_SECONDS)
+        except KeyboardInterrupt:
+            finished = False
+        if not finished:
+            logger.error(
+                "shardkeep: the async save of %s was left unfinished; nothing is committed, and its staging "
+                "directory is removed by a later save or `shardkeep prune` once its lease expires",
+                self.path,
+            )
+        elif self._error is None:
+            logger.warning("shardkeep: the async save of %s committed before it could be abandoned", self.path)
+        else:
+            logger.warning(
+                "shardkeep: the async save of %s was abandoned: nothing committed, its staging directory removed",
+                self.path,
+            )
 
 
 class AsyncSaver:
@@ -92,11 +166,19 @@ class AsyncSaver:
 
     @classmethod
     def default(cls) -> AsyncSaver:
-        """The process's saver (made on first use: importing shardkeep allocates nothing)."""
+        """The process's saver (made on first use: importing shardkeep allocates nothing and
+        registers no exit hook)."""
         with cls._default_lock:
             if cls._default is None:
                 cls._default = cls()
+                _register_exit_hook()
             return cls._default
+
+    def settle_at_exit(self) -> None:
+        """Settle the save in flight, if any (see the module docstring)."""
+        handle = self._inflight
+        if handle is not None:
+            handle._settle_at_exit()
 
     def save(
         self,
@@ -163,13 +245,16 @@ class AsyncSaver:
         except BaseException:
             job.abort()
             raise
-        handle = SaveHandle(str(location))
+        handle = SaveHandle(str(location), job, time.monotonic() + timeout)
         self._inflight = handle
         handle.staged_bytes = sum(item.nbytes for item in job.planned)
         handle.staging_arena_bytes = self.arena.capacity
         started = threading.Event()
         worker = threading.Thread(
-            target=_finish_in_background, args=(job, handle, after_commit, started), name="shardkeep-async-save"
+            target=_finish_in_background,
+            args=(job, handle, after_commit, started),
+            name="shardkeep-async-save",
+            daemon=True,  # the exit hook, not the interpreter's join, bounds the wait for it
         )
         worker.start()
         # Starting the thread is part of what the caller waits for (it can hand the interpreter
@@ -177,6 +262,34 @@ class AsyncSaver:
         job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started
         started.set()
         return handle
+
+
+def _register_exit_hook() -> None:
+    """Settle the save in flight when the interpreter exits, before the thread pools shut down.
+
+    ``concurrent.futures`` refuses new work once its own exit hook has run ("cannot schedule
+    new futures after interpreter shutdown"), and every write goes through a pool. Hooks
+    registered with ``threading._register_atexit`` run in reverse order of registration at the
+    start of shutdown, and ``concurrent.futures.thread`` registered its hook when it was
+    imported (``shardkeep.io`` imports it), so ours, registered later, runs first.
+    ``atexit`` would run too late: after the pools have shut down.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_settle_at_exit)
+        else:  # pragma: no cover - CPython 3.11+ has it
+            import atexit
+
+            atexit.register(_settle_at_exit)
+    except RuntimeError:  # already shutting down: there is nothing left to protect
+        pass
+
+
+def _settle_at_exit() -> None:
+    saver = AsyncSaver._default
+    if saver is not None:
+        saver.settle_at_exit()
 
 
 def _finish_in_background(

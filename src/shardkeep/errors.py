@@ -11,6 +11,8 @@
     ├── CheckpointExistsError    saving onto a checkpoint that is already committed
     ├── UnsafePathError          a path that escapes the checkpoint or is not a regular file
     ├── UnsupportedValueError    a state leaf, dtype or option value shardkeep cannot store
+    │   ├── StateMismatchError   a loaded value does not fit its target in into= (shape, dtype,
+    │   │                        keys, kind of object, optimizer kind or parameter groups)
     │   └── ConfigError          a checkpoint-manager configuration that is invalid
     │       └── TierBudgetError  a tensor does not fit its tier's budget and may not spill
     ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
@@ -59,6 +61,7 @@ __all__ = [
     "SaveInProgressError",
     "ShardkeepError",
     "SignatureError",
+    "StateMismatchError",
     "StorageError",
     "TierBudgetError",
     "UnsafePathError",
@@ -114,6 +117,13 @@ class UnsafePathError(ShardkeepError):
 
 class UnsupportedValueError(ShardkeepError):
     """A value (state leaf, dtype, option) cannot be stored; the message names its key."""
+
+
+class StateMismatchError(UnsupportedValueError):
+    """``load(..., into=...)`` found a value that does not fit its target: a shape or dtype
+    that differs, keys one side lacks, another kind of object, another optimizer kind or other
+    parameter groups. The message names the key and both sides; nothing in ``into`` changed.
+    (An :class:`UnsupportedValueError`, so code that catches that keeps working.)"""
 
 
 class StorageError(ShardkeepError):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkeep.errors import ShardkeepError, UnsupportedValueError
+from shardkeep.errors import ShardkeepError, StateMismatchError, UnsupportedValueError
 from shardkeep.tensors.convert import is_dtensor, local_region
 from shardkeep.tensors.regions import Region, region_slices
 
@@ -272,7 +272,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, new: Mapping[str, Any], n
     mine = [len(group["params"]) for group in optimizer.param_groups]
     theirs = [len(group["params"]) for group in groups]
     if mine != theirs:
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             f"{name!r}: the optimizer has parameter groups of sizes {mine}, the checkpoint {theirs}"
         )
     _check_optimizer_kind(optimizer, new, name)
@@ -375,7 +375,7 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer, new: Mapping[str, An
     if saved != target and (
         (saved_names and target_names and saved_names != target_names) or (saved - target and target - saved)
     ):
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             f"{name!r}: the checkpoint holds {saved_kind} state but the target is {mine}: its parameter groups "
             f"have {sorted(saved - target)} where {mine} has {sorted(target - saved)}"
         )
@@ -384,7 +384,7 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer, new: Mapping[str, An
     )
     target_fields = _state_fields(optimizer)
     if saved_fields and target_fields and not (saved_fields <= target_fields or target_fields <= saved_fields):
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             f"{name!r}: the checkpoint holds {saved_kind} state with fields {sorted(saved_fields)}, but the target "
             f"{mine} keeps {sorted(target_fields)}"
         )
@@ -449,10 +449,10 @@ def _plan_fill(
     tiers or sections): what was not loaded (the keys in ``absent``) is left as it is in
     ``target``. Keys ``target`` lacks are added, or skipped without ``add_extra``."""
     if not isinstance(target, Mapping) or not isinstance(loaded, Mapping):
-        raise UnsupportedValueError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
+        raise StateMismatchError(f"{prefix or '<root>'!r}: into= must mirror the saved state's mappings")
     missing = [key for key in target if key not in loaded]
     if missing and not partial:
-        raise UnsupportedValueError(f"keys {[_join(prefix, k) for k in missing]} of into= are not in the checkpoint")
+        raise StateMismatchError(f"keys {[_join(prefix, k) for k in missing]} of into= are not in the checkpoint")
     for key, new in loaded.items():
         name = _join(prefix, key)
         if key not in target:
@@ -504,7 +504,7 @@ def _plan_entry(
     else:
         if isinstance(current, (list, tuple)) and any(_is_live(element) for element in current):
             size = len(new) if isinstance(new, (list, tuple)) else None
-            raise UnsupportedValueError(
+            raise StateMismatchError(
                 f"{name!r}: into= holds a {type(current).__name__} of {len(current)} with modules, optimizers, "
                 f"tensors or arrays in it, and the checkpoint "
                 + (f"a list of {size}" if size is not None else f"a {type(new).__name__}")
@@ -525,9 +525,9 @@ def _is_live(value: Any) -> bool:
 def _fill_tensor(current: torch.Tensor, new: Any, name: str) -> _FillAction:
     """Copy a loaded tensor of the same shape and dtype into a writable tensor of ``into``."""
     if not isinstance(new, torch.Tensor):
-        raise UnsupportedValueError(_describe_mismatch(name, "a tensor", type(new).__name__))
+        raise StateMismatchError(_describe_mismatch(name, "a tensor", type(new).__name__))
     if current.shape != new.shape or current.dtype != new.dtype:
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             _describe_mismatch(name, f"{current.dtype}{list(current.shape)}", f"{new.dtype}{list(new.shape)}")
         )
     _check_writable(current, name)
@@ -537,7 +537,7 @@ def _fill_tensor(current: torch.Tensor, new: Any, name: str) -> _FillAction:
 def _fill_array(current: np.ndarray, new: Any, name: str) -> _FillAction:
     """Copy a loaded numpy array of the same shape and dtype into a writable array of ``into``."""
     if not isinstance(new, np.ndarray) or current.shape != new.shape or current.dtype != new.dtype:
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             _describe_mismatch(name, f"array {current.dtype}{list(current.shape)}", repr(getattr(new, "shape", new)))
         )
     _check_writable(current, name)
@@ -557,14 +557,14 @@ def _plan_module(
     all its ``load_state_dict`` would do (or it is sharded, or the load is partial), else its
     own ``load_state_dict``."""
     if not isinstance(new, Mapping):
-        raise UnsupportedValueError(_describe_mismatch(name, "a module", type(new).__name__))
+        raise StateMismatchError(_describe_mismatch(name, "a module", type(new).__name__))
     new = _with_tied_copies(module, new)
     own = module.state_dict()
     if partial:
         # Only what was loaded: each tensor copied into the module's own, in place.
         unexpected = sorted(set(new) - set(own))
         if unexpected:
-            raise UnsupportedValueError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
+            raise StateMismatchError(f"{name!r}: the checkpoint has keys the module lacks: {unexpected}")
         _plan_fill(dict(own), new, name, actions, partial=partial, absent=absent)
         return
     _check_module(module, new, name)
@@ -595,7 +595,7 @@ def _fill_dtensor(current: Any, new: Any, name: str) -> _FillAction:
     offset, local_shape = local_region(current)
     if isinstance(new, Region):
         if new.global_shape != list(current.shape) or new.offset != offset or new.dtype != current.dtype:
-            raise UnsupportedValueError(
+            raise StateMismatchError(
                 _describe_mismatch(
                     name, f"DTensor {current.dtype}{list(current.shape)}", f"{new.dtype}{new.global_shape}"
                 )
@@ -604,7 +604,7 @@ def _fill_dtensor(current: Any, new: Any, name: str) -> _FillAction:
         return _Copy(name, functools.partial(new.copy_into, local))
     if not isinstance(new, torch.Tensor) or tuple(current.shape) != tuple(new.shape) or current.dtype != new.dtype:
         found = f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
-        raise UnsupportedValueError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
+        raise StateMismatchError(_describe_mismatch(name, f"DTensor {current.dtype}{list(current.shape)}", found))
     return _Copy(name, functools.partial(current.to_local().copy_, new[region_slices(offset, local_shape)]))
 
 
@@ -625,7 +625,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, new: Mapping[str, A
         raise UnsupportedValueError(f"{name!r}: the checkpoint's optimizer param_groups are malformed")
     ids = [index for group in groups for index in group["params"]]
     if len(ids) != len(params):
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             f"{name!r}: the optimizer has {len(params)} parameters but the checkpoint has {len(ids)}"
         )
     by_id = dict(zip(ids, params, strict=True))
@@ -716,7 +716,7 @@ def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) ->
     missing = sorted(set(expected) - set(new))
     unexpected = sorted(set(new) - set(expected))
     if missing or unexpected:
-        raise UnsupportedValueError(
+        raise StateMismatchError(
             f"{name!r}: module keys differ from the checkpoint: missing {missing}, unexpected {unexpected}"
         )
     for key, tensor in expected.items():
@@ -726,7 +726,7 @@ def _check_module(module: torch.nn.Module, new: Mapping[str, Any], name: str) ->
         if isinstance(tensor, torch.Tensor) and (
             not isinstance(found, torch.Tensor) or found.shape != tensor.shape or found.dtype != tensor.dtype
         ):
-            raise UnsupportedValueError(
+            raise StateMismatchError(
                 _describe_mismatch(
                     f"{name}.{key}",
                     f"{tensor.dtype}{list(tensor.shape)}",

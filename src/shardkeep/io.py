@@ -95,15 +95,26 @@ class _Sink:
     """Writes buffers to a handle while other threads digest the same buffers: the file's
     digest, and for a chunk that may be read on its own, the chunk's digest too."""
 
-    def __init__(self, handle: WriteHandle, digester: Digester, hash_pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        handle: WriteHandle,
+        digester: Digester,
+        hash_pool: ThreadPoolExecutor,
+        cancelled: threading.Event | None = None,
+        path: str = "",
+    ) -> None:
         self._handle = handle
         self._digester = digester
         self._hash_pool = hash_pool
+        self._cancelled = cancelled
+        self._path = path
         self.size = 0
 
     def put(self, view: memoryview, entry_digester: Digester | None = None) -> None:
         if len(view) == 0:
             return
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise StorageError(f"{self._path}: the save was abandoned before this file was complete")
         if len(view) >= MiB:
             pending = [self._hash_pool.submit(self._digester.update, view)]
             if entry_digester is not None:
@@ -168,6 +179,7 @@ class _WriteSettings:
     compression_level: int | None
     coalesce_bytes: int
     piece_bytes: int
+    cancelled: threading.Event | None = None
 
     @staticmethod
     def split_share(share: int) -> tuple[int, int]:
@@ -289,7 +301,7 @@ def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> F
     if settings.compression_level is not None:
         handle = compressing = _CompressingWriter(handle, settings.compression_level, plan.record.size)
     try:
-        sink = _Sink(handle, digester, settings.hash_pool)
+        sink = _Sink(handle, digester, settings.hash_pool, settings.cancelled, plan.path)
         sink.put(memoryview(plan.header))
         _write_sources(sink, plan, settings)
         if sink.size != plan.record.size:
@@ -318,10 +330,13 @@ def write_shards(
     io_threads: int,
     on_bytes: Callable[[int], None] | None = None,
     compression_level: int | None = None,
+    cancelled: threading.Event | None = None,
 ) -> list[FileRecord]:
     """Write every planned file (at most ``io_threads`` at once), fsync each, and return their
     records with digests filled in. The first failure is raised after all writers stop.
-    With ``compression_level``, each file is zstd-compressed at that level as it is written."""
+    With ``compression_level``, each file is zstd-compressed at that level as it is written.
+    Once ``cancelled`` is set, the next buffer any writer would write raises a
+    :class:`~shardkeep.errors.StorageError` instead (each file is aborted)."""
     if not plans:
         return []
     workers = max(1, min(io_threads, len(plans), budget.limit // (64 * 1024)))
@@ -338,6 +353,7 @@ def write_shards(
             compression_level=compression_level,
             coalesce_bytes=coalesce_bytes,
             piece_bytes=piece_bytes,
+            cancelled=cancelled,
         )
         futures = [pool.submit(_write_one, store, plan, settings) for plan in plans]
         records: list[FileRecord] = []

@@ -12,8 +12,8 @@ the manifest, a digest on every file, no pickle. Lightning calls ``save_checkpoi
 ``process_group=shardkeep.LOCAL`` (no collective that the other ranks would never join).
 
 Values of a Lightning checkpoint that are not tensors or JSON are converted losslessly and
-restored on load; the conversions are recorded (by path) in the checkpoint itself under
-:data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
+restored on load (:mod:`shardkeep.conversions`); the conversions are recorded (by path) in the
+checkpoint itself under :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
 Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
 ``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device`` and
 ``argparse.Namespace``. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
@@ -39,26 +39,23 @@ failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import os
-import pathlib
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 import shardkeep.api as api
 from shardkeep.config import LOCAL
+from shardkeep.conversions import ValueEncoder, decode_values, where
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
     DependencyError,
-    IntegrityError,
     ShardkeepError,
     StorageError,
     UnsafePathError,
@@ -85,19 +82,6 @@ __all__ = ["RESERVED_KEY", "ShardkeepCheckpointIO"]
 
 #: The top-level key under which the plugin records its format and the value conversions.
 RESERVED_KEY = "__shardkeep_lightning__"
-FORMAT_VERSION = 1
-
-_INT64_MIN = -(1 << 63)
-_UINT64_MAX = (1 << 64) - 1
-_PATH_CLASSES = {cls.__name__: cls for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath)}
-_PATH_CLASSES["WindowsPath"] = pathlib.WindowsPath
-#: What a concrete path class recorded on another OS comes back as: its pure flavour, which keeps
-#: the string, the parts and the comparisons exactly (the native ``Path`` would not: it would read
-#: ``C:\\data`` as one relative POSIX name, or ``/data`` without a drive on Windows).
-_PURE_FLAVOUR: dict[type, type] = {
-    pathlib.PosixPath: pathlib.PurePosixPath,
-    pathlib.WindowsPath: pathlib.PureWindowsPath,
-}
 
 Path_ = str | os.PathLike[str]
 
@@ -107,215 +91,36 @@ Path_ = str | os.PathLike[str]
 # --------------------------------------------------------------------------------------------
 
 
-def _where(path: tuple[str | int, ...]) -> str:
-    return ".".join(str(part) for part in path) or "<root>"
+#: Mapping classes of a Lightning checkpoint, restored by name.
+_MAPPING_CLASSES: dict[str, type] = {"attribute_dict": AttributeDict}
 
 
-class _Encoder:
-    def __init__(self) -> None:
-        self.conversions: list[dict[str, Any]] = []
-
-    def record(self, path: tuple[str | int, ...], kind: str, **extra: Any) -> None:
-        self.conversions.append({"path": list(path), "type": kind, **extra})
-
-    def mapping(self, value: Mapping[Any, Any], path: tuple[str | int, ...]) -> dict[str | int, Any]:
-        out: dict[str | int, Any] = {}
-        for key, item in value.items():
-            if isinstance(key, bool) or type(key) not in (str, int):
-                raise UnsupportedValueError(
-                    f"Lightning checkpoint key {key!r} under {_where(path)!r} has type {type(key).__name__}; "
-                    "shardkeep stores dict keys that are str or int only"
-                )
-            out[key] = self.encode(item, (*path, key))
-        return out
-
-    def encode(self, value: Any, path: tuple[str | int, ...]) -> Any:
-        kind = type(value)
-        if isinstance(value, torch.Tensor):
-            if is_dtensor(value):  # a subclass too
-                raise UnsupportedValueError(
-                    f"{_where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
-                    "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
-                )
-            return value
-        if isinstance(value, np.ndarray) or value is None or kind in (bool, str, float):
-            return value
-        if kind is int:
-            if _INT64_MIN <= value <= _UINT64_MAX:
-                return value
-            self.record(path, "int")
-            return str(value)
-        if kind is dict:
-            return self.mapping(value, path)
-        if kind is collections.OrderedDict:
-            metadata = getattr(value, "_metadata", None)
-            extra: dict[str, Any] = {}
-            if metadata is not None:
-                extra["metadata"] = _module_metadata(metadata, path)
-            self.record(path, "ordered_dict", **extra)
-            return self.mapping(value, path)
-        if kind is AttributeDict:
-            self.record(path, "attribute_dict")
-            return self.mapping(value, path)
-        if kind is argparse.Namespace:
-            self.record(path, "namespace")
-            return self.mapping(vars(value), path)
-        if kind is list:
-            return [self.encode(item, (*path, index)) for index, item in enumerate(value)]
-        if kind is tuple:
-            return tuple(self.encode(item, (*path, index)) for index, item in enumerate(value))
-        if kind in (set, frozenset):
-            self.record(path, kind.__name__)
-            return [self.encode(item, (*path, index)) for index, item in enumerate(value)]
-        if kind in (bytes, bytearray):
-            self.record(path, kind.__name__)
-            return np.frombuffer(bytes(value), dtype=np.uint8).copy()
-        if kind is complex:
-            self.record(path, "complex")
-            return [value.real, value.imag]
-        if kind.__name__ in _PATH_CLASSES and _PATH_CLASSES[kind.__name__] is kind:
-            self.record(path, "path", cls=kind.__name__)
-            return str(value)
-        if isinstance(value, (np.number, np.bool_)):
-            self.record(path, "numpy_scalar")
-            return np.asarray(value)
-        if isinstance(value, torch.dtype):
-            self.record(path, "torch.dtype")
-            return str(value).removeprefix("torch.")
-        if isinstance(value, torch.device):
-            self.record(path, "torch.device")
-            return str(value)
+def _refuse_dtensor(value: torch.Tensor, path: tuple[str | int, ...]) -> None:
+    if is_dtensor(value):  # a subclass too
         raise UnsupportedValueError(
-            f"Lightning checkpoint value at {_where(path)!r} has type {kind.__module__}.{kind.__qualname__}, which "
-            "ShardkeepCheckpointIO does not store (it never pickles): use tensors, JSON values, paths, sets, "
-            "bytes, numpy scalars, torch dtypes/devices or Namespaces; for hyperparameters, convert the value "
-            "or leave it out with save_hyperparameters(ignore=[...])"
+            f"{where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
+            "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
         )
-
-
-def _module_metadata(metadata: Any, path: tuple[str | int, ...]) -> dict[str, Any]:
-    """The ``_metadata`` of a module state dict (prefix to ``{"version": n}``) as plain JSON."""
-    from shardkeep.tensors.flatten import is_plain_json
-
-    try:
-        plain = {str(prefix): dict(entry) for prefix, entry in metadata.items()}
-    except (AttributeError, TypeError, ValueError):
-        plain = None
-    if plain is None or not is_plain_json(plain) or set(plain) != set(metadata):
-        raise UnsupportedValueError(
-            f"the _metadata of the state dict at {_where(path)!r} is not plain JSON (module prefixes to "
-            "{'version': n}); ShardkeepCheckpointIO cannot store it"
-        )
-    return plain
 
 
 def encode_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` as a state :func:`shardkeep.save` stores, with the conversions recorded
-    under :data:`RESERVED_KEY`."""
+    """``checkpoint`` as a state :func:`shardkeep.save` stores, with the conversions
+    (:mod:`shardkeep.conversions`) recorded under :data:`RESERVED_KEY`."""
     if not isinstance(checkpoint, Mapping):
         raise UnsupportedValueError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
     if RESERVED_KEY in checkpoint:
         raise UnsupportedValueError(f"the checkpoint already has the key {RESERVED_KEY!r}, which the plugin reserves")
-    encoder = _Encoder()
+    encoder = ValueEncoder(
+        subject="Lightning checkpoint",
+        hint="; for hyperparameters, convert the value or leave it out with save_hyperparameters(ignore=[...])",
+        mapping_classes=_MAPPING_CLASSES,
+        check_tensor=_refuse_dtensor,
+    )
     if type(checkpoint) is not dict:
         encoder.record((), "ordered_dict" if type(checkpoint) is collections.OrderedDict else "dict")
     state = encoder.mapping(checkpoint, ())
-    state[RESERVED_KEY] = {"format": FORMAT_VERSION, "conversions": encoder.conversions}
+    state[RESERVED_KEY] = encoder.conversion_record()
     return state  # type: ignore[return-value]  # the top level keys were checked to be str or int
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}..."
-
-
-def _restored_value(value: Any, conversion: Mapping[str, Any], source: str) -> Any:
-    kind = conversion["type"]
-    where = _where(tuple(conversion["path"]))
-    try:
-        if kind == "dict":
-            return dict(value)
-        if kind == "ordered_dict":
-            result: Any = collections.OrderedDict(value)
-            if "metadata" in conversion:
-                result._metadata = collections.OrderedDict(
-                    (prefix, dict(entry)) for prefix, entry in conversion["metadata"].items()
-                )
-            return result
-        if kind == "attribute_dict":
-            return AttributeDict(value)
-        if kind == "namespace":
-            return argparse.Namespace(**value)
-        if kind == "int":
-            return int(value)
-        if kind in ("set", "frozenset"):
-            return set(value) if kind == "set" else frozenset(value)
-        if kind in ("bytes", "bytearray"):
-            raw = _as_numpy(value).astype(np.uint8, copy=False).tobytes()
-            return raw if kind == "bytes" else bytearray(raw)
-        if kind == "complex":
-            real, imag = value
-            return complex(real, imag)
-        if kind == "path":
-            cls = _PATH_CLASSES[conversion["cls"]]
-            if not isinstance(value, str):
-                raise TypeError(f"a path is stored as a str, found {type(value).__name__}")
-            try:
-                return cls(value)
-            except NotImplementedError:  # WindowsPath on POSIX, PosixPath on Windows
-                return _PURE_FLAVOUR[cls](value)
-        if kind == "numpy_scalar":
-            return _as_numpy(value)[()]
-        if kind == "torch.dtype":
-            dtype = getattr(torch, value)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{value!r} is not a torch dtype")
-            return dtype
-        if kind == "torch.device":
-            return torch.device(value)
-    # Whatever a damaged or hostile record holds, the result is an IntegrityError naming it
-    # (torch.device("nonsense") raises RuntimeError, int(float("inf")) OverflowError ...).
-    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RuntimeError) as exc:
-        raise IntegrityError(f"{source}: cannot restore the {kind} at {where!r}: {exc}") from exc
-    raise IntegrityError(f"{source}: {RESERVED_KEY} records an unknown conversion {_short(kind)} at {where!r}")
-
-
-def _as_numpy(value: Any) -> np.ndarray[Any, Any]:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
-def _conversion_records(record: Any, source: str) -> dict[tuple[str | int, ...], Mapping[str, Any]]:
-    """The conversions :data:`RESERVED_KEY` records, by path; every malformed record (whatever its
-    shape) is an :class:`IntegrityError` naming ``source``."""
-    if not isinstance(record, Mapping) or type(record.get("format")) is not int or record["format"] != FORMAT_VERSION:
-        found = record.get("format") if isinstance(record, Mapping) else record
-        raise IntegrityError(
-            f"{source}: {RESERVED_KEY} records format {_short(found)}; this shardkeep reads format {FORMAT_VERSION}"
-        )
-    listed = record.get("conversions", [])
-    if not isinstance(listed, (list, tuple)):
-        raise IntegrityError(
-            f"{source}: {RESERVED_KEY}.conversions is a {type(listed).__name__} ({_short(listed)}), not a list"
-        )
-    conversions: dict[tuple[str | int, ...], Mapping[str, Any]] = {}
-    for conversion in listed:
-        path = conversion.get("path") if isinstance(conversion, Mapping) else None
-        if (
-            not isinstance(path, (list, tuple))
-            or not all(type(part) in (str, int) for part in path)
-            or not isinstance(conversion.get("type"), str)
-        ):
-            raise IntegrityError(
-                f"{source}: {RESERVED_KEY} holds a malformed conversion record {_short(conversion)} "
-                "(a mapping with a 'path' list of str/int and a 'type' str)"
-            )
-        key = tuple(path)
-        if key in conversions:
-            raise IntegrityError(f"{source}: {RESERVED_KEY} records two conversions at {_where(key)!r}")
-        conversions[key] = conversion
-    return conversions
 
 
 def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:
@@ -324,31 +129,9 @@ def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> 
     record = state.pop(RESERVED_KEY, None)
     if record is None:
         return state  # a plain shardkeep checkpoint: nothing was converted
-    conversions = _conversion_records(record, source)
-    if not conversions:
-        return state
-    prefixes = {path[:length] for path in conversions for length in range(len(path) + 1)}
-    applied: set[tuple[str | int, ...]] = set()
-
-    def restore(value: Any, path: tuple[str | int, ...]) -> Any:
-        if path not in prefixes:
-            return value
-        if isinstance(value, dict):
-            value = {key: restore(item, (*path, key)) for key, item in value.items()}
-        elif isinstance(value, (list, tuple)):
-            value = type(value)(restore(item, (*path, index)) for index, item in enumerate(value))
-        conversion = conversions.get(path)
-        if conversion is None:
-            return value
-        applied.add(path)
-        return _restored_value(value, conversion, source)
-
-    restored: dict[str, Any] = restore(state, ())
-    if len(applied) != len(conversions):
-        missing = sorted(_where(path) for path in conversions if path not in applied)
-        raise IntegrityError(
-            f"{source}: {RESERVED_KEY} records conversions at {missing[:5]} where the checkpoint holds no such value"
-        )
+    restored: dict[str, Any] = decode_values(
+        state, record, source=source, record_name=RESERVED_KEY, mapping_classes=_MAPPING_CLASSES
+    )
     return restored
 
 

@@ -472,8 +472,10 @@ class CheckpointManager:
                     keep=(*decision.keep, name),
                     delete=tuple(other for other in decision.delete if other != name),
                 )
-            self.catalog.apply(decision, found)
+            # Pointers first: they name only checkpoints the decision keeps, so a failure while
+            # deleting never leaves them behind the save that just committed.
             self.catalog.write_pointers(entries, decision, self.policy.metric)
+            self.catalog.apply(decision, found)
             self.catalog.collect_leftovers(lease=self.staging_lease)
         except ShardkeepError as exc:
             raise RetentionError(
@@ -597,7 +599,8 @@ class CheckpointManager:
         :class:`~shardkeep.errors.CheckpointNotFoundError` if there is none. With a
         :class:`TrainingCheckpoint` as ``into``, its modules and optimizer are filled in place
         and its iteration, best_val_loss, rng and data_position replaced (model_args and config
-        stay as given); ``into=None`` returns a new TrainingCheckpoint (for a
+        stay as given), and with its ``track_rng`` (the default) the saved RNG states are put back
+        into Python's, numpy's and torch's generators; ``into=None`` returns a new TrainingCheckpoint (for a
         checkpoint saved from one) or a dict. A checkpoint whose model args or config differ
         from ``into``'s (or the manager's ``fingerprint``) raises
         :class:`~shardkeep.errors.FingerprintMismatchError` with a field-by-field diff, unless
@@ -637,6 +640,8 @@ class CheckpointManager:
                     skipped.append((name, reason))
                     continue
                 manifest, state = result
+                if isinstance(into, TrainingCheckpoint) and into.track_rng and into.rng is not None:
+                    TrainingCheckpoint.restore_rng(into.rng)  # every rank loaded: resume the random stream
                 if self._run_id is None and manifest.run is not None:
                     self._run_id = manifest.run.run_id
                 self._history = lineage(manifest)

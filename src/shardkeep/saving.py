@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -252,6 +253,8 @@ class SaveJob:
         self.started = time.perf_counter() if settings.started is None else settings.started
         #: Set by ``async_save`` once the caller resumes; a synchronous save blocks throughout.
         self.blocked_seconds: float | None = None
+        #: Set to abandon the save: the next buffer this rank would write fails the save instead.
+        self.cancelled = threading.Event()
         self.state = state
         self.location = location
         self.options = options
@@ -608,6 +611,7 @@ class SaveJob:
                 io_threads=self.options.io_threads,
                 on_bytes=update,
                 compression_level=self.options.compression_level if self.options.compression else None,
+                cancelled=self.cancelled,
             )
         finally:
             close()

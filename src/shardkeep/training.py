@@ -52,6 +52,13 @@ class TrainingCheckpoint:
     ``rng`` holds RNG states (see :meth:`capture_rng`), ``data_position`` any JSON value (an
     epoch and batch index, a sampler offset ...). Every field is checked on construction and on
     load; an error names the field.
+
+    With ``track_rng=True`` (the default) every save records the RNG states as they are at that
+    save (:meth:`capture_rng`, whatever ``rng`` holds), and
+    :meth:`~shardkeep.CheckpointManager.restore` with this object as ``into`` puts them back,
+    so a resumed run continues the random stream where the saved run was (dropout, sampling,
+    augmentation). ``track_rng=False`` saves ``rng`` as given (``None``: no RNG states) and
+    leaves the generators alone on restore.
     """
 
     model: Any
@@ -64,14 +71,18 @@ class TrainingCheckpoint:
     scheduler: Any = None
     rng: Mapping[str, Any] | None = None
     data_position: Any = None
+    track_rng: bool = True
 
     def __post_init__(self) -> None:
         self.model_args = json_mapping("model_args", self.model_args)
         self.config = json_mapping("config", self.config)
+        if not isinstance(self.track_rng, bool):
+            raise CheckpointFieldError("track_rng", f"must be True or False, got {self.track_rng!r}")
         _check_fields(self.__dict__, loaded=False)
 
     def to_state(self) -> dict[str, Any]:
-        """The state mapping saved for this checkpoint (live objects are kept as they are)."""
+        """The state mapping saved for this checkpoint (live objects are kept as they are; with
+        ``track_rng``, the RNG states captured now)."""
         _check_fields(self.__dict__, loaded=False)
         state: dict[str, Any] = {"schema": TRAINING_CHECKPOINT_SCHEMA}
         for name in _REQUIRED:
@@ -82,6 +93,8 @@ class TrainingCheckpoint:
             value = getattr(self, name)
             if value is not None:
                 state[name] = value
+        if self.track_rng:
+            state["rng"] = self.capture_rng()  # as they are now, at this save
         return state
 
     @classmethod

@@ -29,9 +29,23 @@ Some writes do not move the counter, and are handled or documented:
   shared memory, are not seen. That is why the proof is used only when the caller asks for it
   (``save(..., trust_versions=True)``); docs/tiers.md lists these limits for users.
 
+Collectives write tensors without moving their version counters either: ``broadcast``,
+``all_reduce``, ``recv``, ``scatter``, ``all_gather_single``, ``all_to_all_single``, DDP's
+parameter sync and FSDP's gathers all write through the backend. No proof is therefore made or
+used in a process that is part of a distributed job: one with an initialized
+``torch.distributed`` process group, or launched as one rank of a job (torchrun's and SLURM's
+environment: ``TORCHELASTIC_RUN_ID``, ``WORLD_SIZE`` above 1, ``SLURM_NTASKS`` above 1). There,
+``trust_versions=True`` hashes every file, and says so once in the log.
+
 The proof is made per file and falls back to hashing whenever any part of it is missing:
 another process (nothing recorded), a new tensor object, another storage object, a view, an
 inference-mode tensor (no counter), shared memory, a tensor subclass, a changed header.
+
+No reference to the tensor object itself is kept (a weak reference would make
+``torch.utils.swap_tensors``, and ``load_state_dict`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)``, refuse the parameter): a
+tensor is recognised by its ``id`` and its C++ tensor's address while its storage object, held
+weakly, is alive; a swapped parameter keeps its ``id`` but not its C++ tensor.
 
 What is recorded is only a fact about bytes: "this header and these tensors, at these versions,
 have this digest". It holds whatever became of the save that computed it, so it is recorded as
@@ -41,6 +55,7 @@ checked by the save itself, as for a hashed proof.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -52,12 +67,16 @@ __all__ = ["KNOWN", "KnownDigests", "TensorVersions", "capture"]
 
 Key = tuple[str, str, str]  # (store root, tier, path of the file in the checkpoint)
 
+logger = logging.getLogger("shardkeep")
+_told_distributed = False
+
 
 @dataclass(frozen=True)
 class _Seen:
     """One tensor as it was when its bytes were read."""
 
-    tensor: weakref.ref[Any]
+    tensor_id: int
+    impl: int  # the address of the C++ tensor behind the Python object (``_cdata``)
     storage: weakref.ref[Any]
     version: int
     data_ptr: int
@@ -66,11 +85,12 @@ class _Seen:
     dtype: Any
 
     def holds(self, tensor: Any) -> bool:
-        if id(self.tensor()) != id(tensor):  # the same object (a dead reference is None)
+        if id(tensor) != self.tensor_id or self.storage() is None:
             return False
         try:
             return (
-                tensor._version == self.version
+                tensor._cdata == self.impl
+                and tensor._version == self.version
                 and self.storage() is tensor.untyped_storage()
                 and tensor.data_ptr() == self.data_ptr
                 and tensor.storage_offset() == 0
@@ -91,6 +111,8 @@ def capture(arrays: Sequence[Any]) -> TensorVersions:
     """The version proof of ``arrays`` as they are now, taken before their bytes are read."""
     import torch
 
+    if _in_distributed_job():
+        return None
     seen = []
     for array in arrays:
         tensor: Any = array
@@ -105,7 +127,8 @@ def capture(arrays: Sequence[Any]) -> TensorVersions:
                 return None  # a view into a larger buffer, which other tensors may write unseen
             seen.append(
                 _Seen(
-                    tensor=weakref.ref(tensor),
+                    tensor_id=id(tensor),
+                    impl=tensor._cdata,
                     storage=weakref.ref(storage),
                     version=tensor._version,
                     data_ptr=tensor.data_ptr(),
@@ -151,7 +174,7 @@ class KnownDigests:
         """Drop the entries whose tensors are all gone: they can never prove anything again (a
         process that saves into many roots would otherwise keep them all)."""
         self._entries = {
-            key: entry for key, entry in self._entries.items() if any(seen.tensor() is not None for seen in entry[1])
+            key: entry for key, entry in self._entries.items() if any(seen.storage() is not None for seen in entry[1])
         }
         self._by_storage = {}
         for key, (_, seen_all, _) in self._entries.items():
@@ -171,7 +194,7 @@ class KnownDigests:
         """The digest of ``header`` then ``arrays``' bytes, if the version proof holds."""
         with self._lock:
             entry = self._entries.get(key)
-        if entry is None:
+        if entry is None or _in_distributed_job():
             return None
         known_header, seen, digest = entry
         if known_header != header or len(seen) != len(arrays):
@@ -184,6 +207,27 @@ class KnownDigests:
         with self._lock:
             self._entries.clear()
             self._by_storage.clear()
+
+
+def _in_distributed_job() -> bool:
+    """Whether this process is, or may be, one rank of a distributed job, where collectives
+    write tensors unseen by their version counters (said once in the log)."""
+    global _told_distributed
+    import torch.distributed as dist
+
+    launched = bool(os.environ.get("TORCHELASTIC_RUN_ID")) or any(
+        os.environ.get(name, "1").isdigit() and int(os.environ.get(name, "1")) > 1
+        for name in ("WORLD_SIZE", "SLURM_NTASKS")
+    )
+    if not launched and not (dist.is_available() and dist.is_initialized()):
+        return False
+    if not _told_distributed:
+        _told_distributed = True
+        logger.warning(
+            "trust_versions=True proves nothing in a distributed job (collectives write tensors without moving "
+            "their version counters): every file is hashed"
+        )
+    return True
 
 
 #: The process's record (a forked child inherits it: the same objects, at the same versions).

@@ -28,10 +28,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import xxhash
+
 from shardkeep.config import LOCAL
 from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
-__all__ = ["DEFAULT_TIMEOUT", "LOCAL", "Coordinator", "RankFailure"]
+__all__ = ["DEFAULT_TIMEOUT", "LOCAL", "MAX_REPORT_BYTES", "Coordinator", "RankFailure"]
 
 T = TypeVar("T")
 
@@ -204,8 +206,10 @@ class Coordinator:
         On a gloo group the coordinator receives exactly the bytes the ranks send: one small
         gather of sizes, then one message per rank. (torch's ``gather_object`` pads every payload
         to the largest, so one large payload, the lists of one expert-parallel class, say,
-        would cost ranks times its size.) Other backends go through ``gather_object``, whose
-        tensors live where the backend wants them."""
+        would cost ranks times its size.) No rank's announcement is trusted: a report over
+        :data:`MAX_REPORT_BYTES`, or bytes that disagree with the announced size and digest,
+        come back as that rank's ``("error", RankFailure)`` (see :meth:`_gather_exact`). Other
+        backends go through ``gather_object``, whose tensors live where the backend wants them."""
         if not self.distributed:
             return [value]
         destination = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -215,31 +219,63 @@ class Coordinator:
         self._collective(label, lambda: self._dist.gather_object(value, gathered, dst=destination, group=self.group))
         return gathered
 
-    def _gather_exact(self, value: T, destination: int) -> list[T] | None:
-        """:meth:`gather` without padding: sizes first (8 bytes a rank), then each payload as a
-        message of its own size. Pickled, like torch's object collectives: it only ever moves
-        values between the ranks of one job."""
+    def _gather_exact(self, value: T, destination: int) -> list[Any] | None:
+        """:meth:`gather` without padding: each rank announces the size and xxh64 of its
+        payload (16 bytes a rank), then sends exactly the announced number of bytes as one
+        message. Pickled, like torch's object collectives: it only ever moves values between
+        the ranks of one job.
+
+        The coordinator trusts no announcement: a size above :data:`MAX_REPORT_BYTES` is that
+        rank's failure, refused before anything is allocated (the rank sends nothing then),
+        and bytes that do not match the announced digest are that rank's failure too. A
+        refused rank's value is ``("error", RankFailure)``, the shape of a failed outcome of
+        :meth:`step_to_coordinator`, so every rank then raises a
+        :class:`~shardkeep.errors.CoordinationError` naming it. A rank sends exactly what it
+        announced (its payload cut or padded to that size), so no message can outgrow the
+        buffer the coordinator posts for it (gloo aborts the process on that)."""
         import torch
 
         dist = self._dist
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)] if self.is_coordinator else None
-        dist.gather(size, sizes, dst=destination, group=self.group)
+        size, digest = _announce(payload)
+        announced = torch.tensor([size, digest], dtype=torch.int64)
+        announcements = (
+            [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)] if self.is_coordinator else None
+        )
+        dist.gather(announced, announcements, dst=destination, group=self.group)
         if not self.is_coordinator:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=destination, group=self.group)
+            if 0 < size <= MAX_REPORT_BYTES:
+                message = bytearray(payload[:size].ljust(size, b"\0"))
+                dist.send(torch.frombuffer(message, dtype=torch.uint8), dst=destination, group=self.group)
             return None
-        assert sizes is not None
-        buffers = [torch.empty(int(sizes[rank].item()), dtype=torch.uint8) for rank in range(self.world_size)]
+        assert announcements is not None
+        claims = [(int(item[0]), int(item[1])) for item in announcements]
+        buffers: dict[int, Any] = {}
+        gathered: list[Any] = [value] + [None] * (self.world_size - 1)
+        for rank in range(1, self.world_size):
+            claimed = claims[rank][0]
+            if not 0 < claimed <= MAX_REPORT_BYTES:
+                gathered[rank] = _refused(
+                    rank, f"announced a report of {claimed} bytes; a rank may send 1 to {MAX_REPORT_BYTES} bytes"
+                )
+            else:
+                buffers[rank] = torch.empty(claimed, dtype=torch.uint8)
         pending = [
-            dist.irecv(buffers[rank], src=dist.get_global_rank(self.group, rank), group=self.group)
-            for rank in range(1, self.world_size)
+            dist.irecv(buffer, src=dist.get_global_rank(self.group, rank), group=self.group)
+            for rank, buffer in buffers.items()
         ]
         deadline = _dt.timedelta(seconds=self.timeout)
         for work in pending:
             work.wait(deadline)
-        gathered: list[Any] = [value]
-        gathered += [pickle.loads(buffers[rank].numpy().tobytes()) for rank in range(1, self.world_size)]
+        for rank, buffer in buffers.items():
+            received = buffer.numpy().tobytes()
+            if _announce(received)[1] != claims[rank][1]:
+                gathered[rank] = _refused(rank, f"sent {len(received)} bytes that do not match the digest it announced")
+                continue
+            try:
+                gathered[rank] = pickle.loads(received)
+            except Exception as exc:
+                gathered[rank] = _refused(rank, f"sent a report that cannot be decoded: {type(exc).__name__}: {exc}")
         return gathered
 
     # -- errors as values ---------------------------------------------------------------------
@@ -408,6 +444,25 @@ class Coordinator:
         with contextlib.suppress(Exception):
             for name in [*keys, f"{key}/result"]:
                 store.delete_key(name)
+
+
+#: The most bytes one rank may send the coordinator in one gather (:meth:`Coordinator.gather`,
+#: which carries each rank's file records in a save). A rank's report holds a few hundred bytes
+#: per file it wrote (and per tensor entry in format 1.x), so real reports stay far below it; a
+#: larger announcement is refused as that rank's failure before anything is allocated.
+MAX_REPORT_BYTES = 256 * 2**20
+
+
+def _announce(payload: bytes) -> tuple[int, int]:
+    """What a rank announces before sending ``payload``: its size, and its xxh64 as a signed
+    64-bit integer (what an int64 tensor carries)."""
+    digest = xxhash.xxh64_intdigest(payload)
+    return len(payload), digest - (1 << 64) if digest >= 1 << 63 else digest
+
+
+def _refused(rank: int, why: str) -> tuple[str, RankFailure]:
+    """The failed outcome the coordinator records for a rank whose report it cannot take."""
+    return ("error", RankFailure(rank, "CoordinationError", f"rank {rank} {why}"))
 
 
 #: Bytes per rank of the fixed-size all-gather of small values (see ``Coordinator.all_gather``).
