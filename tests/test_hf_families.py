@@ -194,3 +194,42 @@ def test_both_ways_theirs_and_ours(name: str, tmp_path: Path) -> None:
     assert f"keys checked against {type(model).__name__}" in out
     _same_folder(tmp_path / "ours", theirs)
     assert torch.equal(_outputs(_from_pretrained(tmp_path / "ours")), expected)
+
+
+def test_an_import_without_transformers_keeps_the_folder_keys_and_exports_the_same_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model("mixtral")
+    model.save_pretrained(tmp_path / "theirs", max_shard_size=SHARD)
+    with monkeypatch.context() as hidden:
+        hidden.setitem(__import__("sys").modules, "transformers", None)  # import transformers raises ImportError
+        _run("import", str(tmp_path / "theirs"), str(tmp_path / "imported"))
+    keys = sk.read_manifest(tmp_path / "imported").custom_fields["imported_from"]["keys"]
+    assert keys == "as in the folder (transformers is not installed to convert them)"
+    assert set(sk.load(tmp_path / "imported")["model"]) == set(_weights(tmp_path / "theirs"))
+    # The export recognises a folder's keys: the folder written is the one save_pretrained wrote.
+    out = _run(
+        "export", str(tmp_path / "imported"), str(tmp_path / "again"), "--format", "hf", "--max-shard-size", SHARD
+    )
+    assert "keys checked against MixtralForCausalLM" in out
+    _same_folder(tmp_path / "again", tmp_path / "theirs")
+
+
+def test_the_model_class_given_is_the_one_checked(tmp_path: Path) -> None:
+    from shardkeep.hf import export_hf
+
+    model = _model("bert-mlm")
+    sk.save({"model": model}, tmp_path / "ckpt")
+    config = model.config.to_dict()
+    with pytest.raises(sk.ConfigError, match="do not fit BertForSequenceClassification"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config, model_class="BertForSequenceClassification")
+    with pytest.raises(sk.ConfigError, match="names the architecture 'pipeline'"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config, model_class="pipeline")
+    with pytest.raises(sk.ConfigError, match="needs a config and the key check"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", model_class="BertForMaskedLM")
+    assert not (tmp_path / "hf").exists()
+    # A config naming another class: the class given wins, and config.json names it.
+    config["architectures"] = ["BertLMHeadModel"]
+    summary = export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config, model_class="BertForMaskedLM")
+    assert summary.checked_against == "BertForMaskedLM" and any("names BertLMHeadModel" in n for n in summary.notes)
+    assert torch.equal(_outputs(_from_pretrained(tmp_path / "hf")), _outputs(model))

@@ -4,27 +4,35 @@
 Export (:func:`export_hf`) loads the checkpoint with every digest (and, with ``public_key``, the
 signature) checked before a byte is written, takes the tensors under one subtree (``model``:
 ``model.transformer.wte.weight`` becomes ``transformer.wte.weight``) and writes them as
-safetensors files with ``{"format": "pt"}`` metadata, split at ``max_shard_size`` and named as
-``save_pretrained`` names them (``model.safetensors``, or ``model-00001-of-0000N.safetensors``
-plus ``model.safetensors.index.json``), with ``config.json`` beside them. The folder is built
+safetensors files with ``{"format": "pt"}`` metadata, split at ``max_shard_size`` by
+``huggingface_hub.split_torch_state_dict_into_shards`` and named as ``save_pretrained`` names
+them (``model.safetensors``, or ``model-00001-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` with ``total_parameters`` and ``total_size``), with
+``config.json`` beside them. The folder is built
 under a temporary name next to the destination and renamed into place: it is there whole or
 not at all. ``overwrite`` replaces only a folder holding nothing but those files (so never a
 checkpoint, a directory holding one, or files an export would not write back), by swapping
 the two folders in one ``renameat2(RENAME_EXCHANGE)`` and then removing the old one's files.
 
-With a config, the exported keys are compared with the keys the model class expects (the class
-is built from the config on the meta device, so no memory is spent on weights): a key the model
-expects and the folder lacks would be initialised at random by ``from_pretrained`` without an
-error, so any difference is refused, naming the keys and the subtree that would fit. The same
+With a config, the exported keys and shapes are compared with the ones the model class expects
+(the class, named by ``model_class``, the config's ``architectures`` or the keys, is built from
+the config on the meta device, so no memory is spent on weights): a key the model expects and
+the folder lacks would be initialised at random by ``from_pretrained`` without an error, so any
+difference is refused, naming the keys (or the shapes) and the subtree that would fit. The same
 meta model says which weights are tied (``lm_head.weight`` to ``transformer.wte.weight`` in
 GPT-2): the tied copy is left out, as ``save_pretrained`` leaves it out, but only when its bytes
-equal the kept one's. ``transformers`` is imported only for that check.
+equal the kept one's. The model's keys are then written under the keys ``save_pretrained``
+writes, through transformers' own key conversions (:func:`to_folder_keys`: per-expert weights
+for the fused expert tensors of Mixtral and Qwen2-MoE). ``transformers`` is imported only for
+the check.
 
 Import (:func:`read_folder`) reads ``model.safetensors`` or the shards an index names, with
 ``safetensors`` only (no pickle): the index is checked first (every file named inside the
 folder and present, every key in exactly one file, every file holding exactly the keys the
 index gives it). A folder holding only ``pytorch_model.bin`` is refused: import that file with
-``--format pt`` (read with ``torch.load(weights_only=True)``).
+``--format pt`` (read with ``torch.load(weights_only=True)``). :func:`model_keys_of` then puts
+its tensors under the model's state_dict keys, converted as ``from_pretrained`` converts them
+(:func:`to_model_keys`), so that they load into that model with ``shardkeep.load(..., into=)``.
 """
 
 from __future__ import annotations
@@ -63,8 +71,11 @@ __all__ = [
     "HFFolder",
     "export_hf",
     "is_hf_folder",
+    "model_keys_of",
     "parse_size",
     "read_folder",
+    "to_folder_keys",
+    "to_model_keys",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -799,7 +810,8 @@ def export_hf(
     ``model_class``); ``config.json`` then names the class checked. Tensors under the model's
     state_dict keys are written under the keys ``save_pretrained`` writes (transformers' own
     key conversions, reverted as it reverts them); tensors already under those keys (an import
-    without transformers) are written as they are. ``public_key`` and ``load_options`` go to
+    without transformers) are read as ``from_pretrained`` reads them first, so the folder is
+    the one ``save_pretrained`` writes either way. ``public_key`` and ``load_options`` go to
     :func:`shardkeep.load`, which checks every digest (and the signature) before any tensor is
     read.
 
@@ -853,6 +865,15 @@ def export_hf(
         label = config_source or "given"
         model = _check_keys(_model_keys(config_doc, label, model_class), tensors, every_key, subtree, label)
         checked_against = model.name
+        if model.folder:
+            # A folder's keys (an import without transformers): read as from_pretrained reads
+            # them, to be written as save_pretrained writes the model.
+            try:
+                tensors = to_model_keys(model.meta, tensors)
+            except Exception as exc:  # whatever transformers' converters raise
+                raise ConfigError(
+                    f"transformers could not convert the tensors to the keys of {model.name}: {_one_line(exc)}"
+                ) from exc
         named = config_doc.get("architectures")
         if named != [model.name]:
             config_doc["architectures"] = [model.name]  # as save_pretrained writes it: the class checked
@@ -869,16 +890,15 @@ def export_hf(
                         "(from_pretrained will not tie them)"
                     )
         total_parameters = int(model.meta.num_parameters())
-        if not model.folder:
-            order = {key: index for index, key in enumerate(model.meta.state_dict())}
-            tensors = dict(sorted(tensors.items(), key=lambda item: order.get(item[0], len(order))))
-            try:
-                tensors = to_folder_keys(model.meta, tensors)
-            except Exception as exc:  # whatever transformers' converters raise
-                raise ConfigError(
-                    f"transformers could not convert the keys of {model.name} to the ones save_pretrained writes: "
-                    f"{_one_line(exc)}"
-                ) from exc
+        order = {key: index for index, key in enumerate(model.meta.state_dict())}
+        tensors = dict(sorted(tensors.items(), key=lambda item: order.get(item[0], len(order))))
+        try:
+            tensors = to_folder_keys(model.meta, tensors)
+        except Exception as exc:  # whatever transformers' converters raise
+            raise ConfigError(
+                f"transformers could not convert the keys of {model.name} to the ones save_pretrained writes: "
+                f"{_one_line(exc)}"
+            ) from exc
 
     plan, total_size = _plan_files(tensors, limit)
     if total_parameters is None:  # no model to count its parameters: every element written
