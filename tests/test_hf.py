@@ -588,6 +588,10 @@ def test_an_imported_folder_without_the_tied_copy_loads_into_a_tied_model(name: 
     sk.load(tmp_path / "ckpt", into={"model": fresh})
     assert fresh.lm_head.weight is fresh.get_input_embeddings().weight  # still tied
     assert torch.equal(_logits(fresh), _logits(model))
+    with torch.no_grad():
+        fresh.get_input_embeddings().weight.zero_()
+    sk.load(tmp_path / "ckpt", into={"model": fresh}, extra="ignore")  # reading only what into= holds
+    assert torch.equal(_logits(fresh), _logits(model))
 
 
 def test_a_missing_key_is_satisfied_only_by_a_tensor_it_shares_storage_with(tmp_path: Path) -> None:
@@ -620,3 +624,23 @@ def test_a_config_of_other_shapes_is_refused_naming_the_key_and_both_shapes(tmp_
         export_hf(tmp_path / "ckpt", tmp_path / "hf", config=config)
     assert not (tmp_path / "hf").exists()
     assert not [entry for entry in os.listdir(tmp_path) if entry.startswith(".")]
+
+
+def test_an_imported_folder_loads_into_a_tied_fsdp2_model(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _gpt2()
+    model.save_pretrained(tmp_path / "hf-model")
+    import_checkpoint(tmp_path / "hf-model", tmp_path / "ckpt", source_format="hf")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1)
+        sharded = transformers.GPT2LMHeadModel(model.config).eval()
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        assert sharded.lm_head.weight is sharded.transformer.wte.weight  # one DTensor for both keys
+        sk.load(tmp_path / "ckpt", into={"model": sharded})
+        assert torch.equal(_logits(sharded), _logits(model))
+    finally:
+        dist.destroy_process_group()

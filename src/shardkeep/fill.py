@@ -671,7 +671,7 @@ def _join(prefix: str, key: Any) -> str:
 
 def _with_tied_copies(module: torch.nn.Module, new: Mapping[str, Any]) -> Mapping[str, Any]:
     """``new`` completed with the module's tied keys it lacks: a key is tied when its tensor is
-    the very tensor (or the same view of the same storage) of another key, as GPT-2's
+    the very tensor (the same view of the same storage) of another key, as GPT-2's
     ``lm_head.weight`` is ``transformer.wte.weight``. Formats that write each tensor once
     (``save_pretrained``, and so an imported Hugging Face folder) keep only one of the keys; the
     value loaded for the one kept fills the other, which is the same tensor. A key whose tensor
@@ -680,34 +680,47 @@ def _with_tied_copies(module: torch.nn.Module, new: Mapping[str, Any]) -> Mappin
     absent = [key for key in own if key not in new]
     if not absent:
         return new
+    present: dict[tuple[Any, ...], str] = {}
+    for key, tensor in own.items():
+        view = _storage_view(tensor)
+        if key in new and view is not None:
+            present.setdefault(view, key)
     completed = dict(new)
     for key in absent:
-        tensor = own[key]
-        source = next((other for other in own if other in new and _same_tensor(own[other], tensor)), None)
+        view = _storage_view(own[key])
+        source = present.get(view) if view is not None else None
         if source is not None:
             completed[key] = new[source]
     return completed
 
 
-def _same_tensor(first: Any, second: Any) -> bool:
-    """True when ``first`` and ``second`` are one tensor: the same object, or the same view
-    (offset, shape, strides, dtype) of one storage that holds data."""
-    if first is second:
-        return True
-    if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
-        return False
-    if is_dtensor(first) or is_dtensor(second):
-        return False  # DTensors are tied only when they are one object (FSDP2 keeps one for tied weights)
-    if first.device != second.device or first.is_meta or first.layout is not torch.strided:
-        return False
-    if second.layout is not torch.strided or first.untyped_storage().data_ptr() == 0:
-        return False
+def _storage_view(tensor: Any) -> tuple[Any, ...] | None:
+    """What makes ``tensor`` one tensor with another: its storage, offset, shape, strides, dtype
+    and device (for a DTensor, those of its local shard, with its global shape and placements);
+    None for what holds no data (meta tensors, other values)."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    extra: tuple[Any, ...] = ()
+    if is_dtensor(tensor):
+        sharded: Any = tensor
+        extra = (tuple(sharded.shape), tuple(sharded.placements))
+        tensor = sharded.to_local()
+    if tensor.is_meta or tensor.layout is not torch.strided:
+        return None
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass without storage of its own: tied only as one object
+        return None
+    if address == 0:
+        return None
     return (
-        first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-        and first.storage_offset() == second.storage_offset()
-        and first.shape == second.shape
-        and first.stride() == second.stride()
-        and first.dtype == second.dtype
+        tensor.device,
+        address,
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        *extra,
     )
 
 
