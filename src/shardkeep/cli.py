@@ -195,7 +195,8 @@ def _add_import_command(commands: Any) -> None:
         "no code. A torch.distributed.checkpoint directory keeps its metadata as a Python pickle, and reading a "
         "pickle runs the code it names: it is refused unless --trust-pickle is given. A Hugging Face model folder "
         "(model.safetensors, or shards and model.safetensors.index.json) is read with safetensors only, after its "
-        "index is checked; its tensors go under --subtree and its config.json under the value hf_config. A folder "
+        "index is checked; its tensors go under --subtree, under the model's state_dict keys as from_pretrained "
+        "converts them (with transformers and a config.json), and its config.json under the value hf_config. A folder "
         "of pytorch_model.bin pickles is refused: import the .bin file itself (--format pt).",
     )
     importing.add_argument(
@@ -233,8 +234,8 @@ def _add_export_command(commands: Any) -> None:
         "weights_only=True) or one safetensors file (tensors under dotted keys; JSON values in the header's "
         "metadata as shardkeep.values). With --format hf, DEST is a folder that transformers' from_pretrained "
         "loads: the tensors under --subtree (prefix stripped) in safetensors files split at --max-shard-size, "
-        "config.json, tied copies left out; with a config, the keys are checked against the model class and a "
-        "mismatch is an error. DEST is written under a temporary name and renamed into place.",
+        "config.json, tied copies left out, keys as save_pretrained writes them; with a config, the keys and shapes "
+        "are checked against the model class and a mismatch is an error. DEST is written under a temporary name and renamed into place.",
     )
     exporting.add_argument("path", metavar="PATH", help="a committed checkpoint: a directory or a URL")
     exporting.add_argument(

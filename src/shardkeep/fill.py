@@ -709,7 +709,7 @@ def _storage_view(tensor: Any) -> tuple[Any, ...] | None:
         return None
     try:
         address = tensor.untyped_storage().data_ptr()
-    except RuntimeError:  # a wrapper subclass without storage of its own: tied only as one object
+    except RuntimeError:  # a wrapper subclass without a storage of its own: not recognised as tied
         return None
     if address == 0:
         return None
