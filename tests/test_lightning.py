@@ -685,12 +685,25 @@ def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> 
         monkeypatch.setattr(skl, "_remove_tree", partial_delete_then_crash)
 
 
+#: Working names of a name beyond 88 bytes are tagged with its digest (90 bytes: a
+#: ModelCheckpoint name with metrics; 255 bytes: the longest name a directory can have).
+LONG_NAMES = {
+    "last.ckpt": "last.ckpt",
+    "90-bytes": "epoch=12-step=3400-val_loss=0.1234-val_acc=0.9876-train_loss=0.2345-lr=0.0001-seed=42.ckpt",
+    "255-bytes": "检" * 83 + "epoch.ckpt"[:6],
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_NAMES))
 @pytest.mark.parametrize("then", ["recover", "remove"])
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
-def test_every_crash_point_of_a_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str) -> None:
+def test_every_crash_point_of_a_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str, name: str
+) -> None:
     if CRASH_POINTS[point][0] and not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
-    target = tmp_path / "last.ckpt"
+    target = tmp_path / LONG_NAMES[name]
+    assert len(target.name.encode()) in (9, 90, 255)
     io = ShardkeepCheckpointIO()
     io.save_checkpoint({**state(1), "global_step": 100}, target)
     crash_save_at(point, monkeypatch, target)
@@ -704,7 +717,7 @@ def test_every_crash_point_of_a_replace(tmp_path: Path, monkeypatch: pytest.Monk
         assert value_at(target) == expected and sk.verify(target).ok
     if then == "recover":
         ShardkeepCheckpointIO.clean_leftovers(tmp_path)
-        assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2 and sk.verify(target).ok
+        assert entries(tmp_path) == [target.name] and value_at(target) == 2 and sk.verify(target).ok
     else:
         crash_removing(monkeypatch)  # killed once everything is renamed away, before any deletion
         with pytest.raises(KeyboardInterrupt):

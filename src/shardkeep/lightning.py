@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
+import logging
 import os
 import pathlib
 import shutil
@@ -64,7 +64,8 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import Manifest
+from shardkeep.manifest import STAGING_MARKER, Manifest
+from shardkeep.names import NAME_MAX, check_name_length, name_digest
 from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
 from shardkeep.tensors.convert import is_dtensor
 from shardkeep.verification import read_manifest
@@ -100,6 +101,8 @@ _PURE_FLAVOUR: dict[type, type] = {
 }
 
 Path_ = str | os.PathLike[str]
+
+logger = logging.getLogger("shardkeep")
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,24 +456,52 @@ def _is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
 
 
+#: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
+_ID_CHARS = 32
+#: The most bytes of a tag: a working name (``<tag>new-<id>``) and the staging directory
+#: shardkeep.save makes of it (``<tag>new-<id>.tmp-<uuid>``) must fit in one path component.
+_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - 32
+
+
 def _tag(name: str) -> str:
-    """The hidden prefix of ``name``'s sibling working names: ``.sk-<hex of the name>.``. Hex has
-    no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never matches one."""
-    raw = name.encode("utf-8", "surrogateescape")
-    encoded = raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest()[:40]
+    """The hidden prefix of ``name``'s sibling working names: ``.sk-<hex of the name>.``, or
+    ``.sk-h<digest>.`` for a name whose hex does not fit in :data:`_TAG_MAX` bytes (more than
+    88 bytes). Hex has no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never
+    matches one."""
+    encoded = name.encode("utf-8", "surrogateescape").hex()
+    if len(".sk-.") + len(encoded) > _TAG_MAX:
+        encoded = "h" + name_digest(name, 40)
     return f".sk-{encoded}."
 
 
-def _name_of_tag(entry: str) -> str | None:
+def _recorded_name(name: str) -> dict[str, str]:
+    """What a working checkpoint records of the name it is saved for: recovery puts it back
+    under that name when its tag is a digest (JSON holds only valid UTF-8)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return {}
+    return {"name": name}
+
+
+def _tag_of(entry: str) -> str | None:
+    """The tag a hidden working name starts with, or None."""
     if not entry.startswith(".sk-"):
         return None
-    encoded = entry[4:].partition(".")[0]
-    if encoded.startswith("h"):
-        return None  # a hashed long name: cannot be told back
+    encoded, found, _ = entry[4:].partition(".")
+    return f".sk-{encoded}." if found and encoded else None
+
+
+def _name_of_tag(entry: str) -> str | None:
+    """The name a hex tag spells (None for a digest tag, which cannot be told back)."""
+    tag = _tag_of(entry)
+    if tag is None or tag[4] == "h":
+        return None
     try:
-        return bytes.fromhex(encoded).decode("utf-8", "surrogateescape")
+        name = bytes.fromhex(tag[4:-1]).decode("utf-8", "surrogateescape")
     except ValueError:
         return None
+    return name if _tag(name) == tag else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,6 +593,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         target = _local_path(path)
         state = encode_checkpoint(checkpoint)
         parent, name = os.path.split(target)
+        check_name_length(name, "checkpoint name")
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
@@ -588,6 +620,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
                     "lightning": {
                         "version": str(checkpoint.get("pytorch-lightning_version", "")),
                         "checkpoint_io": "shardkeep.lightning.ShardkeepCheckpointIO",
+                        **_recorded_name(name),
                     }
                 },
                 **self._save_options,
@@ -801,15 +834,68 @@ class ShardkeepCheckpointIO(CheckpointIO):
         except OSError as exc:
             raise StorageError(f"cannot list {parent} for the leftovers of interrupted saves: {exc}") from exc
         handled: list[str] = []
-        names = {_name_of_tag(entry) for entry in listing} - {None}
+        tags = {tag for tag in map(_tag_of, listing) if tag is not None}
+        # The checkpoints still in place tell the names of digest tags.
+        names = {_tag(entry): entry for entry in listing if _tag_of(entry) is None and _tag(entry) in tags}
         plugin = cls()
-        for name in sorted(name for name in names if name is not None):
+        for tag in sorted(tags):
+            name = _name_of_tag(tag) or names.get(tag) or cls._name_recorded_in(parent, tag, listing)
             try:
+                if name is None:
+                    handled.extend(cls._remove_unnamed(parent, tag, listing))
+                    continue
                 handled.extend(plugin._leftovers(parent, name))
                 plugin._recover(parent, name)
             except OSError as exc:
-                raise StorageError(f"cannot repair the leftovers of {os.path.join(parent, name)}: {exc}") from exc
+                where = os.path.join(parent, name or tag)
+                raise StorageError(f"cannot repair the leftovers of {where}: {exc}") from exc
         return sorted(handled)
+
+    @staticmethod
+    def _name_recorded_in(parent: str, tag: str, listing: list[str]) -> str | None:
+        """The name a complete working checkpoint tagged ``tag`` records (see
+        :func:`_recorded_name`), when it is one whose tag that is."""
+        for entry in sorted(listing):
+            role = entry[len(tag) :]
+            if not entry.startswith(tag) or not role.startswith(("new-", "old-")) or STAGING_MARKER in role:
+                continue
+            candidate = os.path.join(parent, entry)
+            if not _is_checkpoint_dir(candidate):
+                continue
+            try:
+                recorded = read_manifest(candidate).custom_fields.get("lightning", {}).get("name")
+            except (ShardkeepError, AttributeError):
+                continue
+            if isinstance(recorded, str) and os.sep not in recorded and _tag(recorded) == tag:
+                return recorded
+        return None
+
+    @staticmethod
+    def _remove_unnamed(parent: str, tag: str, listing: list[str]) -> list[str]:
+        """The leftovers of a name that neither its tag nor any complete checkpoint tells: those
+        being deleted and uncommitted staging are removed; a complete checkpoint (which recovery
+        could not place) is kept, with a warning."""
+        handled: list[str] = []
+        doomed: list[str] = []
+        for entry in listing:
+            role = entry[len(tag) :]
+            if not entry.startswith(tag):
+                continue
+            if role.startswith("del-"):
+                doomed.append(os.path.join(parent, entry))
+            elif STAGING_MARKER in role or not _is_checkpoint_dir(os.path.join(parent, entry)):
+                doomed.append(_retire(parent, tag, entry))
+            else:
+                logger.warning(
+                    "%s: an interrupted save left this complete checkpoint, and its name is unknown: kept",
+                    os.path.join(parent, entry),
+                )
+                continue
+            handled.append(entry)
+        if doomed:
+            _fsync_directory(parent)
+        _remove_trees(doomed)
+        return handled
 
 
 def _followed_link(link: str) -> str:
