@@ -15,14 +15,19 @@ Values of a Lightning checkpoint that are not tensors or JSON are converted loss
 restored on load; the conversions are recorded (by path) in the checkpoint itself under
 :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
 Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
-``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device`` and
-``argparse.Namespace``. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
+``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device``,
+``argparse.Namespace``, enum members (by name) and dataclass instances (their attributes, with
+the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
+already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
+running ``__init__``; a type whose module is not imported is an
+:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
 Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its pure class
 (``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. A malformed
 conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
 Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
-Anything else (dataclasses, enums, classes, OmegaConf configs, arbitrary objects) is refused
-with an :class:`~shardkeep.errors.UnsupportedValueError` naming its key: nothing is pickled.
+Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
+inside functions) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming its
+key: nothing is pickled.
 
 Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
 path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
@@ -41,10 +46,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import enum
 import logging
 import os
 import pathlib
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -188,12 +196,82 @@ class _Encoder:
         if isinstance(value, torch.device):
             self.record(path, "torch.device")
             return str(value)
+        if isinstance(value, enum.Enum):
+            return self.enum_member(value, path)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.dataclass_instance(value, path)
         raise UnsupportedValueError(
             f"Lightning checkpoint value at {_where(path)!r} has type {kind.__module__}.{kind.__qualname__}, which "
             "ShardkeepCheckpointIO does not store (it never pickles): use tensors, JSON values, paths, sets, "
-            "bytes, numpy scalars, torch dtypes/devices or Namespaces; for hyperparameters, convert the value "
-            "or leave it out with save_hyperparameters(ignore=[...])"
+            "bytes, numpy scalars, torch dtypes/devices, Namespaces, dataclasses or enums; for hyperparameters, "
+            "convert the value or leave it out with save_hyperparameters(ignore=[...])"
         )
+
+    def enum_member(self, value: enum.Enum, path: tuple[str | int, ...]) -> Any:
+        """A member by its name; a combination of ``Flag`` members (which has no name of its own
+        in every Python version) by its value."""
+        cls = _class_name(type(value), path)
+        if isinstance(value.name, str) and type(value).__members__.get(value.name) is value:
+            self.record(path, "enum", cls=cls)
+            return value.name
+        if type(value.value) is not int or not _INT64_MIN <= value.value <= _UINT64_MAX:
+            raise UnsupportedValueError(
+                f"Lightning checkpoint value at {_where(path)!r} is {value!r}, an enum value without a member name "
+                "whose value is not a 64-bit int; ShardkeepCheckpointIO cannot store it"
+            )
+        self.record(path, "enum", cls=cls, by="value")
+        return value.value
+
+    def dataclass_instance(self, value: Any, path: tuple[str | int, ...]) -> dict[str | int, Any]:
+        """Every attribute, as pickle keeps it: the fields (slots included) and whatever else is
+        in the instance's ``__dict__``."""
+        cls = _class_name(type(value), path)
+        attributes: dict[str, Any] = {
+            field.name: getattr(value, field.name) for field in dataclasses.fields(value) if hasattr(value, field.name)
+        }
+        for name, item in getattr(value, "__dict__", {}).items():
+            attributes.setdefault(name, item)
+        self.record(path, "dataclass", cls=cls)
+        return self.mapping(attributes, path)
+
+
+def _class_name(cls: type, path: tuple[str | int, ...]) -> str:
+    """``module:qualname`` of a dataclass or enum type, refused unless :func:`_resolved_class`
+    finds that very type by it (a class defined inside a function could never be loaded)."""
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        found = _resolved_class(name)
+    except (LookupError, TypeError):
+        found = None
+    if found is not cls:
+        raise UnsupportedValueError(
+            f"Lightning checkpoint value at {_where(path)!r} has type {cls.__module__}.{cls.__qualname__}, which "
+            "cannot be found by its module and name (a class defined inside a function?); ShardkeepCheckpointIO "
+            "restores dataclasses and enums only of module-level (or nested) classes"
+        )
+    return name
+
+
+def _resolved_class(name: str) -> type:
+    """The class ``module:qualname`` names, looked up in an already imported module without
+    running any code: no import, no module ``__getattr__``, no descriptor (attributes are read
+    from ``vars``). :class:`KeyError` when the module is not imported or lacks the name."""
+    module_name, found, qualname = name.partition(":")
+    if not found:
+        raise ValueError(f"{name!r} is not module:qualname")
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise _NotImported(module_name)
+    value: Any = module
+    for part in qualname.split("."):
+        value = vars(value)[part]
+    if not isinstance(value, type):
+        raise TypeError(f"{name} is not a class")
+    return value
+
+
+class _NotImported(KeyError):
+    """The module of a recorded type is not imported in this process."""
 
 
 def _module_metadata(metadata: Any, path: tuple[str | int, ...]) -> dict[str, Any]:
@@ -276,11 +354,48 @@ def _restored_value(value: Any, conversion: Mapping[str, Any], source: str) -> A
             return dtype
         if kind == "torch.device":
             return torch.device(value)
+        if kind in ("enum", "dataclass"):
+            return _restored_instance(value, conversion, where)
     # Whatever a damaged or hostile record holds, the result is an IntegrityError naming it
     # (torch.device("nonsense") raises RuntimeError, int(float("inf")) OverflowError ...).
     except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RuntimeError) as exc:
         raise IntegrityError(f"{source}: cannot restore the {kind} at {where!r}: {exc}") from exc
     raise IntegrityError(f"{source}: {RESERVED_KEY} records an unknown conversion {_short(kind)} at {where!r}")
+
+
+def _restored_instance(value: Any, conversion: Mapping[str, Any], where: str) -> Any:
+    """An enum member or a dataclass instance: its type is looked up, never imported (see
+    :func:`_resolved_class`), and must be an enum or a dataclass; a dataclass is rebuilt as
+    pickle rebuilds it (``object.__new__``, then its attributes: ``__init__`` and
+    ``__post_init__`` are not run)."""
+    kind, name = conversion["type"], conversion.get("cls")
+    if not isinstance(name, str):
+        raise TypeError(f"its type is recorded as {_short(name)}, not a str")
+    try:
+        cls = _resolved_class(name)
+    except _NotImported as exc:
+        raise UnsupportedValueError(
+            f"the {kind} at {where!r} has type {name}, and module {exc.args[0]!r} is not imported: shardkeep never "
+            "imports a module a checkpoint names; import it before loading"
+        ) from exc
+    if kind == "enum":
+        if not issubclass(cls, enum.Enum):
+            raise TypeError(f"{name} is not an enum")
+        if conversion.get("by") == "value":
+            if type(value) is not int:
+                raise TypeError(f"a {name} value is stored as an int, found {type(value).__name__}")
+            return cls(value)
+        if not isinstance(value, str):
+            raise TypeError(f"a {name} member is stored as its name, found {type(value).__name__}")
+        return cls.__members__[value]
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{name} is not a dataclass")
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise TypeError(f"a {name} is stored as a dict of attributes, found {_short(value)}")
+    instance = object.__new__(cls)
+    for attribute, item in value.items():
+        object.__setattr__(instance, attribute, item)  # also for frozen dataclasses, as pickle does
+    return instance
 
 
 def _as_numpy(value: Any) -> np.ndarray[Any, Any]:
