@@ -6,6 +6,7 @@ with a typed error before anything is written."""
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -14,6 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import shardkeep as sk  # noqa: E402
+from shardkeep.catalog import CheckpointRoot  # noqa: E402
+from shardkeep.cli import main  # noqa: E402
+from shardkeep.distributed.commit import CheckpointCommit  # noqa: E402
+from shardkeep.storage import LocalStore  # noqa: E402
 
 #: A checkpoint name as Lightning's ModelCheckpoint makes it from metrics (90 bytes), and 28 CJK
 #: characters with the same suffix (89 bytes of UTF-8).
@@ -89,8 +94,6 @@ def test_a_name_over_255_bytes_is_refused_before_anything_is_written(tmp_path: P
 
 
 def test_removing_a_name_too_long_for_the_filesystem_is_a_storage_error(tmp_path: Path) -> None:
-    from shardkeep.storage import LocalStore
-
     with pytest.raises(sk.StorageError, match="File name too long"):
         LocalStore(str(tmp_path)).remove_tree(long_name(256))
 
@@ -142,8 +145,6 @@ def test_hf_export_to_a_long_destination_and_over_it(tmp_path: Path) -> None:
 
 
 def test_cli_commands_on_long_paths(tmp_path: Path) -> None:
-    from shardkeep.cli import main
-
     def run(*argv: str) -> int:
         return main(list(argv), out=io.StringIO(), err=io.StringIO())
 
@@ -157,3 +158,94 @@ def test_cli_commands_on_long_paths(tmp_path: Path) -> None:
     assert run("ls", str(root)) == 0
     assert run("prune", str(root), "--keep-last", "1", "--keep-best", "0", "--apply") == 0
     assert run("verify", str(tmp_path / long_name(256))) == 2
+
+
+class _DiesAtTheCommit(LocalStore):
+    """A local root whose process dies (``os._exit``, as by kill -9) at the commit rename, after
+    every data file, in the root and in the tier location, is written."""
+
+    def rename(self, src: str, dst: str) -> None:
+        if ".tmp-" in src:
+            os._exit(9)
+        super().rename(src, dst)
+
+
+TIERS_RULES = [("*.experts.*", "cold"), ("*", "hot")]
+
+
+def _tiers(cold: Path) -> list[sk.Tier]:
+    return [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+
+
+def _tiered_state() -> dict[str, object]:
+    return {"model": {"layers.0.experts.0.w": torch.ones(8), "layers.0.attn.w": torch.zeros(8)}}
+
+
+def _crashing_save(root: str, cold: str, name: str) -> None:
+    store = _DiesAtTheCommit(root)
+    sk.save(_tiered_state(), name, storage=store, tiers=_tiers(Path(cold)), placement=TIERS_RULES)
+
+
+def test_leftovers_of_a_crashed_save_under_a_long_name_are_collected_with_their_tier_files(tmp_path: Path) -> None:
+    root, cold = tmp_path / "root", tmp_path / "cold"
+    root.mkdir()
+    committed = long_name(255, "é")
+    sk.save(_tiered_state(), root / committed, tiers=_tiers(cold), placement=TIERS_RULES)
+    crashed = long_name(255, "检")
+    child = multiprocessing.get_context("fork").Process(target=_crashing_save, args=(str(root), str(cold), crashed))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    (staging,) = [name for name in os.listdir(root) if ".tmp-" in name]
+    assert len(staging.encode()) <= 255 and crashed not in staging
+    attempt = cold / crashed / f"attempt-{staging.rpartition('.tmp-')[2][:16]}"
+    assert any(attempt.rglob("*.safetensors"))  # what the crash left in the tier location
+
+    catalog = CheckpointRoot(LocalStore(str(root)))
+    readable, unreadable = catalog.manifests()
+    assert [name for name, _ in readable] == [committed] and unreadable == []  # never read as a checkpoint
+    assert catalog.collect_leftovers(lease=3600) == []  # young: maybe a save in progress
+    removed = catalog.collect_leftovers(lease=0)
+    assert staging in removed and not (root / staging).exists() and not attempt.exists()
+    assert sorted(os.listdir(root)) == [committed] and sk.verify(root / committed).ok
+    assert sk.verify(root / committed).ok and (cold / committed).is_dir()  # the committed tier files stay
+
+
+def test_prune_removes_a_long_named_checkpoint_and_a_long_named_staging_leftover(tmp_path: Path) -> None:
+    root = tmp_path / long_name(255, "检")
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=0, staging_lease=0)
+    manager.save(state(), step=1)
+    leftover = CheckpointCommit(LocalStore(str(root)), long_name(255))  # a save killed after its begin
+    leftover.begin()
+    os.makedirs(root / leftover.staging / "shards")
+    (root / leftover.staging / "shards" / "rank_00000.safetensors").write_bytes(b"partial")
+    assert len(leftover.staging.encode()) == 255
+    err = io.StringIO()
+    code = main(
+        ["prune", str(root), "--apply", "--lease", "0", "--keep-last", "1", "--keep-best", "0"],
+        out=io.StringIO(),
+        err=err,
+    )
+    assert code == 0, err.getvalue()
+    assert not (root / leftover.staging).exists()
+    manager.save(state(), step=2)  # retention deletes step 1 through a being-deleted name of its own
+    assert sorted(name for name in os.listdir(root) if name.startswith("step_")) == ["step_00000002"]
+
+
+def test_a_progress_ledger_and_its_batch_files_under_long_names(tmp_path: Path) -> None:
+    ledger = sk.ProgressLedger(tmp_path / long_name(255, "检"), 1)
+    ledger.initialize()
+    batch = tmp_path / "shard_0" / long_name(255, "é")  # a checkpoint of results: deleted via a sibling name
+    sk.save(state(), batch)
+    second = tmp_path / "shard_0" / long_name(255, "ü")
+    second.write_bytes(b"result")
+    ledger.update_shard_checkpoint(0, 0, 10, str(batch))
+    ledger.update_shard_checkpoint(0, 1, 10, str(second))  # updates go through .tmp and .backup copies
+    ledger.mark_shard_complete(0)
+    archived = ledger.archive_manifest(tmp_path / "archive")
+    assert len(archived.name.encode()) <= 255 and archived.name.endswith("_final.json")
+    assert sk.ProgressLedger(archived).get_global_progress()["completed"] == 1
+    assert ledger.cleanup_checkpoints(keep_final_only=False) == 2
+    assert os.listdir(tmp_path / "shard_0") == []
+    with pytest.raises(sk.UnsafePathError, match="256 bytes"):
+        sk.ProgressLedger(tmp_path / long_name(256), 1)
