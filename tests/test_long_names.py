@@ -249,3 +249,17 @@ def test_a_progress_ledger_and_its_batch_files_under_long_names(tmp_path: Path) 
     assert os.listdir(tmp_path / "shard_0") == []
     with pytest.raises(sk.UnsafePathError, match="256 bytes"):
         sk.ProgressLedger(tmp_path / long_name(256), 1)
+
+
+def test_export_to_a_long_file_name(tmp_path: Path) -> None:
+    from shardkeep.interop import export_checkpoint
+
+    sk.save(state(), tmp_path / "ckpt")
+    for suffix in (".pt", ".safetensors"):
+        destination = tmp_path / (long_name(255 - len(suffix), "é") + suffix)
+        export_checkpoint(tmp_path / "ckpt", destination)
+        assert destination.is_file()
+        export_checkpoint(tmp_path / "ckpt", destination, overwrite=True)
+    assert len(os.listdir(tmp_path)) == 3
+    with pytest.raises(sk.UnsafePathError, match="256 bytes"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / (long_name(253) + ".pt"))
