@@ -222,6 +222,53 @@ def test_a_concrete_path_from_another_os_comes_back_as_its_pure_class(tmp_path: 
             {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "path", "cls": "PosixPath"}]},
             {"x": 5},
         ),
+        # dataclass and enum records naming what is not one: nothing is called
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "os:system"}],
+            },
+            {"x": {}},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "subprocess:Popen"}],
+            },
+            {"x": {"args": "true"}},
+        ),
+        (
+            {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "enum", "cls": "enum:Enum"}]},
+            {"x": "A"},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [
+                    {"path": ["hyper_parameters", "x"], "type": "enum", "cls": f"{__name__}:Mode", "by": "value"}
+                ],
+            },
+            {"x": 1},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "enum", "cls": f"{__name__}:Mode"}],
+            },
+            {"x": "MISSING"},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": f"{__name__}:Optim"}],
+            },
+            {"x": [1]},
+        ),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": 7}]}, {"x": {}}),
+        (
+            {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "nocolon"}]},
+            {"x": {}},
+        ),
     ],
     ids=[
         "conversions-not-a-list",
@@ -235,6 +282,14 @@ def test_a_concrete_path_from_another_os_comes_back_as_its_pure_class(tmp_path: 
         "int-from-inf-overflow-error",
         "unhashable-path-class",
         "path-from-a-number",
+        "dataclass-a-function",
+        "dataclass-a-class",
+        "enum-without-members",
+        "enum-by-value-not-a-flag",
+        "enum-unknown-member",
+        "dataclass-from-a-list",
+        "dataclass-type-not-a-str",
+        "dataclass-type-not-module-qualname",
     ],
 )
 def test_a_hostile_conversion_record_is_an_integrity_error_naming_the_checkpoint(

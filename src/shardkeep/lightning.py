@@ -214,7 +214,11 @@ class _Encoder:
         if isinstance(value.name, str) and type(value).__members__.get(value.name) is value:
             self.record(path, "enum", cls=cls)
             return value.name
-        if type(value.value) is not int or not _INT64_MIN <= value.value <= _UINT64_MAX:
+        if (
+            not isinstance(value, enum.Flag)
+            or type(value.value) is not int
+            or not _INT64_MIN <= value.value <= _UINT64_MAX
+        ):
             raise UnsupportedValueError(
                 f"Lightning checkpoint value at {_where(path)!r} is {value!r}, an enum value without a member name "
                 "whose value is not a 64-bit int; ShardkeepCheckpointIO cannot store it"
@@ -382,6 +386,8 @@ def _restored_instance(value: Any, conversion: Mapping[str, Any], where: str) ->
         if not issubclass(cls, enum.Enum):
             raise TypeError(f"{name} is not an enum")
         if conversion.get("by") == "value":
+            if not issubclass(cls, enum.Flag):
+                raise TypeError(f"{name} is not a Flag: its members are stored by name")
             if type(value) is not int:
                 raise TypeError(f"a {name} value is stored as an int, found {type(value).__name__}")
             return cls(value)
