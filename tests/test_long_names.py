@@ -263,3 +263,17 @@ def test_export_to_a_long_file_name(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path)) == 3
     with pytest.raises(sk.UnsafePathError, match="256 bytes"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / (long_name(253) + ".pt"))
+
+
+def test_no_name_derived_from_a_lightning_working_name_is_shortened(tmp_path: Path) -> None:
+    """Recovery finds a Lightning save's leftovers by their tag: the staging directory that
+    shardkeep.save makes of a working name must keep it whole, for every name length."""
+    pytest.importorskip("lightning")
+    import shardkeep.lightning as skl
+
+    for size in range(1, 256):
+        for unit in ("a", "检"):
+            name = long_name(size, unit) if size >= len(unit.encode()) else long_name(size)
+            working = f"{skl._tag(name)}new-{'0' * 32}"
+            staging = CheckpointCommit(LocalStore(str(tmp_path)), working).staging
+            assert staging.startswith(f"{working}.tmp-") and len(staging.encode()) <= 255, size

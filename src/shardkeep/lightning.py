@@ -20,9 +20,10 @@ Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes
 the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
 already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
 running ``__init__``; a type whose module is not imported is an
-:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
-Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its pure class
-(``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. A malformed
+:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded
+on another OS (a ``WindowsPath`` loaded on Linux, a ``PosixPath`` on Windows) cannot be
+instantiated there and comes back as its pure class (``PureWindowsPath``, ``PurePosixPath``):
+same string, parts and comparisons. A malformed
 conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
 Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
 Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
@@ -579,9 +580,12 @@ def _is_checkpoint_dir(path: str) -> bool:
 
 #: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
 _ID_CHARS = 32
+#: Hex digits of the id in the staging name shardkeep.save makes (``<name>.tmp-<id>``).
+_STAGING_ID_CHARS = 32
 #: The most bytes of a tag: a working name (``<tag>new-<id>``) and the staging directory
-#: shardkeep.save makes of it (``<tag>new-<id>.tmp-<uuid>``) must fit in one path component.
-_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - 32
+#: shardkeep.save makes of it (``<tag>new-<id>.tmp-<id>``) must fit in one path component, so
+#: that no name derived from a working name is ever shortened (recovery finds them by the tag).
+_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - _STAGING_ID_CHARS
 
 
 def _tag(name: str) -> str:
