@@ -1281,10 +1281,12 @@ def test_a_hyperparameter_type_that_is_not_imported_is_a_typed_error_and_nothing
     record = state[RESERVED_KEY]
     for conversion in record["conversions"]:
         if conversion["path"] == ["hyper_parameters", "config"]:
-            conversion["cls"] = "this_module_is_not_imported:ModelConfig"
+            conversion["cls"] = "antigravity:ModelConfig"  # importing it would open a web browser
     sk.save(state, tmp_path / "edited.ckpt")
-    with pytest.raises(sk.UnsupportedValueError, match=r"hyper_parameters\.config.*this_module_is_not_imported"):
+    assert "antigravity" not in sys.modules
+    with pytest.raises(sk.UnsupportedValueError, match=r"hyper_parameters\.config.*'antigravity' is not imported"):
         io.load_checkpoint(tmp_path / "edited.ckpt")
+    assert "antigravity" not in sys.modules
     for conversion in record["conversions"]:
         if conversion["path"] == ["hyper_parameters", "config"]:
             conversion["cls"] = f"{__name__}:Tiny"  # importable, but not a dataclass
