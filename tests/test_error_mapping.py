@@ -1144,7 +1144,7 @@ TORCH_CASES = [
     pytest.param(
         Case(
             load_into(lambda: {"w": torch.zeros(2, 3, dtype=torch.float64), "model": torch.nn.Linear(3, 2)}),
-            sk.UnsupportedValueError,
+            sk.StateMismatchError,
             "'w': the target has torch.float64[2, 3]",
             None,
             into_unchanged,
@@ -1154,7 +1154,7 @@ TORCH_CASES = [
     pytest.param(
         Case(
             load_into(lambda: {"w": torch.zeros(3, 2), "model": torch.nn.Linear(3, 2)}),
-            sk.UnsupportedValueError,
+            sk.StateMismatchError,
             "'w': the target has torch.float32[3, 2]",
             None,
             into_unchanged,
@@ -1164,7 +1164,7 @@ TORCH_CASES = [
     pytest.param(
         Case(
             load_into(lambda: {"w": torch.zeros(2, 3), "model": torch.nn.Linear(4, 2)}),
-            sk.UnsupportedValueError,
+            sk.StateMismatchError,
             "'model.weight'",
             None,
             into_unchanged,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -135,10 +136,19 @@ class Config:
     width: int = 3
 
 
+def _local_dataclass() -> Any:
+    @dataclasses.dataclass
+    class Local:  # defined in a function: nothing could import it back
+        width: int = 3
+
+    return Local()
+
+
 @pytest.mark.parametrize(
     ("value", "where"),
     [
-        (Config(), "hyper_parameters.config"),
+        (_local_dataclass(), "hyper_parameters.config"),
+        (Config, "hyper_parameters.config"),
         (collections.Counter({2: 1}), "hyper_parameters.config"),
         (int, "hyper_parameters.config"),
         ({("a", 1): 2}, "hyper_parameters.config"),
@@ -212,6 +222,53 @@ def test_a_concrete_path_from_another_os_comes_back_as_its_pure_class(tmp_path: 
             {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "path", "cls": "PosixPath"}]},
             {"x": 5},
         ),
+        # dataclass and enum records naming what is not one: nothing is called
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "os:system"}],
+            },
+            {"x": {}},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "subprocess:Popen"}],
+            },
+            {"x": {"args": "true"}},
+        ),
+        (
+            {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "enum", "cls": "enum:Enum"}]},
+            {"x": "A"},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [
+                    {"path": ["hyper_parameters", "x"], "type": "enum", "cls": f"{__name__}:Mode", "by": "value"}
+                ],
+            },
+            {"x": 1},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "enum", "cls": f"{__name__}:Mode"}],
+            },
+            {"x": "MISSING"},
+        ),
+        (
+            {
+                "format": 1,
+                "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": f"{__name__}:Optim"}],
+            },
+            {"x": [1]},
+        ),
+        ({"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": 7}]}, {"x": {}}),
+        (
+            {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], "type": "dataclass", "cls": "nocolon"}]},
+            {"x": {}},
+        ),
     ],
     ids=[
         "conversions-not-a-list",
@@ -225,6 +282,14 @@ def test_a_concrete_path_from_another_os_comes_back_as_its_pure_class(tmp_path: 
         "int-from-inf-overflow-error",
         "unhashable-path-class",
         "path-from-a-number",
+        "dataclass-a-function",
+        "dataclass-a-class",
+        "enum-without-members",
+        "enum-by-value-not-a-flag",
+        "enum-unknown-member",
+        "dataclass-from-a-list",
+        "dataclass-type-not-a-str",
+        "dataclass-type-not-module-qualname",
     ],
 )
 def test_a_hostile_conversion_record_is_an_integrity_error_naming_the_checkpoint(
@@ -685,12 +750,25 @@ def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> 
         monkeypatch.setattr(skl, "_remove_tree", partial_delete_then_crash)
 
 
+#: Working names of a name beyond 88 bytes are tagged with its digest (90 bytes: a
+#: ModelCheckpoint name with metrics; 255 bytes: the longest name a directory can have).
+LONG_NAMES = {
+    "last.ckpt": "last.ckpt",
+    "90-bytes": "epoch=12-step=3400-val_loss=0.1234-val_acc=0.9876-train_loss=0.2345-lr=0.0001-seed=42.ckpt",
+    "255-bytes": "检" * 83 + "epoch.ckpt"[:6],
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_NAMES))
 @pytest.mark.parametrize("then", ["recover", "remove"])
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
-def test_every_crash_point_of_a_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str) -> None:
+def test_every_crash_point_of_a_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str, name: str
+) -> None:
     if CRASH_POINTS[point][0] and not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
-    target = tmp_path / "last.ckpt"
+    target = tmp_path / LONG_NAMES[name]
+    assert len(target.name.encode()) in (9, 90, 255)
     io = ShardkeepCheckpointIO()
     io.save_checkpoint({**state(1), "global_step": 100}, target)
     crash_save_at(point, monkeypatch, target)
@@ -704,7 +782,7 @@ def test_every_crash_point_of_a_replace(tmp_path: Path, monkeypatch: pytest.Monk
         assert value_at(target) == expected and sk.verify(target).ok
     if then == "recover":
         ShardkeepCheckpointIO.clean_leftovers(tmp_path)
-        assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2 and sk.verify(target).ok
+        assert entries(tmp_path) == [target.name] and value_at(target) == 2 and sk.verify(target).ok
     else:
         crash_removing(monkeypatch)  # killed once everything is renamed away, before any deletion
         with pytest.raises(KeyboardInterrupt):
@@ -1078,3 +1156,140 @@ def test_a_dtensor_in_a_lightning_checkpoint_is_refused_by_key(tmp_path: Path) -
     assert message.split(" | ") == [message.split(" | ")[0]] * 2, message  # both refused alike
     assert message.startswith("'state_dict.w' is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone"), message
     assert not any(p.name.startswith("ckpt") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# dataclass and Enum hyperparameters
+# ---------------------------------------------------------------------------------------------
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Access(enum.Flag):
+    READ = 1
+    WRITE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    lr: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.99)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    width: int = 8
+    mode: Mode = Mode.SLOW
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    layers: list[Level] = dataclasses.field(default_factory=lambda: [Level.LOW, Level.HIGH])
+    data: pathlib.Path = pathlib.Path("/data")
+    access: Access = Access.READ | Access.WRITE
+
+
+class Configured(pl.LightningModule):
+    def __init__(self, config: ModelConfig, mode: Mode = Mode.FAST, extra: Optim | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, config.width)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, _ = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.config.optim.lr)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(dataset(), batch_size=8)
+
+
+def _trained_checkpoint(path: Path, plugins: list[Any]) -> Configured:
+    model = Configured(ModelConfig(width=6, mode=Mode.FAST), mode=Mode.SLOW, extra=Optim(lr=0.5))
+    run = pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        plugins=plugins,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+    )
+    run.fit(model)
+    run.save_checkpoint(path)
+    return model
+
+
+def test_dataclass_and_enum_hyperparameters_round_trip_as_with_lightnings_own_io(tmp_path: Path) -> None:
+    model = _trained_checkpoint(tmp_path / "torch.ckpt", [])
+    _trained_checkpoint(tmp_path / "shardkeep.ckpt", [ShardkeepCheckpointIO()])
+    theirs = Configured.load_from_checkpoint(tmp_path / "torch.ckpt", weights_only=False)
+    checkpoint = ShardkeepCheckpointIO().load_checkpoint(tmp_path / "shardkeep.ckpt")
+    assert_same(
+        checkpoint["hyper_parameters"], torch.load(tmp_path / "torch.ckpt", weights_only=False)["hyper_parameters"]
+    )
+    ours = Configured(**checkpoint["hyper_parameters"])
+    ours.load_state_dict(checkpoint["state_dict"])
+    assert ours.hparams == theirs.hparams == model.hparams
+    config = ours.hparams.config
+    assert type(config) is ModelConfig and type(config.optim) is Optim and type(config.mode) is Mode
+    assert config.layers == [Level.LOW, Level.HIGH] and all(type(level) is Level for level in config.layers)
+    assert config.access is Access.READ | Access.WRITE and ours.hparams.mode is Mode.SLOW
+    assert sk.verify(tmp_path / "shardkeep.ckpt").ok
+
+
+POST_INITS: list[int] = []
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    size: int = 1
+    derived: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        POST_INITS.append(self.size)
+        self.derived = self.size * 10
+
+
+def test_a_dataclass_keeps_attributes_set_after_init_and_init_is_not_run(tmp_path: Path) -> None:
+    config = ModelConfig(width=2)
+    config.note = "set later"  # type: ignore[attr-defined]  # pickle keeps it too
+    slotted = Slotted(3)
+    slotted.derived = 7  # changed after __post_init__: loading must not recompute it
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint({"hyper_parameters": {"config": config, "slotted": slotted}}, tmp_path / "x.ckpt")
+    POST_INITS.clear()
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")["hyper_parameters"]
+    assert loaded["config"] == config and loaded["config"].note == "set later"
+    assert type(loaded["slotted"]) is Slotted and loaded["slotted"].derived == 7 and POST_INITS == []
+
+
+def test_a_hyperparameter_type_that_is_not_imported_is_a_typed_error_and_nothing_is_imported(tmp_path: Path) -> None:
+    io = ShardkeepCheckpointIO()
+    target = tmp_path / "x.ckpt"
+    io.save_checkpoint({"hyper_parameters": {"config": ModelConfig(), "mode": Mode.FAST}}, target)
+    # Rewrite the recorded type as a module that is installed but not imported: loading must not import it.
+    state = sk.load(target)
+    record = state[RESERVED_KEY]
+    for conversion in record["conversions"]:
+        if conversion["path"] == ["hyper_parameters", "config"]:
+            conversion["cls"] = "antigravity:ModelConfig"  # importing it would open a web browser
+    sk.save(state, tmp_path / "edited.ckpt")
+    assert "antigravity" not in sys.modules
+    with pytest.raises(sk.UnsupportedValueError, match=r"hyper_parameters\.config.*'antigravity' is not imported"):
+        io.load_checkpoint(tmp_path / "edited.ckpt")
+    assert "antigravity" not in sys.modules
+    for conversion in record["conversions"]:
+        if conversion["path"] == ["hyper_parameters", "config"]:
+            conversion["cls"] = f"{__name__}:Tiny"  # importable, but not a dataclass
+    sk.save(state, tmp_path / "edited2.ckpt")
+    with pytest.raises(sk.IntegrityError, match="not a dataclass"):
+        io.load_checkpoint(tmp_path / "edited2.ckpt")

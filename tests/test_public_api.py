@@ -94,6 +94,7 @@ TORCH_FREE = [
     "shardkeep",
     "shardkeep.errors",
     "shardkeep.config",
+    "shardkeep.names",
     "shardkeep.manifest",
     "shardkeep.storage",
     "shardkeep.storage.remote",

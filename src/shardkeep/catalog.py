@@ -62,6 +62,7 @@ from shardkeep.manifest import (
     Manifest,
     stored_bytes,
 )
+from shardkeep.names import is_shortened, is_sibling_of, sibling_name
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
 from shardkeep.verification import (
@@ -594,7 +595,7 @@ class CheckpointRoot:
                     continue  # another checkpoint's own file (live, unreadable, or not ours to judge)
                 doomed.append(key)
         if renames(self.store) and not own_listed:
-            moved = f"{name}{DELETING_MARKER}{uuid.uuid4().hex}"
+            moved = sibling_name(name, DELETING_MARKER, uuid.uuid4().hex)
             self.store.rename(name, moved)
             self._remove_files([key for key in doomed if not (key[0] is None and key[1] == name)])
             self.store.remove_tree(moved)
@@ -705,8 +706,8 @@ class CheckpointRoot:
                 # they are gone.
                 if tier_stores is None:
                     tier_stores = self._tier_stores_to_clean()
-                final, _, attempt = name.partition(STAGING_MARKER)
-                collected = self._remove_tier_attempt(tier_stores, final, f"{ATTEMPT_PREFIX}{attempt[:16]}", lease, now)
+                attempt = name.rpartition(STAGING_MARKER)[2]
+                collected = self._remove_tier_attempt(tier_stores, name, f"{ATTEMPT_PREFIX}{attempt[:16]}", lease, now)
                 if collected is None:
                     continue
                 removed.extend(collected)
@@ -767,32 +768,48 @@ class CheckpointRoot:
         return stores
 
     def _remove_tier_attempt(
-        self, stores: list[tuple[str, ByteStore]], final: str, attempt: str, lease: float, now: float
+        self, stores: list[tuple[str, ByteStore]], staging: str, attempt: str, lease: float, now: float
     ) -> list[str] | None:
         """Remove ``<final>/<attempt>/`` (the files one abandoned save attempt wrote) from each
-        tier location. That prefix belongs to the attempt alone, so this never touches another
-        save's data, even in a location other roots share. Returns what was removed, or None
-        when something there changed within the lease or a location failed (the staging
-        directory then stays, so that a later collection can finish)."""
-        prefix = f"{final}/{attempt}"
-        found: list[tuple[str, ByteStore]] = []
+        tier location, ``final`` being the name the staging directory ``staging`` belongs to.
+        That prefix belongs to the attempt alone, so this never touches another save's data,
+        even in a location other roots share. Returns what was removed, or None when something
+        there changed within the lease or a location failed (the staging directory then stays,
+        so that a later collection can finish)."""
+        found: list[tuple[str, ByteStore, str]] = []
         try:
             for location, store in stores:
-                info = store.stat(prefix)
-                if info is None:
-                    continue
-                if not self._idle(store, prefix, info.mtime, info.kind, lease, now):
-                    return None  # the save may still be writing there
-                found.append((location, store))
+                for final in self._finals_of(store, staging):
+                    prefix = f"{final}/{attempt}"
+                    info = store.stat(prefix)
+                    if info is None:
+                        continue
+                    if not self._idle(store, prefix, info.mtime, info.kind, lease, now):
+                        return None  # the save may still be writing there
+                    found.append((location, store, prefix))
             removed: list[str] = []
-            for location, store in found:
+            for location, store, prefix in found:
                 store.remove_tree(prefix)
                 removed.append(f"{location.rstrip('/')}/{prefix}")
                 logger.info("removed leftover %s/%s", location.rstrip("/"), prefix)
         except ShardkeepError as exc:  # an unreachable tier location: everything stays for a later collection
-            logger.warning("leftovers of %s in tier locations not collected: %s", prefix, exc)
+            logger.warning("leftovers of %s in tier locations not collected: %s", staging, exc)
             return None
         return removed
+
+    @staticmethod
+    def _finals_of(store: ByteStore, staging: str) -> list[str]:
+        """The names in ``store`` whose staging directory ``staging`` can be. The name before
+        the marker is one; a long name was shortened with its digest (see
+        :mod:`shardkeep.names`) and is found among the store's top-level names."""
+        literal = staging.rpartition(STAGING_MARKER)[0]
+        if not is_shortened(literal) or store.stat(literal) is not None:
+            return [literal]
+        try:
+            listing = store.list_dir("")
+        except CheckpointNotFoundError:
+            return []  # no tier directory: nothing of the attempt there
+        return [name for name, _ in listing if is_sibling_of(staging, name, STAGING_MARKER)]
 
     def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:
         """Whether nothing below ``name`` changed for ``lease`` seconds."""

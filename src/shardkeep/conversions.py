@@ -9,8 +9,11 @@ the state, and :func:`decode_values` restores every value from it:
 ``OrderedDict`` (with the ``_metadata`` of a module state dict), ``pathlib`` paths,
 ``set``/``frozenset``, ``bytes``/``bytearray``, ``complex``, integers beyond 64 bits (the
 128-bit state of numpy's ``PCG64`` generators), numpy scalars, ``torch.dtype``,
-``torch.device``, ``argparse.Namespace``, and mapping classes an integration names
-(Lightning's ``AttributeDict``). A concrete path recorded on another OS (a ``WindowsPath``
+``torch.device``, ``argparse.Namespace``, mapping classes an integration names
+(Lightning's ``AttributeDict``), and instances of module-level dataclasses and enums (by the
+type's ``module:qualname``: on load the type is looked up in modules already imported, never
+imported, unpickled or called; a dataclass is rebuilt as pickle rebuilds it, without running
+``__init__`` or ``__post_init__``). A concrete path recorded on another OS (a ``WindowsPath``
 loaded on Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its
 pure class (``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. Tuples,
 integer dict keys, NaN and infinities are stored natively. Anything else is refused with an
@@ -22,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import enum
 import pathlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,7 +55,9 @@ _PURE_FLAVOUR: dict[type, type] = {
 }
 
 #: The types every encoder stores, for refusal messages.
-SUPPORTED = "tensors, JSON values, paths, sets, bytes, numpy scalars, torch dtypes/devices or Namespaces"
+SUPPORTED = (
+    "tensors, JSON values, paths, sets, bytes, numpy scalars, torch dtypes/devices, Namespaces, dataclasses or enums"
+)
 
 
 def where(path: tuple[str | int, ...]) -> str:
@@ -150,10 +158,61 @@ class ValueEncoder:
         if isinstance(value, torch.device):
             self.record(path, "torch.device")
             return str(value)
+        if isinstance(value, enum.Enum):
+            return self.enum_member(value, path)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.dataclass_instance(value, path)
         raise UnsupportedValueError(
             f"{self.subject} value at {where(path)!r} has type {kind.__module__}.{kind.__qualname__}, which "
             f"shardkeep does not store (it never pickles): use {SUPPORTED}{self.hint}"
         )
+
+    def enum_member(self, value: enum.Enum, path: tuple[str | int, ...]) -> Any:
+        """A member by its name; a combination of ``Flag`` members (which has no name of its own
+        in every Python version) by its value."""
+        cls = self._class_name(type(value), path)
+        if isinstance(value.name, str) and type(value).__members__.get(value.name) is value:
+            self.record(path, "enum", cls=cls)
+            return value.name
+        if (
+            not isinstance(value, enum.Flag)
+            or type(value.value) is not int
+            or not _INT64_MIN <= value.value <= _UINT64_MAX
+        ):
+            raise UnsupportedValueError(
+                f"{self.subject} value at {where(path)!r} is {value!r}, an enum value without a member name "
+                "whose value is not a 64-bit int; shardkeep cannot store it"
+            )
+        self.record(path, "enum", cls=cls, by="value")
+        return value.value
+
+    def dataclass_instance(self, value: Any, path: tuple[str | int, ...]) -> dict[str | int, Any]:
+        """Every attribute, as pickle keeps it: the fields (slots included) and whatever else is
+        in the instance's ``__dict__``."""
+        cls = self._class_name(type(value), path)
+        attributes: dict[str, Any] = {
+            field.name: getattr(value, field.name) for field in dataclasses.fields(value) if hasattr(value, field.name)
+        }
+        for name, item in getattr(value, "__dict__", {}).items():
+            attributes.setdefault(name, item)
+        self.record(path, "dataclass", cls=cls)
+        return self.mapping(attributes, path)
+
+    def _class_name(self, cls: type, path: tuple[str | int, ...]) -> str:
+        """``module:qualname`` of a dataclass or enum type, refused unless :func:`resolved_class`
+        finds that very type by it (a class defined inside a function could never be loaded)."""
+        name = f"{cls.__module__}:{cls.__qualname__}"
+        try:
+            found = resolved_class(name)
+        except (LookupError, TypeError):
+            found = None
+        if found is not cls:
+            raise UnsupportedValueError(
+                f"{self.subject} value at {where(path)!r} has type {cls.__module__}.{cls.__qualname__}, which "
+                "cannot be found by its module and name (a class defined inside a function?); shardkeep "
+                "restores dataclasses and enums only of module-level (or nested) classes"
+            )
+        return name
 
     def _module_metadata(self, metadata: Any, path: tuple[str | int, ...]) -> dict[str, Any]:
         """The ``_metadata`` of a module state dict (prefix to ``{"version": n}``) as plain JSON."""
@@ -169,6 +228,65 @@ class ValueEncoder:
                 "(module prefixes to {'version': n}); shardkeep cannot store it"
             )
         return plain
+
+
+def resolved_class(name: str) -> type:
+    """The class ``module:qualname`` names, looked up in an already imported module without
+    running any code: no import, no module ``__getattr__``, no descriptor (attributes are read
+    from ``vars``). :class:`KeyError` when the module is not imported or lacks the name."""
+    module_name, found, qualname = name.partition(":")
+    if not found:
+        raise ValueError(f"{name!r} is not module:qualname")
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise _NotImported(module_name)
+    value: Any = module
+    for part in qualname.split("."):
+        value = vars(value)[part]
+    if not isinstance(value, type):
+        raise TypeError(f"{name} is not a class")
+    return value
+
+
+class _NotImported(KeyError):
+    """The module of a recorded type is not imported in this process."""
+
+
+def _restored_instance(value: Any, conversion: Mapping[str, Any], at: str) -> Any:
+    """An enum member or a dataclass instance: its type is looked up, never imported (see
+    :func:`resolved_class`), and must be an enum or a dataclass; a dataclass is rebuilt as
+    pickle rebuilds it (``object.__new__``, then its attributes: ``__init__`` and
+    ``__post_init__`` are not run)."""
+    kind, name = conversion["type"], conversion.get("cls")
+    if not isinstance(name, str):
+        raise TypeError(f"its type is recorded as {short(name)}, not a str")
+    try:
+        cls = resolved_class(name)
+    except _NotImported as exc:
+        raise UnsupportedValueError(
+            f"the {kind} at {at!r} has type {name}, and module {exc.args[0]!r} is not imported: shardkeep never "
+            "imports a module a checkpoint names; import it before loading"
+        ) from exc
+    if kind == "enum":
+        if not issubclass(cls, enum.Enum):
+            raise TypeError(f"{name} is not an enum")
+        if conversion.get("by") == "value":
+            if not issubclass(cls, enum.Flag):
+                raise TypeError(f"{name} is not a Flag: its members are stored by name")
+            if type(value) is not int:
+                raise TypeError(f"a {name} value is stored as an int, found {type(value).__name__}")
+            return cls(value)
+        if not isinstance(value, str):
+            raise TypeError(f"a {name} member is stored as its name, found {type(value).__name__}")
+        return cls.__members__[value]
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{name} is not a dataclass")
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise TypeError(f"a {name} is stored as a dict of attributes, found {short(value)}")
+    instance = object.__new__(cls)
+    for attribute, item in value.items():
+        object.__setattr__(instance, attribute, item)  # also for frozen dataclasses, as pickle does
+    return instance
 
 
 def short(value: Any, limit: int = 200) -> str:
@@ -223,6 +341,8 @@ def _restored_value(
             return dtype
         if kind == "torch.device":
             return torch.device(value)
+        if kind in ("enum", "dataclass"):
+            return _restored_instance(value, conversion, at)
     # Whatever a damaged or hostile record holds, the result is an IntegrityError naming it
     # (torch.device("nonsense") raises RuntimeError, int(float("inf")) OverflowError ...).
     except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RuntimeError) as exc:

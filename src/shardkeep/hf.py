@@ -62,6 +62,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import MANIFEST_FILENAME, strict_json_hooks
+from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage import local
 from shardkeep.tensors.flatten import flatten_state
 
@@ -759,7 +760,7 @@ def _place(staging: str, target: str, overwrite: bool, source: str | None) -> st
         return staging  # which now holds the replaced folder
     except local.ExchangeUnsupported:
         pass
-    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+    old = os.path.join(parent, sibling_name(name, ".old-", uuid.uuid4().hex[:12], lead="."))
     os.rename(target, old)
     try:
         os.rename(staging, target)
@@ -823,6 +824,7 @@ def export_hf(
     ``config.json``) is replaced, by an atomic swap; anything else there (a file, a checkpoint,
     a folder with other files or subdirectories) is refused and left untouched."""
     target = os.path.abspath(os.fspath(directory))
+    check_name_length(os.path.basename(target), "export destination")
     if load_options.pop("verify", True) is not True:
         raise ConfigError("an export always verifies the checkpoint; verify=False is not accepted")
     limit = parse_size(max_shard_size)
@@ -904,7 +906,7 @@ def export_hf(
     if total_parameters is None:  # no model to count its parameters: every element written
         total_parameters = sum(tensor.numel() for tensor in tensors.values())
     parent = os.path.dirname(target)
-    staging = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:12]}")
+    staging = os.path.join(parent, sibling_name(os.path.basename(target), ".tmp-", uuid.uuid4().hex[:12], lead="."))
     try:
         os.mkdir(staging)
         try:

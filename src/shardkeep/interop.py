@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +45,7 @@ from shardkeep.errors import (
 )
 from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
+from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.flatten import FlatState, flatten_state
 
@@ -292,9 +293,10 @@ def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: st
 def _write_replacing(target: str, write: Callable[[str], None]) -> None:
     """Write ``target`` whole or not at all: a fresh temporary file beside it (created
     exclusively), fsync, rename over ``target``, fsync of the directory."""
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    directory, name = os.path.split(os.path.abspath(target))
+    check_name_length(name, "export destination")
+    temporary = os.path.join(directory, sibling_name(name, ".tmp-", uuid.uuid4().hex[:12], lead="."))
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     try:
         write(temporary)
         with open(temporary, "rb+") as handle:

@@ -78,6 +78,7 @@ from shardkeep.errors import (
 )
 from shardkeep.integrity import digest_bytes, digests_equal, file_kind, read_regular_file
 from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER
+from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage.local import fsync_directory_path
 
 __all__ = [
@@ -395,9 +396,11 @@ class ProgressLedger:
         self.lock_timeout = lock_timeout
         self.max_bytes = max_bytes
         name = self.manifest_path.name
-        self.tmp_path = self.manifest_path.with_name(name + ".tmp")
-        self.backup_path = self.manifest_path.with_name(name + ".backup")
-        self.lock_path = self.manifest_path.with_name(name + ".lock")
+        check_name_length(name, "progress ledger name")
+        # A long ledger name is shortened with its digest in these (see names), the same each time.
+        self.tmp_path = self.manifest_path.with_name(sibling_name(name, ".tmp"))
+        self.backup_path = self.manifest_path.with_name(sibling_name(name, ".backup"))
+        self.lock_path = self.manifest_path.with_name(sibling_name(name, ".lock"))
         self._files = _LedgerFiles()
         self._warned_filesystem = False
         self._warned_directory_lock = False
@@ -1317,8 +1320,8 @@ class ProgressLedger:
         with self._locked():
             state, raw, _ = self._load()
             self._require_complete(state, "archive the ledger")
-            target = directory / f"{self.manifest_path.stem}_final.json"
-            staging = directory / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+            target = directory / sibling_name(self.manifest_path.stem, "_final.json")
+            staging = directory / sibling_name(target.name, STAGING_MARKER, uuid.uuid4().hex[:12], lead=".")
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 self._files.write(str(staging), raw)
@@ -1388,7 +1391,7 @@ class ProgressLedger:
             if path.is_symlink() or not path.is_dir():
                 path.unlink()
                 return True
-            doomed = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:12]}")
+            doomed = path.with_name(sibling_name(path.name, DELETING_MARKER, uuid.uuid4().hex[:12]))
             os.rename(path, doomed)
             shutil.rmtree(doomed)
             return True

@@ -15,14 +15,20 @@ Values of a Lightning checkpoint that are not tensors or JSON are converted loss
 restored on load (:mod:`shardkeep.conversions`); the conversions are recorded (by path) in the
 checkpoint itself under :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
 Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
-``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device`` and
-``argparse.Namespace``. A concrete path recorded on another OS (a ``WindowsPath`` loaded on
-Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its pure class
-(``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. A malformed
+``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device``,
+``argparse.Namespace``, enum members (by name) and dataclass instances (their attributes, with
+the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
+already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
+running ``__init__``; a type whose module is not imported is an
+:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded
+on another OS (a ``WindowsPath`` loaded on Linux, a ``PosixPath`` on Windows) cannot be
+instantiated there and comes back as its pure class (``PureWindowsPath``, ``PurePosixPath``):
+same string, parts and comparisons. A malformed
 conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
 Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
-Anything else (dataclasses, enums, classes, OmegaConf configs, arbitrary objects) is refused
-with an :class:`~shardkeep.errors.UnsupportedValueError` naming its key: nothing is pickled.
+Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
+inside functions) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming its
+key: nothing is pickled.
 
 Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
 path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
@@ -40,7 +46,7 @@ failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 from __future__ import annotations
 
 import collections
-import hashlib
+import logging
 import os
 import shutil
 import uuid
@@ -61,7 +67,8 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import Manifest
+from shardkeep.manifest import STAGING_MARKER, Manifest
+from shardkeep.names import NAME_MAX, check_name_length, name_digest
 from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
 from shardkeep.tensors.convert import is_dtensor
 from shardkeep.verification import read_manifest
@@ -84,6 +91,8 @@ __all__ = ["RESERVED_KEY", "ShardkeepCheckpointIO"]
 RESERVED_KEY = "__shardkeep_lightning__"
 
 Path_ = str | os.PathLike[str]
+
+logger = logging.getLogger("shardkeep")
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,24 +245,55 @@ def _is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
 
 
+#: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
+_ID_CHARS = 32
+#: Hex digits of the id in the staging name shardkeep.save makes (``<name>.tmp-<id>``).
+_STAGING_ID_CHARS = 32
+#: The most bytes of a tag: a working name (``<tag>new-<id>``) and the staging directory
+#: shardkeep.save makes of it (``<tag>new-<id>.tmp-<id>``) must fit in one path component, so
+#: that no name derived from a working name is ever shortened (recovery finds them by the tag).
+_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - _STAGING_ID_CHARS
+
+
 def _tag(name: str) -> str:
-    """The hidden prefix of ``name``'s sibling working names: ``.sk-<hex of the name>.``. Hex has
-    no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never matches one."""
-    raw = name.encode("utf-8", "surrogateescape")
-    encoded = raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest()[:40]
+    """The hidden prefix of ``name``'s sibling working names: ``.sk-<hex of the name>.``, or
+    ``.sk-h<digest>.`` for a name whose hex does not fit in :data:`_TAG_MAX` bytes (more than
+    88 bytes). Hex has no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never
+    matches one."""
+    encoded = name.encode("utf-8", "surrogateescape").hex()
+    if len(".sk-.") + len(encoded) > _TAG_MAX:
+        encoded = "h" + name_digest(name, 40)
     return f".sk-{encoded}."
 
 
-def _name_of_tag(entry: str) -> str | None:
+def _recorded_name(name: str) -> dict[str, str]:
+    """What a working checkpoint records of the name it is saved for: recovery puts it back
+    under that name when its tag is a digest (JSON holds only valid UTF-8)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return {}
+    return {"name": name}
+
+
+def _tag_of(entry: str) -> str | None:
+    """The tag a hidden working name starts with, or None."""
     if not entry.startswith(".sk-"):
         return None
-    encoded = entry[4:].partition(".")[0]
-    if encoded.startswith("h"):
-        return None  # a hashed long name: cannot be told back
+    encoded, found, _ = entry[4:].partition(".")
+    return f".sk-{encoded}." if found and encoded else None
+
+
+def _name_of_tag(entry: str) -> str | None:
+    """The name a hex tag spells (None for a digest tag, which cannot be told back)."""
+    tag = _tag_of(entry)
+    if tag is None or tag[4] == "h":
+        return None
     try:
-        return bytes.fromhex(encoded).decode("utf-8", "surrogateescape")
+        name = bytes.fromhex(tag[4:-1]).decode("utf-8", "surrogateescape")
     except ValueError:
         return None
+    return name if _tag(name) == tag else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +385,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         target = _local_path(path)
         state = encode_checkpoint(checkpoint)
         parent, name = os.path.split(target)
+        check_name_length(name, "checkpoint name")
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
@@ -371,6 +412,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
                     "lightning": {
                         "version": str(checkpoint.get("pytorch-lightning_version", "")),
                         "checkpoint_io": "shardkeep.lightning.ShardkeepCheckpointIO",
+                        **_recorded_name(name),
                     }
                 },
                 **self._save_options,
@@ -584,15 +626,68 @@ class ShardkeepCheckpointIO(CheckpointIO):
         except OSError as exc:
             raise StorageError(f"cannot list {parent} for the leftovers of interrupted saves: {exc}") from exc
         handled: list[str] = []
-        names = {_name_of_tag(entry) for entry in listing} - {None}
+        tags = {tag for tag in map(_tag_of, listing) if tag is not None}
+        # The checkpoints still in place tell the names of digest tags.
+        names = {_tag(entry): entry for entry in listing if _tag_of(entry) is None and _tag(entry) in tags}
         plugin = cls()
-        for name in sorted(name for name in names if name is not None):
+        for tag in sorted(tags):
+            name = _name_of_tag(tag) or names.get(tag) or cls._name_recorded_in(parent, tag, listing)
             try:
+                if name is None:
+                    handled.extend(cls._remove_unnamed(parent, tag, listing))
+                    continue
                 handled.extend(plugin._leftovers(parent, name))
                 plugin._recover(parent, name)
             except OSError as exc:
-                raise StorageError(f"cannot repair the leftovers of {os.path.join(parent, name)}: {exc}") from exc
+                where = os.path.join(parent, name or tag)
+                raise StorageError(f"cannot repair the leftovers of {where}: {exc}") from exc
         return sorted(handled)
+
+    @staticmethod
+    def _name_recorded_in(parent: str, tag: str, listing: list[str]) -> str | None:
+        """The name a complete working checkpoint tagged ``tag`` records (see
+        :func:`_recorded_name`), when it is one whose tag that is."""
+        for entry in sorted(listing):
+            role = entry[len(tag) :]
+            if not entry.startswith(tag) or not role.startswith(("new-", "old-")) or STAGING_MARKER in role:
+                continue
+            candidate = os.path.join(parent, entry)
+            if not _is_checkpoint_dir(candidate):
+                continue
+            try:
+                recorded = read_manifest(candidate).custom_fields.get("lightning", {}).get("name")
+            except (ShardkeepError, AttributeError):
+                continue
+            if isinstance(recorded, str) and os.sep not in recorded and _tag(recorded) == tag:
+                return recorded
+        return None
+
+    @staticmethod
+    def _remove_unnamed(parent: str, tag: str, listing: list[str]) -> list[str]:
+        """The leftovers of a name that neither its tag nor any complete checkpoint tells: those
+        being deleted and uncommitted staging are removed; a complete checkpoint (which recovery
+        could not place) is kept, with a warning."""
+        handled: list[str] = []
+        doomed: list[str] = []
+        for entry in listing:
+            role = entry[len(tag) :]
+            if not entry.startswith(tag):
+                continue
+            if role.startswith("del-"):
+                doomed.append(os.path.join(parent, entry))
+            elif STAGING_MARKER in role or not _is_checkpoint_dir(os.path.join(parent, entry)):
+                doomed.append(_retire(parent, tag, entry))
+            else:
+                logger.warning(
+                    "%s: an interrupted save left this complete checkpoint, and its name is unknown: kept",
+                    os.path.join(parent, entry),
+                )
+                continue
+            handled.append(entry)
+        if doomed:
+            _fsync_directory(parent)
+        _remove_trees(doomed)
+        return handled
 
 
 def _followed_link(link: str) -> str:

@@ -60,6 +60,7 @@ from shardkeep.manifest import (
     lineage,
     stored_bytes,
 )
+from shardkeep.names import sibling_name
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store, renames
@@ -424,7 +425,7 @@ class CheckpointManager:
                     "delete it, or save under another step",
                 )
             if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
-                aside = f"{name}{_CORRUPT_MARKER}{uuid.uuid4().hex[:12]}"
+                aside = sibling_name(name, _CORRUPT_MARKER, uuid.uuid4().hex[:12])
                 self.store.rename(name, aside)
                 logger.warning(
                     "checkpoint %s fails verification (%s); moved it to %s for inspection and saving afresh",

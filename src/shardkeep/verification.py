@@ -51,6 +51,7 @@ from shardkeep.manifest import (
     unsafe_path_reason,
     validate_manifest,
 )
+from shardkeep.names import check_name_length
 from shardkeep.progress import collector_paused
 from shardkeep.storage import (
     ByteStore,
@@ -118,6 +119,7 @@ def locate(
     parent, name = os.path.split(absolute.rstrip("/"))
     if not name:
         raise UnsupportedValueError(f"{text!r} does not name a checkpoint directory")
+    check_name_length(name, "checkpoint name")
     return CheckpointLocation(LocalStore(parent or "/"), name)
 
 

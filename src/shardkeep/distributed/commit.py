@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
 from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
+from shardkeep.names import sibling_prefix
 from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore, write_new
 
 __all__ = ["ATTEMPT_PREFIX", "CheckpointCommit", "FilesystemCommit", "ObjectStoreCommit"]
@@ -194,8 +195,9 @@ class FilesystemCommit(CheckpointCommit):
     order:
 
     1. ``begin``: refuse if the final name is already committed; choose a fresh staging name
-       ``<final>.tmp-<uuid>`` in the same parent, so a retry never overwrites anything and the
-       final rename never crosses filesystems.
+       ``<final>.tmp-<uuid>`` in the same parent (a long final name shortened with its digest,
+       :mod:`shardkeep.names`), so a retry never overwrites anything and the final rename never
+       crosses filesystems.
     2. Writers create every data file under the staging directory; each file is fsynced before
        its record is reported (rule 3).
     3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig``
@@ -229,7 +231,9 @@ class FilesystemCommit(CheckpointCommit):
         self.data_dirs: set[str] = set()
 
     def _staging_prefix(self) -> str:
-        return f"{self.final}{STAGING_MARKER}"
+        # A final name of up to 255 bytes is shortened (with its digest) so that the staging
+        # name fits in one path component too; the marker is always there (see names).
+        return sibling_prefix(self.final, STAGING_MARKER, reserve=self._attempt_id_length)
 
     def begin(self) -> None:
         self._refuse_if_committed(self.final)

@@ -31,6 +31,7 @@ from shardkeep.errors import (
     UnsafePathError,
 )
 from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
+from shardkeep.names import sibling_name
 from shardkeep.storage.base import EntryInfo, StoreBase
 
 __all__ = [
@@ -808,7 +809,7 @@ class LocalStore(StoreBase):
 
     def put_atomic(self, path: str, data: bytes) -> None:
         parts = self._split(path)
-        temporary = f"{parts[-1]}{STAGING_MARKER}{uuid.uuid4().hex}"
+        temporary = sibling_name(parts[-1], STAGING_MARKER, uuid.uuid4().hex)
         writer = self.open_write("/".join([*parts[:-1], temporary]))
         try:
             writer.write(data)
@@ -898,6 +899,8 @@ def _remove_entry(dir_fd: int, name: str, path: str) -> None:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise _storage_error("stat of", path, exc) from exc
     try:
         if stat_module.S_ISDIR(info.st_mode):
             child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
