@@ -66,6 +66,7 @@ class SaveHandle:
         self._job = job  # kept while in flight, to abandon the save at exit
         self._deadline = deadline  # time.monotonic() by which the save's own deadline has passed
         self._pid = os.getpid()  # a forked child inherits the handle, not the thread behind it
+        self._worker: threading.Thread | None = None  # the background thread (a daemon)
         self.blocked_seconds = 0.0
         self.staged_bytes = 0
         self.staging_arena_bytes = 0
@@ -98,7 +99,19 @@ class SaveHandle:
     def _settle_at_exit(self) -> None:
         """At interpreter exit: wait for this save (bounded by its deadline), or abandon it on
         Ctrl-C, and log the outcome the script never asked for."""
-        if self._pid != os.getpid() or (self.done() and self._reported):
+        if self._pid != os.getpid():
+            return
+        try:
+            self._settle()
+        finally:
+            # The daemon thread may still be returning from a completed save: the interpreter
+            # must not finalize under it (native code then aborts the process).
+            worker = self._worker
+            if worker is not None and self.done():
+                worker.join(ABANDON_SECONDS)
+
+    def _settle(self) -> None:
+        if self.done() and self._reported:
             return
         if not self.done():
             remaining = max(0.0, (self._deadline or time.monotonic()) - time.monotonic())
@@ -246,7 +259,6 @@ class AsyncSaver:
             job.abort()
             raise
         handle = SaveHandle(str(location), job, time.monotonic() + timeout)
-        self._inflight = handle
         handle.staged_bytes = sum(item.nbytes for item in job.planned)
         handle.staging_arena_bytes = self.arena.capacity
         started = threading.Event()
@@ -256,6 +268,8 @@ class AsyncSaver:
             name="shardkeep-async-save",
             daemon=True,  # the exit hook, not the interpreter's join, bounds the wait for it
         )
+        handle._worker = worker
+        self._inflight = handle
         worker.start()
         # Starting the thread is part of what the caller waits for (it can hand the interpreter
         # to the new thread for milliseconds); the worker reads the figure only after this.
