@@ -70,7 +70,7 @@ from torch.futures import Future
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import IntegrityError, ManifestError, UnsupportedValueError
+from shardkeep.errors import ConfigError, IntegrityError, ManifestError, UnsupportedValueError
 from shardkeep.integrity import (
     CRYPTOGRAPHIC_DIGESTS,
     SignaturePolicy,
@@ -635,7 +635,8 @@ class ShardkeepReader(StorageReader):
     checked first (``require_signature`` as for ``sk.verify``). Every file a rank's plan needs
     is checked before any value reaches DCP's planner: with ``verify`` (the default) its digest
     (or, when only some of its chunks are read, those chunks' digests), else its size and
-    header. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
+    header. ``public_key`` with ``verify=False`` is refused (:class:`~shardkeep.errors.ConfigError`,
+    as ``sk.load`` refuses it): the signature covers the data only through the digests. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
     DCP reports wrapped in its ``CheckpointException``.
 
     Non-tensor values are handed to DCP's planner as bytes that this reader builds itself with
@@ -663,6 +664,11 @@ class ShardkeepReader(StorageReader):
         super().__init__()
         self.path = _checkpoint_path(path)
         self.policy = SignaturePolicy.of(public_key, require_signature)
+        if self.policy.public_key is not None and not verify:
+            raise ConfigError(
+                "public_key= with verify=False: the signature covers the data only through the digests, "
+                "which verify=False does not check"
+            )
         self.verify = verify
         self.trust_pickle = trust_pickle
         self.limits = limits

@@ -21,7 +21,16 @@ import msgspec
 from shardkeep.errors import IntegrityError
 from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, shape_problem, strict_json_hooks
 
-__all__ = ["STALE", "VERSION_KEY", "HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
+__all__ = [
+    "STALE",
+    "VERSION_KEY",
+    "HeaderEntry",
+    "ShardHeader",
+    "build_header",
+    "check_header",
+    "parse_built_header",
+    "parse_header",
+]
 
 HEADER_ALIGNMENT = 8
 #: safetensors refuses headers above 100 MB; so do we.
@@ -131,6 +140,25 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
         if offsets[0] > offsets[1]:
             raise IntegrityError(f"safetensors header entry {name[:80]!r} ends before it begins")
         entries[name] = HeaderEntry(name, dtype, list(shape), offsets[0], offsets[1])
+    return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
+
+
+def parse_built_header(header: bytes) -> ShardHeader:
+    """Parse a header :func:`build_header` made in this process (the exact bytes a writer is
+    about to write), for :func:`check_header` against the file's record before the file is
+    written. Faster than :func:`parse_header` (msgspec, without its strictness: these bytes
+    come from this module's encoder, not from storage); anything malformed is an
+    :class:`~shardkeep.errors.IntegrityError`."""
+    length = header_length(header, len(header))
+    try:
+        raw = msgspec.json.decode(header[_LENGTH.size : _LENGTH.size + length])
+        metadata = raw.pop("__metadata__", {})
+        entries = {
+            name: HeaderEntry(name, spec["dtype"], list(spec["shape"]), *spec["data_offsets"])
+            for name, spec in raw.items()
+        }
+    except (msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"safetensors header is malformed: {str(exc)[:200]}") from exc
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
 
 
