@@ -553,3 +553,45 @@ def test_a_writer_whose_header_disagrees_with_the_manifest_commits_nothing(
     (error, _), *_ = raised.value.failures.values()
     assert isinstance(error, sk.IntegrityError) and "header lists 1 tensors, manifest lists 2" in str(error)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a torch.save file of a shardkeep checkpoint: DCP's dcp_to_torch_save and the CLI -------------
+
+
+def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_it_to_torch_save(
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as dcp_own_conversion
+
+    from shardkeep.cli import main
+    from shardkeep.dcp import dcp_to_torch_save
+
+    saved = {**_small_state(2.0), "meta": {"name": "run", "betas": (0.9, 0.95)}}
+    path, native = tmp_path / "ckpt", tmp_path / "native"
+    dcp.save(saved, storage_writer=ShardkeepWriter(path))
+    dcp.save(saved, checkpoint_id=native)  # DCP's own FileSystemWriter: the reference
+    # DCP's defaults look for its own .metadata: a shardkeep checkpoint needs the reader passed.
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_small_state(0.0), checkpoint_id=path)
+    assert ".metadata" in str(list(raised.value.failures.values()))
+    with pytest.raises(CheckpointException) as raised:
+        dcp_own_conversion(path, tmp_path / "fails.pt")
+    assert ".metadata" in str(list(raised.value.failures.values()))
+    target = {**_small_state(0.0), "meta": {"name": "", "betas": (0.0, 0.0)}}
+    dcp.load(target, checkpoint_id=path, storage_reader=ShardkeepReader(path))
+    assert_same_tree(target, saved)
+
+    dcp_own_conversion(native, tmp_path / "reference.pt")
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    dcp_to_torch_save(path, tmp_path / "converted.pt")
+    assert_same_tree(torch.load(tmp_path / "converted.pt", weights_only=True), reference)
+    # The CLI: --format torch (another name for pt) writes the same state.
+    assert main(["export", str(path), str(tmp_path / "exported.bin"), "--format", "torch"]) == 0
+    assert_same_tree(torch.load(tmp_path / "exported.bin", weights_only=True), reference)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "converted.pt",
+        "exported.bin",
+        "native",
+        "reference.pt",
+    ]

@@ -95,6 +95,7 @@ from shardkeep.manifest import (
 )
 from shardkeep.saving import DEFAULT_TIER, _ensure_directory, _plain_json_mapping, _precision, warn_if_over_read_limits
 from shardkeep.storage import LocalStore
+from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
 from shardkeep.tensors.coverage import coverage_problems
 from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
@@ -103,7 +104,7 @@ from shardkeep.verification import CheckpointLocation, FileResolver, locate, rea
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-__all__ = ["DCP_FIELD", "ShardkeepReader", "ShardkeepWriter"]
+__all__ = ["DCP_FIELD", "ShardkeepReader", "ShardkeepWriter", "dcp_to_torch_save"]
 
 #: The ``custom_fields`` member that records what the DCP writer adds to a manifest.
 DCP_FIELD = "dcp"
@@ -770,6 +771,41 @@ class ShardkeepReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def dcp_to_torch_save(
+    checkpoint: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], **reader_options: Any
+) -> None:
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for a shardkeep
+    checkpoint: load the whole state through DCP's own loader (one process, no process group)
+    with a :class:`ShardkeepReader` (``reader_options``: ``public_key``, ``trust_pickle`` ...),
+    then ``torch.save`` it at ``torch_save_path``, written whole or not at all (a temporary file
+    beside it, fsynced, renamed). DCP's own function builds a ``FileSystemReader``, which looks
+    for DCP's ``.metadata`` and so cannot read a shardkeep checkpoint. The file holds the
+    nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
+    unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=ShardkeepReader(checkpoint, **reader_options),
+        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
+        no_dist=True,
+    )
+    target = os.path.abspath(os.fspath(torch_save_path))
+    temporary = f"{target}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, temporary)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    fsync_directory_path(os.path.dirname(target))
 
 
 def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, _Stored]]:
