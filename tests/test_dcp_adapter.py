@@ -595,3 +595,25 @@ def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_i
         "native",
         "reference.pt",
     ]
+
+
+def test_dcp_plan_caching_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """A cached plan carries an earlier save's staging directory: refused on the first save
+    already (and a plan DCP marks unusable, a cached one, is refused in global planning)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _FreshCache(DefaultSavePlanner):  # DCP caches plans per planner class name
+        pass
+
+    for attempt in range(2):
+        with pytest.raises(CheckpointException) as raised:
+            dcp.save(
+                _small_state(2.0),
+                storage_writer=ShardkeepWriter(tmp_path / "ckpt"),
+                planner=_FreshCache(enable_plan_caching=True),
+            )
+        (error, _), *_ = raised.value.failures.values()
+        assert isinstance(error, sk.UnsupportedValueError) and "enable_plan_caching" in str(error), attempt
+        assert list(tmp_path.iterdir()) == [], attempt
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(tmp_path / "ckpt"))
+    assert sk.verify(tmp_path / "ckpt").ok

@@ -166,6 +166,10 @@ class ShardkeepWriter(StorageWriter):
     as JSON in the manifest, which :class:`ShardkeepReader` turns back into bytes itself. Only
     other values stay opaque bytes, which the reader refuses unless ``trust_pickle=True``.
 
+    DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) is refused with an
+    :class:`~shardkeep.errors.UnsupportedValueError`: a cached plan carries an earlier save's
+    staging directory.
+
     A failed save cleans up after itself as far as DCP's hooks allow (DCP calls no abort hook,
     and never calls ``finish`` when ``write_data`` failed on any rank): a rank whose
     ``write_data`` fails removes the files it wrote before re-raising; on one rank the
@@ -240,6 +244,8 @@ class ShardkeepWriter(StorageWriter):
         staging directory, whose name every rank's plan carries (a previous save of this writer
         that failed before its ``finish`` is aborted first)."""
         self._abort_pending()
+        if any(not plan.usable for plan in plans):
+            raise UnsupportedValueError(_PLAN_CACHING)
         location = self._location()
         if self.signer is not None:
             self._private_key = load_private_key(self.signer)
@@ -265,6 +271,8 @@ class ShardkeepWriter(StorageWriter):
         commit = CheckpointCommit(location.store, location.name, plan.storage_data.staging)
         shard_plans: list[ShardPlan] = []
         try:
+            if getattr(planner, "_enable_plan_caching", False):
+                raise UnsupportedValueError(_PLAN_CACHING)
             results = self._write(plan, planner, location, commit, shard_plans)
         except BaseException:
             self._discard(location, commit, shard_plans)
@@ -457,6 +465,13 @@ class ShardkeepWriter(StorageWriter):
         if problems:
             raise UnsupportedValueError(f"cannot commit {self._location()}: " + "; ".join(problems[:5]))
         return manifest
+
+
+_PLAN_CACHING = (
+    "ShardkeepWriter cannot save with DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)): DCP "
+    "then hands the writer an earlier save's plan, whose storage data names that save's staging directory, "
+    "so each save needs its own plan; use a planner without enable_plan_caching"
+)
 
 
 def _distributed() -> bool:
