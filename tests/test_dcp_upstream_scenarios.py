@@ -501,6 +501,13 @@ def _dtensor_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
         results[way] = {
             key: _full(value) if isinstance(value, torch.Tensor) else value for key, value in target.items()
         }
+        # async_save on the ranks (a group of its own, as training would use), loaded back.
+        group = torch.distributed.new_group(backend="gloo")
+        dcp.async_save(saved, storage_writer=_writer(way, f"{path}-async"), process_group=group).result()
+        torch.distributed.barrier()
+        again = {"sharded": torch.zeros(6, 4), "uneven": distribute_tensor(torch.zeros(5, 3), mesh, [Shard(1)])}
+        dcp.load(again, storage_reader=_reader(way, f"{path}-async"))
+        results[f"{way}-async"] = {key: _full(value) for key, value in again.items()}
     return results
 
 
@@ -684,12 +691,15 @@ def _fsdp2_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return loaded
 
 
-def test_dtensors_saved_sharded_load_replicated_resharded_and_as_tensors(tmp_path: Path) -> None:
+def test_dtensors_saved_sharded_and_async_load_replicated_resharded_and_as_tensors(tmp_path: Path) -> None:
     outcomes = results_or_raise(run_ranks(2, _dtensor_scenarios, str(tmp_path), outbox=tmp_path / "out"))
     assert sk.verify(tmp_path / "shardkeep").ok
+    assert sk.verify(tmp_path / "shardkeep-async").ok
     for result in outcomes:
         assert_same_values(result["shardkeep"], result["dcp"])
         assert_same_values(result["dcp"]["sharded"], _numbered(6, 4))
+        assert_same_values(result["shardkeep-async"], result["dcp-async"])
+        assert_same_values(result["dcp-async"], {"sharded": _numbered(6, 4), "uneven": _numbered(5, 3)})
     # On one process, without a process group: plain tensors from both checkpoints.
     loaded = {way: {"sharded": torch.zeros(6, 4), "uneven": torch.zeros(5, 3), "step": 0} for way in WAYS}
     for way in WAYS:
