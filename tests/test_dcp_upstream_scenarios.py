@@ -524,8 +524,11 @@ def _sharded_tensor(world_size: int, plan: str, fill: torch.Tensor) -> Any:
             ]
         )
     else:
-        count = {"chunks-per-rank": world_size, "more-chunks-than-ranks": 4}[plan]
-        spec = ChunkShardingSpec(dim=0, placements=[f"rank:{index % world_size}/cpu" for index in range(count)])
+        count = {"chunks-per-rank": world_size, "more-chunks-than-ranks": 4, "columns": world_size}[plan]
+        spec = ChunkShardingSpec(
+            dim=1 if plan == "columns" else 0,
+            placements=[f"rank:{index % world_size}/cpu" for index in range(count)],
+        )
     tensor = sharded_tensor.empty(spec, *fill.shape)
     for shard in tensor.local_shards():
         region = fill
@@ -556,6 +559,8 @@ SHARD_PLANS = [
     ("more-chunks-than-ranks", "tensor"),  # test_switch_between_sharded_tensor_to_tensor
     ("tensor", "more-chunks-than-ranks"),
     ("chunks-per-rank", "more-chunks-than-ranks"),
+    ("chunks-per-rank", "columns"),  # test_load_rowwise_to_colwise
+    ("columns", "enumerable"),
 ]
 
 
