@@ -651,9 +651,10 @@ class ShardkeepReader(StorageReader):
     checked first (``require_signature`` as for ``sk.verify``). Every file a rank's plan needs
     is checked before any value reaches DCP's planner: with ``verify`` (the default) its digest
     (or, when only some of its chunks are read, those chunks' digests), else its size and
-    header. ``public_key`` with ``verify=False`` is refused (:class:`~shardkeep.errors.ConfigError`,
-    as ``sk.load`` refuses it): the signature covers the data only through the digests. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
-    DCP reports wrapped in its ``CheckpointException``.
+    header. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
+    DCP reports wrapped in its ``CheckpointException``. ``public_key`` with ``verify=False`` is
+    refused (:class:`~shardkeep.errors.ConfigError`, as ``sk.load`` refuses it): the signature
+    covers the data only through the digests.
 
     Non-tensor values are handed to DCP's planner as bytes that this reader builds itself with
     ``torch.save`` from the manifest's plain JSON. A checkpoint that holds *opaque* byte items

@@ -101,15 +101,6 @@ MAX_HISTORY = 10_000
 #: header carries them).
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
-    "F8_E8M0": 1,
-    "F4_E2M1FN_X2": 1,
-    "B8": 1,
-    "B1X8": 1,
-    "B2X4": 1,
-    "B4X2": 1,
-    "B16": 2,
-    "C32": 4,
-    "C128": 16,
     "U8": 1,
     "I8": 1,
     "F8_E4M3": 1,
@@ -127,6 +118,15 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "I64": 8,
     "U64": 8,
     "F64": 8,
+    "F8_E8M0": 1,
+    "F4_E2M1FN_X2": 1,
+    "B8": 1,
+    "B1X8": 1,
+    "B2X4": 1,
+    "B4X2": 1,
+    "B16": 2,
+    "C32": 4,
+    "C128": 16,
 }
 
 _DIGEST_HEX_LENGTH = {"blake3": 64, "xxh3-128": 32, "sha256": 64}
