@@ -10,6 +10,7 @@ import errno
 import gc
 import io
 import json
+import math
 import os
 import shlex
 from pathlib import Path
@@ -413,3 +414,206 @@ def test_a_failed_write_on_one_of_two_ranks_is_cleaned_up(tmp_path: Path, failin
     assert left and all(f"rank_{other:05d}" in name for name in left), left
     # Then the coordinator removed the staging directory, with what every rank wrote.
     assert list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_a_signed_checkpoint_is_never_read_without_its_digests(tmp_path: Path) -> None:
+    """The signature covers the data only through the digests: with ``public_key``, a reader
+    that skips them (``verify=False``) is refused, as ``sk.load`` refuses it."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    path = tmp_path / "signed"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path, signer=key))
+    _flip_byte(path, "model.weight")  # forged data under an intact, validly signed manifest
+    with pytest.raises(sk.ConfigError, match="verify=False") as from_load:
+        sk.load(path, public_key=key.public_key(), verify=False)
+    with pytest.raises(sk.ConfigError, match="verify=False") as from_reader:
+        ShardkeepReader(path, public_key=key.public_key(), verify=False)
+    assert type(from_reader.value) is type(from_load.value)
+    with pytest.raises(sk.ConfigError, match="verify=False"):
+        ShardkeepReader(path, require_signature=True, public_key=key.public_key(), verify=False)
+    # With the digests checked, the forged byte is found before any value is loaded.
+    target = _small_state(0.0)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(target, storage_reader=ShardkeepReader(path, public_key=key.public_key()))
+    (error, _), *_ = raised.value.failures.values()
+    assert isinstance(error, sk.IntegrityError)
+    assert_same_tree(target, _small_state(0.0))
+    # Unsigned reading without digests stays possible (the size and header are still checked).
+    unsigned = tmp_path / "unsigned"
+    dcp.save(_small_state(3.0), storage_writer=ShardkeepWriter(unsigned))
+    dcp.load(target, storage_reader=ShardkeepReader(unsigned, verify=False))
+    assert_same_tree(target, _small_state(3.0))
+
+
+# -- ShardedTensors with several local shards on one rank ------------------------------------------
+
+#: ShardedTensor is deprecated in favour of DTensor, and says so on every use.
+_SHARDED_TENSOR_WARNING = "ignore:Please use DTensor instead:FutureWarning"
+
+
+def _sharding_spec(world_size: int, plan: str) -> Any:
+    """``chunks``: 4 chunks of rows over ``world_size`` ranks (two on each of two ranks);
+    ``enumerable``: 4 blocks of 4x2 on a 8x4 tensor, placed crosswise; ``one``: a chunk a rank."""
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardMetadata
+
+    if plan == "enumerable":
+        blocks = [([0, 0], 0), ([0, 2], 1), ([4, 0], 1), ([4, 2], 0)]
+        return EnumerableShardingSpec(
+            [
+                ShardMetadata(shard_offsets=offsets, shard_sizes=[4, 2], placement=f"rank:{owner % world_size}/cpu")
+                for offsets, owner in blocks
+            ]
+        )
+    count = world_size if plan == "one" else 4
+    return ChunkShardingSpec(dim=0, placements=[f"rank:{index % world_size}/cpu" for index in range(count)])
+
+
+def _numbered(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+
+
+def _sharded_tensor(world_size: int, plan: str, fill: torch.Tensor) -> Any:
+    """A ShardedTensor of ``fill``'s shape whose local shards hold ``fill``'s values there."""
+    from torch.distributed._shard import sharded_tensor
+
+    tensor = sharded_tensor.empty(_sharding_spec(world_size, plan), *fill.shape)
+    for shard in tensor.local_shards():
+        region = fill
+        for dim, (start, size) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True)):
+            region = region.narrow(dim, start, size)
+        shard.tensor.copy_(region)
+    return tensor
+
+
+def _gathered(tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor of a ShardedTensor, from every rank's local shards (all_gather)."""
+    pieces = [(list(s.metadata.shard_offsets), s.tensor.clone()) for s in tensor.local_shards()]
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, pieces)
+    full = torch.full(shape, float("nan"))
+    for rank_pieces in everyone:
+        for offsets, piece in rank_pieces:
+            region = full
+            for dim, start in enumerate(offsets):
+                region = region.narrow(dim, start, piece.shape[dim])
+            region.copy_(piece)
+    return full
+
+
+def _save_and_reload_sharded(rank: int, world_size: int, path: str, save_plan: str, load_plan: str) -> Any:
+    shape = (8, 4)
+    saved = {"st": _sharded_tensor(world_size, save_plan, _numbered(shape)), "plain": _numbered((3,))}
+    dcp.save(saved, storage_writer=ShardkeepWriter(path))
+    torch.distributed.barrier()
+    target = {"st": _sharded_tensor(world_size, load_plan, torch.zeros(shape)), "plain": torch.zeros(3)}
+    dcp.load(target, storage_reader=ShardkeepReader(path))
+    return _gathered(target["st"], shape), target["plain"]
+
+
+@pytest.mark.filterwarnings(_SHARDED_TENSOR_WARNING)
+@pytest.mark.parametrize(("save_plan", "load_plan"), [("chunks", "enumerable"), ("enumerable", "one")])
+def test_a_sharded_tensor_with_several_shards_on_a_rank_commits_a_loadable_checkpoint(
+    tmp_path: Path, save_plan: str, load_plan: str
+) -> None:
+    path = tmp_path / "ckpt"
+    outcomes = results_or_raise(
+        run_ranks(2, _save_and_reload_sharded, str(path), save_plan, load_plan, outbox=tmp_path / "out")
+    )
+    report = sk.verify(path)
+    assert report.ok, report.problems
+    for full, plain in outcomes:  # loaded on two ranks with another shard plan
+        assert torch.equal(full, _numbered((8, 4))) and torch.equal(plain, _numbered((3,)))
+    loaded = sk.load(path)
+    assert torch.equal(loaded["st"], _numbered((8, 4))) and torch.equal(loaded["plain"], _numbered((3,)))
+    # Each rank held two chunks of "st": no file's safetensors header lists a key twice.
+    chunks = [entry for record in _manifest(path)["files"] for entry in record["tensors"] if entry["key"] == "st"]
+    assert len(chunks) == 4
+    for record in _manifest(path)["files"]:
+        keys = [entry["key"] for entry in record["tensors"]]
+        assert len(keys) == len(set(keys)), record["path"]
+    # On one process, into a plain tensor (a ShardedTensor saved, a tensor loaded).
+    whole = {"st": torch.zeros(8, 4), "plain": torch.zeros(3)}
+    dcp.load(whole, storage_reader=ShardkeepReader(path))
+    assert torch.equal(whole["st"], _numbered((8, 4)))
+
+
+def test_a_writer_whose_header_disagrees_with_the_manifest_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardkeep import layout
+
+    original = layout.build_header
+    # Every tensor of a file named like the first: the header lists one, the manifest two.
+    monkeypatch.setattr(
+        layout, "build_header", lambda spans, version=None: original([(spans[0][0], *s[1:]) for s in spans], version)
+    )
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(tmp_path / "ckpt"))
+    (error, _), *_ = raised.value.failures.values()
+    assert isinstance(error, sk.IntegrityError) and "header lists 1 tensors, manifest lists 2" in str(error)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- a torch.save file of a shardkeep checkpoint: DCP's dcp_to_torch_save and the CLI -------------
+
+
+def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_it_to_torch_save(
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as dcp_own_conversion
+
+    from shardkeep.cli import main
+    from shardkeep.dcp import dcp_to_torch_save
+
+    saved = {**_small_state(2.0), "meta": {"name": "run", "betas": (0.9, 0.95)}}
+    path, native = tmp_path / "ckpt", tmp_path / "native"
+    dcp.save(saved, storage_writer=ShardkeepWriter(path))
+    dcp.save(saved, checkpoint_id=native)  # DCP's own FileSystemWriter: the reference
+    # DCP's defaults look for its own .metadata: a shardkeep checkpoint needs the reader passed.
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(_small_state(0.0), checkpoint_id=path)
+    assert ".metadata" in str(list(raised.value.failures.values()))
+    with pytest.raises(CheckpointException) as raised:
+        dcp_own_conversion(path, tmp_path / "fails.pt")
+    assert ".metadata" in str(list(raised.value.failures.values()))
+    target = {**_small_state(0.0), "meta": {"name": "", "betas": (0.0, 0.0)}}
+    dcp.load(target, checkpoint_id=path, storage_reader=ShardkeepReader(path))
+    assert_same_tree(target, saved)
+
+    dcp_own_conversion(native, tmp_path / "reference.pt")
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    dcp_to_torch_save(path, tmp_path / "converted.pt")
+    assert_same_tree(torch.load(tmp_path / "converted.pt", weights_only=True), reference)
+    # The CLI: --format torch (another name for pt) writes the same state.
+    assert main(["export", str(path), str(tmp_path / "exported.bin"), "--format", "torch"]) == 0
+    assert_same_tree(torch.load(tmp_path / "exported.bin", weights_only=True), reference)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "converted.pt",
+        "exported.bin",
+        "native",
+        "reference.pt",
+    ]
+
+
+def test_dcp_plan_caching_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """A cached plan carries an earlier save's staging directory: refused on the first save
+    already (and a plan DCP marks unusable, a cached one, is refused in global planning)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _FreshCache(DefaultSavePlanner):  # DCP caches plans per planner class name
+        pass
+
+    for attempt in range(2):
+        with pytest.raises(CheckpointException) as raised:
+            dcp.save(
+                _small_state(2.0),
+                storage_writer=ShardkeepWriter(tmp_path / "ckpt"),
+                planner=_FreshCache(enable_plan_caching=True),
+            )
+        (error, _), *_ = raised.value.failures.values()
+        assert isinstance(error, sk.UnsupportedValueError) and "enable_plan_caching" in str(error), attempt
+        assert list(tmp_path.iterdir()) == [], attempt
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(tmp_path / "ckpt"))
+    assert sk.verify(tmp_path / "ckpt").ok

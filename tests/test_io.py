@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -326,3 +328,32 @@ def test_a_forked_child_hashes_after_the_parent_hashed_in_parallel() -> None:
         if os.waitpid(child, os.WNOHANG)[0] == 0:  # still running (hung, or about to exit)
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
+
+
+def _colliding_header(original: Any) -> Any:
+    """``build_header`` as if every tensor of a file had the first one's name: the header then
+    lists one tensor where the manifest lists all of them (a naming bug in a writer)."""
+
+    def build(spans: Any, version: int | None = None) -> bytes:
+        return bytes(original([(spans[0][0], *span[1:]) for span in spans], version))
+
+    return build
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_file_whose_header_disagrees_with_its_record_is_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compression: str | None
+) -> None:
+    import torch
+
+    import shardkeep as sk
+    from shardkeep import layout
+
+    monkeypatch.setattr(layout, "build_header", _colliding_header(layout.build_header))
+    state = {"w": torch.ones(4), "b": torch.zeros(2), "step": 3}
+    with pytest.raises(sk.IntegrityError, match=r"rank_00000.*header lists 1 tensors, manifest lists 2"):
+        sk.save(state, tmp_path / "ckpt", compression=compression)
+    assert list(tmp_path.iterdir()) == []  # nothing committed, the staging directory removed
+    monkeypatch.undo()
+    sk.save(state, tmp_path / "ckpt", compression=compression)
+    assert sk.verify(tmp_path / "ckpt").ok

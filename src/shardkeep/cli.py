@@ -244,7 +244,10 @@ def _add_export_command(commands: Any) -> None:
         help="the file to write (*.pt or *.safetensors), or the folder to write with --format hf",
     )
     exporting.add_argument(
-        "--format", choices=("pt", "safetensors", "hf"), help="the output format (default: from DEST)"
+        "--format",
+        choices=("pt", "torch", "safetensors", "hf"),
+        help="the output format (default: from DEST); torch is another name for pt: a torch.save file, what "
+        "torch.distributed.checkpoint's dcp_to_torch_save writes",
     )
     exporting.add_argument(
         "--subtree", metavar="KEY", help="--format hf: the dotted key holding the model's state dict (default: model)"
@@ -850,7 +853,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
         written = export_checkpoint(
             args.path,
             args.dest,
-            format=args.format,
+            format="pt" if args.format == "torch" else args.format,
             overwrite=args.force,
             public_key=policy.public_key,
             tier_locations=remapped or None,

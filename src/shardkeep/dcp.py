@@ -70,7 +70,7 @@ from torch.futures import Future
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import IntegrityError, ManifestError, UnsupportedValueError
+from shardkeep.errors import ConfigError, IntegrityError, ManifestError, UnsupportedValueError
 from shardkeep.integrity import (
     CRYPTOGRAPHIC_DIGESTS,
     SignaturePolicy,
@@ -95,6 +95,7 @@ from shardkeep.manifest import (
 )
 from shardkeep.saving import DEFAULT_TIER, _ensure_directory, _plain_json_mapping, _precision, warn_if_over_read_limits
 from shardkeep.storage import LocalStore
+from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
 from shardkeep.tensors.coverage import coverage_problems
 from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
@@ -103,7 +104,7 @@ from shardkeep.verification import CheckpointLocation, FileResolver, locate, rea
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-__all__ = ["DCP_FIELD", "ShardkeepReader", "ShardkeepWriter"]
+__all__ = ["DCP_FIELD", "ShardkeepReader", "ShardkeepWriter", "dcp_to_torch_save"]
 
 #: The ``custom_fields`` member that records what the DCP writer adds to a manifest.
 DCP_FIELD = "dcp"
@@ -164,6 +165,10 @@ class ShardkeepWriter(StorageWriter):
     ints, floats including inf and nan, strings, and lists, tuples and dicts of those) is stored
     as JSON in the manifest, which :class:`ShardkeepReader` turns back into bytes itself. Only
     other values stay opaque bytes, which the reader refuses unless ``trust_pickle=True``.
+
+    DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) is refused with an
+    :class:`~shardkeep.errors.UnsupportedValueError`: a cached plan carries an earlier save's
+    staging directory.
 
     A failed save cleans up after itself as far as DCP's hooks allow (DCP calls no abort hook,
     and never calls ``finish`` when ``write_data`` failed on any rank): a rank whose
@@ -239,6 +244,8 @@ class ShardkeepWriter(StorageWriter):
         staging directory, whose name every rank's plan carries (a previous save of this writer
         that failed before its ``finish`` is aborted first)."""
         self._abort_pending()
+        if any(not plan.usable for plan in plans):
+            raise UnsupportedValueError(_PLAN_CACHING)
         location = self._location()
         if self.signer is not None:
             self._private_key = load_private_key(self.signer)
@@ -264,6 +271,8 @@ class ShardkeepWriter(StorageWriter):
         commit = CheckpointCommit(location.store, location.name, plan.storage_data.staging)
         shard_plans: list[ShardPlan] = []
         try:
+            if getattr(planner, "_enable_plan_caching", False):
+                raise UnsupportedValueError(_PLAN_CACHING)
             results = self._write(plan, planner, location, commit, shard_plans)
         except BaseException:
             self._discard(location, commit, shard_plans)
@@ -458,6 +467,13 @@ class ShardkeepWriter(StorageWriter):
         return manifest
 
 
+_PLAN_CACHING = (
+    "ShardkeepWriter cannot save with DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)): DCP "
+    "then hands the writer an earlier save's plan, whose storage data names that save's staging directory, "
+    "so each save needs its own plan; use a planner without enable_plan_caching"
+)
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -636,7 +652,9 @@ class ShardkeepReader(StorageReader):
     is checked before any value reaches DCP's planner: with ``verify`` (the default) its digest
     (or, when only some of its chunks are read, those chunks' digests), else its size and
     header. A failure is an :class:`~shardkeep.errors.IntegrityError` naming the file, which
-    DCP reports wrapped in its ``CheckpointException``.
+    DCP reports wrapped in its ``CheckpointException``. ``public_key`` with ``verify=False`` is
+    refused (:class:`~shardkeep.errors.ConfigError`, as ``sk.load`` refuses it): the signature
+    covers the data only through the digests.
 
     Non-tensor values are handed to DCP's planner as bytes that this reader builds itself with
     ``torch.save`` from the manifest's plain JSON. A checkpoint that holds *opaque* byte items
@@ -663,6 +681,11 @@ class ShardkeepReader(StorageReader):
         super().__init__()
         self.path = _checkpoint_path(path)
         self.policy = SignaturePolicy.of(public_key, require_signature)
+        if self.policy.public_key is not None and not verify:
+            raise ConfigError(
+                "public_key= with verify=False: the signature covers the data only through the digests, "
+                "which verify=False does not check"
+            )
         self.verify = verify
         self.trust_pickle = trust_pickle
         self.limits = limits
@@ -764,6 +787,41 @@ class ShardkeepReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def dcp_to_torch_save(
+    checkpoint: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], **reader_options: Any
+) -> None:
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for a shardkeep
+    checkpoint: load the whole state through DCP's own loader (one process, no process group)
+    with a :class:`ShardkeepReader` (``reader_options``: ``public_key``, ``trust_pickle`` ...),
+    then ``torch.save`` it at ``torch_save_path``, written whole or not at all (a temporary file
+    beside it, fsynced, renamed). DCP's own function builds a ``FileSystemReader``, which looks
+    for DCP's ``.metadata`` and so cannot read a shardkeep checkpoint. The file holds the
+    nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
+    unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=ShardkeepReader(checkpoint, **reader_options),
+        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
+        no_dist=True,
+    )
+    target = os.path.abspath(os.fspath(torch_save_path))
+    temporary = f"{target}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, temporary)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    fsync_directory_path(os.path.dirname(target))
 
 
 def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, _Stored]]:

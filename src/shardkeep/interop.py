@@ -47,7 +47,9 @@ from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
 from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage.local import fsync_directory_path
+from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
+from shardkeep.tensors.shardfile import CARRIED_DTYPES
 
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
 
@@ -287,6 +289,12 @@ def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: st
             f"values {special} (non-finite floats, big integers ...) have no safetensors form; export to .pt"
         )
     tensors = {leaf.key: torch.as_tensor(leaf.value) for leaf in flat.tensors}
+    unnamed = [key for key, tensor in tensors.items() if TORCH_TO_NAME.get(tensor.dtype) in CARRIED_DTYPES]
+    if unnamed:
+        raise UnsupportedValueError(
+            f"tensors {unnamed[:5]} have dtypes safetensors has no name for "
+            f"({sorted({str(tensors[key].dtype) for key in unnamed})}); export to .pt"
+        )
     save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
 
 

@@ -23,8 +23,9 @@ import zstandard
 from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
 from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
 from shardkeep.manifest import Compression, FileRecord
+from shardkeep.progress import collector_paused
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
-from shardkeep.tensors.shardfile import STALE, check_header, header_length, parse_header
+from shardkeep.tensors.shardfile import STALE, check_header, header_length, parse_built_header, parse_header
 
 __all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
 
@@ -321,6 +322,23 @@ def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> F
     return plan.record
 
 
+def _refuse_disagreeing_header(plan: ShardPlan) -> None:
+    """Refuse a planned file whose header, once written, would fail the header check of every
+    load and verify (:func:`~shardkeep.tensors.shardfile.check_header`): a writer's bug, such
+    as two entries under one name, must fail the save, never commit a checkpoint that cannot
+    load. The header bytes are the ones written, and the digest covers them."""
+    try:
+        problems = check_header(parse_built_header(plan.header), plan.record)
+    except IntegrityError as exc:
+        problems = [f"{plan.record.path}: {exc}"]
+    if problems:
+        raise IntegrityError(
+            f"refusing to write {plan.record.path}: its safetensors header disagrees with its manifest record: "
+            + "; ".join(problems[:5]),
+            problems,
+        )
+
+
 def write_shards(
     store: ByteStore,
     plans: Sequence[ShardPlan],
@@ -336,9 +354,16 @@ def write_shards(
     records with digests filled in. The first failure is raised after all writers stop.
     With ``compression_level``, each file is zstd-compressed at that level as it is written.
     Once ``cancelled`` is set, the next buffer any writer would write raises a
-    :class:`~shardkeep.errors.StorageError` instead (each file is aborted)."""
+    :class:`~shardkeep.errors.StorageError` instead (each file is aborted).
+
+    A file whose header disagrees with its record (the manifest's entries of that file) is
+    refused with an :class:`~shardkeep.errors.IntegrityError` before any file is written: load
+    and verify check every file by the same rule, so such a file could never be read back."""
     if not plans:
         return []
+    with collector_paused():  # 20,000 entries make as many small dicts and lists
+        for plan in plans:
+            _refuse_disagreeing_header(plan)
     workers = max(1, min(io_threads, len(plans), budget.limit // (64 * 1024)))
     coalesce_bytes, piece_bytes = _WriteSettings.split_share(budget.limit // workers)
     with (

@@ -146,6 +146,9 @@ def plan_files(
     """Lay tensors out in files: by decreasing element size (so every tensor is aligned), split
     into files of about ``target`` bytes so that large states are written in parallel.
 
+    No file holds two items of one key (a safetensors header names each tensor once): a
+    rank's second, third ... chunk of one tensor go to ``_c001``, ``_c002`` ... files.
+
     Chunks of sharded tensors go to their own files (``rank_NNNNN_sharded``), apart from whole
     tensors: every loading rank needs every whole tensor, but only the chunks that overlap its
     own shard, and it can then skip the other chunk files' bytes entirely.
@@ -172,12 +175,26 @@ def plan_files(
             stem = sharded
         groups.setdefault(stem, []).append(item)
     result: list[tuple[FileRecord, list[PlannedItem]]] = []
-    for stem in sorted(groups):
+    for stem in sorted(_apart_by_key(groups)):
         base = f"{directory}/rank_{rank:05d}{stem}"
         for index, group in enumerate(_split(groups[stem], target)):
             name = f"{base}{suffix}" if index == 0 else f"{base}_p{index:03d}{suffix}"
             result.append((FileRecord(path=name, rank=rank, size=0, digest=None, tier=tier), group))
     return result
+
+
+def _apart_by_key(groups: dict[str, list[PlannedItem]]) -> dict[str, list[PlannedItem]]:
+    """Split every group whose items share a key (several chunks of one tensor on this rank: a
+    ``ShardedTensor`` with more shards than ranks) so that no file holds a key twice: a
+    safetensors header names each tensor once. The n-th chunk of a key goes to the stem's
+    ``_cNNN`` file (n from 1; the first chunk stays in the stem's own file). ``groups`` is
+    changed in place and returned."""
+    for stem in [stem for stem, items in groups.items() if len({item.leaf.key for item in items}) < len(items)]:
+        seen: dict[str, int] = {}
+        for item in groups.pop(stem):
+            occurrence = seen[item.leaf.key] = seen.get(item.leaf.key, -1) + 1
+            groups.setdefault(f"{stem}_c{occurrence:03d}" if occurrence else stem, []).append(item)
+    return groups
 
 
 def _split(items: list[PlannedItem], target: int) -> list[list[PlannedItem]]:

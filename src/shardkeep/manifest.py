@@ -96,7 +96,9 @@ SEAL_FIELD = "manifest_digest"
 #: The most earlier saves a manifest's run history keeps (the oldest are dropped first).
 MAX_HISTORY = 10_000
 
-#: Bytes per element for every safetensors dtype name shardkeep writes.
+#: Bytes per element for every dtype name a manifest may record: the safetensors names, and
+#: those safetensors has no name for (``tensors.shardfile.CARRIED_DTYPES`` says how a shard's
+#: header carries them).
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,
@@ -116,6 +118,15 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "I64": 8,
     "U64": 8,
     "F64": 8,
+    "F8_E8M0": 1,
+    "F4_E2M1FN_X2": 1,
+    "B8": 1,
+    "B1X8": 1,
+    "B2X4": 1,
+    "B4X2": 1,
+    "B16": 2,
+    "C32": 4,
+    "C128": 16,
 }
 
 _DIGEST_HEX_LENGTH = {"blake3": 64, "xxh3-128": 32, "sha256": 64}

@@ -48,7 +48,20 @@ TORCH_TO_NAME: dict[torch.dtype, str] = {
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
     torch.float8_e5m2: "F8_E5M2",
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    # Dtypes that safetensors has no name for: the manifest records these names, and a shard's
+    # header carries the same bytes under a dtype it has (tensors.shardfile.CARRIED_DTYPES).
+    torch.complex128: "C128",
+    torch.complex32: "C32",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.float4_e2m1fn_x2: "F4_E2M1FN_X2",
+    torch.bits8: "B8",
+    torch.bits16: "B16",
+    torch.bits1x8: "B1X8",
+    torch.bits2x4: "B2X4",
+    torch.bits4x2: "B4X2",
 }
+#: The complex dtype names: a conjugated or negated view has to be resolved before writing.
+_COMPLEX = frozenset({"C32", "C64", "C128"})
 NAME_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
 #: What ``torch.Tensor`` (and subclasses that keep its dispatch, such as ``Parameter``) dispatch with.
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -67,6 +80,7 @@ NUMPY_TO_NAME: dict[np.dtype[Any], str] = {
     np.dtype(np.float32): "F32",
     np.dtype(np.float64): "F64",
     np.dtype(np.complex64): "C64",
+    np.dtype(np.complex128): "C128",
 }
 NAME_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in NUMPY_TO_NAME.items()}
 
@@ -204,7 +218,7 @@ def describe_array(key: str, value: Any) -> tuple[str, list[int], int, int, str,
 
     ``address`` is where the bytes already lie contiguously in host memory, or ``None`` when the
     writer must produce contiguous pieces. Raises an error naming ``key`` for anything
-    safetensors cannot store. This runs once per tensor on every save, so it keeps to the
+    shardkeep does not store. This runs once per tensor on every save, so it keeps to the
     cheapest torch attribute reads.
     """
     if isinstance(value, torch.Tensor):
@@ -225,11 +239,13 @@ def describe_array(key: str, value: Any) -> tuple[str, list[int], int, int, str,
                 )
             if value.is_quantized:
                 raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it before saving")
-            raise UnsupportedValueError(f"tensor {key!r} has dtype {value.dtype}, which safetensors cannot store")
+            raise UnsupportedValueError(
+                f"tensor {key!r} has dtype {value.dtype}, which shardkeep does not store (docs/manifest.md, dtypes)"
+            )
         address: int | None = None
         try:
             if value.is_cpu:
-                if value.is_contiguous() and (name != "C64" or not (value.is_conj() or value.is_neg())):
+                if value.is_contiguous() and (name not in _COMPLEX or not (value.is_conj() or value.is_neg())):
                     address = value.data_ptr()
             elif value.is_meta:
                 raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data")

@@ -21,7 +21,18 @@ import msgspec
 from shardkeep.errors import IntegrityError
 from shardkeep.manifest import DTYPE_ITEMSIZE, FileRecord, shape_problem, strict_json_hooks
 
-__all__ = ["STALE", "VERSION_KEY", "HeaderEntry", "ShardHeader", "build_header", "check_header", "parse_header"]
+__all__ = [
+    "CARRIED_DTYPES",
+    "STALE",
+    "VERSION_KEY",
+    "HeaderEntry",
+    "ShardHeader",
+    "build_header",
+    "check_header",
+    "header_form",
+    "parse_built_header",
+    "parse_header",
+]
 
 HEADER_ALIGNMENT = 8
 #: safetensors refuses headers above 100 MB; so do we.
@@ -33,6 +44,32 @@ VERSION_KEY = "shardkeep.version"
 #: The word that marks a stale-file problem (a header version older than the manifest's).
 STALE = "stale:"
 _ENCODER = msgspec.json.Encoder()
+#: Manifest dtypes that safetensors has no name for, and how a shard's header carries their
+#: bytes under a dtype every safetensors reader knows: (header dtype, a trailing dimension of
+#: that many elements added to the shape, or 1 for none). A complex128 tensor of shape [3] is
+#: ``F64`` [3, 2] in the header (real and imaginary parts, as ``torch.view_as_real`` gives),
+#: a float8_e8m0fnu tensor ``U8`` of the same shape. The manifest records the true dtype.
+CARRIED_DTYPES: dict[str, tuple[str, int]] = {
+    "C128": ("F64", 2),
+    "C32": ("F16", 2),
+    "F8_E8M0": ("U8", 1),
+    "F4_E2M1FN_X2": ("U8", 1),
+    "B8": ("U8", 1),
+    "B1X8": ("U8", 1),
+    "B2X4": ("U8", 1),
+    "B4X2": ("U8", 1),
+    "B16": ("U16", 1),
+}
+
+
+def header_form(dtype: str, shape: list[int]) -> tuple[str, list[int]]:
+    """The (dtype, shape) a shard's safetensors header gives a tensor the manifest records as
+    ``dtype`` and ``shape``: the same, except for :data:`CARRIED_DTYPES`."""
+    carried = CARRIED_DTYPES.get(dtype)
+    if carried is None:
+        return dtype, shape
+    header_dtype, lanes = carried
+    return header_dtype, [*shape, lanes] if lanes > 1 else shape
 
 
 @dataclass(frozen=True)
@@ -61,14 +98,16 @@ class ShardHeader:
 
 def build_header(spans: Sequence[tuple[str, str, list[int], int, int]], version: int | None = None) -> bytes:
     """The length prefix and padded JSON header for tensors laid out as ``spans`` describe:
-    (name, dtype, shape, begin, end), offsets relative to the data section. ``version`` (the
+    (name, manifest dtype, shape, begin, end), offsets relative to the data section (a dtype of
+    :data:`CARRIED_DTYPES` is written as its carrier). ``version`` (the
     file's version in the manifest) goes into the metadata as ``shardkeep.version``."""
     metadata = dict(_METADATA)
     if version is not None:
         metadata[VERSION_KEY] = str(version)
     header: dict[str, object] = {"__metadata__": metadata}
     for name, dtype, shape, begin, end in spans:
-        header[name] = _HeaderSpec(dtype, shape, (begin, end))
+        header_dtype, header_shape = header_form(dtype, shape)
+        header[name] = _HeaderSpec(header_dtype, header_shape, (begin, end))
     body = _ENCODER.encode(header)
     padding = (-(len(body) + _LENGTH.size)) % HEADER_ALIGNMENT
     body += b" " * padding
@@ -134,6 +173,25 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
 
 
+def parse_built_header(header: bytes) -> ShardHeader:
+    """Parse a header :func:`build_header` made in this process (the exact bytes a writer is
+    about to write), for :func:`check_header` against the file's record before the file is
+    written. Faster than :func:`parse_header` (msgspec, without its strictness: these bytes
+    come from this module's encoder, not from storage); anything malformed is an
+    :class:`~shardkeep.errors.IntegrityError`."""
+    length = header_length(header, len(header))
+    try:
+        raw = msgspec.json.decode(header[_LENGTH.size : _LENGTH.size + length])
+        metadata = raw.pop("__metadata__", {})
+        entries = {
+            name: HeaderEntry(name, spec["dtype"], list(spec["shape"]), *spec["data_offsets"])
+            for name, spec in raw.items()
+        }
+    except (msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"safetensors header is malformed: {str(exc)[:200]}") from exc
+    return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
+
+
 def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
     """Every disagreement between a shard's safetensors header and its manifest record."""
     problems: list[str] = []
@@ -157,7 +215,7 @@ def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
         if found is None:
             problems.append(f"{where}: tensor {entry.key!r} is missing from the safetensors header")
             continue
-        if found.dtype != entry.dtype or found.shape != entry.shape:
+        if (found.dtype, found.shape) != header_form(entry.dtype, entry.shape):
             problems.append(
                 f"{where}: tensor {entry.key!r} is {found.dtype}{list(found.shape)} in the header "
                 f"but {entry.dtype}{entry.shape} in the manifest"
