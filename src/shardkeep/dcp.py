@@ -70,7 +70,7 @@ from torch.futures import Future
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import ConfigError, IntegrityError, ManifestError, UnsupportedValueError
+from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
 from shardkeep.integrity import (
     CRYPTOGRAPHIC_DIGESTS,
     SignaturePolicy,
@@ -774,7 +774,7 @@ class ShardkeepReader(StorageReader):
                 source = source.narrow(dim, start, length)
             target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
-                raise UnsupportedValueError(
+                raise StateMismatchError(
                     f"{self.location}: {entry.key!r}: DCP's target region has shape {list(target.size())}, the "
                     f"stored region {list(source.size())}"
                 )
