@@ -189,6 +189,30 @@ def _dcp_one_rank(tmp_path: Path) -> Prepared:
     )
 
 
+def _dcp_saved(tmp_path: Path) -> Prepared:
+    """The DCP section's conversion block on one gloo rank: ``state`` (the model's state dict)
+    and ``path``, a checkpoint ``dcp.save`` wrote there through ``ShardkeepWriter``. Afterwards
+    ``model.pt`` holds what was saved, and loads with ``weights_only=True``."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardkeep.dcp import ShardkeepWriter
+
+    prepared = _dcp_one_rank(tmp_path)
+    model = prepared.names["model"]
+    path = "ckpts/step_00001000"
+    dcp.save({"model": model.state_dict()}, storage_writer=ShardkeepWriter(path))
+    saved = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+
+    def check() -> None:
+        prepared.check()
+        converted = torch.load("model.pt", weights_only=True)
+        for key, tensor in saved.items():
+            assert torch.equal(converted["model"][key], tensor), key
+
+    names = {"state": {"model": model.state_dict()}, "path": path}
+    return Prepared(names, check, prepared.cleanup)
+
+
 def _lightning_fit(tmp_path: Path) -> Prepared:
     """The Lightning section: ``model``, a tiny LightningModule that logs ``val_loss``.
     Afterwards every checkpoint written verifies."""
@@ -278,6 +302,7 @@ def _stateful_loader(tmp_path: Path) -> Prepared:
 SETUPS: dict[str, Callable[[Path], Prepared]] = {
     "hf-folders": _hf_folders,
     "dcp-one-rank": _dcp_one_rank,
+    "dcp-saved": _dcp_saved,
     "lightning-fit": _lightning_fit,
     "accelerate": _accelerate,
     "stateful-loader": _stateful_loader,
