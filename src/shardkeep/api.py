@@ -97,6 +97,8 @@ def save(
 
     ``metrics`` (name to number; NaN and infinities are recorded as null) and ``run`` (a
     :class:`~shardkeep.manifest.RunInfo`) go into the manifest; the checkpoint manager sets them.
+    ``step`` is recorded as the checkpoint's step; without it, an int ``"step"`` at the top of
+    ``state`` is.
 
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
     observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's

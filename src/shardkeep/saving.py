@@ -907,7 +907,7 @@ def _manifest_for(
     strategy = settings.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
         model_id=settings.model_id,
-        step=settings.step,
+        step=settings.step if settings.step is not None else _step_of(state),
         epoch=settings.epoch,
         world_size=world_size,
         digest_algorithm=digest,
@@ -923,6 +923,15 @@ def _manifest_for(
         metrics=metrics,
         run=settings.run,
     )
+
+
+def _step_of(state: Mapping[str, Any]) -> int | None:
+    """The step a state records in its top-level ``"step"`` key (an int >= 0, not a bool), which
+    a save without ``step=`` records as the checkpoint's step."""
+    value = state.get("step")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
