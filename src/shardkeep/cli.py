@@ -286,9 +286,11 @@ def _add_ls(commands: Any) -> None:
     listing = commands.add_parser(
         "ls",
         help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
-        description="List the committed checkpoints (step_<N> directories) of a checkpoint-manager root. Marks and "
+        description="List the committed checkpoints (step_<N> directories: step_ and the step in digits, e.g. "
+        "step_100 or step_00000100) of a checkpoint-manager root. Marks and "
         "the policy come from the manifests (the newest one records the manager's policy); --keep-last/--keep-best/"
-        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked: such a "
+        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked (every "
+        "tier's files too, wherever they are kept): such a "
         "checkpoint is listed as 'unverified', and the last/best marks are what the manager would keep if its data "
         "is sound. A checkpoint whose name disagrees with the step in its manifest (renamed or copied) is flagged "
         "and never marked. Exit 0 when every check passes, 1 if a checkpoint is corrupt or misnamed, 2 when ROOT "
