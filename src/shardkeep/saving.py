@@ -341,9 +341,10 @@ class SaveJob:
         if self.signer is not None:
             self.private_key = load_private_key(self.signer)  # only the coordinator signs
         store = self.location.store
-        for local in (store, *self.tier_stores.values()):
-            if isinstance(local, LocalStore):
-                _ensure_directory(local.root)
+        with self._writes_refused_named():
+            for local in (store, *self.tier_stores.values()):
+                if isinstance(local, LocalStore):
+                    _ensure_directory(local.root)
         opening = CheckpointCommit(store, self.location.name, tier_stores=self.tier_stores)
         opening.begin()
         return opening.staging
