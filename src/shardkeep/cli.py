@@ -1054,7 +1054,7 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         for item in found:
             root.verify_fully(item)
     entries, decision = root.decide(found, policy, run, verify_newest=False)
-    leftovers = [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
+    leftovers = _leftovers(root)
     pointers = {name: root.read_pointer(name) for name in ("last", "best")}
     status = _ls_status(entries)
     unverified = any(entry.verified is None for entry in entries)
@@ -1147,8 +1147,9 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         )
     if unverified:
         w(
-            "note    unverified: only the manifest, the file set and the sizes were checked, not the data; "
-            "last/best/newest assume the data is sound. --verify checks every digest (reads everything).\n"
+            "note    unverified: only the manifest, the file set and the sizes (in every tier's location too) were "
+            "checked, not the data; last/best/newest assume the data is sound. --verify checks every digest (reads "
+            "everything).\n"
         )
     return status
 
