@@ -6,6 +6,7 @@ under the path the caller gave, not the internal staging name."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -43,24 +44,30 @@ def test_an_existing_empty_directory_becomes_the_checkpoint(tmp_path: Path, how:
 def test_the_manager_and_import_use_an_empty_directory(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000005").mkdir()
+    code, out, err = _cli("ls", str(root))
+    assert code == 2 and "empty" not in out and "no checkpoints" in err  # an empty directory is not a checkpoint
     manager = sk.CheckpointManager(root, keep_last=2, keep_best=0)
     manager.save({"w": torch.ones(3)}, step=2)
     assert sk.verify(root / "step_00000002").ok
+    assert sorted(p.name for p in root.iterdir()) == ["last", "step_00000002", "step_00000005"]  # none moved aside
+    code, out, _ = _cli("ls", str(root))
+    assert code == 0 and "step_00000005" not in out, out
     source = tmp_path / "weights.safetensors"
     from safetensors.torch import save_file
 
     save_file({"w": torch.ones(2)}, str(source))
     dest = tmp_path / "imported"
     dest.mkdir()
-    out, err = _io()
-    assert main(["import", str(source), str(dest)], out=out, err=err) == 0, err.getvalue()
+    code, _, err = _cli("import", str(source), str(dest))
+    assert code == 0, err
     assert sk.verify(dest).ok
 
 
-def _io() -> tuple[object, object]:
-    import io
-
-    return io.StringIO(), io.StringIO()
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize(

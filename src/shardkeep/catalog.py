@@ -316,10 +316,11 @@ class CheckpointRoot:
             except StorageError:
                 raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
             except CheckpointNotFoundError as exc:
-                if not renames(self.store) or self._only_retained_data(name):
+                if not renames(self.store) or self._only_retained_data(name) or not self.store.list_dir(name):
                     # An object-store prefix without a manifest is an unfinished save or
                     # leftovers (a listing never proves a checkpoint); a directory holding only
-                    # files that later checkpoints reference is retained data, not a checkpoint.
+                    # files that later checkpoints reference is retained data, not a checkpoint;
+                    # an empty directory is a place a save may commit into.
                     continue
                 found.append(_Found(name, step, None, [str(exc)]))
                 continue
