@@ -1,4 +1,5 @@
-"""The local filesystem backend: create-only files, fsync, no-replace rename, directory fsync.
+"""The local filesystem backend: create-only files, fsync, no-replace rename (an empty
+directory excepted, as rename(2) replaces it), directory fsync.
 
 Every path is opened relative to the store's root one component at a time with ``O_NOFOLLOW``,
 so a symlink anywhere inside the root is refused rather than followed (a manifest's paths are relative with safe components only).
