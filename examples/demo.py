@@ -54,6 +54,7 @@ from train_moe import (
     PAUSED_SAVE,
     ModelArgs,
     MoETransformer,
+    first_line,
     loss_of,
     spawn_ranks,
     supervise,
@@ -414,7 +415,7 @@ class Demo:
         verify = self.shardkeep("verify", newest.path)
         restored = manager.restore()  # one process, no process group: full tensors
         for name, reason in restored.skipped:
-            print(f"  restore skipped {name}: {reason[:160]}")
+            print(f"  restore skipped {name}: {first_line(reason)}")
         model = MoETransformer(ModelArgs())
         model.load_state_dict(restored.state.model)
         print(f"  restore loaded {restored.entry.name} (iteration {restored.state.iteration}) into a one-process model")

@@ -538,6 +538,12 @@ def _header_length(store: CountingStore, path: str) -> int:
     return int.from_bytes(prefix, "little")
 
 
+def first_line(error: BaseException | str) -> str:
+    """The first non-empty line of an error message, whole: a message is cut only at a line end,
+    never inside a word."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
@@ -549,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             # Another rank died: a collective cannot finish. Say so in one line; the launcher
             # (or torchrun) stops this rank too, and a restart resumes from the checkpoints.
-            print(f"rank {os.environ['RANK']}: lost another rank ({str(exc).splitlines()[0][:160]})", file=sys.stderr)
+            print(f"rank {os.environ['RANK']}: lost another rank ({first_line(exc)})", file=sys.stderr)
             return 1
         return 0
     args.root.mkdir(parents=True, exist_ok=True)

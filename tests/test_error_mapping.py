@@ -529,11 +529,17 @@ OS_CASES = [
         id="async_save-EIO-write",
     ),
     pytest.param(
-        Case(save_with_staging_mkdir_denied, sk.StorageError, "ckpt.tmp-", PermissionError, nothing_committed("ckpt")),
+        Case(
+            save_with_staging_mkdir_denied,
+            sk.StorageError,
+            "ckpt: permission denied",  # the path given; the staging name stays in the cause
+            PermissionError,
+            nothing_committed("ckpt"),
+        ),
         id="save-EACCES-staging-mkdir",
     ),
     pytest.param(
-        Case(save_into_read_only_directory, sk.StorageError, "ckpt.tmp-", PermissionError),
+        Case(save_into_read_only_directory, sk.StorageError, "ckpt: permission denied", PermissionError),
         id="save-EACCES-read-only-dir",
         marks=ROOT_IGNORES_PERMISSIONS,
     ),

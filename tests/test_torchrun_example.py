@@ -37,6 +37,38 @@ def test_torchrun_two_ranks_save_async_save_and_reload(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".shardkeep-example-output", "step_a", "step_b"]
 
 
+def _losses(output: str) -> dict[int, str]:
+    return {
+        int(line.split()[3].rstrip(":")): line.split()[4]
+        for line in output.splitlines()
+        if line.startswith("loss at step ")
+    }
+
+
+def test_distributed_save_resumes_where_the_run_left_off(tmp_path: Path) -> None:
+    """A first run trains steps 1-5 (step_a at 3, step_b at 4); --resume loads step_b into a
+    model with other weights and trains steps 5 and 6: step 5's loss is the first run's, to the
+    last printed digit (weights and AdamW moments restored exactly)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
+    out = tmp_path / "out"
+    first = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    resumed = subprocess.run(
+        [*command, "--out", str(out), "--resume", "--steps", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step_b at step 4 on 2 ranks" in resumed.stdout
+    before, after = _losses(first.stdout), _losses(resumed.stdout)
+    assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [5, 6]
+    assert after[5] == before[5]
+    assert "saved step_00000006; verify: OK" in resumed.stdout
+    assert sk.read_manifest(out / "step_00000006").step == 6
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = subprocess.run([*command, "--out", str(empty), "--resume"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "not an output of distributed_save.py" in refused.stderr
+
+
 def test_distributed_save_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
     mine = tmp_path / "mine"
     mine.mkdir()

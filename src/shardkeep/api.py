@@ -82,7 +82,8 @@ def save(
     ``state`` is a mapping whose leaves are tensors, ``DTensor``\ s, numpy arrays or JSON
     values; objects with ``state_dict()`` are expanded. The checkpoint appears at ``path``
     atomically, or not at all; saving onto an existing checkpoint raises
-    :class:`~shardkeep.errors.CheckpointExistsError`.
+    :class:`~shardkeep.errors.CheckpointExistsError`, and so does saving onto a file, a symlink
+    or a directory holding anything (an empty directory is used: the commit replaces it).
 
     When ``torch.distributed`` is initialized, every rank calls ``save`` with the same ``path``
     on a shared filesystem. Plain tensors are taken to be replicated (as in DDP) and are written
@@ -96,6 +97,8 @@ def save(
 
     ``metrics`` (name to number; NaN and infinities are recorded as null) and ``run`` (a
     :class:`~shardkeep.manifest.RunInfo`) go into the manifest; the checkpoint manager sets them.
+    ``step`` is recorded as the checkpoint's step; without it, an int ``"step"`` at the top of
+    ``state`` is.
 
     ``byte_budget`` bounds the memory held beyond the caller's tensors; pass ``budget`` to
     observe its high-water mark. With ``storage`` (a byte store), ``path`` is the checkpoint's

@@ -59,6 +59,7 @@ from shardkeep.manifest import (
     MANIFEST_FILENAME,
     SIGNATURE_FILENAME,
     STAGING_MARKER,
+    FileRecord,
     Manifest,
     stored_bytes,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "CheckpointEntry",
     "CheckpointRoot",
     "checkpoint_name",
+    "duplicate_problem",
     "load_config_file",
     "misnamed_problem",
     "missing_tier_problem",
@@ -88,8 +90,9 @@ __all__ = [
 
 logger = logging.getLogger("shardkeep")
 
-#: Committed checkpoints in a managed root are named ``step_<step, 8+ digits>``.
-CHECKPOINT_NAME = re.compile(r"step_(\d{8,20})")
+#: Committed checkpoints in a root are directories named ``step_<N>``, ``N`` in any number of
+#: ASCII digits (``step_100``, ``step_00000100``); the manager writes ``step_<N, 8 digits>``.
+CHECKPOINT_NAME = re.compile(r"step_([0-9]{1,20})")
 #: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
 POINTERS = ("last", "best")
 #: Staging directories untouched for this long are leftovers of crashed saves.
@@ -108,14 +111,21 @@ def misnamed_problem(name: str, manifest: Manifest) -> str | None:
 
     A renamed or copied checkpoint still verifies, and a signature over its manifest is still
     valid: neither covers the directory's name. Only this comparison tells that
-    ``step_00000099`` holds step 3.
+    ``step_00000099`` holds step 3. Any spelling of the step agrees: ``step_3`` and
+    ``step_00000003`` both name step 3.
     """
-    if manifest.step is None or name == checkpoint_name(manifest.step):
+    match = CHECKPOINT_NAME.fullmatch(name)
+    if manifest.step is None or (match is not None and int(match.group(1)) == manifest.step):
         return None
     return (
         f"name {name} but the manifest says step {manifest.step} (renamed or copied?): not trusted under this "
         f"name; its own name is {checkpoint_name(manifest.step)}"
     )
+
+
+def duplicate_problem(name: str, step: int, used: str) -> str:
+    """Why ``name`` is passed over: ``used`` names the same step, and is the one used."""
+    return f"{name} names step {step}, as {used} does: only {used} is used for step {step}"
 
 
 def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
@@ -206,6 +216,8 @@ class _Found:
     misnamed: bool = False
     #: Tiers whose location held nothing of the checkpoint at the full verification.
     missing_tiers: list[str] = field(default_factory=list)
+    #: Another directory names the same step and is the one used (see :meth:`CheckpointRoot.scan`).
+    duplicate: bool = False
 
 
 class CheckpointRoot:
@@ -305,10 +317,11 @@ class CheckpointRoot:
             except StorageError:
                 raise  # an I/O failure says nothing about the checkpoint: never read it as corrupt
             except CheckpointNotFoundError as exc:
-                if not renames(self.store) or self._only_retained_data(name):
+                if not renames(self.store) or self._only_retained_data(name) or not self.store.list_dir(name):
                     # An object-store prefix without a manifest is an unfinished save or
                     # leftovers (a listing never proves a checkpoint); a directory holding only
-                    # files that later checkpoints reference is retained data, not a checkpoint.
+                    # files that later checkpoints reference is retained data, not a checkpoint;
+                    # an empty directory is a place a save may commit into.
                     continue
                 found.append(_Found(name, step, None, [str(exc)]))
                 continue
@@ -317,10 +330,33 @@ class CheckpointRoot:
                 continue
             misnamed = misnamed_problem(name, manifest)
             problems = [misnamed] if misnamed is not None else []
-            problems.extend(self._quick_problems(location, manifest))
-            found.append(_Found(name, step, manifest, problems, misnamed=misnamed is not None))
+            quick, missing = self._quick_problems(location, manifest)
+            problems.extend(quick)
+            found.append(_Found(name, step, manifest, problems, misnamed=misnamed is not None, missing_tiers=missing))
         found.sort(key=lambda item: (item.step, item.name))
+        self._pass_over_duplicates(found)
         return found
+
+    @staticmethod
+    def _pass_over_duplicates(found: list[_Found]) -> None:
+        """Several directories naming one step (``step_100`` and ``step_00000100``): the
+        manager's own spelling (8 digits) is used if present, else the first in name order; the
+        others are treated as misnamed (listed with the reason; never last, best, newest,
+        restored or deleted). Only directories with a readable manifest that is not misnamed
+        take part."""
+        by_step: dict[int, list[_Found]] = {}
+        for item in found:
+            if not item.misnamed and item.manifest is not None:
+                by_step.setdefault(item.step, []).append(item)
+        for step, items in by_step.items():
+            if len(items) < 2:
+                continue
+            own = checkpoint_name(step)
+            used = next((item for item in items if item.name == own), items[0])
+            for item in items:
+                if item is not used:
+                    item.misnamed = item.duplicate = True
+                    item.problems.insert(0, duplicate_problem(item.name, step, used.name))
 
     def _only_retained_data(self, name: str) -> bool:
         """Whether directory ``name`` holds nothing but files that retention kept because a
@@ -335,25 +371,58 @@ class CheckpointRoot:
             and "_retained" in {relative.rpartition("/")[2] for relative, _ in listing}
         )
 
-    def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> list[str]:
-        resolver = FileResolver(location, manifest, storage_options=self.storage_options)
+    def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> tuple[list[str], list[str]]:
+        """What a check without reading data finds: the file set and sizes of the checkpoint's
+        own directory, and every file the manifest lists elsewhere (in a tier's own location,
+        or an earlier checkpoint it references) present with its size, one listing per place.
+        Returns the problems and the tiers whose location holds nothing of the checkpoint (one
+        problem each, saying how to remap them)."""
+        remapped = self.tiers_remapped(manifest)
+        resolver = FileResolver(location, manifest, tier_locations=remapped, storage_options=self.storage_options)
         try:
             listing = self.store.list_files(location.name)
             problems = file_set_problems(location, manifest, listing, resolver)
             sizes = {relative: info.size for relative, info in listing}
+            missing = missing_tiers(resolver, manifest)
         except StorageError:
             raise
         except ShardkeepError as exc:
-            return [str(exc)]
+            return [str(exc)], []
+        problems.extend(
+            missing_tier_problem(tier, where, self.remap_hint, tier in remapped) for tier, where in missing.items()
+        )
+        elsewhere: dict[tuple[str, str], list[FileRecord]] = {}
         for record in manifest.files:
             if not resolver.own_directory(record):
-                continue  # in a tier location or an earlier checkpoint: the full verify reads it
+                if record.tier not in missing:
+                    elsewhere.setdefault((record.tier, record.ref or location.name), []).append(record)
+                continue
             size = sizes.get(record.path)
             if size is None and not renames(self.store):
                 problems.append(f"{record.path}: missing (listed in the manifest)")
             elif size is not None and size != record.stored_size:
                 problems.append(f"{record.path}: size {size}, the manifest says {record.stored_size}")
-        return problems
+        for (tier, owner), records in elsewhere.items():
+            store = resolver.store_of(tier)
+            try:
+                found = {relative: info for relative, info in store.list_files(owner)}
+            except CheckpointNotFoundError:
+                found = {}
+            except StorageError:
+                raise
+            except ShardkeepError as exc:
+                problems.append(f"{store.root.rstrip('/')}/{owner}: {exc}")
+                continue
+            for record in records:
+                info = found.get(record.path)
+                where = resolver.describe(record)
+                if info is None or info.kind != "file":
+                    problems.append(f"{record.path}: missing (listed in the manifest; at {where})")
+                elif info.size != record.stored_size:
+                    problems.append(
+                        f"{record.path}: size {info.size}, the manifest says {record.stored_size} (at {where})"
+                    )
+        return problems, list(missing)
 
     def verify_fully(self, item: _Found, on_bytes: Callable[[int], None] | None = None) -> None:
         """Check every digest of ``item`` and record its problems (none means verified).
@@ -361,7 +430,7 @@ class CheckpointRoot:
         A tier whose location holds nothing of the checkpoint (moved, unmounted, another
         bucket) is one problem naming the tier and how to remap it, not one per file; the
         other tiers are still checked."""
-        if item.manifest is None or item.problems or item.full:
+        if item.manifest is None or item.full or len(item.problems) > len(item.missing_tiers):
             return
         remapped = self.tiers_remapped(item.manifest)
         location = CheckpointLocation(self.store, item.name)
@@ -378,10 +447,13 @@ class CheckpointRoot:
             return
         reachable = None
         if missing:
-            item.missing_tiers.extend(missing)
+            # The quick check may have found them already: one problem per tier.
             item.problems.extend(
-                missing_tier_problem(tier, where, self.remap_hint, tier in remapped) for tier, where in missing.items()
+                missing_tier_problem(tier, where, self.remap_hint, tier in remapped)
+                for tier, where in missing.items()
+                if tier not in item.missing_tiers
             )
+            item.missing_tiers.extend(tier for tier in missing if tier not in item.missing_tiers)
             reachable = sorted({record.tier for record in item.manifest.files} - set(missing))
         report = verify(
             item.name,

@@ -32,6 +32,7 @@ from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
+    DependencyError,
     LedgerNotFoundError,
     ShardkeepError,
     StorageError,
@@ -98,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_inspect(commands: Any) -> None:
     """``shardkeep inspect``: summarize a checkpoint."""
     inspect = commands.add_parser(
-        "inspect", help="summarize a checkpoint: tensors, dtypes, sizes, files, tiers, training fields"
+        "inspect",
+        help="summarize a checkpoint: tensors, dtypes, sizes, files, tiers, training fields",
+        description="Print a committed checkpoint's summary from its manifest: step, epoch, model id, training "
+        "fields, digest, tiers (and any whose location is missing), files, and its tensors with dtype, shape and "
+        "size. No data is read and no digest is checked (shardkeep verify checks them). Exit 0 when the manifest "
+        "is read; 2 when there is no checkpoint at PATH or it cannot be read.",
     )
     inspect.add_argument(
         "path", metavar="PATH", help="a committed checkpoint: a directory or a URL (s3://bucket/prefix/step_N)"
@@ -290,9 +296,11 @@ def _add_ls(commands: Any) -> None:
     listing = commands.add_parser(
         "ls",
         help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
-        description="List the committed checkpoints (step_<N> directories) of a checkpoint-manager root. Marks and "
+        description="List the committed checkpoints (step_<N> directories: step_ and the step in digits, e.g. "
+        "step_100 or step_00000100) of a checkpoint-manager root. Marks and "
         "the policy come from the manifests (the newest one records the manager's policy); --keep-last/--keep-best/"
-        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked: such a "
+        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked (every "
+        "tier's files too, wherever they are kept): such a "
         "checkpoint is listed as 'unverified', and the last/best marks are what the manager would keep if its data "
         "is sound. A checkpoint whose name disagrees with the step in its manifest (renamed or copied) is flagged "
         "and never marked. Exit 0 when every check passes, 1 if a checkpoint is corrupt or misnamed, 2 when ROOT "
@@ -327,7 +335,7 @@ def _add_prune(commands: Any) -> None:
         "unreadable, nor any file that a kept checkpoint references (incremental saves). Deletion un-commits a "
         "checkpoint first (a rename to <name>.deleting-<uuid>, or removing its manifest on an object store or "
         "when later checkpoints reference its files), then removes what nothing references. Exit 2 when ROOT holds "
-        "no checkpoints (or is a checkpoint itself) or cannot be read.",
+        "no checkpoints and no leftovers of unfinished saves (or is a checkpoint itself) or cannot be read.",
     )
     prune.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
     prune.add_argument("--apply", action="store_true", help="delete for real (default: dry run)")
@@ -649,11 +657,20 @@ def _run_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     # left to verify to report (exit 1).
     manifest = None
     try:
-        manifest = read_checked_manifest(location, policy, _limits(args))
+        manifest = read_checked_manifest(location, policy, _limits(args), expand=False)
     except (CheckpointNotFoundError, StorageError):
         raise
     except ShardkeepError:
         manifest = None
+    if isinstance(manifest, IndexedManifest):
+        # A rank index that is missing or damaged is a problem of the checkpoint (exit 1), which
+        # verify reports; only the manifest's absence means there is nothing to check (exit 2).
+        try:
+            manifest = read_checked_manifest(location, policy, _limits(args))
+        except StorageError:
+            raise
+        except ShardkeepError:
+            manifest = None
     tiers = args.tier
     missing: dict[str, str] = {}  # tier -> the one problem to print for it
     if manifest is not None:
@@ -746,8 +763,32 @@ def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _torch_module(name: str) -> Any:
+    """Import module ``name``, which needs torch (and numpy): without them, a
+    :class:`DependencyError` saying what to install (exit 2, like every error)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in ("torch", "numpy"):
+            raise
+        raise DependencyError(
+            f"{'PyTorch' if missing == 'torch' else 'NumPy'} is not installed, and import and export need it: "
+            f"pip install {missing}"
+            + (
+                " (for PyTorch without CUDA, use the CPU wheel: pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu)"
+                if missing == "torch"
+                else ""
+            )
+        ) from exc
+
+
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:
-    from shardkeep.interop import detect_format, import_checkpoint  # imports torch
+    interop = _torch_module("shardkeep.interop")
+    detect_format, import_checkpoint = interop.detect_format, interop.import_checkpoint
 
     source_format = args.format or detect_format(args.source)
     manifest = import_checkpoint(
@@ -800,15 +841,15 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
         raise CheckpointNotFoundError(f"cannot export {args.path}: {'; '.join(missing.values())}")
 
     if args.format == "hf":
-        from shardkeep.hf import DEFAULT_MAX_SHARD_SIZE, export_hf  # imports torch
+        hf = _torch_module("shardkeep.hf")
 
         try:
-            folder = export_hf(
+            folder = hf.export_hf(
                 args.path,
                 args.dest,
                 subtree="model" if args.subtree is None else args.subtree,
                 config=args.config,
-                max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                max_shard_size=args.max_shard_size or hf.DEFAULT_MAX_SHARD_SIZE,
                 check_keys=not args.skip_key_check,
                 model_class=args.model_class,
                 overwrite=args.force,
@@ -847,7 +888,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"note: {note}\n")
         return 0
 
-    from shardkeep.interop import export_checkpoint  # imports torch
+    export_checkpoint = _torch_module("shardkeep.interop").export_checkpoint
 
     try:
         written = export_checkpoint(
@@ -879,13 +920,14 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _open_root(args: argparse.Namespace) -> tuple[CheckpointRoot, list[Any]]:
-    """The root ROOT names and its checkpoints; a usage error (exit 2) when it holds none, or is
-    a checkpoint itself, saying what is there instead."""
+def _open_root(args: argparse.Namespace, *, allow_empty: bool = False) -> tuple[CheckpointRoot, list[Any]]:
+    """The root ROOT names and its checkpoints; a usage error (exit 2) when it holds none (unless
+    ``allow_empty``: a root holding only leftovers of unfinished saves), or is a checkpoint
+    itself, saying what is there instead."""
     remapped = _tier_locations(args) if hasattr(args, "tier_location") else {}
     root = CheckpointRoot.at(args.root, tier_locations=remapped, remap_hint=_REMAP_HINT, limits=_limits(args))
     found = root.scan()
-    if not found:
+    if not found and not (allow_empty and _leftovers(root)):
         raise CheckpointNotFoundError(_nothing_in(root, args))
     if remapped:
         defined = {tier.name for item in found if item.manifest is not None for tier in item.manifest.tiers}
@@ -896,6 +938,11 @@ def _open_root(args: argparse.Namespace) -> tuple[CheckpointRoot, list[Any]]:
                 f"their tiers are {', '.join(sorted(defined)) or 'none'}"
             )
     return root, found
+
+
+def _leftovers(root: CheckpointRoot) -> list[str]:
+    """The names of unfinished saves' staging directories and of unfinished deletions."""
+    return [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
 
 
 def _nothing_in(root: CheckpointRoot, args: argparse.Namespace) -> str:
@@ -911,15 +958,26 @@ def _nothing_in(root: CheckpointRoot, args: argparse.Namespace) -> str:
     entries = root.store.list_dir("")
     leftovers = [name for name, _ in entries if STAGING_MARKER in name or DELETING_MARKER in name]
     roots = []
+    other_names = []
     for name, entry in entries[:200]:
         if entry.kind != "dir" or CHECKPOINT_NAME.fullmatch(name) or name in leftovers:
             continue
         try:
-            if any(CHECKPOINT_NAME.fullmatch(child) for child, _ in root.store.list_dir(name)):
+            if root.store.stat(f"{name}/{MANIFEST_FILENAME}") is not None:
+                other_names.append(name)
+            elif any(CHECKPOINT_NAME.fullmatch(child) for child, _ in root.store.list_dir(name)):
                 roots.append(f"{display}/{name}")
         except ShardkeepError:
             continue
-    text = f"no checkpoints under {display} (no step_<N> directory with a manifest)"
+    text = (
+        f"no checkpoints under {display} (no step_<N> directory with a manifest: step_ and the step in ASCII "
+        "digits, e.g. step_100 or step_00000100)"
+    )
+    if other_names:
+        text += (
+            f"; checkpoints under other names are not listed: {', '.join(other_names[:5])}"
+            f"{' ...' if len(other_names) > 5 else ''} (rename them step_<N>)"
+        )
     if not entries:
         text += ": the directory is empty"
     if leftovers:
@@ -1008,7 +1066,7 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         for item in found:
             root.verify_fully(item)
     entries, decision = root.decide(found, policy, run, verify_newest=False)
-    leftovers = [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
+    leftovers = _leftovers(root)
     pointers = {name: root.read_pointer(name) for name in ("last", "best")}
     status = _ls_status(entries)
     unverified = any(entry.verified is None for entry in entries)
@@ -1101,8 +1159,9 @@ def _run_ls(args: argparse.Namespace, out: TextIO) -> int:
         )
     if unverified:
         w(
-            "note    unverified: only the manifest, the file set and the sizes were checked, not the data; "
-            "last/best/newest assume the data is sound. --verify checks every digest (reads everything).\n"
+            "note    unverified: only the manifest, the file set and the sizes (in every tier's location too) were "
+            "checked, not the data; last/best/newest assume the data is sound. --verify checks every digest (reads "
+            "everything).\n"
         )
     return status
 
@@ -1119,15 +1178,17 @@ def _policy_document(policy: RetentionPolicy, source: str) -> dict[str, Any]:
 
 
 def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
-    root, found = _open_root(args)
+    root, found = _open_root(args, allow_empty=True)
     run = args.run or root.owner(found)
     policy, source = _policy_for(args, root, found, run)
     entries, decision = root.decide(found, policy, run, verify_newest=True)
     left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed]
+    leftovers = _leftovers(root)
     removed: list[str] = []
     if args.apply:
-        root.apply(decision)
-        root.write_pointers(entries, decision, policy.metric)
+        if found:  # a root holding only leftovers has no checkpoint to decide on, nor pointers
+            root.apply(decision)
+            root.write_pointers(entries, decision, policy.metric)
         removed = list(root.collect_leftovers(lease=args.lease))
     if args.json:
         document = {
@@ -1138,6 +1199,7 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
             "keep": list(decision.keep),
             "delete": list(decision.delete),
             "left_alone": [{"name": name, "reason": reason} for name, reason in left_alone],
+            "leftovers": leftovers,
             "leftovers_removed": removed,
         }
         _write_json(out, document)
@@ -1156,7 +1218,11 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     for name, reason in left_alone:
         out.write(_printable(f"leave alone   {name}: {reason}\n"))
     if not args.apply:
-        out.write(f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; pass --apply to delete them\n")
+        out.write(
+            f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; {len(leftovers)} leftover(s) of "
+            "unfinished saves or deletions (--apply removes those unchanged for --lease seconds); pass --apply to "
+            "delete them\n"
+        )
         return 0
     out.write(f"deleted {len(decision.delete)} checkpoint(s), removed {len(removed)} leftover(s)\n")
     return 0

@@ -415,6 +415,12 @@ class CheckpointManager:
                     "remove the newer checkpoints first",
                 )
         existing = next((item for item in found if item.name == name), None)
+        spelled = next((item for item in found if item.step == step and not item.misnamed and item.name != name), None)
+        if existing is None and spelled is not None:
+            raise CheckpointExistsError(
+                f"step {step} is already saved as {self.catalog.path_of(spelled.name)}; committed checkpoints are "
+                "never overwritten: save under another step"
+            )
         if existing is not None:
             if CheckpointRoot.run_of(existing) == run_id:
                 self.catalog.verify_fully(existing)
@@ -661,11 +667,10 @@ class CheckpointManager:
         names = [
             item.name
             for item in reversed(found)
-            if scope is None or CheckpointRoot.run_of(item) == scope or item.manifest is None
+            if (scope is None or CheckpointRoot.run_of(item) == scope or item.manifest is None)
+            and not item.duplicate
+            and (step is None or item.step == step)
         ]
-        if step is not None:
-            wanted = checkpoint_name(step)
-            names = [name for name in names if name == wanted]
         if not names:
             which = f"checkpoint step {step}" if step is not None else "checkpoints"
             of_run = f" of run {scope!r}" if scope is not None else ""

@@ -5,12 +5,14 @@ manifest building that goes with it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +145,13 @@ def _ensure_directory(path: str) -> None:
     except OSError as exc:
         raise StorageError(f"fsync of directory {parent!r} failed: {exc.strerror}") from exc
 
+
+#: Why a filesystem refuses to write, by errno, in the words a save error uses.
+_REFUSED_WRITES = {
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "the operation is not permitted",
+}
 
 _CALL = {"scope": "call"}  # set per call (the checkpoint manager sets these itself)
 _SYNC_ONLY = {"scope": "call", "async": False}  # not an option of ``async_save``
@@ -335,9 +344,10 @@ class SaveJob:
         if self.signer is not None:
             self.private_key = load_private_key(self.signer)  # only the coordinator signs
         store = self.location.store
-        for local in (store, *self.tier_stores.values()):
-            if isinstance(local, LocalStore):
-                _ensure_directory(local.root)
+        with self._writes_refused_named():
+            for local in (store, *self.tier_stores.values()):
+                if isinstance(local, LocalStore):
+                    _ensure_directory(local.root)
         opening = CheckpointCommit(store, self.location.name, tier_stores=self.tier_stores)
         opening.begin()
         return opening.staging
@@ -626,6 +636,10 @@ class SaveJob:
         needs: the records of the files the manifest lists, this rank's index record and the
         counts the coordinator checks, and the containers (and sharded tensors) of a rank whose
         tree differs from the coordinator's."""
+        with self._writes_refused_named():
+            return self._report()
+
+    def _report(self) -> RankReport:
         records = self.write()
         listed: list[FileRecord] = []
         indexed: list[FileRecord] = []
@@ -746,8 +760,26 @@ class SaveJob:
         sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
         warn_if_over_read_limits(self.location, sealed, manifest)
         signature = sign_manifest(sealed, self.private_key, manifest) if self.private_key is not None else None
-        self.commit.commit(sealed, signature)
+        with self._writes_refused_named():
+            self.commit.commit(sealed, signature)
         return manifest
+
+    @contextlib.contextmanager
+    def _writes_refused_named(self) -> Iterator[None]:
+        """A write the filesystem refuses (read-only, permissions) as a :class:`StorageError`
+        naming the checkpoint the caller asked for; the store's error, which names the internal
+        staging file, stays its cause."""
+        try:
+            yield
+        except StorageError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, OSError) or cause.errno not in _REFUSED_WRITES:
+                raise
+            reason = _REFUSED_WRITES[cause.errno]
+            where = str(self.location)
+            if self.tier_stores:
+                where += f" (or its tier locations {', '.join(sorted(s.root for s in self.tier_stores.values()))})"
+            raise StorageError(f"cannot save {where}: {reason} ({cause.strerror}, errno {cause.errno})") from exc
 
     def _indexed(self, reports: list[RankReport]) -> IndexedManifest:
         """The format 2.0 manifest: the sharded tensors described once (from this rank, or
@@ -880,7 +912,7 @@ def _manifest_for(
     strategy = settings.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
         model_id=settings.model_id,
-        step=settings.step,
+        step=settings.step if settings.step is not None else _step_of(state),
         epoch=settings.epoch,
         world_size=world_size,
         digest_algorithm=digest,
@@ -896,6 +928,15 @@ def _manifest_for(
         metrics=metrics,
         run=settings.run,
     )
+
+
+def _step_of(state: Mapping[str, Any]) -> int | None:
+    """The step a state records in its top-level ``"step"`` key (an int >= 0, not a bool), which
+    a save without ``step=`` records as the checkpoint's step."""
+    value = state.get("step")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:

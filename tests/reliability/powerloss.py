@@ -236,8 +236,9 @@ class PowerLossStore:
         if inode is None:
             raise CheckpointNotFoundError(f"{src!r} does not exist")
         dst_parent = self._dir(dst_parts[:-1], create=True)
-        if dst_parts[-1] in dst_parent.children:
-            raise CheckpointExistsError(f"{dst!r} already exists")
+        existing = dst_parent.children.get(dst_parts[-1])
+        if existing is not None and not (existing.kind == "dir" == inode.kind and not existing.children):
+            raise CheckpointExistsError(f"{dst!r} already exists")  # rename(2) replaces only an empty directory
         del src_parent.children[src_parts[-1]]
         dst_parent.children[dst_parts[-1]] = inode
         # The contract: the directories the rename changed are fsynced.

@@ -94,11 +94,15 @@ def _violations(disk: Any, returned: bool, config: Config) -> list[str]:
     return problems
 
 
-def _sweep(config: Config, skip_sync: int | None = None) -> tuple[int, int, list[str]]:
-    """Cut the power at every operation of saving step_2 (and once after it returned).
-    Returns (operations, fsyncs, violations)."""
+def _sweep(config: Config, skip_sync: int | None = None, *, into_empty: bool = False) -> tuple[int, int, list[str]]:
+    """Cut the power at every operation of saving step_2 (and once after it returned), into an
+    existing, durable, empty directory step_2 when ``into_empty``. Returns (operations, fsyncs,
+    violations)."""
     base = PowerLossStore()
     sk.save(_state(config, 1), "step_1", storage=base, **config.options)
+    if into_empty:
+        base._dir(["step_2"], create=True)
+        base.sync_dir("")
     probe = copy.deepcopy(base)
     probe.arm(None)
     sk.save(_state(config, 2), "step_2", storage=probe, **config.options)
@@ -177,3 +181,17 @@ def test_removing_any_fsync_makes_the_power_loss_check_fail(config: Config, tmp_
         "the sweep did not catch",
     )
     assert unneeded == [], f"removing these fsyncs went unnoticed: {unneeded}"
+
+
+def test_power_loss_at_every_operation_of_a_save_into_an_empty_directory() -> None:
+    """The final rename replaces the empty directory: at every cut, step_2 is absent (or the
+    empty directory) or a whole checkpoint, and step_1 is intact."""
+    config = CONFIGS[0]
+    total, _, violations = _sweep(config, into_empty=True)
+    record(
+        "power loss",
+        trials=total + 1,
+        failures=len(violations),
+        detail=f"{config.name}, into an empty directory: power cut before each of {total} operations",
+    )
+    assert total >= 15 and violations == []

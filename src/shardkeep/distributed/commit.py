@@ -111,10 +111,14 @@ class CheckpointCommit:
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"{self.store.root.rstrip('/')}/{self.final}"
+
     def _refuse_if_committed(self, commit_point: str) -> None:
         if self.store.stat(commit_point) is not None:
             raise CheckpointExistsError(
-                f"checkpoint {self.final!r} already exists in {self.store!r}; committed checkpoints are never overwritten"
+                f"{self._where()} is a committed checkpoint; committed checkpoints are never overwritten: "
+                "save under another name"
             )
 
     def place(self, relative: str, tier: str | None = None) -> tuple[str, ByteStore, str]:
@@ -194,7 +198,8 @@ class FilesystemCommit(CheckpointCommit):
     """The commit on a store that renames: staging, manifest last, one rename. Its steps, in
     order:
 
-    1. ``begin``: refuse if the final name is already committed; choose a fresh staging name
+    1. ``begin``: refuse if anything but an empty directory is at the final name (a committed
+       checkpoint, files, a symlink), saying which; choose a fresh staging name
        ``<final>.tmp-<uuid>`` in the same parent (a long final name shortened with its digest,
        :mod:`shardkeep.names`), so a retry never overwrites anything and the final rename never
        crosses filesystems.
@@ -203,8 +208,9 @@ class FilesystemCommit(CheckpointCommit):
     3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig``
        if the save is signed; write ``manifest.json.tmp``, fsync it, rename it to
        ``manifest.json`` (the rename fsyncs the staging directory); then the commit point:
-       rename the staging directory to its final name (refusing to replace anything) and fsync
-       the parent (rules 4 and 5).
+       rename the staging directory to its final name (refusing to replace anything but an
+       empty directory, which the rename replaces in one atomic step) and fsync the parent
+       (rules 4 and 5).
     4. ``abort``: remove the staging directory, and only it (rule 7).
 
     Crash windows and what recovery sees:
@@ -214,8 +220,9 @@ class FilesystemCommit(CheckpointCommit):
       stale staging directories are collected later by the coordinator, after a lease, the
       attempt's tier files first (the staging name is the only record of the attempt id).
     - after the rename, before the parent fsync: on power loss the rename may be lost (the
-      checkpoint is then absent, the staging directory remains) or kept (committed, complete,
-      because every file and directory below it was fsynced before the rename).
+      checkpoint is then absent, or the empty directory it replaced is back; the staging
+      directory remains) or kept (committed, complete, because every file and directory below
+      it was fsynced before the rename).
     - after the parent fsync: committed and durable.
     """
 
@@ -236,7 +243,30 @@ class FilesystemCommit(CheckpointCommit):
         return sibling_prefix(self.final, STAGING_MARKER, reserve=self._attempt_id_length)
 
     def begin(self) -> None:
-        self._refuse_if_committed(self.final)
+        """Refuse anything at the final name but an empty directory, saying what is there. An
+        empty directory is replaced by the final rename (``rename(2)`` replaces an empty
+        directory atomically, and fails if it is no longer empty)."""
+        info = self.store.stat(self.final)
+        if info is None:
+            return
+        where = self._where()
+        if info.kind == "file":
+            raise CheckpointExistsError(f"{where} is a file, not a checkpoint; a save never replaces it")
+        if info.kind != "dir":
+            raise CheckpointExistsError(
+                f"{where} is a symbolic link or special file, not a checkpoint; a save never replaces it"
+            )
+        entries = [name for name, _ in self.store.list_dir(self.final)]
+        if not entries:
+            return
+        if MANIFEST_FILENAME in entries:
+            self._refuse_if_committed(self.final)
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise CheckpointExistsError(
+            f"{where} is a directory that is not a checkpoint (it holds {len(entries)} entr"
+            f"{'y' if len(entries) == 1 else 'ies'}: {shown}); a save goes to a new name or an empty directory "
+            "and never replaces other files"
+        )
 
     def _place_in_main_store(self, relative: str) -> tuple[str, str]:
         self.add_data_file(relative)

@@ -118,8 +118,9 @@ class StoreOperations(Protocol):
 
     def rename(self, src: str, dst: str) -> None:
         """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``
-        (:class:`~shardkeep.errors.CheckpointExistsError`), then make the change durable (fsync
-        of the directories involved). A missing ``src`` is a
+        (:class:`~shardkeep.errors.CheckpointExistsError`) unless ``src`` is a directory and
+        ``dst`` an empty directory, which is replaced in the same atomic step (as ``rename(2)``
+        does), then make the change durable (fsync of the directories involved). A missing ``src`` is a
         :class:`~shardkeep.errors.CheckpointNotFoundError`. Only called when ``atomic_rename``."""
         ...
 

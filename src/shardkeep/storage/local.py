@@ -1,4 +1,5 @@
-"""The local filesystem backend: create-only files, fsync, no-replace rename, directory fsync.
+"""The local filesystem backend: create-only files, fsync, no-replace rename (an empty
+directory excepted, as rename(2) replaces it), directory fsync.
 
 Every path is opened relative to the store's root one component at a time with ``O_NOFOLLOW``,
 so a symlink anywhere inside the root is refused rather than followed (a manifest's paths are relative with safe components only).
@@ -840,9 +841,18 @@ class LocalStore(StoreBase):
             dst_fd = self._open_parent(dst_parts, create=True)
             try:
                 try:
-                    _rename_noreplace(src_fd, src_parts[-1], dst_fd, dst_parts[-1])
+                    try:
+                        _rename_noreplace(src_fd, src_parts[-1], dst_fd, dst_parts[-1])
+                    except OSError as exc:
+                        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                            raise
+                        if not _is_directory(src_fd, src_parts[-1]) or not _is_empty_directory(dst_fd, dst_parts[-1]):
+                            raise
+                        # rename(2) replaces an empty directory atomically, and fails (ENOTEMPTY,
+                        # ENOTDIR) if anything else is there by then: nothing is ever lost.
+                        os.rename(src_parts[-1], dst_parts[-1], src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                 except OSError as exc:
-                    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                         raise CheckpointExistsError(
                             f"{dst!r} already exists in {self.root!r}; it is never overwritten"
                         ) from exc
@@ -874,6 +884,25 @@ class LocalStore(StoreBase):
             _remove_entry(dir_fd, parts[-1], path)
         finally:
             os.close(dir_fd)
+
+
+def _is_directory(dir_fd: int, name: str) -> bool:
+    try:
+        return stat_module.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _is_empty_directory(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is a directory (not a symlink to one) with no entries."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        return not os.listdir(fd)
+    finally:
+        os.close(fd)
 
 
 def _entry_info(info: os.stat_result) -> EntryInfo:

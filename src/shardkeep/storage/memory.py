@@ -206,8 +206,12 @@ class MemoryStore(StoreBase):
             if dst == src or dst.startswith(f"{src}/"):
                 raise StorageError(f"cannot rename {src!r} into itself ({dst!r})")
             self._parent(dst_parts, create=True)
-            if dst in self._nodes:
-                raise CheckpointExistsError(f"{dst!r} already exists in the memory store; it is never overwritten")
+            existing = self._nodes.get(dst)
+            if existing is not None:
+                replaceable = existing.kind == "dir" and self._nodes[src].kind == "dir" and not self._below(dst)
+                if not replaceable:
+                    raise CheckpointExistsError(f"{dst!r} already exists in the memory store; it is never overwritten")
+                del self._nodes[dst]  # an empty directory, replaced as rename(2) replaces it
             for key in [src, *self._below(src)]:
                 self._nodes[dst + key[len(src) :]] = self._nodes.pop(key)
 
