@@ -32,6 +32,15 @@ def make_state(seed: int = 0) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(autouse=True)
+def _process_wide_torch_flags() -> Any:
+    """Put back the torch flags a test's framework may set for the whole process (Lightning's
+    ``Trainer(deterministic=True)`` turns on deterministic algorithms and leaves them on)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
 @pytest.fixture
 def state() -> dict[str, Any]:
     return make_state()

@@ -418,3 +418,27 @@ def test_targets_that_cannot_be_filled_are_refused_before_anything_changes(tmp_p
     with pytest.raises(sk.UnsupportedValueError, match="read-only"):
         sk.load(tmp_path / "ckpt", into={"model": fresh, "optim": optimizer, "a": plain, "n": read_only})
     assert torch.equal(fresh.weight, before) and torch.equal(plain, torch.zeros(3))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("dtype", ALL_TORCH_DTYPES, ids=str)
+def test_non_contiguous_tensors_save_under_deterministic_algorithms(tmp_path: Path, dtype: torch.dtype) -> None:
+    # Lightning's Trainer(deterministic=True) turns this on for the whole process; copying a
+    # bits8 or float4 tensor then failed inside torch ("fill_empty_deterministic_").
+    base = _random(dtype, (6, 5, 4))
+    state = {"non_contiguous": base.transpose(0, 2), "strided": base[::2, 1:, ::3]}
+    width = torch.empty(0, dtype=dtype).element_size()
+    into = {
+        key: torch.zeros(*tensor.shape, width, dtype=torch.uint8).view(dtype)[..., 0] for key, tensor in state.items()
+    }
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        sk.save(state, tmp_path / "ckpt")
+        loaded = sk.load(tmp_path / "ckpt")
+        sk.load(tmp_path / "ckpt", into=into)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for key, tensor in state.items():
+        assert _same(loaded[key], tensor), key
+        assert _same(into[key], tensor), key

@@ -277,13 +277,20 @@ def contiguous_pieces(value: Any, max_bytes: int) -> Iterator[Any]:
         if tensor.device.type == "cpu" and tensor.is_contiguous():
             yield tensor
             return
-        yield from _torch_pieces(tensor, max_bytes)
+        # Copied as integers of the same width: only the bytes matter, and the bits*, float4 and
+        # float8_e8m0 dtypes lack kernels (under torch.use_deterministic_algorithms even the
+        # empty tensor a copy makes cannot be filled).
+        same_width = _SAME_WIDTH_INTEGER.get(tensor.element_size())
+        yield from _torch_pieces(tensor.view(same_width) if same_width is not None else tensor, max_bytes)
         return
     array = value
     if array.flags.c_contiguous:
         yield array
         return
     yield from _numpy_pieces(array, max_bytes)
+
+
+_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _torch_pieces(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
