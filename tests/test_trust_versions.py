@@ -422,3 +422,30 @@ def test_load_state_dict_with_the_swap_flag_works_after_a_proved_save(tmp_path: 
         torch.__future__.set_swap_module_params_on_conversion(previous)
     sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
     assert torch.equal(sk.load(tmp_path / "step_2")["model"]["weight"], torch.full((8, 8), 2.0))
+
+
+def test_a_new_object_at_a_reused_address_is_never_proved(tmp_path: Path) -> None:
+    # ``param.data`` makes a new tensor object on the parameter's storage, with a version counter
+    # of its own starting at 0: freed after each save, the next one can land at the same address.
+    param = torch.nn.Parameter(torch.ones(4096))
+    previous = None
+    stale = 0
+    for step in range(60):
+        state = {"w": param.data}
+        path = tmp_path / f"step_{step}"
+        sk.save(state, path, incremental=previous if previous is not None else True, trust_versions=True)
+        if not torch.equal(sk.load(path)["w"], param.detach()):
+            stale += 1
+        del state
+        with torch.no_grad():
+            param.mul_(1.01)
+        previous = path
+    assert stale == 0
+
+
+def test_a_proved_tensor_still_round_trips_through_torch_save_weights_only(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    torch.save(model.state_dict(keep_vars=True), tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(loaded["weight"], model.weight)

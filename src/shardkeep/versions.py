@@ -43,9 +43,14 @@ inference-mode tensor (no counter), shared memory, a tensor subclass, a changed 
 
 No reference to the tensor object itself is kept (a weak reference would make
 ``torch.utils.swap_tensors``, and ``load_state_dict`` under
-``torch.__future__.set_swap_module_params_on_conversion(True)``, refuse the parameter): a
-tensor is recognised by its ``id`` and its C++ tensor's address while its storage object, held
-weakly, is alive; a swapped parameter keeps its ``id`` but not its C++ tensor.
+``torch.__future__.set_swap_module_params_on_conversion(True)``, refuse the parameter). A
+tensor is recognised instead by a mark, a process-unique integer stored in its ``__dict__``
+when it is first proved (an ``int``, so ``torch.save`` and ``weights_only`` loads of the tensor
+are unaffected), together with its ``id``, its C++ tensor's address and its storage object
+(held weakly). Addresses are reused once an object is freed, so a new object at the same
+address, such as ``param.data`` made anew for each save, has no mark and is hashed; a copy
+that carries the mark (``copy.deepcopy``, pickling) has another storage; ``swap_tensors``
+swaps the marks with the rest of the objects' state.
 
 What is recorded is only a fact about bytes: "this header and these tensors, at these versions,
 have this digest". It holds whatever became of the save that computed it, so it is recorded as
@@ -55,6 +60,7 @@ checked by the save itself, as for a hashed proof.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -70,11 +76,16 @@ Key = tuple[str, str, str]  # (store root, tier, path of the file in the checkpo
 logger = logging.getLogger("shardkeep")
 _told_distributed = False
 
+#: The ``__dict__`` key of a proved tensor's mark, and where marks come from.
+_MARK = "_shardkeep_version_mark"
+_marks = itertools.count(1)
+
 
 @dataclass(frozen=True)
 class _Seen:
     """One tensor as it was when its bytes were read."""
 
+    mark: int  # the tensor's own mark (``_MARK`` in its ``__dict__``)
     tensor_id: int
     impl: int  # the address of the C++ tensor behind the Python object (``_cdata``)
     storage: weakref.ref[Any]
@@ -87,6 +98,8 @@ class _Seen:
     def holds(self, tensor: Any) -> bool:
         if id(tensor) != self.tensor_id or self.storage() is None:
             return False
+        if getattr(tensor, "__dict__", {}).get(_MARK) != self.mark:
+            return False  # another object at a reused address
         try:
             return (
                 tensor._cdata == self.impl
@@ -125,8 +138,12 @@ def capture(arrays: Sequence[Any]) -> TensorVersions:
             storage = tensor.untyped_storage()
             if tensor.storage_offset() != 0 or storage.nbytes() != tensor.nbytes:
                 return None  # a view into a larger buffer, which other tensors may write unseen
+            mark = tensor.__dict__.get(_MARK)
+            if type(mark) is not int:
+                mark = tensor.__dict__[_MARK] = next(_marks)
             seen.append(
                 _Seen(
+                    mark=mark,
                     tensor_id=id(tensor),
                     impl=tensor._cdata,
                     storage=weakref.ref(storage),
@@ -137,7 +154,7 @@ def capture(arrays: Sequence[Any]) -> TensorVersions:
                     dtype=tensor.dtype,
                 )
             )
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, AttributeError):
             return None
     _watch_optimizers()
     return tuple(seen)
