@@ -166,3 +166,69 @@ def test_a_second_ctrl_c_abandons_the_save_and_cleans_it_up(tmp_path: Path) -> N
     root = tmp_path / "ckpts"
     assert not (root / "step_00000003").exists()
     assert _leftovers(root) == []
+
+
+def test_a_slow_save_that_keeps_writing_is_waited_for_past_its_timeout(tmp_path: Path) -> None:
+    # timeout= bounds how long the exit waits for a save that writes nothing, not a slow one.
+    body = _TRAINING.split("state = {", 1)[0].replace("{save}", "") + textwrap.dedent(
+        """
+        state = {f"w{i}": torch.randn(2**18) for i in range(16)}  # 16 slowed writes: about 3 s
+        sk.async_save(state, "step_00000003", storage=SlowStore(root), io_threads=1, timeout=1)
+        """
+    )
+    done = _run(tmp_path, body)
+    assert done.returncode == 0, done.stderr
+    assert "committed before exit" in done.stderr, done.stderr
+    assert sk.verify(tmp_path / "ckpts" / "step_00000003").ok
+
+
+def test_a_retention_failure_at_exit_says_the_save_committed(tmp_path: Path) -> None:
+    body = """
+    import os
+    from shardkeep.storage import LocalStore
+
+    class NoDeleting(LocalStore):
+        def rename(self, source, destination):
+            if ".deleting-" in destination:
+                raise sk.StorageError(f"{source}: injected EIO while deleting")
+            super().rename(source, destination)
+
+    os.makedirs(root)
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, storage=NoDeleting(root))
+    manager.save(state, step=1, metrics={"val_loss": 2.0})
+    manager.async_save(state, step=2, metrics={"val_loss": 1.0})
+    """
+    done = _run(tmp_path, body)
+    assert done.returncode == 0, done.stderr
+    assert "committed before exit, but" in done.stderr and "retention failed" in done.stderr, done.stderr
+    assert "nothing" not in done.stderr
+    assert sk.verify(tmp_path / "ckpts" / "step_00000002").ok
+
+
+def test_a_background_thread_that_cannot_start_fails_the_call_and_holds_nothing(tmp_path: Path) -> None:
+    body = """
+    import threading, os
+    real_start = threading.Thread.start
+
+    def refused(self):
+        if self.name == "shardkeep-async-save":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    threading.Thread.start = refused
+    try:
+        sk.async_save(state, f"{root}/step_00000001")
+    except RuntimeError as exc:
+        print("refused:", exc)
+    threading.Thread.start = real_start
+    sk.async_save(state, f"{root}/step_00000002", timeout=5).result()  # not blocked by the first
+    print("leftovers:", sorted(name for name in os.listdir(root) if ".tmp-" in name))
+    """
+    started = time.monotonic()
+    done = _run(tmp_path, body)
+    assert done.returncode == 0, done.stderr
+    assert "refused: can't start new thread" in done.stdout
+    assert "leftovers: []" in done.stdout
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "ckpts" / "step_00000001").exists()
+    assert sk.verify(tmp_path / "ckpts" / "step_00000002").ok

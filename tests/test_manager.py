@@ -611,3 +611,19 @@ def test_pointers_name_the_new_checkpoint_even_when_retention_fails_to_delete(tm
         manager.save(tiny(3), step=3, metrics={"val_loss": 0.5})
     for pointer in ("last", "best"):
         assert json.loads((tmp_path / pointer).read_text())["checkpoint"] == "step_00000003", pointer
+
+
+def test_restoring_a_checkpoint_without_rng_states_leaves_the_generators_alone(tmp_path: Path) -> None:
+    checkpoint = training_checkpoint()
+    checkpoint.track_rng = False
+    checkpoint.rng = None
+    sk.CheckpointManager(tmp_path).save(checkpoint, step=0)  # holds no RNG states
+    torch.manual_seed(5)
+    early = sk.TrainingCheckpoint.capture_rng()  # what into.rng holds: not from the checkpoint
+    target = training_checkpoint()
+    target.rng = early
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    sk.CheckpointManager(tmp_path).restore(into=target)
+    assert torch.equal(torch.rand(1), expected)

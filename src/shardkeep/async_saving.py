@@ -7,10 +7,10 @@ group's key-value store, and the coordinator commits once every rank has reporte
 
 A save still in flight when the interpreter exits (the script's last line, or a Ctrl-C during
 training) is settled before the interpreter's own thread pools shut down: the exit waits for
-it, at most until the save's deadline (``timeout=``), and logs whether it committed or failed.
-A Ctrl-C during that wait abandons the save: its writers stop at their next buffer and the
-staging directory is removed; the log says which of the two happened. The background thread
-is a daemon, so nothing but this bounded wait ever holds the exit.
+it while it makes progress, and logs whether it committed or failed. A save that writes nothing
+for its ``timeout=`` (twice that on a rank that waits for the coordinator's commit), or a Ctrl-C
+during the wait, abandons it: its writers stop at their next buffer (a buffer being written is
+finished first) and the staging directory is removed; the log says which happened. The background thread is a daemon, joined once its save has finished.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from typing import Any
 
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.distributed.plan import ItemDescriptor
-from shardkeep.errors import (
-    SaveInProgressError,
-)
+from shardkeep.errors import RetentionError, SaveInProgressError
 from shardkeep.integrity import SignaturePolicy
+from shardkeep.io import ABANDONED
 from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveJob, SaveSettings, state_sections
@@ -57,14 +56,14 @@ class SaveHandle:
     is reused by every async save of the process, and grows by a quarter when too small).
     """
 
-    def __init__(self, path: str, job: SaveJob | None = None, deadline: float | None = None) -> None:
+    def __init__(self, path: str, job: SaveJob | None = None, exit_wait: float = 0.0) -> None:
         self.path = path
         self._finished = threading.Event()
         self._manifest: Manifest | None = None
         self._error: BaseException | None = None
         self._reported = False  # result() has handed the outcome to the caller
         self._job = job  # kept while in flight, to abandon the save at exit
-        self._deadline = deadline  # time.monotonic() by which the save's own deadline has passed
+        self._exit_wait = exit_wait  # how long the exit waits for this save without progress
         self._pid = os.getpid()  # a forked child inherits the handle, not the thread behind it
         self._worker: threading.Thread | None = None  # the background thread (a daemon)
         self.blocked_seconds = 0.0
@@ -97,52 +96,67 @@ class SaveHandle:
         self._finished.set()
 
     def _settle_at_exit(self) -> None:
-        """At interpreter exit: wait for this save (bounded by its deadline), or abandon it on
-        Ctrl-C, and log the outcome the script never asked for."""
+        """At interpreter exit: wait for this save (at most ``exit_wait`` seconds from now), or
+        abandon it on Ctrl-C, and log the outcome the script never asked for."""
         if self._pid != os.getpid():
             return
         try:
             self._settle()
-        finally:
             # The daemon thread may still be returning from a completed save: the interpreter
             # must not finalize under it (native code then aborts the process).
             worker = self._worker
             if worker is not None and self.done():
                 worker.join(ABANDON_SECONDS)
+        except KeyboardInterrupt:  # outside the waits that handle it: stop the writers, leave
+            job = self._job
+            if job is not None and not self.done():
+                job.control.cancel()
+                logger.warning("shardkeep: exit interrupted; the async save of %s is abandoned", self.path)
 
     def _settle(self) -> None:
         if self.done() and self._reported:
             return
         if not self.done():
-            remaining = max(0.0, (self._deadline or time.monotonic()) - time.monotonic())
             logger.warning(
                 "shardkeep: waiting for the async save of %s to finish before the interpreter exits "
-                "(at most %.0f s; Ctrl-C abandons it)",
+                "(while it makes progress; abandoned after %.0f s without, its timeout=; Ctrl-C abandons it)",
                 self.path,
-                remaining,
+                self._exit_wait,
             )
             try:
-                finished = self._finished.wait(remaining)
+                finished = self._wait_while_progressing()
             except KeyboardInterrupt:
                 self._abandon("a second Ctrl-C")
                 return
             if not finished:
-                self._abandon(f"its deadline ({remaining:.0f} s)")
+                self._abandon(f"{self._exit_wait:.0f} s without progress")
                 return
-        if self._error is None:
-            logger.warning("shardkeep: the async save of %s committed before exit", self.path)
+        self._log_outcome("before exit")
+
+    def _wait_while_progressing(self) -> bool:
+        """Wait until the save finishes, or until it has written nothing for ``exit_wait``
+        seconds (measured from now at the earliest); whether it finished."""
+        began = time.monotonic()
+        while not self._finished.wait(min(1.0, self._exit_wait)):
+            job = self._job
+            progressed = max(began, job.control.progressed if job is not None else began)
+            if time.monotonic() - progressed >= self._exit_wait:
+                return self.done()
+        return True
+
+    def _log_outcome(self, when: str) -> None:
+        error = self._error
+        if error is None:
+            logger.warning("shardkeep: the async save of %s committed %s", self.path, when)
+        elif isinstance(error, RetentionError):
+            logger.error("shardkeep: the async save of %s committed %s, but %s", self.path, when, error)
         else:
-            logger.error(
-                "shardkeep: the async save of %s failed and nothing was committed: %s: %s",
-                self.path,
-                type(self._error).__name__,
-                self._error,
-            )
+            logger.error("shardkeep: the async save of %s failed: %s: %s", self.path, type(error).__name__, error)
 
     def _abandon(self, why: str) -> None:
         job = self._job
         if job is not None:
-            job.cancelled.set()
+            job.control.cancel()
         logger.warning("shardkeep: abandoning the async save of %s after %s", self.path, why)
         try:
             finished = self._finished.wait(ABANDON_SECONDS)
@@ -150,17 +164,25 @@ class SaveHandle:
             finished = False
         if not finished:
             logger.error(
-                "shardkeep: the async save of %s was left unfinished; nothing is committed, and its staging "
-                "directory is removed by a later save or `shardkeep prune` once its lease expires",
+                "shardkeep: the async save of %s was left unfinished (its writers did not stop within %.0f s); "
+                "unless it had reached its commit, what it wrote stays in its staging directory, which is never "
+                "read as a checkpoint and is removed by a later save or `shardkeep prune` once its lease expires",
                 self.path,
+                ABANDON_SECONDS,
             )
-        elif self._error is None:
-            logger.warning("shardkeep: the async save of %s committed before it could be abandoned", self.path)
-        else:
+        elif self._error is not None and _abandoned(self._error):
             logger.warning(
                 "shardkeep: the async save of %s was abandoned: nothing committed, its staging directory removed",
                 self.path,
             )
+        else:
+            self._log_outcome("before it could be abandoned")
+
+
+def _abandoned(error: BaseException) -> bool:
+    """Whether ``error`` is the failure that abandoning a save causes (on this rank, or on
+    another rank as reported through the coordinator)."""
+    return ABANDONED in str(error)
 
 
 class AsyncSaver:
@@ -258,7 +280,9 @@ class AsyncSaver:
         except BaseException:
             job.abort()
             raise
-        handle = SaveHandle(str(location), job, time.monotonic() + timeout)
+        # The exit waits as long as the save's own deadline allows, twice on a rank that waits for
+        # the coordinator's commit through the store (which allows it twice the timeout).
+        handle = SaveHandle(str(location), job, timeout * (2 if coordinator.distributed else 1))
         handle.staged_bytes = sum(item.nbytes for item in job.planned)
         handle.staging_arena_bytes = self.arena.capacity
         started = threading.Event()
@@ -269,8 +293,12 @@ class AsyncSaver:
             daemon=True,  # the exit hook, not the interpreter's join, bounds the wait for it
         )
         handle._worker = worker
+        try:
+            worker.start()
+        except BaseException:  # no thread (a process limit): nothing will ever finish this save
+            job.abort()
+            raise
         self._inflight = handle
-        worker.start()
         # Starting the thread is part of what the caller waits for (it can hand the interpreter
         # to the new thread for milliseconds); the worker reads the figure only after this.
         job.blocked_seconds = handle.blocked_seconds = time.perf_counter() - job.started

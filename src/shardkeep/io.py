@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,6 +93,23 @@ class ShardPlan:
     store: ByteStore | None = None  # where it goes, when not the store given to write_shards
 
 
+#: What the error of a writer stopped through a :class:`WriteControl` says.
+ABANDONED = "the save was abandoned"
+
+
+class WriteControl:
+    """Lets another thread follow and stop a :func:`write_shards` call: ``progressed`` is the
+    ``time.monotonic()`` of the last buffer written (or of the control's creation), and after
+    :meth:`cancel` the next buffer any writer would write fails the call instead."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.progressed = time.monotonic()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
 class _Sink:
     """Writes buffers to a handle while other threads digest the same buffers: the file's
     digest, and for a chunk that may be read on its own, the chunk's digest too."""
@@ -101,21 +119,24 @@ class _Sink:
         handle: WriteHandle,
         digester: Digester,
         hash_pool: ThreadPoolExecutor,
-        cancelled: threading.Event | None = None,
+        control: WriteControl | None = None,
         path: str = "",
     ) -> None:
         self._handle = handle
         self._digester = digester
         self._hash_pool = hash_pool
-        self._cancelled = cancelled
+        self._control = control
         self._path = path
         self.size = 0
 
     def put(self, view: memoryview, entry_digester: Digester | None = None) -> None:
         if len(view) == 0:
             return
-        if self._cancelled is not None and self._cancelled.is_set():
-            raise StorageError(f"{self._path}: the save was abandoned before this file was complete")
+        control = self._control
+        if control is not None:
+            if control.cancelled.is_set():
+                raise StorageError(f"{self._path}: {ABANDONED} before this file was complete")
+            control.progressed = time.monotonic()
         if len(view) >= MiB:
             pending = [self._hash_pool.submit(self._digester.update, view)]
             if entry_digester is not None:
@@ -180,7 +201,7 @@ class _WriteSettings:
     compression_level: int | None
     coalesce_bytes: int
     piece_bytes: int
-    cancelled: threading.Event | None = None
+    control: WriteControl | None = None
 
     @staticmethod
     def split_share(share: int) -> tuple[int, int]:
@@ -302,7 +323,7 @@ def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> F
     if settings.compression_level is not None:
         handle = compressing = _CompressingWriter(handle, settings.compression_level, plan.record.size)
     try:
-        sink = _Sink(handle, digester, settings.hash_pool, settings.cancelled, plan.path)
+        sink = _Sink(handle, digester, settings.hash_pool, settings.control, plan.path)
         sink.put(memoryview(plan.header))
         _write_sources(sink, plan, settings)
         if sink.size != plan.record.size:
@@ -348,13 +369,13 @@ def write_shards(
     io_threads: int,
     on_bytes: Callable[[int], None] | None = None,
     compression_level: int | None = None,
-    cancelled: threading.Event | None = None,
+    control: WriteControl | None = None,
 ) -> list[FileRecord]:
     """Write every planned file (at most ``io_threads`` at once), fsync each, and return their
     records with digests filled in. The first failure is raised after all writers stop.
     With ``compression_level``, each file is zstd-compressed at that level as it is written.
-    Once ``cancelled`` is set, the next buffer any writer would write raises a
-    :class:`~shardkeep.errors.StorageError` instead (each file is aborted).
+    ``control`` records each buffer written; once it is cancelled, the next buffer any writer
+    would write raises a :class:`~shardkeep.errors.StorageError` instead (each file is aborted).
 
     A file whose header disagrees with its record (the manifest's entries of that file) is
     refused with an :class:`~shardkeep.errors.IntegrityError` before any file is written: load
@@ -378,7 +399,7 @@ def write_shards(
             compression_level=compression_level,
             coalesce_bytes=coalesce_bytes,
             piece_bytes=piece_bytes,
-            cancelled=cancelled,
+            control=control,
         )
         futures = [pool.submit(_write_one, store, plan, settings) for plan in plans]
         records: list[FileRecord] = []

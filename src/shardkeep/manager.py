@@ -647,8 +647,10 @@ class CheckpointManager:
                     skipped.append((name, reason))
                     continue
                 manifest, state = result
-                if isinstance(into, TrainingCheckpoint) and into.track_rng and into.rng is not None:
-                    TrainingCheckpoint.restore_rng(into.rng)  # every rank loaded: resume the random stream
+                if isinstance(into, TrainingCheckpoint) and into.track_rng and "rng" in skeleton(manifest):
+                    # Every rank loaded: resume the random stream (only from states this checkpoint
+                    # holds: into.rng keeps what it had when the checkpoint has none).
+                    TrainingCheckpoint.restore_rng(into.rng)
                 if self._run_id is None and manifest.run is not None:
                     self._run_id = manifest.run.run_id
                 self._history = lineage(manifest)

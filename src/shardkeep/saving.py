@@ -10,7 +10,6 @@ import errno
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -44,7 +43,7 @@ from shardkeep.errors import (
 )
 from shardkeep.indexes import encode_index, expand
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, load_private_key, seal_manifest, sign_manifest
-from shardkeep.io import ByteBudget, ShardPlan, digest_of, write_shards
+from shardkeep.io import ByteBudget, ShardPlan, WriteControl, digest_of, write_shards
 from shardkeep.layout import PlannedItem, expert_key_of, file_header, plan_files
 from shardkeep.manifest import (
     DTYPE_ITEMSIZE,
@@ -262,8 +261,9 @@ class SaveJob:
         self.started = time.perf_counter() if settings.started is None else settings.started
         #: Set by ``async_save`` once the caller resumes; a synchronous save blocks throughout.
         self.blocked_seconds: float | None = None
-        #: Set to abandon the save: the next buffer this rank would write fails the save instead.
-        self.cancelled = threading.Event()
+        #: Follows this rank's writes; cancelled to abandon the save (the next buffer this rank
+        #: would write fails the save instead).
+        self.control = WriteControl()
         self.state = state
         self.location = location
         self.options = options
@@ -621,7 +621,7 @@ class SaveJob:
                 io_threads=self.options.io_threads,
                 on_bytes=update,
                 compression_level=self.options.compression_level if self.options.compression else None,
-                cancelled=self.cancelled,
+                control=self.control,
             )
         finally:
             close()
