@@ -647,7 +647,12 @@ class CheckpointManager:
                     skipped.append((name, reason))
                     continue
                 manifest, state = result
-                if isinstance(into, TrainingCheckpoint) and into.track_rng and "rng" in skeleton(manifest):
+                if (
+                    isinstance(into, TrainingCheckpoint)
+                    and into.track_rng
+                    and into.rng is not None
+                    and "rng" in skeleton(manifest)
+                ):
                     # Every rank loaded: resume the random stream (only from states this checkpoint
                     # holds: into.rng keeps what it had when the checkpoint has none).
                     TrainingCheckpoint.restore_rng(into.rng)
