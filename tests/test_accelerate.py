@@ -411,3 +411,47 @@ def test_a_failing_save_hook_commits_nothing_and_leaves_nothing(tmp_path: Path) 
         save_state(accelerator)
     assert accelerator.project_configuration.iteration == 0
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["back\\slash.bin", "bell\x07.bin", "C:drive.bin", "sub/new\nline.bin"])
+def test_a_save_hook_file_a_load_would_refuse_is_refused_on_save(tmp_path: Path, name: str) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+
+    def hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        Path(output_dir, *name.split("/")).parent.mkdir(exist_ok=True)
+        Path(output_dir, *name.split("/")).write_bytes(b"hook data")
+
+    accelerator.register_save_state_pre_hook(hook)
+    with pytest.raises(sk.UnsafePathError, match=re.escape(repr(name))):
+        save_state(accelerator, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(path.relative_to(root)): path.read_bytes() if path.is_file() else None for path in sorted(root.rglob("*"))
+    }
+
+
+def test_total_limit_leaves_another_tools_checkpoint_folders_untouched(tmp_path: Path) -> None:
+    """Only ``checkpoint_<N>`` folders (ASCII digits) holding a shardkeep manifest are counted
+    and deleted: another tool's ``manifest.json``, or a name with other digits, is left as it is."""
+    accelerator, _ = _project_accelerator(tmp_path, total_limit=2)
+    checkpoints = tmp_path / "checkpoints"
+    foreign = checkpoints / "checkpoint_0"
+    foreign.mkdir(parents=True)
+    (foreign / "manifest.json").write_text('{"tool": "another", "files": ["data.bin"]}')
+    (foreign / "data.bin").write_bytes(b"another tool's data")
+    sk.save({"w": torch.ones(2)}, checkpoints / "checkpoint_\u0661")  # ARABIC-INDIC DIGIT ONE
+    before = {name: _tree_bytes(checkpoints / name) for name in ("checkpoint_0", "checkpoint_\u0661")}
+    accelerator.project_configuration.iteration = 1
+    for _ in range(3):
+        save_state(accelerator)
+    assert {name: _tree_bytes(checkpoints / name) for name in before} == before
+    # checkpoint_1 is un-committed; its files are kept while a manifest in the root cannot be
+    # read (the foreign one), as CheckpointRoot.delete keeps them.
+    committed = sorted(p.name for p in checkpoints.iterdir() if (p / "manifest.json").is_file())
+    assert committed == ["checkpoint_0", "checkpoint_2", "checkpoint_3", "checkpoint_\u0661"]

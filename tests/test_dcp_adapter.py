@@ -597,6 +597,31 @@ def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_i
     ]
 
 
+def test_dcp_to_torch_save_writes_through_a_fresh_temporary_and_takes_long_names(tmp_path: Path) -> None:
+    """A symlink planted where a predictable temporary name would be is never followed, and a
+    destination name of 250 bytes (a legal name) is written."""
+    from shardkeep.dcp import dcp_to_torch_save
+
+    path = tmp_path / "ckpt"
+    dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not to be overwritten")
+    target = tmp_path / "out.pt"
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")
+    dcp_to_torch_save(path, target)
+    assert victim.read_bytes() == b"not to be overwritten"
+    assert not target.is_symlink()
+    assert_same_tree(torch.load(target, weights_only=True), _small_state(2.0))
+    long_target = tmp_path / ("n" * 247 + ".pt")
+    dcp_to_torch_save(path, long_target)
+    assert_same_tree(torch.load(long_target, weights_only=True), _small_state(2.0))
+    with pytest.raises(sk.UnsafePathError, match="255"):
+        dcp_to_torch_save(path, tmp_path / ("n" * 253 + ".pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", "victim", "out.pt", f"out.pt.tmp-{os.getpid()}", long_target.name]
+    )
+
+
 def test_dcp_plan_caching_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
     """A cached plan carries an earlier save's staging directory: refused on the first save
     already (and a plan DCP marks unusable, a cached one, is refused in global planning)."""

@@ -6,6 +6,8 @@ supported or documented."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,30 @@ def test_a_dtype_safetensors_has_no_name_for_exports_to_pt_and_is_refused_for_sa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     export_checkpoint(tmp_path / "c", tmp_path / "c.pt")
     assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["z"], values)
+
+
+def test_shardkeep_imports_and_round_trips_on_a_torch_without_the_newest_dtypes(tmp_path: Path) -> None:
+    """torch 2.4 to 2.6 (which pyproject allows) lack float8_e8m0fnu, float4_e2m1fn_x2 and may
+    lack the bits* dtypes: the import must not name them, plain tensors still save and load, and
+    a checkpoint holding such a dtype is refused on load with the documented typed error."""
+    newer = tmp_path / "newer"
+    sk.save({"scale": torch.ones(3).to(torch.float8_e8m0fnu)}, newer)
+    script = f"""
+import torch
+for name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"):
+    delattr(torch, name)
+import shardkeep as sk
+value = torch.arange(6, dtype=torch.float32)
+sk.save({{"w": value}}, {str(tmp_path / "ckpt")!r})
+assert torch.equal(sk.load({str(tmp_path / "ckpt")!r})["w"], value)
+try:
+    sk.load({str(newer)!r})
+except sk.UnsupportedValueError as exc:
+    assert "F8_E8M0" in str(exc), exc
+else:
+    raise SystemExit("loaded a dtype this torch lacks")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -644,3 +644,39 @@ def test_an_imported_folder_loads_into_a_tied_fsdp2_model(tmp_path: Path) -> Non
         assert torch.equal(_logits(sharded), _logits(model))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32, torch.bits8, torch.bits16])
+def test_a_dtype_safetensors_cannot_write_is_refused_naming_the_key_and_nothing_is_written(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    odd = (torch.arange(4, dtype=torch.uint8) + 1).view(dtype) if dtype.itemsize == 1 else None
+    if odd is None:
+        odd = torch.arange(4 * dtype.itemsize, dtype=torch.uint8).view(dtype)
+    sk.save({"model": {"odd.weight": odd, "w": torch.ones(2)}}, tmp_path / "ckpt")
+    with pytest.raises(sk.UnsupportedValueError, match=rf"'odd\.weight'.*{dtype}"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    code, out, err = _run("export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf", "--json")
+    assert code == 2 and out == ""
+    error = json.loads(err)["error"]
+    assert error["type"] == "UnsupportedValueError" and "odd.weight" in error["message"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_export_without_huggingface_hub_is_a_dependency_error(tmp_path: Path) -> None:
+    import subprocess
+
+    sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt")
+    blocker = tmp_path / "no-hub"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['huggingface_hub'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "shardkeep", "export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]
+    plain = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert plain.returncode == 2, plain.stderr
+    assert plain.stderr.startswith("shardkeep export: error: ") and "Traceback" not in plain.stderr
+    assert "pip install huggingface_hub" in plain.stderr
+    as_json = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert as_json.returncode == 2 and as_json.stdout == ""
+    assert json.loads(as_json.stderr)["error"]["type"] == "DependencyError"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "no-hub"]

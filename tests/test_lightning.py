@@ -1293,3 +1293,96 @@ def test_a_hyperparameter_type_that_is_not_imported_is_a_typed_error_and_nothing
     sk.save(state, tmp_path / "edited2.ckpt")
     with pytest.raises(sk.IntegrityError, match="not a dataclass"):
         io.load_checkpoint(tmp_path / "edited2.ckpt")
+
+
+#: What the user code of the classes below ran; a hostile record must run none of it.
+USER_CODE_CALLS: list[str] = []
+
+
+@dataclasses.dataclass
+class Guarded:
+    size: int = 1
+
+    @property
+    def limit(self) -> int:
+        return 0
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        USER_CODE_CALLS.append(f"limit setter {value}")
+
+
+class Lenient(enum.Flag):
+    READ = 1
+    WRITE = 2
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        USER_CODE_CALLS.append(f"_missing_ {value}")
+        return cls.READ
+
+
+@pytest.mark.parametrize(
+    ("conversion", "value"),
+    [
+        ({"type": "dataclass", "cls": f"{__name__}:Guarded"}, {"size": 2, "limit": 5}),
+        ({"type": "dataclass", "cls": f"{__name__}:Guarded"}, {"__class__": "x"}),
+        ({"type": "dataclass", "cls": f"{__name__}:Guarded"}, {"__dict__": {"size": 3}}),
+        ({"type": "dataclass", "cls": f"{__name__}:Slotted"}, {"size": 2, "other": 1}),
+        ({"type": "enum", "cls": f"{__name__}:Lenient", "by": "value"}, 3),
+        ({"type": "enum", "cls": f"{__name__}:Lenient", "by": "value"}, 64),
+        ({"type": "torch.dtype"}, "float32_not"),
+        ({"type": "torch.dtype"}, "Tensor"),
+    ],
+    ids=[
+        "dataclass-property-setter",
+        "dataclass-class-attribute",
+        "dataclass-dict-attribute",
+        "slots-dataclass-unknown-attribute",
+        "flag-with-user-missing",
+        "flag-with-user-missing-unknown-bit",
+        "dtype-unknown",
+        "dtype-not-a-dtype",
+    ],
+)
+def test_a_hostile_conversion_record_runs_no_user_code(tmp_path: Path, conversion: dict[str, Any], value: Any) -> None:
+    target = tmp_path / "hostile.ckpt"
+    record = {"format": 1, "conversions": [{"path": ["hyper_parameters", "x"], **conversion}]}
+    save_crafted(target, record, x=value)
+    USER_CODE_CALLS.clear()
+    with pytest.raises(sk.IntegrityError, match=re_escape(str(target))):
+        ShardkeepCheckpointIO().load_checkpoint(target)
+    assert USER_CODE_CALLS == []
+
+
+def test_a_dataclass_with_a_property_and_a_flag_with_missing_still_round_trip(tmp_path: Path) -> None:
+    guarded = Guarded(4)
+    guarded.note = "kept"  # type: ignore[attr-defined]  # a plain instance attribute
+    io = ShardkeepCheckpointIO()
+    io.save_checkpoint({"hyper_parameters": {"g": guarded, "f": Lenient.READ}}, tmp_path / "x.ckpt")
+    USER_CODE_CALLS.clear()
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")["hyper_parameters"]
+    assert loaded["g"] == guarded and loaded["g"].note == "kept" and loaded["f"] is Lenient.READ
+    assert USER_CODE_CALLS == []
+
+
+@pytest.mark.parametrize("submodule", ["onnx", "_dynamo"])
+def test_a_torch_dtype_record_imports_no_torch_submodule(submodule: str) -> None:
+    # In a fresh process: this one imported Lightning, which imports these submodules itself.
+    script = f"""
+import sys
+import shardkeep as sk
+from shardkeep.conversions import decode_values
+assert "torch.{submodule}" not in sys.modules
+record = {{"format": 1, "conversions": [{{"path": ["x"], "type": "torch.dtype"}}]}}
+try:
+    decode_values({{"x": "{submodule}"}}, record, source="crafted")
+except sk.IntegrityError as exc:
+    assert "crafted" in str(exc), exc
+else:
+    raise SystemExit("no IntegrityError")
+print("torch.{submodule}" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

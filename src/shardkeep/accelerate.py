@@ -23,7 +23,7 @@ Both follow ``Accelerator.save_state``/``load_state`` otherwise: automatic check
 ``project_configuration.iteration``, the newest checkpoint when no path is given, and the
 save-state and load-state pre-hooks. Where they differ, it is to lose nothing: ``total_limit``
 deletes only after the new checkpoint is committed, and only committed ``checkpoint_<N>``
-checkpoints; the files the save hooks write are part of the checkpoint, digested like the rest;
+checkpoints (with a manifest that reads as shardkeep's); the files the save hooks write are part of the checkpoint, digested like the rest;
 a registered object's state is converted losslessly where a state cannot hold it as it is.
 """
 
@@ -227,7 +227,7 @@ def _state_with_counters(accelerator: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 #: The names automatic checkpoint naming gives: ``checkpoint_<iteration>``.
-AUTOMATIC_NAME = re.compile(r"checkpoint_(\d+)")
+AUTOMATIC_NAME = re.compile(r"checkpoint_([0-9]+)")
 
 
 def _automatic(accelerator: Any) -> bool:
@@ -266,13 +266,16 @@ def automatic_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, 
 
 def _keep_newest(directory: str, total_limit: int, newest: str) -> None:
     """Delete the oldest ``checkpoint_<N>`` so that at most ``total_limit`` remain (at least the
-    one just committed, ``newest``), each un-committed first (:meth:`CheckpointRoot.delete`)."""
-    found = automatic_checkpoints(directory)
+    one just committed, ``newest``), each un-committed first (:meth:`CheckpointRoot.delete`).
+    Only folders whose manifest reads as a shardkeep manifest count and are deleted: another
+    tool's ``manifest.json``, or a damaged one, is left as it is."""
+    root = CheckpointRoot.at(directory)
+    known = root.manifests()
+    readable = {name for name, _ in known[0]}
+    found = [(step, path) for step, path in automatic_checkpoints(directory) if os.path.basename(path) in readable]
     doomed = [path for _, path in found if path != newest][: max(len(found) - max(total_limit, 1), 0)]
     if not doomed:
         return
-    root = CheckpointRoot.at(directory)
-    known = root.manifests()
     for path in doomed:
         try:
             root.delete(os.path.basename(path), known)
@@ -293,13 +296,20 @@ HOOK_FILES_KEY = "hook_files"
 
 def _hook_files(directory: str) -> dict[str, dict[str, Any]]:
     """Every regular file under ``directory`` as ``{"<i>": {"path": relative, "data": uint8}}``,
-    the bytes memory-mapped (a model a hook saved is not read into memory first)."""
+    the bytes memory-mapped (a model a hook saved is not read into memory first). A path a load
+    would refuse (:func:`~shardkeep.manifest.unsafe_path_reason`: a backslash, a control
+    character, a drive letter ...) is an :class:`~shardkeep.errors.UnsafePathError`."""
     files: dict[str, dict[str, Any]] = {}
     for parent, dirs, names in os.walk(directory):
         dirs.sort()
         for name in sorted([*names, *(d for d in dirs if os.path.islink(os.path.join(parent, d)))]):
             full = os.path.join(parent, name)
             relative = os.path.relpath(full, directory).replace(os.sep, "/")
+            reason = unsafe_path_reason(relative)
+            if reason is not None:  # a load refuses it: a checkpoint holding it could never be loaded
+                raise UnsafePathError(
+                    f"a save-state pre-hook wrote {relative!r}, which a checkpoint cannot hold: {reason}"
+                )
             if os.path.islink(full) or not os.path.isfile(full):
                 raise UnsupportedValueError(
                     f"a save-state pre-hook wrote {relative!r}, which is not a regular file (a symlink, a FIFO ...): "

@@ -13,7 +13,8 @@ the state, and :func:`decode_values` restores every value from it:
 (Lightning's ``AttributeDict``), and instances of module-level dataclasses and enums (by the
 type's ``module:qualname``: on load the type is looked up in modules already imported, never
 imported, unpickled or called; a dataclass is rebuilt as pickle rebuilds it, without running
-``__init__`` or ``__post_init__``). A concrete path recorded on another OS (a ``WindowsPath``
+``__init__``, ``__post_init__``, ``__setattr__`` or a property setter; a ``Flag`` combination is
+looked up by value only when no ``_missing_`` of the class's own would run). A concrete path recorded on another OS (a ``WindowsPath``
 loaded on Linux, a ``PosixPath`` on Windows) cannot be instantiated there and comes back as its
 pure class (``PureWindowsPath``, ``PurePosixPath``): same string, parts and comparisons. Tuples,
 integer dict keys, NaN and infinities are stored natively. Anything else is refused with an
@@ -29,6 +30,7 @@ import dataclasses
 import enum
 import pathlib
 import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -255,8 +257,11 @@ class _NotImported(KeyError):
 def _restored_instance(value: Any, conversion: Mapping[str, Any], at: str) -> Any:
     """An enum member or a dataclass instance: its type is looked up, never imported (see
     :func:`resolved_class`), and must be an enum or a dataclass; a dataclass is rebuilt as
-    pickle rebuilds it (``object.__new__``, then its attributes: ``__init__`` and
-    ``__post_init__`` are not run)."""
+    pickle rebuilds it (``object.__new__``, then its attributes written into the instance's
+    ``__dict__``, a ``__slots__`` field through its slot: ``__init__``, ``__post_init__``,
+    ``__setattr__`` and property setters are not run; an attribute naming another class-level
+    data descriptor is refused). A ``Flag`` value is looked up only when neither the class nor
+    its metaclass brings its own ``_missing_`` or ``__call__``, which the lookup would run."""
     kind, name = conversion["type"], conversion.get("cls")
     if not isinstance(name, str):
         raise TypeError(f"its type is recorded as {short(name)}, not a str")
@@ -275,6 +280,7 @@ def _restored_instance(value: Any, conversion: Mapping[str, Any], at: str) -> An
                 raise TypeError(f"{name} is not a Flag: its members are stored by name")
             if type(value) is not int:
                 raise TypeError(f"a {name} value is stored as an int, found {type(value).__name__}")
+            _check_no_user_lookup(cls, name)
             return cls(value)
         if not isinstance(value, str):
             raise TypeError(f"a {name} member is stored as its name, found {type(value).__name__}")
@@ -284,9 +290,54 @@ def _restored_instance(value: Any, conversion: Mapping[str, Any], at: str) -> An
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         raise TypeError(f"a {name} is stored as a dict of attributes, found {short(value)}")
     instance = object.__new__(cls)
+    fields = {field.name for field in dataclasses.fields(cls)}
     for attribute, item in value.items():
-        object.__setattr__(instance, attribute, item)  # also for frozen dataclasses, as pickle does
+        found = _class_attribute(cls, attribute)
+        if isinstance(found, types.MemberDescriptorType) and attribute in fields:
+            found.__set__(instance, item)  # a __slots__ field: the slot itself, no user code
+        elif found is not _ABSENT and _is_data_descriptor(found):
+            # A property, __class__, __dict__ ...: setting it would run code or change the type.
+            raise TypeError(f"{name}.{attribute} is a class-level {type(found).__name__}, not an attribute to set")
+        else:
+            # Into the instance's __dict__ directly (as pickle does, and for frozen dataclasses):
+            # no __setattr__ is run.
+            dict_descriptor = _class_attribute(cls, "__dict__")
+            if not isinstance(dict_descriptor, types.GetSetDescriptorType):
+                raise TypeError(f"{name} has no attribute {attribute!r} to set (its instances have no __dict__)")
+            dict_descriptor.__get__(instance, cls)[attribute] = item
     return instance
+
+
+_ABSENT = object()
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    """``name`` as the class defines it (first in its MRO), read from ``vars``: no code run."""
+    for klass in cls.__mro__:
+        found = vars(klass).get(name, _ABSENT)
+        if found is not _ABSENT:
+            return found
+    return _ABSENT
+
+
+def _is_data_descriptor(value: Any) -> bool:
+    """``value``'s type defines ``__set__`` or ``__delete__`` (looked up in ``vars``)."""
+    return any("__set__" in vars(klass) or "__delete__" in vars(klass) for klass in type(value).__mro__)
+
+
+def _check_no_user_lookup(cls: type, name: str) -> None:
+    """Refuse a Flag class whose value lookup would run user code: a ``_missing_`` (or a
+    metaclass ``__call__``) defined outside the ``enum`` module."""
+    metaclass: type = type(cls)
+    for klass, attribute in [
+        *((klass, "_missing_") for klass in cls.__mro__),
+        *((meta, "__call__") for meta in metaclass.__mro__),
+    ]:
+        if attribute in vars(klass) and klass.__module__ not in ("enum", "builtins"):
+            raise TypeError(
+                f"{name} defines its own {attribute} (in {klass.__qualname__}), which a value would run; "
+                "shardkeep restores its values only by member name"
+            )
 
 
 def short(value: Any, limit: int = 200) -> str:
@@ -335,7 +386,8 @@ def _restored_value(
         if kind == "numpy_scalar":
             return _as_numpy(value)[()]
         if kind == "torch.dtype":
-            dtype = getattr(torch, value)
+            # From the module's own namespace: getattr(torch, name) could import a submodule.
+            dtype = vars(torch).get(value)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"{value!r} is not a torch dtype")
             return dtype

@@ -95,7 +95,6 @@ from shardkeep.manifest import (
 )
 from shardkeep.saving import DEFAULT_TIER, _ensure_directory, _plain_json_mapping, _precision, warn_if_over_read_limits
 from shardkeep.storage import LocalStore
-from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
 from shardkeep.tensors.coverage import coverage_problems
 from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
@@ -795,8 +794,9 @@ def dcp_to_torch_save(
     """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for a shardkeep
     checkpoint: load the whole state through DCP's own loader (one process, no process group)
     with a :class:`ShardkeepReader` (``reader_options``: ``public_key``, ``trust_pickle`` ...),
-    then ``torch.save`` it at ``torch_save_path``, written whole or not at all (a temporary file
-    beside it, fsynced, renamed). DCP's own function builds a ``FileSystemReader``, which looks
+    then ``torch.save`` it at ``torch_save_path``, written whole or not at all (a fresh temporary
+    file beside it, created exclusively and never through a symlink, fsynced, renamed); a name
+    longer than 255 bytes is an :class:`~shardkeep.errors.UnsafePathError`. DCP's own function builds a ``FileSystemReader``, which looks
     for DCP's ``.metadata`` and so cannot read a shardkeep checkpoint. The file holds the
     nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
     unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
@@ -810,18 +810,9 @@ def dcp_to_torch_save(
         planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
         no_dist=True,
     )
-    target = os.path.abspath(os.fspath(torch_save_path))
-    temporary = f"{target}.tmp-{os.getpid()}"
-    try:
-        torch.save(state, temporary)
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    fsync_directory_path(os.path.dirname(target))
+    from shardkeep.interop import _write_replacing
+
+    _write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
 
 
 def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, _Stored]]:

@@ -64,7 +64,9 @@ from shardkeep.errors import (
 from shardkeep.manifest import MANIFEST_FILENAME, strict_json_hooks
 from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage import local
+from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import flatten_state
+from shardkeep.tensors.shardfile import CARRIED_DTYPES
 
 __all__ = [
     "CONFIG_VALUE_KEY",
@@ -581,17 +583,43 @@ def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
     )
 
 
+def _split_into_shards() -> Any:
+    """``huggingface_hub.split_torch_state_dict_into_shards``; without huggingface_hub, a
+    :class:`DependencyError` saying what to install."""
+    try:
+        from huggingface_hub import split_torch_state_dict_into_shards
+    except ImportError as exc:
+        raise DependencyError(
+            "exporting a Hugging Face folder needs huggingface_hub, whose file split save_pretrained uses: "
+            "pip install huggingface_hub (or pip install 'shardkeep[hf]')"
+        ) from exc
+    return split_torch_state_dict_into_shards
+
+
+def _check_writable_dtypes(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (:class:`UnsupportedValueError`, naming the key and the dtype) a tensor whose dtype
+    safetensors has no name for: a weight file cannot hold it."""
+    from safetensors import torch as safetensors_torch
+
+    # The table save_file looks every tensor's dtype up in: a dtype it lacks makes it fail.
+    known = getattr(safetensors_torch, "_SIZE", None)
+    for key, tensor in tensors.items():
+        name = TORCH_TO_NAME.get(tensor.dtype)
+        writable = tensor.dtype in known if isinstance(known, Mapping) else name not in CARRIED_DTYPES
+        if not writable:
+            raise UnsupportedValueError(
+                f"{key!r} is a {tensor.dtype} tensor, which a safetensors file cannot hold; "
+                "convert it, or export the checkpoint to .pt"
+            )
+
+
 def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> tuple[dict[str, list[str]], int]:
     """(file name -> its keys, the index's ``total_size``) from
     ``huggingface_hub.split_torch_state_dict_into_shards``, which ``save_pretrained`` splits and
     names its files with: one ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` of
     at most ``limit`` bytes each (a larger tensor gets a file of its own; tensors sharing a
     storage, such as the experts split from one fused tensor, share a file)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    split = split_torch_state_dict_into_shards(
-        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
-    )
+    split = _split_into_shards()(tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=limit)
     return {name: list(keys) for name, keys in split.filename_to_tensors.items()}, int(split.metadata["total_size"])
 
 
@@ -828,6 +856,7 @@ def export_hf(
     if load_options.pop("verify", True) is not True:
         raise ConfigError("an export always verifies the checkpoint; verify=False is not accepted")
     limit = parse_size(max_shard_size)
+    _split_into_shards()  # a missing dependency is said before the checkpoint is read
     source = _local_checkpoint(checkpoint, load_options)
     _check_destination(target, overwrite, source)
     config_doc, config_source = _given_config(config) if config is not None else (None, None)
@@ -902,6 +931,7 @@ def export_hf(
                 f"{_one_line(exc)}"
             ) from exc
 
+    _check_writable_dtypes(tensors)
     plan, total_size = _plan_files(tensors, limit)
     if total_parameters is None:  # no model to count its parameters: every element written
         total_parameters = sum(tensor.numel() for tensor in tensors.values())

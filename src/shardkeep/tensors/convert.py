@@ -52,14 +52,22 @@ TORCH_TO_NAME: dict[torch.dtype, str] = {
     # header carries the same bytes under a dtype it has (tensors.shardfile.CARRIED_DTYPES).
     torch.complex128: "C128",
     torch.complex32: "C32",
-    torch.float8_e8m0fnu: "F8_E8M0",
-    torch.float4_e2m1fn_x2: "F4_E2M1FN_X2",
-    torch.bits8: "B8",
-    torch.bits16: "B16",
-    torch.bits1x8: "B1X8",
-    torch.bits2x4: "B2X4",
-    torch.bits4x2: "B4X2",
 }
+# More such dtypes, looked up by name: the oldest torch releases the package supports lack some
+# (float8_e8m0fnu and float4_e2m1fn_x2 are newer than torch 2.4), and a missing one is not mapped.
+for _attribute, _name in (
+    ("float8_e8m0fnu", "F8_E8M0"),
+    ("float4_e2m1fn_x2", "F4_E2M1FN_X2"),
+    ("bits8", "B8"),
+    ("bits16", "B16"),
+    ("bits1x8", "B1X8"),
+    ("bits2x4", "B2X4"),
+    ("bits4x2", "B4X2"),
+):
+    _dtype = getattr(torch, _attribute, None)
+    if isinstance(_dtype, torch.dtype):
+        TORCH_TO_NAME[_dtype] = _name
+del _attribute, _name, _dtype
 #: The complex dtype names: a conjugated or negated view has to be resolved before writing.
 _COMPLEX = frozenset({"C32", "C64", "C128"})
 NAME_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
