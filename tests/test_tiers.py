@@ -4,6 +4,7 @@ need (bytes counted through a storage wrapper), sections, remapped tier location
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import threading
@@ -405,3 +406,70 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
         os.utime(path, (old, old), follow_symlinks=False)
     sk.CheckpointManager(root, staging_lease=3600, **options).prune()
     assert not (root / staging).exists() and not attempt.exists()
+
+
+# -- retention never deletes a checkpoint whose tier it cannot see ------------------------------
+def _two_saves_with_a_cold_tier(tmp_path: Path) -> tuple[Path, Path]:
+    root, cold = tmp_path / "root", tmp_path / "cold-a"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    manager.save(moe_state(layers=1, experts=2), step=1, metrics={"val_loss": 0.1})
+    manager.save(moe_state(layers=1, experts=2), step=2, metrics={"val_loss": 0.9})
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002"]
+    return root, cold
+
+
+@pytest.mark.parametrize("continued", ["new-location", "remapped"])
+def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_path: Path, continued: str) -> None:
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    cold.rename(tmp_path / "cold-moved")
+    other = tmp_path / "cold-b"
+    if continued == "new-location":
+        tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
+        manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    else:
+        other.mkdir()
+        tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
+        manager = sk.CheckpointManager(
+            root,
+            keep_last=1,
+            keep_best=1,
+            tiers=tiers,
+            placement=RULES,
+            tier_locations={"cold": str(other)},
+            run_id="run-a",
+        )
+    manager.save(moe_state(layers=1, experts=2), step=3, metrics={"val_loss": 0.5})
+    for name in ("step_00000001", "step_00000002"):  # their tier unseen: kept, whatever the policy says
+        assert (root / name / "manifest.json").is_file(), name
+    entry = next(entry for entry in manager.list() if entry.name == "step_00000001")
+    assert entry.missing_tiers == ("cold",) and not entry.is_best and not entry.is_last and not entry.is_newest
+
+
+def test_prune_keeps_a_checkpoint_whose_tier_directory_moved_and_ls_says_unreadable(tmp_path: Path) -> None:
+    from shardkeep.cli import main
+
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    (cold / "step_00000001").rename(tmp_path / "step_00000001-cold")
+    out = io.StringIO()
+    assert (
+        main(["prune", str(root), "--apply", "--keep-last", "1", "--keep-best", "0"], out=out, err=io.StringIO()) == 0
+    )
+    assert (root / "step_00000001" / "manifest.json").is_file(), out.getvalue()
+    out = io.StringIO()
+    assert main(["ls", str(root)], out=out, err=io.StringIO()) == 2
+    line = next(line for line in out.getvalue().splitlines() if line.startswith("step_00000001"))
+    assert "UNREADABLE" in line and "last" not in line and "best" not in line
+
+
+def test_a_tier_file_present_with_the_wrong_size_is_corrupt_for_retention(tmp_path: Path) -> None:
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    with open(next((cold / "step_00000001").rglob("*.safetensors")), "ab") as handle:
+        handle.write(b"x")
+    from shardkeep.cli import main
+
+    out = io.StringIO()
+    assert main(["ls", str(root)], out=out, err=io.StringIO()) == 1
+    assert "CORRUPT" in out.getvalue()
+    main(["prune", str(root), "--apply"], out=io.StringIO(), err=io.StringIO())
+    assert not (root / "step_00000001").exists()  # older than the newest verified one, and corrupt

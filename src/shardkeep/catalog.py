@@ -408,10 +408,10 @@ class CheckpointRoot:
                 found = {relative: info for relative, info in store.list_files(owner)}
             except CheckpointNotFoundError:
                 found = {}
-            except StorageError:
-                raise
-            except ShardkeepError as exc:
-                problems.append(f"{store.root.rstrip('/')}/{owner}: {exc}")
+            except ShardkeepError as exc:  # an I/O error proves nothing about the files: unknown
+                where = f"{store.root.rstrip('/')}/{owner} cannot be read: {exc}"
+                problems.append(missing_tier_problem(tier, where, self.remap_hint, tier in remapped))
+                missing[tier] = where
                 continue
             for record in records:
                 info = found.get(record.path)
@@ -541,7 +541,8 @@ class CheckpointRoot:
                 name=item.name,
                 step=item.step,
                 metric=_metric(item.manifest, policy.metric),
-                verified=not item.problems,
+                # A tier that cannot be seen proves nothing either way: unknown, never deleted.
+                verified=None if item.missing_tiers else not item.problems,
             )
             for item in mine
         ]

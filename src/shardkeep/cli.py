@@ -1182,7 +1182,7 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     run = args.run or root.owner(found)
     policy, source = _policy_for(args, root, found, run)
     entries, decision = root.decide(found, policy, run, verify_newest=True)
-    left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed]
+    left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed or entry.missing_tiers]
     leftovers = _leftovers(root)
     removed: list[str] = []
     if args.apply:
