@@ -415,7 +415,16 @@ class CheckpointManager:
                     "remove the newer checkpoints first",
                 )
         existing = next((item for item in found if item.name == name), None)
-        spelled = next((item for item in found if item.step == step and not item.misnamed and item.name != name), None)
+        # Only a committed checkpoint (a readable manifest) under another spelling holds the step;
+        # anything else there is not in the way of this name and is left alone.
+        spelled = next(
+            (
+                item
+                for item in found
+                if item.step == step and item.manifest is not None and not item.misnamed and item.name != name
+            ),
+            None,
+        )
         if existing is None and spelled is not None:
             raise CheckpointExistsError(
                 f"step {step} is already saved as {self.catalog.path_of(spelled.name)}; committed checkpoints are "
