@@ -446,11 +446,16 @@ def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_pa
     assert entry.missing_tiers == ("cold",) and not entry.is_best and not entry.is_last and not entry.is_newest
 
 
-def test_prune_keeps_a_checkpoint_whose_tier_directory_moved_and_ls_says_unreadable(tmp_path: Path) -> None:
+@pytest.mark.parametrize("what", ["moved", "unreadable"])
+def test_prune_keeps_a_checkpoint_whose_tier_directory_is_unseen_and_ls_says_unreadable(
+    tmp_path: Path, what: str
+) -> None:
     from shardkeep.cli import main
 
     root, cold = _two_saves_with_a_cold_tier(tmp_path)
     (cold / "step_00000001").rename(tmp_path / "step_00000001-cold")
+    if what == "unreadable":  # something else in its place: the check fails with an I/O error
+        (cold / "step_00000001").write_text("not a directory")
     out = io.StringIO()
     assert (
         main(["prune", str(root), "--apply", "--keep-last", "1", "--keep-best", "0"], out=out, err=io.StringIO()) == 0
@@ -460,6 +465,7 @@ def test_prune_keeps_a_checkpoint_whose_tier_directory_moved_and_ls_says_unreada
     assert main(["ls", str(root)], out=out, err=io.StringIO()) == 2
     line = next(line for line in out.getvalue().splitlines() if line.startswith("step_00000001"))
     assert "UNREADABLE" in line and "last" not in line and "best" not in line
+    assert ("cannot be read" if what == "unreadable" else "is missing") in line
 
 
 def test_a_tier_file_present_with_the_wrong_size_is_corrupt_for_retention(tmp_path: Path) -> None:
@@ -473,3 +479,20 @@ def test_a_tier_file_present_with_the_wrong_size_is_corrupt_for_retention(tmp_pa
     assert "CORRUPT" in out.getvalue()
     main(["prune", str(root), "--apply"], out=io.StringIO(), err=io.StringIO())
     assert not (root / "step_00000001").exists()  # older than the newest verified one, and corrupt
+
+
+def test_a_tier_location_that_cannot_be_opened_is_unreadable_not_corrupt(tmp_path: Path) -> None:
+    from shardkeep.cli import main
+
+    root, _ = _two_saves_with_a_cold_tier(tmp_path)
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed: a gs:// location opens here")
+    out = io.StringIO()
+    code = main(["ls", str(root), "--tier-location", "cold=gs://bucket/cold"], out=out, err=io.StringIO())
+    assert code == 2, out.getvalue()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step_")]
+    assert len(lines) == 2 and all("UNREADABLE: tier 'cold' cannot be read" in line for line in lines), lines
