@@ -496,3 +496,16 @@ def test_a_tier_location_that_cannot_be_opened_is_unreadable_not_corrupt(tmp_pat
     assert code == 2, out.getvalue()
     lines = [line for line in out.getvalue().splitlines() if line.startswith("step_")]
     assert len(lines) == 2 and all("UNREADABLE: tier 'cold' cannot be read" in line for line in lines), lines
+
+
+def test_a_save_of_the_same_step_leaves_a_checkpoint_with_an_unseen_tier_in_place(tmp_path: Path) -> None:
+    root, cold = tmp_path / "root", tmp_path / "cold-a"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a").save(
+        moe_state(layers=1, experts=2), step=1
+    )
+    cold.rename(tmp_path / "cold-moved")
+    manager = sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a")
+    with pytest.raises(sk.CheckpointExistsError, match="tier of it cannot be seen"):
+        manager.save(moe_state(layers=1, experts=2), step=1)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(("last", "best"))) == ["step_00000001"]

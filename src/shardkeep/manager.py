@@ -433,6 +433,12 @@ class CheckpointManager:
         if existing is not None:
             if CheckpointRoot.run_of(existing) == run_id:
                 self.catalog.verify_fully(existing)
+            if existing.missing_tiers:  # unknown, not corrupt: never moved out of the way
+                raise CheckpointExistsError(
+                    f"checkpoint {self.catalog.path_of(name)} exists, and a tier of it cannot be seen "
+                    f"({'; '.join(existing.problems[:2])}); bring the tier back or remap it (tier_locations=), "
+                    "or save under another step",
+                )
             if existing.problems and not renames(self.store):
                 raise CheckpointExistsError(
                     f"checkpoint {self.catalog.path_of(name)} exists but fails verification "

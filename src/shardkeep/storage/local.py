@@ -906,8 +906,11 @@ def _adopt_attributes(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
     try:
         current = os.fstat(fd)
         if (current.st_uid, current.st_gid) != (wanted.st_uid, wanted.st_gid):
-            with contextlib.suppress(PermissionError):
+            try:
                 os.fchown(fd, wanted.st_uid, wanted.st_gid)
+            except PermissionError:  # not root: the group alone, if the process is a member
+                with contextlib.suppress(PermissionError):
+                    os.fchown(fd, -1, wanted.st_gid)
         os.fchmod(fd, stat_module.S_IMODE(wanted.st_mode))  # after chown, which may clear setgid
         os.fsync(fd)
     finally:
