@@ -224,6 +224,10 @@ def test_prune_removes_only_names_of_the_shapes_shardkeep_creates(tmp_path: Path
     assert f"would remove  {deleting.name} (being deleted: removed whatever its age)" in out, out
     assert f"would wait    {staging.name} (staging: changed" in out, out
     assert not {path.name for path in foreign} & {word for line in out.splitlines() for word in line.split()}, out
+    code, out, _ = run("prune", str(root), "--lease", "3600", "--json")
+    document = json.loads(out)
+    assert sorted(document["leftovers"]) == sorted(p.name for p in (deleting, shortened, staging) if p.exists())
+    assert sorted(document["leftovers_due"]) == sorted(p.name for p in (deleting, shortened) if p.exists())
     code, out, err = run("prune", str(root), "--apply", "--lease", "0")
     assert code == 0, (out, err)
     assert not staging.exists() and not deleting.exists() and not shortened.exists()

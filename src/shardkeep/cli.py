@@ -1202,6 +1202,7 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
             "delete": list(decision.delete),
             "left_alone": [{"name": name, "reason": reason} for name, reason in left_alone],
             "leftovers": leftovers,
+            "leftovers_due": [name for name, idle in pending if _leftover_due(name, idle, args.lease)],
             "leftovers_removed": removed,
         }
         _write_json(out, document)
@@ -1230,6 +1231,11 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     out.write(f"deleted {len(decision.delete)} checkpoint(s), removed {len(removed)} leftover(s)\n")
     return 0
+
+
+def _leftover_due(name: str, idle: float | None, lease: float) -> bool:
+    """Whether ``prune --apply`` removes leftover ``name`` now (``idle``: seconds unchanged)."""
+    return is_derived_name(name, DELETING_MARKER) or (idle is not None and idle >= lease)
 
 
 def _leftover_line(name: str, idle: float | None, lease: float) -> str:
