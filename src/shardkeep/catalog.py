@@ -552,6 +552,8 @@ class CheckpointRoot:
         ]
         if verify_newest:
             for item in reversed(mine):
+                if item.missing_tiers:
+                    continue  # unknown whatever the rest holds: never the newest verified
                 self.verify_fully(item)
                 if not item.problems:
                     break
