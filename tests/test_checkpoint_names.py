@@ -144,3 +144,48 @@ def test_ls_flags_a_renamed_checkpoint_and_exits_1(tmp_path: Path, key: Ed25519P
     assert main(["prune", str(root), "--keep-last", "1", "--keep-best", "0"], out=out_prune) == 0
     assert "leave alone   step_00000099" in out_prune.getvalue()
     assert "would delete  step_00000099" not in out_prune.getvalue()
+
+
+# -- the state's "step" and the name's ----------------------------------------------------------
+def test_a_state_step_that_contradicts_the_name_is_not_recorded(tmp_path: Path) -> None:
+    for s in range(3):  # the directory counts saves, the state the next step to run
+        sk.save({"w": torch.ones(1), "step": s + 1}, tmp_path / f"step_{s}")
+        assert sk.read_manifest(tmp_path / f"step_{s}").step is None
+    out = io.StringIO()
+    assert main(["ls", str(tmp_path)], out=out, err=io.StringIO()) == 0, out.getvalue()
+    assert "MISNAMED" not in out.getvalue()
+    manager = sk.CheckpointManager(tmp_path, keep_best=0, read_only=True)
+    assert manager.restore().entry.name == "step_2"
+
+
+def test_a_state_step_is_recorded_when_the_name_agrees_or_says_no_step(tmp_path: Path) -> None:
+    sk.save({"w": torch.ones(1), "step": 7}, tmp_path / "step_7")
+    sk.save({"w": torch.ones(1), "step": 7}, tmp_path / "step_00000007-copy")
+    sk.save({"w": torch.ones(1), "step": 7}, tmp_path / "model")
+    assert sk.read_manifest(tmp_path / "step_7").step == 7
+    assert sk.read_manifest(tmp_path / "step_00000007-copy").step == 7
+    assert sk.read_manifest(tmp_path / "model").step == 7
+
+
+# -- what blocks a manager's step ---------------------------------------------------------------
+def test_a_foreign_directory_under_another_spelling_does_not_block_the_step(tmp_path: Path) -> None:
+    foreign = tmp_path / "step_100"
+    foreign.mkdir()
+    (foreign / "model.bin").write_bytes(b"not a checkpoint")
+    manager = sk.CheckpointManager(tmp_path, keep_best=0)
+    manager.save({"w": torch.ones(1)}, step=100)
+    assert sk.verify(tmp_path / "step_00000100").ok
+    assert (foreign / "model.bin").read_bytes() == b"not a checkpoint"  # never touched
+    sk.save({"w": torch.ones(1)}, tmp_path / "step_101", step=101)  # committed: it blocks
+    with pytest.raises(sk.CheckpointExistsError, match="step_101"):
+        manager.save({"w": torch.ones(1)}, step=101)
+
+
+def test_a_step_name_beyond_what_a_manifest_holds_is_no_checkpoint_name(tmp_path: Path) -> None:
+    sk.save({"w": torch.ones(1)}, tmp_path / "step_1", step=1)
+    huge = tmp_path / "step_99999999999999999999"  # 10**20 - 1 > 2**64 - 1
+    sk.save({"w": torch.ones(1)}, huge)
+    largest = tmp_path / f"step_{2**64 - 1}"
+    sk.save({"w": torch.ones(1)}, largest, step=2**64 - 1)
+    names = [entry.name for entry in sk.CheckpointManager(tmp_path, keep_best=0, read_only=True).list()]
+    assert names == ["step_1", largest.name]

@@ -191,6 +191,58 @@ def test_prune_removes_leftovers_in_a_root_without_checkpoints(tmp_path: Path) -
     assert code == 2 and "no checkpoints" in err  # nothing at all left
 
 
+HEX = "0123456789abcdef0123456789abcdef"
+
+
+def _foreign_names(root: Path) -> list[Path]:
+    """Entries a user keeps in a root whose names merely contain a marker: never leftovers."""
+    root.mkdir(parents=True, exist_ok=True)
+    foreign = [root / "notes.deleting-old", root / "data.tmp-v2", root / f"step_1.tmp-{HEX}x", root / f".tmp-{HEX}"]
+    for path in foreign[:3]:
+        (path / "sub").mkdir(parents=True)
+        (path / "sub" / "precious.txt").write_text("precious")
+    foreign[3].write_text("precious")
+    return foreign
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_prune_removes_only_names_of_the_shapes_shardkeep_creates(tmp_path: Path, with_checkpoint: bool) -> None:
+    root = tmp_path / "root"
+    foreign = _foreign_names(root)
+    staging = root / f"step_00000002.tmp-{HEX}"
+    deleting = root / f"step_00000001.deleting-{HEX}"
+    shortened = root / f"{'x' * 100}~0123456789abcdef.deleting-{HEX}"
+    for path in (staging, deleting, shortened):
+        (path / "shards").mkdir(parents=True)
+    if with_checkpoint:
+        sk.CheckpointManager(root, keep_best=0).save({"w": torch.ones(1)}, step=3)  # collects too
+        assert staging.exists() and not deleting.exists() and not shortened.exists()
+        assert all(path.exists() for path in foreign)
+        (deleting / "shards").mkdir(parents=True)
+    code, out, err = run("prune", str(root), "--lease", "3600")
+    assert code == 0, (out, err)
+    assert f"would remove  {deleting.name} (being deleted: removed whatever its age)" in out, out
+    assert f"would wait    {staging.name} (staging: changed" in out, out
+    assert not {path.name for path in foreign} & {word for line in out.splitlines() for word in line.split()}, out
+    code, out, _ = run("prune", str(root), "--lease", "3600", "--json")
+    document = json.loads(out)
+    assert sorted(document["leftovers"]) == sorted(p.name for p in (deleting, shortened, staging) if p.exists())
+    assert sorted(document["leftovers_due"]) == sorted(p.name for p in (deleting, shortened) if p.exists())
+    code, out, err = run("prune", str(root), "--apply", "--lease", "0")
+    assert code == 0, (out, err)
+    assert not staging.exists() and not deleting.exists() and not shortened.exists()
+    assert all(path.exists() for path in foreign), sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize("marker", [".tmp-", ".deleting-"])
+def test_save_refuses_a_name_of_the_shape_of_a_leftover(tmp_path: Path, marker: str) -> None:
+    with pytest.raises(sk.UnsafePathError, match=f"step_1{marker}{HEX}"):
+        sk.save({"w": torch.ones(1)}, tmp_path / f"step_1{marker}{HEX}")
+    assert not list(tmp_path.iterdir())
+    sk.save({"w": torch.ones(1)}, tmp_path / f"run{marker}v2")  # a marker alone is a name like any other
+    assert sk.load(tmp_path / f"run{marker}v2")["w"].tolist() == [1.0]
+
+
 def test_every_command_has_a_description_in_its_help() -> None:
     parser = build_parser()
     commands: Any = next(action for action in parser._actions if action.dest == "command")

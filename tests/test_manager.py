@@ -473,25 +473,26 @@ def test_bad_save_arguments(tmp_path: Path) -> None:
 
 def test_leftovers_are_collected_after_their_lease_only(tmp_path: Path) -> None:
     manager = sk.CheckpointManager(tmp_path, staging_lease=600)
-    old = tmp_path / "step_00000005.tmp-0123abcd"
+    old = tmp_path / f"step_00000005.tmp-{'0123abcd' * 4}"
     (old / "shards").mkdir(parents=True)
     (old / "shards" / "rank_00000.safetensors").write_bytes(b"x" * 10)
     stamp = time.time() - 3600
     for path in (old / "shards" / "rank_00000.safetensors", old / "shards", old):
         os.utime(path, (stamp, stamp))
-    fresh = tmp_path / "step_00000006.tmp-4567cdef"
+    fresh = tmp_path / f"step_00000006.tmp-{'4567cdef' * 4}"
     fresh.mkdir()
-    deleting = tmp_path / "step_00000001.deleting-89ab"
+    deleting = tmp_path / f"step_00000001.deleting-{'89ab' * 8}"
     (deleting / "x").mkdir(parents=True)
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious")
-    os.symlink(outside, tmp_path / "step_00000007.tmp-link")
-    os.utime(tmp_path / "step_00000007.tmp-link", (stamp, stamp), follow_symlinks=False)
+    link = tmp_path / f"step_00000007.tmp-{'1234abcd' * 4}"
+    os.symlink(outside, link)
+    os.utime(link, (stamp, stamp), follow_symlinks=False)
     manager.save(tiny(), step=0)
     assert not old.exists() and not deleting.exists() and fresh.exists()
     assert (outside / "keep.txt").read_text() == "precious"  # a symlink is removed, never followed
-    assert not os.path.lexists(tmp_path / "step_00000007.tmp-link")
+    assert not os.path.lexists(link)
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,6 +78,17 @@ def test_unverified_checkpoints_are_never_last_or_best() -> None:
     assert decision.newest_verified == "c"
 
 
+def test_checkpoints_of_unknown_state_are_never_deleted_last_best_or_newest() -> None:
+    checkpoints = [
+        CheckpointInfo("a", 1, 0.1, verified=None),  # the best metric, but a tier cannot be seen
+        CheckpointInfo("b", 2, 0.9),
+        CheckpointInfo("c", 3, 0.5, verified=None),
+    ]
+    decision = decide(checkpoints, RetentionPolicy(keep_last=1, keep_best=1))
+    assert decision.last == decision.best == ("b",) and decision.newest_verified == "b"
+    assert set(decision.keep) == {"a", "b", "c"} and decision.delete == ()
+
+
 def test_referenced_checkpoints_are_kept() -> None:
     checkpoints = [CheckpointInfo("base", 1, 5.0), CheckpointInfo("delta", 2, 4.0, references=frozenset({"base"}))]
     assert set(decide(checkpoints, RetentionPolicy(keep_last=1, keep_best=0)).keep) == {"base", "delta"}

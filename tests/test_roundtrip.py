@@ -356,9 +356,10 @@ def test_state_with_only_json_leaves(tmp_path: Path) -> None:
 def test_load_of_missing_or_staging_path_raises_not_found(tmp_path: Path) -> None:
     with pytest.raises(sk.CheckpointNotFoundError, match="nothing_here"):
         sk.load(tmp_path / "nothing_here")
-    (tmp_path / "step_1.tmp-abc").mkdir()
+    staging = tmp_path / f"step_1.tmp-{'abc0' * 8}"
+    staging.mkdir()
     with pytest.raises(sk.CheckpointNotFoundError, match="staging"):
-        sk.load(tmp_path / "step_1.tmp-abc")
+        sk.load(staging)
     (tmp_path / "empty").mkdir()
     with pytest.raises(sk.CheckpointNotFoundError, match=r"manifest\.json"):
         sk.read_manifest(tmp_path / "empty")

@@ -201,3 +201,47 @@ def test_permission_denied_is_reported_under_the_given_path(tmp_path: Path) -> N
     assert str(target) in done.stdout and "permission denied" in done.stdout.lower(), done.stdout
     assert ".tmp-" not in done.stdout, done.stdout
     assert os.listdir(locked) == []
+
+
+@contextlib.contextmanager
+def _tmpfs_mount(directory: Path) -> Iterator[Path]:
+    """A writable tmpfs mounted on the empty directory ``directory`` (root only)."""
+    directory.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(directory)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {done.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+@pytest.mark.parametrize("how", ["save", "manager"])
+def test_an_empty_mount_point_is_refused_before_anything_is_written(tmp_path: Path, how: str) -> None:
+    with _tmpfs_mount(tmp_path / "step_00000004") as mounted:
+        with pytest.raises(sk.CheckpointExistsError, match="mount point") as caught:
+            if how == "save":
+                sk.save(_state(), mounted)
+            else:
+                sk.CheckpointManager(tmp_path, keep_best=0).save(_state(), step=4)
+        assert str(mounted) in str(caught.value) and ".tmp-" not in str(caught.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]  # nothing written beside it
+        assert os.listdir(mounted) == []
+
+
+def test_an_empty_directory_keeps_its_mode_owner_and_group(tmp_path: Path) -> None:
+    target = tmp_path / "step_00000004"
+    target.mkdir()
+    if os.geteuid() == 0:
+        os.chown(target, 65534, 65534)
+    target.chmod(0o2770)
+    before = target.stat()
+    sk.save(_state(), target)
+    after = target.stat()
+    assert sk.verify(target).ok
+    assert oct(after.st_mode & 0o7777) == oct(before.st_mode & 0o7777) == oct(0o2770)
+    assert (after.st_uid, after.st_gid) == (before.st_uid, before.st_gid)

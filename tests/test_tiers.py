@@ -4,6 +4,7 @@ need (bytes counted through a storage wrapper), sections, remapped tier location
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import threading
@@ -405,3 +406,106 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
         os.utime(path, (old, old), follow_symlinks=False)
     sk.CheckpointManager(root, staging_lease=3600, **options).prune()
     assert not (root / staging).exists() and not attempt.exists()
+
+
+# -- retention never deletes a checkpoint whose tier it cannot see ------------------------------
+def _two_saves_with_a_cold_tier(tmp_path: Path) -> tuple[Path, Path]:
+    root, cold = tmp_path / "root", tmp_path / "cold-a"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    manager.save(moe_state(layers=1, experts=2), step=1, metrics={"val_loss": 0.1})
+    manager.save(moe_state(layers=1, experts=2), step=2, metrics={"val_loss": 0.9})
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002"]
+    return root, cold
+
+
+@pytest.mark.parametrize("continued", ["new-location", "remapped"])
+def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_path: Path, continued: str) -> None:
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    cold.rename(tmp_path / "cold-moved")
+    other = tmp_path / "cold-b"
+    if continued == "new-location":
+        tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
+        manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    else:
+        other.mkdir()
+        tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
+        manager = sk.CheckpointManager(
+            root,
+            keep_last=1,
+            keep_best=1,
+            tiers=tiers,
+            placement=RULES,
+            tier_locations={"cold": str(other)},
+            run_id="run-a",
+        )
+    manager.save(moe_state(layers=1, experts=2), step=3, metrics={"val_loss": 0.5})
+    for name in ("step_00000001", "step_00000002"):  # their tier unseen: kept, whatever the policy says
+        assert (root / name / "manifest.json").is_file(), name
+    entry = next(entry for entry in manager.list() if entry.name == "step_00000001")
+    assert entry.missing_tiers == ("cold",) and not entry.is_best and not entry.is_last and not entry.is_newest
+
+
+@pytest.mark.parametrize("what", ["moved", "unreadable"])
+def test_prune_keeps_a_checkpoint_whose_tier_directory_is_unseen_and_ls_says_unreadable(
+    tmp_path: Path, what: str
+) -> None:
+    from shardkeep.cli import main
+
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    (cold / "step_00000001").rename(tmp_path / "step_00000001-cold")
+    if what == "unreadable":  # something else in its place: the check fails with an I/O error
+        (cold / "step_00000001").write_text("not a directory")
+    out = io.StringIO()
+    assert (
+        main(["prune", str(root), "--apply", "--keep-last", "1", "--keep-best", "0"], out=out, err=io.StringIO()) == 0
+    )
+    assert (root / "step_00000001" / "manifest.json").is_file(), out.getvalue()
+    out = io.StringIO()
+    assert main(["ls", str(root)], out=out, err=io.StringIO()) == 2
+    line = next(line for line in out.getvalue().splitlines() if line.startswith("step_00000001"))
+    assert "UNREADABLE" in line and "last" not in line and "best" not in line
+    assert ("cannot be read" if what == "unreadable" else "is missing") in line
+
+
+def test_a_tier_file_present_with_the_wrong_size_is_corrupt_for_retention(tmp_path: Path) -> None:
+    root, cold = _two_saves_with_a_cold_tier(tmp_path)
+    with open(next((cold / "step_00000001").rglob("*.safetensors")), "ab") as handle:
+        handle.write(b"x")
+    from shardkeep.cli import main
+
+    out = io.StringIO()
+    assert main(["ls", str(root)], out=out, err=io.StringIO()) == 1
+    assert "CORRUPT" in out.getvalue()
+    main(["prune", str(root), "--apply"], out=io.StringIO(), err=io.StringIO())
+    assert not (root / "step_00000001").exists()  # older than the newest verified one, and corrupt
+
+
+def test_a_tier_location_that_cannot_be_opened_is_unreadable_not_corrupt(tmp_path: Path) -> None:
+    from shardkeep.cli import main
+
+    root, _ = _two_saves_with_a_cold_tier(tmp_path)
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed: a gs:// location opens here")
+    out = io.StringIO()
+    code = main(["ls", str(root), "--tier-location", "cold=gs://bucket/cold"], out=out, err=io.StringIO())
+    assert code == 2, out.getvalue()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step_")]
+    assert len(lines) == 2 and all("UNREADABLE: tier 'cold' cannot be read" in line for line in lines), lines
+
+
+def test_a_save_of_the_same_step_leaves_a_checkpoint_with_an_unseen_tier_in_place(tmp_path: Path) -> None:
+    root, cold = tmp_path / "root", tmp_path / "cold-a"
+    tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
+    sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a").save(
+        moe_state(layers=1, experts=2), step=1
+    )
+    cold.rename(tmp_path / "cold-moved")
+    manager = sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a")
+    with pytest.raises(sk.CheckpointExistsError, match="tier of it cannot be seen"):
+        manager.save(moe_state(layers=1, experts=2), step=1)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(("last", "best"))) == ["step_00000001"]

@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -61,9 +60,18 @@ from shardkeep.manifest import (
     STAGING_MARKER,
     FileRecord,
     Manifest,
+    is_staging_name,
     stored_bytes,
 )
-from shardkeep.names import is_shortened, is_sibling_of, sibling_name
+from shardkeep.names import (
+    MAX_STEP,
+    STEP_NAME,
+    is_derived_name,
+    is_shortened,
+    is_sibling_of,
+    sibling_name,
+    step_of_name,
+)
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
 from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
 from shardkeep.verification import (
@@ -90,9 +98,9 @@ __all__ = [
 
 logger = logging.getLogger("shardkeep")
 
-#: Committed checkpoints in a root are directories named ``step_<N>``, ``N`` in any number of
-#: ASCII digits (``step_100``, ``step_00000100``); the manager writes ``step_<N, 8 digits>``.
-CHECKPOINT_NAME = re.compile(r"step_([0-9]{1,20})")
+#: Committed checkpoints in a root are directories named ``step_<N>``: see
+#: :func:`shardkeep.names.step_of_name`, which also bounds ``N`` by what a manifest records.
+CHECKPOINT_NAME = STEP_NAME
 #: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
 POINTERS = ("last", "best")
 #: Staging directories untouched for this long are leftovers of crashed saves.
@@ -100,8 +108,8 @@ DEFAULT_LEASE = 3600.0
 
 
 def checkpoint_name(step: int) -> str:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step={step!r} must be an integer >= 0")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step={step!r} must be an integer from 0 to {MAX_STEP}")
     return f"step_{step:08d}"
 
 
@@ -114,8 +122,7 @@ def misnamed_problem(name: str, manifest: Manifest) -> str | None:
     ``step_00000099`` holds step 3. Any spelling of the step agrees: ``step_3`` and
     ``step_00000003`` both name step 3.
     """
-    match = CHECKPOINT_NAME.fullmatch(name)
-    if manifest.step is None or (match is not None and int(match.group(1)) == manifest.step):
+    if manifest.step is None or step_of_name(name) == manifest.step:
         return None
     return (
         f"name {name} but the manifest says step {manifest.step} (renamed or copied?): not trusted under this "
@@ -128,20 +135,31 @@ def duplicate_problem(name: str, step: int, used: str) -> str:
     return f"{name} names step {step}, as {used} does: only {used} is used for step {step}"
 
 
+#: How :func:`missing_tiers` begins the finding of a tier location that holds nothing.
+_NOTHING_AT = "nothing at "
+
+
 def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
     """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
-    location holds nothing of the checkpoint: tier name -> where it was looked for and what
-    was found. One ``stat`` per tier and owner; files are not opened."""
+    location holds nothing of the checkpoint, or cannot be opened or read: tier name -> where it
+    was looked for and what was found. One ``stat`` per tier and owner; files are not opened."""
     wanted = None if tiers is None else set(tiers)
     owners: dict[str, set[str]] = {}
+    missing: dict[str, str] = {}
     for record in manifest.files:
-        if wanted is not None and record.tier not in wanted:
+        if (wanted is not None and record.tier not in wanted) or record.tier in missing:
             continue
-        if resolver.store_of(record.tier) is resolver.location.store:
+        try:
+            store = resolver.store_of(record.tier)
+        except ShardkeepError as exc:  # its location cannot be opened here (a backend missing ...)
+            missing[record.tier] = str(exc)
+            continue
+        if store is resolver.location.store:
             continue  # beside the manifest (or remapped there): the file-set check covers it
         owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
-    missing: dict[str, str] = {}
     for tier, names in sorted(owners.items()):
+        if tier in missing:
+            continue
         store = resolver.store_of(tier)
         root = store.root.rstrip("/")
         absent = []
@@ -149,22 +167,24 @@ def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[st
             try:
                 info = store.stat(owner)
             except ShardkeepError as exc:
-                missing[tier] = f"{root}/{owner} cannot be read: {exc}"
+                missing[tier] = f"{root}/{owner}: {exc}"
                 break
             if info is None:
                 absent.append(f"{root}/{owner}")
         else:
             if len(absent) == len(names):
-                missing[tier] = f"nothing at {', '.join(absent)}"
+                missing[tier] = f"{_NOTHING_AT}{', '.join(absent)}"
     return missing
 
 
 def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
-    """One problem for a tier whose location is missing, saying how to point at its new place."""
+    """One problem for a tier whose location is missing or cannot be read (``found``, as
+    :func:`missing_tiers` says it), saying how to point at its new place."""
     hint = remap_hint.format(tier=tier)
+    state = "is missing" if found.startswith(_NOTHING_AT) else "cannot be read"
     if remapped:
-        return f"tier {tier!r} is missing: {found}; check the location given for it ({hint})"
-    return f"tier {tier!r} is missing: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
+        return f"tier {tier!r} {state}: {found}; check the location given for it ({hint})"
+    return f"tier {tier!r} {state}: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
 
 
 @dataclass(frozen=True)
@@ -303,10 +323,9 @@ class CheckpointRoot:
         and the problems a quick check finds: file set and sizes against the manifest."""
         found: list[_Found] = []
         for name, info in self.store.list_dir(""):
-            match = CHECKPOINT_NAME.fullmatch(name)
-            if match is None:
+            step = step_of_name(name)
+            if step is None:
                 continue
-            step = int(match.group(1))
             if info.kind != "dir":
                 found.append(_Found(name, step, None, [f"{name} is not a directory"]))
                 continue
@@ -408,10 +427,10 @@ class CheckpointRoot:
                 found = {relative: info for relative, info in store.list_files(owner)}
             except CheckpointNotFoundError:
                 found = {}
-            except StorageError:
-                raise
-            except ShardkeepError as exc:
-                problems.append(f"{store.root.rstrip('/')}/{owner}: {exc}")
+            except ShardkeepError as exc:  # an I/O error proves nothing about the files: unknown
+                where = f"{store.root.rstrip('/')}/{owner}: {exc}"
+                problems.append(missing_tier_problem(tier, where, self.remap_hint, tier in remapped))
+                missing[tier] = where
                 continue
             for record in records:
                 info = found.get(record.path)
@@ -533,6 +552,8 @@ class CheckpointRoot:
         ]
         if verify_newest:
             for item in reversed(mine):
+                if item.missing_tiers:
+                    continue  # unknown whatever the rest holds: never the newest verified
                 self.verify_fully(item)
                 if not item.problems:
                     break
@@ -541,7 +562,8 @@ class CheckpointRoot:
                 name=item.name,
                 step=item.step,
                 metric=_metric(item.manifest, policy.metric),
-                verified=not item.problems,
+                # A tier that cannot be seen proves nothing either way: unknown, never deleted.
+                verified=None if item.missing_tiers else not item.problems,
             )
             for item in mine
         ]
@@ -588,7 +610,7 @@ class CheckpointRoot:
         readable: list[tuple[str, Manifest]] = []
         unreadable: list[str] = []
         for name, info in self.store.list_dir(""):
-            if info.kind != "dir" or DELETING_MARKER in name or STAGING_MARKER in name:
+            if info.kind != "dir" or is_staging_name(name):
                 continue
             location = CheckpointLocation(self.store, name)
             try:
@@ -768,9 +790,9 @@ class CheckpointRoot:
         removed: list[str] = []
         tier_stores: list[tuple[str, ByteStore]] | None = None
         for name, info in self.store.list_dir(""):
-            if DELETING_MARKER in name:
+            if is_derived_name(name, DELETING_MARKER):
                 self.store.remove_tree(name)
-            elif STAGING_MARKER in name:
+            elif is_derived_name(name, STAGING_MARKER):
                 if not self._idle(self.store, name, info.mtime, info.kind, lease, now):
                     continue
                 # The staging directory is the only record of the attempt id that names the
@@ -804,7 +826,7 @@ class CheckpointRoot:
             for path in index_paths(manifest):  # format 2.0: the rank indexes sit in the attempt too
                 used.setdefault(owner_name, set()).add(path.partition("/")[0])
         for name, info in self.store.list_dir(""):
-            if CHECKPOINT_NAME.fullmatch(name) is None or info.kind != "dir" or name in unreadable:
+            if step_of_name(name) is None or info.kind != "dir" or name in unreadable:
                 continue  # an unreadable manifest's attempts may be committed data: never touched
             try:
                 attempts = self.store.list_dir(name)
@@ -883,15 +905,34 @@ class CheckpointRoot:
             return []  # no tier directory: nothing of the attempt there
         return [name for name, _ in listing if is_sibling_of(staging, name, STAGING_MARKER)]
 
+    def leftovers(self, *, now: float | None = None) -> list[tuple[str, float | None]]:
+        """The root's staging and being-deleted names (of the shapes :meth:`collect_leftovers`
+        removes), each with the seconds since anything in it changed (``None`` for a
+        being-deleted name, removed whatever its age, or one that cannot be read)."""
+        now = time.time() if now is None else now
+        found: list[tuple[str, float | None]] = []
+        for name, info in self.store.list_dir(""):
+            if is_derived_name(name, DELETING_MARKER):
+                found.append((name, None))
+            elif is_derived_name(name, STAGING_MARKER):
+                newest = self._newest_change(self.store, name, info.mtime, info.kind)
+                found.append((name, None if newest is None else now - newest))
+        return found
+
+    @staticmethod
+    def _newest_change(store: ByteStore, name: str, mtime: float, kind: str) -> float | None:
+        """When anything below ``name`` last changed (``None``: vanished or unreadable)."""
+        if kind != "dir":
+            return mtime
+        try:
+            return max([mtime, *(child.mtime for _, child in store.list_files(name))])
+        except ShardkeepError:
+            return None
+
     def _idle(self, store: ByteStore, name: str, mtime: float, kind: str, lease: float, now: float) -> bool:
         """Whether nothing below ``name`` changed for ``lease`` seconds."""
-        newest = mtime
-        if kind == "dir":
-            try:
-                newest = max([newest, *(child.mtime for _, child in store.list_files(name))])
-            except ShardkeepError:
-                return False  # vanished or unreadable: leave it for the next pass
-        return now - newest >= lease
+        newest = self._newest_change(store, name, mtime, kind)
+        return newest is not None and now - newest >= lease  # unreadable: left for the next pass
 
 
 def _metric(manifest: Manifest | None, metric: str) -> float | None:

@@ -20,7 +20,6 @@ from typing import Any, TextIO
 import msgspec
 
 from shardkeep.catalog import (
-    CHECKPOINT_NAME,
     DEFAULT_LEASE,
     CheckpointEntry,
     CheckpointRoot,
@@ -39,7 +38,8 @@ from shardkeep.errors import (
 )
 from shardkeep.integrity import PASSPHRASE_ENV, SignaturePolicy, generate_key_pair
 from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
-from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, STAGING_MARKER, IndexedManifest, Manifest
+from shardkeep.manifest import DELETING_MARKER, MANIFEST_FILENAME, IndexedManifest, Manifest, is_staging_name
+from shardkeep.names import is_derived_name, step_of_name
 from shardkeep.retention import RetentionDecision, RetentionPolicy
 from shardkeep.verification import (
     CheckpointLocation,
@@ -346,7 +346,8 @@ def _add_prune(commands: Any) -> None:
         default=DEFAULT_LEASE,
         metavar="SECONDS",
         help="with --apply, also remove leftovers of unfinished saves (staging directories, unused attempt-<id>/ "
-        f"prefixes, unfinished multipart uploads) untouched for this long (default {DEFAULT_LEASE:.0f})",
+        f"prefixes, unfinished multipart uploads) untouched for this long (default {DEFAULT_LEASE:.0f}); "
+        "<name>.deleting-<id> directories of unfinished deletions are removed whatever their age",
     )
     _policy_arguments(prune)
     _json_argument(prune, "the policy, what is kept, what is (or would be) deleted")
@@ -942,7 +943,7 @@ def _open_root(args: argparse.Namespace, *, allow_empty: bool = False) -> tuple[
 
 def _leftovers(root: CheckpointRoot) -> list[str]:
     """The names of unfinished saves' staging directories and of unfinished deletions."""
-    return [name for name, _ in root.store.list_dir("") if STAGING_MARKER in name or DELETING_MARKER in name]
+    return [name for name, _ in root.leftovers()]
 
 
 def _nothing_in(root: CheckpointRoot, args: argparse.Namespace) -> str:
@@ -956,16 +957,16 @@ def _nothing_in(root: CheckpointRoot, args: argparse.Namespace) -> str:
             f"`shardkeep verify {display}` for it, or `shardkeep {args.command} {parent}` for the root it is in"
         )
     entries = root.store.list_dir("")
-    leftovers = [name for name, _ in entries if STAGING_MARKER in name or DELETING_MARKER in name]
+    leftovers = [name for name, _ in entries if is_staging_name(name)]
     roots = []
     other_names = []
     for name, entry in entries[:200]:
-        if entry.kind != "dir" or CHECKPOINT_NAME.fullmatch(name) or name in leftovers:
+        if entry.kind != "dir" or step_of_name(name) is not None or name in leftovers:
             continue
         try:
             if root.store.stat(f"{name}/{MANIFEST_FILENAME}") is not None:
                 other_names.append(name)
-            elif any(CHECKPOINT_NAME.fullmatch(child) for child, _ in root.store.list_dir(name)):
+            elif any(step_of_name(child) is not None for child, _ in root.store.list_dir(name)):
                 roots.append(f"{display}/{name}")
         except ShardkeepError:
             continue
@@ -1182,8 +1183,9 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     run = args.run or root.owner(found)
     policy, source = _policy_for(args, root, found, run)
     entries, decision = root.decide(found, policy, run, verify_newest=True)
-    left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed]
-    leftovers = _leftovers(root)
+    left_alone = [(entry.name, entry.problems[0]) for entry in entries if entry.misnamed or entry.missing_tiers]
+    pending = root.leftovers()
+    leftovers = [name for name, _ in pending]
     removed: list[str] = []
     if args.apply:
         if found:  # a root holding only leftovers has no checkpoint to decide on, nor pointers
@@ -1200,6 +1202,7 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
             "delete": list(decision.delete),
             "left_alone": [{"name": name, "reason": reason} for name, reason in left_alone],
             "leftovers": leftovers,
+            "leftovers_due": [name for name, idle in pending if _leftover_due(name, idle, args.lease)],
             "leftovers_removed": removed,
         }
         _write_json(out, document)
@@ -1218,14 +1221,32 @@ def _run_prune(args: argparse.Namespace, out: TextIO) -> int:
     for name, reason in left_alone:
         out.write(_printable(f"leave alone   {name}: {reason}\n"))
     if not args.apply:
+        for name, idle in pending:
+            out.write(_printable(_leftover_line(name, idle, args.lease)))
         out.write(
             f"dry run: {len(decision.delete)} checkpoint(s) would be deleted; {len(leftovers)} leftover(s) of "
-            "unfinished saves or deletions (--apply removes those unchanged for --lease seconds); pass --apply to "
-            "delete them\n"
+            "unfinished saves or deletions (--apply removes those of deletions at once, of saves once unchanged "
+            "for --lease seconds); pass --apply to delete them\n"
         )
         return 0
     out.write(f"deleted {len(decision.delete)} checkpoint(s), removed {len(removed)} leftover(s)\n")
     return 0
+
+
+def _leftover_due(name: str, idle: float | None, lease: float) -> bool:
+    """Whether ``prune --apply`` removes leftover ``name`` now (``idle``: seconds unchanged)."""
+    return is_derived_name(name, DELETING_MARKER) or (idle is not None and idle >= lease)
+
+
+def _leftover_line(name: str, idle: float | None, lease: float) -> str:
+    """What ``prune --apply`` would do with leftover ``name`` (``idle``: seconds unchanged)."""
+    if is_derived_name(name, DELETING_MARKER):
+        return f"would remove  {name} (being deleted: removed whatever its age)\n"
+    if idle is None:
+        return f"would wait    {name} (staging: cannot be read now; left for a later pass)\n"
+    if idle >= lease:
+        return f"would remove  {name} (staging: unchanged for {_age(idle)}, lease {_age(lease)})\n"
+    return f"would wait    {name} (staging: changed {_age(idle)} ago; removed once unchanged for {_age(lease)})\n"
 
 
 def _age(seconds: float | None) -> str:

@@ -415,7 +415,16 @@ class CheckpointManager:
                     "remove the newer checkpoints first",
                 )
         existing = next((item for item in found if item.name == name), None)
-        spelled = next((item for item in found if item.step == step and not item.misnamed and item.name != name), None)
+        # Only a committed checkpoint (a readable manifest) under another spelling holds the step;
+        # anything else there is not in the way of this name and is left alone.
+        spelled = next(
+            (
+                item
+                for item in found
+                if item.step == step and item.manifest is not None and not item.misnamed and item.name != name
+            ),
+            None,
+        )
         if existing is None and spelled is not None:
             raise CheckpointExistsError(
                 f"step {step} is already saved as {self.catalog.path_of(spelled.name)}; committed checkpoints are "
@@ -424,6 +433,12 @@ class CheckpointManager:
         if existing is not None:
             if CheckpointRoot.run_of(existing) == run_id:
                 self.catalog.verify_fully(existing)
+            if existing.missing_tiers:  # unknown, not corrupt: never moved out of the way
+                raise CheckpointExistsError(
+                    f"checkpoint {self.catalog.path_of(name)} exists, and a tier of it cannot be seen "
+                    f"({'; '.join(existing.problems[:2])}); bring the tier back or remap it (tier_locations=), "
+                    "or save under another step",
+                )
             if existing.problems and not renames(self.store):
                 raise CheckpointExistsError(
                     f"checkpoint {self.catalog.path_of(name)} exists but fails verification "

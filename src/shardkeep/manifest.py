@@ -28,6 +28,7 @@ import msgspec
 
 from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
 from shardkeep.errors import ManifestError, ManifestVersionError, ShardkeepError
+from shardkeep.names import is_derived_name
 from shardkeep.progress import collector_paused
 
 __all__ = [
@@ -900,8 +901,9 @@ def _is_safe_location(location: str) -> bool:
 
 
 def is_staging_name(name: str) -> bool:
-    """True for a staging or being-deleted directory name, which is never read as a checkpoint."""
-    return STAGING_MARKER in name or DELETING_MARKER in name
+    """True for a staging or being-deleted directory name (of the shape shardkeep creates, see
+    :func:`shardkeep.names.is_derived_name`), which is never read as a checkpoint."""
+    return is_derived_name(name, STAGING_MARKER) or is_derived_name(name, DELETING_MARKER)
 
 
 def key_for_path(path: KeyPath | tuple[str | int, ...]) -> str:

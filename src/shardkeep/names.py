@@ -11,7 +11,11 @@ simply append to a name that is itself legal. Every derived name is built here:
   name, so anything that recognises leftovers by their marker (``.tmp-``, ``.deleting-``) still
   does, and a derived name is never mistaken for the name it derives from.
 
-:func:`is_sibling_of` tells whether a derived name belongs to a given name, in either form.
+:func:`is_sibling_of` tells whether a derived name belongs to a given name, in either form;
+:func:`is_derived_name` whether a name has the shape of a staging or being-deleted name at all
+(``<name or its shortened form><marker><32 hex digits>``): a name that merely contains a marker
+is a user's name like any other.
+Checkpoint names are here too: :func:`step_of_name` reads the step a ``step_<N>`` name says.
 Nothing here touches the filesystem.
 """
 
@@ -24,13 +28,18 @@ from shardkeep.errors import UnsafePathError
 
 __all__ = [
     "NAME_MAX",
+    "ATTEMPT_ID_CHARS",
+    "MAX_STEP",
+    "STEP_NAME",
     "check_name_length",
+    "is_derived_name",
     "is_shortened",
     "is_sibling_of",
     "name_bytes",
     "name_digest",
     "sibling_name",
     "sibling_prefix",
+    "step_of_name",
 ]
 
 #: The most bytes of one path component (``NAME_MAX`` of Linux: ext4, xfs, btrfs, tmpfs ...).
@@ -40,6 +49,16 @@ HASH_MARK = "~"
 #: Hex digits of SHA-256 that stand for a shortened name (64 bits: no collision in one directory).
 DIGEST_CHARS = 16
 
+
+#: Checkpoint directories are named ``step_<N>``, ``N`` in up to 20 ASCII digits (``step_100``,
+#: ``step_00000100``); the manager writes ``step_<N, 8 digits>``.
+STEP_NAME = re.compile(r"step_([0-9]{1,20})")
+#: The largest step a manifest records (an unsigned 64-bit integer).
+MAX_STEP = (1 << 64) - 1
+
+#: Hex digits of the fresh id that ends a staging or being-deleted name in a checkpoint root.
+ATTEMPT_ID_CHARS = 32
+_ATTEMPT_ID = re.compile(f"[0-9a-f]{{{ATTEMPT_ID_CHARS}}}")
 
 _SHORTENED = re.compile(rf"{re.escape(HASH_MARK)}[0-9a-f]{{{DIGEST_CHARS}}}")
 
@@ -114,3 +133,21 @@ def is_sibling_of(sibling: str, name: str, marker: str, *, lead: str = "") -> bo
     if not found:
         return False
     return f"{head}{found}" == sibling_prefix(name, marker, reserve=name_bytes(tail), lead=lead)
+
+
+def is_derived_name(name: str, marker: str) -> bool:
+    """Whether ``name`` has the shape of a name derived with ``marker`` and a fresh id:
+    ``<head><marker><32 lowercase hex digits>``, ``head`` not empty (a whole name, or a long
+    one shortened with its digest)."""
+    head, found, tail = name.rpartition(marker)
+    return bool(found) and bool(head) and _ATTEMPT_ID.fullmatch(tail) is not None
+
+
+def step_of_name(name: str) -> int | None:
+    """The step that checkpoint name ``step_<N>`` says, or ``None`` when ``name`` is not one (a
+    number above :data:`MAX_STEP` included: no manifest can record it)."""
+    match = STEP_NAME.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_STEP else None

@@ -13,7 +13,10 @@ The rules:
 - a checkpoint that a kept checkpoint references is kept;
 - a checkpoint that fails verification is never counted as last or best; it is deleted only
   when a newer checkpoint verifies (then it is useless for resuming), and kept otherwise, so a
-  human can look at it.
+  human can look at it;
+- a checkpoint whose state is unknown (``verified=None``: a tier's location is missing or
+  cannot be read, so nothing proves it sound or broken) is never last, best or newest, and
+  never deleted.
 
 This module does not import torch.
 """
@@ -57,7 +60,8 @@ class CheckpointInfo:
     name: str
     step: int
     metric: float | None = None
-    verified: bool = True
+    #: ``True`` sound, ``False`` a check failed, ``None`` unknown (part of it cannot be seen).
+    verified: bool | None = True
     references: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -86,17 +90,17 @@ def decide(checkpoints: list[CheckpointInfo], policy: RetentionPolicy) -> Retent
         raise UnsupportedValueError("checkpoint names passed to retention must be unique")
     by_name = {checkpoint.name: checkpoint for checkpoint in checkpoints}
     newest_first = sorted(checkpoints, key=lambda c: (-c.step, c.name))
-    verified = [checkpoint for checkpoint in newest_first if checkpoint.verified]
+    verified = [checkpoint for checkpoint in newest_first if checkpoint.verified is True]
     last = [checkpoint.name for checkpoint in verified[: policy.keep_last]]
     ranked = sorted(verified, key=lambda c: _better_first(policy, c))
     best = [checkpoint.name for checkpoint in ranked[: policy.keep_best]]
     newest_verified = verified[0] if verified else None
-    keep = set(last) | set(best)
+    keep = set(last) | set(best) | {c.name for c in checkpoints if c.verified is None}
     if newest_verified is not None:
         keep.add(newest_verified.name)
-        keep.update(c.name for c in checkpoints if not c.verified and c.step > newest_verified.step)
+        keep.update(c.name for c in checkpoints if c.verified is False and c.step > newest_verified.step)
     else:
-        keep.update(c.name for c in checkpoints if not c.verified)
+        keep.update(c.name for c in checkpoints if c.verified is False)
     pending = list(keep)
     while pending:
         for reference in by_name[pending.pop()].references:

@@ -67,6 +67,7 @@ from shardkeep.manifest import (
     index_path,
     validate_manifest,
 )
+from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.progress import collector_paused, progress_bar
 from shardkeep.storage import LocalStore, StoreOperations, open_store, write_new
 from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
@@ -547,6 +548,7 @@ class SaveJob:
             if self.on_grid and (coordinator.is_coordinator or not self.alike):
                 self.descriptions = self._descriptions()
             self.manifest = _manifest_for(
+                self.location.name,
                 self.state,
                 self.flat,
                 records,
@@ -890,6 +892,7 @@ def _offset_key(offset: list[int] | None) -> tuple[int, ...] | None:
 
 
 def _manifest_for(
+    name: str,
     state: Mapping[str, Any],
     flat: FlatState,
     records: list[FileRecord],
@@ -912,7 +915,7 @@ def _manifest_for(
     strategy = settings.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
         model_id=settings.model_id,
-        step=settings.step if settings.step is not None else _step_of(state),
+        step=settings.step if settings.step is not None else _step_of(state, name),
         epoch=settings.epoch,
         world_size=world_size,
         digest_algorithm=digest,
@@ -930,13 +933,16 @@ def _manifest_for(
     )
 
 
-def _step_of(state: Mapping[str, Any]) -> int | None:
+def _step_of(state: Mapping[str, Any], name: str) -> int | None:
     """The step a state records in its top-level ``"step"`` key (an int >= 0, not a bool), which
-    a save without ``step=`` records as the checkpoint's step."""
+    a save without ``step=`` to checkpoint ``name`` records as the checkpoint's step, unless it
+    contradicts the name: ``step_<N>`` with another ``N`` (a directory counting saves while the
+    state holds the next step to run) would make the checkpoint misnamed."""
     value = state.get("step")
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP:
+        return None
+    named = step_of_name(name)
+    return value if named is None or named == value else None
 
 
 def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:

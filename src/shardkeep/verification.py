@@ -286,8 +286,18 @@ class FileResolver:
         return store
 
     def own_directory(self, record: FileRecord) -> bool:
-        """Whether ``record`` lies inside the checkpoint's own directory."""
-        return record.ref is None and self.store_of(record.tier) is self.location.store
+        """Whether ``record`` lies inside the checkpoint's own directory. Never opens a tier's
+        location (which may fail: a backend not installed, a bucket offline): a tier given by
+        a path or URL is always elsewhere."""
+        if record.ref is not None:
+            return False
+        given = self._remapped.get(record.tier)
+        definition = self.tiers.get(record.tier)
+        if given is None and (definition is None or definition.location is None):
+            return True
+        if given is None or isinstance(given, (str, os.PathLike)):
+            return False
+        return self.store_of(record.tier) is self.location.store
 
     def __call__(self, record: FileRecord) -> tuple[ByteStore, str]:
         owner = record.ref or self.location.name

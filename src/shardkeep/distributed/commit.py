@@ -24,8 +24,14 @@ import uuid
 from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
-from shardkeep.manifest import MANIFEST_FILENAME, SIGNATURE_FILENAME, STAGING_MARKER
-from shardkeep.names import sibling_prefix
+from shardkeep.manifest import (
+    DELETING_MARKER,
+    MANIFEST_FILENAME,
+    SIGNATURE_FILENAME,
+    STAGING_MARKER,
+    is_staging_name,
+)
+from shardkeep.names import ATTEMPT_ID_CHARS, sibling_prefix
 from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore, write_new
 
 __all__ = ["ATTEMPT_PREFIX", "CheckpointCommit", "FilesystemCommit", "ObjectStoreCommit"]
@@ -69,6 +75,11 @@ class CheckpointCommit:
         self.store = store
         self.final = final
         self.tier_stores = dict(tier_stores or {})
+        if is_staging_name(final):
+            raise UnsafePathError(
+                f"{self._where()}: a name of the shape <name>{STAGING_MARKER}<id> or <name>{DELETING_MARKER}<id> "
+                "(32 hex digits) is an unfinished save's or deletion's, which cleanup removes; save under another name"
+            )
         expected = self._staging_prefix()
         if staging is None:
             staging = f"{expected}{uuid.uuid4().hex[: self._attempt_id_length]}"
@@ -85,7 +96,7 @@ class CheckpointCommit:
 
     # -- what each protocol defines -----------------------------------------------------------
     #: How many hex characters of a fresh uuid name an attempt.
-    _attempt_id_length = 32
+    _attempt_id_length = ATTEMPT_ID_CHARS
 
     def _staging_prefix(self) -> str:
         """What every staging name of this checkpoint starts with; the attempt id follows."""
@@ -240,12 +251,14 @@ class FilesystemCommit(CheckpointCommit):
     def _staging_prefix(self) -> str:
         # A final name of up to 255 bytes is shortened (with its digest) so that the staging
         # name fits in one path component too; the marker is always there (see names).
-        return sibling_prefix(self.final, STAGING_MARKER, reserve=self._attempt_id_length)
+        return sibling_prefix(self.final, STAGING_MARKER, reserve=ATTEMPT_ID_CHARS)
 
     def begin(self) -> None:
-        """Refuse anything at the final name but an empty directory, saying what is there. An
-        empty directory is replaced by the final rename (``rename(2)`` replaces an empty
-        directory atomically, and fails if it is no longer empty)."""
+        """Refuse anything at the final name but an empty directory, saying what is there (an
+        empty mount point too: no rename can replace it). An empty directory is replaced by the
+        final rename (``rename(2)`` replaces an empty directory atomically, and fails if it is no
+        longer empty), which gives the checkpoint that directory's mode, owner and group (not
+        its ACLs)."""
         info = self.store.stat(self.final)
         if info is None:
             return
@@ -257,6 +270,11 @@ class FilesystemCommit(CheckpointCommit):
                 f"{where} is a symbolic link or special file, not a checkpoint; a save never replaces it"
             )
         entries = [name for name, _ in self.store.list_dir(self.final)]
+        if not entries and info.mount_point:
+            raise CheckpointExistsError(
+                f"{where} is an empty directory on which another filesystem is mounted (a mount point); a save "
+                "cannot replace a mount point: save to a new name inside it, or unmount it"
+            )
         if not entries:
             return
         if MANIFEST_FILENAME in entries:

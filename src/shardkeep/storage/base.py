@@ -48,11 +48,14 @@ ATTEMPT_PREFIX = "attempt-"
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """What is at a path: ``kind`` is ``"file"``, ``"dir"`` or ``"other"`` (symlink, FIFO ...)."""
+    """What is at a path: ``kind`` is ``"file"``, ``"dir"`` or ``"other"`` (symlink, FIFO ...).
+    ``mount_point`` marks a directory on which another filesystem is mounted (a rename can never
+    replace it)."""
 
     kind: Literal["file", "dir", "other"]
     size: int
     mtime: float = 0.0
+    mount_point: bool = False
 
 
 class WriteHandle(Protocol):
@@ -120,7 +123,9 @@ class StoreOperations(Protocol):
         """Atomically move ``src`` to ``dst``, refusing to replace an existing ``dst``
         (:class:`~shardkeep.errors.CheckpointExistsError`) unless ``src`` is a directory and
         ``dst`` an empty directory, which is replaced in the same atomic step (as ``rename(2)``
-        does), then make the change durable (fsync of the directories involved). A missing ``src`` is a
+        does; a filesystem store first gives ``src`` the mode bits, owner and group of the
+        directory it replaces, not its ACLs or other extended attributes), then make the change
+        durable (fsync of the directories involved). A missing ``src`` is a
         :class:`~shardkeep.errors.CheckpointNotFoundError`. Only called when ``atomic_rename``."""
         ...
 

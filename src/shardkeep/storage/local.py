@@ -10,8 +10,10 @@ Writes loop on short writes and check every result (rule 3); any ``OSError`` bec
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -731,13 +733,17 @@ class LocalStore(StoreBase):
             return None
         try:
             info = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+            parent = os.fstat(dir_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise _storage_error("stat of", path, exc) from exc
         finally:
             os.close(dir_fd)
-        return _entry_info(info)
+        entry = _entry_info(info)
+        if entry.kind == "dir" and info.st_dev != parent.st_dev:  # another filesystem mounted there
+            entry = dataclasses.replace(entry, mount_point=True)
+        return entry
 
     def list_files(self, path: str) -> list[tuple[str, EntryInfo]]:
         try:
@@ -849,7 +855,9 @@ class LocalStore(StoreBase):
                         if not _is_directory(src_fd, src_parts[-1]) or not _is_empty_directory(dst_fd, dst_parts[-1]):
                             raise
                         # rename(2) replaces an empty directory atomically, and fails (ENOTEMPTY,
-                        # ENOTDIR) if anything else is there by then: nothing is ever lost.
+                        # ENOTDIR) if anything else is there by then: nothing is ever lost. The
+                        # user's directory inode goes away with it: its mode and owner must not.
+                        _adopt_attributes(src_fd, src_parts[-1], dst_fd, dst_parts[-1])
                         os.rename(src_parts[-1], dst_parts[-1], src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                 except OSError as exc:
                     if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
@@ -884,6 +892,29 @@ class LocalStore(StoreBase):
             _remove_entry(dir_fd, parts[-1], path)
         finally:
             os.close(dir_fd)
+
+
+def _adopt_attributes(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """Give directory ``src`` the mode bits (setgid and sticky included), owner and group of
+    directory ``dst``, which it is about to replace, durably. ACLs and other extended attributes
+    are not copied; an owner or group the process may not give (not root) is left as it is."""
+    try:
+        wanted = os.stat(dst, dir_fd=dst_fd, follow_symlinks=False)
+    except OSError:
+        return  # gone already: the rename that follows says what is there
+    fd = os.open(src, _DIR_FLAGS, dir_fd=src_fd)
+    try:
+        current = os.fstat(fd)
+        if (current.st_uid, current.st_gid) != (wanted.st_uid, wanted.st_gid):
+            try:
+                os.fchown(fd, wanted.st_uid, wanted.st_gid)
+            except PermissionError:  # not root: the group alone, if the process is a member
+                with contextlib.suppress(PermissionError):
+                    os.fchown(fd, -1, wanted.st_gid)
+        os.fchmod(fd, stat_module.S_IMODE(wanted.st_mode))  # after chown, which may clear setgid
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_directory(dir_fd: int, name: str) -> bool:
