@@ -35,6 +35,7 @@ from shardkeep.errors import (
     TierBudgetError,
     UnsafePathError,
     UnsupportedValueError,
+    import_needing_torch,
 )
 from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
@@ -114,19 +115,7 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'shardkeep' has no attribute {name!r}")
-    import importlib
-
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = (exc.name or "").partition(".")[0]
-        if missing not in ("torch", "numpy"):
-            raise
-        raise DependencyError(
-            f"shardkeep.{name} needs {'PyTorch' if missing == 'torch' else 'NumPy'}, which is not installed: "
-            f"pip install {missing} (for PyTorch without CUDA, use the CPU wheel: "
-            "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
-        ) from exc
+    module = import_needing_torch(module_name, f"shardkeep.{name}")
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -31,10 +31,10 @@ from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
-    DependencyError,
     LedgerNotFoundError,
     ShardkeepError,
     StorageError,
+    import_needing_torch,
 )
 from shardkeep.integrity import PASSPHRASE_ENV, SignaturePolicy, generate_key_pair
 from shardkeep.ledger import DEFAULT_STALENESS_SEC, MAX_ORPHANED_RETRIES, ProgressLedger
@@ -767,24 +767,7 @@ def _run_sign(args: argparse.Namespace, out: TextIO) -> int:
 def _torch_module(name: str) -> Any:
     """Import module ``name``, which needs torch (and numpy): without them, a
     :class:`DependencyError` saying what to install (exit 2, like every error)."""
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        missing = (exc.name or "").partition(".")[0]
-        if missing not in ("torch", "numpy"):
-            raise
-        raise DependencyError(
-            f"{'PyTorch' if missing == 'torch' else 'NumPy'} is not installed, and import and export need it: "
-            f"pip install {missing}"
-            + (
-                " (for PyTorch without CUDA, use the CPU wheel: pip install torch --index-url "
-                "https://download.pytorch.org/whl/cpu)"
-                if missing == "torch"
-                else ""
-            )
-        ) from exc
+    return import_needing_torch(name, "shardkeep import and export")
 
 
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:

@@ -38,6 +38,8 @@ chained with ``raise ... from``, so the original cause is always in ``__cause__`
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointExistsError",
     "CheckpointFieldError",
@@ -66,6 +68,7 @@ __all__ = [
     "TierBudgetError",
     "UnsafePathError",
     "UnsupportedValueError",
+    "import_needing_torch",
     "same_error",
 ]
 
@@ -277,3 +280,27 @@ def same_error(type_name: str, message: str, details: dict[str, object] | None =
     for name, value in (details or {}).items():
         setattr(error, name, value)
     return error
+
+
+def import_needing_torch(module_name: str, needed_by: str) -> Any:
+    """Import the module ``module_name``, which needs torch (and numpy); where either is missing,
+    a :class:`DependencyError` saying that ``needed_by`` needs it and how to install it (the CPU
+    build of torch included). Any other import failure propagates as it is."""
+    import importlib
+
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in ("torch", "numpy"):
+            raise
+        raise DependencyError(
+            f"{needed_by} needs {'PyTorch' if missing == 'torch' else 'NumPy'}, which is not installed: "
+            f"pip install {missing}"
+            + (
+                " (for PyTorch without CUDA, use the CPU wheel: pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu)"
+                if missing == "torch"
+                else ""
+            )
+        ) from exc
