@@ -134,13 +134,15 @@ def test_local_store_rename_replaces_only_an_empty_directory(tmp_path: Path) -> 
 
 
 @contextlib.contextmanager
-def _read_only_mount(directory: Path) -> Iterator[Path]:
-    """A real read-only filesystem (a tmpfs mounted ``ro``) at ``directory``."""
+def _tmpfs_mount(directory: Path, *, read_only: bool = False) -> Iterator[Path]:
+    """A real tmpfs (read-only with ``read_only``) mounted on the new empty ``directory``
+    (root only; skipped where mount is not permitted), unmounted afterwards."""
     directory.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a read-only tmpfs needs root")
+        pytest.skip("mounting a tmpfs needs root")
+    options = "ro,size=1m" if read_only else "size=1m"
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "none", str(directory)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", options, "none", str(directory)], capture_output=True, text=True
     )
     if done.returncode != 0:
         pytest.skip(f"mount is not permitted here: {done.stderr.strip()}")
@@ -148,6 +150,11 @@ def _read_only_mount(directory: Path) -> Iterator[Path]:
         yield directory
     finally:
         subprocess.run(["umount", str(directory)], check=True)
+
+
+def _read_only_mount(directory: Path) -> contextlib.AbstractContextManager[Path]:
+    """A real read-only filesystem (a tmpfs mounted ``ro``) at ``directory``."""
+    return _tmpfs_mount(directory, read_only=True)
 
 
 @pytest.mark.parametrize(
@@ -201,23 +208,6 @@ def test_permission_denied_is_reported_under_the_given_path(tmp_path: Path) -> N
     assert str(target) in done.stdout and "permission denied" in done.stdout.lower(), done.stdout
     assert ".tmp-" not in done.stdout, done.stdout
     assert os.listdir(locked) == []
-
-
-@contextlib.contextmanager
-def _tmpfs_mount(directory: Path) -> Iterator[Path]:
-    """A writable tmpfs mounted on the empty directory ``directory`` (root only)."""
-    directory.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(directory)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"mount is not permitted here: {done.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
 
 
 @pytest.mark.parametrize("how", ["save", "manager"])
