@@ -357,3 +357,60 @@ def test_a_file_whose_header_disagrees_with_its_record_is_never_committed(
     monkeypatch.undo()
     sk.save(state, tmp_path / "ckpt", compression=compression)
     assert sk.verify(tmp_path / "ckpt").ok
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+def test_the_quick_header_comparison_agrees_with_the_full_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``built_header_agrees`` (the check every file passes before it is written) accepts exactly
+    the headers ``check_header`` (the check of every load) accepts, for real plans of every kind
+    of tensor and for each single change to a record."""
+    import copy
+
+    import torch
+
+    import shardkeep as sk
+    from shardkeep import io as shard_io
+    from shardkeep.tensors.shardfile import built_header_agrees, check_header, parse_built_header
+
+    plans: list[ShardPlan] = []
+    real = shard_io._refuse_disagreeing_header
+
+    def keep(plan: ShardPlan) -> None:
+        plans.append(plan)
+        real(plan)
+
+    monkeypatch.setattr(shard_io, "_refuse_disagreeing_header", keep)
+    state = {
+        "f32": torch.randn(3, 4),
+        "c128": torch.randn(2, dtype=torch.complex128),
+        "c32": torch.randn(2, dtype=torch.complex64).to(torch.complex32),
+        "bool": torch.ones(3, dtype=torch.bool),
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(7),
+        "many": {str(i): torch.full((i + 1,), float(i)) for i in range(20)},
+    }
+    sk.save(state, tmp_path / "ckpt")
+    sk.save(state, tmp_path / "packed", file_size_target=64)
+    assert plans
+    for plan in plans:
+        assert built_header_agrees(plan.header, plan.record), plan.record.path
+        assert check_header(parse_built_header(plan.header), plan.record) == []
+        for index in range(len(plan.record.tensors)):
+            for change in ("shape", "dtype", "offset", "nbytes", "key", "drop"):
+                record = copy.deepcopy(plan.record)
+                entry = record.tensors[index]
+                if change == "shape":
+                    entry.shape = [*entry.shape, 1]
+                elif change == "dtype":
+                    entry.dtype = "I8" if entry.dtype != "I8" else "U8"
+                elif change == "offset":
+                    entry.offset += 1
+                elif change == "nbytes":
+                    entry.nbytes += 1
+                elif change == "key":
+                    entry.key += ".other"
+                else:
+                    del record.tensors[index]
+                full = check_header(parse_built_header(plan.header), record)
+                assert not built_header_agrees(plan.header, record), (plan.record.path, index, change)
+                assert full, (plan.record.path, index, change)  # the fast refusal is always a real one

@@ -26,7 +26,14 @@ from shardkeep.integrity import Digester, digests_equal, format_digest, new_dige
 from shardkeep.manifest import Compression, FileRecord
 from shardkeep.progress import collector_paused
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
-from shardkeep.tensors.shardfile import STALE, check_header, header_length, parse_built_header, parse_header
+from shardkeep.tensors.shardfile import (
+    STALE,
+    built_header_agrees,
+    check_header,
+    header_length,
+    parse_built_header,
+    parse_header,
+)
 
 __all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
 
@@ -347,7 +354,11 @@ def _refuse_disagreeing_header(plan: ShardPlan) -> None:
     """Refuse a planned file whose header, once written, would fail the header check of every
     load and verify (:func:`~shardkeep.tensors.shardfile.check_header`): a writer's bug, such
     as two entries under one name, must fail the save, never commit a checkpoint that cannot
-    load. The header bytes are the ones written, and the digest covers them."""
+    load. The header bytes are the ones written, and the digest covers them.
+    :func:`~shardkeep.tensors.shardfile.built_header_agrees` settles the usual case quickly; the
+    full check, the one every load makes, decides whenever it does not."""
+    if built_header_agrees(plan.header, plan.record):
+        return
     try:
         problems = check_header(parse_built_header(plan.header), plan.record)
     except IntegrityError as exc:

@@ -30,6 +30,7 @@ __all__ = [
     "build_header",
     "check_header",
     "header_form",
+    "built_header_agrees",
     "parse_built_header",
     "parse_header",
 ]
@@ -173,6 +174,31 @@ def parse_header(data: bytes | memoryview) -> ShardHeader:
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
 
 
+class _BuiltEntry(msgspec.Struct, forbid_unknown_fields=True):
+    """One tensor of a header :func:`build_header` made, as msgspec decodes it (in C)."""
+
+    dtype: str
+    shape: list[int]
+    data_offsets: tuple[int, int]
+
+
+class _BuiltValue(msgspec.Struct, forbid_unknown_fields=True):
+    """Any value of a header :func:`build_header` made, decoded in one pass: a tensor's fields,
+    or those of ``__metadata__`` (which no tensor has)."""
+
+    dtype: str = ""
+    shape: list[int] = msgspec.field(default_factory=list)
+    data_offsets: tuple[int, int] = (-1, -1)
+    format: str | None = None
+    writer: str | None = None
+    version: str | None = msgspec.field(default=None, name=VERSION_KEY)
+
+
+_BUILT_OUTER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_BUILT_ENTRY = msgspec.json.Decoder(_BuiltEntry)
+_BUILT_VALUES = msgspec.json.Decoder(dict[str, _BuiltValue])
+
+
 def parse_built_header(header: bytes) -> ShardHeader:
     """Parse a header :func:`build_header` made in this process (the exact bytes a writer is
     about to write), for :func:`check_header` against the file's record before the file is
@@ -181,15 +207,55 @@ def parse_built_header(header: bytes) -> ShardHeader:
     :class:`~shardkeep.errors.IntegrityError`."""
     length = header_length(header, len(header))
     try:
-        raw = msgspec.json.decode(header[_LENGTH.size : _LENGTH.size + length])
-        metadata = raw.pop("__metadata__", {})
-        entries = {
-            name: HeaderEntry(name, spec["dtype"], list(spec["shape"]), *spec["data_offsets"])
-            for name, spec in raw.items()
-        }
-    except (msgspec.DecodeError, AttributeError, KeyError, TypeError) as exc:
+        raw = _BUILT_OUTER.decode(header[_LENGTH.size : _LENGTH.size + length])
+        metadata_raw = raw.pop("__metadata__", None)
+        metadata = msgspec.json.decode(metadata_raw, type=dict[str, str]) if metadata_raw is not None else {}
+        entries = {}
+        for name, spec_raw in raw.items():
+            spec = _BUILT_ENTRY.decode(spec_raw)
+            entries[name] = HeaderEntry(name, spec.dtype, spec.shape, *spec.data_offsets)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise IntegrityError(f"safetensors header is malformed: {str(exc)[:200]}") from exc
     return ShardHeader(data_start=_LENGTH.size + length, entries=entries, metadata=metadata)
+
+
+def built_header_agrees(header: bytes, record: FileRecord) -> bool:
+    """Whether a header :func:`build_header` made lists exactly ``record``'s tensors, each with
+    its dtype, shape and bytes (what :func:`check_header` checks on every load), decoded in one
+    pass and compared without building a :class:`ShardHeader`: the check every file passes
+    before it is written, where a per-tensor cost matters. ``False`` (a header of any other
+    shape included) calls for :func:`check_header` to decide."""
+    length = header_length(header, len(header))
+    data_start = _LENGTH.size + length
+    try:
+        values = _BUILT_VALUES.decode(header[_LENGTH.size : data_start])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    metadata = values.pop("__metadata__", None)
+    if len(values) != len(record.tensors):
+        return False
+    if metadata is not None and metadata.version is not None and metadata.version != str(record.version):
+        return False
+    carried = CARRIED_DTYPES
+    for entry in record.tensors:
+        spec = values.get(entry.key)
+        if spec is None or spec.format is not None or spec.writer is not None or spec.version is not None:
+            return False
+        begin, end = spec.data_offsets
+        if (
+            begin < 0
+            or data_start + begin != entry.offset
+            or end - begin != entry.nbytes
+            or data_start + end > record.size
+            or (
+                (spec.dtype, spec.shape) != (entry.dtype, entry.shape)
+                if entry.dtype not in carried
+                else (spec.dtype, spec.shape) != header_form(entry.dtype, entry.shape)
+            )
+            or spec.dtype not in DTYPE_ITEMSIZE
+        ):
+            return False
+    return True
 
 
 def check_header(header: ShardHeader, record: FileRecord) -> list[str]:
