@@ -360,7 +360,9 @@ def test_a_file_whose_header_disagrees_with_its_record_is_never_committed(
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
-def test_the_quick_header_comparison_agrees_with_the_full_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_quick_header_comparison_agrees_with_the_full_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``built_header_agrees`` (the check every file passes before it is written) accepts exactly
     the headers ``check_header`` (the check of every load) accepts, for real plans of every kind
     of tensor and for each single change to a record."""
