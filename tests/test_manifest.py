@@ -620,3 +620,39 @@ def test_golden_v2_0_checkpoint_loads_into_dtensors_on_two_ranks(tmp_path: Path)
             assert _exactly(result["locals"][key], value), (rank, key)
         for key, value in expected.items():
             assert _exactly(result["whole"][key], value), (rank, key)
+
+
+#: What tests/golden/make_golden_checkpoint.py --dtypes saved: (dtype, width in bytes, count).
+_GOLDEN_CARRIED = [
+    ("complex128", 16, 3),
+    ("complex32", 4, 3),
+    ("float8_e8m0fnu", 1, 5),
+    ("float4_e2m1fn_x2", 1, 5),
+    ("bits8", 1, 5),
+    ("bits16", 2, 4),
+    ("bits1x8", 1, 5),
+    ("bits2x4", 1, 5),
+    ("bits4x2", 1, 5),
+]
+
+
+def test_golden_checkpoint_of_carried_dtypes_reads_verifies_and_loads(tmp_path: Path) -> None:
+    """The checkpoint holding one tensor of each dtype a shard's header carries under another
+    (tests/golden/make_golden_checkpoint.py --dtypes): the manifest names the true dtypes, and
+    every byte loads back as saved."""
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v1.3-dtypes", root)
+    checkpoint = root / "step_00000042"
+    manifest = sk.read_manifest(checkpoint)
+    assert manifest.metadata_version == "1.3" and manifest.step == 42
+    recorded = {entry.key: entry.dtype for record in manifest.files for entry in record.tensors}
+    assert recorded["complex128"] == "C128" and recorded["bits4x2"] == "B4X2" and recorded["plain"] == "F32"
+    assert sk.verify(checkpoint).ok
+    loaded = sk.load(checkpoint)
+    assert torch.equal(loaded["plain"], torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    for name, width, count in _GOLDEN_CARRIED:
+        tensor = loaded[name]
+        assert tensor.dtype == getattr(torch, name) and tuple(tensor.shape) == (count,), name
+        raw = tensor.reshape(count, 1).view(torch.uint8).reshape(-1)
+        expected = [index * 37 % 251 for index in range(count * width)]
+        assert raw.tolist() == expected, name

@@ -10,6 +10,13 @@ commit before the next version, checked out beside this one and put first on the
 committed: the tests read the committed bytes, so a reader change that breaks old checkpoints
 fails loudly.
 
+``v1.3-dtypes/step_00000042`` holds one tensor of each dtype that a shard's safetensors header
+carries under another dtype (complex128, complex32, float8_e8m0fnu, float4_e2m1fn_x2 and the
+``bits*`` dtypes: the manifest records the true dtype), written by the first code that stored
+them (after 4c930e2)::
+
+    PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py tests/golden --dtypes
+
 ``v2.0/step_00000042`` (format 2.0: DTensors described once, chunks in rank indexes) was
 written by a real 2-rank gloo save (this script forks the 2 ranks itself)::
 
@@ -95,7 +102,41 @@ def make_v2(out: Path) -> None:
     print(out, INDEXED_VERSION)
 
 
+#: The dtypes stored under a carrier dtype in the safetensors header (the manifest records the
+#: true one), with the golden tensor of each: ``golden_dtype_bytes(width, count)`` viewed as it.
+GOLDEN_CARRIED_DTYPES = {
+    "complex128": (16, 3),
+    "complex32": (4, 3),
+    "float8_e8m0fnu": (1, 5),
+    "float4_e2m1fn_x2": (1, 5),
+    "bits8": (1, 5),
+    "bits16": (2, 4),
+    "bits1x8": (1, 5),
+    "bits2x4": (1, 5),
+    "bits4x2": (1, 5),
+}
+
+
+def golden_dtype_bytes(width: int, count: int) -> torch.Tensor:
+    """``count`` elements of ``width`` bytes each, as a (count, width) uint8 tensor of fixed bytes."""
+    return (torch.arange(count * width, dtype=torch.int64) * 37 % 251).to(torch.uint8).reshape(count, width)
+
+
+def golden_dtypes_state() -> dict:
+    """One tensor of each dtype of :data:`GOLDEN_CARRIED_DTYPES`, plus a float32 one."""
+    state: dict = {"plain": torch.arange(4, dtype=torch.float32)}
+    for name, (width, count) in GOLDEN_CARRIED_DTYPES.items():
+        state[name] = golden_dtype_bytes(width, count).view(getattr(torch, name)).reshape(count)
+    return state
+
+
 def main() -> None:
+    if "--dtypes" in sys.argv:
+        out = Path(sys.argv[1]) / f"v{METADATA_VERSION}-dtypes"
+        out.mkdir(parents=True)
+        sk.save(golden_dtypes_state(), out / "step_00000042", step=42)
+        print(out, METADATA_VERSION)
+        return
     if "--v2" in sys.argv:
         make_v2(Path(sys.argv[1]) / f"v{INDEXED_VERSION}")
         return
