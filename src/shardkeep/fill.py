@@ -558,8 +558,8 @@ def _plan_module(
     own ``load_state_dict``."""
     if not isinstance(new, Mapping):
         raise StateMismatchError(_describe_mismatch(name, "a module", type(new).__name__))
-    new = _with_tied_copies(module, new)
     own = module.state_dict()
+    new = _with_tied_copies(own, new)
     if partial:
         # Only what was loaded: each tensor copied into the module's own, in place.
         unexpected = sorted(set(new) - set(own))
@@ -669,14 +669,14 @@ def _join(prefix: str, key: Any) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def _with_tied_copies(module: torch.nn.Module, new: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``new`` completed with the module's tied keys it lacks: a key is tied when its tensor is
+def _with_tied_copies(own: Mapping[str, Any], new: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``new`` completed with the tied keys of a module's state dict ``own`` (detached views of
+    the same storage) that it lacks: a key is tied when its tensor is
     the very tensor (the same view of the same storage) of another key, as GPT-2's
     ``lm_head.weight`` is ``transformer.wte.weight``. Formats that write each tensor once
     (``save_pretrained``, and so an imported Hugging Face folder) keep only one of the keys; the
     value loaded for the one kept fills the other, which is the same tensor. A key whose tensor
     is its own stays missing."""
-    own = module.state_dict()  # detached views of the same storage (keep_vars is not every module's)
     absent = [key for key in own if key not in new]
     if not absent:
         return new
