@@ -771,7 +771,7 @@ def _torch_module(name: str) -> Any:
 
 
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:
-    interop = _torch_module("shardkeep.interop")
+    interop = _torch_module("shardkeep.integrations.convert")
     detect_format, import_checkpoint = interop.detect_format, interop.import_checkpoint
 
     source_format = args.format or detect_format(args.source)
@@ -825,7 +825,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
         raise CheckpointNotFoundError(f"cannot export {args.path}: {'; '.join(missing.values())}")
 
     if args.format == "hf":
-        hf = _torch_module("shardkeep.hf")
+        hf = _torch_module("shardkeep.integrations.hf")
 
         try:
             folder = hf.export_hf(
@@ -872,7 +872,7 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"note: {note}\n")
         return 0
 
-    export_checkpoint = _torch_module("shardkeep.interop").export_checkpoint
+    export_checkpoint = _torch_module("shardkeep.integrations.convert").export_checkpoint
 
     try:
         written = export_checkpoint(

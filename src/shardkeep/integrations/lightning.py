@@ -1,0 +1,719 @@
+"""A Lightning ``CheckpointIO`` plugin: every Lightning checkpoint becomes a shardkeep checkpoint.
+
+::
+
+    from shardkeep.lightning import ShardkeepCheckpointIO
+    trainer = lightning.pytorch.Trainer(plugins=[ShardkeepCheckpointIO()])
+
+Each checkpoint path Lightning asks for (``.../epoch=1-step=8.ckpt``, ``.../last.ckpt``) becomes
+a shardkeep checkpoint *directory* at that path: tensors in safetensors files, everything else in
+the manifest, a digest on every file, no pickle. Lightning calls ``save_checkpoint`` and
+``remove_checkpoint`` on global rank 0 only, so the plugin saves with
+``process_group=shardkeep.LOCAL`` (no collective that the other ranks would never join).
+
+Values of a Lightning checkpoint that are not tensors or JSON are converted losslessly and
+restored on load (:mod:`shardkeep.conversions`); the conversions are recorded (by path) in the
+checkpoint itself under :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
+Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
+``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device``,
+``argparse.Namespace``, enum members (by name) and dataclass instances (their attributes, with
+the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
+already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
+running ``__init__``; a type whose module is not imported is an
+:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded
+on another OS (a ``WindowsPath`` loaded on Linux, a ``PosixPath`` on Windows) cannot be
+instantiated there and comes back as its pure class (``PureWindowsPath``, ``PurePosixPath``):
+same string, parts and comparisons. A malformed
+conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
+Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
+Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
+inside functions) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming its
+key: nothing is pickled.
+
+Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
+path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
+atomically with ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+; ext4, xfs, btrfs, tmpfs), then
+renames the old one out of the way and removes it: at every moment ``path`` holds one complete
+checkpoint, and nothing removed (an old checkpoint, a checkpoint Lightning removes) can come back
+under its name after a crash (see :class:`ShardkeepCheckpointIO` for every crash point). Where
+the exchange is not supported (another OS, or a filesystem that refuses it, such as some network
+filesystems) it falls back to two renames, with a short window in which ``path`` does not
+exist; the next save of the same path (or :meth:`ShardkeepCheckpointIO.clean_leftovers`) puts
+the complete checkpoint back in place and removes the leftovers of an interrupted save. I/O
+failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import shardkeep.api as api
+from shardkeep.config import LOCAL
+from shardkeep.conversions import ValueEncoder, decode_values, where
+from shardkeep.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DependencyError,
+    ShardkeepError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedValueError,
+)
+from shardkeep.manifest import STAGING_MARKER, Manifest
+from shardkeep.names import NAME_MAX, check_name_length, name_digest
+from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
+from shardkeep.tensors.convert import is_dtensor
+from shardkeep.verification import read_manifest
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.utilities.data import AttributeDict
+except ModuleNotFoundError as _missing_lightning:  # pragma: no cover - depends on the environment
+    try:  # the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment,unused-ignore]
+        from lightning_fabric.utilities.data import AttributeDict  # type: ignore[assignment,unused-ignore]
+    except ModuleNotFoundError:
+        raise DependencyError(
+            "shardkeep.lightning needs Lightning, which is not installed: pip install lightning"
+        ) from _missing_lightning
+
+__all__ = ["RESERVED_KEY", "ShardkeepCheckpointIO"]
+
+#: The top-level key under which the plugin records its format and the value conversions.
+RESERVED_KEY = "__shardkeep_lightning__"
+
+Path_ = str | os.PathLike[str]
+
+logger = logging.getLogger("shardkeep")
+
+
+# --------------------------------------------------------------------------------------------
+# Converting the checkpoint dict to what shardkeep stores, and back
+# --------------------------------------------------------------------------------------------
+
+
+#: Mapping classes of a Lightning checkpoint, restored by name.
+_MAPPING_CLASSES: dict[str, type] = {"attribute_dict": AttributeDict}
+
+
+def _refuse_dtensor(value: torch.Tensor, path: tuple[str | int, ...]) -> None:
+    if is_dtensor(value):  # a subclass too
+        raise UnsupportedValueError(
+            f"{where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
+            "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
+        )
+
+
+def encode_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` as a state :func:`shardkeep.save` stores, with the conversions
+    (:mod:`shardkeep.conversions`) recorded under :data:`RESERVED_KEY`."""
+    if not isinstance(checkpoint, Mapping):
+        raise UnsupportedValueError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+    if RESERVED_KEY in checkpoint:
+        raise UnsupportedValueError(f"the checkpoint already has the key {RESERVED_KEY!r}, which the plugin reserves")
+    encoder = ValueEncoder(
+        subject="Lightning checkpoint",
+        hint="; for hyperparameters, convert the value or leave it out with save_hyperparameters(ignore=[...])",
+        mapping_classes=_MAPPING_CLASSES,
+        check_tensor=_refuse_dtensor,
+    )
+    if type(checkpoint) is not dict:
+        encoder.record((), "ordered_dict" if type(checkpoint) is collections.OrderedDict else "dict")
+    state = encoder.mapping(checkpoint, ())
+    state[RESERVED_KEY] = encoder.conversion_record()
+    return state  # type: ignore[return-value]  # the top level keys were checked to be str or int
+
+
+def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:
+    """The Lightning checkpoint dict that :func:`encode_checkpoint` turned into ``state``;
+    ``source`` (the checkpoint's path) names it in errors."""
+    record = state.pop(RESERVED_KEY, None)
+    if record is None:
+        return state  # a plain shardkeep checkpoint: nothing was converted
+    restored: dict[str, Any] = decode_values(
+        state, record, source=source, record_name=RESERVED_KEY, mapping_classes=_MAPPING_CLASSES
+    )
+    return restored
+
+
+def _map_location(value: Any, map_location: Any) -> Any:
+    """``value`` with every tensor moved as ``torch.load(map_location=...)`` would move it. Every
+    tensor a shardkeep checkpoint returns is on the CPU, so ``"cpu"`` is its saved location."""
+    if map_location is None:
+        return value
+    if isinstance(map_location, Mapping):
+        target = map_location.get("cpu")
+        if target is None:
+            return value
+        map_location = target
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        if device.type == "cpu":
+            return value
+        return _map_tensors(value, lambda tensor: tensor.to(device))
+    if callable(map_location):
+        storages: dict[int, Any] = {}
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in storages:
+                moved = map_location(storage, "cpu")
+                storages[key] = storage if moved is None else moved
+            new_storage = storages[key]
+            if isinstance(new_storage, torch.Tensor):
+                return new_storage
+            if new_storage is storage:
+                return tensor
+            rebuilt = torch.empty(0, dtype=tensor.dtype, device=new_storage.device)
+            return rebuilt.set_(new_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+        return _map_tensors(value, move)
+    raise ConfigError(f"map_location={map_location!r}: give a device, a string, a dict or a callable")
+
+
+def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, dict):
+        mapped = {key: _map_tensors(item, move) for key, item in value.items()}
+        if type(value) is dict:
+            return mapped
+        result: Any = type(value)(mapped)
+        if hasattr(value, "_metadata"):
+            result._metadata = value._metadata
+        return result
+    if isinstance(value, list):
+        return [_map_tensors(item, move) for item in value]
+    if type(value) is tuple:
+        return tuple(_map_tensors(item, move) for item in value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic replacement of a directory (renameat2: shardkeep.storage.local)
+# --------------------------------------------------------------------------------------------
+
+
+#: Module names the replace calls through, so that tests can interrupt each step.
+exchange = exchange_paths
+_rename_noreplace = rename_noreplace_path
+
+
+def _rename(source: str, destination: str) -> None:
+    """``os.rename``; a function of its own so that tests can interrupt the fallback swap."""
+    os.rename(source, destination)
+
+
+def _retire(parent: str, tag: str, entry: str) -> str:
+    """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
+    the new path; only then is it deleted, so a half-deleted tree always has such a name."""
+    doomed = os.path.join(parent, f"{tag}del-{uuid.uuid4().hex}")
+    os.rename(os.path.join(parent, entry), doomed)
+    return doomed
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a file, a symlink or a directory tree (tests interrupt it to simulate a crash)."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)
+
+
+def _remove_trees(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            _remove_tree(path)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_directory(path: str) -> None:
+    fsync_directory_path(path)
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+#: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
+_ID_CHARS = 32
+#: Hex digits of the id in the staging name shardkeep.save makes (``<name>.tmp-<id>``).
+_STAGING_ID_CHARS = 32
+#: The most bytes of a tag: a working name (``<tag>new-<id>``) and the staging directory
+#: shardkeep.save makes of it (``<tag>new-<id>.tmp-<id>``) must fit in one path component, so
+#: that no name derived from a working name is ever shortened (recovery finds them by the tag).
+_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - _STAGING_ID_CHARS
+
+
+def _tag(name: str) -> str:
+    """The hidden prefix of ``name``'s sibling working names: ``.sk-<hex of the name>.``, or
+    ``.sk-h<digest>.`` for a name whose hex does not fit in :data:`_TAG_MAX` bytes (more than
+    88 bytes). Hex has no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never
+    matches one."""
+    encoded = name.encode("utf-8", "surrogateescape").hex()
+    if len(".sk-.") + len(encoded) > _TAG_MAX:
+        encoded = "h" + name_digest(name, 40)
+    return f".sk-{encoded}."
+
+
+def _recorded_name(name: str) -> dict[str, str]:
+    """What a working checkpoint records of the name it is saved for: recovery puts it back
+    under that name when its tag is a digest (JSON holds only valid UTF-8)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return {}
+    return {"name": name}
+
+
+def _tag_of(entry: str) -> str | None:
+    """The tag a hidden working name starts with, or None."""
+    if not entry.startswith(".sk-"):
+        return None
+    encoded, found, _ = entry[4:].partition(".")
+    return f".sk-{encoded}." if found and encoded else None
+
+
+def _name_of_tag(entry: str) -> str | None:
+    """The name a hex tag spells (None for a digest tag, which cannot be told back)."""
+    tag = _tag_of(entry)
+    if tag is None or tag[4] == "h":
+        return None
+    try:
+        name = bytes.fromhex(tag[4:-1]).decode("utf-8", "surrogateescape")
+    except ValueError:
+        return None
+    return name if _tag(name) == tag else None
+
+
+# --------------------------------------------------------------------------------------------
+# The plugin
+# --------------------------------------------------------------------------------------------
+
+
+class ShardkeepCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that writes each checkpoint as a verified shardkeep directory.
+
+    ``digest``, ``signer``, ``compression``, ``compression_level`` and ``save_options`` (any
+    other keyword of :func:`shardkeep.save`) apply to every save; ``public_key``,
+    ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
+    only. See the module docstring for the conversions and the atomic replacement.
+
+    Working names beside a checkpoint ``X`` are hidden and tagged with ``X``'s name
+    (``.sk-<hex>.``): ``new-<id>`` a save being written (``new-<id>.tmp-*`` until shardkeep
+    commits it), ``old-<id>`` the previous checkpoint during a fallback swap, ``del-<id>`` anything
+    being deleted. No directory is deleted under another name than ``del-``, and recovery never
+    brings a ``del-`` entry back, so a half-deleted tree is never put in place. Recovery (the
+    start of every save of ``X``, and :meth:`clean_leftovers`) deletes every leftover when ``X``
+    exists; when ``X`` is missing it first puts back the last committed complete
+    ``new-``/``old-`` checkpoint (by the manifest's ``created_at``).
+
+    Where a crash (or kill) can stop a save of ``X`` over an existing checkpoint, and what the
+    next save, removal or ``clean_leftovers`` of ``X`` finds:
+
+    1. inside :func:`shardkeep.save`: ``X`` is the previous checkpoint; the uncommitted or
+       committed ``new-`` staging is deleted.
+    2. right after ``renameat2(RENAME_EXCHANGE)``: ``X`` is the new checkpoint and ``new-<id>``
+       holds the *previous* one; it is deleted, never put back, because ``X`` exists (and a
+       removal of ``X`` deletes the leftovers before ``X`` itself).
+    3. after the exchanged-out side is renamed to ``del-`` (the next step, before its deletion
+       starts): ``X`` is the new checkpoint; the ``del-`` tree is deleted.
+    4. fallback, after ``X`` -> ``old-<id>``: nothing is at ``X``; ``old-`` (previous) and
+       ``new-`` (the new one, committed) are both complete; the later committed (``new-``) is
+       put back at ``X`` and the other deleted.
+    5. fallback, after ``new-`` -> ``X``: ``X`` is the new checkpoint; ``old-`` is deleted
+       (then as 3).
+
+    A first save of ``X`` renames its committed ``new-`` with ``RENAME_NOREPLACE``; a crash
+    before that leaves ``X`` missing and the ``new-`` entry, which recovery puts at ``X``.
+    :meth:`remove_checkpoint` renames every leftover of ``X`` to ``del-``, then ``X`` itself,
+    then fsyncs the directory and deletes them: after a crash anywhere in it, either ``X`` is
+    still there whole or only ``del-`` entries are left, so a removed checkpoint never comes back.
+    """
+
+    def __init__(
+        self,
+        *,
+        digest: str | None = None,
+        signer: Any = None,
+        compression: str | None = None,
+        compression_level: int | None = None,
+        public_key: Any = None,
+        require_signature: bool | None = None,
+        mmap: bool = False,
+        save_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        options: dict[str, Any] = dict(save_options or {})
+        for reserved in ("process_group", "step", "epoch", "storage", "storage_options"):
+            if reserved in options:
+                raise ConfigError(f"save_options={{{reserved!r}: ...}}: the plugin sets {reserved} itself")
+        if digest is not None:
+            options["digest"] = digest
+        if signer is not None:
+            options["signer"] = signer
+        if compression is not None:
+            options["compression"] = compression
+        if compression_level is not None:
+            options["compression_level"] = compression_level
+        self._save_options = options
+        self._public_key = public_key
+        self._require_signature = require_signature
+        self._mmap = mmap
+        self.last_manifest: Manifest | None = None
+
+    # -- Lightning's interface ---------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Path_, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` as a shardkeep checkpoint directory at ``path``, replacing a
+        checkpoint already there atomically (see the class docstring for every crash point)."""
+        if storage_options is not None:
+            raise ConfigError(
+                f"ShardkeepCheckpointIO.save_checkpoint(..., storage_options={storage_options!r}): per-call options "
+                "are not supported; pass shardkeep.save options to ShardkeepCheckpointIO(...)"
+            )
+        target = _local_path(path)
+        state = encode_checkpoint(checkpoint)
+        parent, name = os.path.split(target)
+        check_name_length(name, "checkpoint name")
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the directory {parent} to save the checkpoint {target}: {exc}") from exc
+        if not os.path.islink(target) and os.path.isdir(target) and not _is_checkpoint_dir(target):
+            raise UnsupportedValueError(
+                f"{target} is a directory that is not a shardkeep checkpoint (no manifest.json); "
+                "ShardkeepCheckpointIO does not replace it"
+            )
+        try:
+            self._recover(parent, name)
+        except OSError as exc:
+            raise StorageError(f"cannot repair what an interrupted save left beside {target}: {exc}") from exc
+        staging = os.path.join(parent, f"{_tag(name)}new-{uuid.uuid4().hex}")
+        step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+        try:
+            self.last_manifest = api.save(
+                state,
+                staging,
+                process_group=LOCAL,
+                step=step if type(step) is int and step >= 0 else None,
+                epoch=epoch if type(epoch) is int and epoch >= 0 else None,
+                custom_fields={
+                    "lightning": {
+                        "version": str(checkpoint.get("pytorch-lightning_version", "")),
+                        "checkpoint_io": "shardkeep.lightning.ShardkeepCheckpointIO",
+                        **_recorded_name(name),
+                    }
+                },
+                **self._save_options,
+            )
+        except BaseException:
+            try:
+                self._remove_leftovers(parent, name)
+            except OSError:
+                pass  # the original error matters; the next save of this path removes the rest
+            raise
+        try:
+            old = self._install(staging, target)
+        except OSError as exc:
+            try:
+                self._recover(parent, name)  # the complete checkpoint back at ``target``, no leftovers
+            except OSError:
+                pass
+            raise StorageError(f"cannot put the new checkpoint in place at {target}: {exc}") from exc
+        if old is not None:
+            try:
+                _remove_trees([old])
+            except OSError as exc:
+                raise StorageError(
+                    f"the new checkpoint is in place at {target}, but deleting the previous one ({old}) failed: "
+                    f"{exc}; the next save of this path, or clean_leftovers, removes it"
+                ) from exc
+
+    def load_checkpoint(
+        self, path: Path_, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load and verify the checkpoint at ``path`` and return Lightning's checkpoint dict.
+        ``weights_only`` is accepted for the interface: nothing is ever unpickled."""
+        target = _local_path(path)
+        if not os.path.lexists(target):
+            parent, name = os.path.split(target)
+            try:
+                found = self._leftovers(parent, name)
+            except OSError:
+                found = []  # only a hint
+            hint = (
+                f"; an interrupted save left {sorted(found)} beside it: the next save of this path, or "
+                "ShardkeepCheckpointIO.clean_leftovers(directory), puts the complete checkpoint back"
+                if found
+                else ""
+            )
+            raise CheckpointNotFoundError(f"no checkpoint at {target}{hint}")
+        if os.path.islink(target):
+            target = _followed_link(target)
+        if not os.path.isdir(target):
+            raise UnsupportedValueError(
+                f"{target} is a file, not a shardkeep checkpoint directory (a torch.save checkpoint?); "
+                "ShardkeepCheckpointIO never unpickles: convert it with `shardkeep import` first"
+            )
+        state = api.load(
+            target,
+            verify=True,
+            mmap=self._mmap,
+            public_key=self._public_key,
+            require_signature=self._require_signature,
+        )
+        checkpoint = decode_checkpoint(state, target)
+        mapped: dict[str, Any] = _map_location(checkpoint, map_location)
+        return mapped
+
+    def remove_checkpoint(self, path: Path_) -> None:
+        """Remove the checkpoint at ``path``: a shardkeep checkpoint directory (renamed out of
+        the way first, so it disappears at once) or a single file, with every leftover of an
+        interrupted save of that name. A path that does not exist is not an error (as with
+        Lightning's own ``CheckpointIO``). Any other directory is refused."""
+        target = _local_path(path)
+        parent, name = os.path.split(target)
+        if not os.path.lexists(target):
+            kind = "missing"
+        elif os.path.islink(target) or os.path.isfile(target):
+            kind = "file"
+        elif _is_checkpoint_dir(target):
+            kind = "checkpoint"
+        elif os.path.isdir(target):
+            raise UnsupportedValueError(
+                f"{target} is a directory that is not a shardkeep checkpoint (no manifest.json); not removed"
+            )
+        else:
+            raise UnsupportedValueError(f"{target} is not a regular file or a checkpoint directory; not removed")
+        try:
+            # The leftovers first: once ``target`` is gone, nothing that recovery could bring back
+            # under its name may remain (a stale exchanged-out side, a fallback swap's halves).
+            doomed = self._retire_leftovers(parent, name)
+            if kind == "file":
+                os.remove(target)
+            elif kind == "checkpoint":
+                doomed.append(_retire(parent, _tag(name), name))
+            if doomed:
+                _fsync_directory(parent)
+            _remove_trees(doomed)
+        except OSError as exc:
+            gone = "" if os.path.lexists(target) else f" ({target} itself is already gone)"
+            raise StorageError(
+                f"cannot remove the checkpoint {target}: {exc}{gone}; the hidden .sk-* entries left beside it are "
+                "removed by the next save of this path or by clean_leftovers"
+            ) from exc
+
+    def teardown(self) -> None:
+        """Nothing to release: every save finishes before ``save_checkpoint`` returns."""
+
+    # -- leftovers and the swap ----------------------------------------------------------------
+    # These raise OSError; the public methods turn it into StorageError naming the path.
+
+    @staticmethod
+    def _leftovers(parent: str, name: str) -> list[str]:
+        prefix = _tag(name)
+        try:
+            entries = os.listdir(parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return []  # no directory, so nothing left in it
+        return [entry for entry in entries if entry.startswith(prefix)]
+
+    def _retire_leftovers(self, parent: str, name: str, keep: str | None = None) -> list[str]:
+        """Rename every leftover of ``name`` (but ``keep``) to a ``del-`` name; return the paths to
+        delete (the caller fsyncs ``parent`` first, so that no rename is lost after a deletion)."""
+        prefix = _tag(name)
+        doomed: list[str] = []
+        for entry in self._leftovers(parent, name):
+            if entry == keep:
+                continue
+            if entry[len(prefix) :].startswith("del-"):
+                doomed.append(os.path.join(parent, entry))
+                continue
+            try:
+                doomed.append(_retire(parent, prefix, entry))
+            except FileNotFoundError:
+                pass
+        return doomed
+
+    def _remove_leftovers(self, parent: str, name: str) -> None:
+        doomed = self._retire_leftovers(parent, name)
+        if doomed:
+            _fsync_directory(parent)
+        _remove_trees(doomed)
+
+    @staticmethod
+    def _newest_complete(parent: str, name: str, entries: list[str]) -> str | None:
+        """The leftover to put back at ``name`` when nothing is there: among the complete
+        checkpoints named ``new-``/``old-`` (never ``del-``, never an uncommitted ``.tmp-``), the
+        last committed (the manifest's ``created_at``; not ``step``, which a run resumed from an
+        earlier checkpoint lowers); ``new-`` wins a tie, and one whose manifest cannot be read
+        comes last but is still put back rather than lost."""
+        prefix = _tag(name)
+        best: tuple[bool, float, bool] | None = None
+        chosen: str | None = None
+        for entry in entries:
+            role = entry[len(prefix) :]
+            if not role.startswith(("new-", "old-")) or ".tmp-" in role:
+                continue
+            candidate = os.path.join(parent, entry)
+            if not _is_checkpoint_dir(candidate):
+                continue
+            try:
+                rank = (True, read_manifest(candidate).created_at.timestamp())
+            except ShardkeepError:
+                rank = (False, 0.0)
+            key = (*rank, role.startswith("new-"))
+            if best is None or key > best:
+                best, chosen = key, entry
+        return chosen
+
+    def _recover(self, parent: str, name: str) -> None:
+        """Finish or undo what an interrupted save or removal of ``parent/name`` left: if
+        ``name`` is gone, the newest complete checkpoint among its leftovers takes its place (see
+        :meth:`_newest_complete`); every other leftover is renamed to ``del-`` and deleted."""
+        target = os.path.join(parent, name)
+        entries = self._leftovers(parent, name)
+        if not entries:
+            return
+        if not os.path.lexists(target):
+            chosen = self._newest_complete(parent, name, entries)
+            if chosen is not None:
+                _rename_noreplace(os.path.join(parent, chosen), target)
+                _fsync_directory(parent)
+        self._remove_leftovers(parent, name)
+
+    def _install(self, staging: str, target: str) -> str | None:
+        """Put the committed ``staging`` at ``target``; return the ``del-`` path of the previous
+        checkpoint, for the caller to delete, or None when there was none."""
+        parent, name = os.path.split(target)
+        if not os.path.lexists(target):
+            _rename_noreplace(staging, target)
+            _fsync_directory(parent)
+            return None
+        try:
+            exchange(staging, target)  # target now holds the new checkpoint, staging the old one
+            old = staging
+        except ExchangeUnsupported:
+            # Two renames: between them nothing is at ``target``; a crash there is repaired by
+            # the next save of this path (see _recover).
+            old = os.path.join(parent, f"{_tag(name)}old-{uuid.uuid4().hex}")
+            _rename(target, old)
+            _rename(staging, target)
+        # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
+        # name) holds the *previous* checkpoint.
+        doomed = _retire(parent, _tag(name), os.path.basename(old))
+        _fsync_directory(parent)
+        return doomed
+
+    @classmethod
+    def clean_leftovers(cls, directory: Path_) -> list[str]:
+        """Repair and remove what interrupted saves left in ``directory`` (hidden ``.sk-*``
+        entries); returns the names handled. Call it only while no save is running there."""
+        parent = _local_path(directory)
+        try:
+            listing = os.listdir(parent)
+        except OSError as exc:
+            raise StorageError(f"cannot list {parent} for the leftovers of interrupted saves: {exc}") from exc
+        handled: list[str] = []
+        tags = {tag for tag in map(_tag_of, listing) if tag is not None}
+        # The checkpoints still in place tell the names of digest tags.
+        names = {_tag(entry): entry for entry in listing if _tag_of(entry) is None and _tag(entry) in tags}
+        plugin = cls()
+        for tag in sorted(tags):
+            name = _name_of_tag(tag) or names.get(tag) or cls._name_recorded_in(parent, tag, listing)
+            try:
+                if name is None:
+                    handled.extend(cls._remove_unnamed(parent, tag, listing))
+                    continue
+                handled.extend(plugin._leftovers(parent, name))
+                plugin._recover(parent, name)
+            except OSError as exc:
+                where = os.path.join(parent, name or tag)
+                raise StorageError(f"cannot repair the leftovers of {where}: {exc}") from exc
+        return sorted(handled)
+
+    @staticmethod
+    def _name_recorded_in(parent: str, tag: str, listing: list[str]) -> str | None:
+        """The name a complete working checkpoint tagged ``tag`` records (see
+        :func:`_recorded_name`), when it is one whose tag that is."""
+        for entry in sorted(listing):
+            role = entry[len(tag) :]
+            if not entry.startswith(tag) or not role.startswith(("new-", "old-")) or STAGING_MARKER in role:
+                continue
+            candidate = os.path.join(parent, entry)
+            if not _is_checkpoint_dir(candidate):
+                continue
+            try:
+                recorded = read_manifest(candidate).custom_fields.get("lightning", {}).get("name")
+            except (ShardkeepError, AttributeError):
+                continue
+            if isinstance(recorded, str) and os.sep not in recorded and _tag(recorded) == tag:
+                return recorded
+        return None
+
+    @staticmethod
+    def _remove_unnamed(parent: str, tag: str, listing: list[str]) -> list[str]:
+        """The leftovers of a name that neither its tag nor any complete checkpoint tells: those
+        being deleted and uncommitted staging are removed; a complete checkpoint (which recovery
+        could not place) is kept, with a warning."""
+        handled: list[str] = []
+        doomed: list[str] = []
+        for entry in listing:
+            role = entry[len(tag) :]
+            if not entry.startswith(tag):
+                continue
+            if role.startswith("del-"):
+                doomed.append(os.path.join(parent, entry))
+            elif STAGING_MARKER in role or not _is_checkpoint_dir(os.path.join(parent, entry)):
+                doomed.append(_retire(parent, tag, entry))
+            else:
+                logger.warning(
+                    "%s: an interrupted save left this complete checkpoint, and its name is unknown: kept",
+                    os.path.join(parent, entry),
+                )
+                continue
+            handled.append(entry)
+        if doomed:
+            _fsync_directory(parent)
+        _remove_trees(doomed)
+        return handled
+
+
+def _followed_link(link: str) -> str:
+    """What ``ModelCheckpoint(save_last="link")`` made ``link`` point to: a relative symlink to
+    a checkpoint in the same directory. Other symlinks are refused, as shardkeep refuses them."""
+    destination = os.readlink(link)
+    parent = os.path.dirname(link)
+    resolved = os.path.join(parent, destination)
+    if os.path.isabs(destination) or os.sep in destination or os.path.islink(resolved) or destination in (".", ".."):
+        raise UnsafePathError(
+            f"{link} is a symlink to {destination!r}; ShardkeepCheckpointIO follows only a relative link to a "
+            "checkpoint in the same directory (what save_last='link' makes)"
+        )
+    return resolved
+
+
+def _local_path(path: Path_) -> str:
+    try:
+        text = os.fspath(path)
+    except TypeError as exc:
+        raise UnsupportedValueError(f"checkpoint path {path!r} is not a path: {exc}") from exc
+    if not isinstance(text, str) or "\x00" in text:
+        raise UnsupportedValueError(f"checkpoint path {path!r} must be text without NUL characters")
+    if "://" in text:
+        raise UnsupportedValueError(
+            f"{text}: ShardkeepCheckpointIO writes local paths only (its atomic replacement needs a rename); "
+            "for object stores use shardkeep.save with an s3:// path directly"
+        )
+    return os.path.abspath(text)
