@@ -71,7 +71,7 @@ from shardkeep.manifest import (
 from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.progress import collector_paused, progress_bar
 from shardkeep.storage import LocalStore, StoreOperations, open_store, write_new
-from shardkeep.tensors.flatten import FlatState, flatten_state, is_plain_json
+from shardkeep.tensors.flatten import FlatState, as_manifest_mapping, flatten_state
 from shardkeep.tensors.keys import ROUTER_KEY, section_of
 from shardkeep.tiers import Placement, check_tiers, place
 from shardkeep.verification import (
@@ -974,11 +974,12 @@ def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
 def _plain_json_mapping(name: str, value: Mapping[str, Any] | None) -> dict[str, Any]:
     if value is None:
         return {}
-    if not isinstance(value, Mapping) or not is_plain_json(dict(value)):
+    plain = as_manifest_mapping(value)
+    if plain is None:
         raise UnsupportedValueError(
             f"{name}= must be a mapping of plain JSON values (string keys, finite numbers, lists, dicts)"
         )
-    return dict(value)
+    return plain
 
 
 def _training_fields(given: Mapping[str, Any] | None, detected: Training) -> Training:
