@@ -87,3 +87,54 @@ def test_custom_fields_and_training_fields_accept_the_same_values(
         with pytest.raises(sk.UnsupportedValueError, match="custom_fields= must be a mapping of plain JSON"):
             sk.save({"w": torch.ones(1)}, tmp_path / "c", custom_fields=fields)
         assert not (tmp_path / "c").exists()
+
+
+# -- sizes: one unit table for a tier's size_budget and an export's max_shard_size ------------
+
+# Every unit either parser read, with what it means: K/KB ... PB are powers of 1000 (as
+# save_pretrained reads them), KiB ... PiB powers of 1024, in any case.
+SIZES = {
+    "1000": 1000,
+    "7B": 7,
+    "40GB": 40 * 10**9,
+    "40gb": 40 * 10**9,
+    "5 GB": 5 * 10**9,
+    "500MB": 500 * 10**6,
+    "3KB": 3000,
+    "2TB": 2 * 10**12,
+    "1PB": 10**15,
+    "3k": 3000,
+    "2m": 2 * 10**6,
+    "1g": 10**9,
+    "1t": 10**12,
+    "1p": 10**15,
+    "2KiB": 2048,
+    "1.5MiB": 1572864,
+    "2GiB": 2 << 30,
+    "2gib": 2 << 30,
+    "1TiB": 1 << 40,
+    "1PiB": 1 << 50,
+    " 12 mb ": 12 * 10**6,
+}
+
+
+def test_one_size_table_for_tier_budgets_and_shard_sizes() -> None:
+    from shardkeep.config import parse_size
+    from shardkeep.integrations.hf import parse_size as shard_size
+    from shardkeep.tiers import parse_size as budget
+
+    for text, size in SIZES.items():
+        assert parse_size(text, where="x") == size, text
+        assert budget(text) == size and shard_size(text) == size, text
+    assert budget(None) is None and budget(0) == 0 and budget("0") == 0 and budget(7) == 7
+    assert shard_size(1234) == 1234 and shard_size(2e9) == 2 * 10**9
+    for bad in ("5 parsecs", "-1", "", "1 KiBB", "ki", "1e3", "GB", True, [1], math.nan):
+        with pytest.raises(sk.ConfigError, match=r"size_budget=.*(not a size|must be a size)"):
+            budget(bad)  # type: ignore[arg-type]  # wrong types on purpose
+        with pytest.raises(sk.ConfigError, match=r"max_shard_size=.*(not a size|must be a size)"):
+            shard_size(bad)  # type: ignore[arg-type]  # wrong types on purpose
+    with pytest.raises(sk.ConfigError, match="size_budget=-1 must not be negative"):
+        budget(-1)
+    for empty in (0, "0", "0GB"):  # a shard holds at least one byte; a tier may have no room
+        with pytest.raises(sk.ConfigError, match=r"max_shard_size=.* must be positive"):
+            shard_size(empty)

@@ -6,9 +6,11 @@ checked in one place and a bad value produces an error that names the option and
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-from shardkeep.errors import UnsupportedValueError
+from shardkeep.errors import ConfigError, UnsupportedValueError
 
 __all__ = [
     "LOCAL",
@@ -16,6 +18,8 @@ __all__ = [
     "LoadOptions",
     "ManifestLimits",
     "SaveOptions",
+    "SIZE_UNITS",
+    "parse_size",
 ]
 
 MiB = 1 << 20
@@ -32,6 +36,46 @@ DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UnsupportedValueError(f"option {name}={value!r} must be a positive integer")
+
+
+#: The units of a size string, matched without regard to case: none or ``B`` for bytes;
+#: ``K``/``KB``, ``M``/``MB``, ``G``/``GB``, ``T``/``TB``, ``P``/``PB`` in powers of 1000 (as
+#: ``save_pretrained`` and disk vendors read them); ``KiB``, ``MiB``, ``GiB``, ``TiB``, ``PiB`` in
+#: powers of 1024. A tier's ``size_budget`` and an export's ``max_shard_size`` both read these.
+SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    **{"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15},
+    **{"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15},
+    **{"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50},
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: str | int | float, *, where: str, positive: bool = False) -> int:
+    """Bytes from a number or a string such as ``"40GB"``, ``"1.5MiB"`` or ``"1000"`` (units:
+    :data:`SIZE_UNITS`; a fraction of a byte is dropped). Anything else, a negative size, or with
+    ``positive`` a size of 0, is a :class:`ConfigError` naming ``where`` (the option)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}={value!r} must be a size such as '40GB', '1.5MiB' or a number of bytes")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}={value!r} must be a size such as '40GB', '1.5MiB' or a number of bytes")
+        size = int(value)
+    else:
+        match = _SIZE.fullmatch(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in SIZE_UNITS:
+            raise ConfigError(
+                f"{where}={value!r} is not a size: use a number of bytes, or a number with B, KB, MB, GB, TB, PB "
+                "(powers of 1000) or KiB, MiB, GiB, TiB, PiB (powers of 1024)"
+            )
+        size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if size < 0 or (positive and size == 0):
+        raise ConfigError(f"{where}={value!r} " + ("must be positive" if positive else "must not be negative"))
+    return size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import shardkeep.config as shardkeep_config
 from shardkeep.errors import ConfigError, TierBudgetError
 from shardkeep.manifest import Tier
 from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY, section_of
@@ -42,27 +43,6 @@ __all__ = [
 
 #: What a tier does when a tensor would take it over its size budget.
 PLACEMENT_POLICIES = ("prioritized", "strict")
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "p": 10**15,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
 
 
 @dataclass(frozen=True)
@@ -87,23 +67,10 @@ class PlacementInfo:
 Placement = Sequence[tuple[str, str]] | Callable[[PlacementInfo], str]
 
 
-def parse_size(value: str | int | None, *, where: str = "size_budget") -> int | None:
-    """Bytes from ``"40GB"`` (powers of 1000), ``"40GiB"`` (powers of 1024) or an integer."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}={value!r} must be a size like '40GB' or a number of bytes")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{where}={value!r} must not be negative")
-        return value
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}={value!r} must be a size like '40GB' or a number of bytes")
-    match = _SIZE.fullmatch(value)
-    unit = (match.group(2) or "").lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{where}={value!r} is not a size: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+def parse_size(value: str | int | float | None, *, where: str = "size_budget") -> int | None:
+    """Bytes from ``"40GB"`` (powers of 1000), ``"40GiB"`` (powers of 1024) or an integer, as
+    :func:`shardkeep.config.parse_size` reads them; ``None`` (no budget) stays ``None``."""
+    return None if value is None else shardkeep_config.parse_size(value, where=where)
 
 
 def check_tiers(tiers: Iterable[Tier]) -> list[Tier]:

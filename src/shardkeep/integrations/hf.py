@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 import shardkeep.api as api
+import shardkeep.config as shardkeep_config
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -90,36 +91,13 @@ CONFIG_VALUE_KEY = "hf_config"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: Bounds on the JSON files read from a folder (an index of a very large model is a few MiB).
 _MAX_JSON_BYTES = 64 << 20
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | float | str) -> int:
     """Bytes from ``value``: an int, or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` or
-    ``"1000"`` (decimal units, as ``save_pretrained`` reads them; ``KiB``/``MiB``/``GiB`` binary)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"max_shard_size={value!r} must be a size such as '5GB', '500MB' or a number of bytes")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).upper() if match else ""
-        if match is None or unit not in _SIZE_UNITS:
-            raise ConfigError(f"max_shard_size={value!r} must be a size such as '5GB', '500MB' or a number of bytes")
-        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ConfigError(f"max_shard_size={value!r} must be positive")
-    return size
+    ``"1000"`` (decimal units, as ``save_pretrained`` reads them; ``KiB``/``MiB``/``GiB`` binary;
+    :func:`shardkeep.config.parse_size`), at least one byte."""
+    return shardkeep_config.parse_size(value, where="max_shard_size", positive=True)
 
 
 @dataclass(frozen=True)
