@@ -12,10 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tests.distributed_harness import results_or_raise, run_ranks
 
 import shardkeep as sk
+from shardkeep.loading import held_keys
 from shardkeep.tensors.flatten import as_manifest_mapping, is_manifest_value, is_plain_json
+from shardkeep.tensors.regions import wanted_regions
+from shardkeep.tensors.targets import resolve
 from shardkeep.training import json_mapping
+from shardkeep.verification import read_manifest
 
 
 class _Text(str):
@@ -138,3 +143,83 @@ def test_one_size_table_for_tier_budgets_and_shard_sizes() -> None:
     for empty in (0, "0", "0GB"):  # a shard holds at least one byte; a tier may have no room
         with pytest.raises(sk.ConfigError, match=r"max_shard_size=.* must be positive"):
             shard_size(empty)
+
+
+# -- into=: one walk decides what into= holds and which DTensor region a rank reads ---------
+
+
+class _LoadsOnly:
+    """A stateful object with ``load_state_dict`` and no ``state_dict`` (the fill loads it)."""
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def test_one_resolver_says_what_into_holds_at_a_saved_path() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(5))], lr=0.1)
+    stateful = _LoadsOnly()
+    into: dict[str, Any] = {
+        "w": torch.zeros(2),
+        "slot": None,
+        "list": [torch.zeros(1), (torch.zeros(6),)],
+        "model": model,
+        "optim": optimizer,
+        "other": stateful,
+        "plain": 3,
+    }
+    params = optimizer.param_groups[0]["params"]
+
+    assert resolve(into, ["w"]).kind == "slot" and resolve(into, ["w"]).tensor is into["w"]
+    assert resolve(into, ["slot"]).held and resolve(into, ["slot"]).value is None
+    assert resolve(into, ["list", 1, 0]).tensor is into["list"][1][0]
+    module_entry = resolve(into, ["model", "0.weight"])
+    assert module_entry.kind == "module" and module_entry.owner is model
+    assert module_entry.tensor is not None and module_entry.tensor.data_ptr() == model[0].weight.data_ptr()
+    # Everything below an optimizer is its own; a state tensor is shaped like its parameter,
+    # whether its id is an int (torch) or a decimal string (DCP).
+    assert resolve(into, ["optim", "state", 0, "momentum_buffer"]).tensor is params[0]
+    assert resolve(into, ["optim", "state", "1", "momentum_buffer"]).tensor is params[1]
+    group = resolve(into, ["optim", "param_groups", 0, "lr"])
+    assert group.kind == "whole_object" and group.owner is optimizer and group.tensor is None
+    assert resolve(into, ["optim", "state", 7, "momentum_buffer"]).kind == "whole_object"
+    assert resolve(into, ["other", "anything", 0]).owner is stateful
+    for missing in (["slot", "x"], ["list", 2], ["list", "0"], ["model", "0.nope"], ["plain", "x"], ["absent"]):
+        assert not resolve(into, missing).held, missing
+
+
+def _save_and_resolve(rank: int, world_size: int, path: str) -> tuple[list[str], list[str], bool]:
+    """A 2-rank save of DTensors that into= holds in a list and under an optimizer (state ids
+    written as DCP writes them, decimal strings); then what each entry point says of them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def sharded(value: torch.Tensor) -> Any:
+        return distribute_tensor(value, mesh, [Shard(0)])
+
+    saved = {
+        "blocks": [sharded(torch.arange(32.0).reshape(8, 4))],
+        "optim": {"state": {"0": {"exp_avg": sharded(torch.arange(8.0))}}, "param_groups": [{"params": ["0"]}]},
+    }
+    sk.save(saved, path)
+    into = {
+        "blocks": [sharded(torch.zeros(8, 4))],
+        "optim": torch.optim.SGD([torch.nn.Parameter(sharded(torch.zeros(8)))], lr=0.1),
+    }
+    manifest = read_manifest(path)
+    held = sorted(held_keys(into, manifest))
+    wanted = sorted(wanted_regions(into, manifest))
+    sk.load(path, into={"blocks": into["blocks"]}, extra="ignore")
+    return held, wanted, bool(torch.equal(into["blocks"][0].full_tensor(), torch.arange(32.0).reshape(8, 4)))
+
+
+def test_what_into_holds_and_the_regions_a_rank_reads_agree(tmp_path: Path) -> None:
+    """Every sharded key that into= holds as a DTensor (here in a list, and as the state of an
+    optimizer over a DTensor parameter) is read as this rank's region only, and loads right."""
+    outcomes = results_or_raise(run_ranks(2, _save_and_resolve, str(tmp_path / "ckpt"), outbox=tmp_path / "out"))
+    for held, wanted, loaded in outcomes:
+        assert held == ["blocks.0", "optim.state.0.exp_avg"]
+        assert wanted == held
+        assert loaded

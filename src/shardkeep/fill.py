@@ -22,6 +22,7 @@ import torch
 from shardkeep.errors import ShardkeepError, StateMismatchError, UnsupportedValueError
 from shardkeep.tensors.convert import is_dtensor, local_region
 from shardkeep.tensors.regions import Region, region_slices
+from shardkeep.tensors.targets import is_stateful
 
 __all__ = ["fill_into", "restore_optimizer_ids"]
 
@@ -489,7 +490,7 @@ def _plan_entry(
         _plan_module(current, new, name, actions, partial=partial, absent=absent)
     elif isinstance(current, torch.optim.Optimizer) and isinstance(new, Mapping):
         actions.append(_fill_optimizer(current, new, name, partial=partial, absent=absent))
-    elif callable(getattr(current, "load_state_dict", None)) and not isinstance(current, Mapping):
+    elif is_stateful(current):
         actions.append(_LoadState(name, current, new))
     elif isinstance(current, Mapping) and isinstance(new, Mapping):
         _plan_fill(current, new, name, actions, partial=partial, absent=absent, add_extra=add_extra)
@@ -517,9 +518,7 @@ def _plan_entry(
 
 def _is_live(value: Any) -> bool:
     """A value of ``into`` that is filled in place, never replaced."""
-    return isinstance(value, (torch.Tensor, np.ndarray, torch.nn.Module, torch.optim.Optimizer)) or (
-        callable(getattr(value, "load_state_dict", None)) and not isinstance(value, Mapping)
-    )
+    return isinstance(value, (torch.Tensor, np.ndarray)) or is_stateful(value)
 
 
 def _fill_tensor(current: torch.Tensor, new: Any, name: str) -> _FillAction:

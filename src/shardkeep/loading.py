@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.errors import (
     IntegrityError,
@@ -31,6 +29,7 @@ from shardkeep.tensors.convert import (
 from shardkeep.tensors.flatten import rebuild_state
 from shardkeep.tensors.keys import section_of
 from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
+from shardkeep.tensors.targets import TargetResolver
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -237,11 +236,11 @@ class LoadJob:
 
 
 def held_keys(into: Any, manifest: Manifest) -> set[str]:
-    """The saved tensor keys that have a place in ``into``: what ``load(extra="ignore")``
-    reads. A place is a key of a mapping, an index of a list or tuple, a key of a module's state,
-    anything under an optimizer or another object with ``load_state_dict`` (each takes its
-    whole state), or a slot holding ``None``."""
-    state_dicts: dict[int, Mapping[str, Any]] = {}
+    """The saved tensor keys that have a place in ``into`` (:mod:`shardkeep.tensors.targets`):
+    what ``load(extra="ignore")`` reads. A place is a key of a mapping, an index of a list or
+    tuple, a key of a module's state, anything under an optimizer or another object with
+    ``load_state_dict`` (each takes its whole state), or a slot holding ``None``."""
+    targets = TargetResolver(into)
     held: set[str] = set()
     seen: set[str] = set()
     described: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
@@ -251,33 +250,9 @@ def held_keys(into: Any, manifest: Manifest) -> set[str]:
         if entry.key in seen:
             continue
         seen.add(entry.key)
-        if _has_place(into, entry.path, state_dicts):
+        if targets.resolve(entry.path).held:
             held.add(entry.key)
     return held
-
-
-def _has_place(node: Any, path: list[str | int], state_dicts: dict[int, Mapping[str, Any]]) -> bool:
-    """Whether ``into`` (``node``) has a place for the saved leaf at ``path``."""
-    for position, part in enumerate(path):
-        if isinstance(node, torch.optim.Optimizer):
-            return True  # an optimizer's load_state_dict takes all of its state
-        if isinstance(node, torch.nn.Module):
-            own = state_dicts.get(id(node))
-            if own is None:
-                own = state_dicts[id(node)] = node.state_dict()
-            # A module's state keys are one path part each ("0.weight").
-            return position == len(path) - 1 and str(part) in own
-        if isinstance(node, Mapping):
-            if part not in node:
-                return False
-            node = node[part]
-        elif isinstance(node, (list, tuple)):
-            if not isinstance(part, int) or not 0 <= part < len(node):
-                return False
-            node = node[part]
-        else:
-            return callable(getattr(node, "state_dict", None)) and callable(getattr(node, "load_state_dict", None))
-    return True
 
 
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:

@@ -9,13 +9,13 @@ local shard (:class:`Region`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, ShardedTensor, TensorEntry
 from shardkeep.tensors.convert import NAME_TO_TORCH, is_dtensor, local_region
+from shardkeep.tensors.targets import TargetResolver
 
 __all__ = ["Region", "assemble", "needed_entries", "overlap", "region_slices", "wanted_regions"]
 
@@ -105,41 +105,21 @@ def needed_entries(record: FileRecord, wanted: dict[str, tuple[list[int], list[i
 
 
 def wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], list[int]]]:
-    """For each sharded key whose target in ``into`` is a DTensor: that rank's (offset, shape)."""
+    """For each sharded key whose target in ``into`` (:mod:`shardkeep.tensors.targets`) is a
+    DTensor of its global shape, or an optimizer state shaped like such a parameter: that
+    rank's (offset, shape)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
-    state_dicts: dict[int, Mapping[str, Any]] = {}
+    targets = TargetResolver(into)
     sharded: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
     if isinstance(manifest, IndexedManifest):
         sharded += manifest.sharded  # format 2.0: described once, whether or not a chunk is listed
     for entry in sharded:
         if entry.global_shape is None or entry.key in regions:
             continue
-        target = resolve_target(into, entry.path, state_dicts)
-        if is_dtensor(target) and list(target.shape) == entry.global_shape:
+        target = targets.resolve(entry.path).tensor
+        if target is not None and is_dtensor(target) and list(target.shape) == entry.global_shape:
             regions[entry.key] = local_region(target)
     return regions
-
-
-def resolve_target(node: Any, path: list[str | int], state_dicts: dict[int, Mapping[str, Any]]) -> Any:
-    """The object in ``into`` at a saved state path, looking through modules and optimizers."""
-    for position, part in enumerate(path):
-        if isinstance(node, torch.optim.Optimizer):
-            # ["state", <param index>, <field>]: a state tensor is shaped like its parameter.
-            if part != "state" or position + 1 >= len(path):
-                return None
-            params = [param for group in node.param_groups for param in group["params"]]
-            index = path[position + 1]
-            return params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        if isinstance(node, torch.nn.Module):
-            own = state_dicts.get(id(node))
-            if own is None:
-                own = state_dicts[id(node)] = node.state_dict()
-            return own.get(str(part)) if position == len(path) - 1 else None
-        if isinstance(node, Mapping):
-            node = node.get(part)
-        else:
-            return None
-    return node
 
 
 def region_slices(offset: list[int], shape: list[int]) -> tuple[slice, ...]:
