@@ -20,6 +20,7 @@ from shardkeep.errors import CheckpointFieldError
 from shardkeep.integrity import digest_bytes
 from shardkeep.manifest import Manifest
 from shardkeep.tensors.flatten import as_manifest_mapping, rebuild_state
+from shardkeep.tensors.targets import is_stateful
 
 __all__ = [
     "FILLED",
@@ -113,7 +114,7 @@ class TrainingCheckpoint:
             if name not in state:
                 continue
             current = getattr(self, name)
-            if _is_live(current):
+            if is_stateful(current):
                 continue
             setattr(self, name, state[name])
 
@@ -181,12 +182,6 @@ def _numpy_rng_state() -> dict[str, Any]:
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),
     }
-
-
-def _is_live(value: Any) -> bool:
-    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
-        callable(getattr(value, "load_state_dict", None)) and not isinstance(value, Mapping)
-    )
 
 
 def json_mapping(name: str, value: Any) -> dict[str, Any]:
