@@ -87,40 +87,49 @@ def is_manifest_value(
 
 
 def _is_value(value: Any, depth: int, limit: int, nonfinite: bool, expanded: bool, exact: bool) -> bool:
-    """:func:`is_manifest_value` at nesting ``depth``."""
+    """:func:`is_manifest_value` at nesting ``depth`` (the flattener's hot path: the exact
+    built-in types are tried first, their subclasses last)."""
     if depth > limit:
         return False
-    if value is None:
-        return True
     kind = type(value)
-    if exact:
-        if kind is str:
-            return _valid_text(value)
-        if kind is bool:
-            return True
-        if kind is int:
-            return bool(_INT64_MIN <= value <= _UINT64_MAX)
-        if kind is float:
-            return nonfinite or math.isfinite(value)
-    elif isinstance(value, (str, bool)):
-        return True
-    elif isinstance(value, int):
-        return _INT64_MIN <= value <= _UINT64_MAX
-    elif isinstance(value, float):
+    if kind is str:
+        return not exact or _valid_text(value)
+    if kind is float:
         return nonfinite or math.isfinite(value)
+    if kind is int:
+        number: int = value
+        return _INT64_MIN <= number <= _UINT64_MAX
+    if value is None or kind is bool:
+        return True
     if kind is list or (expanded and kind is tuple):
-        return all(_is_value(item, depth + 1, limit, nonfinite, expanded, exact) for item in value)
+        for item in value:  # noqa: SIM110  # a loop: all() over a generator measured 1.8x slower (2026-11-27)
+            if not _is_value(item, depth + 1, limit, nonfinite, expanded, exact):
+                return False
+        return True
     if kind is dict:
-        return all(
-            _is_key(key, expanded, exact) and _is_value(item, depth + 1, limit, nonfinite, expanded, exact)
-            for key, item in value.items()
-        )
+        for key, item in value.items():
+            if type(key) is str:
+                if exact and not _valid_text(key):
+                    return False
+            elif not ((expanded and type(key) is int) or (not exact and _is_key_subclass(key, expanded))):
+                return False
+            if not _is_value(item, depth + 1, limit, nonfinite, expanded, exact):
+                return False
+        return True
+    if exact:
+        return False
+    if isinstance(value, (str, bool)):
+        return True
+    if isinstance(value, int):
+        subclassed: int = value
+        return _INT64_MIN <= subclassed <= _UINT64_MAX
+    if isinstance(value, float):
+        return nonfinite or math.isfinite(value)
     return False
 
 
-def _is_key(key: Any, int_keys: bool, exact: bool) -> bool:
-    if exact:
-        return (type(key) is str and _valid_text(key)) or (int_keys and type(key) is int)
+def _is_key_subclass(key: Any, int_keys: bool) -> bool:
+    """A dict key of a subclass of ``str`` (or, with ``int_keys``, of ``int``, never ``bool``)."""
     return isinstance(key, str) or (int_keys and isinstance(key, int) and not isinstance(key, bool))
 
 
