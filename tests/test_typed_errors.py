@@ -87,7 +87,9 @@ def test_same_error_rebuilds_the_class_by_name() -> None:
     assert type(differs) is sk.FingerprintMismatchError and differs.differences == []
     field = same_error("CheckpointFieldError", "TrainingCheckpoint field 'rng': bad", {"field": "rng"})
     assert type(field) is sk.CheckpointFieldError and str(field).endswith("'rng': bad") and field.field == "rng"
-    corrupted = same_error("LedgerCorruptedError", "no valid copy", {"manifest_path": "/l.json"})
+    corrupted = same_error(
+        "LedgerCorruptedError", "no valid copy", {"manifest_path": "/l.json", "ledger_path": "/l.json"}
+    )
     assert isinstance(corrupted, sk.ManifestCorruptedError) and corrupted.ledger_path == "/l.json"
     assert corrupted.problems == {}
     integrity = same_error("IntegrityError", "digest")
@@ -232,6 +234,8 @@ def test_the_intermediate_bases_group_their_classes() -> None:
         grouped = {name for name in errors.__all__ if name[0].isupper() and issubclass(_error_class(name), base_class)}
         assert grouped - {base, "ManifestCorruptedError"} == members, base
     assert sk.ManifestCorruptedError is sk.LedgerCorruptedError
+    corrupted = sk.ManifestCorruptedError("no valid copy", "/job/progress.json")
+    assert corrupted.ledger_path == corrupted.manifest_path == "/job/progress.json"
     # A refused commit stays an UnsupportedValueError, as before it had its own class.
     assert issubclass(sk.CommitRefusedError, sk.UnsupportedValueError)
     assert not issubclass(sk.CommitRefusedError, sk.ConfigError)

@@ -316,13 +316,8 @@ class LedgerCorruptedError(LedgerError):
 
     def __init__(self, message: str, manifest_path: str = "", problems: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.manifest_path = manifest_path
+        self.ledger_path = self.manifest_path = manifest_path
         self.problems: dict[str, str] = dict(problems) if problems else {}
-
-    @property
-    def ledger_path(self) -> str:
-        """The ledger's primary path."""
-        return self.manifest_path
 
 
 ManifestCorruptedError = LedgerCorruptedError
