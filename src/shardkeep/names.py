@@ -65,6 +65,7 @@ __all__ = [
     "name_digest",
     "sibling_name",
     "sibling_prefix",
+    "step_of_checkpoint",
     "step_of_name",
 ]
 
@@ -215,6 +216,15 @@ def step_of_name(name: str) -> int | None:
         return None
     step = int(match.group(1))
     return step if step <= MAX_STEP else None
+
+
+def step_of_checkpoint(name: str) -> int:
+    """The step of checkpoint name ``name`` (``step_<N>``, as :func:`checkpoint_name` makes
+    it); refuses (:class:`~shardkeep.errors.ConfigError`) any other name."""
+    step = step_of_name(name)
+    if step is None:
+        raise ConfigError(f"{name[:80]!r} is not a checkpoint name (step_<N>)")
+    return step
 
 
 def checkpoint_name(step: int) -> str:
