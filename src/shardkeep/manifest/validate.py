@@ -109,14 +109,14 @@ def validate_entries_one_by_one(manifest: Manifest, *, limits: ManifestLimits | 
     return _validate(manifest, limits or ManifestLimits(), columns=False)
 
 
-def check_manifest(manifest: Manifest, *, limits: ManifestLimits | None = None) -> list[str]:
-    """Every error that keeps ``manifest`` from being committed or read: those of
-    :func:`validate_manifest`, then those of the coverage check of chunks
-    (:func:`~shardkeep.manifest.coverage.coverage_problems`)."""
-    errors = validate_manifest(manifest, limits=limits).errors
+def check_manifest(manifest: Manifest, *, limits: ManifestLimits | None = None) -> ValidationResult:
+    """:func:`validate_manifest`, and then the coverage check of chunks
+    (:func:`~shardkeep.manifest.coverage.coverage_problems`), whose problems are errors too:
+    every error in the result keeps ``manifest`` from being committed or read."""
+    result = validate_manifest(manifest, limits=limits)
     if has_chunks(manifest):  # coverage_problems finds nothing without chunks
-        errors += coverage_problems(manifest)
-    return errors
+        result.errors += coverage_problems(manifest)
+    return result
 
 
 def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> ValidationResult:
