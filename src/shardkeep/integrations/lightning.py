@@ -73,6 +73,7 @@ from shardkeep.names import (
     LIGHTNING_OLD_ROLE,
     LIGHTNING_RETIRED_ROLE,
     LIGHTNING_TAG,
+    MANIFEST_FILENAME,
     NAME_MAX,
     STAGING_MARKER,
     check_name_length,
@@ -251,7 +252,7 @@ def _fsync_directory(path: str) -> None:
 
 
 def _is_checkpoint_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST_FILENAME))
 
 
 #: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
