@@ -131,7 +131,8 @@ _T = TypeVar("_T")
 
 class Transient(Generic[_T]):
     """A declared attribute of a manifest struct that is not one of its fields: msgspec never
-    encodes, decodes or compares it, and ``msgspec.structs.replace`` does not carry it over.
+    encodes, decodes, compares or pickles it, and ``msgspec.structs.replace`` does not carry it
+    over.
 
     The struct is declared ``dict=True`` (msgspec's place for runtime state a struct holds
     besides its fields); the value lives there under the attribute's own name and reads as
