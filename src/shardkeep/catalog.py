@@ -53,27 +53,26 @@ from shardkeep.config import ManifestLimits
 from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
 from shardkeep.indexes import expand_all, index_paths
 from shardkeep.integrity import SignaturePolicy, read_regular_file
-from shardkeep.manifest import (
+from shardkeep.manifest import FileRecord, Manifest, stored_bytes
+from shardkeep.names import (
+    ATTEMPT_PREFIX,
+    CHECKPOINT_NAME,
     DELETING_MARKER,
     MANIFEST_FILENAME,
+    POINTERS,
+    RETAINED_MARKER,
     SIGNATURE_FILENAME,
     STAGING_MARKER,
-    FileRecord,
-    Manifest,
-    is_staging_name,
-    stored_bytes,
-)
-from shardkeep.names import (
-    MAX_STEP,
-    STEP_NAME,
+    checkpoint_name,
     is_derived_name,
     is_shortened,
     is_sibling_of,
+    is_staging_name,
     sibling_name,
     step_of_name,
 )
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
-from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
+from shardkeep.storage import ByteStore, LocalStore, adapt_store, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -98,19 +97,8 @@ __all__ = [
 
 logger = logging.getLogger("shardkeep")
 
-#: Committed checkpoints in a root are directories named ``step_<N>``: see
-#: :func:`shardkeep.names.step_of_name`, which also bounds ``N`` by what a manifest records.
-CHECKPOINT_NAME = STEP_NAME
-#: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
-POINTERS = ("last", "best")
 #: Staging directories untouched for this long are leftovers of crashed saves.
 DEFAULT_LEASE = 3600.0
-
-
-def checkpoint_name(step: int) -> str:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ConfigError(f"step={step!r} must be an integer from 0 to {MAX_STEP}")
-    return f"step_{step:08d}"
 
 
 def misnamed_problem(name: str, manifest: Manifest) -> str | None:
@@ -387,7 +375,7 @@ class CheckpointRoot:
         return (
             bool(listing)
             and all(info.kind == "file" for _, info in listing)
-            and "_retained" in {relative.rpartition("/")[2] for relative, _ in listing}
+            and RETAINED_MARKER in {relative.rpartition("/")[2] for relative, _ in listing}
         )
 
     def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> tuple[list[str], list[str]]:
@@ -694,8 +682,8 @@ class CheckpointRoot:
             self._remove_files([key for key in doomed if not (key[0] is None and key[1] == name)])
             self.store.remove_tree(moved)
             return
-        if own_listed and self.store.stat(f"{name}/_retained") is None:
-            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by other checkpoints\n")
+        if own_listed and self.store.stat(f"{name}/{RETAINED_MARKER}") is None:
+            self.store.put_atomic(f"{name}/{RETAINED_MARKER}", b"files here are referenced by other checkpoints\n")
         # The commit point next: without its manifest, nothing reads it as a checkpoint.
         manifest_path = f"{name}/{MANIFEST_FILENAME}"
         self.store.remove_file(manifest_path)
@@ -713,7 +701,7 @@ class CheckpointRoot:
         files kept for others: no manifest, and the ``_retained`` marker."""
         return (
             self.store.stat(f"{owner}/{MANIFEST_FILENAME}") is None
-            and self.store.stat(f"{owner}/_retained") is not None
+            and self.store.stat(f"{owner}/{RETAINED_MARKER}") is not None
         )
 
     def _remove_files(self, files: list[tuple[str | None, str, str]]) -> None:
@@ -725,7 +713,7 @@ class CheckpointRoot:
         for location, owner in owners:
             store = self.tier_store(location)
             try:
-                left = [relative for relative, _ in store.list_files(owner) if relative != "_retained"]
+                left = [relative for relative, _ in store.list_files(owner) if relative != RETAINED_MARKER]
             except CheckpointNotFoundError:
                 continue
             if not left and (location is not None or store.stat(f"{owner}/{MANIFEST_FILENAME}") is None):

@@ -45,7 +45,7 @@ from shardkeep.errors import (
 )
 from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
-from shardkeep.names import check_name_length, sibling_name
+from shardkeep.names import STAGING_MARKER, check_name_length, sibling_name
 from shardkeep.storage.local import fsync_directory_path
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
@@ -303,7 +303,7 @@ def _write_replacing(target: str, write: Callable[[str], None]) -> None:
     exclusively), fsync, rename over ``target``, fsync of the directory."""
     directory, name = os.path.split(os.path.abspath(target))
     check_name_length(name, "export destination")
-    temporary = os.path.join(directory, sibling_name(name, ".tmp-", uuid.uuid4().hex[:12], lead="."))
+    temporary = os.path.join(directory, sibling_name(name, STAGING_MARKER, uuid.uuid4().hex[:12], lead="."))
     os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     try:
         write(temporary)
