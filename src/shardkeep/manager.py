@@ -29,7 +29,7 @@ from shardkeep.catalog import (
     DEFAULT_LEASE,
     CheckpointEntry,
     CheckpointRoot,
-    _Found,
+    Found,
     checkpoint_name,
     load_config_file,
     misnamed_problem,
@@ -540,7 +540,7 @@ class CheckpointManager:
         )
 
     # -- reading ----------------------------------------------------------------------------
-    def _scope(self, found: builtins.list[_Found]) -> str | None:
+    def _scope(self, found: builtins.list[Found]) -> str | None:
         return self._run_id if self._run_id is not None else CheckpointRoot.owner(found)
 
     def _entries(self, *, verify: bool) -> builtins.list[CheckpointEntry]:

@@ -298,7 +298,7 @@ def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: st
     save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
 
 
-def _write_replacing(target: str, write: Callable[[str], None]) -> None:
+def write_replacing(target: str, write: Callable[[str], None]) -> None:
     """Write ``target`` whole or not at all: a fresh temporary file beside it (created
     exclusively), fsync, rename over ``target``, fsync of the directory."""
     directory, name = os.path.split(os.path.abspath(target))
@@ -355,7 +355,7 @@ def export_checkpoint(
     flat = flatten_state(state)
     tensor_bytes = sum(int(leaf.value.nbytes) for leaf in flat.tensors)
     try:
-        _write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
+        write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc}") from exc
     return ExportSummary(target, kind, len(flat.tensors), len(flat.values), tensor_bytes)
