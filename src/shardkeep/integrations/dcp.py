@@ -88,7 +88,7 @@ from shardkeep.saving.manifest_build import (
 )
 from shardkeep.storage import LocalStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
-from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
+from shardkeep.tensors.flatten import TensorLeaf, flatten_state, is_manifest_value, rebuild_state
 from shardkeep.verification import CheckpointLocation, FileResolver, locate, read_checked_manifest
 
 if TYPE_CHECKING:
@@ -467,33 +467,10 @@ def _abort_quietly(commit: CheckpointCommit) -> None:
         pass
 
 
-def _json_able(value: Any, depth: int = 0) -> bool:
-    """True for exactly the plain values a manifest stores: ``None``, bools, ints, floats
-    (non-finite ones too), valid Unicode strings, and lists, tuples and dicts (str or int keys)
-    of those; subclasses (``OrderedDict``, named tuples) and everything else are not."""
-    if depth > MAX_PATH_DEPTH:
-        return False
-    kind = type(value)
-    if value is None or kind in (bool, int, float):
-        return True
-    if kind is str:
-        return _valid_text(value)
-    if kind in (list, tuple):
-        return all(_json_able(item, depth + 1) for item in value)
-    if kind is dict:
-        return all(
-            (type(key) is int or (type(key) is str and _valid_text(key))) and _json_able(item, depth + 1)
-            for key, item in value.items()
-        )
-    return False
-
-
-def _valid_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _json_able(value: Any) -> bool:
+    """True for exactly the plain values a manifest stores and gives back as the same types
+    (:func:`~shardkeep.tensors.flatten.is_manifest_value`, expanded, exact types)."""
+    return is_manifest_value(value, allow_nonfinite=True, allow_int_keys=True, exact_types=True)
 
 
 def _json_item(data: bytes) -> bytes | None:

@@ -15,7 +15,7 @@ import torch
 
 from shardkeep.config import ManifestLimits
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import UnsupportedValueError
+from shardkeep.errors import CommitRefusedError, UnsupportedValueError
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manifest
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
@@ -41,7 +41,7 @@ from shardkeep.manifest import (
 from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.saving.wire import Descriptions, RankReport, merged_descriptions
 from shardkeep.tensors.coverage import coverage_problems
-from shardkeep.tensors.flatten import is_plain_json
+from shardkeep.tensors.flatten import as_manifest_mapping
 from shardkeep.tensors.keys import ROUTER_KEY
 
 if TYPE_CHECKING:
@@ -205,11 +205,12 @@ def plain_json_mapping(name: str, value: Mapping[str, Any] | None) -> dict[str, 
     """The option ``name`` (``custom_fields=``) as a dict, refused unless plain JSON."""
     if value is None:
         return {}
-    if not isinstance(value, Mapping) or not is_plain_json(dict(value)):
+    plain = as_manifest_mapping(value)
+    if plain is None:
         raise UnsupportedValueError(
             f"{name}= must be a mapping of plain JSON values (string keys, finite numbers, lists, dicts)"
         )
-    return dict(value)
+    return plain
 
 
 def training_fields(given: Mapping[str, Any] | None, detected: Training) -> Training:
@@ -287,7 +288,7 @@ def indexed_manifest(
     expected = sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in sharded)
     written = sum(report.indexed_bytes for report in reports)
     if written != expected:
-        raise UnsupportedValueError(
+        raise CommitRefusedError(
             f"cannot commit {location}: the ranks wrote {written} bytes of chunks of sharded tensors, "
             f"but those tensors hold {expected} bytes"
         )
@@ -360,16 +361,17 @@ def commit_manifest(
     data_files: Iterable[str],
     validate: bool = True,
 ) -> None:
-    """Commit ``manifest``, the last step of every save: refuse what load would refuse (the
-    manifest's own checks unless ``validate=False``, where they already ran, and every chunked
-    tensor tiled exactly once), register the ``data_files`` whose directories the commit makes
-    durable, seal with the manifest's digest, warn when readers will need ``limits=``, sign
-    with ``private_key`` and commit."""
+    """Commit ``manifest``, the last step of every save: refuse what load would refuse with a
+    :class:`~shardkeep.errors.CommitRefusedError` (the manifest's own checks unless
+    ``validate=False``, where they already ran, and every chunked tensor tiled exactly once),
+    register the ``data_files`` whose directories the commit makes durable, seal with the
+    manifest's digest, warn when readers will need ``limits=``, sign with ``private_key`` and
+    commit."""
     problems = validate_manifest(manifest).errors if validate else []
     if has_chunks(manifest):  # coverage_problems finds nothing without chunks
         problems += coverage_problems(manifest)
     if problems:
-        raise UnsupportedValueError(f"cannot commit {location}: " + "; ".join(problems[:5]))
+        raise CommitRefusedError(f"cannot commit {location}: " + "; ".join(problems[:5]))
     for path in data_files:
         commit.add_data_file(path)
     sealed = seal_manifest(encode_manifest(manifest), manifest.digest_algorithm)
