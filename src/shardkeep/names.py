@@ -151,3 +151,7 @@ def step_of_name(name: str) -> int | None:
         return None
     step = int(match.group(1))
     return step if step <= MAX_STEP else None
+
+
+#: Hugging Face folders: the previous folder during a replacement is ``.<name>.old-<id>``.
+HF_OLD_MARKER = ".old-"

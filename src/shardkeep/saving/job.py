@@ -70,6 +70,7 @@ from shardkeep.saving.manifest_build import (
 from shardkeep.saving.settings import SaveSettings
 from shardkeep.saving.wire import Descriptions, RankReport, decode_report, encode_report
 from shardkeep.storage import LocalStore, open_store, write_new
+from shardkeep.storage.localfs import makedirs_durable
 from shardkeep.tensors.flatten import FlatState, flatten_state
 from shardkeep.tensors.keys import section_of
 from shardkeep.tiers import check_tiers, place
@@ -82,26 +83,16 @@ __all__ = ["SaveJob", "ensure_directory", "run_job", "run_save"]
 
 
 def ensure_directory(path: str) -> None:
-    """Create ``path`` and missing parents, fsyncing each parent whose entries changed."""
-    if os.path.isdir(path):
-        return
-    parent = os.path.dirname(path)
-    if parent and parent != path:
-        ensure_directory(parent)
+    """Create the local directory ``path`` and missing parents durably
+    (:func:`~shardkeep.storage.localfs.makedirs_durable`); a failure is a
+    :class:`~shardkeep.errors.StorageError` whose cause is the ``OSError``. Something other
+    than a directory at ``path`` is left for the commit to refuse."""
     try:
-        os.mkdir(path, 0o755)
+        makedirs_durable(path)
     except FileExistsError:
         return
     except OSError as exc:
-        raise StorageError(f"cannot create directory {path!r}: {exc.strerror}") from exc
-    try:
-        fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise StorageError(f"fsync of directory {parent!r} failed: {exc.strerror}") from exc
+        raise StorageError(f"cannot create directory {exc.filename or path!r}: {exc.strerror}") from exc
 
 
 #: Why a filesystem refuses to write, by errno, in the words a save error uses.
