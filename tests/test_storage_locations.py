@@ -76,7 +76,7 @@ def test_the_manager_takes_a_file_url_as_the_local_root(tmp_path: Path) -> None:
     manager.save(state(2.0), step=2)
     assert sorted(os.listdir(root)) == ["best", "last", "step_00000002"]
     restored = sk.CheckpointManager(root).restore()
-    assert torch.equal(restored["model"]["w"], torch.full((4,), 2.0))
+    assert restored.step == 2 and torch.equal(restored.state["model"]["w"], torch.full((4,), 2.0))
 
 
 def test_a_tier_location_given_as_a_file_url_is_its_local_path(tmp_path: Path) -> None:
