@@ -73,7 +73,8 @@ from shardkeep.storage import LocalStore, open_store, write_new
 from shardkeep.storage.localfs import makedirs_durable
 from shardkeep.tensors.flatten import FlatState, flatten_state
 from shardkeep.tensors.keys import section_of
-from shardkeep.tiers import check_tiers, place
+from shardkeep.tiers import check_tiers
+from shardkeep.tiers import place as place_on_tiers
 from shardkeep.verification import CheckpointLocation, locate
 
 if TYPE_CHECKING:
@@ -230,7 +231,7 @@ class SaveJob:
             self.tier_of = dict.fromkeys(totals, self.tiers[0].name)  # nothing to decide
             return
         optim, router, _ = self._sections_of()
-        self.tier_of = place(
+        self.tier_of = place_on_tiers(
             [(key, nbytes, dtype) for key, (nbytes, dtype) in sorted(totals.items())],
             self.tiers,
             self.settings.placement,
