@@ -29,7 +29,7 @@ from shardkeep.catalog import (
     DEFAULT_LEASE,
     CheckpointEntry,
     CheckpointRoot,
-    _Found,
+    Found,
     checkpoint_name,
     load_config_file,
     misnamed_problem,
@@ -63,7 +63,16 @@ from shardkeep.manifest import (
 from shardkeep.names import CORRUPT_MARKER, sibling_name, step_of_checkpoint
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store, renames
+from shardkeep.storage import (
+    ByteStore,
+    LocalStore,
+    StoreOperations,
+    adapt_store,
+    local_path,
+    localfs,
+    open_store,
+    renames,
+)
 from shardkeep.training import (
     FILLED,
     TrainingCheckpoint,
@@ -537,7 +546,7 @@ class CheckpointManager:
         )
 
     # -- reading ----------------------------------------------------------------------------
-    def _scope(self, found: builtins.list[_Found]) -> str | None:
+    def _scope(self, found: builtins.list[Found]) -> str | None:
         return self._run_id if self._run_id is not None else CheckpointRoot.owner(found)
 
     def _entries(self, *, verify: bool) -> builtins.list[CheckpointEntry]:
@@ -807,9 +816,10 @@ def _open_root(
     directory (created unless read-only)."""
     if storage is not None:
         return adapt_store(storage), root
-    if "://" in root:
+    local = local_path(root)
+    if local is None:
         return open_store(root, storage_options), root.rstrip("/")
-    return _local_root(root, create=create), os.path.abspath(root)
+    return _local_root(local, create=create), local
 
 
 def _local_root(root: str, *, create: bool) -> LocalStore:
@@ -817,7 +827,7 @@ def _local_root(root: str, *, create: bool) -> LocalStore:
     false); an unusable root raises :class:`~shardkeep.errors.StorageError` naming it."""
     try:
         if create:
-            os.makedirs(root, exist_ok=True)
+            localfs.makedirs_durable(root)
         if os.path.lexists(root) and not os.path.isdir(root):
             raise StorageError(f"checkpoint root {root} is not a directory")
         return LocalStore(root)
