@@ -48,8 +48,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors import SafetensorError
 
 import shardkeep as sk
-from conftest import reseal
 from shardkeep.integrity import PASSPHRASE_ENV, digest_bytes
+from tests.support.disk import reseal
 
 
 def _permission_bits_enforced() -> bool:

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardkeep as sk
-from conftest import assert_same_tree, make_state
 from shardkeep.cli import main
 from shardkeep.integrity import generate_key_pair
 from shardkeep.interop import detect_format, export_checkpoint, import_checkpoint
+from tests.support.states import assert_same_tree, make_state
 
 
 def _training_state() -> dict[str, Any]:

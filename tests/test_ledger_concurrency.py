@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-import ledger_workers
-from figures import record
 from shardkeep.ledger import ProgressLedger
+from tests.support import ledger_workers
+from tests.support.figures import record
 
 pytestmark = pytest.mark.slow  # many writer processes
 

@@ -92,8 +92,8 @@ def make_v2(out: Path) -> None:
     """``v2.0/step_00000042``, saved by 2 forked gloo ranks."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from distributed_harness import results_or_raise, run_ranks
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as outbox:

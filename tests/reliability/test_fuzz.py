@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import format2
 import msgspec
 import pytest
 import torch
@@ -21,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from figures import record, scale
 from shardkeep.integrity import (
     SignaturePolicy,
     check_signature,
@@ -32,6 +30,8 @@ from shardkeep.integrity import (
 )
 from shardkeep.manifest import decode_manifest, encode_manifest, unsafe_path_reason, validate_manifest
 from shardkeep.tensors.shardfile import build_header, check_header, parse_header
+from tests.reliability import format2
+from tests.support.figures import record, scale
 
 EXAMPLES = scale(500, 2600)
 KEY = Ed25519PrivateKey.generate()

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import reseal
-from figures import record
 from shardkeep.cli import main
+from tests.support.disk import reseal
+from tests.support.figures import record
 
 OUTSIDE_NAME = "OUTSIDE-SECRET"
 

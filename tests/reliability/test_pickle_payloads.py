@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import shardkeep as sk
-from figures import record
 from shardkeep.cli import main
 from shardkeep.interop import import_checkpoint
+from tests.support.figures import record
 
 
 class _Payload:
