@@ -161,7 +161,7 @@ def test_prune_is_a_dry_run_unless_applied(managed_root: Path) -> None:
         run("prune", str(managed_root), "--keep-last", "-1")
 
 
-# -- exit codes: 0 ok, 1 problems found, 2 usage error or unreadable (issue 16) ------------------
+# -- exit codes: 0 ok, 1 problems found, 2 usage error or unreadable -----------------------------
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Signed manifests (RELIABILITY.md rule 17): ``manifest.sig`` is an Ed25519 signature over a
+"""Signed manifests: ``manifest.sig`` is an Ed25519 signature over a
 domain-separation prefix and the manifest's exact bytes, checked before the manifest is parsed."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Hypothesis fuzzing of the four parsers that read untrusted bytes: the manifest, the shard
-(safetensors) header, paths, and the signature file (RELIABILITY.md rule 16). The only errors
+(safetensors) header, paths, and the signature file. The only errors
 allowed are shardkeep's own types; 10,000+ inputs in the full run."""
 
 from __future__ import annotations

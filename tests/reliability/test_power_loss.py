@@ -1,4 +1,4 @@
-"""Simulated power loss at every operation of a save (RELIABILITY.md rule 4), and the mutation
+"""Simulated power loss at every operation of a save, and the mutation
 check: with any one fsync of the save removed, the same sweep finds a violation.
 
 A ``kill -9`` cannot see a missing fsync, because the page cache survives the kill. Here the
