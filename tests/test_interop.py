@@ -180,7 +180,7 @@ def test_a_dcp_import_gives_every_parameter_its_optimizer_state_back(tmp_path: P
 
 
 def test_string_keyed_optimizer_state_is_matched_or_refused_on_load(tmp_path: Path) -> None:
-    """A checkpoint already holding string state keys (an import from before the fix, or any
+    """A checkpoint already holding string state keys (an import by an older shardkeep, or any
     string-keyed source) loads with its state matched to the parameters; a key that matches no
     parameter is refused instead of dropped in silence."""
     model, optim = _adamw_trained(0)

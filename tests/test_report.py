@@ -266,8 +266,8 @@ def labels_outside_their_frame(figure: Any) -> list[str]:
 
 
 def test_plot_keeps_every_label_inside_its_frame(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The newest checkpoint (the rightmost point) is `last`: its label used to run off the right
-    edge of the frame."""
+    """The newest checkpoint (the rightmost point) is `last`: its label, the widest, stays inside
+    the right edge of the frame."""
     saved = drawn_figure(monkeypatch)
     code, out, _ = run("ls", str(root), "--plot", str(tmp_path / "p.png"))
     assert code == 0, out

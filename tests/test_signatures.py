@@ -197,8 +197,8 @@ def test_malformed_signature_files_are_typed_errors(tmp_path: Path, key: Ed25519
 
 @pytest.mark.timeout(60)
 def test_key_files_must_be_small_regular_files(tmp_path: Path, key: Ed25519PrivateKey) -> None:
-    """A FIFO given as a key used to block forever; a device, a directory, a symlink to any of
-    them or a huge file is refused too, promptly, with the path and the reason."""
+    """A FIFO given as a key (an open of it would block forever), a device, a directory, a symlink
+    to any of them or a huge file is refused promptly, with the path and the reason."""
     checkpoint = tmp_path / "ckpt"
     sk.save(_state(), checkpoint, signer=key)
     generate_key_pair(tmp_path / "k.pem", tmp_path / "k.pub")
