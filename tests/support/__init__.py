@@ -7,6 +7,8 @@
 - :mod:`~tests.support.ledger_workers`: spawned ledger writers, readers and the lock deleter;
 - :mod:`~tests.support.figures`: the reliability figures that tests record.
 
-Test functions reach the first two through the fixtures of the same names in ``tests/conftest.py``;
-module-level helpers and worker processes import them from here.
+A test function asks for the functions of the first two as fixtures of the same names
+(``make_state``, ``assert_same_tree``, ``flip_bit``, ``reseal``, ``tree_listing``,
+``checkpoint_files``, in ``tests/conftest.py``); module-level helpers and worker processes import
+them from here.
 """
