@@ -132,6 +132,7 @@ TORCH_FREE = [
     "shardkeep.ledger",
     "shardkeep.catalog",
     "shardkeep.report",
+    "shardkeep.testing",
     "shardkeep.cli",
 ]
 

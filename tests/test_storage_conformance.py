@@ -8,6 +8,8 @@ instead. The last tests show that the suite fails a store that breaks the contra
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,3 +90,15 @@ def test_check_store_names_each_failing_check_and_the_skipped_ones() -> None:
     assert "files_are_create_only_and_read_back: CheckpointExistsError was not raised" in str(caught.value)
     assert "stat_and_listings" not in str(caught.value)
     assert check_store(lambda: StoreUnderTest(MemoryStore())) == ["symlinks_are_refused_never_followed"]
+
+
+def test_the_suite_imports_without_pytest_and_the_old_paths_are_the_same_objects() -> None:
+    program = (
+        "import sys\n"
+        "sys.modules['pytest'] = None  # a user without pytest\n"
+        "import shardkeep.testing, shardkeep.storage, shardkeep.storage.faults\n"
+        "assert shardkeep.storage.faults is shardkeep.testing.faults\n"
+        "assert shardkeep.storage.FaultInjectingStore is shardkeep.testing.FaultInjectingStore\n"
+        "assert 'FaultInjectingStore' not in shardkeep.storage.__all__\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True)
