@@ -1,4 +1,4 @@
-"""``O_DIRECT`` writes of large files (``LocalStore``, issue 20).
+"""``O_DIRECT`` writes of large files (``LocalStore``).
 
 - Files come out byte for byte as written, at every block boundary and for any split of the
   writes, from read-only and writable buffers; a whole save is byte-identical to one written
@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from shardkeep.storage import local
+from shardkeep.storage import local, localfs
 from shardkeep.storage.local import DIRECT_IO_BLOCK, LocalStore
 
 #: A block size the tests can afford many of (a multiple of the 4 KiB direct I/O alignment).
@@ -416,7 +416,7 @@ def _open_write_in_child(root: str) -> None:
 def test_a_fork_while_another_thread_holds_the_stores_locks_does_not_hang_the_child(tmp_path: Path) -> None:
     import multiprocessing
 
-    held = [local._Libc._lock, local._BUFFERS._lock]
+    held = [localfs._Libc.lock, local._BUFFERS._lock]
     for lock in held:
         lock.acquire()  # as a parent thread inside open_write would hold them at the fork
     try:

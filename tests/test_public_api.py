@@ -1,4 +1,5 @@
-"""The public API is small and pinned; layers import one way; light modules never import torch."""
+"""The public API is small and pinned; layers import one way (in the order of pyproject.toml's
+layers contract, which docs/concepts.md's module map follows); light modules never import torch."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import shardkeep as sk
 
@@ -70,14 +73,32 @@ EXPECTED_ALL = [
     "verify",
 ]
 
-DESIGN_TABLE = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
+REPOSITORY = Path(__file__).resolve().parents[1]
+MODULE_MAP = REPOSITORY / "docs" / "concepts.md"
 
 
-def _layer_table() -> tuple[list[str], dict[str, list[str]]]:
-    """The layer order and the subpackages' modules, read from the module map in
-    docs/concepts.md: the second column of each row lists modules bottom-up, in order; a
-    subpackage (``name/``) lists its modules in parentheses."""
-    text = DESIGN_TABLE.read_text()
+def _layers_contract() -> dict[str, Any]:
+    """The layers contract in pyproject.toml (``[tool.importlinter]``), the source of the order."""
+    config = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    assert contract["containers"] == ["shardkeep"], contract["containers"]
+    return dict(contract)
+
+
+def _layer_order() -> list[str]:
+    """Lower layers first: a module may import the ones listed before it. The contract lists the
+    top-level modules highest first; the package's own ``__init__`` (the lazy public namespace,
+    which import-linter treats as the container) sits under ``__main__``."""
+    order = list(reversed(_layers_contract()["layers"]))
+    assert order[-1] == "__main__", order
+    return [*order[:-1], "__init__", "__main__"]
+
+
+def _module_map() -> tuple[list[str], dict[str, list[str]]]:
+    """The modules docs/concepts.md's module map lists, in its order, and the subpackages'
+    modules: the second column of each row lists modules bottom-up; a subpackage (``name/``)
+    lists its modules in parentheses."""
+    text = MODULE_MAP.read_text()
     section = text[text.index("## The module map") :]
     order: list[str] = []
     subpackages: dict[str, list[str]] = {}
@@ -93,8 +114,9 @@ def _layer_table() -> tuple[list[str], dict[str, list[str]]]:
     return order, subpackages
 
 
-# Lower layers first: a module may import the ones listed before it. Read from the doc.
-LAYER_ORDER, SUBPACKAGES = _layer_table()
+LAYER_ORDER = _layer_order()
+#: Imports the contract allows against the order (old import paths of moved modules).
+IGNORED_IMPORTS = {tuple(rule.split(" -> ")) for rule in _layers_contract().get("ignore_imports", [])}
 
 TORCH_FREE = [
     "shardkeep",
@@ -116,6 +138,7 @@ TORCH_FREE = [
     "shardkeep.ledger",
     "shardkeep.catalog",
     "shardkeep.report",
+    "shardkeep.testing",
     "shardkeep.cli",
 ]
 
@@ -149,12 +172,17 @@ def _shardkeep_imports(path: Path) -> list[str]:
     return found
 
 
-def test_the_layer_table_lists_every_module() -> None:
+def test_the_layer_contract_places_every_module() -> None:
     assert len(LAYER_ORDER) > 20 and LAYER_ORDER[0] == "errors", LAYER_ORDER
     assert len(set(LAYER_ORDER)) == len(LAYER_ORDER), "a module is listed twice"
     on_disk = {_top(path) for path in PACKAGE.rglob("*.py")}
-    assert on_disk == set(LAYER_ORDER), "docs/concepts.md's module map and the package differ"
-    for package, members in SUBPACKAGES.items():
+    assert on_disk == set(LAYER_ORDER), "pyproject.toml's layers contract and the package differ"
+
+
+def test_the_module_map_lists_the_contracts_modules_in_its_order() -> None:
+    documented, subpackages = _module_map()
+    assert documented == LAYER_ORDER, "docs/concepts.md's module map and pyproject.toml's layers differ"
+    for package, members in subpackages.items():
         files = {path.stem for path in (PACKAGE / package).glob("*.py")} - {"__init__"}
         assert set(members) == files, f"docs/concepts.md lists {package}/ as {members}, on disk {sorted(files)}"
 
@@ -170,7 +198,10 @@ def test_layers_import_only_downwards() -> None:
     for path in PACKAGE.rglob("*.py"):
         mine = _top(path)
         assert mine in LAYER_ORDER, f"{path} is not placed in a layer"
+        importer = ".".join(["shardkeep", *path.relative_to(PACKAGE).with_suffix("").parts]).removesuffix(".__init__")
         for module in _shardkeep_imports(path):
+            if (importer, module) in IGNORED_IMPORTS:
+                continue
             parts = module.split(".")
             theirs = parts[1] if len(parts) > 1 else "__init__"
             if theirs == mine and path.parent != PACKAGE:
@@ -196,3 +227,73 @@ def test_no_grab_bag_modules() -> None:
     names = {path.stem for path in PACKAGE.rglob("*.py")}
     assert not names & {"utils", "helpers", "misc", "common"}
     assert not [n for n in names if n.endswith("_ops")]
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether ``dotted`` (``shardkeep.x.y``) names a module or package of this package."""
+    relative = PACKAGE.joinpath(*dotted.split(".")[1:])
+    return relative.with_suffix(".py").is_file() or (relative / "__init__.py").is_file()
+
+
+def _private_imports(path: Path, source: str | None = None) -> list[str]:
+    """Where the module at ``path`` (its text, or ``source``) takes another module's
+    ``_private`` name: ``from shardkeep.x import _y`` (or a relative ``from .x import _y``), or
+    ``m._y`` where ``m`` is a shardkeep module it imported."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local name -> the shardkeep module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[: -node.level])
+                source = f"{package}.{node.module}" if node.module else package
+            else:
+                source = node.module or ""
+            if not source.startswith("shardkeep"):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"line {node.lineno}: from {source} import {alias.name}")
+                elif _is_module(f"{source}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{source}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("shardkeep"):
+                    local = alias.asname or alias.name.split(".")[0]
+                    modules[local] = alias.name if alias.asname else alias.name.split(".")[0]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"line {node.lineno}: {modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    """A ``_name`` is private to its module: another module (in ``src/``) that needs it needs
+    a public name instead."""
+    violations = [
+        f"{path.relative_to(PACKAGE)} {where}" for path in PACKAGE.rglob("*.py") for where in _private_imports(path)
+    ]
+    assert violations == []
+
+
+def test_the_private_import_check_finds_every_spelling() -> None:
+    """The check above sees each spelling of taking another module's private name."""
+    source = (
+        "from shardkeep.catalog import _Found\n"
+        "import shardkeep.saving as saving\n"
+        "from shardkeep import api\n"
+        "from .storage import _local\n"
+        "saving._hidden, api._run, api.__name__, saving.SaveJob\n"
+    )
+    assert _private_imports(PACKAGE / "probe.py", source) == [
+        "line 1: from shardkeep.catalog import _Found",
+        "line 4: from shardkeep.storage import _local",
+        "line 5: shardkeep.saving._hidden",
+        "line 5: shardkeep.api._run",
+    ]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,13 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import make_state
-from distributed_harness import results_or_raise, run_ranks
 from shardkeep.catalog import CheckpointRoot
 from shardkeep.cli import main as cli_main
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError
-from shardkeep.storage import FaultInjectingStore, FsspecStore
+from shardkeep.manifest import IndexedManifest
+from shardkeep.storage import FsspecStore
+from shardkeep.testing import FaultInjectingStore
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 pytestmark = pytest.mark.slow  # a SeaweedFS server and kill -9 of S3 uploads
 
@@ -36,7 +38,9 @@ def _objects(server: Any, url: str) -> list[str]:
     return sorted(key[len(base) + 1 :] for key in fs.find(base) if len(key) > len(base) + 1)
 
 
-def test_save_load_verify_by_url(s3_root: tuple[str, dict[str, Any]], s3_server: Any) -> None:
+def test_save_load_verify_by_url(
+    s3_root: tuple[str, dict[str, Any]], s3_server: Any, make_state: Callable[..., dict[str, Any]]
+) -> None:
     root, options = s3_root
     state = make_state()
     manifest = sk.save(state, f"{root}/step_00000007", step=7, storage_options=options)
@@ -198,8 +202,9 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
     assert results[0]["ranks"] == [0, 1]  # both ranks wrote files
     assert results[0]["version"] == "2.0"
     root_manifest = sk.read_manifest(url, storage_options=options)
-    assert isinstance(root_manifest, sk.Manifest) and root_manifest.__dict__.get("complete")
-    table = root_manifest.indexes  # type: ignore[attr-defined]
+    assert isinstance(root_manifest, IndexedManifest) and root_manifest.complete
+    table = root_manifest.indexes
+    assert table is not None
     assert table.prefix.startswith("attempt-") and table.ranks == [0, 1]  # the indexes sit with the attempt's files
     assert sk.verify(url, storage_options=options).ok
     loaded = sk.load(url, storage_options=options)

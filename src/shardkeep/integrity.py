@@ -8,7 +8,7 @@ buffers, so hashing runs in parallel with file writes.
 The manifest carries its own digest as its last member (the *seal*), so a bit flip anywhere in
 ``manifest.json`` is detected even when the damaged JSON still parses.
 
-Signatures (RELIABILITY.md rule 17): ``manifest.sig`` holds an Ed25519 signature over
+Signatures: ``manifest.sig`` holds an Ed25519 signature over
 ``SIGNATURE_DOMAIN + <the exact bytes of manifest.json>``. The prefix keeps a signature over a
 manifest from being valid for any other message signed with the same key. Since the manifest
 records every file's digest, the signature covers the data, provided those digests are
@@ -47,6 +47,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import SEAL_FIELD, Manifest
+from shardkeep.storage import localfs
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -342,19 +343,13 @@ def generate_key_pair(private_path: str | os.PathLike[str], public_path: str | o
 
 
 def _write_exclusive(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Write the new file ``path`` whole (never half a key) and never over an existing one."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        localfs.write_file_atomic(path, data, mode=mode, overwrite=False)
     except FileExistsError as exc:
         raise ConfigError(f"{os.fspath(path)!r} already exists; keys are never overwritten") from exc
     except OSError as exc:
         raise ConfigError(f"cannot create {os.fspath(path)!r}: {exc.strerror}") from exc
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:

@@ -1,6 +1,6 @@
 """Storage backends: byte stores that the commit protocol writes through (local filesystem,
 fsspec object stores such as S3, and an in-memory reference; all pass
-``tests/test_storage_conformance.py``)."""
+:mod:`shardkeep.testing.conformance`)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,15 @@ from shardkeep.storage.base import (
     renames,
     write_new,
 )
-from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
+from shardkeep.storage.locations import is_url, local_path, split_url
 from shardkeep.storage.memory import MemoryStore
-from shardkeep.storage.remote import FsspecStore, split_url
+from shardkeep.storage.remote import FsspecStore
 
 __all__ = [
     "ATTEMPT_PREFIX",
     "ByteStore",
     "EntryInfo",
-    "FaultInjectingStore",
     "ForwardingStore",
     "FsspecStore",
     "LocalStore",
@@ -41,6 +40,7 @@ __all__ = [
     "WriteHandle",
     "adapt_store",
     "is_url",
+    "local_path",
     "open_store",
     "renames",
     "split_url",
@@ -48,17 +48,21 @@ __all__ = [
 ]
 
 
-def is_url(location: str | os.PathLike[str]) -> bool:
-    return "://" in os.fspath(location)
+def __getattr__(name: str) -> object:
+    # The old import path of the fault injector, which lives in shardkeep.testing (no test tool
+    # among the production exports): imported on first use only.
+    if name == "FaultInjectingStore":
+        from shardkeep.testing.faults import FaultInjectingStore
+
+        return FaultInjectingStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> ByteStore:
-    """The store rooted at ``location``: a local directory, or a URL such as
-    ``s3://bucket/prefix`` (through fsspec, with ``storage_options``)."""
-    text = os.fspath(location)
-    if is_url(text):
-        protocol, _ = split_url(text)
-        if protocol == "file":
-            return LocalStore(text.partition("://")[2])
-        return FsspecStore(text, storage_options)
-    return LocalStore(os.path.abspath(text))
+    """The store rooted at ``location``: a local directory (a path, or ``file://PATH``), or a
+    URL such as ``s3://bucket/prefix`` (through fsspec, with ``storage_options``); see
+    :mod:`shardkeep.storage.locations`."""
+    path = local_path(location)
+    if path is None:
+        return FsspecStore(os.fspath(location), storage_options)
+    return LocalStore(path)
