@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tests.distributed_harness import results_or_raise, run_ranks
 
 import shardkeep as sk
 from shardkeep.loading import held_keys
@@ -21,6 +20,7 @@ from shardkeep.tensors.regions import wanted_regions
 from shardkeep.tensors.targets import resolve
 from shardkeep.training import json_mapping
 from shardkeep.verification import read_manifest
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
 class _Text(str):
