@@ -26,6 +26,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import shardkeep as sk  # noqa: E402
 import shardkeep.lightning as skl  # noqa: E402
+from shardkeep.integrations.lightning import checkpoint_io as skl_io  # noqa: E402
 from shardkeep.lightning import RESERVED_KEY, ShardkeepCheckpointIO  # noqa: E402
 
 pytestmark = [
@@ -324,6 +325,19 @@ def test_map_location(tmp_path: Path) -> None:
     assert io.load_checkpoint(target, map_location=lambda storage, location: storage)["state_dict"]["w"].sum() == 15
 
 
+def test_the_old_import_path_is_the_package_and_the_recorded_plugin_name_resolves(tmp_path: Path) -> None:
+    import importlib
+
+    assert skl is importlib.import_module("shardkeep.integrations.lightning")
+    assert skl.ShardkeepCheckpointIO is ShardkeepCheckpointIO and skl.RESERVED_KEY == RESERVED_KEY
+    target = tmp_path / "named.ckpt"
+    ShardkeepCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
+    recorded = sk.read_manifest(target).custom_fields["lightning"]["checkpoint_io"]
+    module, _, name = recorded.rpartition(".")
+    assert recorded == "shardkeep.lightning.ShardkeepCheckpointIO"
+    assert getattr(importlib.import_module(module), name) is ShardkeepCheckpointIO
+
+
 def test_signed_and_compressed_checkpoints(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -383,9 +397,9 @@ def without_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a filesystem without RENAME_EXCHANGE: the replace falls back to two renames."""
 
     def unsupported(source: str, destination: str) -> None:
-        raise skl.ExchangeUnsupported(22, "no")
+        raise skl_io.ExchangeUnsupported(22, "no")
 
-    monkeypatch.setattr(skl, "exchange", unsupported)
+    monkeypatch.setattr(skl_io, "exchange", unsupported)
 
 
 def entries(directory: Path) -> list[str]:
@@ -397,9 +411,9 @@ def exchange_supported(directory: Path) -> bool:
     a.mkdir()
     b.mkdir()
     try:
-        skl.exchange(str(a), str(b))
+        skl_io.exchange(str(a), str(b))
         return True
-    except skl.ExchangeUnsupported:
+    except skl_io.ExchangeUnsupported:
         return False
     finally:
         a.rmdir()
@@ -413,7 +427,7 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
     target, io = saved_last(tmp_path)
     steps: list[str] = []
-    real_exchange, real_remove = skl.exchange, skl._remove_tree
+    real_exchange, real_remove = skl_io.exchange, skl_io._remove_tree
 
     def checked(name: str, function: Any) -> Any:
         def run(*args: Any) -> Any:
@@ -425,8 +439,8 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
 
         return run
 
-    monkeypatch.setattr(skl, "exchange", checked("exchange", real_exchange))
-    monkeypatch.setattr(skl, "_remove_tree", checked("remove", real_remove))
+    monkeypatch.setattr(skl_io, "exchange", checked("exchange", real_exchange))
+    monkeypatch.setattr(skl_io, "_remove_tree", checked("remove", real_remove))
     for value in (2, 3):
         io.save_checkpoint(state(value), target)
         assert value_at(target) == value
@@ -442,7 +456,7 @@ def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans
     def crash(path: str) -> None:
         raise KeyboardInterrupt("killed while removing the old checkpoint")
 
-    monkeypatch.setattr(skl, "_remove_tree", crash)
+    monkeypatch.setattr(skl_io, "_remove_tree", crash)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
     monkeypatch.undo()
@@ -458,7 +472,7 @@ def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans
 def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target, io = saved_last(tmp_path)
     # what a kill -9 inside shardkeep.save leaves: a staging directory beside the target
-    staging = tmp_path / f"{skl._tag('last.ckpt')}new-0123.tmp-abcd"
+    staging = tmp_path / f"{skl_io._tag('last.ckpt')}new-0123.tmp-abcd"
     (staging / "shards").mkdir(parents=True)
     (staging / "shards" / "rank_00000.safetensors").write_bytes(b"partial")
     assert value_at(target) == 1
@@ -476,13 +490,13 @@ def test_fallback_two_renames_and_repair_of_a_crash_between_them(
     target, io = saved_last(tmp_path)
 
     def unsupported(source: str, destination: str) -> None:
-        raise skl.ExchangeUnsupported(22, "not here")
+        raise skl_io.ExchangeUnsupported(22, "not here")
 
-    monkeypatch.setattr(skl, "exchange", unsupported)
+    monkeypatch.setattr(skl_io, "exchange", unsupported)
     io.save_checkpoint(state(2), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
 
-    real_rename = skl._rename
+    real_rename = skl_io._rename
     renames: list[tuple[str, str]] = []
 
     def crash_on_second(source: str, destination: str) -> None:
@@ -491,7 +505,7 @@ def test_fallback_two_renames_and_repair_of_a_crash_between_them(
         renames.append((source, destination))
         real_rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    monkeypatch.setattr(skl_io, "_rename", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(3), target)
     # the documented window: nothing at the path, both complete checkpoints beside it
@@ -519,7 +533,7 @@ def test_next_save_repairs_a_crash_between_the_fallback_renames(
             raise KeyboardInterrupt
         os.rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    monkeypatch.setattr(skl_io, "_rename", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
     monkeypatch.undo()
@@ -532,7 +546,7 @@ def test_first_save_never_replaces_and_a_crash_before_its_rename_is_repaired(
 ) -> None:
     target = tmp_path / "epoch=0-step=1.ckpt"
     io = ShardkeepCheckpointIO()
-    monkeypatch.setattr(skl, "_rename_noreplace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(skl_io, "_rename_noreplace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(5), target)
     monkeypatch.undo()
@@ -572,7 +586,7 @@ def test_a_crash_while_removing_never_brings_the_checkpoint_back(
     io = ShardkeepCheckpointIO()
     target = tmp_path / "epoch=0-step=1.ckpt"
     io.save_checkpoint(state(1), target)
-    monkeypatch.setattr(skl, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(skl_io, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
     monkeypatch.undo()
@@ -592,7 +606,7 @@ def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, monkeypatch: p
             raise OSError(5, "I/O error")
         os.rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", fail_second)
+    monkeypatch.setattr(skl_io, "_rename", fail_second)
     with pytest.raises(sk.StorageError, match="I/O error"):
         io.save_checkpoint(state(2), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
@@ -614,14 +628,14 @@ def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_b
 ) -> None:
     target, io = saved_last(tmp_path)
     without_exchange(monkeypatch)
-    real_rename = skl._rename
+    real_rename = skl_io._rename
 
     def crash_on_second(source: str, destination: str) -> None:
         if not target.exists():
             raise KeyboardInterrupt("killed between the two renames")
         real_rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    monkeypatch.setattr(skl_io, "_rename", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
     monkeypatch.undo()
@@ -638,7 +652,7 @@ def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_b
 
 def crash_removing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kill the next remove_checkpoint once its checkpoint is gone from its name."""
-    monkeypatch.setattr(skl, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    monkeypatch.setattr(skl_io, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
 
 
 def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurrect_the_old_checkpoint(
@@ -647,13 +661,13 @@ def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurr
     if not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
     target, io = saved_last(tmp_path)
-    real_exchange = skl.exchange
+    real_exchange = skl_io.exchange
 
     def exchange_then_crash(source: str, destination: str) -> None:
         real_exchange(source, destination)
         raise KeyboardInterrupt("killed right after the exchange")
 
-    monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+    monkeypatch.setattr(skl_io, "exchange", exchange_then_crash)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
     monkeypatch.undo()
@@ -675,16 +689,16 @@ def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target, io = saved_last(tmp_path)
-    stale = tmp_path / f"{skl._tag(target.name)}new-0123"  # e.g. an exchanged-out side
+    stale = tmp_path / f"{skl_io._tag(target.name)}new-0123"  # e.g. an exchanged-out side
     io.save_checkpoint(state(0), stale)
-    real_retire = skl._retire
+    real_retire = skl_io._retire
 
     def crash_at_the_checkpoint(parent: str, tag: str, entry: str) -> str:
         if entry == target.name:
             raise KeyboardInterrupt("killed before renaming the checkpoint itself")
         return real_retire(parent, tag, entry)
 
-    monkeypatch.setattr(skl, "_retire", crash_at_the_checkpoint)
+    monkeypatch.setattr(skl_io, "_retire", crash_at_the_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
     monkeypatch.undo()
@@ -718,24 +732,24 @@ def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> 
     if not CRASH_POINTS[point][0]:
         without_exchange(monkeypatch)
     if point == "after-exchange":
-        real_exchange = skl.exchange
+        real_exchange = skl_io.exchange
 
         def exchange_then_crash(source: str, destination: str) -> None:
             real_exchange(source, destination)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+        monkeypatch.setattr(skl_io, "exchange", exchange_then_crash)
     elif point == "fallback-between-renames":
-        real_rename = skl._rename
+        real_rename = skl_io._rename
 
         def crash_when_gone(source: str, destination: str) -> None:
             if not target.exists():
                 raise KeyboardInterrupt
             real_rename(source, destination)
 
-        monkeypatch.setattr(skl, "_rename", crash_when_gone)
+        monkeypatch.setattr(skl_io, "_rename", crash_when_gone)
     elif point == "fallback-after-second-rename":
-        real_rename, calls = skl._rename, []
+        real_rename, calls = skl_io._rename, []
 
         def rename_then_crash_on_second(source: str, destination: str) -> None:
             real_rename(source, destination)
@@ -743,11 +757,11 @@ def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> 
             if len(calls) == 2:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(skl, "_rename", rename_then_crash_on_second)
+        monkeypatch.setattr(skl_io, "_rename", rename_then_crash_on_second)
     elif point == "after-retire":
         crash_removing(monkeypatch)
     else:
-        monkeypatch.setattr(skl, "_remove_tree", partial_delete_then_crash)
+        monkeypatch.setattr(skl_io, "_remove_tree", partial_delete_then_crash)
 
 
 #: Working names of a name beyond 88 bytes are tagged with its digest (90 bytes: a
@@ -796,7 +810,7 @@ def test_every_crash_point_of_a_replace(
 def test_recovery_puts_back_the_last_committed_leftover_not_the_one_named_new(tmp_path: Path) -> None:
     # After an exchange the entry named "new-" holds the *previous* checkpoint, and a run resumed
     # from an earlier checkpoint saves a lower step: only the commit time tells which is newer.
-    tag = skl._tag("last.ckpt")
+    tag = skl_io._tag("last.ckpt")
     sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}new-aaaa", step=100)
     sk.save({"w": torch.ones(1), "epoch": 2}, tmp_path / f"{tag}old-bbbb", step=5)
     sk.save({"w": torch.full((1,), 7.0)}, tmp_path / f"{tag}del-cccc", step=200)  # being deleted
@@ -806,7 +820,7 @@ def test_recovery_puts_back_the_last_committed_leftover_not_the_one_named_new(tm
 
 
 def test_a_checkpoint_being_deleted_is_never_put_back(tmp_path: Path) -> None:
-    tag = skl._tag("last.ckpt")
+    tag = skl_io._tag("last.ckpt")
     sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}del-aaaa")
     assert ShardkeepCheckpointIO.clean_leftovers(tmp_path) == [f"{tag}del-aaaa"]
     assert entries(tmp_path) == []
@@ -848,7 +862,7 @@ def test_a_failed_delete_while_removing_is_a_storage_error(tmp_path: Path, monke
     def failing(path: str) -> None:
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(skl, "_remove_tree", failing)
+    monkeypatch.setattr(skl_io, "_remove_tree", failing)
     with pytest.raises(sk.StorageError, match=re_escape(str(target))) as removing:
         io.remove_checkpoint(target)
     assert isinstance(removing.value.__cause__, PermissionError)
@@ -978,13 +992,13 @@ def callback(run: Any, kind: type) -> Any:
 @pytest.mark.filterwarnings(r"ignore:Checkpoint directory .* exists and is not empty:UserWarning")  # resuming there
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     swaps: list[str] = []
-    real_exchange = skl.exchange
+    real_exchange = skl_io.exchange
 
     def counting(source: str, destination: str) -> None:
         swaps.append(os.path.basename(destination))
         real_exchange(source, destination)
 
-    monkeypatch.setattr(skl, "exchange", counting)
+    monkeypatch.setattr(skl_io, "exchange", counting)
 
     full_model = Tiny()
     full = trainer(tmp_path / "full", 4)

@@ -70,20 +70,27 @@ DESIGN_TABLE = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 def _layer_table() -> tuple[list[str], dict[str, list[str]]]:
     """The layer order and the subpackages' modules, read from the module map in
     docs/concepts.md: the second column of each row lists modules bottom-up, in order; a
-    subpackage (``name/``) lists its modules in parentheses."""
+    subpackage (``name/``) lists its modules in parentheses, and a subpackage inside it
+    (``name/inner/``) its own, in parentheses after it."""
     text = DESIGN_TABLE.read_text()
     section = text[text.index("## The module map") :]
     order: list[str] = []
     subpackages: dict[str, list[str]] = {}
+    package = r"`(\w+)(/?)`(?:\s*\(((?:[^()]|\([^()]*\))*)\))?"
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not cells[1].startswith("`"):
             continue
-        for match in re.finditer(r"`([\w]+)(/?)`(?:\s*\(([^)]*)\))?", cells[1]):
+        for match in re.finditer(package, cells[1]):
             name, is_package, members = match.groups()
             order.append(name)
             if is_package:
-                subpackages[name] = re.findall(r"`(\w+)`", members or "")
+                subpackages[name] = []
+                for member in re.finditer(package, members or ""):
+                    inner, inner_is_package, inner_members = member.groups()
+                    subpackages[name].append(inner)
+                    if inner_is_package:
+                        subpackages[f"{name}/{inner}"] = re.findall(r"`(\w+)`", inner_members or "")
     return order, subpackages
 
 
@@ -150,6 +157,7 @@ def test_the_layer_table_lists_every_module() -> None:
     assert on_disk == set(LAYER_ORDER), "docs/concepts.md's module map and the package differ"
     for package, members in SUBPACKAGES.items():
         files = {path.stem for path in (PACKAGE / package).glob("*.py")} - {"__init__"}
+        files |= {path.parent.name for path in (PACKAGE / package).glob("*/__init__.py")}
         assert set(members) == files, f"docs/concepts.md lists {package}/ as {members}, on disk {sorted(files)}"
 
 

@@ -1,34 +1,12 @@
-"""A Lightning ``CheckpointIO`` plugin: every Lightning checkpoint becomes a shardkeep checkpoint.
-
-::
-
-    from shardkeep.lightning import ShardkeepCheckpointIO
-    trainer = lightning.pytorch.Trainer(plugins=[ShardkeepCheckpointIO()])
+"""The Lightning ``CheckpointIO`` plugin: each checkpoint path Lightning asks for becomes a
+shardkeep checkpoint directory, replaced atomically and recovered after a crash.
 
 Each checkpoint path Lightning asks for (``.../epoch=1-step=8.ckpt``, ``.../last.ckpt``) becomes
 a shardkeep checkpoint *directory* at that path: tensors in safetensors files, everything else in
-the manifest, a digest on every file, no pickle. Lightning calls ``save_checkpoint`` and
-``remove_checkpoint`` on global rank 0 only, so the plugin saves with
-``process_group=shardkeep.LOCAL`` (no collective that the other ranks would never join).
-
-Values of a Lightning checkpoint that are not tensors or JSON are converted losslessly and
-restored on load (:mod:`shardkeep.conversions`); the conversions are recorded (by path) in the
-checkpoint itself under :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
-Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
-``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device``,
-``argparse.Namespace``, enum members (by name) and dataclass instances (their attributes, with
-the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
-already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
-running ``__init__``; a type whose module is not imported is an
-:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded
-on another OS (a ``WindowsPath`` loaded on Linux, a ``PosixPath`` on Windows) cannot be
-instantiated there and comes back as its pure class (``PureWindowsPath``, ``PurePosixPath``):
-same string, parts and comparisons. A malformed
-conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
-Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
-Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
-inside functions) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming its
-key: nothing is pickled.
+the manifest (converted by :mod:`~shardkeep.integrations.lightning.values`), a digest on every
+file, no pickle. Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0
+only, so the plugin saves with ``process_group=shardkeep.LOCAL`` (no collective that the other
+ranks would never join).
 
 Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
 path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
@@ -45,19 +23,15 @@ failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 import shardkeep.api as api
 from shardkeep.config import LOCAL
-from shardkeep.conversions import ValueEncoder, decode_values, where
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -67,135 +41,27 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
+from shardkeep.integrations.lightning.values import apply_map_location, decode_checkpoint, encode_checkpoint
 from shardkeep.manifest import STAGING_MARKER, Manifest
 from shardkeep.names import NAME_MAX, check_name_length, name_digest
 from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
-from shardkeep.tensors.convert import is_dtensor
 from shardkeep.verification import read_manifest
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.utilities.data import AttributeDict
 except ModuleNotFoundError as _missing_lightning:  # pragma: no cover - depends on the environment
     try:  # the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment,unused-ignore]
-        from lightning_fabric.utilities.data import AttributeDict  # type: ignore[assignment,unused-ignore]
     except ModuleNotFoundError:
         raise DependencyError(
             "shardkeep.lightning needs Lightning, which is not installed: pip install lightning"
         ) from _missing_lightning
 
-__all__ = ["RESERVED_KEY", "ShardkeepCheckpointIO"]
-
-#: The top-level key under which the plugin records its format and the value conversions.
-RESERVED_KEY = "__shardkeep_lightning__"
+__all__ = ["ShardkeepCheckpointIO"]
 
 Path_ = str | os.PathLike[str]
 
 logger = logging.getLogger("shardkeep")
-
-
-# --------------------------------------------------------------------------------------------
-# Converting the checkpoint dict to what shardkeep stores, and back
-# --------------------------------------------------------------------------------------------
-
-
-#: Mapping classes of a Lightning checkpoint, restored by name.
-_MAPPING_CLASSES: dict[str, type] = {"attribute_dict": AttributeDict}
-
-
-def _refuse_dtensor(value: torch.Tensor, path: tuple[str | int, ...]) -> None:
-    if is_dtensor(value):  # a subclass too
-        raise UnsupportedValueError(
-            f"{where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
-            "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
-        )
-
-
-def encode_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` as a state :func:`shardkeep.save` stores, with the conversions
-    (:mod:`shardkeep.conversions`) recorded under :data:`RESERVED_KEY`."""
-    if not isinstance(checkpoint, Mapping):
-        raise UnsupportedValueError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
-    if RESERVED_KEY in checkpoint:
-        raise UnsupportedValueError(f"the checkpoint already has the key {RESERVED_KEY!r}, which the plugin reserves")
-    encoder = ValueEncoder(
-        subject="Lightning checkpoint",
-        hint="; for hyperparameters, convert the value or leave it out with save_hyperparameters(ignore=[...])",
-        mapping_classes=_MAPPING_CLASSES,
-        check_tensor=_refuse_dtensor,
-    )
-    if type(checkpoint) is not dict:
-        encoder.record((), "ordered_dict" if type(checkpoint) is collections.OrderedDict else "dict")
-    state = encoder.mapping(checkpoint, ())
-    state[RESERVED_KEY] = encoder.conversion_record()
-    return state  # type: ignore[return-value]  # the top level keys were checked to be str or int
-
-
-def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:
-    """The Lightning checkpoint dict that :func:`encode_checkpoint` turned into ``state``;
-    ``source`` (the checkpoint's path) names it in errors."""
-    record = state.pop(RESERVED_KEY, None)
-    if record is None:
-        return state  # a plain shardkeep checkpoint: nothing was converted
-    restored: dict[str, Any] = decode_values(
-        state, record, source=source, record_name=RESERVED_KEY, mapping_classes=_MAPPING_CLASSES
-    )
-    return restored
-
-
-def _map_location(value: Any, map_location: Any) -> Any:
-    """``value`` with every tensor moved as ``torch.load(map_location=...)`` would move it. Every
-    tensor a shardkeep checkpoint returns is on the CPU, so ``"cpu"`` is its saved location."""
-    if map_location is None:
-        return value
-    if isinstance(map_location, Mapping):
-        target = map_location.get("cpu")
-        if target is None:
-            return value
-        map_location = target
-    if isinstance(map_location, (str, torch.device)):
-        device = torch.device(map_location)
-        if device.type == "cpu":
-            return value
-        return _map_tensors(value, lambda tensor: tensor.to(device))
-    if callable(map_location):
-        storages: dict[int, Any] = {}
-
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key not in storages:
-                moved = map_location(storage, "cpu")
-                storages[key] = storage if moved is None else moved
-            new_storage = storages[key]
-            if isinstance(new_storage, torch.Tensor):
-                return new_storage
-            if new_storage is storage:
-                return tensor
-            rebuilt = torch.empty(0, dtype=tensor.dtype, device=new_storage.device)
-            return rebuilt.set_(new_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
-
-        return _map_tensors(value, move)
-    raise ConfigError(f"map_location={map_location!r}: give a device, a string, a dict or a callable")
-
-
-def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return move(value)
-    if isinstance(value, dict):
-        mapped = {key: _map_tensors(item, move) for key, item in value.items()}
-        if type(value) is dict:
-            return mapped
-        result: Any = type(value)(mapped)
-        if hasattr(value, "_metadata"):
-            result._metadata = value._metadata
-        return result
-    if isinstance(value, list):
-        return [_map_tensors(item, move) for item in value]
-    if type(value) is tuple:
-        return tuple(_map_tensors(item, move) for item in value)
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,7 +173,8 @@ class ShardkeepCheckpointIO(CheckpointIO):
     ``digest``, ``signer``, ``compression``, ``compression_level`` and ``save_options`` (any
     other keyword of :func:`shardkeep.save`) apply to every save; ``public_key``,
     ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
-    only. See the module docstring for the conversions and the atomic replacement.
+    only. See :mod:`~shardkeep.integrations.lightning.values` for the conversions and the module
+    docstring for the atomic replacement.
 
     Working names beside a checkpoint ``X`` are hidden and tagged with ``X``'s name
     (``.sk-<hex>.``): ``new-<id>`` a save being written (``new-<id>.tmp-*`` until shardkeep
@@ -474,7 +341,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             require_signature=self._require_signature,
         )
         checkpoint = decode_checkpoint(state, target)
-        mapped: dict[str, Any] = _map_location(checkpoint, map_location)
+        mapped: dict[str, Any] = apply_map_location(checkpoint, map_location)
         return mapped
 
     def remove_checkpoint(self, path: Path_) -> None:
