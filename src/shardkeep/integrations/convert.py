@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import uuid
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -147,17 +146,12 @@ def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 def _read_dcp(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    state: dict[str, Any] = {}
+    from shardkeep.integrations.dcp import load_whole_state
+
     try:
-        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
-            # As torch's own dcp_to_torch_save does: the empty-state planner fills ``state``.
-            _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+        state = load_whole_state(FileSystemReader(path))
     except (Exception, CheckpointException) as exc:
         # DCP raises many kinds: pickle errors, OSError, and CheckpointException, which derives
         # from BaseException only.
