@@ -12,12 +12,12 @@ Imports treat their input as untrusted:
   refused unless the caller passes ``trust_pickle=True`` (``--trust-pickle``).
 
 - a Hugging Face model folder (``model.safetensors``, or shards and their index) is read with
-  ``safetensors`` only, after its index is checked (:mod:`shardkeep.hf`); a folder of
+  ``safetensors`` only, after its index is checked (:mod:`shardkeep.integrations.hf`); a folder of
   ``pytorch_model.bin`` pickles is refused (import the file itself as ``pt``).
 
 Exports write a single torch ``.pt`` file (loadable with ``weights_only=True``), a single
 safetensors file (tensors under their dotted keys; JSON values go into the header's metadata as
-``shardkeep.values``), or a Hugging Face model folder (:func:`shardkeep.hf.export_hf`).
+``shardkeep.values``), or a Hugging Face model folder (:func:`shardkeep.integrations.hf.export_hf`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkp
 
 SourceFormat = Literal["pt", "safetensors", "dcp", "hf"]
 ExportFormat = Literal["pt", "safetensors", "hf"]
-#: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.hf.export_hf`.
+#: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.integrations.hf.export_hf`.
 _HF_EXPORT_OPTIONS = ("subtree", "config", "max_shard_size", "check_keys", "model_class")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -190,7 +190,7 @@ def import_checkpoint(
 
     A Hugging Face folder's tensors go under ``subtree`` (dotted; default ``"model"``, ``""``
     for the top level), under the state_dict keys of the model class its ``config.json`` names
-    when transformers can convert them (:func:`shardkeep.hf.model_keys_of`; which keys they are
+    when transformers can convert them (:func:`shardkeep.integrations.hf.model_keys_of`; which keys they are
     is recorded in ``custom_fields["imported_from"]["keys"]``), and its ``config.json`` under
     the value ``hf_config``, where a later ``export_checkpoint(..., format="hf")`` finds it."""
     path = os.fspath(source)
@@ -223,7 +223,7 @@ def import_checkpoint(
 
 def _hf_state(path: str, subtree: str) -> tuple[dict[str, Any], str]:
     """The state of an imported Hugging Face folder: its tensors nested under ``subtree``, under
-    the keys of the model its config names (:func:`shardkeep.hf.model_keys_of`), and its config
+    the keys of the model its config names (:func:`shardkeep.integrations.hf.model_keys_of`), and its config
     as the value ``hf_config``; and which keys they are."""
     if not os.path.isdir(path):
         raise UnsupportedValueError(f"{path} is not a directory: a Hugging Face model folder is one")
@@ -333,8 +333,8 @@ def export_checkpoint(
     """Write the checkpoint at ``checkpoint`` (verified while it is read; ``load_options`` go to
     :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file, or,
     with ``format="hf"``, as a Hugging Face model folder: then ``subtree``, ``config``,
-    ``max_shard_size``, ``check_keys`` and ``model_class`` go to :func:`shardkeep.hf.export_hf` (which says more
-    in its :class:`~shardkeep.hf.HFExportSummary`; here ``values`` is 0)."""
+    ``max_shard_size``, ``check_keys`` and ``model_class`` go to :func:`shardkeep.integrations.hf.export_hf` (which says more
+    in its :class:`~shardkeep.integrations.hf.HFExportSummary`; here ``values`` is 0)."""
     target = os.fspath(destination)
     kind = _export_format(target, format)
     hf_options = {name: load_options.pop(name) for name in _HF_EXPORT_OPTIONS if name in load_options}
