@@ -804,9 +804,9 @@ def dcp_to_torch_save(
     nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
     unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
     state = load_whole_state(ShardkeepReader(checkpoint, **reader_options))
-    from shardkeep.integrations.convert import _write_replacing
+    from shardkeep.integrations.convert import write_export_file
 
-    _write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
+    write_export_file(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
 
 
 def load_whole_state(storage_reader: StorageReader) -> dict[str, Any]:

@@ -72,7 +72,8 @@ from shardkeep.integrations.hf.keys import (
 )
 from shardkeep.manifest import MANIFEST_FILENAME
 from shardkeep.names import check_name_length, sibling_name
-from shardkeep.storage import local
+from shardkeep.storage.localfs import current, fsync_directory_path, replace_dir, write_file_atomic
+from shardkeep.storage.locations import local_path
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import flatten_state
 from shardkeep.tensors.shardfile import CARRIED_DTYPES
@@ -247,15 +248,8 @@ def _own_storages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return owned
 
 
-def _fsync_directory(path: str) -> None:
-    local.fsync_directory_path(path)
-
-
 def _write_json(path: str, document: Any) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_file_atomic(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def _write_folder(
@@ -276,8 +270,7 @@ def _write_folder(
     for name, keys in plan.items():
         path = os.path.join(staging, name)
         save_file({key: tensors[key].contiguous() for key in keys}, path, metadata={"format": "pt"})
-        with open(path, "rb+") as handle:
-            os.fsync(handle.fileno())
+        current().fsync_file(path)
         weight_map.update(dict.fromkeys(keys, name))
     written = list(names)
     if len(plan) > 1:
@@ -287,7 +280,7 @@ def _write_folder(
     if config_doc is not None:
         _write_json(os.path.join(staging, CONFIG_FILE), config_doc)
         written.append(CONFIG_FILE)
-    _fsync_directory(staging)
+    fsync_directory_path(staging)
     return written
 
 
@@ -307,11 +300,7 @@ def _local_checkpoint(checkpoint: str | os.PathLike[str], load_options: Mapping[
     """The local directory of the checkpoint being exported, or None (a URL, or a store given)."""
     if load_options.get("storage") is not None:
         return None
-    text = os.fspath(checkpoint)
-    if "://" in text:
-        protocol, _, rest = text.partition("://")
-        return os.path.abspath(rest) if protocol == "file" else None
-    return os.path.abspath(text)
+    return local_path(checkpoint)
 
 
 def _describe(folder: str, name: str) -> str:
@@ -384,29 +373,16 @@ def _place(staging: str, target: str, overwrite: bool, source: str | None) -> st
     is (to be removed by :func:`_remove_previous`), or None. If it raises, ``staging`` still
     holds the new folder and ``target`` is as it was.
 
-    A new ``target`` is a rename that never replaces anything (``RENAME_NOREPLACE``). An existing
-    one is checked again, then swapped with ``staging`` in one step (``RENAME_EXCHANGE``):
-    ``target`` is the old folder, then the new one, and never missing. Where the exchange is not
-    supported it is two renames (old aside, new in), with a moment in which ``target`` is
-    missing; a crash there leaves the old folder at ``.NAME.old-<id>`` beside it."""
-    parent, name = os.path.split(target)
-    if not os.path.lexists(target):
-        local.rename_noreplace_path(staging, target)
-        return None
-    _check_destination(target, overwrite, source)
-    try:
-        local.exchange_paths(staging, target)
-        return staging  # which now holds the replaced folder
-    except local.ExchangeUnsupported:
-        pass
-    old = os.path.join(parent, sibling_name(name, ".old-", uuid.uuid4().hex[:12], lead="."))
-    os.rename(target, old)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    return old
+    An existing ``target`` is checked again first. Then
+    :meth:`~shardkeep.storage.localfs.LocalFS.replace_dir`: a new ``target`` is a rename that
+    never replaces anything (``RENAME_NOREPLACE``); an existing one is swapped with ``staging``
+    in one step (``RENAME_EXCHANGE``): ``target`` is the old folder, then the new one, and never
+    missing. Where the exchange is not supported it is two renames (old aside, new in), with a
+    moment in which ``target`` is missing; a crash there leaves the old folder at
+    ``.NAME.old-<id>`` beside it."""
+    if os.path.lexists(target):
+        _check_destination(target, overwrite, source)
+    return replace_dir(staging, target)
 
 
 def _remove_previous(old: str) -> bool:
@@ -509,7 +485,7 @@ def _write_and_place(
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # still the new folder (see _place)
             raise
-        _fsync_directory(parent)
+        fsync_directory_path(parent)
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc}") from exc
     return files, previous

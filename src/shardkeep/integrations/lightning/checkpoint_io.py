@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -44,7 +43,8 @@ from shardkeep.errors import (
 from shardkeep.integrations.lightning.values import apply_map_location, decode_checkpoint, encode_checkpoint
 from shardkeep.manifest import STAGING_MARKER, Manifest
 from shardkeep.names import NAME_MAX, check_name_length, name_digest
-from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
+from shardkeep.storage.localfs import ExchangeUnsupported, current
+from shardkeep.storage.locations import local_path
 from shardkeep.verification import read_manifest
 
 try:
@@ -65,46 +65,24 @@ logger = logging.getLogger("shardkeep")
 
 
 # --------------------------------------------------------------------------------------------
-# Atomic replacement of a directory (renameat2: shardkeep.storage.local)
+# Working names and their removal, built from the steps of the LocalFS in use
+# (shardkeep.storage.localfs: crash tests substitute one whose step fails)
 # --------------------------------------------------------------------------------------------
-
-
-#: Module names the replace calls through, so that tests can interrupt each step.
-exchange = exchange_paths
-_rename_noreplace = rename_noreplace_path
-
-
-def _rename(source: str, destination: str) -> None:
-    """``os.rename``; a function of its own so that tests can interrupt the fallback swap."""
-    os.rename(source, destination)
 
 
 def _retire(parent: str, tag: str, entry: str) -> str:
     """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
     the new path; only then is it deleted, so a half-deleted tree always has such a name."""
     doomed = os.path.join(parent, f"{tag}del-{uuid.uuid4().hex}")
-    os.rename(os.path.join(parent, entry), doomed)
+    current().rename(os.path.join(parent, entry), doomed)
     return doomed
 
 
-def _remove_tree(path: str) -> None:
-    """Remove a file, a symlink or a directory tree (tests interrupt it to simulate a crash)."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path)
-
-
 def _remove_trees(paths: list[str]) -> None:
+    """Remove each path (a file, a symlink or a tree); one already gone is skipped."""
+    fs = current()
     for path in paths:
-        try:
-            _remove_tree(path)
-        except FileNotFoundError:
-            pass
-
-
-def _fsync_directory(path: str) -> None:
-    fsync_directory_path(path)
+        fs.remove_tree(path)
 
 
 def _is_checkpoint_dir(path: str) -> bool:
@@ -254,7 +232,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         parent, name = os.path.split(target)
         check_name_length(name, "checkpoint name")
         try:
-            os.makedirs(parent, exist_ok=True)
+            current().makedirs_durable(parent)
         except OSError as exc:
             raise StorageError(f"cannot create the directory {parent} to save the checkpoint {target}: {exc}") from exc
         if not os.path.islink(target) and os.path.isdir(target) and not _is_checkpoint_dir(target):
@@ -372,7 +350,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             elif kind == "checkpoint":
                 doomed.append(_retire(parent, _tag(name), name))
             if doomed:
-                _fsync_directory(parent)
+                current().fsync_directory(parent)
             _remove_trees(doomed)
         except OSError as exc:
             gone = "" if os.path.lexists(target) else f" ({target} itself is already gone)"
@@ -416,7 +394,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
     def _remove_leftovers(self, parent: str, name: str) -> None:
         doomed = self._retire_leftovers(parent, name)
         if doomed:
-            _fsync_directory(parent)
+            current().fsync_directory(parent)
         _remove_trees(doomed)
 
     @staticmethod
@@ -456,31 +434,34 @@ class ShardkeepCheckpointIO(CheckpointIO):
         if not os.path.lexists(target):
             chosen = self._newest_complete(parent, name, entries)
             if chosen is not None:
-                _rename_noreplace(os.path.join(parent, chosen), target)
-                _fsync_directory(parent)
+                current().rename_noreplace(os.path.join(parent, chosen), target)
+                current().fsync_directory(parent)
         self._remove_leftovers(parent, name)
 
     def _install(self, staging: str, target: str) -> str | None:
         """Put the committed ``staging`` at ``target``; return the ``del-`` path of the previous
-        checkpoint, for the caller to delete, or None when there was none."""
+        checkpoint, for the caller to delete, or None when there was none. Unlike
+        :meth:`~shardkeep.storage.localfs.LocalFS.replace_dir`, a failed fallback swap is not
+        undone: recovery puts the later committed checkpoint (the new one) at ``target``."""
+        fs = current()
         parent, name = os.path.split(target)
         if not os.path.lexists(target):
-            _rename_noreplace(staging, target)
-            _fsync_directory(parent)
+            fs.rename_noreplace(staging, target)
+            fs.fsync_directory(parent)
             return None
         try:
-            exchange(staging, target)  # target now holds the new checkpoint, staging the old one
+            fs.exchange(staging, target)  # target now holds the new checkpoint, staging the old one
             old = staging
         except ExchangeUnsupported:
             # Two renames: between them nothing is at ``target``; a crash there is repaired by
             # the next save of this path (see _recover).
             old = os.path.join(parent, f"{_tag(name)}old-{uuid.uuid4().hex}")
-            _rename(target, old)
-            _rename(staging, target)
+            fs.rename(target, old)
+            fs.rename(staging, target)
         # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
         # name) holds the *previous* checkpoint.
         doomed = _retire(parent, _tag(name), os.path.basename(old))
-        _fsync_directory(parent)
+        fs.fsync_directory(parent)
         return doomed
 
     @classmethod
@@ -552,7 +533,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
                 continue
             handled.append(entry)
         if doomed:
-            _fsync_directory(parent)
+            current().fsync_directory(parent)
         _remove_trees(doomed)
         return handled
 
@@ -572,15 +553,18 @@ def _followed_link(link: str) -> str:
 
 
 def _local_path(path: Path_) -> str:
+    """The absolute local path ``path`` names (a path, or ``file://PATH``: see
+    :mod:`shardkeep.storage.locations`); a store URL is refused."""
     try:
         text = os.fspath(path)
     except TypeError as exc:
         raise UnsupportedValueError(f"checkpoint path {path!r} is not a path: {exc}") from exc
     if not isinstance(text, str) or "\x00" in text:
         raise UnsupportedValueError(f"checkpoint path {path!r} must be text without NUL characters")
-    if "://" in text:
+    local = local_path(text)
+    if local is None:
         raise UnsupportedValueError(
             f"{text}: ShardkeepCheckpointIO writes local paths only (its atomic replacement needs a rename); "
             "for object stores use shardkeep.save with an s3:// path directly"
         )
-    return os.path.abspath(text)
+    return local
