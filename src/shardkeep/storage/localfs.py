@@ -5,6 +5,7 @@ survive a crash on a local or shared POSIX filesystem.
 
 - *steps*, each one system call or one well-known library call: :meth:`~LocalFS.rename`,
   :meth:`~LocalFS.replace`, :meth:`~LocalFS.rename_noreplace`, :meth:`~LocalFS.exchange`,
+  :meth:`~LocalFS.link`, :meth:`~LocalFS.write_new_file` (exclusive create, write, fsync),
   :meth:`~LocalFS.fsync_directory`, :meth:`~LocalFS.fsync_file`, :meth:`~LocalFS.mkdir` and
   :meth:`~LocalFS.remove_tree`;
 - *protocols* built only from those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
@@ -214,6 +215,24 @@ class LocalFS:
         finally:
             os.close(handle)
 
+    def link(self, source: str, destination: str) -> None:
+        """``os.link``: a second name for the file ``source`` (``FileExistsError`` when
+        ``destination`` exists)."""
+        os.link(source, destination)
+
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
+        """Create ``path`` exclusively (never truncating or following what is there:
+        ``FileExistsError``), write all of ``data`` and fsync it. Not atomic: a crash can leave
+        it short; :meth:`write_file_atomic` cannot."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         """``os.mkdir`` (``FileExistsError`` when something is there)."""
         os.mkdir(path, mode)
@@ -245,17 +264,14 @@ class LocalFS:
         temporary = os.path.join(
             directory, sibling_name(name, STAGING_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
         )
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        if callable(content):
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode))
         try:
-            try:
-                if not callable(content):
-                    _write_all(fd, content)
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
             if callable(content):
                 content(temporary)
                 self.fsync_file(temporary)
+            else:
+                self.write_new_file(temporary, content, mode=mode)
             if overwrite:
                 self.replace(temporary, target)
             else:
@@ -322,12 +338,13 @@ class LocalFS:
         self.fsync_directory(parent)
         return old
 
-    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True) -> str:
-        """Rename ``path`` aside to ``<name><marker><32 hex digits>`` in its directory (a name
-        that nothing reads as what it was) and return the new path; with ``sync`` the directory
-        is fsynced, so the rename is durable before anything inside is deleted."""
+    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True, aside: str | None = None) -> str:
+        """Rename ``path`` aside (never replacing anything) to ``aside``, by default
+        ``<name><marker><32 hex digits>`` in its directory (a name that nothing reads as what it
+        was), and return the new path; with ``sync`` the directory is fsynced, so the rename is
+        durable before anything inside is deleted."""
         parent, name = os.path.split(path)
-        doomed = os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
+        doomed = aside or os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
         self.rename_noreplace(path, doomed)
         if sync:
             self.fsync_directory(parent or ".")
