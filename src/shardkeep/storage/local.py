@@ -266,18 +266,8 @@ class LocalStore(StoreBase):
             while pending:
                 fd, at, depth = pending.pop()
                 try:
-                    try:
-                        names = os.listdir(fd)
-                    except OSError as exc:
-                        raise storage_error("listing", at or self.root, exc) from exc
-                    for name in names:
+                    for name, info in _entries(fd, at, at or self.root):
                         relative = f"{at}{name}"
-                        try:
-                            info = _entry_info(os.stat(name, dir_fd=fd, follow_symlinks=False))
-                        except FileNotFoundError:
-                            continue
-                        except OSError as exc:
-                            raise storage_error("stat of", relative, exc) from exc
                         if info.kind != "dir":
                             found.append((relative, info))
                         elif depth >= _MAX_WALK_DEPTH:
@@ -296,19 +286,8 @@ class LocalStore(StoreBase):
 
     def list_dir(self, path: str = "") -> list[tuple[str, EntryInfo]]:
         fd = self._open_parent([*self._split(path), "."], create=False) if path else self._open_root()
-        found: list[tuple[str, EntryInfo]] = []
         try:
-            try:
-                names = os.listdir(fd)
-            except OSError as exc:
-                raise storage_error("listing", path or self.root, exc) from exc
-            for name in names:
-                try:
-                    found.append((name, _entry_info(os.stat(name, dir_fd=fd, follow_symlinks=False))))
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    raise storage_error("stat of", name, exc) from exc
+            found = _entries(fd, "", path or self.root)
         finally:
             os.close(fd)
         found.sort(key=lambda item: item[0])
@@ -444,6 +423,25 @@ def _entry_info(info: os.stat_result) -> EntryInfo:
     else:
         kind = "other"
     return EntryInfo(kind=kind, size=info.st_size, mtime=info.st_mtime)  # type: ignore[arg-type]  # kind is one of the Literal values
+
+
+def _entries(dir_fd: int, prefix: str, where: str) -> list[tuple[str, EntryInfo]]:
+    """The entries of the directory ``dir_fd`` (named ``where`` in errors; ``prefix`` is its
+    path in the store, for the errors of its entries), each stat-ed without following a
+    symlink; one that vanished meanwhile is left out."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError as exc:
+        raise storage_error("listing", where, exc) from exc
+    found: list[tuple[str, EntryInfo]] = []
+    for name in names:
+        try:
+            found.append((name, _entry_info(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise storage_error("stat of", f"{prefix}{name}", exc) from exc
+    return found
 
 
 def _fsync_fd(fd: int, path: str) -> None:

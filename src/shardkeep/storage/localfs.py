@@ -75,6 +75,10 @@ _TEMPORARY_ID_CHARS = 12
 #: What :meth:`LocalFS.write_file_atomic` writes: the bytes, or a function that writes the
 #: (already created, empty) temporary file at the path it is given.
 Content = bytes | bytearray | memoryview | Callable[[str], None]
+#: A local path.
+PathText = str | os.PathLike[str]
+#: Which names of a directory :meth:`LocalFS.remove_idle` considers.
+NameMatch = Callable[[str], bool]
 
 
 def storage_error(action: str, path: str, exc: OSError) -> StorageError:
@@ -167,6 +171,14 @@ def rename_noreplace_at(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) ->
     raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
 
 
+def _fsync_path(path: str, flags: int) -> None:
+    handle = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -201,19 +213,11 @@ class LocalFS:
 
     def fsync_directory(self, path: str) -> None:
         """fsync the directory ``path``, so that the renames and creations in it are durable."""
-        handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
+        _fsync_path(path, os.O_DIRECTORY)
 
     def fsync_file(self, path: str) -> None:
         """fsync the regular file ``path`` (not following a symlink)."""
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
+        _fsync_path(path, os.O_NOFOLLOW)
 
     def link(self, source: str, destination: str) -> None:
         """``os.link``: a second name for the file ``source`` (``FileExistsError`` when
@@ -381,8 +385,8 @@ class LocalFS:
 
     def remove_idle(
         self,
-        directory: str | os.PathLike[str],
-        match: Callable[[str], bool],
+        directory: PathText,
+        match: NameMatch,
         lease: float,
         *,
         now: float | None = None,
@@ -475,12 +479,7 @@ def retire_and_remove(path: str, marker: str = DELETING_MARKER) -> bool:
 
 
 def remove_idle(
-    directory: str | os.PathLike[str],
-    match: Callable[[str], bool],
-    lease: float,
-    *,
-    now: float | None = None,
-    marker: str = DELETING_MARKER,
+    directory: PathText, match: NameMatch, lease: float, *, now: float | None = None, marker: str = DELETING_MARKER
 ) -> list[str]:
     """:meth:`LocalFS.remove_idle` of the filesystem in use."""
     return current().remove_idle(directory, match, lease, now=now, marker=marker)
