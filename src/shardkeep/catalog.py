@@ -45,14 +45,14 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
+from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
 from shardkeep.indexes import expand_all, index_paths
-from shardkeep.integrity import SignaturePolicy, read_regular_file
+from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import (
     DELETING_MARKER,
     MANIFEST_FILENAME,
@@ -72,12 +72,20 @@ from shardkeep.names import (
     sibling_name,
     step_of_name,
 )
-from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
+from shardkeep.retention import (
+    CheckpointInfo,
+    RetentionDecision,
+    RetentionPolicy,
+    decide,
+    load_config_file,
+)
 from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, local_path, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
     file_set_problems,
+    missing_tier_problem,
+    missing_tiers,
     parse_manifest,
     read_manifest_bytes,
     verify,
@@ -133,58 +141,6 @@ def misnamed_problem(name: str, manifest: Manifest) -> str | None:
 def duplicate_problem(name: str, step: int, used: str) -> str:
     """Why ``name`` is passed over: ``used`` names the same step, and is the one used."""
     return f"{name} names step {step}, as {used} does: only {used} is used for step {step}"
-
-
-#: How :func:`missing_tiers` begins the finding of a tier location that holds nothing.
-_NOTHING_AT = "nothing at "
-
-
-def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
-    """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
-    location holds nothing of the checkpoint, or cannot be opened or read: tier name -> where it
-    was looked for and what was found. One ``stat`` per tier and owner; files are not opened."""
-    wanted = None if tiers is None else set(tiers)
-    owners: dict[str, set[str]] = {}
-    missing: dict[str, str] = {}
-    for record in manifest.files:
-        if (wanted is not None and record.tier not in wanted) or record.tier in missing:
-            continue
-        try:
-            store = resolver.store_of(record.tier)
-        except ShardkeepError as exc:  # its location cannot be opened here (a backend missing ...)
-            missing[record.tier] = str(exc)
-            continue
-        if store is resolver.location.store:
-            continue  # beside the manifest (or remapped there): the file-set check covers it
-        owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
-    for tier, names in sorted(owners.items()):
-        if tier in missing:
-            continue
-        store = resolver.store_of(tier)
-        root = store.root.rstrip("/")
-        absent = []
-        for owner in sorted(names):
-            try:
-                info = store.stat(owner)
-            except ShardkeepError as exc:
-                missing[tier] = f"{root}/{owner}: {exc}"
-                break
-            if info is None:
-                absent.append(f"{root}/{owner}")
-        else:
-            if len(absent) == len(names):
-                missing[tier] = f"{_NOTHING_AT}{', '.join(absent)}"
-    return missing
-
-
-def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
-    """One problem for a tier whose location is missing or cannot be read (``found``, as
-    :func:`missing_tiers` says it), saying how to point at its new place."""
-    hint = remap_hint.format(tier=tier)
-    state = "is missing" if found.startswith(_NOTHING_AT) else "cannot be read"
-    if remapped:
-        return f"tier {tier!r} {state}: {found}; check the location given for it ({hint})"
-    return f"tier {tier!r} {state}: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
 
 
 @dataclass(frozen=True)
@@ -941,52 +897,3 @@ def _metric(manifest: Manifest | None, metric: str) -> float | None:
         return None
     value = manifest.metrics.get(metric)
     return None if value is None or not math.isfinite(value) else value
-
-
-#: The largest config file read (a run's whole YAML config is a few kilobytes).
-CONFIG_FILE_LIMIT = 4 << 20
-
-
-def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
-    """A retention policy from a YAML file: either the ``checkpointing`` section itself, or a
-    ``RuntimeConfig`` file with a top-level ``checkpointing:`` key (other keys belong to the
-    rest of the run's config and are not read). Duplicate keys are refused."""
-    import yaml
-
-    class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type stubs
-        pass
-
-    def construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        mapping: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=deep)
-            try:
-                hash(key)
-            except TypeError as exc:  # a YAML "? [a, b]" key, which no dict can hold
-                raise ConfigError(
-                    f"{os.fspath(path)}: a key must be a plain value, got {type(key).__name__} "
-                    f"(line {key_node.start_mark.line + 1})"
-                ) from exc
-            if key in mapping:
-                raise ConfigError(f"{os.fspath(path)}: duplicate key {key!r} (line {key_node.start_mark.line + 1})")
-            mapping[key] = loader.construct_object(value_node, deep=deep)
-        return mapping
-
-    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    try:
-        # A bounded regular file: a FIFO or device never blocks, a huge file is refused.
-        text = read_regular_file(path, limit=CONFIG_FILE_LIMIT, follow_symlinks=True).decode("utf-8")
-        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
-    except UnsafePathError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} {exc}") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{os.fspath(path)}: invalid YAML: {exc}") from exc
-    if document is None:
-        document = {}
-    if isinstance(document, Mapping) and "checkpointing" in document:
-        return policy_from_config(document["checkpointing"])
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"{os.fspath(path)}: the config must be a mapping, got {type(document).__name__}")
-    return policy_from_config(document)

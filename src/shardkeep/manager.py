@@ -63,7 +63,16 @@ from shardkeep.manifest import (
 from shardkeep.names import sibling_name
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, local_path, open_store, renames
+from shardkeep.storage import (
+    ByteStore,
+    LocalStore,
+    StoreOperations,
+    adapt_store,
+    local_path,
+    localfs,
+    open_store,
+    renames,
+)
 from shardkeep.training import (
     FILLED,
     TrainingCheckpoint,
@@ -821,7 +830,7 @@ def _local_root(root: str, *, create: bool) -> LocalStore:
     false); an unusable root raises :class:`~shardkeep.errors.StorageError` naming it."""
     try:
         if create:
-            os.makedirs(root, exist_ok=True)
+            localfs.makedirs_durable(root)
         if os.path.lexists(root) and not os.path.isdir(root):
             raise StorageError(f"checkpoint root {root} is not a directory")
         return LocalStore(root)

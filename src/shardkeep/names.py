@@ -153,6 +153,5 @@ def step_of_name(name: str) -> int | None:
     return step if step <= MAX_STEP else None
 
 
-#: Marks the directory that a two-rename replacement moved out of the way
-#: (``.NAME.old-<id>``; see :meth:`shardkeep.storage.localfs.LocalFS.replace_dir`).
-REPLACED_MARKER = ".old-"
+#: Hugging Face folders: the previous folder during a replacement is ``.<name>.old-<id>``.
+HF_OLD_MARKER = ".old-"

@@ -72,6 +72,8 @@ __all__ = [
     "FileResolver",
     "VerifyReport",
     "locate",
+    "missing_tier_problem",
+    "missing_tiers",
     "read_manifest",
     "select_files",
     "sign_checkpoint",
@@ -312,6 +314,58 @@ class FileResolver:
     def describe(self, record: FileRecord) -> str:
         store, path = self(record)
         return f"{store.root}/{path}"
+
+
+#: How :func:`missing_tiers` begins the finding of a tier location that holds nothing.
+_NOTHING_AT = "nothing at "
+
+
+def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
+    """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
+    location holds nothing of the checkpoint, or cannot be opened or read: tier name -> where it
+    was looked for and what was found. One ``stat`` per tier and owner; files are not opened."""
+    wanted = None if tiers is None else set(tiers)
+    owners: dict[str, set[str]] = {}
+    missing: dict[str, str] = {}
+    for record in manifest.files:
+        if (wanted is not None and record.tier not in wanted) or record.tier in missing:
+            continue
+        try:
+            store = resolver.store_of(record.tier)
+        except ShardkeepError as exc:  # its location cannot be opened here (a backend missing ...)
+            missing[record.tier] = str(exc)
+            continue
+        if store is resolver.location.store:
+            continue  # beside the manifest (or remapped there): the file-set check covers it
+        owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
+    for tier, names in sorted(owners.items()):
+        if tier in missing:
+            continue
+        store = resolver.store_of(tier)
+        root = store.root.rstrip("/")
+        absent = []
+        for owner in sorted(names):
+            try:
+                info = store.stat(owner)
+            except ShardkeepError as exc:
+                missing[tier] = f"{root}/{owner}: {exc}"
+                break
+            if info is None:
+                absent.append(f"{root}/{owner}")
+        else:
+            if len(absent) == len(names):
+                missing[tier] = f"{_NOTHING_AT}{', '.join(absent)}"
+    return missing
+
+
+def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
+    """One problem for a tier whose location is missing or cannot be read (``found``, as
+    :func:`missing_tiers` says it), saying how to point at its new place."""
+    hint = remap_hint.format(tier=tier)
+    state = "is missing" if found.startswith(_NOTHING_AT) else "cannot be read"
+    if remapped:
+        return f"tier {tier!r} {state}: {found}; check the location given for it ({hint})"
+    return f"tier {tier!r} {state}: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
 
 
 def select_files(manifest: Manifest, tiers: Iterable[str] | None) -> list[int]:

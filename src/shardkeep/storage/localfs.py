@@ -5,6 +5,7 @@ survive a crash on a local or shared POSIX filesystem.
 
 - *steps*, each one system call or one well-known library call: :meth:`~LocalFS.rename`,
   :meth:`~LocalFS.replace`, :meth:`~LocalFS.rename_noreplace`, :meth:`~LocalFS.exchange`,
+  :meth:`~LocalFS.link`, :meth:`~LocalFS.write_new_file` (exclusive create, write, fsync),
   :meth:`~LocalFS.fsync_directory`, :meth:`~LocalFS.fsync_file`, :meth:`~LocalFS.mkdir` and
   :meth:`~LocalFS.remove_tree`;
 - *protocols* built only from those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
@@ -39,7 +40,7 @@ from typing import Any
 
 from shardkeep.errors import StorageError
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER
-from shardkeep.names import REPLACED_MARKER, sibling_name
+from shardkeep.names import HF_OLD_MARKER, sibling_name
 
 __all__ = [
     "LOCAL",
@@ -74,6 +75,10 @@ _TEMPORARY_ID_CHARS = 12
 #: What :meth:`LocalFS.write_file_atomic` writes: the bytes, or a function that writes the
 #: (already created, empty) temporary file at the path it is given.
 Content = bytes | bytearray | memoryview | Callable[[str], None]
+#: A local path.
+PathText = str | os.PathLike[str]
+#: Which names of a directory :meth:`LocalFS.remove_idle` considers.
+NameMatch = Callable[[str], bool]
 
 
 def storage_error(action: str, path: str, exc: OSError) -> StorageError:
@@ -166,6 +171,14 @@ def rename_noreplace_at(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) ->
     raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
 
 
+def _fsync_path(path: str, flags: int) -> None:
+    handle = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -200,19 +213,29 @@ class LocalFS:
 
     def fsync_directory(self, path: str) -> None:
         """fsync the directory ``path``, so that the renames and creations in it are durable."""
-        handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
+        _fsync_path(path, os.O_DIRECTORY)
 
     def fsync_file(self, path: str) -> None:
         """fsync the regular file ``path`` (not following a symlink)."""
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        _fsync_path(path, os.O_NOFOLLOW)
+
+    def link(self, source: str, destination: str) -> None:
+        """``os.link``: a second name for the file ``source`` (``FileExistsError`` when
+        ``destination`` exists)."""
+        os.link(source, destination)
+
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
+        """Create ``path`` exclusively (never truncating or following what is there:
+        ``FileExistsError``), write all of ``data`` and fsync it. Not atomic: a crash can leave
+        it short; :meth:`write_file_atomic` cannot."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
-            os.fsync(handle)
+            _write_all(fd, data)
+            os.fsync(fd)
         finally:
-            os.close(handle)
+            os.close(fd)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         """``os.mkdir`` (``FileExistsError`` when something is there)."""
@@ -245,17 +268,14 @@ class LocalFS:
         temporary = os.path.join(
             directory, sibling_name(name, STAGING_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
         )
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        if callable(content):
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode))
         try:
-            try:
-                if not callable(content):
-                    _write_all(fd, content)
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
             if callable(content):
                 content(temporary)
                 self.fsync_file(temporary)
+            else:
+                self.write_new_file(temporary, content, mode=mode)
             if overwrite:
                 self.replace(temporary, target)
             else:
@@ -269,23 +289,26 @@ class LocalFS:
     def makedirs_durable(self, path: str | os.PathLike[str], mode: int = 0o755) -> None:
         """Create directory ``path`` and its missing parents, fsyncing each parent whose
         entries changed, so that the whole chain survives a crash. An existing directory is
-        left as it is."""
+        left as it is; anything else at ``path`` is ``FileExistsError``, a file above it
+        ``NotADirectoryError``."""
         missing: list[str] = []
         at = os.path.abspath(os.fspath(path))
-        while not os.path.isdir(at):
+        while not os.path.lexists(at):
             missing.append(at)
             parent = os.path.dirname(at)
             if parent == at:
                 break
             at = parent
+        if not missing and not os.path.isdir(at):
+            raise FileExistsError(errno.EEXIST, "exists and is not a directory", at)
         for directory in reversed(missing):
             try:
                 self.mkdir(directory, mode)
             except FileExistsError:
                 if not os.path.isdir(directory):
                     raise
-                continue  # another process made it; it fsyncs its parent
-            self.fsync_directory(os.path.dirname(directory) or directory)
+                continue  # another process made it, and syncs its parent
+            self.fsync_directory(os.path.dirname(directory))
 
     def replace_dir(self, staging: str, target: str, *, aside: str | None = None) -> str | None:
         """Put the finished directory ``staging`` at ``target``; return where the replaced
@@ -308,7 +331,7 @@ class LocalFS:
             old = staging
         except ExchangeUnsupported:
             old = aside or os.path.join(
-                parent, sibling_name(name, REPLACED_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
+                parent, sibling_name(name, HF_OLD_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
             )
             self.rename(target, old)
             try:
@@ -319,12 +342,13 @@ class LocalFS:
         self.fsync_directory(parent)
         return old
 
-    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True) -> str:
-        """Rename ``path`` aside to ``<name><marker><32 hex digits>`` in its directory (a name
-        that nothing reads as what it was) and return the new path; with ``sync`` the directory
-        is fsynced, so the rename is durable before anything inside is deleted."""
+    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True, aside: str | None = None) -> str:
+        """Rename ``path`` aside (never replacing anything) to ``aside``, by default
+        ``<name><marker><32 hex digits>`` in its directory (a name that nothing reads as what it
+        was), and return the new path; with ``sync`` the directory is fsynced, so the rename is
+        durable before anything inside is deleted."""
         parent, name = os.path.split(path)
-        doomed = os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
+        doomed = aside or os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
         self.rename_noreplace(path, doomed)
         if sync:
             self.fsync_directory(parent or ".")
@@ -361,8 +385,8 @@ class LocalFS:
 
     def remove_idle(
         self,
-        directory: str | os.PathLike[str],
-        match: Callable[[str], bool],
+        directory: PathText,
+        match: NameMatch,
         lease: float,
         *,
         now: float | None = None,
@@ -455,12 +479,7 @@ def retire_and_remove(path: str, marker: str = DELETING_MARKER) -> bool:
 
 
 def remove_idle(
-    directory: str | os.PathLike[str],
-    match: Callable[[str], bool],
-    lease: float,
-    *,
-    now: float | None = None,
-    marker: str = DELETING_MARKER,
+    directory: PathText, match: NameMatch, lease: float, *, now: float | None = None, marker: str = DELETING_MARKER
 ) -> list[str]:
     """:meth:`LocalFS.remove_idle` of the filesystem in use."""
     return current().remove_idle(directory, match, lease, now=now, marker=marker)
