@@ -725,9 +725,9 @@ def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(tmp_p
     def crash_at_the_checkpoint(source: str, destination: str) -> None:
         if source == str(target):  # renaming the checkpoint itself to its del- name
             raise KeyboardInterrupt("killed before renaming the checkpoint itself")
-        localfs.LOCAL.rename(source, destination)
+        localfs.LOCAL.rename_noreplace(source, destination)
 
-    fs.steps["rename"] = crash_at_the_checkpoint
+    fs.steps["rename_noreplace"] = crash_at_the_checkpoint
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
     fs.steps.clear()

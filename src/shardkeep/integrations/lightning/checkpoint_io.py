@@ -74,8 +74,7 @@ def _retire(parent: str, tag: str, entry: str) -> str:
     """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
     the new path; only then is it deleted, so a half-deleted tree always has such a name."""
     doomed = os.path.join(parent, f"{tag}del-{uuid.uuid4().hex}")
-    current().rename(os.path.join(parent, entry), doomed)
-    return doomed
+    return current().retire(os.path.join(parent, entry), aside=doomed, sync=False)  # the caller fsyncs
 
 
 def _remove_trees(paths: list[str]) -> None:
