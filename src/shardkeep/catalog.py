@@ -50,36 +50,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError
+from shardkeep.errors import CheckpointNotFoundError, ShardkeepError, StorageError
 from shardkeep.indexes import expand_all, index_paths
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.manifest import (
+from shardkeep.manifest import FileRecord, Manifest, stored_bytes
+from shardkeep.names import (
+    ATTEMPT_PREFIX,
+    CHECKPOINT_NAME,
     DELETING_MARKER,
     MANIFEST_FILENAME,
+    POINTERS,
+    RETAINED_MARKER,
     SIGNATURE_FILENAME,
     STAGING_MARKER,
-    FileRecord,
-    Manifest,
-    is_staging_name,
-    stored_bytes,
-)
-from shardkeep.names import (
-    MAX_STEP,
-    STEP_NAME,
+    checkpoint_name,
     is_derived_name,
     is_shortened,
     is_sibling_of,
+    is_staging_name,
     sibling_name,
     step_of_name,
 )
-from shardkeep.retention import (
-    CheckpointInfo,
-    RetentionDecision,
-    RetentionPolicy,
-    decide,
-    load_config_file,
-)
-from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, local_path, open_store, renames
+from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, load_config_file
+from shardkeep.storage import ByteStore, LocalStore, adapt_store, local_path, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -96,6 +89,7 @@ __all__ = [
     "POINTERS",
     "CheckpointEntry",
     "CheckpointRoot",
+    "Found",
     "checkpoint_name",
     "duplicate_problem",
     "load_config_file",
@@ -106,19 +100,8 @@ __all__ = [
 
 logger = logging.getLogger("shardkeep")
 
-#: Committed checkpoints in a root are directories named ``step_<N>``: see
-#: :func:`shardkeep.names.step_of_name`, which also bounds ``N`` by what a manifest records.
-CHECKPOINT_NAME = STEP_NAME
-#: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
-POINTERS = ("last", "best")
 #: Staging directories untouched for this long are leftovers of crashed saves.
 DEFAULT_LEASE = 3600.0
-
-
-def checkpoint_name(step: int) -> str:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ConfigError(f"step={step!r} must be an integer from 0 to {MAX_STEP}")
-    return f"step_{step:08d}"
 
 
 def misnamed_problem(name: str, manifest: Manifest) -> str | None:
@@ -182,7 +165,10 @@ class CheckpointEntry:
 
 
 @dataclass
-class _Found:
+class Found:
+    """One directory of a root as :meth:`CheckpointRoot.scan` found it: its name and step, its
+    manifest (``None`` when unreadable) and the problems found."""
+
     name: str
     step: int
     manifest: Manifest | None
@@ -194,6 +180,9 @@ class _Found:
     missing_tiers: list[str] = field(default_factory=list)
     #: Another directory names the same step and is the one used (see :meth:`CheckpointRoot.scan`).
     duplicate: bool = False
+
+
+_Found = Found  # deprecated alias of Found
 
 
 class CheckpointRoot:
@@ -275,16 +264,16 @@ class CheckpointRoot:
         return f"{self.display.rstrip('/')}/{name}"
 
     # -- reading ---------------------------------------------------------------------------
-    def scan(self) -> list[_Found]:
+    def scan(self) -> list[Found]:
         """Every ``step_<N>`` directory, oldest first, with its manifest (or why there is none)
         and the problems a quick check finds: file set and sizes against the manifest."""
-        found: list[_Found] = []
+        found: list[Found] = []
         for name, info in self.store.list_dir(""):
             step = step_of_name(name)
             if step is None:
                 continue
             if info.kind != "dir":
-                found.append(_Found(name, step, None, [f"{name} is not a directory"]))
+                found.append(Found(name, step, None, [f"{name} is not a directory"]))
                 continue
             location = CheckpointLocation(self.store, name)
             try:
@@ -299,28 +288,28 @@ class CheckpointRoot:
                     # files that later checkpoints reference is retained data, not a checkpoint;
                     # an empty directory is a place a save may commit into.
                     continue
-                found.append(_Found(name, step, None, [str(exc)]))
+                found.append(Found(name, step, None, [str(exc)]))
                 continue
             except ShardkeepError as exc:
-                found.append(_Found(name, step, None, [str(exc)]))
+                found.append(Found(name, step, None, [str(exc)]))
                 continue
             misnamed = misnamed_problem(name, manifest)
             problems = [misnamed] if misnamed is not None else []
             quick, missing = self._quick_problems(location, manifest)
             problems.extend(quick)
-            found.append(_Found(name, step, manifest, problems, misnamed=misnamed is not None, missing_tiers=missing))
+            found.append(Found(name, step, manifest, problems, misnamed=misnamed is not None, missing_tiers=missing))
         found.sort(key=lambda item: (item.step, item.name))
         self._pass_over_duplicates(found)
         return found
 
     @staticmethod
-    def _pass_over_duplicates(found: list[_Found]) -> None:
+    def _pass_over_duplicates(found: list[Found]) -> None:
         """Several directories naming one step (``step_100`` and ``step_00000100``): the
         manager's own spelling (8 digits) is used if present, else the first in name order; the
         others are treated as misnamed (listed with the reason; never last, best, newest,
         restored or deleted). Only directories with a readable manifest that is not misnamed
         take part."""
-        by_step: dict[int, list[_Found]] = {}
+        by_step: dict[int, list[Found]] = {}
         for item in found:
             if not item.misnamed and item.manifest is not None:
                 by_step.setdefault(item.step, []).append(item)
@@ -344,7 +333,7 @@ class CheckpointRoot:
         return (
             bool(listing)
             and all(info.kind == "file" for _, info in listing)
-            and "_retained" in {relative.rpartition("/")[2] for relative, _ in listing}
+            and RETAINED_MARKER in {relative.rpartition("/")[2] for relative, _ in listing}
         )
 
     def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> tuple[list[str], list[str]]:
@@ -400,7 +389,7 @@ class CheckpointRoot:
                     )
         return problems, list(missing)
 
-    def verify_fully(self, item: _Found, on_bytes: Callable[[int], None] | None = None) -> None:
+    def verify_fully(self, item: Found, on_bytes: Callable[[int], None] | None = None) -> None:
         """Check every digest of ``item`` and record its problems (none means verified).
 
         A tier whose location holds nothing of the checkpoint (moved, unmounted, another
@@ -452,7 +441,7 @@ class CheckpointRoot:
 
     # -- ownership --------------------------------------------------------------------------
     @staticmethod
-    def owner(found: list[_Found]) -> str | None:
+    def owner(found: list[Found]) -> str | None:
         """The run that owns the root: that of the newest checkpoint recording a run id (a
         misnamed checkpoint's name proves nothing, so it never decides)."""
         for item in reversed(found):
@@ -461,17 +450,17 @@ class CheckpointRoot:
         return None
 
     @staticmethod
-    def run_of(item: _Found) -> str | None:
+    def run_of(item: Found) -> str | None:
         return item.manifest.run.run_id if item.manifest is not None and item.manifest.run is not None else None
 
     @staticmethod
-    def recorded_policy(found: list[_Found], run_id: str | None = None) -> RetentionPolicy | None:
+    def recorded_policy(found: list[Found], run_id: str | None = None) -> RetentionPolicy | None:
         """The retention policy recorded by the newest checkpoint (of ``run_id`` if given)."""
         record = CheckpointRoot.policy_record(found, run_id)
         return record[0] if record is not None else None
 
     @staticmethod
-    def policy_record(found: list[_Found], run_id: str | None = None) -> tuple[RetentionPolicy, str] | None:
+    def policy_record(found: list[Found], run_id: str | None = None) -> tuple[RetentionPolicy, str] | None:
         """The retention policy recorded by the newest checkpoint (of ``run_id`` if given), and
         that checkpoint's name; misnamed checkpoints are passed over."""
         for item in reversed(found):
@@ -488,7 +477,7 @@ class CheckpointRoot:
     # -- deciding ---------------------------------------------------------------------------
     def decide(
         self,
-        found: list[_Found],
+        found: list[Found],
         policy: RetentionPolicy,
         run_id: str | None,
         *,
@@ -538,7 +527,7 @@ class CheckpointRoot:
         ]
         return entries, decision
 
-    def _entry(self, item: _Found, metric: str, *, is_last: bool, is_best: bool, is_newest: bool) -> CheckpointEntry:
+    def _entry(self, item: Found, metric: str, *, is_last: bool, is_best: bool, is_newest: bool) -> CheckpointEntry:
         manifest = item.manifest
         verified: bool | None = False if item.problems else (True if item.full else None)
         return CheckpointEntry(
@@ -651,8 +640,8 @@ class CheckpointRoot:
             self._remove_files([key for key in doomed if not (key[0] is None and key[1] == name)])
             self.store.remove_tree(moved)
             return
-        if own_listed and self.store.stat(f"{name}/_retained") is None:
-            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by other checkpoints\n")
+        if own_listed and self.store.stat(f"{name}/{RETAINED_MARKER}") is None:
+            self.store.put_atomic(f"{name}/{RETAINED_MARKER}", b"files here are referenced by other checkpoints\n")
         # The commit point next: without its manifest, nothing reads it as a checkpoint.
         manifest_path = f"{name}/{MANIFEST_FILENAME}"
         self.store.remove_file(manifest_path)
@@ -670,7 +659,7 @@ class CheckpointRoot:
         files kept for others: no manifest, and the ``_retained`` marker."""
         return (
             self.store.stat(f"{owner}/{MANIFEST_FILENAME}") is None
-            and self.store.stat(f"{owner}/_retained") is not None
+            and self.store.stat(f"{owner}/{RETAINED_MARKER}") is not None
         )
 
     def _remove_files(self, files: list[tuple[str | None, str, str]]) -> None:
@@ -682,13 +671,13 @@ class CheckpointRoot:
         for location, owner in owners:
             store = self.tier_store(location)
             try:
-                left = [relative for relative, _ in store.list_files(owner) if relative != "_retained"]
+                left = [relative for relative, _ in store.list_files(owner) if relative != RETAINED_MARKER]
             except CheckpointNotFoundError:
                 continue
             if not left and (location is not None or store.stat(f"{owner}/{MANIFEST_FILENAME}") is None):
                 store.remove_tree(owner)
 
-    def apply(self, decision: RetentionDecision, found: list[_Found] | None = None) -> list[str]:
+    def apply(self, decision: RetentionDecision, found: list[Found] | None = None) -> list[str]:
         """Delete what ``decision`` says, oldest first; return the names deleted. Files that a
         remaining checkpoint references are kept (the manifests are read once; a checkpoint
         deleted later in the pass still protects what it references until then)."""

@@ -45,11 +45,10 @@ from shardkeep.manifest import (
     FileRecord,
     IndexedManifest,
     Manifest,
+    check_manifest,
     decode_manifest,
-    has_chunks,
     is_staging_name,
     unsafe_path_reason,
-    validate_manifest,
 )
 from shardkeep.names import check_name_length
 from shardkeep.progress import collector_paused
@@ -64,7 +63,6 @@ from shardkeep.storage import (
     renames,
     split_url,
 )
-from shardkeep.tensors.coverage import coverage_problems
 
 __all__ = [
     "CheckpointLocation",
@@ -160,9 +158,7 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
         raise IntegrityError(f"{where}: {exc}") from exc
     with collector_paused():  # the checks build columns of every tensor entry; see decode_manifest
         manifest = decode_manifest(data, limits=limits)
-        errors = validate_manifest(manifest, limits=limits).errors
-        if has_chunks(manifest):  # coverage_problems finds nothing without chunks
-            errors += coverage_problems(manifest)
+        errors = check_manifest(manifest, limits=limits).errors
     if errors:
         more = f"; ... and {len(errors) - 20} more problems" if len(errors) > 20 else ""
         raise ManifestError(f"{where}: invalid manifest: " + "; ".join(errors[:20]) + more)
@@ -543,9 +539,7 @@ def _verify_signature(
 def _verify_consistency(report: VerifyReport, manifest: Manifest, limits: ManifestLimits | None) -> bool:
     """Phase 2 of :func:`verify`: validate the manifest and check that the chunks of each
     sharded tensor tile it exactly once. Returns whether the data files can be checked."""
-    validation = validate_manifest(manifest, limits=limits)
-    if has_chunks(manifest):  # coverage_problems finds nothing without chunks
-        validation.errors.extend(coverage_problems(manifest))
+    validation = check_manifest(manifest, limits=limits)
     report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in validation.errors)
     report.warnings.extend(validation.warnings)
     return not validation.errors

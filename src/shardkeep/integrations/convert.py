@@ -291,10 +291,10 @@ def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: st
     save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
 
 
-def write_export_file(target: str, write: Callable[[str], None]) -> None:
-    """Write the export file ``target`` whole or not at all (its name checked to fit a
-    directory entry): :func:`~shardkeep.storage.localfs.write_file_atomic`, the temporary file
-    readable by its owner only until it takes ``target``'s name."""
+def write_replacing(target: str, write: Callable[[str], None]) -> None:
+    """Write ``target`` whole or not at all (:func:`~shardkeep.storage.localfs.write_file_atomic`:
+    a fresh temporary file beside it, created exclusively with mode 0600, fsync, rename over
+    ``target``, fsync of the directory), once its name is known to fit the filesystem."""
     check_name_length(os.path.basename(os.path.abspath(target)), "export destination")
     write_file_atomic(target, write, mode=0o600)
 
@@ -337,7 +337,7 @@ def export_checkpoint(
     flat = flatten_state(state)
     tensor_bytes = sum(int(leaf.value.nbytes) for leaf in flat.tensors)
     try:
-        write_export_file(target, lambda temporary: _write_export(kind, state, flat, temporary))
+        write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc}") from exc
     return ExportSummary(target, kind, len(flat.tensors), len(flat.values), tensor_bytes)

@@ -26,8 +26,7 @@ from shardkeep.errors import (
     StorageError,
     UnsafePathError,
 )
-from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
-from shardkeep.names import sibling_name
+from shardkeep.names import STAGING_MARKER, sibling_name, unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
 from shardkeep.storage.direct_io import DEFAULT_FILE_CALLS, DIRECT_IO_BLOCK, O_DIRECT, FileCalls, LocalWriter
 from shardkeep.storage.localfs import (

@@ -71,7 +71,7 @@ from shardkeep.integrations.hf.keys import (
     to_model_keys,
 )
 from shardkeep.manifest import MANIFEST_FILENAME
-from shardkeep.names import check_name_length, sibling_name
+from shardkeep.names import STAGING_MARKER, check_name_length, sibling_name
 from shardkeep.storage.localfs import current, fsync_directory_path, replace_dir, write_file_atomic
 from shardkeep.storage.locations import local_path
 from shardkeep.tensors.convert import TORCH_TO_NAME
@@ -476,7 +476,9 @@ def _write_and_place(
     (:func:`_place`); the files written, and where the replaced folder is (or None). ``totals``
     are the index's ``total_parameters`` and ``total_size``."""
     parent = os.path.dirname(target)
-    staging = os.path.join(parent, sibling_name(os.path.basename(target), ".tmp-", uuid.uuid4().hex[:12], lead="."))
+    staging = os.path.join(
+        parent, sibling_name(os.path.basename(target), STAGING_MARKER, uuid.uuid4().hex[:12], lead=".")
+    )
     try:
         os.mkdir(staging)
         try:
