@@ -22,11 +22,13 @@ safetensors file (tensors under their dotted keys; JSON values go into the heade
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -48,6 +50,9 @@ from shardkeep.storage.localfs import write_file_atomic
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
 from shardkeep.tensors.shardfile import CARRIED_DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
 
@@ -147,8 +152,6 @@ def _read_dcp(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    from shardkeep.integrations.dcp import load_whole_state
-
     try:
         state = load_whole_state(FileSystemReader(path))
     except (Exception, CheckpointException) as exc:
@@ -159,6 +162,54 @@ def _read_dcp(path: str) -> dict[str, Any]:
         ) from exc
     restored: dict[str, Any] = _optimizer_ids_restored(state)
     return restored
+
+
+def load_whole_state(storage_reader: StorageReader) -> dict[str, Any]:
+    """Every item of the DCP checkpoint ``storage_reader`` reads, nested as it was saved, loaded
+    in this process alone through DCP's public ``load`` (``no_dist=True``): the state
+    ``format_utils.dcp_to_torch_save`` loads. The state to load into is first built from the
+    checkpoint's metadata (each tensor allocated on the CPU, nested as its ``planner_data``
+    says). Byte items are read with ``torch.load(weights_only=False)``, as DCP reads them: only
+    for a trusted checkpoint."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = storage_reader.read_metadata()
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    state: dict[str, Any] = {}
+    for key, described in metadata.state_dict_metadata.items():
+        value: Any = described  # a byte item's place, filled by the load
+        if isinstance(described, TensorStorageMetadata):
+            value = torch.empty(described.size, dtype=described.properties.dtype)
+        if key in paths:
+            _set_at(state, tuple(paths[key]), value)
+        else:
+            state[key] = value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
+        load(state, storage_reader=storage_reader, planner=DefaultLoadPlanner(), no_dist=True)
+    return state
+
+
+def _set_at(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in ``root``, making the containers on the way: a dict before a
+    string key, a list (extended with None) before an integer one, as DCP nests a state."""
+    container: Any = root
+    for step, following in itertools.pairwise(path):
+        empty: Any = {} if type(following) is str else []
+        if isinstance(container, dict):
+            container = container.setdefault(step, empty)
+        else:
+            index = int(step)
+            container.extend([None] * (index + 1 - len(container)))
+            if container[index] is None:
+                container[index] = empty
+            container = container[index]
+    last = path[-1]
+    if type(last) is int:
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
 
 
 def _optimizer_ids_restored(value: Any) -> Any:

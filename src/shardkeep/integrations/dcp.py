@@ -39,17 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import math
 import os
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -761,71 +758,11 @@ def dcp_to_torch_save(
     for DCP's ``.metadata`` and so cannot read a shardkeep checkpoint. The file holds the
     nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
     unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
+    from shardkeep.integrations.convert import load_whole_state, write_replacing
+
     state = load_whole_state(ShardkeepReader(checkpoint, **reader_options))
-    from shardkeep.integrations.convert import write_replacing
 
     write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
-
-
-def load_whole_state(storage_reader: StorageReader) -> dict[str, Any]:
-    """Every item of the checkpoint ``storage_reader`` reads, as the nested state it was saved
-    from, loaded in this process alone through DCP's public ``load`` (``no_dist=True``): the
-    state ``format_utils.dcp_to_torch_save`` loads. Byte items are read with
-    ``torch.load(weights_only=False)``, as DCP reads them: only for a trusted checkpoint."""
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    planner = _WholeStateLoadPlanner()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
-        load({}, storage_reader=storage_reader, planner=planner, no_dist=True)
-    return planner.loaded
-
-
-class _WholeStateLoadPlanner(DefaultLoadPlanner):
-    """A ``DefaultLoadPlanner`` that builds the state to load into from the checkpoint's metadata
-    (each tensor allocated on the CPU, nested as ``planner_data`` records it) and keeps it in
-    :attr:`loaded`, since ``load`` of an empty state dict hands nothing back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loaded: dict[str, Any] = {}
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
-    ) -> None:
-        if metadata is None:
-            raise IntegrityError("the DCP reader gave no metadata to load the state from")
-        paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-        for key, described in metadata.state_dict_metadata.items():
-            value: Any = described
-            if isinstance(described, TensorStorageMetadata):
-                value = torch.empty(described.size, dtype=described.properties.dtype)
-            if key in paths:
-                _set_at(state_dict, tuple(paths[key]), value)
-            else:
-                state_dict[key] = value
-        self.loaded = state_dict
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-
-
-def _set_at(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
-    """Put ``value`` at ``path`` in ``root``, making the containers on the way: a dict before a
-    string key, a list (extended with None) before an integer one, as DCP nests a state."""
-    container: Any = root
-    for step, following in itertools.pairwise(path):
-        empty: Any = {} if type(following) is str else []
-        if isinstance(container, dict):
-            container = container.setdefault(step, empty)
-        else:
-            index = int(step)
-            container.extend([None] * (index + 1 - len(container)))
-            if container[index] is None:
-                container[index] = empty
-            container = container[index]
-    last = path[-1]
-    if type(last) is int:
-        container.extend([None] * (last + 1 - len(container)))
-    container[last] = value
 
 
 def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, _Stored]]:
