@@ -1,5 +1,5 @@
 """The progress ledger: one locked, checksummed JSON file with the per-shard progress of a
-multi-worker batch job (RELIABILITY.md rule 10). Imports without torch.
+multi-worker batch job (docs/ledger.md). Imports without torch.
 
 N worker processes each own a shard of the input and record every batch they finish. When a
 worker crashes or hangs, the job resumes its shard from the last recorded batch, or hands the
