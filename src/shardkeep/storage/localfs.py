@@ -8,7 +8,7 @@ survive a crash on a local or shared POSIX filesystem.
   :meth:`~LocalFS.link`, :meth:`~LocalFS.write_new_file` (exclusive create, write, fsync),
   :meth:`~LocalFS.fsync_directory`, :meth:`~LocalFS.fsync_file`, :meth:`~LocalFS.mkdir` and
   :meth:`~LocalFS.remove_tree`;
-- *protocols* built only from those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
+- *protocols* whose every change on disk is one of those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
   beside the target, fsync, rename, fsync of the directory), :meth:`~LocalFS.makedirs_durable`,
   :meth:`~LocalFS.replace_dir` (exchange, or two renames), :meth:`~LocalFS.retire` and
   :meth:`~LocalFS.retire_and_remove` (rename aside under a marker, then remove), and
@@ -268,10 +268,9 @@ class LocalFS:
         temporary = os.path.join(
             directory, sibling_name(name, STAGING_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
         )
-        if callable(content):
-            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode))
         try:
             if callable(content):
+                self.write_new_file(temporary, b"", mode=mode)  # created exclusively, with its mode
                 content(temporary)
                 self.fsync_file(temporary)
             else:
@@ -360,8 +359,7 @@ class LocalFS:
         marker name. ``False`` when nothing is at ``path``."""
         try:
             if os.path.islink(path) or not os.path.isdir(path):
-                os.remove(path)
-                return True
+                return self.remove_tree(path)
             doomed = self.retire(path, marker)
         except FileNotFoundError:
             return False
