@@ -122,7 +122,7 @@ def test_a_refused_rng_state_rolls_back_the_whole_load(tmp_path: Path, monkeypat
     """RNG states the generators refuse (here: saved as bytes that are not JSON) fail the load
     after the weights were filled, and the fill is rolled back: weights, optimizer, step and
     RNG as they were."""
-    import shardkeep.accelerate as shardkeep_accelerate
+    import shardkeep.integrations.accelerate as shardkeep_accelerate
 
     accelerator, model, optimizer, loader, scheduler, ema = _setup(seed=0)
     _train(accelerator, model, optimizer, loader, scheduler, ema, steps=2)

@@ -310,7 +310,7 @@ SETUPS: dict[str, Callable[[Path], Prepared]] = {
 
 #: The setup of a block without a ``docs-test`` comment, by the title of its ``##`` section.
 SECTION_SETUPS = {
-    "PyTorch distributed checkpoint (DCP): `shardkeep.dcp`": "dcp-one-rank",
+    "PyTorch distributed checkpoint (DCP): `shardkeep.integrations.dcp`": "dcp-one-rank",
     "PyTorch Lightning: `ShardkeepCheckpointIO`": "lightning-fit",
     "Hugging Face (transformers) folders": "hf-folders",
     "Hugging Face Accelerate": "accelerate",

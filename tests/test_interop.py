@@ -250,3 +250,11 @@ def test_state_of_an_optimizer_with_the_same_options_but_other_fields_is_refused
     again = torch.optim.Adamax(model.parameters())
     sk.load(tmp_path / "ckpt", into={"optim": again})
     assert all(torch.equal(again.state[p]["exp_inf"], adamax.state[p]["exp_inf"]) for p in model.parameters())
+
+
+def test_the_old_import_paths_are_the_integrations_modules() -> None:
+    import importlib
+
+    for old, new in (("shardkeep.interop", "convert"), ("shardkeep.hf", "hf")):
+        assert importlib.import_module(old) is importlib.import_module(f"shardkeep.integrations.{new}"), old
+    assert importlib.import_module("shardkeep.hf").export_hf.__module__ == "shardkeep.integrations.hf.export"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import shardkeep as sk  # noqa: E402
 import shardkeep.lightning as skl  # noqa: E402
+from shardkeep.integrations.lightning import checkpoint_io as skl_io  # noqa: E402
 from shardkeep.lightning import RESERVED_KEY, ShardkeepCheckpointIO  # noqa: E402
+from shardkeep.storage import localfs  # noqa: E402
 
 pytestmark = [
     # Lightning 2.6.6 with torch 2.13 warns on every fit from its own code.
@@ -180,6 +183,18 @@ def test_reserved_key_and_storage_options_are_refused(tmp_path: Path) -> None:
         ShardkeepCheckpointIO(save_options={"process_group": None})
 
 
+def test_a_file_url_is_the_local_path_it_names(tmp_path: Path) -> None:
+    """As everywhere a location is taken (shardkeep.storage.locations): ``file://PATH`` is the
+    local path PATH, saved, loaded and removed there."""
+    io = ShardkeepCheckpointIO()
+    url = f"file://{tmp_path / 'u.ckpt'}"
+    io.save_checkpoint(state(3), url)
+    assert entries(tmp_path) == ["u.ckpt"] and value_at(tmp_path / "u.ckpt") == 3
+    assert float(io.load_checkpoint(url)["state_dict"]["w"][0]) == 3
+    io.remove_checkpoint(url)
+    assert entries(tmp_path) == []
+
+
 def save_crafted(target: Path, record: Any, **values: Any) -> None:
     """A checkpoint as the plugin would write it, with ``record`` as its conversion record."""
     sk.save({"epoch": 0, "hyper_parameters": values, RESERVED_KEY: record}, target)
@@ -324,6 +339,19 @@ def test_map_location(tmp_path: Path) -> None:
     assert io.load_checkpoint(target, map_location=lambda storage, location: storage)["state_dict"]["w"].sum() == 15
 
 
+def test_the_old_import_path_is_the_package_and_the_recorded_plugin_name_resolves(tmp_path: Path) -> None:
+    import importlib
+
+    assert skl is importlib.import_module("shardkeep.integrations.lightning")
+    assert skl.ShardkeepCheckpointIO is ShardkeepCheckpointIO and skl.RESERVED_KEY == RESERVED_KEY
+    target = tmp_path / "named.ckpt"
+    ShardkeepCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
+    recorded = sk.read_manifest(target).custom_fields["lightning"]["checkpoint_io"]
+    module, _, name = recorded.rpartition(".")
+    assert recorded == "shardkeep.lightning.ShardkeepCheckpointIO"
+    assert getattr(importlib.import_module(module), name) is ShardkeepCheckpointIO
+
+
 def test_signed_and_compressed_checkpoints(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -379,13 +407,41 @@ def saved_last(tmp_path: Path) -> tuple[Path, ShardkeepCheckpointIO]:
     return target, io
 
 
-def without_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+class ScriptedFS(localfs.LocalFS):
+    """The real filesystem but for the steps a test replaces (``fs.steps["rename"] = ...``):
+    installed for the whole test by the ``fs`` fixture, so the plugin's swap and removal run on
+    it; ``fs.steps.clear()`` gives back the real steps (as after a restart)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, Callable[..., Any]] = {}
+
+    def exchange(self, source: str, destination: str) -> None:
+        self.steps.get("exchange", super().exchange)(source, destination)
+
+    def rename(self, source: str, destination: str) -> None:
+        self.steps.get("rename", super().rename)(source, destination)
+
+    def rename_noreplace(self, source: str, destination: str) -> None:
+        self.steps.get("rename_noreplace", super().rename_noreplace)(source, destination)
+
+    def remove_tree(self, path: str) -> bool:
+        return bool(self.steps.get("remove_tree", super().remove_tree)(path))
+
+
+@pytest.fixture
+def fs() -> Iterator[ScriptedFS]:
+    scripted = ScriptedFS()
+    with localfs.using(scripted):
+        yield scripted
+
+
+def without_exchange(fs: ScriptedFS) -> None:
     """As on a filesystem without RENAME_EXCHANGE: the replace falls back to two renames."""
 
     def unsupported(source: str, destination: str) -> None:
-        raise skl.ExchangeUnsupported(22, "no")
+        raise localfs.ExchangeUnsupported(22, "no")
 
-    monkeypatch.setattr(skl, "exchange", unsupported)
+    fs.steps["exchange"] = unsupported
 
 
 def entries(directory: Path) -> list[str]:
@@ -397,23 +453,21 @@ def exchange_supported(directory: Path) -> bool:
     a.mkdir()
     b.mkdir()
     try:
-        skl.exchange(str(a), str(b))
+        localfs.LOCAL.exchange(str(a), str(b))
         return True
-    except skl.ExchangeUnsupported:
+    except localfs.ExchangeUnsupported:
         return False
     finally:
         a.rmdir()
         b.rmdir()
 
 
-def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(tmp_path: Path, fs: ScriptedFS) -> None:
     if not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
     target, io = saved_last(tmp_path)
     steps: list[str] = []
-    real_exchange, real_remove = skl.exchange, skl._remove_tree
+    real_exchange, real_remove = localfs.LOCAL.exchange, localfs.LOCAL.remove_tree
 
     def checked(name: str, function: Any) -> Any:
         def run(*args: Any) -> Any:
@@ -425,8 +479,8 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
 
         return run
 
-    monkeypatch.setattr(skl, "exchange", checked("exchange", real_exchange))
-    monkeypatch.setattr(skl, "_remove_tree", checked("remove", real_remove))
+    fs.steps["exchange"] = checked("exchange", real_exchange)
+    fs.steps["remove_tree"] = checked("remove", real_remove)
     for value in (2, 3):
         io.save_checkpoint(state(value), target)
         assert value_at(target) == value
@@ -435,17 +489,17 @@ def test_overwrite_swaps_atomically_and_a_complete_checkpoint_is_always_there(
 
 
 def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fs: ScriptedFS
 ) -> None:
     target, io = saved_last(tmp_path)
 
     def crash(path: str) -> None:
         raise KeyboardInterrupt("killed while removing the old checkpoint")
 
-    monkeypatch.setattr(skl, "_remove_tree", crash)
+    fs.steps["remove_tree"] = crash
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert value_at(target) == 2 and sk.verify(target).ok
     leftovers = [name for name in entries(tmp_path) if name != "last.ckpt"]
     assert len(leftovers) == 1 and leftovers[0].startswith(".sk-")
@@ -455,10 +509,10 @@ def test_crash_after_the_swap_leaves_the_new_checkpoint_and_the_next_save_cleans
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 3
 
 
-def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path) -> None:
     target, io = saved_last(tmp_path)
     # what a kill -9 inside shardkeep.save leaves: a staging directory beside the target
-    staging = tmp_path / f"{skl._tag('last.ckpt')}new-0123.tmp-abcd"
+    staging = tmp_path / f"{skl_io._tag('last.ckpt')}new-0123.tmp-abcd"
     (staging / "shards").mkdir(parents=True)
     (staging / "shards" / "rank_00000.safetensors").write_bytes(b"partial")
     assert value_at(target) == 1
@@ -470,19 +524,17 @@ def test_crash_inside_shardkeep_save_leaves_the_old_checkpoint(tmp_path: Path, m
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
 
 
-def test_fallback_two_renames_and_repair_of_a_crash_between_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fallback_two_renames_and_repair_of_a_crash_between_them(tmp_path: Path, fs: ScriptedFS) -> None:
     target, io = saved_last(tmp_path)
 
     def unsupported(source: str, destination: str) -> None:
-        raise skl.ExchangeUnsupported(22, "not here")
+        raise localfs.ExchangeUnsupported(22, "not here")
 
-    monkeypatch.setattr(skl, "exchange", unsupported)
+    fs.steps["exchange"] = unsupported
     io.save_checkpoint(state(2), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
 
-    real_rename = skl._rename
+    real_rename = localfs.LOCAL.rename
     renames: list[tuple[str, str]] = []
 
     def crash_on_second(source: str, destination: str) -> None:
@@ -491,7 +543,7 @@ def test_fallback_two_renames_and_repair_of_a_crash_between_them(
         renames.append((source, destination))
         real_rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    fs.steps["rename"] = crash_on_second
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(3), target)
     # the documented window: nothing at the path, both complete checkpoints beside it
@@ -499,18 +551,16 @@ def test_fallback_two_renames_and_repair_of_a_crash_between_them(
     assert len([name for name in entries(tmp_path) if name.startswith(".sk-")]) == 2
     with pytest.raises(sk.CheckpointNotFoundError, match="interrupted save"):
         io.load_checkpoint(target)
-    monkeypatch.undo()
+    fs.steps.clear()
     handled = ShardkeepCheckpointIO.clean_leftovers(tmp_path)
     assert len(handled) == 2
     # the new checkpoint (already committed when the crash came) is put in place
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 3 and sk.verify(target).ok
 
 
-def test_next_save_repairs_a_crash_between_the_fallback_renames(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_next_save_repairs_a_crash_between_the_fallback_renames(tmp_path: Path, fs: ScriptedFS) -> None:
     target, io = saved_last(tmp_path)
-    without_exchange(monkeypatch)
+    without_exchange(fs)
     calls = []
 
     def crash_on_second(source: str, destination: str) -> None:
@@ -519,23 +569,21 @@ def test_next_save_repairs_a_crash_between_the_fallback_renames(
             raise KeyboardInterrupt
         os.rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    fs.steps["rename"] = crash_on_second
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
-    monkeypatch.undo()
+    fs.steps.clear()
     io.save_checkpoint(state(4), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 4
 
 
-def test_first_save_never_replaces_and_a_crash_before_its_rename_is_repaired(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_first_save_never_replaces_and_a_crash_before_its_rename_is_repaired(tmp_path: Path, fs: ScriptedFS) -> None:
     target = tmp_path / "epoch=0-step=1.ckpt"
     io = ShardkeepCheckpointIO()
-    monkeypatch.setattr(skl, "_rename_noreplace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
+    fs.steps["rename_noreplace"] = lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(5), target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert not target.exists()
     assert ShardkeepCheckpointIO.clean_leftovers(tmp_path)
     assert entries(tmp_path) == [target.name] and value_at(target) == 5
@@ -566,24 +614,22 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
     assert entries(tmp_path) == []
 
 
-def test_a_crash_while_removing_never_brings_the_checkpoint_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_crash_while_removing_never_brings_the_checkpoint_back(tmp_path: Path, fs: ScriptedFS) -> None:
     io = ShardkeepCheckpointIO()
     target = tmp_path / "epoch=0-step=1.ckpt"
     io.save_checkpoint(state(1), target)
-    monkeypatch.setattr(skl, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
+    fs.steps["remove_tree"] = lambda path: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert not target.exists() and len(entries(tmp_path)) == 1  # gone from its name at once
     assert len(ShardkeepCheckpointIO.clean_leftovers(tmp_path)) == 1
     assert entries(tmp_path) == []
 
 
-def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, fs: ScriptedFS) -> None:
     target, io = saved_last(tmp_path)
-    without_exchange(monkeypatch)
+    without_exchange(fs)
     calls: list[str] = []
 
     def fail_second(source: str, destination: str) -> None:
@@ -592,7 +638,7 @@ def test_a_failed_rename_puts_the_checkpoint_back(tmp_path: Path, monkeypatch: p
             raise OSError(5, "I/O error")
         os.rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", fail_second)
+    fs.steps["rename"] = fail_second
     with pytest.raises(sk.StorageError, match="I/O error"):
         io.save_checkpoint(state(2), target)
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 2
@@ -610,21 +656,21 @@ def test_removing_a_missing_checkpoint_does_nothing(tmp_path: Path) -> None:
 
 
 def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fs: ScriptedFS
 ) -> None:
     target, io = saved_last(tmp_path)
-    without_exchange(monkeypatch)
-    real_rename = skl._rename
+    without_exchange(fs)
+    real_rename = localfs.LOCAL.rename
 
     def crash_on_second(source: str, destination: str) -> None:
         if not target.exists():
             raise KeyboardInterrupt("killed between the two renames")
         real_rename(source, destination)
 
-    monkeypatch.setattr(skl, "_rename", crash_on_second)
+    fs.steps["rename"] = crash_on_second
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert not target.exists() and len(entries(tmp_path)) == 2  # old- and new-, both complete
     io.remove_checkpoint(target)
     assert entries(tmp_path) == []
@@ -636,34 +682,34 @@ def test_removing_a_missing_checkpoint_removes_its_leftovers_so_it_never_comes_b
 # ---------------------------------------------------------------------------------------------
 
 
-def crash_removing(monkeypatch: pytest.MonkeyPatch) -> None:
+def crash_removing(fs: ScriptedFS) -> None:
     """Kill the next remove_checkpoint once its checkpoint is gone from its name."""
-    monkeypatch.setattr(skl, "_remove_tree", lambda path: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    fs.steps["remove_tree"] = lambda path: (_ for _ in ()).throw(KeyboardInterrupt("killed"))
 
 
 def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurrect_the_old_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fs: ScriptedFS
 ) -> None:
     if not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
     target, io = saved_last(tmp_path)
-    real_exchange = skl.exchange
+    real_exchange = localfs.LOCAL.exchange
 
     def exchange_then_crash(source: str, destination: str) -> None:
         real_exchange(source, destination)
         raise KeyboardInterrupt("killed right after the exchange")
 
-    monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+    fs.steps["exchange"] = exchange_then_crash
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state(2), target)
-    monkeypatch.undo()
+    fs.steps.clear()
     # the new checkpoint is in place; the exchanged-out side (the OLD checkpoint) is left over
     assert value_at(target) == 2 and len(entries(tmp_path)) == 2
     # a removal killed after the checkpoint is renamed: nothing may come back as last.ckpt
-    crash_removing(monkeypatch)
+    crash_removing(fs)
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert not target.exists()
     ShardkeepCheckpointIO.clean_leftovers(tmp_path)
     assert entries(tmp_path) == []
@@ -671,23 +717,20 @@ def test_a_crash_right_after_the_exchange_then_a_crashed_removal_does_not_resurr
     assert entries(tmp_path) == ["last.ckpt"] and value_at(target) == 3
 
 
-def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_removal_killed_before_the_checkpoint_is_renamed_leaves_it_whole(tmp_path: Path, fs: ScriptedFS) -> None:
     target, io = saved_last(tmp_path)
-    stale = tmp_path / f"{skl._tag(target.name)}new-0123"  # e.g. an exchanged-out side
+    stale = tmp_path / f"{skl_io._tag(target.name)}new-0123"  # e.g. an exchanged-out side
     io.save_checkpoint(state(0), stale)
-    real_retire = skl._retire
 
-    def crash_at_the_checkpoint(parent: str, tag: str, entry: str) -> str:
-        if entry == target.name:
+    def crash_at_the_checkpoint(source: str, destination: str) -> None:
+        if source == str(target):  # renaming the checkpoint itself to its del- name
             raise KeyboardInterrupt("killed before renaming the checkpoint itself")
-        return real_retire(parent, tag, entry)
+        localfs.LOCAL.rename_noreplace(source, destination)
 
-    monkeypatch.setattr(skl, "_retire", crash_at_the_checkpoint)
+    fs.steps["rename_noreplace"] = crash_at_the_checkpoint
     with pytest.raises(KeyboardInterrupt):
         io.remove_checkpoint(target)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert value_at(target) == 1  # the leftovers went first; the checkpoint is untouched
     assert all(".del-" in name for name in entries(tmp_path) if name != target.name)
     ShardkeepCheckpointIO.clean_leftovers(tmp_path)
@@ -714,28 +757,28 @@ CRASH_POINTS = {
 }
 
 
-def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
+def crash_save_at(point: str, fs: ScriptedFS, target: Path) -> None:
     if not CRASH_POINTS[point][0]:
-        without_exchange(monkeypatch)
+        without_exchange(fs)
     if point == "after-exchange":
-        real_exchange = skl.exchange
+        real_exchange = localfs.LOCAL.exchange
 
         def exchange_then_crash(source: str, destination: str) -> None:
             real_exchange(source, destination)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(skl, "exchange", exchange_then_crash)
+        fs.steps["exchange"] = exchange_then_crash
     elif point == "fallback-between-renames":
-        real_rename = skl._rename
+        real_rename = localfs.LOCAL.rename
 
         def crash_when_gone(source: str, destination: str) -> None:
             if not target.exists():
                 raise KeyboardInterrupt
             real_rename(source, destination)
 
-        monkeypatch.setattr(skl, "_rename", crash_when_gone)
+        fs.steps["rename"] = crash_when_gone
     elif point == "fallback-after-second-rename":
-        real_rename, calls = skl._rename, []
+        real_rename, calls = localfs.LOCAL.rename, []
 
         def rename_then_crash_on_second(source: str, destination: str) -> None:
             real_rename(source, destination)
@@ -743,11 +786,11 @@ def crash_save_at(point: str, monkeypatch: pytest.MonkeyPatch, target: Path) -> 
             if len(calls) == 2:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(skl, "_rename", rename_then_crash_on_second)
+        fs.steps["rename"] = rename_then_crash_on_second
     elif point == "after-retire":
-        crash_removing(monkeypatch)
+        crash_removing(fs)
     else:
-        monkeypatch.setattr(skl, "_remove_tree", partial_delete_then_crash)
+        fs.steps["remove_tree"] = partial_delete_then_crash
 
 
 #: Working names of a name beyond 88 bytes are tagged with its digest (90 bytes: a
@@ -762,19 +805,17 @@ LONG_NAMES = {
 @pytest.mark.parametrize("name", list(LONG_NAMES))
 @pytest.mark.parametrize("then", ["recover", "remove"])
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
-def test_every_crash_point_of_a_replace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, then: str, name: str
-) -> None:
+def test_every_crash_point_of_a_replace(tmp_path: Path, fs: ScriptedFS, point: str, then: str, name: str) -> None:
     if CRASH_POINTS[point][0] and not exchange_supported(tmp_path):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this filesystem")
     target = tmp_path / LONG_NAMES[name]
     assert len(target.name.encode()) in (9, 90, 255)
     io = ShardkeepCheckpointIO()
     io.save_checkpoint({**state(1), "global_step": 100}, target)
-    crash_save_at(point, monkeypatch, target)
+    crash_save_at(point, fs, target)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({**state(2), "global_step": 5}, target)  # a run resumed from an earlier step
-    monkeypatch.undo()
+    fs.steps.clear()
     expected = CRASH_POINTS[point][1]
     if expected is None:
         assert not target.exists()
@@ -784,10 +825,10 @@ def test_every_crash_point_of_a_replace(
         ShardkeepCheckpointIO.clean_leftovers(tmp_path)
         assert entries(tmp_path) == [target.name] and value_at(target) == 2 and sk.verify(target).ok
     else:
-        crash_removing(monkeypatch)  # killed once everything is renamed away, before any deletion
+        crash_removing(fs)  # killed once everything is renamed away, before any deletion
         with pytest.raises(KeyboardInterrupt):
             io.remove_checkpoint(target)  # (when the path is gone already: its leftovers)
-        monkeypatch.undo()
+        fs.steps.clear()
         assert not target.exists()
         ShardkeepCheckpointIO.clean_leftovers(tmp_path)  # nothing comes back
         assert entries(tmp_path) == []
@@ -796,7 +837,7 @@ def test_every_crash_point_of_a_replace(
 def test_recovery_puts_back_the_last_committed_leftover_not_the_one_named_new(tmp_path: Path) -> None:
     # After an exchange the entry named "new-" holds the *previous* checkpoint, and a run resumed
     # from an earlier checkpoint saves a lower step: only the commit time tells which is newer.
-    tag = skl._tag("last.ckpt")
+    tag = skl_io._tag("last.ckpt")
     sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}new-aaaa", step=100)
     sk.save({"w": torch.ones(1), "epoch": 2}, tmp_path / f"{tag}old-bbbb", step=5)
     sk.save({"w": torch.full((1,), 7.0)}, tmp_path / f"{tag}del-cccc", step=200)  # being deleted
@@ -806,7 +847,7 @@ def test_recovery_puts_back_the_last_committed_leftover_not_the_one_named_new(tm
 
 
 def test_a_checkpoint_being_deleted_is_never_put_back(tmp_path: Path) -> None:
-    tag = skl._tag("last.ckpt")
+    tag = skl_io._tag("last.ckpt")
     sk.save({"w": torch.zeros(1), "epoch": 1}, tmp_path / f"{tag}del-aaaa")
     assert ShardkeepCheckpointIO.clean_leftovers(tmp_path) == [f"{tag}del-aaaa"]
     assert entries(tmp_path) == []
@@ -840,7 +881,7 @@ def test_io_errors_are_storage_errors_naming_the_path(tmp_path: Path) -> None:
     assert entries(tmp_path) == ["a-file"]
 
 
-def test_a_failed_delete_while_removing_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_delete_while_removing_is_a_storage_error(tmp_path: Path, fs: ScriptedFS) -> None:
     io = ShardkeepCheckpointIO()
     target = tmp_path / "epoch=0-step=1.ckpt"
     io.save_checkpoint(state(1), target)
@@ -848,11 +889,11 @@ def test_a_failed_delete_while_removing_is_a_storage_error(tmp_path: Path, monke
     def failing(path: str) -> None:
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(skl, "_remove_tree", failing)
+    fs.steps["remove_tree"] = failing
     with pytest.raises(sk.StorageError, match=re_escape(str(target))) as removing:
         io.remove_checkpoint(target)
     assert isinstance(removing.value.__cause__, PermissionError)
-    monkeypatch.undo()
+    fs.steps.clear()
     assert not target.exists()
     ShardkeepCheckpointIO.clean_leftovers(tmp_path)
     assert entries(tmp_path) == []
@@ -976,15 +1017,15 @@ def callback(run: Any, kind: type) -> Any:
 
 
 @pytest.mark.filterwarnings(r"ignore:Checkpoint directory .* exists and is not empty:UserWarning")  # resuming there
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, fs: ScriptedFS) -> None:
     swaps: list[str] = []
-    real_exchange = skl.exchange
+    real_exchange = localfs.LOCAL.exchange
 
     def counting(source: str, destination: str) -> None:
         swaps.append(os.path.basename(destination))
         real_exchange(source, destination)
 
-    monkeypatch.setattr(skl, "exchange", counting)
+    fs.steps["exchange"] = counting
 
     full_model = Tiny()
     full = trainer(tmp_path / "full", 4)
@@ -1022,7 +1063,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, monkeyp
     }
     # ModelCheckpoint saves last.ckpt whenever it saved a top-k checkpoint (epochs 0, 1, 2, not 3),
     # over the same path after the first time, each time by an exchange
-    monkeypatch.undo()
+    fs.steps.clear()
     if exchange_supported(tmp_path):
         assert swaps == ["last.ckpt"] * (2 + 1 + 1)
 

@@ -269,7 +269,7 @@ def test_no_name_derived_from_a_lightning_working_name_is_shortened(tmp_path: Pa
     """Recovery finds a Lightning save's leftovers by their tag: the staging directory that
     shardkeep.save makes of a working name must keep it whole, for every name length."""
     pytest.importorskip("lightning")
-    import shardkeep.lightning as skl
+    from shardkeep.integrations.lightning import checkpoint_io as skl
 
     for size in range(1, 256):
         for unit in ("a", "检"):

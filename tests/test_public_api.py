@@ -97,20 +97,27 @@ def _layer_order() -> list[str]:
 def _module_map() -> tuple[list[str], dict[str, list[str]]]:
     """The modules docs/concepts.md's module map lists, in its order, and the subpackages'
     modules: the second column of each row lists modules bottom-up; a subpackage (``name/``)
-    lists its modules in parentheses."""
+    lists its modules in parentheses, and a subpackage inside it (``name/inner/``) its own, in
+    parentheses after it."""
     text = MODULE_MAP.read_text()
     section = text[text.index("## The module map") :]
     order: list[str] = []
     subpackages: dict[str, list[str]] = {}
+    package = r"`(\w+)(/?)`(?:\s*\(((?:[^()]|\([^()]*\))*)\))?"
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not cells[1].startswith("`"):
             continue
-        for match in re.finditer(r"`([\w]+)(/?)`(?:\s*\(([^)]*)\))?", cells[1]):
+        for match in re.finditer(package, cells[1]):
             name, is_package, members = match.groups()
             order.append(name)
             if is_package:
-                subpackages[name] = re.findall(r"`(\w+)`", members or "")
+                subpackages[name] = []
+                for member in re.finditer(package, members or ""):
+                    inner, inner_is_package, inner_members = member.groups()
+                    subpackages[name].append(inner)
+                    if inner_is_package:
+                        subpackages[f"{name}/{inner}"] = re.findall(r"`(\w+)`", inner_members or "")
     return order, subpackages
 
 
@@ -184,6 +191,7 @@ def test_the_module_map_lists_the_contracts_modules_in_its_order() -> None:
     assert documented == LAYER_ORDER, "docs/concepts.md's module map and pyproject.toml's layers differ"
     for package, members in subpackages.items():
         files = {path.stem for path in (PACKAGE / package).glob("*.py")} - {"__init__"}
+        files |= {path.parent.name for path in (PACKAGE / package).glob("*/__init__.py")}
         assert set(members) == files, f"docs/concepts.md lists {package}/ as {members}, on disk {sorted(files)}"
 
 

@@ -57,6 +57,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import MANIFEST_FILENAME, Manifest, unsafe_path_reason
+from shardkeep.storage.locations import local_path
 from shardkeep.training import TrainingCheckpoint
 
 __all__ = ["accelerator_state", "automatic_checkpoints", "load_state", "save_state"]
@@ -357,10 +358,11 @@ class _HookFileWriter:
 def _scratch_parent(target: str) -> str | None:
     """Where a save's scratch directory for hook files goes: next to the checkpoint, on the
     same filesystem, which has room for what is saved there (``None``: the system's temporary
-    directory, for a URL)."""
-    if "://" in target:
+    directory, for a store URL; ``file://PATH`` is the local path PATH)."""
+    path = local_path(target)
+    if path is None:
         return None
-    parent = os.path.dirname(os.path.abspath(target))
+    parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     return parent
 

@@ -12,22 +12,23 @@ Imports treat their input as untrusted:
   refused unless the caller passes ``trust_pickle=True`` (``--trust-pickle``).
 
 - a Hugging Face model folder (``model.safetensors``, or shards and their index) is read with
-  ``safetensors`` only, after its index is checked (:mod:`shardkeep.hf`); a folder of
+  ``safetensors`` only, after its index is checked (:mod:`shardkeep.integrations.hf`); a folder of
   ``pytorch_model.bin`` pickles is refused (import the file itself as ``pt``).
 
 Exports write a single torch ``.pt`` file (loadable with ``weights_only=True``), a single
 safetensors file (tensors under their dotted keys; JSON values go into the header's metadata as
-``shardkeep.values``), or a Hugging Face model folder (:func:`shardkeep.hf.export_hf`).
+``shardkeep.values``), or a Hugging Face model folder (:func:`shardkeep.integrations.hf.export_hf`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -50,11 +51,14 @@ from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
 from shardkeep.tensors.shardfile import CARRIED_DTYPES
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.storage import StorageReader
+
 __all__ = ["ExportSummary", "detect_format", "export_checkpoint", "import_checkpoint"]
 
 SourceFormat = Literal["pt", "safetensors", "dcp", "hf"]
 ExportFormat = Literal["pt", "safetensors", "hf"]
-#: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.hf.export_hf`.
+#: The keyword options of :func:`export_checkpoint` that go to :func:`shardkeep.integrations.hf.export_hf`.
 _HF_EXPORT_OPTIONS = ("subtree", "config", "max_shard_size", "check_keys", "model_class")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -146,17 +150,10 @@ def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 def _read_dcp(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    state: dict[str, Any] = {}
     try:
-        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
-            # As torch's own dcp_to_torch_save does: the empty-state planner fills ``state``.
-            _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+        state = load_whole_state(FileSystemReader(path))
     except (Exception, CheckpointException) as exc:
         # DCP raises many kinds: pickle errors, OSError, and CheckpointException, which derives
         # from BaseException only.
@@ -165,6 +162,54 @@ def _read_dcp(path: str) -> dict[str, Any]:
         ) from exc
     restored: dict[str, Any] = _optimizer_ids_restored(state)
     return restored
+
+
+def load_whole_state(storage_reader: StorageReader) -> dict[str, Any]:
+    """Every item of the DCP checkpoint ``storage_reader`` reads, nested as it was saved, loaded
+    in this process alone through DCP's public ``load`` (``no_dist=True``): the state
+    ``format_utils.dcp_to_torch_save`` loads. The state to load into is first built from the
+    checkpoint's metadata (each tensor allocated on the CPU, nested as its ``planner_data``
+    says). Byte items are read with ``torch.load(weights_only=False)``, as DCP reads them: only
+    for a trusted checkpoint."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = storage_reader.read_metadata()
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    state: dict[str, Any] = {}
+    for key, described in metadata.state_dict_metadata.items():
+        value: Any = described  # a byte item's place, filled by the load
+        if isinstance(described, TensorStorageMetadata):
+            value = torch.empty(described.size, dtype=described.properties.dtype)
+        if key in paths:
+            _set_at(state, tuple(paths[key]), value)
+        else:
+            state[key] = value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # no_dist is meant
+        load(state, storage_reader=storage_reader, planner=DefaultLoadPlanner(), no_dist=True)
+    return state
+
+
+def _set_at(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in ``root``, making the containers on the way: a dict before a
+    string key, a list (extended with None) before an integer one, as DCP nests a state."""
+    container: Any = root
+    for step, following in itertools.pairwise(path):
+        empty: Any = {} if type(following) is str else []
+        if isinstance(container, dict):
+            container = container.setdefault(step, empty)
+        else:
+            index = int(step)
+            container.extend([None] * (index + 1 - len(container)))
+            if container[index] is None:
+                container[index] = empty
+            container = container[index]
+    last = path[-1]
+    if type(last) is int:
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
 
 
 def _optimizer_ids_restored(value: Any) -> Any:
@@ -195,7 +240,7 @@ def import_checkpoint(
 
     A Hugging Face folder's tensors go under ``subtree`` (dotted; default ``"model"``, ``""``
     for the top level), under the state_dict keys of the model class its ``config.json`` names
-    when transformers can convert them (:func:`shardkeep.hf.model_keys_of`; which keys they are
+    when transformers can convert them (:func:`shardkeep.integrations.hf.model_keys_of`; which keys they are
     is recorded in ``custom_fields["imported_from"]["keys"]``), and its ``config.json`` under
     the value ``hf_config``, where a later ``export_checkpoint(..., format="hf")`` finds it."""
     path = os.fspath(source)
@@ -228,7 +273,7 @@ def import_checkpoint(
 
 def _hf_state(path: str, subtree: str) -> tuple[dict[str, Any], str]:
     """The state of an imported Hugging Face folder: its tensors nested under ``subtree``, under
-    the keys of the model its config names (:func:`shardkeep.hf.model_keys_of`), and its config
+    the keys of the model its config names (:func:`shardkeep.integrations.hf.model_keys_of`), and its config
     as the value ``hf_config``; and which keys they are."""
     if not os.path.isdir(path):
         raise UnsupportedValueError(f"{path} is not a directory: a Hugging Face model folder is one")
@@ -327,8 +372,8 @@ def export_checkpoint(
     """Write the checkpoint at ``checkpoint`` (verified while it is read; ``load_options`` go to
     :func:`shardkeep.load`, e.g. ``public_key``) as one torch ``.pt`` or safetensors file, or,
     with ``format="hf"``, as a Hugging Face model folder: then ``subtree``, ``config``,
-    ``max_shard_size``, ``check_keys`` and ``model_class`` go to :func:`shardkeep.hf.export_hf` (which says more
-    in its :class:`~shardkeep.hf.HFExportSummary`; here ``values`` is 0)."""
+    ``max_shard_size``, ``check_keys`` and ``model_class`` go to :func:`shardkeep.integrations.hf.export_hf` (which says more
+    in its :class:`~shardkeep.integrations.hf.HFExportSummary`; here ``values`` is 0)."""
     target = os.fspath(destination)
     kind = _export_format(target, format)
     hf_options = {name: load_options.pop(name) for name in _HF_EXPORT_OPTIONS if name in load_options}

@@ -758,17 +758,9 @@ def dcp_to_torch_save(
     for DCP's ``.metadata`` and so cannot read a shardkeep checkpoint. The file holds the
     nested state ``dcp_to_torch_save`` writes, and loads with ``torch.load(weights_only=True)``
     unless the checkpoint holds opaque byte items read with ``trust_pickle=True``."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from shardkeep.integrations.convert import load_whole_state, write_replacing
 
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=ShardkeepReader(checkpoint, **reader_options),
-        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
-        no_dist=True,
-    )
-    from shardkeep.integrations.convert import write_replacing
+    state = load_whole_state(ShardkeepReader(checkpoint, **reader_options))
 
     write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
 

@@ -1,34 +1,12 @@
-"""A Lightning ``CheckpointIO`` plugin: every Lightning checkpoint becomes a shardkeep checkpoint.
-
-::
-
-    from shardkeep.lightning import ShardkeepCheckpointIO
-    trainer = lightning.pytorch.Trainer(plugins=[ShardkeepCheckpointIO()])
+"""The Lightning ``CheckpointIO`` plugin: each checkpoint path Lightning asks for becomes a
+shardkeep checkpoint directory, replaced atomically and recovered after a crash.
 
 Each checkpoint path Lightning asks for (``.../epoch=1-step=8.ckpt``, ``.../last.ckpt``) becomes
 a shardkeep checkpoint *directory* at that path: tensors in safetensors files, everything else in
-the manifest, a digest on every file, no pickle. Lightning calls ``save_checkpoint`` and
-``remove_checkpoint`` on global rank 0 only, so the plugin saves with
-``process_group=shardkeep.LOCAL`` (no collective that the other ranks would never join).
-
-Values of a Lightning checkpoint that are not tensors or JSON are converted losslessly and
-restored on load (:mod:`shardkeep.conversions`); the conversions are recorded (by path) in the
-checkpoint itself under :data:`RESERVED_KEY`: ``OrderedDict`` (with the ``_metadata`` of a module state dict),
-Lightning's ``AttributeDict``, ``pathlib`` paths, ``set``/``frozenset``, ``bytes``/``bytearray``,
-``complex``, integers beyond 64 bits, numpy scalars, ``torch.dtype``, ``torch.device``,
-``argparse.Namespace``, enum members (by name) and dataclass instances (their attributes, with
-the type's ``module:qualname``). On load an enum or dataclass type is looked up in the modules
-already imported, never imported, and a dataclass is rebuilt as pickle rebuilds it, without
-running ``__init__``; a type whose module is not imported is an
-:class:`~shardkeep.errors.UnsupportedValueError` saying to import it. A concrete path recorded
-on another OS (a ``WindowsPath`` loaded on Linux, a ``PosixPath`` on Windows) cannot be
-instantiated there and comes back as its pure class (``PureWindowsPath``, ``PurePosixPath``):
-same string, parts and comparisons. A malformed
-conversion record is an :class:`~shardkeep.errors.IntegrityError` naming the checkpoint.
-Tuples, integer dict keys (optimizer state), NaN and infinities are stored natively by shardkeep.
-Anything else (classes, OmegaConf configs, arbitrary objects, dataclasses and enums defined
-inside functions) is refused with an :class:`~shardkeep.errors.UnsupportedValueError` naming its
-key: nothing is pickled.
+the manifest (converted by :mod:`~shardkeep.integrations.lightning.values`), a digest on every
+file, no pickle. Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0
+only, so the plugin saves with ``process_group=shardkeep.LOCAL`` (no collective that the other
+ranks would never join).
 
 Saving over an existing checkpoint (``last.ckpt``, saved again at every epoch over the same
 path) writes the new checkpoint under a hidden sibling name, then swaps the two directories
@@ -45,19 +23,14 @@ failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 import shardkeep.api as api
 from shardkeep.config import LOCAL
-from shardkeep.conversions import ValueEncoder, decode_values, where
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -67,6 +40,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
+from shardkeep.integrations.lightning.values import apply_map_location, decode_checkpoint, encode_checkpoint
 from shardkeep.manifest import Manifest
 from shardkeep.names import (
     LIGHTNING_NEW_ROLE,
@@ -79,26 +53,21 @@ from shardkeep.names import (
     check_name_length,
     name_digest,
 )
-from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
-from shardkeep.tensors.convert import is_dtensor
+from shardkeep.storage.localfs import ExchangeUnsupported, current
+from shardkeep.storage.locations import local_path
 from shardkeep.verification import read_manifest
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.utilities.data import AttributeDict
 except ModuleNotFoundError as _missing_lightning:  # pragma: no cover - depends on the environment
     try:  # the standalone ``pytorch_lightning`` / ``lightning_fabric`` packages
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[assignment,unused-ignore]
-        from lightning_fabric.utilities.data import AttributeDict  # type: ignore[assignment,unused-ignore]
     except ModuleNotFoundError:
         raise DependencyError(
             "shardkeep.lightning needs Lightning, which is not installed: pip install lightning"
         ) from _missing_lightning
 
-__all__ = ["RESERVED_KEY", "ShardkeepCheckpointIO"]
-
-#: The top-level key under which the plugin records its format and the value conversions.
-RESERVED_KEY = "__shardkeep_lightning__"
+__all__ = ["ShardkeepCheckpointIO"]
 
 Path_ = str | os.PathLike[str]
 
@@ -106,149 +75,23 @@ logger = logging.getLogger("shardkeep")
 
 
 # --------------------------------------------------------------------------------------------
-# Converting the checkpoint dict to what shardkeep stores, and back
+# Working names and their removal, built from the steps of the LocalFS in use
+# (shardkeep.storage.localfs: crash tests substitute one whose step fails)
 # --------------------------------------------------------------------------------------------
-
-
-#: Mapping classes of a Lightning checkpoint, restored by name.
-_MAPPING_CLASSES: dict[str, type] = {"attribute_dict": AttributeDict}
-
-
-def _refuse_dtensor(value: torch.Tensor, path: tuple[str | int, ...]) -> None:
-    if is_dtensor(value):  # a subclass too
-        raise UnsupportedValueError(
-            f"{where(path)!r} is a DTensor: ShardkeepCheckpointIO saves on rank 0 alone and would keep only "
-            "rank 0's shard; use a strategy that gathers a full state dict, or shardkeep.save on every rank"
-        )
-
-
-def encode_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-    """``checkpoint`` as a state :func:`shardkeep.save` stores, with the conversions
-    (:mod:`shardkeep.conversions`) recorded under :data:`RESERVED_KEY`."""
-    if not isinstance(checkpoint, Mapping):
-        raise UnsupportedValueError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
-    if RESERVED_KEY in checkpoint:
-        raise UnsupportedValueError(f"the checkpoint already has the key {RESERVED_KEY!r}, which the plugin reserves")
-    encoder = ValueEncoder(
-        subject="Lightning checkpoint",
-        hint="; for hyperparameters, convert the value or leave it out with save_hyperparameters(ignore=[...])",
-        mapping_classes=_MAPPING_CLASSES,
-        check_tensor=_refuse_dtensor,
-    )
-    if type(checkpoint) is not dict:
-        encoder.record((), "ordered_dict" if type(checkpoint) is collections.OrderedDict else "dict")
-    state = encoder.mapping(checkpoint, ())
-    state[RESERVED_KEY] = encoder.conversion_record()
-    return state  # type: ignore[return-value]  # the top level keys were checked to be str or int
-
-
-def decode_checkpoint(state: dict[str, Any], source: str = "the checkpoint") -> dict[str, Any]:
-    """The Lightning checkpoint dict that :func:`encode_checkpoint` turned into ``state``;
-    ``source`` (the checkpoint's path) names it in errors."""
-    record = state.pop(RESERVED_KEY, None)
-    if record is None:
-        return state  # a plain shardkeep checkpoint: nothing was converted
-    restored: dict[str, Any] = decode_values(
-        state, record, source=source, record_name=RESERVED_KEY, mapping_classes=_MAPPING_CLASSES
-    )
-    return restored
-
-
-def _map_location(value: Any, map_location: Any) -> Any:
-    """``value`` with every tensor moved as ``torch.load(map_location=...)`` would move it. Every
-    tensor a shardkeep checkpoint returns is on the CPU, so ``"cpu"`` is its saved location."""
-    if map_location is None:
-        return value
-    if isinstance(map_location, Mapping):
-        target = map_location.get("cpu")
-        if target is None:
-            return value
-        map_location = target
-    if isinstance(map_location, (str, torch.device)):
-        device = torch.device(map_location)
-        if device.type == "cpu":
-            return value
-        return _map_tensors(value, lambda tensor: tensor.to(device))
-    if callable(map_location):
-        storages: dict[int, Any] = {}
-
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key not in storages:
-                moved = map_location(storage, "cpu")
-                storages[key] = storage if moved is None else moved
-            new_storage = storages[key]
-            if isinstance(new_storage, torch.Tensor):
-                return new_storage
-            if new_storage is storage:
-                return tensor
-            rebuilt = torch.empty(0, dtype=tensor.dtype, device=new_storage.device)
-            return rebuilt.set_(new_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
-
-        return _map_tensors(value, move)
-    raise ConfigError(f"map_location={map_location!r}: give a device, a string, a dict or a callable")
-
-
-def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return move(value)
-    if isinstance(value, dict):
-        mapped = {key: _map_tensors(item, move) for key, item in value.items()}
-        if type(value) is dict:
-            return mapped
-        result: Any = type(value)(mapped)
-        if hasattr(value, "_metadata"):
-            result._metadata = value._metadata
-        return result
-    if isinstance(value, list):
-        return [_map_tensors(item, move) for item in value]
-    if type(value) is tuple:
-        return tuple(_map_tensors(item, move) for item in value)
-    return value
-
-
-# --------------------------------------------------------------------------------------------
-# Atomic replacement of a directory (renameat2: shardkeep.storage.local)
-# --------------------------------------------------------------------------------------------
-
-
-#: Module names the replace calls through, so that tests can interrupt each step.
-exchange = exchange_paths
-_rename_noreplace = rename_noreplace_path
-
-
-def _rename(source: str, destination: str) -> None:
-    """``os.rename``; a function of its own so that tests can interrupt the fallback swap."""
-    os.rename(source, destination)
 
 
 def _retire(parent: str, tag: str, entry: str) -> str:
     """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
     the new path; only then is it deleted, so a half-deleted tree always has such a name."""
     doomed = os.path.join(parent, f"{tag}{LIGHTNING_RETIRED_ROLE}{uuid.uuid4().hex}")
-    os.rename(os.path.join(parent, entry), doomed)
-    return doomed
-
-
-def _remove_tree(path: str) -> None:
-    """Remove a file, a symlink or a directory tree (tests interrupt it to simulate a crash)."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path)
+    return current().retire(os.path.join(parent, entry), aside=doomed, sync=False)  # the caller fsyncs
 
 
 def _remove_trees(paths: list[str]) -> None:
+    """Remove each path (a file, a symlink or a tree); one already gone is skipped."""
+    fs = current()
     for path in paths:
-        try:
-            _remove_tree(path)
-        except FileNotFoundError:
-            pass
-
-
-def _fsync_directory(path: str) -> None:
-    fsync_directory_path(path)
+        fs.remove_tree(path)
 
 
 def _is_checkpoint_dir(path: str) -> bool:
@@ -317,7 +160,8 @@ class ShardkeepCheckpointIO(CheckpointIO):
     ``digest``, ``signer``, ``compression``, ``compression_level`` and ``save_options`` (any
     other keyword of :func:`shardkeep.save`) apply to every save; ``public_key``,
     ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
-    only. See the module docstring for the conversions and the atomic replacement.
+    only. See :mod:`~shardkeep.integrations.lightning.values` for the conversions and the module
+    docstring for the atomic replacement.
 
     Working names beside a checkpoint ``X`` are hidden and tagged with ``X``'s name
     (``.sk-<hex>.``): ``new-<id>`` a save being written (``new-<id>.tmp-*`` until shardkeep
@@ -397,7 +241,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         parent, name = os.path.split(target)
         check_name_length(name, "checkpoint name")
         try:
-            os.makedirs(parent, exist_ok=True)
+            current().makedirs_durable(parent)
         except OSError as exc:
             raise StorageError(f"cannot create the directory {parent} to save the checkpoint {target}: {exc}") from exc
         if not os.path.islink(target) and os.path.isdir(target) and not _is_checkpoint_dir(target):
@@ -484,7 +328,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             require_signature=self._require_signature,
         )
         checkpoint = decode_checkpoint(state, target)
-        mapped: dict[str, Any] = _map_location(checkpoint, map_location)
+        mapped: dict[str, Any] = apply_map_location(checkpoint, map_location)
         return mapped
 
     def remove_checkpoint(self, path: Path_) -> None:
@@ -515,7 +359,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             elif kind == "checkpoint":
                 doomed.append(_retire(parent, _tag(name), name))
             if doomed:
-                _fsync_directory(parent)
+                current().fsync_directory(parent)
             _remove_trees(doomed)
         except OSError as exc:
             gone = "" if os.path.lexists(target) else f" ({target} itself is already gone)"
@@ -559,7 +403,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
     def _remove_leftovers(self, parent: str, name: str) -> None:
         doomed = self._retire_leftovers(parent, name)
         if doomed:
-            _fsync_directory(parent)
+            current().fsync_directory(parent)
         _remove_trees(doomed)
 
     @staticmethod
@@ -599,31 +443,34 @@ class ShardkeepCheckpointIO(CheckpointIO):
         if not os.path.lexists(target):
             chosen = self._newest_complete(parent, name, entries)
             if chosen is not None:
-                _rename_noreplace(os.path.join(parent, chosen), target)
-                _fsync_directory(parent)
+                current().rename_noreplace(os.path.join(parent, chosen), target)
+                current().fsync_directory(parent)
         self._remove_leftovers(parent, name)
 
     def _install(self, staging: str, target: str) -> str | None:
         """Put the committed ``staging`` at ``target``; return the ``del-`` path of the previous
-        checkpoint, for the caller to delete, or None when there was none."""
+        checkpoint, for the caller to delete, or None when there was none. Unlike
+        :meth:`~shardkeep.storage.localfs.LocalFS.replace_dir`, a failed fallback swap is not
+        undone: recovery puts the later committed checkpoint (the new one) at ``target``."""
+        fs = current()
         parent, name = os.path.split(target)
         if not os.path.lexists(target):
-            _rename_noreplace(staging, target)
-            _fsync_directory(parent)
+            fs.rename_noreplace(staging, target)
+            fs.fsync_directory(parent)
             return None
         try:
-            exchange(staging, target)  # target now holds the new checkpoint, staging the old one
+            fs.exchange(staging, target)  # target now holds the new checkpoint, staging the old one
             old = staging
         except ExchangeUnsupported:
             # Two renames: between them nothing is at ``target``; a crash there is repaired by
             # the next save of this path (see _recover).
             old = os.path.join(parent, f"{_tag(name)}{LIGHTNING_OLD_ROLE}{uuid.uuid4().hex}")
-            _rename(target, old)
-            _rename(staging, target)
+            fs.rename(target, old)
+            fs.rename(staging, target)
         # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
         # name) holds the *previous* checkpoint.
         doomed = _retire(parent, _tag(name), os.path.basename(old))
-        _fsync_directory(parent)
+        fs.fsync_directory(parent)
         return doomed
 
     @classmethod
@@ -699,7 +546,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
                 continue
             handled.append(entry)
         if doomed:
-            _fsync_directory(parent)
+            current().fsync_directory(parent)
         _remove_trees(doomed)
         return handled
 
@@ -719,15 +566,18 @@ def _followed_link(link: str) -> str:
 
 
 def _local_path(path: Path_) -> str:
+    """The absolute local path ``path`` names (a path, or ``file://PATH``: see
+    :mod:`shardkeep.storage.locations`); a store URL is refused."""
     try:
         text = os.fspath(path)
     except TypeError as exc:
         raise UnsupportedValueError(f"checkpoint path {path!r} is not a path: {exc}") from exc
     if not isinstance(text, str) or "\x00" in text:
         raise UnsupportedValueError(f"checkpoint path {path!r} must be text without NUL characters")
-    if "://" in text:
+    local = local_path(text)
+    if local is None:
         raise UnsupportedValueError(
             f"{text}: ShardkeepCheckpointIO writes local paths only (its atomic replacement needs a rename); "
             "for object stores use shardkeep.save with an s3:// path directly"
         )
-    return os.path.abspath(text)
+    return local
