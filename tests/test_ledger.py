@@ -31,10 +31,10 @@ from shardkeep.errors import (
 from shardkeep.ledger import (
     LedgerLockWarning,
     ProgressLedger,
-    _LedgerFiles,
     checked_sequence,
     filesystem_type,
 )
+from shardkeep.ledger.files import LedgerFiles
 
 
 class FakeClock:
@@ -411,7 +411,7 @@ def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: P
         record(ledger, tmp_path, 0, batch)
     ledger.mark_shard_complete(0)
 
-    class FailingDirectorySync(_LedgerFiles):
+    class FailingDirectorySync(LedgerFiles):
         def sync_dir(self, directory: str) -> None:
             raise OSError(5, "Input/output error")
 
@@ -420,7 +420,7 @@ def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: P
     with pytest.raises(StorageError, match="may not survive a power loss"):
         ledger.cleanup_checkpoints()
     assert all(path.exists() for path in files)  # the marking failed: nothing deleted yet
-    ledger._files = _LedgerFiles()
+    ledger._files = LedgerFiles()
     assert ledger.cleanup_checkpoints() == 2
     assert [path.exists() for path in files] == [False, False, True]
 
@@ -599,7 +599,7 @@ def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
     assert ledger.get_completed_shards() == [0]
 
 
-class _PausedWrite(_LedgerFiles):
+class _PausedWrite(LedgerFiles):
     """Writes pause until the test lets them go, so the test can look at the lock mid-update."""
 
     def __init__(self) -> None:
@@ -750,9 +750,9 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
     assert filesystem_type("/scratchpad/x", mountinfo) == "ext4"
     assert filesystem_type(tmp_path) is not None  # this machine's /proc/self/mountinfo parses
 
-    import shardkeep.ledger as ledger_module
+    import shardkeep.ledger.lock as lock_module
 
-    monkeypatch.setattr(ledger_module, "filesystem_type", lambda path, mountinfo=None: "nfs4")
+    monkeypatch.setattr(lock_module, "filesystem_type", lambda path, mountinfo=None: "nfs4")
     ledger = ProgressLedger(tmp_path / "progress.json", 1)
     with pytest.warns(LedgerLockWarning, match="nfs4 filesystem, where file locks may not exclude"):
         ledger.initialize()
@@ -763,7 +763,7 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
 # kill -9 at every file operation of an update
 
 
-class _KillAt(_LedgerFiles):
+class _KillAt(LedgerFiles):
     """Counts the file operations of an update and kills the process before the chosen one (or,
     with ``torn``, halfway through the chosen write)."""
 
@@ -844,7 +844,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
     counter = _KillAt(-1)
     ledger._files = counter
     update(ledger)
-    ledger._files = _LedgerFiles()
+    ledger._files = LedgerFiles()
     roll_back()
     operations = counter.count
     if start == "clean":
@@ -895,14 +895,14 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
 def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FailingWrite(_LedgerFiles):
+    class FailingWrite(LedgerFiles):
         def write(self, path: str, data: bytes) -> None:
             raise OSError(28, "No space left on device")
 
     ledger._files = FailingWrite()
     with pytest.raises(StorageError, match="No space left on device; the previous version is intact"):
         record(ledger, tmp_path, 0, 0)
-    ledger._files = _LedgerFiles()
+    ledger._files = LedgerFiles()
     assert ledger.get_resume_info(0)["resume_from_batch"] == 0
     record(ledger, tmp_path, 0, 0)
     assert ledger.get_resume_info(0)["resume_from_batch"] == 1
@@ -928,7 +928,7 @@ def _reseal(raw: bytes) -> bytes:
 def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FsyncFails(_LedgerFiles):
+    class FsyncFails(LedgerFiles):
         def write(self, path: str, data: bytes) -> None:
             with open(path, "xb") as handle:
                 handle.write(data)  # the bytes are there; only the fsync fails
@@ -939,7 +939,7 @@ def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> No
         ledger.mark_shard_failed(0, "oom")
     assert not ledger.tmp_path.exists()
     assert ledger.get_shard_status(0)["retry_count"] == 0  # type: ignore[index]
-    ledger._files = _LedgerFiles()
+    ledger._files = LedgerFiles()
     ledger.mark_shard_failed(0, "oom")  # the caller's retry counts once
     assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
@@ -947,14 +947,14 @@ def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> No
 def test_a_failed_directory_fsync_says_the_outcome_is_uncertain(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class DirectorySyncFails(_LedgerFiles):
+    class DirectorySyncFails(LedgerFiles):
         def sync_dir(self, directory: str) -> None:
             raise OSError(5, "Input/output error")
 
     ledger._files = DirectorySyncFails()
     with pytest.raises(StorageError, match="re-read the ledger before retrying"):
         ledger.mark_shard_failed(0, "oom")
-    ledger._files = _LedgerFiles()
+    ledger._files = LedgerFiles()
     assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
 
@@ -1014,7 +1014,7 @@ def test_a_claimed_shard_that_records_nothing_becomes_stale(tmp_path: Path) -> N
 # Power loss: a simulated disk that keeps only what was fsynced
 
 
-class PowerLossFiles(_LedgerFiles):
+class PowerLossFiles(LedgerFiles):
     """Performs every operation for real and models what a power cut would keep: a file's data
     only once fsynced, directory entries (creates, links, renames, removals) only once the
     directory is fsynced. ``skip`` removes one kind of fsync (the mutation check)."""

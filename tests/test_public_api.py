@@ -190,3 +190,21 @@ def test_no_grab_bag_modules() -> None:
     names = {path.stem for path in PACKAGE.rglob("*.py")}
     assert not names & {"utils", "helpers", "misc", "common"}
     assert not [n for n in names if n.endswith("_ops")]
+
+
+def test_the_ledger_below_its_batches_imports_only_the_layers_below_policy() -> None:
+    """``ledger/`` sits with the verbs because ``ledger/batches`` saves and loads checkpoints. The
+    rest of the package (format, lock, files, cleanup, the state machine, ``__init__``) imports
+    nothing from "policy, state" or above, nor ``ledger.batches``."""
+    ceiling = LAYER_ORDER.index("retention")  # the first module of "policy, state"
+    files = sorted(path for path in (PACKAGE / "ledger").glob("*.py") if path.stem != "batches")
+    assert {path.stem for path in files} >= {"__init__", "format", "lock", "files", "cleanup", "ledger"}
+    violations = []
+    for path in files:
+        for module in _shardkeep_imports(path):
+            parts = module.split(".")
+            theirs = parts[1] if len(parts) > 1 else "__init__"
+            inside = theirs == "ledger" and module != "shardkeep.ledger.batches"
+            if not inside and LAYER_ORDER.index(theirs) >= ceiling:
+                violations.append(f"ledger/{path.name} imports {module}")
+    assert violations == []
