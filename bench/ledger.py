@@ -145,7 +145,7 @@ def many_writers(updates: int) -> None:
         for process in processes:
             process.join()
         elapsed = time.perf_counter() - started
-        total = ledger.get_global_progress()["total_batches"]
+        total = ledger.progress()["total_batches"]
         assert total == SHARDS * updates, total
         print(
             f"{SHARDS} spawned writers x {updates} updates: {elapsed:.1f} s including process start, "

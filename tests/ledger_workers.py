@@ -65,7 +65,7 @@ def writer(path: str, shard: int, updates: int, log_path: str, variant: str = "l
     the real ledger never may, so there an error ends the process."""
     ledger = LEDGERS[variant](path, lock_timeout=120)
     batch_file = f"shard_{shard}/result.bin"
-    start = ledger.get_resume_info(shard)["resume_from_batch"] if variant == "locked" else 0
+    start = ledger.resume_info(shard)["resume_from_batch"] if variant == "locked" else 0
     with open(log_path, "a", encoding="utf-8") as log:
         for batch in range(start, updates):
             try:
@@ -86,7 +86,7 @@ def reader(path: str, stop_path: str, report_path: str) -> None:
     examples: list[str] = []
     while not os.path.exists(stop_path):
         try:
-            progress = ledger.get_global_progress()
+            progress = ledger.progress()
         except Exception as exc:  # every failure counts, whatever its type
             failures += 1
             if len(examples) < 5:

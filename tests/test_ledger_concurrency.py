@@ -123,7 +123,7 @@ def test_eight_writers_and_readers_lose_nothing(tmp_path: Path) -> None:
     assert reads > 0
     state = ledger.read()
     assert state.sequence == 1 + WRITERS * updates
-    assert ledger.get_global_progress()["total_sequences_checkpointed"] == WRITERS * updates
+    assert ledger.progress()["total_sequences_checkpointed"] == WRITERS * updates
 
 
 def test_without_the_lock_updates_are_lost(tmp_path: Path) -> None:
