@@ -1576,7 +1576,7 @@ def test_a_ledger_claiming_a_huge_world_size_is_refused_in_bounded_memory(tmp_pa
         """)
     )
     result = run_python(script, str(ledger.manifest_path))
-    assert result["type"] == "ManifestCorruptedError" and "world_size 1000000000000" in result["message"], result
+    assert result["type"] == "LedgerCorruptedError" and "world_size 1000000000000" in result["message"], result
 
 
 # -- the zstd decoder wrapper --------------------------------------------------------------------

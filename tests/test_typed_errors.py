@@ -4,6 +4,7 @@ requires signatures but cannot sign, and shardkeep without torch."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -78,9 +79,19 @@ def test_same_error_rebuilds_the_class_by_name() -> None:
     assert type(same_error("StorageError", "disk")) is sk.StorageError
     assert type(same_error("SignatureError", "bad")) is sk.SignatureError
     assert type(same_error("RunMismatchError", "other run")) is sk.RunMismatchError
-    # Constructors that need more than a message fall back to the nearest base that does not.
-    assert type(same_error("ManifestVersionError", "too new")) is sk.ManifestError
-    assert type(same_error("FingerprintMismatchError", "differs")) is sk.ShardkeepError
+    # Every class is rebuilt as itself, whatever its constructor takes, with the message as sent.
+    too_new = same_error("ManifestVersionError", "too new", {"found": "9.0", "supported": "2.0"})
+    assert type(too_new) is sk.ManifestVersionError and isinstance(too_new, sk.ManifestError)
+    assert str(too_new) == "too new" and (too_new.found, too_new.supported) == ("9.0", "2.0")
+    differs = same_error("FingerprintMismatchError", "differs")
+    assert type(differs) is sk.FingerprintMismatchError and differs.differences == []
+    field = same_error("CheckpointFieldError", "TrainingCheckpoint field 'rng': bad", {"field": "rng"})
+    assert type(field) is sk.CheckpointFieldError and str(field).endswith("'rng': bad") and field.field == "rng"
+    corrupted = same_error("LedgerCorruptedError", "no valid copy", {"manifest_path": "/l.json"})
+    assert isinstance(corrupted, sk.ManifestCorruptedError) and corrupted.ledger_path == "/l.json"
+    assert corrupted.problems == {}
+    integrity = same_error("IntegrityError", "digest")
+    assert type(integrity) is sk.IntegrityError and integrity.problems == ["digest"]
     assert type(same_error("NoSuchError", "x")) is sk.ShardkeepError
     assert str(same_error("StorageError", "disk")) == "disk"
     retention = same_error("RetentionError", "pruning failed", {"checkpoint": "step_00000002"})
@@ -125,3 +136,114 @@ def test_save_without_torch_is_a_dependency_error(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "DependencyError: shardkeep.save needs PyTorch" in done.stdout and "pip install torch" in done.stdout
+
+
+# Each public error class with every class it derived from before the tree was grouped (builtins
+# named by name). Code that catches any of these must keep catching the same errors.
+ANCESTORS: dict[str, set[str]] = {
+    "BatchFileMissingError": {"LedgerError", "ShardkeepError", "FileNotFoundError"},
+    "CheckpointExistsError": {"ShardkeepError"},
+    "CheckpointFieldError": {"ShardkeepError"},
+    "CheckpointNotFoundError": {"ShardkeepError"},
+    "ConfigError": {"UnsupportedValueError", "ShardkeepError"},
+    "CoordinationError": {"ShardkeepError"},
+    "DependencyError": {"ShardkeepError", "ImportError"},
+    "FingerprintMismatchError": {"ShardkeepError"},
+    "IntegrityError": {"ShardkeepError"},
+    "LedgerError": {"ShardkeepError"},
+    "LedgerLockTimeoutError": {"LedgerError", "ShardkeepError", "TimeoutError"},
+    "LedgerMismatchError": {"LedgerError", "ShardkeepError"},
+    "LedgerNotFoundError": {"LedgerError", "ShardkeepError", "FileNotFoundError"},
+    "LedgerStateError": {"LedgerError", "ShardkeepError"},
+    "ManifestCorruptedError": {"LedgerError", "ShardkeepError"},
+    "ManifestError": {"ShardkeepError"},
+    "ManifestVersionError": {"ManifestError", "ShardkeepError"},
+    "RetentionError": {"ShardkeepError"},
+    "RunMismatchError": {"ShardkeepError"},
+    "SaveInProgressError": {"ShardkeepError"},
+    "ShardkeepError": set(),
+    "SignatureError": {"IntegrityError", "ShardkeepError"},
+    "StateMismatchError": {"UnsupportedValueError", "ShardkeepError"},
+    "StorageError": {"ShardkeepError"},
+    "TierBudgetError": {"ConfigError", "UnsupportedValueError", "ShardkeepError"},
+    "UnsafePathError": {"ShardkeepError"},
+    "UnsupportedValueError": {"ShardkeepError"},
+}
+
+# The intermediate bases and the classes each one groups.
+GROUPS: dict[str, set[str]] = {
+    "UsageError": {
+        "UnsupportedValueError",
+        "StateMismatchError",
+        "ConfigError",
+        "TierBudgetError",
+        "CommitRefusedError",
+        "CheckpointFieldError",
+        "SaveInProgressError",
+    },
+    "CheckpointDataError": {
+        "ManifestError",
+        "ManifestVersionError",
+        "IntegrityError",
+        "SignatureError",
+        "UnsafePathError",
+    },
+    "ManagerError": {"RunMismatchError", "FingerprintMismatchError", "RetentionError"},
+    "PlacementError": {"TierBudgetError"},
+    "LedgerError": {
+        "LedgerCorruptedError",
+        "LedgerNotFoundError",
+        "LedgerMismatchError",
+        "LedgerStateError",
+        "BatchFileMissingError",
+        "LedgerLockTimeoutError",
+    },
+}
+
+
+def _error_class(name: str) -> type[BaseException]:
+    import builtins
+
+    from shardkeep import errors
+
+    found = getattr(errors, name, None) or getattr(builtins, name)
+    assert isinstance(found, type) and issubclass(found, BaseException), name
+    return found
+
+
+def test_every_error_is_caught_by_exactly_what_caught_it_before() -> None:
+    """Among the classes that existed before the grouping, ``except B`` catches ``A`` exactly
+    when it did then: no relation lost, none gained."""
+    for name, ancestors in ANCESTORS.items():
+        klass = _error_class(name)
+        for ancestor in ancestors:
+            assert issubclass(klass, _error_class(ancestor)), f"except {ancestor} no longer catches {name}"
+        for other in ANCESTORS.keys() - ancestors - {name}:
+            gained = issubclass(klass, _error_class(other)) and _error_class(other) is not klass
+            assert not gained, f"except {other} now catches {name}"
+
+
+def test_the_intermediate_bases_group_their_classes() -> None:
+    from shardkeep import errors
+
+    for base, members in GROUPS.items():
+        base_class = _error_class(base)
+        assert issubclass(base_class, sk.ShardkeepError) and getattr(sk, base) is base_class, base
+        grouped = {name for name in errors.__all__ if name[0].isupper() and issubclass(_error_class(name), base_class)}
+        assert grouped - {base, "ManifestCorruptedError"} == members, base
+    assert sk.ManifestCorruptedError is sk.LedgerCorruptedError
+    # A refused commit stays an UnsupportedValueError, as before it had its own class.
+    assert issubclass(sk.CommitRefusedError, sk.UnsupportedValueError)
+    assert not issubclass(sk.CommitRefusedError, sk.ConfigError)
+    # Nothing on storage is a usage error, and no usage error is about the data.
+    assert not issubclass(sk.CheckpointDataError, sk.UsageError) and not issubclass(
+        sk.UsageError, sk.CheckpointDataError
+    )
+
+
+def test_the_tree_drawn_in_the_docstring_names_every_error() -> None:
+    from shardkeep import errors
+
+    drawn = set(re.findall(r"\b([A-Z]\w+Error)\b", (errors.__doc__ or "").partition("::")[2]))
+    public = {name for name in errors.__all__ if name.endswith("Error")}
+    assert public - drawn == set()

@@ -38,6 +38,7 @@ from shardkeep.distributed.plan import (
     sharded_totals,
 )
 from shardkeep.errors import (
+    CommitRefusedError,
     StorageError,
     UnsupportedValueError,
 )
@@ -748,7 +749,7 @@ class SaveJob:
         if has_chunks(manifest):  # coverage_problems finds nothing without chunks
             problems += coverage_problems(manifest)
         if problems:
-            raise UnsupportedValueError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
+            raise CommitRefusedError(f"cannot commit {self.location}: " + "; ".join(problems[:5]))
         for record in manifest.files:
             if record.ref is None and record.tier not in self.tier_stores:
                 self.commit.add_data_file(record.path)  # every rank's data directories are fsynced, not only ours
@@ -795,7 +796,7 @@ class SaveJob:
         expected = sum(math.prod(t.global_shape) * DTYPE_ITEMSIZE.get(t.dtype, 1) for t in sharded)
         written = sum(report.indexed_bytes for report in reports)
         if written != expected:
-            raise UnsupportedValueError(
+            raise CommitRefusedError(
                 f"cannot commit {self.location}: the ranks wrote {written} bytes of chunks of sharded tensors, "
                 f"but those tensors hold {expected} bytes"
             )

@@ -70,7 +70,14 @@ from torch.futures import Future
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
+from shardkeep.errors import (
+    CommitRefusedError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 from shardkeep.integrity import (
     CRYPTOGRAPHIC_DIGESTS,
     SignaturePolicy,
@@ -462,7 +469,7 @@ class ShardkeepWriter(StorageWriter):
         if has_chunks(manifest):
             problems += coverage_problems(manifest)
         if problems:
-            raise UnsupportedValueError(f"cannot commit {self._location()}: " + "; ".join(problems[:5]))
+            raise CommitRefusedError(f"cannot commit {self._location()}: " + "; ".join(problems[:5]))
         return manifest
 
 
