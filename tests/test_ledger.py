@@ -543,17 +543,17 @@ def test_all_copies_corrupted_raises_manifest_corrupted(tmp_path: Path) -> None:
     ledger.tmp_path.write_bytes(ledger.path.read_bytes()[:100])
     _corrupt(ledger.path)
     _corrupt(ledger.backup_path)
-    with pytest.raises(sk.ManifestCorruptedError) as caught:
+    with pytest.raises(sk.LedgerCorruptedError) as caught:
         ledger.progress()
     error = caught.value
     assert isinstance(error, ShardkeepError)
-    assert error.manifest_path == str(ledger.path)
+    assert error.ledger_path == error.manifest_path == str(ledger.path)
     assert set(error.problems) == {str(ledger.path), str(ledger.tmp_path), str(ledger.backup_path)}
     assert "no valid copy" in str(error)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-    with pytest.raises(sk.ManifestCorruptedError):
+    with pytest.raises(sk.LedgerCorruptedError):
         record(ledger, tmp_path, 0, 1)
-    with pytest.raises(sk.ManifestCorruptedError):
+    with pytest.raises(sk.LedgerCorruptedError):
         ledger.initialize()
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     assert before == after  # nothing was overwritten
@@ -590,7 +590,7 @@ def test_a_newer_minor_version_is_read_only_and_another_major_is_refused(tmp_pat
     ledger.path.write_bytes(encode_state(state))
     with pytest.raises(sk.LedgerError, match=r"schema version 3\.0 is not supported") as caught:
         ledger.read()
-    assert not isinstance(caught.value, sk.ManifestCorruptedError)  # an older copy never replaces it
+    assert not isinstance(caught.value, sk.LedgerCorruptedError)  # an older copy never replaces it
     with pytest.raises(sk.LedgerError, match=r"3\.0"):
         ledger.mark_shard_complete(0)
 
@@ -739,7 +739,7 @@ def test_special_files_as_ledger_copies_are_problems_not_hangs(tmp_path: Path) -
     target = tmp_path / "other.json"
     os.rename(ledger.backup_path, target)
     os.symlink(target, ledger.backup_path)
-    with pytest.raises(sk.ManifestCorruptedError) as caught:
+    with pytest.raises(sk.LedgerCorruptedError) as caught:
         ledger.read()
     assert caught.value.problems == {
         str(ledger.path): "is a FIFO, not a regular file",
@@ -755,7 +755,7 @@ def test_a_directory_as_the_ledger_path_is_named_as_such(tmp_path: Path) -> None
         sk.LedgerError, match=rf"{re.escape(str(job))} is a directory; .* e\.g\. .*job/progress\.json"
     ) as caught:
         ledger.read()
-    assert not isinstance(caught.value, sk.ManifestCorruptedError)
+    assert not isinstance(caught.value, sk.LedgerCorruptedError)
     ProgressLedger(job / "progress.json", 2).initialize()
     with pytest.raises(sk.LedgerError, match=r"did you mean .*job/progress\.json\?"):
         ledger.reassign_shard(0, 1)
@@ -1007,7 +1007,7 @@ def test_a_checksummed_file_with_a_bad_timestamp_is_a_typed_error(tmp_path: Path
     raw = ledger.path.read_bytes()
     broken = _reseal(re.sub(rb'"created_at":"[^"]+"', b'"created_at":"yesterday"', raw))
     ledger.path.write_bytes(broken)
-    with pytest.raises(sk.ManifestCorruptedError, match="created_at"):
+    with pytest.raises(sk.LedgerCorruptedError, match="created_at"):
         ledger.progress()
 
 

@@ -9,7 +9,7 @@ Files, next to each other::
     progress.json.lock     the lock file (see :mod:`shardkeep.ledger.lock`)
 
 A read takes the valid copy with the highest sequence number among the primary, ``.tmp`` and
-``.backup``; it raises :class:`~shardkeep.errors.ManifestCorruptedError` only when none is
+``.backup``; it raises :class:`~shardkeep.errors.LedgerCorruptedError` only when none is
 valid. Reads take no lock: every file is either replaced whole by a rename or detected as torn
 by its checksum.
 
@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from shardkeep.errors import (
+    LedgerCorruptedError,
     LedgerError,
     LedgerMismatchError,
     LedgerNotFoundError,
-    ManifestCorruptedError,
     StorageError,
     UnsafePathError,
 )
@@ -208,7 +208,7 @@ class LedgerCopies:
                 )
             return Loaded(state, raw, label)
         listing = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
-        raise ManifestCorruptedError(
+        raise LedgerCorruptedError(
             f"progress ledger {self.path} is corrupted: no valid copy among the primary, .tmp and "
             f".backup ({listing}). Restore it from an archive, or re-initialize and redo the work.",
             manifest_path=str(self.path),

@@ -27,11 +27,11 @@ import msgspec
 
 from shardkeep.errors import (
     BatchFileMissingError,
+    LedgerCorruptedError,
     LedgerError,
     LedgerMismatchError,
     LedgerNotFoundError,
     LedgerStateError,
-    ManifestCorruptedError,
     StorageError,
     UnsafePathError,
     UnsupportedValueError,
@@ -259,8 +259,8 @@ class ProgressLedger:
             previous: Loaded | None
             try:
                 previous = self._load(check_world_size=False)
-            except (LedgerNotFoundError, ManifestCorruptedError) as exc:
-                if isinstance(exc, ManifestCorruptedError) and not overwrite:
+            except (LedgerNotFoundError, LedgerCorruptedError) as exc:
+                if isinstance(exc, LedgerCorruptedError) and not overwrite:
                     raise
                 previous = None
             if previous is not None and not overwrite:
