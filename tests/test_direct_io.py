@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from shardkeep.storage import local
+from shardkeep.storage import local, localfs
 from shardkeep.storage.local import DIRECT_IO_BLOCK, LocalStore
 
 #: A block size the tests can afford many of (a multiple of the 4 KiB direct I/O alignment).
@@ -416,7 +416,7 @@ def _open_write_in_child(root: str) -> None:
 def test_a_fork_while_another_thread_holds_the_stores_locks_does_not_hang_the_child(tmp_path: Path) -> None:
     import multiprocessing
 
-    held = [local._Libc._lock, local._BUFFERS._lock]
+    held = [localfs._Libc.lock, local._BUFFERS._lock]
     for lock in held:
         lock.acquire()  # as a parent thread inside open_write would hold them at the fork
     try:

@@ -343,19 +343,18 @@ def test_overwrite_swaps_a_previous_export_in_one_step(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["hf", "one", "two"]  # the old folder is removed
 
 
-def test_overwrite_falls_back_to_two_renames_without_the_exchange(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from shardkeep.storage import local
+def test_overwrite_falls_back_to_two_renames_without_the_exchange(tmp_path: Path) -> None:
+    from shardkeep.storage import localfs
 
-    def no_renameat2(source: str, destination: str, flags: int) -> None:
-        raise local.ExchangeUnsupported(22, "not here")
+    class WithoutExchange(localfs.LocalFS):  # as on a filesystem without renameat2
+        def exchange(self, source: str, destination: str) -> None:
+            raise localfs.ExchangeUnsupported(22, "not here")
 
-    monkeypatch.setattr(local, "renameat2", no_renameat2)  # as on a filesystem without renameat2
     sk.save({"model": {"w": torch.ones(2)}}, tmp_path / "one")
     sk.save({"model": {"w": torch.full((3,), 2.0)}}, tmp_path / "two")
     export_hf(tmp_path / "one", tmp_path / "hf", check_keys=False)
-    export_hf(tmp_path / "two", tmp_path / "hf", check_keys=False, overwrite=True)
+    with localfs.using(WithoutExchange()):
+        export_hf(tmp_path / "two", tmp_path / "hf", check_keys=False, overwrite=True)
     assert torch.equal(read_folder(tmp_path / "hf").tensors["w"], torch.full((3,), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["hf", "one", "two"]
 

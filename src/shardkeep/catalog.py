@@ -73,7 +73,7 @@ from shardkeep.names import (
     step_of_name,
 )
 from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
-from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, open_store, renames
+from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, local_path, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
@@ -286,9 +286,10 @@ class CheckpointRoot:
             "tier_locations": tier_locations,
             "remap_hint": remap_hint,
         }
-        if "://" in text:
+        local = local_path(text)
+        if local is None:
             return cls(open_store(text, storage_options), display=text.rstrip("/"), **options)
-        return cls(LocalStore(path), display=os.path.abspath(text), **options)
+        return cls(LocalStore(local), display=local, **options)
 
     def tier_store(self, location: str | None) -> ByteStore:
         """The store of a tier location (``None``: this root's store), opened once."""

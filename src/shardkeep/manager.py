@@ -63,7 +63,7 @@ from shardkeep.manifest import (
 from shardkeep.names import sibling_name
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store, renames
+from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, local_path, open_store, renames
 from shardkeep.training import (
     FILLED,
     TrainingCheckpoint,
@@ -810,9 +810,10 @@ def _open_root(
     directory (created unless read-only)."""
     if storage is not None:
         return adapt_store(storage), root
-    if "://" in root:
+    local = local_path(root)
+    if local is None:
         return open_store(root, storage_options), root.rstrip("/")
-    return _local_root(root, create=create), os.path.abspath(root)
+    return _local_root(local, create=create), local
 
 
 def _local_root(root: str, *, create: bool) -> LocalStore:

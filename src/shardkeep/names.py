@@ -151,3 +151,8 @@ def step_of_name(name: str) -> int | None:
         return None
     step = int(match.group(1))
     return step if step <= MAX_STEP else None
+
+
+#: Marks the directory that a two-rename replacement moved out of the way
+#: (``.NAME.old-<id>``; see :meth:`shardkeep.storage.localfs.LocalFS.replace_dir`).
+REPLACED_MARKER = ".old-"

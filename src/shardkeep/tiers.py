@@ -20,14 +20,14 @@ does not import torch.
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from shardkeep.errors import ConfigError, TierBudgetError
+from shardkeep.errors import ConfigError, TierBudgetError, UnsupportedValueError
 from shardkeep.manifest import Tier
+from shardkeep.storage.locations import local_path
 from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY, section_of
 
 __all__ = [
@@ -133,8 +133,10 @@ def check_tiers(tiers: Iterable[Tier]) -> list[Tier]:
         if location is not None:
             if not isinstance(location, str) or not location or "\x00" in location:
                 raise ConfigError(f"tier {tier.name!r}: location={location!r} must be a path or a URL")
-            if "://" not in location:
-                location = os.path.abspath(location)
+            try:
+                location = local_path(location) or location  # a path, or file://PATH: made absolute
+            except UnsupportedValueError as exc:
+                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
         names.add(tier.name)
         ids.add(tier.tier_id)
         checked.append(

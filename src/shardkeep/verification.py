@@ -59,7 +59,7 @@ from shardkeep.storage import (
     LocalStore,
     StoreOperations,
     adapt_store,
-    is_url,
+    local_path,
     open_store,
     renames,
     split_url,
@@ -109,13 +109,13 @@ def locate(
         if reason is not None or "/" in text:
             raise UnsafePathError(f"checkpoint name {text!r} must be a single safe path component")
         return CheckpointLocation(adapt_store(storage), text)
-    if is_url(text):
+    absolute = local_path(text)
+    if absolute is None:
         protocol, rest = split_url(text)
         parent, _, name = rest.rpartition("/")
         if not parent:
             raise UnsupportedValueError(f"{text!r} names a bucket, not a checkpoint inside it (s3://bucket/step_1)")
         return CheckpointLocation(open_store(f"{protocol}://{parent}", storage_options), name)
-    absolute = os.path.abspath(text)
     parent, name = os.path.split(absolute.rstrip("/"))
     if not name:
         raise UnsupportedValueError(f"{text!r} does not name a checkpoint directory")

@@ -23,8 +23,9 @@ from shardkeep.storage.base import (
 )
 from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
+from shardkeep.storage.locations import is_url, local_path, split_url
 from shardkeep.storage.memory import MemoryStore
-from shardkeep.storage.remote import FsspecStore, split_url
+from shardkeep.storage.remote import FsspecStore
 
 __all__ = [
     "ATTEMPT_PREFIX",
@@ -41,6 +42,7 @@ __all__ = [
     "WriteHandle",
     "adapt_store",
     "is_url",
+    "local_path",
     "open_store",
     "renames",
     "split_url",
@@ -48,17 +50,11 @@ __all__ = [
 ]
 
 
-def is_url(location: str | os.PathLike[str]) -> bool:
-    return "://" in os.fspath(location)
-
-
 def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> ByteStore:
-    """The store rooted at ``location``: a local directory, or a URL such as
-    ``s3://bucket/prefix`` (through fsspec, with ``storage_options``)."""
-    text = os.fspath(location)
-    if is_url(text):
-        protocol, _ = split_url(text)
-        if protocol == "file":
-            return LocalStore(text.partition("://")[2])
-        return FsspecStore(text, storage_options)
-    return LocalStore(os.path.abspath(text))
+    """The store rooted at ``location``: a local directory (a path, or ``file://PATH``), or a
+    URL such as ``s3://bucket/prefix`` (through fsspec, with ``storage_options``); see
+    :mod:`shardkeep.storage.locations`."""
+    path = local_path(location)
+    if path is None:
+        return FsspecStore(os.fspath(location), storage_options)
+    return LocalStore(path)

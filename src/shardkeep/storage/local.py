@@ -36,6 +36,17 @@ from shardkeep.errors import (
 from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
 from shardkeep.names import sibling_name
 from shardkeep.storage.base import EntryInfo, StoreBase
+from shardkeep.storage.localfs import (
+    RENAME_EXCHANGE,
+    ExchangeUnsupported,
+    exchange_paths,
+    fsync_directory_path,
+    rename_noreplace_at,
+    rename_noreplace_path,
+    renameat2,
+    storage_error,
+    sync_file_range_function,
+)
 
 __all__ = [
     "DIRECT_IO_BLOCK",
@@ -43,6 +54,7 @@ __all__ = [
     "ExchangeUnsupported",
     "LocalStore",
     "exchange_paths",
+    "fsync_directory_path",
     "rename_noreplace_path",
     "renameat2",
 ]
@@ -53,7 +65,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_WRITE = 1 << 30
-_RENAME_NOREPLACE = 1
 _SYNC_FILE_RANGE_WRITE = 2
 #: Start writeback after this many new bytes (see ``_LocalWriter._start_writeback``).
 _WRITEBACK_CHUNK = 32 << 20
@@ -65,108 +76,6 @@ _DIRECT_IN_FLIGHT = 1
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Directories nested deeper than this inside a checkpoint are not descended (none are legitimate).
 _MAX_WALK_DEPTH = 16
-
-
-def _storage_error(action: str, path: str, exc: OSError) -> StorageError:
-    return StorageError(f"{action} {path!r} failed: {exc.strerror or exc} (errno {exc.errno})")
-
-
-class _Libc:
-    """Two Linux calls that ``os`` lacks, resolved once through ctypes (``None`` if missing):
-    ``renameat2`` with ``RENAME_NOREPLACE``, so a rename never replaces a checkpoint, and
-    ``sync_file_range``, so writeback starts while a large file is still being written."""
-
-    _lock = threading.Lock()
-    _resolved = False
-    renameat2: Any = None
-    sync_file_range: Any = None
-
-    @classmethod
-    def load(cls) -> type[_Libc]:
-        with cls._lock:
-            if not cls._resolved:
-                cls._resolved = True
-                try:
-                    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-                except OSError:
-                    return cls
-                renameat2 = getattr(libc, "renameat2", None)
-                if renameat2 is not None:
-                    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                    renameat2.restype = ctypes.c_int
-                    cls.renameat2 = renameat2
-                sync_file_range = getattr(libc, "sync_file_range", None)
-                if sync_file_range is not None:
-                    sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                    sync_file_range.restype = ctypes.c_int
-                    cls.sync_file_range = sync_file_range
-            return cls
-
-
-def _rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
-    renameat2 = _Libc.load().renameat2
-    if renameat2 is not None:
-        result = renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE)
-        if result == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in _FLAG_UNSUPPORTED:
-            raise OSError(err, os.strerror(err))
-    # Filesystems without RENAME_NOREPLACE: check, then rename. A racing writer could slip in
-    # between, but staging names are unique and the final name is checked first.
-    try:
-        os.stat(dst, dir_fd=dst_dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
-        return
-    raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
-
-
-#: ``renameat2`` flag: swap two existing paths in one step.
-RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_FLAG_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
-
-
-class ExchangeUnsupported(OSError):
-    """``renameat2`` with the requested flag is not available here (OS, C library or filesystem)."""
-
-
-def renameat2(source: str, destination: str, flags: int) -> None:
-    """``renameat2(2)`` on two paths (relative to the working directory). Raises
-    :class:`ExchangeUnsupported` where the OS, the C library or the filesystem lacks it or the
-    flag, and ``OSError`` for any other failure."""
-    function = _Libc.load().renameat2
-    if function is None:
-        raise ExchangeUnsupported(errno.ENOSYS, "the C library has no renameat2 (Linux only)")
-    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) != 0:
-        code = ctypes.get_errno()
-        if code in _FLAG_UNSUPPORTED:
-            raise ExchangeUnsupported(code, os.strerror(code), source, None, destination)
-        raise OSError(code, os.strerror(code), source, None, destination)
-
-
-def exchange_paths(source: str, destination: str) -> None:
-    """Swap ``source`` and ``destination`` (both exist) in one atomic step: at no moment is
-    either name missing. :class:`ExchangeUnsupported` where that cannot be done here. Used to
-    replace a directory that must never be missing (Lightning's ``last.ckpt``, a Hugging Face
-    export)."""
-    renameat2(source, destination, RENAME_EXCHANGE)
-
-
-def rename_noreplace_path(source: str, destination: str) -> None:
-    """Rename ``source`` to ``destination`` (paths, not relative to a store), never replacing
-    anything there (``FileExistsError``): the store's own no-replace rename."""
-    _rename_noreplace(_AT_FDCWD, source, _AT_FDCWD, destination)
-
-
-def fsync_directory_path(path: str) -> None:
-    """fsync the directory ``path``, so that the renames and creations in it are durable."""
-    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
 
 
 class _FileCalls:
@@ -265,7 +174,6 @@ def _after_fork_in_child() -> None:
     global _COUNTING
     _BlockWriters.forget()
     _BUFFERS._lock = threading.Lock()
-    _Libc._lock = threading.Lock()
     _COUNTING = threading.Lock()
 
 
@@ -299,7 +207,7 @@ class _LocalWriter:
         self._failed = False  # a write failed: the file may miss bytes, and must not be committed
         self._offset = 0  # bytes of the file written, or handed to a background write
         self._writeback_from = 0
-        self._sync_file_range = _Libc.load().sync_file_range
+        self._sync_file_range = sync_file_range_function()
         self._block = DIRECT_IO_BLOCK
         self._buffers: list[mmap.mmap] = [_BUFFERS.take(self._block)] if direct else []  # every one held
         self._filling: mmap.mmap | None = self._buffers[0] if direct else None
@@ -360,7 +268,7 @@ class _LocalWriter:
                 self._write_at(self._view, 0)
             except OSError as exc:
                 if exc.errno != errno.EINVAL and self._direct:
-                    raise _storage_error("writing", self._path, exc) from exc
+                    raise storage_error("writing", self._path, exc) from exc
                 self._refused(exc)
                 return
             self._offset = self._block
@@ -413,7 +321,7 @@ class _LocalWriter:
         self._in_flight.popleft()
         error = future.exception()
         if isinstance(error, OSError):
-            raise _storage_error("writing", self._path, error) from error
+            raise storage_error("writing", self._path, error) from error
         if error is not None:
             raise error
         return buffer
@@ -454,7 +362,7 @@ class _LocalWriter:
         try:
             self._calls.set_direct(self._fd, False)
         except OSError as exc:
-            raise _storage_error("turning off O_DIRECT for", self._path, exc) from exc
+            raise storage_error("turning off O_DIRECT for", self._path, exc) from exc
         self._direct = False
 
     def _write_at(self, view: memoryview, offset: int) -> None:
@@ -473,7 +381,7 @@ class _LocalWriter:
         try:
             self._write_at(view, self._offset)
         except OSError as exc:
-            raise _storage_error("writing", self._path, exc) from exc
+            raise storage_error("writing", self._path, exc) from exc
         self._offset += len(view)
         if self._sync_file_range is not None and self._offset - self._writeback_from >= _WRITEBACK_CHUNK:
             self._start_writeback()
@@ -489,7 +397,7 @@ class _LocalWriter:
             if code in (errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP):
                 self._sync_file_range = None  # not supported here; fsync alone will do
                 return
-            raise _storage_error("starting writeback of", self._path, OSError(code, os.strerror(code)))
+            raise storage_error("starting writeback of", self._path, OSError(code, os.strerror(code)))
         self._writeback_from = self._offset
 
     def _release_buffers(self) -> None:
@@ -545,11 +453,11 @@ class _LocalWriter:
                 self._calls.close(self._fd)
             except OSError:
                 pass  # the fsync's error is the one to report
-            raise _storage_error("fsync of", self._path, exc) from exc
+            raise storage_error("fsync of", self._path, exc) from exc
         try:
             self._calls.close(self._fd)
         except OSError as exc:
-            raise _storage_error("closing", self._path, exc) from exc
+            raise storage_error("closing", self._path, exc) from exc
         if self._on_commit is not None:
             self._on_commit(self.path_taken)
 
@@ -582,7 +490,7 @@ class _LocalReader:
         try:
             mapped = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)
         except OSError as exc:
-            raise _storage_error("memory-mapping", self._path, exc) from exc
+            raise storage_error("memory-mapping", self._path, exc) from exc
         return memoryview(mapped)
 
     def read_into(self, offset: int, buffer: memoryview, /) -> None:
@@ -592,7 +500,7 @@ class _LocalReader:
             try:
                 count = os.preadv(self._fd, [view[done:]], offset + done)
             except OSError as exc:
-                raise _storage_error("reading", self._path, exc) from exc
+                raise storage_error("reading", self._path, exc) from exc
             if count == 0:
                 raise StorageError(f"reading {self._path!r}: unexpected end of file at byte {offset + done}")
             done += count
@@ -601,7 +509,7 @@ class _LocalReader:
         try:
             os.close(self._fd)
         except OSError as exc:
-            raise _storage_error("closing", self._path, exc) from exc
+            raise storage_error("closing", self._path, exc) from exc
 
 
 class LocalStore(StoreBase):
@@ -642,7 +550,7 @@ class LocalStore(StoreBase):
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"directory {self.root!r} does not exist") from exc
         except OSError as exc:
-            raise _storage_error("opening directory", self.root, exc) from exc
+            raise storage_error("opening directory", self.root, exc) from exc
 
     def _open_parent(self, parts: list[str], *, create: bool) -> int:
         """A directory fd for all but the last component, walked without following symlinks."""
@@ -666,7 +574,7 @@ class LocalStore(StoreBase):
                             f"{'/'.join(parts[: index + 1])!r} in {self.root!r} is a symlink or not a directory"
                         ) from exc
                     where = os.path.join(self.root, *parts[: index + 1])
-                    raise _storage_error("opening directory", where, exc) from exc
+                    raise storage_error("opening directory", where, exc) from exc
                 os.close(fd)
                 fd = child
             return fd
@@ -686,13 +594,13 @@ class LocalStore(StoreBase):
         except FileExistsError as exc:
             raise CheckpointExistsError(f"{path!r} already exists in {self.root!r}") from exc
         except OSError as exc:
-            raise _storage_error("creating", path, exc) from exc
+            raise storage_error("creating", path, exc) from exc
         try:
             return _LocalWriter(fd, path, direct=self.direct_io, on_commit=self._count_path)
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):  # no memory for the aligned buffer
-                raise _storage_error("preparing to write", path, exc) from exc
+                raise storage_error("preparing to write", path, exc) from exc
             raise
 
     def _count_path(self, taken: str) -> None:
@@ -715,7 +623,7 @@ class LocalStore(StoreBase):
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError(f"{path!r} in {self.root!r} is a symlink") from exc
-            raise _storage_error("opening", path, exc) from exc
+            raise storage_error("opening", path, exc) from exc
         try:
             info = os.fstat(fd)
             if not stat_module.S_ISREG(info.st_mode):
@@ -737,7 +645,7 @@ class LocalStore(StoreBase):
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise _storage_error("stat of", path, exc) from exc
+            raise storage_error("stat of", path, exc) from exc
         finally:
             os.close(dir_fd)
         entry = _entry_info(info)
@@ -749,7 +657,7 @@ class LocalStore(StoreBase):
         try:
             fd = self._open_parent([*self._split(path), "."], create=False) if path else self._open_root()
         except OSError as exc:
-            raise _storage_error("listing", path, exc) from exc
+            raise storage_error("listing", path, exc) from exc
         found: list[tuple[str, EntryInfo]] = []
         try:
             self._walk(fd, "", found)
@@ -769,7 +677,7 @@ class LocalStore(StoreBase):
                     try:
                         names = os.listdir(fd)
                     except OSError as exc:
-                        raise _storage_error("listing", at or self.root, exc) from exc
+                        raise storage_error("listing", at or self.root, exc) from exc
                     for name in names:
                         relative = f"{at}{name}"
                         try:
@@ -777,7 +685,7 @@ class LocalStore(StoreBase):
                         except FileNotFoundError:
                             continue
                         except OSError as exc:
-                            raise _storage_error("stat of", relative, exc) from exc
+                            raise storage_error("stat of", relative, exc) from exc
                         if info.kind != "dir":
                             found.append((relative, info))
                         elif depth >= _MAX_WALK_DEPTH:
@@ -786,7 +694,7 @@ class LocalStore(StoreBase):
                             try:
                                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
                             except OSError as exc:
-                                raise _storage_error("opening directory", relative, exc) from exc
+                                raise storage_error("opening directory", relative, exc) from exc
                             pending.append((child, relative + "/", depth + 1))
                 finally:
                     os.close(fd)
@@ -801,14 +709,14 @@ class LocalStore(StoreBase):
             try:
                 names = os.listdir(fd)
             except OSError as exc:
-                raise _storage_error("listing", path or self.root, exc) from exc
+                raise storage_error("listing", path or self.root, exc) from exc
             for name in names:
                 try:
                     found.append((name, _entry_info(os.stat(name, dir_fd=fd, follow_symlinks=False))))
                 except FileNotFoundError:
                     continue
                 except OSError as exc:
-                    raise _storage_error("stat of", name, exc) from exc
+                    raise storage_error("stat of", name, exc) from exc
         finally:
             os.close(fd)
         found.sort(key=lambda item: item[0])
@@ -834,7 +742,7 @@ class LocalStore(StoreBase):
                     os.unlink(temporary, dir_fd=dir_fd)
                 except OSError:
                     pass  # the leftover is a staging name, collected later
-                raise _storage_error(f"replacing {path!r} with", temporary, exc) from exc
+                raise storage_error(f"replacing {path!r} with", temporary, exc) from exc
             _fsync_fd(dir_fd, path)
         finally:
             os.close(dir_fd)
@@ -848,7 +756,7 @@ class LocalStore(StoreBase):
             try:
                 try:
                     try:
-                        _rename_noreplace(src_fd, src_parts[-1], dst_fd, dst_parts[-1])
+                        rename_noreplace_at(src_fd, src_parts[-1], dst_fd, dst_parts[-1])
                     except OSError as exc:
                         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                             raise
@@ -866,7 +774,7 @@ class LocalStore(StoreBase):
                         ) from exc
                     if exc.errno == errno.ENOENT:
                         raise CheckpointNotFoundError(f"{src!r} does not exist in {self.root!r}") from exc
-                    raise _storage_error(f"renaming {src!r} to", dst, exc) from exc
+                    raise storage_error(f"renaming {src!r} to", dst, exc) from exc
                 _fsync_fd(dst_fd, dst)
                 if src_parts[:-1] != dst_parts[:-1]:
                     _fsync_fd(src_fd, src)
@@ -950,7 +858,7 @@ def _fsync_fd(fd: int, path: str) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
-        raise _storage_error("fsync of directory", path, exc) from exc
+        raise storage_error("fsync of directory", path, exc) from exc
 
 
 def _remove_entry(dir_fd: int, name: str, path: str) -> None:
@@ -960,7 +868,7 @@ def _remove_entry(dir_fd: int, name: str, path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise _storage_error("stat of", path, exc) from exc
+        raise storage_error("stat of", path, exc) from exc
     try:
         if stat_module.S_ISDIR(info.st_mode):
             child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -975,4 +883,4 @@ def _remove_entry(dir_fd: int, name: str, path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise _storage_error("removing", path, exc) from exc
+        raise storage_error("removing", path, exc) from exc

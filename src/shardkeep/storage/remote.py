@@ -33,25 +33,12 @@ from shardkeep.errors import (
 )
 from shardkeep.manifest import unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
+from shardkeep.storage.locations import split_url
 
 __all__ = ["FsspecStore", "split_url"]
 
 #: Objects are uploaded in parts of this size (S3's minimum part size is 5 MiB).
 PART_SIZE = 16 * 2**20
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``"s3://bucket/prefix"`` -> ``("s3", "bucket/prefix")``, refusing what is not a URL."""
-    protocol, sep, rest = url.partition("://")
-    if not sep or not protocol or not protocol.replace("+", "").isalnum():
-        raise UnsupportedValueError(f"{url!r} is not a storage URL like s3://bucket/prefix")
-    rest = rest.strip("/")
-    if not rest:
-        raise UnsupportedValueError(f"{url!r} names no bucket")
-    for part in rest.split("/"):
-        if part in ("", ".", "..") or "\x00" in part or "\\" in part:
-            raise UnsafePathError(f"{url!r}: unsafe path component {part!r}")
-    return protocol, rest
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:
