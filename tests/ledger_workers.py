@@ -15,9 +15,11 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from shardkeep.errors import ShardkeepError
 from shardkeep.ledger import ProgressLedger
+from shardkeep.ledger.lock import LedgerLock
 
 
 class UnlockedLedger(ProgressLedger):
@@ -29,8 +31,8 @@ class UnlockedLedger(ProgressLedger):
 
 
 class LockFileOnlyLedger(ProgressLedger):
-    """The control for the deletion attack: the lock as it was before issue 16, an ``flock`` on
-    whatever file is at the lock path, with no check that it is still there afterwards."""
+    """The control for the deletion attack: a lock on the file alone, an ``flock`` on whatever
+    file is at the lock path, with no check that it is still there afterwards."""
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -42,13 +44,21 @@ class LockFileOnlyLedger(ProgressLedger):
             os.close(descriptor)
 
 
+class _FileOnlyLock(LedgerLock):
+    """The ledger's lock without its lock on the directory."""
+
+    def _lock_directory(self, deadline: float | None, timeout: float | None) -> int | None:
+        return None
+
+
 class CheckedLockFileLedger(ProgressLedger):
     """The second control: the lock file checked after locking (still the file at the path), but
     without the lock on the directory. The check cannot help a holder whose lock file is deleted
     while it holds it: the next writer creates and locks a new one."""
 
-    def _lock_directory(self, deadline: float | None) -> int | None:
-        return None
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)
+        self._lock = _FileOnlyLock(self.path, self.lock_path)
 
 
 LEDGERS: dict[str, type[ProgressLedger]] = {

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardkeep as sk
-from shardkeep.batches import new_batch_path
 from shardkeep.errors import CheckpointExistsError, LedgerStateError, UnsafePathError
+from shardkeep.ledger.batches import new_batch_path
 
 
 @pytest.fixture
@@ -136,3 +136,13 @@ def test_cleanup_removes_batches_and_iteration_skips_them(ledger: sk.ProgressLed
     assert len(list((ledger.checkpoint_dir / "shard_00000").iterdir())) == 1
     with pytest.raises(LedgerStateError, match="removed by cleanup_checkpoints"):
         sk.load_batch(ledger, 0, 0)
+
+
+def test_the_old_import_path_is_the_same_module() -> None:
+    """``shardkeep.batches`` is the module ``shardkeep.ledger.batches`` itself (so patching either
+    patches what ``sk.save_batch`` calls)."""
+    import shardkeep.batches as old
+    import shardkeep.ledger.batches as moved
+
+    assert old is moved
+    assert sk.save_batch is moved.save_batch and old.new_batch_path is new_batch_path

@@ -34,7 +34,7 @@ from shardkeep.ledger import (
     checked_sequence,
     filesystem_type,
 )
-from shardkeep.ledger.files import LedgerFiles
+from shardkeep.ledger.files import LedgerFS
 
 
 class FakeClock:
@@ -436,16 +436,14 @@ def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: P
         record(ledger, tmp_path, 0, batch)
     ledger.mark_shard_complete(0)
 
-    class FailingDirectorySync(LedgerFiles):
-        def sync_dir(self, directory: str) -> None:
+    class FailingDirectorySync(LedgerFS):
+        def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
     files = sorted((tmp_path / "shard_0").iterdir())
-    ledger._files = FailingDirectorySync()
     with pytest.raises(StorageError, match="may not survive a power loss"):
-        ledger.cleanup_checkpoints()
+        ProgressLedger(ledger.path, fs=FailingDirectorySync()).cleanup_checkpoints()
     assert all(path.exists() for path in files)  # the marking failed: nothing deleted yet
-    ledger._files = LedgerFiles()
     assert ledger.cleanup_checkpoints() == 2
     assert [path.exists() for path in files] == [False, False, True]
 
@@ -624,17 +622,17 @@ def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
     assert ledger.completed_shards() == [0]
 
 
-class _PausedWrite(LedgerFiles):
+class _PausedWrite(LedgerFS):
     """Writes pause until the test lets them go, so the test can look at the lock mid-update."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def write(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes) -> None:
         self.entered.set()
         assert self.release.wait(30)
-        super().write(path, data)
+        super().create(path, data)
 
 
 def _descriptors_of(inode: tuple[int, int], but: int) -> list[int]:
@@ -654,9 +652,8 @@ def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: 
     """A writer waiting on the lock file when it is deleted must, once it gets the lock, lock the
     file now at the path: a lock on the deleted file would exclude nobody (another process, an
     older shardkeep, or a filesystem that cannot lock the directory, opens the new file)."""
-    ledger = make_ledger(tmp_path, lock_timeout=30)
     files = _PausedWrite()
-    ledger._files = files
+    ledger = ProgressLedger(make_ledger(tmp_path).path, lock_timeout=30, fs=files)
     holder = os.open(ledger.lock_path, os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
     held = os.fstat(holder)
@@ -788,7 +785,7 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
 # kill -9 at every file operation of an update
 
 
-class _KillAt(LedgerFiles):
+class _KillAt(LedgerFS):
     """Counts the file operations of an update and kills the process before the chosen one (or,
     with ``torn``, halfway through the chosen write)."""
 
@@ -804,33 +801,32 @@ class _KillAt(LedgerFiles):
             os.kill(os.getpid(), signal.SIGKILL)
         return reached
 
-    def remove(self, path: str) -> None:
+    def remove_file(self, path: str) -> None:
         self._reached()
-        super().remove(path)
+        super().remove_file(path)
 
     def link(self, source: str, target: str) -> None:
         self._reached()
         super().link(source, target)
 
-    def write(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes) -> None:
         if self._reached():
             with open(path, "wb") as handle:
                 handle.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        super().write(path, data)
+        super().create(path, data)
 
-    def rename(self, source: str, target: str) -> None:
+    def replace(self, source: str, destination: str) -> None:
         self._reached()
-        super().rename(source, target)
+        super().replace(source, destination)
 
-    def sync_dir(self, directory: str) -> None:
+    def fsync_directory(self, path: str) -> None:
         self._reached()
-        super().sync_dir(directory)
+        super().fsync_directory(path)
 
 
 def _update_and_die(path: str, kill_at: int, torn: bool, action: Callable[[ProgressLedger], None]) -> None:
-    ledger = ProgressLedger(path)
-    ledger._files = _KillAt(kill_at, torn=torn)
+    ledger = ProgressLedger(path, fs=_KillAt(kill_at, torn=torn))
     action(ledger)
     os._exit(0)
 
@@ -867,9 +863,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
             path.write_bytes(data)
 
     counter = _KillAt(-1)
-    ledger._files = counter
-    update(ledger)
-    ledger._files = LedgerFiles()
+    update(ProgressLedger(ledger.path, fs=counter))
     roll_back()
     operations = counter.count
     if start == "clean":
@@ -920,14 +914,12 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
 def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FailingWrite(LedgerFiles):
-        def write(self, path: str, data: bytes) -> None:
+    class FailingWrite(LedgerFS):
+        def create(self, path: str, data: bytes) -> None:
             raise OSError(28, "No space left on device")
 
-    ledger._files = FailingWrite()
     with pytest.raises(StorageError, match="No space left on device; the previous version is intact"):
-        record(ledger, tmp_path, 0, 0)
-    ledger._files = LedgerFiles()
+        record(ProgressLedger(ledger.path, fs=FailingWrite()), tmp_path, 0, 0)
     assert ledger.resume_info(0)["resume_from_batch"] == 0
     record(ledger, tmp_path, 0, 0)
     assert ledger.resume_info(0)["resume_from_batch"] == 1
@@ -953,18 +945,16 @@ def _reseal(raw: bytes) -> bytes:
 def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FsyncFails(LedgerFiles):
-        def write(self, path: str, data: bytes) -> None:
+    class FsyncFails(LedgerFS):
+        def create(self, path: str, data: bytes) -> None:
             with open(path, "xb") as handle:
                 handle.write(data)  # the bytes are there; only the fsync fails
             raise OSError(5, "Input/output error")
 
-    ledger._files = FsyncFails()
     with pytest.raises(StorageError, match="the previous version is intact"):
-        ledger.mark_shard_failed(0, "oom")
+        ProgressLedger(ledger.path, fs=FsyncFails()).mark_shard_failed(0, "oom")
     assert not ledger.tmp_path.exists()
     assert ledger.shard_status(0)["retry_count"] == 0  # type: ignore[index]
-    ledger._files = LedgerFiles()
     ledger.mark_shard_failed(0, "oom")  # the caller's retry counts once
     assert ledger.shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
@@ -972,14 +962,12 @@ def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> No
 def test_a_failed_directory_fsync_says_the_outcome_is_uncertain(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class DirectorySyncFails(LedgerFiles):
-        def sync_dir(self, directory: str) -> None:
+    class DirectorySyncFails(LedgerFS):
+        def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
-    ledger._files = DirectorySyncFails()
     with pytest.raises(StorageError, match="re-read the ledger before retrying"):
-        ledger.mark_shard_failed(0, "oom")
-    ledger._files = LedgerFiles()
+        ProgressLedger(ledger.path, fs=DirectorySyncFails()).mark_shard_failed(0, "oom")
     assert ledger.shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
 
@@ -1039,7 +1027,7 @@ def test_a_claimed_shard_that_records_nothing_becomes_stale(tmp_path: Path) -> N
 # Power loss: a simulated disk that keeps only what was fsynced
 
 
-class PowerLossFiles(LedgerFiles):
+class PowerLossFiles(LedgerFS):
     """Performs every operation for real and models what a power cut would keep: a file's data
     only once fsynced, directory entries (creates, links, renames, removals) only once the
     directory is fsynced. ``skip`` removes one kind of fsync (the mutation check)."""
@@ -1064,9 +1052,9 @@ class PowerLossFiles(LedgerFiles):
             raise _PowerCut
         self.operations += 1
 
-    def remove(self, path: str) -> None:
+    def remove_file(self, path: str) -> None:
         self._step()
-        super().remove(path)
+        super().remove_file(path)
         self.current.pop(os.path.basename(path), None)
 
     def link(self, source: str, target: str) -> None:
@@ -1074,21 +1062,21 @@ class PowerLossFiles(LedgerFiles):
         super().link(source, target)
         self.current[os.path.basename(target)] = self.current[os.path.basename(source)]
 
-    def write(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes) -> None:
         self._step()
-        super().write(path, data)
+        super().create(path, data)
         inode = os.stat(path).st_ino
         self.inodes[inode] = None if self.skip == "file" else data
         self.current[os.path.basename(path)] = inode
 
-    def rename(self, source: str, target: str) -> None:
+    def replace(self, source: str, destination: str) -> None:
         self._step()
-        super().rename(source, target)
-        self.current[os.path.basename(target)] = self.current.pop(os.path.basename(source))
+        super().replace(source, destination)
+        self.current[os.path.basename(destination)] = self.current.pop(os.path.basename(source))
 
-    def sync_dir(self, directory: str) -> None:
+    def fsync_directory(self, path: str) -> None:
         self._step()
-        super().sync_dir(directory)
+        super().fsync_directory(path)
         if self.skip != "directory":
             self.durable = dict(self.current)
 
@@ -1114,11 +1102,11 @@ def _power_loss_violations(tmp_path: Path, skip: str | None) -> tuple[int, int]:
     while True:
         directory = tmp_path / f"{skip}-{crash_at}"
         directory.mkdir()
-        ledger = make_ledger(directory, 1)
+        make_ledger(directory, 1)
         names = [batch_file(directory, 0, batch) for batch in range(3)]
         files = PowerLossFiles(directory, skip)
         files.crash_at = crash_at
-        ledger._files = files
+        ledger = ProgressLedger(directory / "progress.json", fs=files)
         returned = []
         try:
             for batch, name in enumerate(names):

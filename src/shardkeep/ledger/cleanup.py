@@ -9,21 +9,17 @@ deleted file as present, and running it again finishes an interrupted cleanup.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shutil
-import time
-import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 from shardkeep.errors import LedgerStateError, StorageError
-from shardkeep.ledger.files import LedgerFiles
 from shardkeep.ledger.format import LedgerState
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER
 from shardkeep.names import sibling_name
+from shardkeep.storage.localfs import LocalFS
 
 __all__ = [
     "DEFAULT_LEFTOVER_LEASE",
@@ -51,20 +47,16 @@ def require_complete(state: LedgerState, action: str) -> None:
         raise LedgerStateError(f"cannot {action}: shards {incomplete} are not complete")
 
 
-def write_archive(raw: bytes, ledger_path: Path, archive_dir: Path, files: LedgerFiles) -> Path:
-    """Write the ledger's exact bytes ``raw`` to ``archive_dir/<name>_final.json`` durably (a
-    staging file, fsynced, renamed into place, the directory fsynced) and return that path. An
-    earlier archive of the same name is replaced."""
+def write_archive(raw: bytes, ledger_path: Path, archive_dir: Path, fs: LocalFS) -> Path:
+    """Write the ledger's exact bytes ``raw`` to ``archive_dir/<name>_final.json`` with
+    :meth:`~shardkeep.storage.localfs.LocalFS.write_file_atomic` (a fresh temporary file,
+    fsynced, renamed into place, the directory fsynced) and return that path. An earlier archive
+    of the same name is replaced."""
     target = archive_dir / sibling_name(ledger_path.stem, "_final.json")
-    staging = archive_dir / sibling_name(target.name, STAGING_MARKER, uuid.uuid4().hex[:12], lead=".")
     try:
-        archive_dir.mkdir(parents=True, exist_ok=True)
-        files.write(str(staging), raw)
-        files.rename(str(staging), str(target))
-        files.sync_dir(str(archive_dir))
+        fs.makedirs_durable(archive_dir)
+        fs.write_file_atomic(target, raw)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(staging)
         raise StorageError(f"cannot archive the ledger to {target}: {exc}") from exc
     return target
 
@@ -82,7 +74,7 @@ def mark_removals(state: LedgerState, *, keep_final_only: bool, force: bool, now
                 record.removed_at = now
 
 
-def remove_marked(state: LedgerState, resolve: Resolve, *, force: bool, lease: float) -> int:
+def remove_marked(state: LedgerState, resolve: Resolve, fs: LocalFS, *, force: bool, lease: float) -> int:
     """Delete the files of the records marked removed (never a file a kept record also names),
     and return how many were deleted. When every shard is complete and not ``force``, then remove
     the leftovers beside the batch files (:func:`remove_leftovers`). The caller holds the lock."""
@@ -94,63 +86,37 @@ def remove_marked(state: LedgerState, resolve: Resolve, *, force: bool, lease: f
             _, absolute = resolve(record.file)
             directories.add(absolute.parent)
             # A file that a kept record also names (one file rewritten per batch) stays.
-            if record.removed_at is not None and record.file not in kept and delete_path(absolute):
+            if record.removed_at is not None and record.file not in kept and delete_path(absolute, fs):
                 removed += 1
     if not force and all(entry.status == "complete" for entry in state.shards.values()):
         names = {record.file for entry in state.shards.values() for record in entry.checkpoints}
         for directory in sorted(directories):
-            remove_leftovers(directory, names, lease, resolve)
+            remove_leftovers(directory, names, lease, resolve, fs)
     return removed
 
 
-def delete_path(path: Path) -> bool:
+def delete_path(path: Path, fs: LocalFS) -> bool:
     """Remove a file, symlink or directory without following symlinks; ``False`` if absent. A
-    directory is renamed to ``*.deleting-<id>`` first, so a half-removed one is never taken for
-    a checkpoint."""
+    directory is first renamed to ``*.deleting-<id>`` (durably), so a half-removed one is never
+    taken for a checkpoint (:meth:`~shardkeep.storage.localfs.LocalFS.retire_and_remove`)."""
     try:
-        if path.is_symlink() or not path.is_dir():
-            path.unlink()
-            return True
-        doomed = path.with_name(sibling_name(path.name, DELETING_MARKER, uuid.uuid4().hex[:12]))
-        os.rename(path, doomed)
-        shutil.rmtree(doomed)
-        return True
-    except FileNotFoundError:
-        return False
+        return fs.retire_and_remove(str(path))
     except OSError as exc:
         raise StorageError(f"cannot delete batch file {path}: {exc}") from exc
 
 
-def remove_leftovers(directory: Path, recorded: set[str], lease: float, resolve: Resolve) -> None:
-    """Remove what no record in ``recorded`` names inside ``directory`` and nothing touched for
-    ``lease`` seconds: interrupted saves (``*.tmp-*``), interrupted removals (``*.deleting-*``)
-    and batch checkpoints saved but never recorded (``batch_<N>-<id>``)."""
+def remove_leftovers(directory: Path, recorded: set[str], lease: float, resolve: Resolve, fs: LocalFS) -> None:
+    """Remove what no record in ``recorded`` names inside ``directory`` and in which nothing
+    changed for ``lease`` seconds (:meth:`~shardkeep.storage.localfs.LocalFS.remove_idle`):
+    interrupted saves (``*.tmp-*``), interrupted removals (``*.deleting-*``) and batch
+    checkpoints saved but never recorded (``batch_<N>-<id>``). A symlinked directory is left."""
+
+    def is_leftover(name: str) -> bool:
+        if STAGING_MARKER in name or DELETING_MARKER in name:
+            return True
+        return UNRECORDED_BATCH.fullmatch(name) is not None and resolve(directory / name)[0] not in recorded
+
     try:
-        if directory.is_symlink():
-            return
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return
+        fs.remove_idle(directory, is_leftover, lease)
     except OSError as exc:
-        raise StorageError(f"cannot list {directory}: {exc}") from exc
-    now = time.time()
-    for item in entries:
-        leftover = directory / item.name
-        is_leftover = STAGING_MARKER in item.name or DELETING_MARKER in item.name
-        if not is_leftover and UNRECORDED_BATCH.fullmatch(item.name):
-            is_leftover = resolve(leftover)[0] not in recorded
-        if not is_leftover:
-            continue
-        try:
-            touched = item.stat(follow_symlinks=False).st_mtime
-            if item.is_dir(follow_symlinks=False):
-                touched = max(
-                    [touched, *(child.stat(follow_symlinks=False).st_mtime for child in os.scandir(leftover))]
-                )
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise StorageError(f"cannot inspect leftover {leftover}: {exc}") from exc
-        if now - touched < lease:
-            continue
-        delete_path(leftover)
+        raise StorageError(f"cannot remove the leftovers in {directory}: {exc}") from exc

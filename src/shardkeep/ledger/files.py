@@ -57,9 +57,9 @@ from shardkeep.ledger.format import (
     encode_state,
 )
 from shardkeep.names import check_name_length, sibling_name
-from shardkeep.storage.local import fsync_directory_path
+from shardkeep.storage.localfs import LocalFS
 
-__all__ = ["Copy", "LedgerCopies", "LedgerFiles", "Loaded"]
+__all__ = ["Copy", "LedgerCopies", "LedgerFS", "Loaded"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +68,25 @@ Copy = Literal["primary", "tmp", "backup"]
 _PREFERENCE: dict[Copy, int] = {"primary": 2, "tmp": 1, "backup": 0}
 
 
-class LedgerFiles:
-    """The file operations of one update, in order. A seam for crash tests: each method is one
-    step that a test can interrupt."""
+class LedgerFS(LocalFS):
+    """The local filesystem of a ledger: :class:`~shardkeep.storage.localfs.LocalFS` (whose
+    ``replace`` and ``fsync_directory`` steps an update uses, and whose protocols archive and
+    clean up), plus the three steps an update adds: :meth:`remove_file`, :meth:`link` and
+    :meth:`create`. A crash test passes a subclass whose step fails or stops as
+    ``ProgressLedger(..., fs=...)``; every step of an update is one call on it, in order."""
 
-    def remove(self, path: str) -> None:
+    def remove_file(self, path: str) -> None:
+        """Unlink the file ``path``; nothing to do when it is absent."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
     def link(self, source: str, target: str) -> None:
+        """Hard-link ``source`` as ``target`` (``FileExistsError`` when something is there)."""
         os.link(source, target)
 
-    def write(self, path: str, data: bytes) -> None:
-        # O_EXCL: never truncate an existing file, which may share its inode with another copy.
+    def create(self, path: str, data: bytes) -> None:
+        """Create the file ``path`` exclusively, write ``data`` and fsync it. Never truncates an
+        existing file, which may share its inode with another copy (``FileExistsError``)."""
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data)
@@ -90,12 +96,6 @@ class LedgerFiles:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-
-    def rename(self, source: str, target: str) -> None:
-        os.replace(source, target)
-
-    def sync_dir(self, directory: str) -> None:
-        fsync_directory_path(directory)
 
 
 class Loaded(NamedTuple):
@@ -240,32 +240,33 @@ class LedgerCopies:
             problems[str(path)] = str(exc)
             return None
 
-    def write(self, state: LedgerState, previous: bytes | None, source: Copy | None, files: LedgerFiles) -> None:
-        """Steps 2-4 of an update (see the module docstring), through ``files``. The caller holds
-        the lock; ``previous`` and ``source`` are what :meth:`load` returned (``None``: none)."""
+    def write(self, state: LedgerState, previous: bytes | None, source: Copy | None, fs: LedgerFS) -> None:
+        """Steps 2-4 of an update (see the module docstring), each one step of ``fs``. The caller
+        holds the lock; ``previous`` and ``source`` are what :meth:`load` returned (``None``:
+        none)."""
         raw = encode_state(state)
         primary, tmp, backup = str(self.path), str(self.tmp_path), str(self.backup_path)
         wrote_tmp = renamed = False
         try:
             if previous is not None and source != "backup":
                 if source == "tmp":
-                    files.rename(tmp, backup)
+                    fs.replace(tmp, backup)
                 else:
-                    files.remove(tmp)
+                    fs.remove_file(tmp)
                     try:
-                        files.link(primary, tmp)
+                        fs.link(primary, tmp)
                     except OSError:
                         wrote_tmp = True
-                        files.write(tmp, previous)
-                    files.rename(tmp, backup)
+                        fs.create(tmp, previous)
+                    fs.replace(tmp, backup)
             # Always a fresh inode: after a crash, .tmp may be a hard link to the primary, and a
             # rename between two links of one inode does nothing (POSIX), leaving it in place.
-            files.remove(tmp)
+            fs.remove_file(tmp)
             wrote_tmp = True
-            files.write(tmp, raw)
-            files.rename(tmp, primary)
+            fs.create(tmp, raw)
+            fs.replace(tmp, primary)
             renamed = True
-            files.sync_dir(str(self.path.parent))
+            fs.fsync_directory(str(self.path.parent))
         except OSError as exc:
             if renamed:
                 raise StorageError(
