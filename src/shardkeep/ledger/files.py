@@ -26,6 +26,10 @@ Crash windows: before step 4's rename, the primary still holds the old version (
 too), so the update is simply absent. After the rename, the new version is the primary. A valid
 ``.tmp`` left by a crash after its fsync has the highest sequence and is adopted: that update
 completed everything except the rename. A torn ``.tmp`` fails its checksum and is ignored.
+
+Each step of steps 2-4 is one call on a :class:`LedgerFS`: ``replace`` and ``fsync_directory``
+of :class:`~shardkeep.storage.localfs.LocalFS`, and the ledger's ``remove_file``, ``link`` and
+``create``. A crash test gives the ledger a subclass that fails or stops at a chosen step.
 """
 
 from __future__ import annotations
