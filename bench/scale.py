@@ -20,10 +20,10 @@ Which shardkeep: ``--src head`` (default) imports a ``git archive`` snapshot of 
 
 Real shardkeep code, called unchanged:
 
-* ``saving.run_save`` on every rank: ``SaveJob.prepare`` (the real protocol: ``Coordinator.step``
-  and friends, ``assign_writers`` or whatever the version uses, ``_place``, ``_begin`` with a
-  real ``CheckpointCommit`` on a ``MemoryStore``, ``_lay_out`` with ``plan_files``,
-  ``file_header`` and the real safetensors header bytes, ``_manifest_for``), ``SaveJob.write``
+* ``saving.run_job`` on every rank (the body of ``saving.run_save``): ``SaveJob.prepare`` (the
+  real protocol: ``Coordinator.step`` and friends, the writer assignment, tier placement, a real
+  ``CheckpointCommit`` on a ``MemoryStore``, ``plan_files``, ``file_header`` and the real
+  safetensors header bytes, the manifest of ``saving.manifest_build``), ``SaveJob.write``
   (its validation of the rank's part), ``SaveJob.finish`` on the coordinator (merge,
   ``validate_manifest``, ``coverage_problems``, ``encode_manifest``, ``seal_manifest``);
 * ``tensors.flatten.flatten_state`` on a placeholder state with the workload's exact tree;
@@ -35,25 +35,27 @@ Real shardkeep code, called unchanged:
 
 Constructed, because the real code needs a process group, DTensors or tensor bytes:
 
-* ``SaveJob._describe`` (flatten + ``PlannedItem(leaf)`` on real tensors) is overridden: the
+* ``SaveJob.describe`` (flatten + ``PlannedItem(leaf)`` on real tensors) is overridden: the
   items are filled field by field, with each chunk's (local shape, global offset) from torch's
   own DTensor arithmetic, ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``
   (what ``compute_local_shape_and_global_offset`` calls, given the mesh shape and the rank's mesh
   coordinate instead of a ``DeviceMesh``), with FSDP2's ``_StridedShard`` where FSDP and TP shard
   one dimension; ``replica`` and ``mesh_origin`` (where the version has them) as ``replica_of``
   and ``at_mesh_origin`` compute them;
-* ``write_shards`` is replaced by a function that records what it would (a well-formed blake3
+* ``SaveJob.write_files`` (``write_shards``) is replaced by a function that records what it would (a well-formed blake3
   digest per file and per chunk) and writes nothing; after the real ``write``, a rank's job drops
   what no later step reads (its planned items, a non-coordinator's manifest), so R ranks fit in
   one process;
-* ``saving.SaveJob``, ``saving.Coordinator`` and ``saving.write_shards`` are swapped for the
-  simulation's while the rank threads run ``run_save`` (module attributes, restored after);
+* each rank runs a ``SimulatedSaveJob`` (a ``SaveJob`` with those steps replaced: the internal
+  API ``shardkeep.saving.job`` documents) on its in-process coordinator; a revision older than
+  ``run_job`` is driven by swapping ``saving.SaveJob``, ``saving.Coordinator`` and
+  ``saving.write_shards`` while the rank threads run ``run_save``;
 * the coordinator's ``commit.commit`` keeps the sealed bytes instead of writing them, so that
   ``finish`` can be timed ``--reps`` times (after the save, with the other ranks' objects freed);
 * a deterministic computation every rank repeats on identical gathered input (``assign_writers``,
-  ``_precision``, ``SaveJob._place``, ``check_sharded_agreement``) runs once (timed on rank 0) and
+  ``precision_of``, ``SaveJob.place``, ``check_sharded_agreement``) runs once (timed on rank 0) and
   its result is shared, keeping the simulation O(T x R) instead of O(T x R^2) where it can (the
-  loop over every rank's summaries in ``SaveJob._writers`` cannot be shared: MoE points cost
+  loop over every rank's summaries in the writer assignment cannot be shared: MoE points cost
   O(T x R^2) to simulate at that commit);
 * the garbage collector is paused while the rank threads run (the simulator's heap holds every
   rank's objects; a real rank's does not); ``finish`` and the read are timed with it running;
@@ -180,7 +182,7 @@ from shardkeep.progress import collector_paused  # noqa: E402
 from shardkeep.storage import ForwardingStore, MemoryStore  # noqa: E402
 from shardkeep.tensors.flatten import FlatState, TensorLeaf, flatten_state  # noqa: E402
 from shardkeep.tensors.grid import Grid  # noqa: E402
-from shardkeep.verification import CheckpointLocation, parse_manifest  # noqa: E402
+from shardkeep.verification import CheckpointLocation, locate, parse_manifest  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -850,11 +852,18 @@ class Simulation:
 SIMULATION: Simulation | None = None
 
 
-class SimulatedSaveJob(saving.SaveJob):
-    """``SaveJob`` with ``_describe`` built from the workload instead of tensors, ``_place``
-    computed once for identical gathered input, and ``finish`` recording its inputs."""
+#: Whether the imported shardkeep has the simulation API of ``shardkeep.saving.job``
+#: (``run_job`` and the replaceable steps ``describe``, ``place`` and ``write_files``); older
+#: revisions are driven through their private step names instead, for before/after runs.
+_SIMULATION_API = hasattr(saving, "run_job")
 
-    def _describe(self, descriptors: bool = True) -> list[Any]:
+
+class SimulatedSaveJob(saving.SaveJob):
+    """``SaveJob`` with ``describe`` built from the workload instead of tensors, ``place``
+    computed once for identical gathered input, ``write_files`` recording instead of writing,
+    and ``finish`` recording its inputs."""
+
+    def describe(self, descriptors: bool = True) -> list[Any]:
         assert SIMULATION is not None
         self.flat = SIMULATION.flat
         self.planned = SIMULATION.planned(self.coordinator.rank)
@@ -862,10 +871,16 @@ class SimulatedSaveJob(saving.SaveJob):
             self.on_grid = {item.leaf.key for item in self.planned if item.layout is not None}
         return [item.descriptor for item in self.planned]
 
-    def _place(self, *arguments: Any) -> None:
-        self.tier_of = _memo(
-            "SaveJob._place", lambda: (super(SimulatedSaveJob, self)._place(*arguments), self.tier_of)[1], arguments
-        )
+    def place(self, *arguments: Any) -> None:
+        real = saving.SaveJob.place if _SIMULATION_API else getattr(saving.SaveJob, "_place")  # noqa: B009
+        self.tier_of = _memo("SaveJob.place", lambda: (real(self, *arguments), self.tier_of)[1], arguments)
+
+    def write_files(self, on_bytes: Any) -> None:
+        _fake_write_shards(None, self.plans)
+
+    if not _SIMULATION_API:  # the same steps under an older revision's names
+        _describe = describe
+        _place = place
 
     def write(self) -> Any:
         """The real ``write``; then what no later step uses is dropped (the planned items, and a
@@ -930,28 +945,46 @@ def _fake_write_shards(store: Any, plans: Sequence[Any], **_: Any) -> list[FileR
     return [plan.record for plan in plans]
 
 
+#: The functions every rank calls on the same gathered input, computed once (module globals of
+#: the module that calls them: ``saving.job``, or ``saving`` in older revisions).
+_SHARED = ("assign_writers", "precision_of", "_precision", "check_sharded_agreement")
+
+
 @contextlib.contextmanager
 def _simulated_saving(baton: Baton) -> Iterator[None]:
-    """``saving``'s names swapped for the simulation while the ranks run ``run_save``."""
+    """The shared computations of ``_SHARED`` memoized while the ranks save (and, in older
+    revisions without ``run_job``, ``saving``'s job, coordinator and writer swapped)."""
     assert SIMULATION is not None
     simulation = SIMULATION
-    replaced: dict[str, Any] = {
-        "SaveJob": SimulatedSaveJob,
-        "Coordinator": lambda *_, **__: simulation.local.coordinator,
-        "write_shards": _fake_write_shards,
-    }
-    for name in ("assign_writers", "_precision", "check_sharded_agreement"):
-        if hasattr(saving, name):
-            replaced[name] = _memoized(name, getattr(saving, name))
-    original = {name: getattr(saving, name) for name in replaced}
+    module = getattr(saving, "job", saving)
+    replaced: dict[str, Any] = {}
+    if not _SIMULATION_API:
+        replaced.update(
+            SaveJob=SimulatedSaveJob,
+            Coordinator=lambda *_, **__: simulation.local.coordinator,
+            write_shards=_fake_write_shards,
+        )
+    for name in _SHARED:
+        if hasattr(module, name):
+            replaced[name] = _memoized(name, getattr(module, name))
+    original = {name: getattr(module, name) for name in replaced}
     for name, value in replaced.items():
-        setattr(saving, name, value)
+        setattr(module, name, value)
     try:
         yield
     finally:
         for name, value in original.items():
-            setattr(saving, name, value)
+            setattr(module, name, value)
         _MEMO.clear()
+
+
+def _save_on_rank(state: Any, name: str, settings: Any, coordinator: Any) -> None:
+    """One simulated rank's save: the real ``saving.run_job`` of a :class:`SimulatedSaveJob`."""
+    if _SIMULATION_API:
+        location = locate(name, settings.storage, settings.storage_options)
+        saving.run_job(SimulatedSaveJob(state, location, settings, coordinator))
+    else:
+        saving.run_save(state, name, settings)
 
 
 class _Regions:
@@ -1139,7 +1172,7 @@ class CurrentFormat:
 
         def rank(index: int) -> None:
             simulation.local.coordinator = InProcessCoordinator(index, workload.world, baton)
-            saving.run_save(simulation.state, "step_00000001", settings)
+            _save_on_rank(simulation.state, "step_00000001", settings, simulation.local.coordinator)
 
         # The collector is paused while the ranks run: the simulator's heap holds every rank's
         # objects, so collections would cost R times what they cost a real rank.

@@ -642,3 +642,22 @@ def test_dcp_plan_caching_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
         assert list(tmp_path.iterdir()) == [], attempt
     dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(tmp_path / "ckpt"))
     assert sk.verify(tmp_path / "ckpt").ok
+
+
+def test_the_writer_records_what_sk_save_records_of_the_same_state(tmp_path: Path) -> None:
+    """The DCP writer builds its manifest with sk.save's own builder: of the same plain state,
+    both record the same optimizer section, sharding strategy, precision, tiers and fields."""
+    state = {
+        "model": {"w": torch.zeros(64, dtype=torch.bfloat16), "b": torch.zeros(2)},
+        "optimizer": {"state": {"0": {"exp_avg": torch.zeros(64, dtype=torch.bfloat16)}}},
+    }
+    dcp.save(state, storage_writer=ShardkeepWriter(tmp_path / "dcp", model_id="m", step=3, epoch=1))
+    written = sk.read_manifest(tmp_path / "dcp")
+    saved = sk.save(state, tmp_path / "sk", model_id="m", step=3, epoch=1)
+    for manifest in (written, saved):
+        assert manifest.optim_state is not None and manifest.optim_state.prefixes == ["optimizer"]
+        assert (manifest.sharding.strategy, manifest.sharding.precision) == ("none", "bf16")
+    assert written.router_state == saved.router_state is None
+    assert written.tiers == saved.tiers
+    assert written.training == saved.training
+    assert (written.model_id, written.step, written.epoch) == (saved.model_id, saved.step, saved.epoch)

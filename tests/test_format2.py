@@ -388,7 +388,7 @@ def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> No
     """The coordinator renumbers the ranks' meshes into one list; doing it twice (a commit
     attempted again) gives the same answer, because the reports are not changed."""
     from shardkeep.manifest import Mesh, ShardedTensor
-    from shardkeep.saving import RankReport, _merged_descriptions
+    from shardkeep.saving.wire import RankReport, merged_descriptions
 
     def described(key: str, mesh: int) -> ShardedTensor:
         return ShardedTensor(key=key, path=[key], dtype="F32", global_shape=[4], mesh=mesh, placements=["S0"])
@@ -401,8 +401,8 @@ def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> No
             sharded=[described("b", 0), described("a", 1)],
         ),
     ]
-    first = _merged_descriptions(reports)
-    assert first == _merged_descriptions(reports)
+    first = merged_descriptions(reports)
+    assert first == merged_descriptions(reports)
     meshes, tensors = first
     assert [m.ranks for m in meshes] == [[0, 1], [2, 3]]
     assert [(t.key, t.mesh) for t in tensors] == [("a", 0), ("b", 1)]

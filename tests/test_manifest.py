@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -21,15 +23,20 @@ from shardkeep.manifest import (
     SEAL_FIELD,
     ContainerEntry,
     FileRecord,
+    IndexedManifest,
+    IndexTable,
     Manifest,
+    RankIndex,
     Sharding,
     StateSection,
     TensorEntry,
     Tier,
     Training,
     ValueEntry,
+    child_structs,
     decode_manifest,
     encode_manifest,
+    unknown_fields_of,
     unsafe_path_reason,
     validate_manifest,
 )
@@ -169,6 +176,84 @@ def test_unknown_fields_of_a_newer_minor_are_kept_and_ignored() -> None:
     }
     assert manifest.files[1].tensors[0].key == "attention_q"
     assert manifest.metadata_version == "1.7"
+
+
+class _Gauge(msgspec.Struct, kw_only=True):
+    unit: str
+
+
+class _Probe(msgspec.Struct, kw_only=True):
+    gauge: _Gauge | None = None
+    gauges: list[_Gauge] = msgspec.field(default_factory=list)
+
+
+class _ExtendedManifest(Manifest, kw_only=True, dict=True):
+    """A manifest with nested fields the schema does not have: the codec must find their
+    unknown members with no table edited."""
+
+    probe: _Probe | None = None
+    probes: list[_Probe] = msgspec.field(default_factory=list)
+
+
+def test_nested_structs_are_read_from_the_struct_annotations() -> None:
+    assert child_structs(_ExtendedManifest) == {
+        **child_structs(Manifest),
+        "probe": (_Probe, False),
+        "probes": (_Probe, True),
+    }
+    assert child_structs(_Probe) == {"gauge": (_Gauge, False), "gauges": (_Gauge, True)}
+    assert child_structs(_Gauge) == {}
+    raw = json.loads(encode_manifest(_ExtendedManifest(probe=_Probe(gauge=_Gauge(unit="s")), probes=[_Probe()])))
+    raw["probe"]["gauge"]["new_a"] = 1
+    raw["probes"][0]["new_b"] = 2
+    raw["files"] = [{"path": "a", "new_c": 3}]
+    assert unknown_fields_of(raw, _ExtendedManifest) == {
+        "probe.gauge.new_a": 1,
+        "probes[0].new_b": 2,
+        "files[0].new_c": 3,
+    }
+
+
+def _struct_types_in(annotation: Any) -> set[type]:
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+        return {annotation}
+    return set().union(*map(_struct_types_in, typing.get_args(annotation)))
+
+
+@pytest.mark.parametrize("cls", [Manifest, IndexedManifest, RankIndex])
+def test_every_nested_struct_of_the_schema_is_searched_for_unknown_fields(cls: type) -> None:
+    """Walked with typing's view of the annotations, not msgspec's: every field that holds a
+    struct (optional or in a list) is one the decoder looks into, down to the leaves."""
+    pending, seen = [cls], set()
+    while pending:
+        struct = pending.pop()
+        seen.add(struct)
+        hints = typing.get_type_hints(struct)
+        children = child_structs(struct)
+        for info in msgspec.structs.fields(struct):
+            inner = _struct_types_in(hints[info.name])
+            assert {children[info.encode_name][0]} == inner if inner else info.encode_name not in children
+            pending += [child for child in inner if child not in seen]
+    assert TensorEntry in seen and (cls is RankIndex or Sharding in seen)
+
+
+def test_state_besides_the_fields_is_never_encoded() -> None:
+    """Unknown fields, a view's completeness and the index records are declared attributes
+    that the encoded bytes never hold."""
+    raw = json.loads(encode_manifest(full_manifest()))
+    raw["metadata_version"] = "1.9"
+    raw["new_top"] = 1
+    manifest = decode_manifest(json.dumps(raw).encode())
+    assert manifest.unknown_fields == {"new_top": 1}
+    assert b"new_top" not in encode_manifest(manifest)
+    indexed = IndexedManifest(indexes=IndexTable(algorithm="blake3", ranks=[0], sizes=[10], digests=["ab" * 32]))
+    before = encode_manifest(indexed)
+    assert indexed.complete is None and indexed.unknown_fields == {}
+    indexed.complete = False
+    assert [record.rank for record in indexed.index_records()] == [0]
+    assert indexed.complete is False and encode_manifest(indexed) == before
+    assert msgspec.structs.replace(indexed).complete is None
+    assert "complete" not in {info.name for info in msgspec.structs.fields(IndexedManifest)}
 
 
 def test_newer_major_version_is_refused_naming_both_versions() -> None:

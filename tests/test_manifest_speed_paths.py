@@ -4,8 +4,6 @@ them. The decoder's typed fast path and its strict path agree (tests/test_manife
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-import shardkeep.manifest as manifest_module
 from shardkeep.config import ManifestLimits
 from shardkeep.manifest import (
     DTYPE_ITEMSIZE,
@@ -27,32 +24,35 @@ from shardkeep.manifest import (
     ValidationResult,
     ValueEntry,
     key_for_path,
+    validate_entries_one_by_one,
     validate_manifest,
 )
+from shardkeep.manifest.validate import check_file_tensors
+from shardkeep.manifest.validate_columns import TensorTable, tensors_pass
 
 BLAKE3 = "blake3:" + "ab" * 32
 XXH3 = "xxh3-128:" + "cd" * 16
 
 
-@contextmanager
-def entry_by_entry() -> Iterator[None]:
-    """Validate without the column checks of tensor entries and parents."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(manifest_module, "_tensors_pass", lambda *args: False)
-        patch.setattr(manifest_module, "_parents_pass", lambda *args: False)
-        yield
-
-
 def both_ways(manifest: Manifest, limits: ManifestLimits | None = None) -> tuple[ValidationResult, ValidationResult]:
+    """The results with the column checks of tensor entries and parents, and without them."""
     fast = validate_manifest(manifest, limits=limits)
-    with entry_by_entry():
-        slow = validate_manifest(manifest, limits=limits)
+    slow = validate_entries_one_by_one(manifest, limits=limits)
     return fast, slow
 
 
 def column_checks_pass(manifest: Manifest, limits: ManifestLimits | None = None) -> bool:
-    table = manifest_module._TensorTable(manifest.files)
-    return bool(manifest_module._tensors_pass(manifest.files, table, limits or ManifestLimits()))
+    table = TensorTable(manifest.files)
+    return bool(tensors_pass(manifest.files, table, limits or ManifestLimits()))
+
+
+def entry_checks(manifest: Manifest, limits: ManifestLimits | None = None) -> ValidationResult:
+    """What the entry-by-entry checks of every file's tensor entries find."""
+    result = ValidationResult()
+    seen_keys: dict[tuple[str, tuple[int, ...]], str] = {}
+    for record in manifest.files:
+        check_file_tensors(record, f"file {record.path!r}", limits or ManifestLimits(), seen_keys, result)
+    return result
 
 
 # -- generated manifests: mostly valid entries, each with a chance of one problem ---------------------
@@ -203,11 +203,16 @@ def test_column_checks_give_exactly_the_entry_by_entry_results(
     try:
         fast, slow = both_ways(manifest, limits)
     except TypeError:  # a float offset can break the entry-by-entry checks; then both must fail
-        with entry_by_entry(), pytest.raises(TypeError):
-            validate_manifest(manifest, limits=limits)
+        with pytest.raises(TypeError):
+            validate_entries_one_by_one(manifest, limits=limits)
+        assert not column_checks_pass(manifest, limits)
         return
     assert fast.errors == slow.errors
     assert fast.warnings == slow.warnings
+    # The column pass's contract: it never passes what the entry-by-entry checks refuse.
+    if column_checks_pass(manifest, limits):
+        entries = entry_checks(manifest, limits)
+        assert entries.errors == [] and entries.warnings == []
 
 
 @pytest.mark.parametrize(

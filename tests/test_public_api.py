@@ -198,6 +198,76 @@ def test_no_grab_bag_modules() -> None:
     assert not [n for n in names if n.endswith("_ops")]
 
 
+def _is_module(dotted: str) -> bool:
+    """Whether ``dotted`` (``shardkeep.x.y``) names a module or package of this package."""
+    relative = PACKAGE.joinpath(*dotted.split(".")[1:])
+    return relative.with_suffix(".py").is_file() or (relative / "__init__.py").is_file()
+
+
+def _private_imports(path: Path, source: str | None = None) -> list[str]:
+    """Where the module at ``path`` (its text, or ``source``) takes another module's
+    ``_private`` name: ``from shardkeep.x import _y`` (or a relative ``from .x import _y``), or
+    ``m._y`` where ``m`` is a shardkeep module it imported."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local name -> the shardkeep module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[: -node.level])
+                source = f"{package}.{node.module}" if node.module else package
+            else:
+                source = node.module or ""
+            if not source.startswith("shardkeep"):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"line {node.lineno}: from {source} import {alias.name}")
+                elif _is_module(f"{source}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{source}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("shardkeep"):
+                    local = alias.asname or alias.name.split(".")[0]
+                    modules[local] = alias.name if alias.asname else alias.name.split(".")[0]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"line {node.lineno}: {modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    """A ``_name`` is private to its module: another module (in ``src/``) that needs it needs
+    a public name instead."""
+    violations = [
+        f"{path.relative_to(PACKAGE)} {where}" for path in PACKAGE.rglob("*.py") for where in _private_imports(path)
+    ]
+    assert violations == []
+
+
+def test_the_private_import_check_finds_every_spelling() -> None:
+    """The check above sees each spelling of taking another module's private name."""
+    source = (
+        "from shardkeep.catalog import _Found\n"
+        "import shardkeep.saving as saving\n"
+        "from shardkeep import api\n"
+        "from .storage import _local\n"
+        "saving._hidden, api._run, api.__name__, saving.SaveJob\n"
+    )
+    assert _private_imports(PACKAGE / "probe.py", source) == [
+        "line 1: from shardkeep.catalog import _Found",
+        "line 4: from shardkeep.storage import _local",
+        "line 5: shardkeep.saving._hidden",
+        "line 5: shardkeep.api._run",
+    ]
+
+
 def test_the_ledger_below_its_batches_imports_only_the_layers_below_policy() -> None:
     """``ledger/`` sits with the verbs because ``ledger/batches`` saves and loads checkpoints. The
     rest of the package (format, lock, files, cleanup, the state machine, ``__init__``) imports

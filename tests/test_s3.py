@@ -23,6 +23,7 @@ from distributed_harness import results_or_raise, run_ranks
 from shardkeep.catalog import CheckpointRoot
 from shardkeep.cli import main as cli_main
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError
+from shardkeep.manifest import IndexedManifest
 from shardkeep.storage import FaultInjectingStore, FsspecStore
 
 pytestmark = pytest.mark.slow  # a SeaweedFS server and kill -9 of S3 uploads
@@ -198,8 +199,9 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
     assert results[0]["ranks"] == [0, 1]  # both ranks wrote files
     assert results[0]["version"] == "2.0"
     root_manifest = sk.read_manifest(url, storage_options=options)
-    assert isinstance(root_manifest, sk.Manifest) and root_manifest.__dict__.get("complete")
-    table = root_manifest.indexes  # type: ignore[attr-defined]
+    assert isinstance(root_manifest, IndexedManifest) and root_manifest.complete
+    table = root_manifest.indexes
+    assert table is not None
     assert table.prefix.startswith("attempt-") and table.ranks == [0, 1]  # the indexes sit with the attempt's files
     assert sk.verify(url, storage_options=options).ok
     loaded = sk.load(url, storage_options=options)

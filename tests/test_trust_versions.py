@@ -1,7 +1,7 @@
 """``save(..., incremental=base, trust_versions=True)``: files whose tensors provably did not change
 since this process saved them are referenced without hashing (:mod:`shardkeep.versions`).
 
-Each test counts the files the save hashed (``shardkeep.saving.digest_of``), and checks that what
+Each test counts the files the save hashed (``shardkeep.saving.incremental.digest_of``), and checks that what
 was saved is what the state holds. The fast path must apply to tensors changed by nothing, and
 must not apply to: a tensor changed in place through torch (itself or through a view), a new
 tensor object, a storage swapped in with ``.data =``, another process, shared memory, an
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shardkeep as sk
-from shardkeep import saving
+from shardkeep.saving import incremental
 
 EXPERTS = 10
 
@@ -41,13 +41,13 @@ FILES = EXPERTS + 1  # one file per expert, and one for the rest
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many files each save hashed to compare with its base (appended per call)."""
     calls: list[int] = []
-    real = saving.digest_of
+    real = incremental.digest_of
 
     def counting(*args: Any, **kwargs: Any) -> str:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(saving, "digest_of", counting)
+    monkeypatch.setattr(incremental, "digest_of", counting)
     return calls
 
 
@@ -131,10 +131,10 @@ def test_another_process_hashes_everything(tmp_path: Path) -> None:
     program = textwrap.dedent(
         f"""
         import shardkeep as sk
-        from shardkeep import saving
+        from shardkeep.saving import incremental
         calls = []
-        real = saving.digest_of
-        saving.digest_of = lambda *a, **k: calls.append(1) or real(*a, **k)
+        real = incremental.digest_of
+        incremental.digest_of = lambda *a, **k: calls.append(1) or real(*a, **k)
         state = sk.load({str(tmp_path / "step_1")!r})
         manifest = sk.save(state, {str(tmp_path / "step_2")!r}, incremental="step_1", trust_versions=True)
         print(len(calls), sum(r.ref is not None for r in manifest.files))

@@ -45,39 +45,40 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import CheckpointNotFoundError, ConfigError, ShardkeepError, StorageError, UnsafePathError
+from shardkeep.errors import CheckpointNotFoundError, ShardkeepError, StorageError
 from shardkeep.indexes import expand_all, index_paths
-from shardkeep.integrity import SignaturePolicy, read_regular_file
-from shardkeep.manifest import (
+from shardkeep.integrity import SignaturePolicy
+from shardkeep.manifest import FileRecord, Manifest, stored_bytes
+from shardkeep.names import (
+    ATTEMPT_PREFIX,
+    CHECKPOINT_NAME,
     DELETING_MARKER,
     MANIFEST_FILENAME,
+    POINTERS,
+    RETAINED_MARKER,
     SIGNATURE_FILENAME,
     STAGING_MARKER,
-    FileRecord,
-    Manifest,
-    is_staging_name,
-    stored_bytes,
-)
-from shardkeep.names import (
-    MAX_STEP,
-    STEP_NAME,
+    checkpoint_name,
     is_derived_name,
     is_shortened,
     is_sibling_of,
+    is_staging_name,
     sibling_name,
     step_of_name,
 )
-from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, policy_from_config
-from shardkeep.storage import ATTEMPT_PREFIX, ByteStore, LocalStore, adapt_store, local_path, open_store, renames
+from shardkeep.retention import CheckpointInfo, RetentionDecision, RetentionPolicy, decide, load_config_file
+from shardkeep.storage import ByteStore, LocalStore, adapt_store, local_path, open_store, renames
 from shardkeep.verification import (
     CheckpointLocation,
     FileResolver,
     file_set_problems,
+    missing_tier_problem,
+    missing_tiers,
     parse_manifest,
     read_manifest_bytes,
     verify,
@@ -88,6 +89,7 @@ __all__ = [
     "POINTERS",
     "CheckpointEntry",
     "CheckpointRoot",
+    "Found",
     "checkpoint_name",
     "duplicate_problem",
     "load_config_file",
@@ -98,19 +100,8 @@ __all__ = [
 
 logger = logging.getLogger("shardkeep")
 
-#: Committed checkpoints in a root are directories named ``step_<N>``: see
-#: :func:`shardkeep.names.step_of_name`, which also bounds ``N`` by what a manifest records.
-CHECKPOINT_NAME = STEP_NAME
-#: Pointer files at the root: ``last`` names the newest verified checkpoint, ``best`` the best.
-POINTERS = ("last", "best")
 #: Staging directories untouched for this long are leftovers of crashed saves.
 DEFAULT_LEASE = 3600.0
-
-
-def checkpoint_name(step: int) -> str:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ConfigError(f"step={step!r} must be an integer from 0 to {MAX_STEP}")
-    return f"step_{step:08d}"
 
 
 def misnamed_problem(name: str, manifest: Manifest) -> str | None:
@@ -133,58 +124,6 @@ def misnamed_problem(name: str, manifest: Manifest) -> str | None:
 def duplicate_problem(name: str, step: int, used: str) -> str:
     """Why ``name`` is passed over: ``used`` names the same step, and is the one used."""
     return f"{name} names step {step}, as {used} does: only {used} is used for step {step}"
-
-
-#: How :func:`missing_tiers` begins the finding of a tier location that holds nothing.
-_NOTHING_AT = "nothing at "
-
-
-def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
-    """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
-    location holds nothing of the checkpoint, or cannot be opened or read: tier name -> where it
-    was looked for and what was found. One ``stat`` per tier and owner; files are not opened."""
-    wanted = None if tiers is None else set(tiers)
-    owners: dict[str, set[str]] = {}
-    missing: dict[str, str] = {}
-    for record in manifest.files:
-        if (wanted is not None and record.tier not in wanted) or record.tier in missing:
-            continue
-        try:
-            store = resolver.store_of(record.tier)
-        except ShardkeepError as exc:  # its location cannot be opened here (a backend missing ...)
-            missing[record.tier] = str(exc)
-            continue
-        if store is resolver.location.store:
-            continue  # beside the manifest (or remapped there): the file-set check covers it
-        owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
-    for tier, names in sorted(owners.items()):
-        if tier in missing:
-            continue
-        store = resolver.store_of(tier)
-        root = store.root.rstrip("/")
-        absent = []
-        for owner in sorted(names):
-            try:
-                info = store.stat(owner)
-            except ShardkeepError as exc:
-                missing[tier] = f"{root}/{owner}: {exc}"
-                break
-            if info is None:
-                absent.append(f"{root}/{owner}")
-        else:
-            if len(absent) == len(names):
-                missing[tier] = f"{_NOTHING_AT}{', '.join(absent)}"
-    return missing
-
-
-def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
-    """One problem for a tier whose location is missing or cannot be read (``found``, as
-    :func:`missing_tiers` says it), saying how to point at its new place."""
-    hint = remap_hint.format(tier=tier)
-    state = "is missing" if found.startswith(_NOTHING_AT) else "cannot be read"
-    if remapped:
-        return f"tier {tier!r} {state}: {found}; check the location given for it ({hint})"
-    return f"tier {tier!r} {state}: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
 
 
 @dataclass(frozen=True)
@@ -226,7 +165,10 @@ class CheckpointEntry:
 
 
 @dataclass
-class _Found:
+class Found:
+    """One directory of a root as :meth:`CheckpointRoot.scan` found it: its name and step, its
+    manifest (``None`` when unreadable) and the problems found."""
+
     name: str
     step: int
     manifest: Manifest | None
@@ -238,6 +180,9 @@ class _Found:
     missing_tiers: list[str] = field(default_factory=list)
     #: Another directory names the same step and is the one used (see :meth:`CheckpointRoot.scan`).
     duplicate: bool = False
+
+
+_Found = Found  # deprecated alias of Found
 
 
 class CheckpointRoot:
@@ -319,16 +264,16 @@ class CheckpointRoot:
         return f"{self.display.rstrip('/')}/{name}"
 
     # -- reading ---------------------------------------------------------------------------
-    def scan(self) -> list[_Found]:
+    def scan(self) -> list[Found]:
         """Every ``step_<N>`` directory, oldest first, with its manifest (or why there is none)
         and the problems a quick check finds: file set and sizes against the manifest."""
-        found: list[_Found] = []
+        found: list[Found] = []
         for name, info in self.store.list_dir(""):
             step = step_of_name(name)
             if step is None:
                 continue
             if info.kind != "dir":
-                found.append(_Found(name, step, None, [f"{name} is not a directory"]))
+                found.append(Found(name, step, None, [f"{name} is not a directory"]))
                 continue
             location = CheckpointLocation(self.store, name)
             try:
@@ -343,28 +288,28 @@ class CheckpointRoot:
                     # files that later checkpoints reference is retained data, not a checkpoint;
                     # an empty directory is a place a save may commit into.
                     continue
-                found.append(_Found(name, step, None, [str(exc)]))
+                found.append(Found(name, step, None, [str(exc)]))
                 continue
             except ShardkeepError as exc:
-                found.append(_Found(name, step, None, [str(exc)]))
+                found.append(Found(name, step, None, [str(exc)]))
                 continue
             misnamed = misnamed_problem(name, manifest)
             problems = [misnamed] if misnamed is not None else []
             quick, missing = self._quick_problems(location, manifest)
             problems.extend(quick)
-            found.append(_Found(name, step, manifest, problems, misnamed=misnamed is not None, missing_tiers=missing))
+            found.append(Found(name, step, manifest, problems, misnamed=misnamed is not None, missing_tiers=missing))
         found.sort(key=lambda item: (item.step, item.name))
         self._pass_over_duplicates(found)
         return found
 
     @staticmethod
-    def _pass_over_duplicates(found: list[_Found]) -> None:
+    def _pass_over_duplicates(found: list[Found]) -> None:
         """Several directories naming one step (``step_100`` and ``step_00000100``): the
         manager's own spelling (8 digits) is used if present, else the first in name order; the
         others are treated as misnamed (listed with the reason; never last, best, newest,
         restored or deleted). Only directories with a readable manifest that is not misnamed
         take part."""
-        by_step: dict[int, list[_Found]] = {}
+        by_step: dict[int, list[Found]] = {}
         for item in found:
             if not item.misnamed and item.manifest is not None:
                 by_step.setdefault(item.step, []).append(item)
@@ -388,7 +333,7 @@ class CheckpointRoot:
         return (
             bool(listing)
             and all(info.kind == "file" for _, info in listing)
-            and "_retained" in {relative.rpartition("/")[2] for relative, _ in listing}
+            and RETAINED_MARKER in {relative.rpartition("/")[2] for relative, _ in listing}
         )
 
     def _quick_problems(self, location: CheckpointLocation, manifest: Manifest) -> tuple[list[str], list[str]]:
@@ -444,7 +389,7 @@ class CheckpointRoot:
                     )
         return problems, list(missing)
 
-    def verify_fully(self, item: _Found, on_bytes: Callable[[int], None] | None = None) -> None:
+    def verify_fully(self, item: Found, on_bytes: Callable[[int], None] | None = None) -> None:
         """Check every digest of ``item`` and record its problems (none means verified).
 
         A tier whose location holds nothing of the checkpoint (moved, unmounted, another
@@ -496,7 +441,7 @@ class CheckpointRoot:
 
     # -- ownership --------------------------------------------------------------------------
     @staticmethod
-    def owner(found: list[_Found]) -> str | None:
+    def owner(found: list[Found]) -> str | None:
         """The run that owns the root: that of the newest checkpoint recording a run id (a
         misnamed checkpoint's name proves nothing, so it never decides)."""
         for item in reversed(found):
@@ -505,17 +450,17 @@ class CheckpointRoot:
         return None
 
     @staticmethod
-    def run_of(item: _Found) -> str | None:
+    def run_of(item: Found) -> str | None:
         return item.manifest.run.run_id if item.manifest is not None and item.manifest.run is not None else None
 
     @staticmethod
-    def recorded_policy(found: list[_Found], run_id: str | None = None) -> RetentionPolicy | None:
+    def recorded_policy(found: list[Found], run_id: str | None = None) -> RetentionPolicy | None:
         """The retention policy recorded by the newest checkpoint (of ``run_id`` if given)."""
         record = CheckpointRoot.policy_record(found, run_id)
         return record[0] if record is not None else None
 
     @staticmethod
-    def policy_record(found: list[_Found], run_id: str | None = None) -> tuple[RetentionPolicy, str] | None:
+    def policy_record(found: list[Found], run_id: str | None = None) -> tuple[RetentionPolicy, str] | None:
         """The retention policy recorded by the newest checkpoint (of ``run_id`` if given), and
         that checkpoint's name; misnamed checkpoints are passed over."""
         for item in reversed(found):
@@ -532,7 +477,7 @@ class CheckpointRoot:
     # -- deciding ---------------------------------------------------------------------------
     def decide(
         self,
-        found: list[_Found],
+        found: list[Found],
         policy: RetentionPolicy,
         run_id: str | None,
         *,
@@ -582,7 +527,7 @@ class CheckpointRoot:
         ]
         return entries, decision
 
-    def _entry(self, item: _Found, metric: str, *, is_last: bool, is_best: bool, is_newest: bool) -> CheckpointEntry:
+    def _entry(self, item: Found, metric: str, *, is_last: bool, is_best: bool, is_newest: bool) -> CheckpointEntry:
         manifest = item.manifest
         verified: bool | None = False if item.problems else (True if item.full else None)
         return CheckpointEntry(
@@ -695,8 +640,8 @@ class CheckpointRoot:
             self._remove_files([key for key in doomed if not (key[0] is None and key[1] == name)])
             self.store.remove_tree(moved)
             return
-        if own_listed and self.store.stat(f"{name}/_retained") is None:
-            self.store.put_atomic(f"{name}/_retained", b"files here are referenced by other checkpoints\n")
+        if own_listed and self.store.stat(f"{name}/{RETAINED_MARKER}") is None:
+            self.store.put_atomic(f"{name}/{RETAINED_MARKER}", b"files here are referenced by other checkpoints\n")
         # The commit point next: without its manifest, nothing reads it as a checkpoint.
         manifest_path = f"{name}/{MANIFEST_FILENAME}"
         self.store.remove_file(manifest_path)
@@ -714,7 +659,7 @@ class CheckpointRoot:
         files kept for others: no manifest, and the ``_retained`` marker."""
         return (
             self.store.stat(f"{owner}/{MANIFEST_FILENAME}") is None
-            and self.store.stat(f"{owner}/_retained") is not None
+            and self.store.stat(f"{owner}/{RETAINED_MARKER}") is not None
         )
 
     def _remove_files(self, files: list[tuple[str | None, str, str]]) -> None:
@@ -726,13 +671,13 @@ class CheckpointRoot:
         for location, owner in owners:
             store = self.tier_store(location)
             try:
-                left = [relative for relative, _ in store.list_files(owner) if relative != "_retained"]
+                left = [relative for relative, _ in store.list_files(owner) if relative != RETAINED_MARKER]
             except CheckpointNotFoundError:
                 continue
             if not left and (location is not None or store.stat(f"{owner}/{MANIFEST_FILENAME}") is None):
                 store.remove_tree(owner)
 
-    def apply(self, decision: RetentionDecision, found: list[_Found] | None = None) -> list[str]:
+    def apply(self, decision: RetentionDecision, found: list[Found] | None = None) -> list[str]:
         """Delete what ``decision`` says, oldest first; return the names deleted. Files that a
         remaining checkpoint references are kept (the manifests are read once; a checkpoint
         deleted later in the pass still protects what it references until then)."""
@@ -941,52 +886,3 @@ def _metric(manifest: Manifest | None, metric: str) -> float | None:
         return None
     value = manifest.metrics.get(metric)
     return None if value is None or not math.isfinite(value) else value
-
-
-#: The largest config file read (a run's whole YAML config is a few kilobytes).
-CONFIG_FILE_LIMIT = 4 << 20
-
-
-def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
-    """A retention policy from a YAML file: either the ``checkpointing`` section itself, or a
-    ``RuntimeConfig`` file with a top-level ``checkpointing:`` key (other keys belong to the
-    rest of the run's config and are not read). Duplicate keys are refused."""
-    import yaml
-
-    class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type stubs
-        pass
-
-    def construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        mapping: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=deep)
-            try:
-                hash(key)
-            except TypeError as exc:  # a YAML "? [a, b]" key, which no dict can hold
-                raise ConfigError(
-                    f"{os.fspath(path)}: a key must be a plain value, got {type(key).__name__} "
-                    f"(line {key_node.start_mark.line + 1})"
-                ) from exc
-            if key in mapping:
-                raise ConfigError(f"{os.fspath(path)}: duplicate key {key!r} (line {key_node.start_mark.line + 1})")
-            mapping[key] = loader.construct_object(value_node, deep=deep)
-        return mapping
-
-    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    try:
-        # A bounded regular file: a FIFO or device never blocks, a huge file is refused.
-        text = read_regular_file(path, limit=CONFIG_FILE_LIMIT, follow_symlinks=True).decode("utf-8")
-        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
-    except UnsafePathError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} {exc}") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{os.fspath(path)}: invalid YAML: {exc}") from exc
-    if document is None:
-        document = {}
-    if isinstance(document, Mapping) and "checkpointing" in document:
-        return policy_from_config(document["checkpointing"])
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"{os.fspath(path)}: the config must be a mapping, got {type(document).__name__}")
-    return policy_from_config(document)

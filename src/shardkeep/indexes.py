@@ -357,7 +357,7 @@ def merged(name: str, manifest: IndexedManifest, parts: list[list[FileRecord]], 
             files.append(record)
     files.sort(key=lambda record: record.path)
     view = msgspec.structs.replace(manifest, files=files)
-    view.__dict__["complete"] = complete
+    view.complete = complete
     if complete:
         # Every index is in: the chunks must tile every tensor (an index record missing from
         # the manifest would otherwise leave chunks out unnoticed).
@@ -383,8 +383,4 @@ def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: Manif
 
 def is_partial_view(manifest: Manifest) -> bool:
     """Whether ``manifest`` is a format 2.0 manifest without some of its indexes expanded."""
-    return (
-        isinstance(manifest, IndexedManifest)
-        and bool(manifest.index_records())
-        and not manifest.__dict__.get("complete")
-    )
+    return isinstance(manifest, IndexedManifest) and bool(manifest.index_records()) and not manifest.complete

@@ -47,6 +47,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import SEAL_FIELD, Manifest
+from shardkeep.storage import localfs
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -342,19 +343,13 @@ def generate_key_pair(private_path: str | os.PathLike[str], public_path: str | o
 
 
 def _write_exclusive(path: str | os.PathLike[str], data: bytes, mode: int) -> None:
+    """Write the new file ``path`` whole (never half a key) and never over an existing one."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        localfs.write_file_atomic(path, data, mode=mode, overwrite=False)
     except FileExistsError as exc:
         raise ConfigError(f"{os.fspath(path)!r} already exists; keys are never overwritten") from exc
     except OSError as exc:
         raise ConfigError(f"cannot create {os.fspath(path)!r}: {exc.strerror}") from exc
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:

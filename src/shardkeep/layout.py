@@ -1,6 +1,7 @@
 """Planning a save's items into data files: which tensors share a file (grouped by tier, section,
 expert and layer, split at the target file size) and the byte layout of each file's
-safetensors header, including the incremental comparison with a base checkpoint's files.
+safetensors header. Comparing those files with an incremental base's is
+:mod:`shardkeep.saving.incremental`'s.
 """
 
 from __future__ import annotations

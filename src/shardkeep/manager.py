@@ -29,7 +29,7 @@ from shardkeep.catalog import (
     DEFAULT_LEASE,
     CheckpointEntry,
     CheckpointRoot,
-    _Found,
+    Found,
     checkpoint_name,
     load_config_file,
     misnamed_problem,
@@ -60,10 +60,19 @@ from shardkeep.manifest import (
     lineage,
     stored_bytes,
 )
-from shardkeep.names import sibling_name
+from shardkeep.names import CORRUPT_MARKER, sibling_name, step_of_checkpoint
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
-from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, local_path, open_store, renames
+from shardkeep.storage import (
+    ByteStore,
+    LocalStore,
+    StoreOperations,
+    adapt_store,
+    local_path,
+    localfs,
+    open_store,
+    renames,
+)
 from shardkeep.training import (
     FILLED,
     TrainingCheckpoint,
@@ -79,9 +88,6 @@ from shardkeep.training import (
 __all__ = ["CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint"]
 
 logger = logging.getLogger("shardkeep")
-
-_CORRUPT_MARKER = ".corrupt-"
-
 
 # --------------------------------------------------------------------------------------------
 # CheckpointManager
@@ -403,7 +409,7 @@ class CheckpointManager:
             )
         if run_id is None:
             run_id = _new_run_id()
-        step = int(name[5:])
+        step = step_of_checkpoint(name)
         for newer in reversed(found):
             if newer.step <= step or CheckpointRoot.run_of(newer) != run_id:
                 continue
@@ -446,7 +452,7 @@ class CheckpointManager:
                     "delete it, or save under another step",
                 )
             if existing.problems and CheckpointRoot.run_of(existing) in (run_id, None):
-                aside = sibling_name(name, _CORRUPT_MARKER, uuid.uuid4().hex[:12])
+                aside = sibling_name(name, CORRUPT_MARKER, uuid.uuid4().hex[:12])
                 self.store.rename(name, aside)
                 logger.warning(
                     "checkpoint %s fails verification (%s); moved it to %s for inspection and saving afresh",
@@ -540,7 +546,7 @@ class CheckpointManager:
         )
 
     # -- reading ----------------------------------------------------------------------------
-    def _scope(self, found: builtins.list[_Found]) -> str | None:
+    def _scope(self, found: builtins.list[Found]) -> str | None:
         return self._run_id if self._run_id is not None else CheckpointRoot.owner(found)
 
     def _entries(self, *, verify: bool) -> builtins.list[CheckpointEntry]:
@@ -821,7 +827,7 @@ def _local_root(root: str, *, create: bool) -> LocalStore:
     false); an unusable root raises :class:`~shardkeep.errors.StorageError` naming it."""
     try:
         if create:
-            os.makedirs(root, exist_ok=True)
+            localfs.makedirs_durable(root)
         if os.path.lexists(root) and not os.path.isdir(root):
             raise StorageError(f"checkpoint root {root} is not a directory")
         return LocalStore(root)

@@ -1,5 +1,12 @@
-"""Sibling names: the staging, being-deleted and temporary names derived from a user's name,
-each within the byte limit of one path component.
+"""Every name shardkeep gives something on disk: the reserved file names of a checkpoint, the
+markers of staging, being-deleted and kept-aside entries, checkpoint names (``step_<N>``), the
+rule for a safe relative path, and the sibling names derived from a user's name, each within
+the byte limit of one path component.
+
+A reader of a root, a store or an integration recognises what it finds by these names, so each
+is defined here once and imported everywhere else.
+
+**Derived names.**
 
 A filesystem refuses a path component of more than :data:`NAME_MAX` bytes (ENAMETOOLONG), so a
 derived name ``<lead><name><marker><tail>`` (``step_1.tmp-<uuid>``, ``.folder.old-<id>``) cannot
@@ -15,8 +22,8 @@ simply append to a name that is itself legal. Every derived name is built here:
 :func:`is_derived_name` whether a name has the shape of a staging or being-deleted name at all
 (``<name or its shortened form><marker><32 hex digits>``): a name that merely contains a marker
 is a user's name like any other.
-Checkpoint names are here too: :func:`step_of_name` reads the step a ``step_<N>`` name says.
-Nothing here touches the filesystem.
+Checkpoint names are here too: :func:`checkpoint_name` makes ``step_<N>``, :func:`step_of_name`
+reads the step such a name says. Nothing here touches the filesystem, and nothing imports torch.
 """
 
 from __future__ import annotations
@@ -24,14 +31,33 @@ from __future__ import annotations
 import hashlib
 import re
 
-from shardkeep.errors import UnsafePathError
+from shardkeep.errors import ConfigError, UnsafePathError
 
 __all__ = [
-    "NAME_MAX",
     "ATTEMPT_ID_CHARS",
+    "ATTEMPT_PREFIX",
+    "CHECKPOINT_NAME",
+    "CORRUPT_MARKER",
+    "DELETING_MARKER",
+    "HF_OLD_MARKER",
+    "INDEX_DIRECTORY",
+    "LIGHTNING_NEW_ROLE",
+    "LIGHTNING_OLD_ROLE",
+    "LIGHTNING_RETIRED_ROLE",
+    "LIGHTNING_TAG",
+    "MANIFEST_FILENAME",
     "MAX_STEP",
+    "NAME_MAX",
+    "POINTERS",
+    "RETAINED_MARKER",
+    "SIGNATURE_FILENAME",
+    "STAGING_MARKER",
     "STEP_NAME",
     "check_name_length",
+    "checkpoint_name",
+    "index_path",
+    "is_staging_name",
+    "unsafe_path_reason",
     "is_derived_name",
     "is_shortened",
     "is_sibling_of",
@@ -39,8 +65,44 @@ __all__ = [
     "name_digest",
     "sibling_name",
     "sibling_prefix",
+    "step_of_checkpoint",
     "step_of_name",
 ]
+
+# --------------------------------------------------------------------------------------------
+# Reserved names and markers
+# --------------------------------------------------------------------------------------------
+
+#: A checkpoint's manifest; written last, its presence means committed.
+MANIFEST_FILENAME = "manifest.json"
+#: The detached signature of a checkpoint's manifest.
+SIGNATURE_FILENAME = "manifest.sig"
+#: Staging directories are named ``<final>.tmp-<id>``; they are never read as checkpoints.
+STAGING_MARKER = ".tmp-"
+#: A checkpoint being deleted is first renamed to ``<name>.deleting-<id>`` (un-committed).
+DELETING_MARKER = ".deleting-"
+#: A checkpoint that failed verification is set aside as ``<name>.corrupt-<id>`` by the manager.
+CORRUPT_MARKER = ".corrupt-"
+#: The file left in a deleted checkpoint's directory whose data files later checkpoints still
+#: reference: the directory is retained data, not a checkpoint.
+RETAINED_MARKER = "_retained"
+#: Pointer files at a root: ``last`` names the newest verified checkpoint, ``best`` the best.
+POINTERS = ("last", "best")
+#: Data written by one save attempt on a store without rename (or in a tier location) lives
+#: under ``<checkpoint>/attempt-<id>/``: a prefix no other attempt uses, so nothing is ever
+#: overwritten (see :mod:`shardkeep.distributed.commit`).
+ATTEMPT_PREFIX = "attempt-"
+#: The directory of the rank indexes of a format 2.0 checkpoint.
+INDEX_DIRECTORY = "index/"
+#: Hugging Face folders: the previous folder during a replacement is ``.<name>.old-<id>``.
+HF_OLD_MARKER = ".old-"
+#: Lightning's working names beside a checkpoint ``X`` start with a hidden tag,
+#: ``.sk-<hex of X>.``, followed by a role and an id: ``new-`` a save being written, ``old-``
+#: the previous checkpoint during a swap, ``del-`` anything being deleted.
+LIGHTNING_TAG = ".sk-"
+LIGHTNING_NEW_ROLE = "new-"
+LIGHTNING_OLD_ROLE = "old-"
+LIGHTNING_RETIRED_ROLE = "del-"
 
 #: The most bytes of one path component (``NAME_MAX`` of Linux: ext4, xfs, btrfs, tmpfs ...).
 NAME_MAX = 255
@@ -51,8 +113,11 @@ DIGEST_CHARS = 16
 
 
 #: Checkpoint directories are named ``step_<N>``, ``N`` in up to 20 ASCII digits (``step_100``,
-#: ``step_00000100``); the manager writes ``step_<N, 8 digits>``.
+#: ``step_00000100``); the manager writes ``step_<N, 8 digits>`` (:func:`checkpoint_name`).
 STEP_NAME = re.compile(r"step_([0-9]{1,20})")
+#: The committed checkpoints of a root: see :func:`step_of_name`, which also bounds ``N`` by
+#: what a manifest records.
+CHECKPOINT_NAME = STEP_NAME
 #: The largest step a manifest records (an unsigned 64-bit integer).
 MAX_STEP = (1 << 64) - 1
 
@@ -153,6 +218,58 @@ def step_of_name(name: str) -> int | None:
     return step if step <= MAX_STEP else None
 
 
-#: Marks the directory that a two-rename replacement moved out of the way
-#: (``.NAME.old-<id>``; see :meth:`shardkeep.storage.localfs.LocalFS.replace_dir`).
-REPLACED_MARKER = ".old-"
+def step_of_checkpoint(name: str) -> int:
+    """The step of checkpoint name ``name`` (``step_<N>``, as :func:`checkpoint_name` makes
+    it); refuses (:class:`~shardkeep.errors.ConfigError`) any other name."""
+    step = step_of_name(name)
+    if step is None:
+        raise ConfigError(f"{name[:80]!r} is not a checkpoint name (step_<N>)")
+    return step
+
+
+def checkpoint_name(step: int) -> str:
+    """The name of the checkpoint of ``step`` in a root: ``step_<N, 8 digits>``; refuses
+    (:class:`~shardkeep.errors.ConfigError`) a step that is not an integer from 0 to
+    :data:`MAX_STEP`."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step={step!r} must be an integer from 0 to {MAX_STEP}")
+    return f"step_{step:08d}"
+
+
+def index_path(rank: int) -> str:
+    """Where the index of ``rank`` lies in a format 2.0 checkpoint."""
+    return f"{INDEX_DIRECTORY}rank_{rank:05d}.json"
+
+
+def is_staging_name(name: str) -> bool:
+    """True for a staging or being-deleted directory name (of the shape shardkeep creates, see
+    :func:`is_derived_name`), which is never read as a checkpoint."""
+    return is_derived_name(name, STAGING_MARKER) or is_derived_name(name, DELETING_MARKER)
+
+
+_WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def unsafe_path_reason(path: str) -> str | None:
+    """Why ``path`` is not a safe relative path inside a checkpoint, or ``None`` if it is.
+
+    Safe means: relative, ``/``-separated, no empty, ``.`` or ``..`` component, no backslash,
+    no NUL or control character, and not longer than 1024 bytes.
+    """
+    if not isinstance(path, str) or not path:
+        return "path is empty"
+    if len(path.encode("utf-8", "surrogatepass")) > 1024:
+        return "path is longer than 1024 bytes"
+    if path.startswith("/"):
+        return "path is absolute"
+    if "\\" in path:
+        return "path contains a backslash"
+    if _CONTROL_CHARACTER.search(path) is not None:
+        return "path contains a NUL or control character"
+    if _WINDOWS_DRIVE.match(path):
+        return "path starts with a drive letter"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return f"path has a {part or 'empty'!r} component" if part else "path has an empty component"
+    return None

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardkeep.catalog import CheckpointEntry
 from shardkeep.errors import ConfigError
@@ -108,62 +108,8 @@ def plot_root(
     deleted = [(s, v) for s, v in curve if s not in existing]
     if deleted:
         metric_axes.scatter(*zip(*deleted, strict=True), s=14, color="#9a9a9a", zorder=2, label="deleted by retention")
-    groups: dict[str, list[tuple[int, float]]] = {"best": [], "last": [], "newest": [], "corrupt": [], "kept": []}
-    for step, value in curve:
-        entry = existing.get(step)
-        if entry is None:
-            continue
-        if entry.verified is False:
-            groups["corrupt"].append((step, value))
-        elif entry.is_best:
-            groups["best"].append((step, value))
-        elif entry.is_last:
-            groups["last"].append((step, value))
-        elif entry.is_newest:
-            groups["newest"].append((step, value))
-        else:
-            groups["kept"].append((step, value))
-    styles = {
-        "best": {"marker": "*", "s": 260, "color": "#dd8452", "label": f"kept: best ({policy.mode} {policy.metric})"},
-        "last": {"marker": "o", "s": 90, "color": "#55a868", "label": "kept: last"},
-        "newest": {"marker": "D", "s": 70, "color": "#8172b3", "label": "kept: newest (resume point)"},
-        "corrupt": {"marker": "X", "s": 110, "color": "#c44e52", "label": "fails a check"},
-        "kept": {"marker": "s", "s": 60, "color": "#937860", "label": "present (other)"},
-    }
-    for name, found in groups.items():
-        if found:
-            metric_axes.scatter(*zip(*found, strict=True), zorder=3, edgecolors="black", linewidths=0.6, **styles[name])
-    for step, value in curve:
-        entry = existing.get(step)
-        if entry is not None and (entry.is_last or entry.is_best):
-            marks = "+".join(mark for mark, on in (("last", entry.is_last), ("best", entry.is_best)) if on)
-            note = metric_axes.annotate(
-                f"{entry.name}\n{marks}",
-                (step, value),
-                textcoords="offset points",
-                xytext=(6, 8),
-                multialignment="left",
-                fontsize=7,
-            )
-            labels.append((metric_axes, note))
-    for index, event in enumerate(sorted(events, key=lambda e: e.step)):
-        for axes in (metric_axes, time_axes):
-            axes.axvline(event.step, color=event.color, linestyle="--", linewidth=1.1, zorder=0.5)
-        # Staggered down from the top so that two events close together do not overlap.
-        note = metric_axes.annotate(
-            event.label,
-            (event.step, 1.0),
-            xycoords=("data", "axes fraction"),
-            textcoords="offset points",
-            xytext=(5, -6 - 26 * (index % 3)),
-            va="top",
-            multialignment="left",
-            fontsize=7.5,
-            color="#222222",
-            bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": event.color, "alpha": 0.9},
-            zorder=4,
-        )
-        labels.append((metric_axes, note))
+    labels.extend(_mark_checkpoints(metric_axes, curve, existing, policy))
+    labels.extend(_mark_events(metric_axes, time_axes, events))
     metric_axes.set_ylabel(policy.metric)
     metric_axes.set_title(title, fontsize=10)
     metric_axes.grid(alpha=0.3)
@@ -207,6 +153,80 @@ def plot_root(
         total_seconds=sum(total),
         events=len(events),
     )
+
+
+def _mark_checkpoints(
+    metric_axes: Axes,
+    curve: Sequence[tuple[int, float]],
+    existing: Mapping[int, CheckpointEntry],
+    policy: RetentionPolicy,
+) -> list[tuple[Axes, Annotation]]:
+    """Mark each present checkpoint on the metric curve by what retention keeps it for, and
+    label the last and the best; return the labels."""
+    labels: list[tuple[Axes, Annotation]] = []
+    groups: dict[str, list[tuple[int, float]]] = {"best": [], "last": [], "newest": [], "corrupt": [], "kept": []}
+    for step, value in curve:
+        entry = existing.get(step)
+        if entry is None:
+            continue
+        if entry.verified is False:
+            groups["corrupt"].append((step, value))
+        elif entry.is_best:
+            groups["best"].append((step, value))
+        elif entry.is_last:
+            groups["last"].append((step, value))
+        elif entry.is_newest:
+            groups["newest"].append((step, value))
+        else:
+            groups["kept"].append((step, value))
+    styles: dict[str, dict[str, Any]] = {
+        "best": {"marker": "*", "s": 260, "color": "#dd8452", "label": f"kept: best ({policy.mode} {policy.metric})"},
+        "last": {"marker": "o", "s": 90, "color": "#55a868", "label": "kept: last"},
+        "newest": {"marker": "D", "s": 70, "color": "#8172b3", "label": "kept: newest (resume point)"},
+        "corrupt": {"marker": "X", "s": 110, "color": "#c44e52", "label": "fails a check"},
+        "kept": {"marker": "s", "s": 60, "color": "#937860", "label": "present (other)"},
+    }
+    for name, found in groups.items():
+        if found:
+            metric_axes.scatter(*zip(*found, strict=True), zorder=3, edgecolors="black", linewidths=0.6, **styles[name])
+    for step, value in curve:
+        entry = existing.get(step)
+        if entry is not None and (entry.is_last or entry.is_best):
+            marks = "+".join(mark for mark, on in (("last", entry.is_last), ("best", entry.is_best)) if on)
+            note = metric_axes.annotate(
+                f"{entry.name}\n{marks}",
+                (step, value),
+                textcoords="offset points",
+                xytext=(6, 8),
+                multialignment="left",
+                fontsize=7,
+            )
+            labels.append((metric_axes, note))
+    return labels
+
+
+def _mark_events(metric_axes: Axes, time_axes: Axes, events: Sequence[PlotEvent]) -> list[tuple[Axes, Annotation]]:
+    """Draw each event as a dashed line on both panels, labelled on the metric panel; return the labels."""
+    labels: list[tuple[Axes, Annotation]] = []
+    for index, event in enumerate(sorted(events, key=lambda e: e.step)):
+        for axes in (metric_axes, time_axes):
+            axes.axvline(event.step, color=event.color, linestyle="--", linewidth=1.1, zorder=0.5)
+        # Staggered down from the top so that two events close together do not overlap.
+        note = metric_axes.annotate(
+            event.label,
+            (event.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            textcoords="offset points",
+            xytext=(5, -6 - 26 * (index % 3)),
+            va="top",
+            multialignment="left",
+            fontsize=7.5,
+            color="#222222",
+            bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": event.color, "alpha": 0.9},
+            zorder=4,
+        )
+        labels.append((metric_axes, note))
+    return labels
 
 
 def _keep_inside(figure: Figure, labels: Sequence[tuple[Axes, Annotation]]) -> None:

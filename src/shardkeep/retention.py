@@ -1,5 +1,7 @@
 """Retention: which committed checkpoints to keep, as a pure function of the checkpoints and a
-policy. Nothing here touches storage; the checkpoint manager deletes what :func:`decide` says.
+policy. Nothing here touches storage (the checkpoint manager deletes what :func:`decide` says);
+:func:`load_config_file` reads a policy from a run's YAML config, as :func:`policy_from_config`
+builds it from a mapping.
 
 The rules:
 
@@ -24,13 +26,23 @@ This module does not import torch.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shardkeep.errors import ConfigError, UnsupportedValueError
+from shardkeep.errors import ConfigError, UnsafePathError, UnsupportedValueError
+from shardkeep.integrity import read_regular_file
 
-__all__ = ["CheckpointInfo", "RetentionDecision", "RetentionPolicy", "decide", "policy_from_config"]
+__all__ = [
+    "CONFIG_FILE_LIMIT",
+    "CheckpointInfo",
+    "RetentionDecision",
+    "RetentionPolicy",
+    "decide",
+    "load_config_file",
+    "policy_from_config",
+]
 
 
 @dataclass(frozen=True)
@@ -157,3 +169,52 @@ def _refuse_unknown(mapping: Mapping[str, Any], known: tuple[str, ...], where: s
             raise ConfigError(
                 f"{where}.{key}: unknown key (value {mapping[key]!r}); expected one of: {', '.join(known)}"
             )
+
+
+#: The largest config file read (a run's whole YAML config is a few kilobytes).
+CONFIG_FILE_LIMIT = 4 << 20
+
+
+def load_config_file(path: str | os.PathLike[str]) -> RetentionPolicy:
+    """A retention policy from a YAML file: either the ``checkpointing`` section itself, or a
+    ``RuntimeConfig`` file with a top-level ``checkpointing:`` key (other keys belong to the
+    rest of the run's config and are not read). Duplicate keys are refused."""
+    import yaml
+
+    class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type stubs
+        pass
+
+    def construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        mapping: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError as exc:  # a YAML "? [a, b]" key, which no dict can hold
+                raise ConfigError(
+                    f"{os.fspath(path)}: a key must be a plain value, got {type(key).__name__} "
+                    f"(line {key_node.start_mark.line + 1})"
+                ) from exc
+            if key in mapping:
+                raise ConfigError(f"{os.fspath(path)}: duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+            mapping[key] = loader.construct_object(value_node, deep=deep)
+        return mapping
+
+    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        # A bounded regular file: a FIFO or device never blocks, a huge file is refused.
+        text = read_regular_file(path, limit=CONFIG_FILE_LIMIT, follow_symlinks=True).decode("utf-8")
+        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except UnsafePathError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{os.fspath(path)}: invalid YAML: {exc}") from exc
+    if document is None:
+        document = {}
+    if isinstance(document, Mapping) and "checkpointing" in document:
+        return policy_from_config(document["checkpointing"])
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{os.fspath(path)}: the config must be a mapping, got {type(document).__name__}")
+    return policy_from_config(document)

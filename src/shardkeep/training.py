@@ -19,7 +19,7 @@ import torch
 from shardkeep.errors import CheckpointFieldError
 from shardkeep.integrity import digest_bytes
 from shardkeep.manifest import Manifest
-from shardkeep.tensors.flatten import is_plain_json, rebuild_state
+from shardkeep.tensors.flatten import as_manifest_mapping, rebuild_state
 
 __all__ = [
     "FILLED",
@@ -194,8 +194,8 @@ def json_mapping(name: str, value: Any) -> dict[str, Any]:
         value = dataclasses.asdict(value)
     if not isinstance(value, Mapping):
         raise CheckpointFieldError(name, f"must be a mapping or a dataclass, got {type(value).__name__}")
-    as_dict = dict(value)
-    if not is_plain_json(as_dict):
+    as_dict = as_manifest_mapping(value)
+    if as_dict is None:
         raise CheckpointFieldError(
             name, "must hold only plain JSON values (string keys, numbers, strings, lists, dicts)"
         )

@@ -45,11 +45,10 @@ from shardkeep.manifest import (
     FileRecord,
     IndexedManifest,
     Manifest,
+    check_manifest,
     decode_manifest,
-    has_chunks,
     is_staging_name,
     unsafe_path_reason,
-    validate_manifest,
 )
 from shardkeep.names import check_name_length
 from shardkeep.progress import collector_paused
@@ -64,7 +63,6 @@ from shardkeep.storage import (
     renames,
     split_url,
 )
-from shardkeep.tensors.coverage import coverage_problems
 
 __all__ = [
     "CheckpointLocation",
@@ -72,6 +70,8 @@ __all__ = [
     "FileResolver",
     "VerifyReport",
     "locate",
+    "missing_tier_problem",
+    "missing_tiers",
     "read_manifest",
     "select_files",
     "sign_checkpoint",
@@ -158,9 +158,7 @@ def parse_manifest(data: bytes, *, where: str, limits: ManifestLimits | None = N
         raise IntegrityError(f"{where}: {exc}") from exc
     with collector_paused():  # the checks build columns of every tensor entry; see decode_manifest
         manifest = decode_manifest(data, limits=limits)
-        errors = validate_manifest(manifest, limits=limits).errors
-        if has_chunks(manifest):  # coverage_problems finds nothing without chunks
-            errors += coverage_problems(manifest)
+        errors = check_manifest(manifest, limits=limits).errors
     if errors:
         more = f"; ... and {len(errors) - 20} more problems" if len(errors) > 20 else ""
         raise ManifestError(f"{where}: invalid manifest: " + "; ".join(errors[:20]) + more)
@@ -312,6 +310,58 @@ class FileResolver:
     def describe(self, record: FileRecord) -> str:
         store, path = self(record)
         return f"{store.root}/{path}"
+
+
+#: How :func:`missing_tiers` begins the finding of a tier location that holds nothing.
+_NOTHING_AT = "nothing at "
+
+
+def missing_tiers(resolver: FileResolver, manifest: Manifest, tiers: Iterable[str] | None = None) -> dict[str, str]:
+    """The tiers (of ``tiers``, default all) kept outside the checkpoint's directory whose
+    location holds nothing of the checkpoint, or cannot be opened or read: tier name -> where it
+    was looked for and what was found. One ``stat`` per tier and owner; files are not opened."""
+    wanted = None if tiers is None else set(tiers)
+    owners: dict[str, set[str]] = {}
+    missing: dict[str, str] = {}
+    for record in manifest.files:
+        if (wanted is not None and record.tier not in wanted) or record.tier in missing:
+            continue
+        try:
+            store = resolver.store_of(record.tier)
+        except ShardkeepError as exc:  # its location cannot be opened here (a backend missing ...)
+            missing[record.tier] = str(exc)
+            continue
+        if store is resolver.location.store:
+            continue  # beside the manifest (or remapped there): the file-set check covers it
+        owners.setdefault(record.tier, set()).add(record.ref or resolver.location.name)
+    for tier, names in sorted(owners.items()):
+        if tier in missing:
+            continue
+        store = resolver.store_of(tier)
+        root = store.root.rstrip("/")
+        absent = []
+        for owner in sorted(names):
+            try:
+                info = store.stat(owner)
+            except ShardkeepError as exc:
+                missing[tier] = f"{root}/{owner}: {exc}"
+                break
+            if info is None:
+                absent.append(f"{root}/{owner}")
+        else:
+            if len(absent) == len(names):
+                missing[tier] = f"{_NOTHING_AT}{', '.join(absent)}"
+    return missing
+
+
+def missing_tier_problem(tier: str, found: str, remap_hint: str, remapped: bool) -> str:
+    """One problem for a tier whose location is missing or cannot be read (``found``, as
+    :func:`missing_tiers` says it), saying how to point at its new place."""
+    hint = remap_hint.format(tier=tier)
+    state = "is missing" if found.startswith(_NOTHING_AT) else "cannot be read"
+    if remapped:
+        return f"tier {tier!r} {state}: {found}; check the location given for it ({hint})"
+    return f"tier {tier!r} {state}: {found} (moved, unmounted or offline?); if it moved, remap it: {hint}"
 
 
 def select_files(manifest: Manifest, tiers: Iterable[str] | None) -> list[int]:
@@ -489,9 +539,7 @@ def _verify_signature(
 def _verify_consistency(report: VerifyReport, manifest: Manifest, limits: ManifestLimits | None) -> bool:
     """Phase 2 of :func:`verify`: validate the manifest and check that the chunks of each
     sharded tensor tile it exactly once. Returns whether the data files can be checked."""
-    validation = validate_manifest(manifest, limits=limits)
-    if has_chunks(manifest):  # coverage_problems finds nothing without chunks
-        validation.errors.extend(coverage_problems(manifest))
+    validation = check_manifest(manifest, limits=limits)
     report.problems.extend(f"{MANIFEST_FILENAME}: {message}" for message in validation.errors)
     report.warnings.extend(validation.warnings)
     return not validation.errors

@@ -24,15 +24,17 @@ import uuid
 from collections.abc import Mapping
 
 from shardkeep.errors import CheckpointExistsError, StorageError, UnsafePathError
-from shardkeep.manifest import (
+from shardkeep.names import (
+    ATTEMPT_ID_CHARS,
+    ATTEMPT_PREFIX,
     DELETING_MARKER,
     MANIFEST_FILENAME,
     SIGNATURE_FILENAME,
     STAGING_MARKER,
     is_staging_name,
+    sibling_prefix,
 )
-from shardkeep.names import ATTEMPT_ID_CHARS, sibling_prefix
-from shardkeep.storage.base import ATTEMPT_PREFIX, ByteStore, write_new
+from shardkeep.storage.base import ByteStore, write_new
 
 __all__ = ["ATTEMPT_PREFIX", "CheckpointCommit", "FilesystemCommit", "ObjectStoreCommit"]
 

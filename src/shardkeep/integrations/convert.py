@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,8 +44,8 @@ from shardkeep.errors import (
 )
 from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
-from shardkeep.names import check_name_length, sibling_name
-from shardkeep.storage.local import fsync_directory_path
+from shardkeep.names import check_name_length
+from shardkeep.storage.localfs import write_file_atomic
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
 from shardkeep.tensors.shardfile import CARRIED_DTYPES
@@ -298,23 +297,12 @@ def _write_export(kind: ExportFormat, state: Any, flat: FlatState, temporary: st
     save_file(tensors, temporary, metadata={VALUES_METADATA_KEY: json.dumps(values)} if values else None)
 
 
-def _write_replacing(target: str, write: Callable[[str], None]) -> None:
-    """Write ``target`` whole or not at all: a fresh temporary file beside it (created
-    exclusively), fsync, rename over ``target``, fsync of the directory."""
-    directory, name = os.path.split(os.path.abspath(target))
-    check_name_length(name, "export destination")
-    temporary = os.path.join(directory, sibling_name(name, ".tmp-", uuid.uuid4().hex[:12], lead="."))
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    fsync_directory_path(directory)
+def write_replacing(target: str, write: Callable[[str], None]) -> None:
+    """Write ``target`` whole or not at all (:func:`~shardkeep.storage.localfs.write_file_atomic`:
+    a fresh temporary file beside it, created exclusively with mode 0600, fsync, rename over
+    ``target``, fsync of the directory), once its name is known to fit the filesystem."""
+    check_name_length(os.path.basename(os.path.abspath(target)), "export destination")
+    write_file_atomic(target, write, mode=0o600)
 
 
 def _as_torch(value: Any) -> Any:
@@ -355,7 +343,7 @@ def export_checkpoint(
     flat = flatten_state(state)
     tensor_bytes = sum(int(leaf.value.nbytes) for leaf in flat.tensors)
     try:
-        _write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
+        write_replacing(target, lambda temporary: _write_export(kind, state, flat, temporary))
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc}") from exc
     return ExportSummary(target, kind, len(flat.tensors), len(flat.values), tensor_bytes)

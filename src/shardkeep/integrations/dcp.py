@@ -70,41 +70,25 @@ from torch.futures import Future
 
 from shardkeep.config import ManifestLimits, SaveOptions
 from shardkeep.distributed.commit import CheckpointCommit
-from shardkeep.errors import (
-    CommitRefusedError,
-    ConfigError,
-    IntegrityError,
-    ManifestError,
-    StateMismatchError,
-    UnsupportedValueError,
-)
-from shardkeep.integrity import (
-    CRYPTOGRAPHIC_DIGESTS,
-    SignaturePolicy,
-    load_private_key,
-    seal_manifest,
-    sign_manifest,
-)
+from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
+from shardkeep.integrity import SignaturePolicy, load_private_key
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
 from shardkeep.layout import PlannedItem, file_header, plan_files
-from shardkeep.manifest import (
-    ContainerEntry,
-    FileRecord,
-    Manifest,
-    Sharding,
-    StateSection,
-    Tier,
-    ValueEntry,
-    encode_manifest,
-    has_chunks,
-    key_for_path,
-    validate_manifest,
+from shardkeep.manifest import ContainerEntry, FileRecord, Manifest, Tier, ValueEntry, key_for_path
+from shardkeep.saving.job import ensure_directory
+from shardkeep.saving.manifest_build import (
+    DEFAULT_TIER,
+    ManifestFields,
+    commit_manifest,
+    new_manifest,
+    plain_json_mapping,
+    precision_of,
+    require_cryptographic_digest,
+    state_sections,
 )
-from shardkeep.saving import DEFAULT_TIER, _ensure_directory, _plain_json_mapping, _precision, warn_if_over_read_limits
 from shardkeep.storage import LocalStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
-from shardkeep.tensors.coverage import coverage_problems
-from shardkeep.tensors.flatten import MAX_PATH_DEPTH, TensorLeaf, flatten_state, rebuild_state
+from shardkeep.tensors.flatten import TensorLeaf, flatten_state, is_manifest_value, rebuild_state
 from shardkeep.verification import CheckpointLocation, FileResolver, locate, read_checked_manifest
 
 if TYPE_CHECKING:
@@ -204,12 +188,8 @@ class ShardkeepWriter(StorageWriter):
         self.options = SaveOptions(
             digest=digest, io_threads=io_threads, byte_budget=byte_budget, file_size_target=file_size_target
         )
-        if signer is not None and digest not in CRYPTOGRAPHIC_DIGESTS:
-            raise UnsupportedValueError(
-                f"signer= needs a cryptographic digest, not digest={digest!r}: a signature covers the "
-                "data only through the digests (use 'blake3' or 'sha256')"
-            )
-        fields = _plain_json_mapping("custom_fields", custom_fields)
+        require_cryptographic_digest(signer, digest)
+        fields = plain_json_mapping("custom_fields", custom_fields)
         if DCP_FIELD in fields:
             raise UnsupportedValueError(f"custom_fields[{DCP_FIELD!r}] is reserved for the DCP adapter's own record")
         self.custom_fields = fields
@@ -256,7 +236,7 @@ class ShardkeepWriter(StorageWriter):
         if self.signer is not None:
             self._private_key = load_private_key(self.signer)
         if isinstance(location.store, LocalStore):
-            _ensure_directory(location.store.root)
+            ensure_directory(location.store.root)
         commit = CheckpointCommit(location.store, location.name)
         commit.begin()
         self._commit = commit
@@ -362,13 +342,13 @@ class ShardkeepWriter(StorageWriter):
             raise UnsupportedValueError("ShardkeepWriter.finish was called without prepare_global_plan")
         try:
             manifest = self._manifest(metadata, results)
-            for record in manifest.files:
-                commit.add_data_file(record.path)
-            sealed = seal_manifest(encode_manifest(manifest), self.options.digest)
-            warn_if_over_read_limits(self._location(), sealed, manifest)
-            key = self._private_key
-            signature = sign_manifest(sealed, key, manifest) if key is not None else None
-            commit.commit(sealed, signature)
+            commit_manifest(
+                commit,
+                manifest,
+                location=self._location(),
+                private_key=self._private_key,
+                data_files=[record.path for record in manifest.files],
+            )
         except BaseException:
             commit.abort()
             raise
@@ -445,32 +425,26 @@ class ShardkeepWriter(StorageWriter):
             for entry in record.tensors
             if entry.key not in dcp_record["bytes"]
         }
-        tops = {str(entry.path[0]) for record in records for entry in record.tensors}
-        optim = sorted(name for name in tops if name in ("optim", "optimizer"))
-        manifest = Manifest(
+        # The top-level names of the state DCP saved: its optimizer section, as sk.save finds it.
+        tops = dict.fromkeys(str(entry.path[0]) for record in records for entry in record.tensors)
+        fields = ManifestFields(
             model_id=self.model_id,
             step=self.step,
             epoch=self.epoch,
-            world_size=world_size,
-            digest_algorithm=self.options.digest,
-            sharding=Sharding(
-                strategy="dtensor" if chunked else "replicated" if world_size > 1 else "none",
-                shard_count=len(records),
-                precision=_precision(totals),
-            ),
-            tiers=[_TIER],
-            files=records,
-            optim_state=StateSection(prefixes=optim, description="optimizer state") if optim else None,
-            structure=containers,
-            values=values,
             custom_fields={**self.custom_fields, DCP_FIELD: dcp_record},
         )
-        problems = validate_manifest(manifest).errors
-        if has_chunks(manifest):
-            problems += coverage_problems(manifest)
-        if problems:
-            raise CommitRefusedError(f"cannot commit {self._location()}: " + "; ".join(problems[:5]))
-        return manifest
+        return new_manifest(
+            records,
+            fields,
+            state_sections(tops, []),
+            digest=self.options.digest,
+            world_size=world_size,
+            chunked=chunked,
+            precision=precision_of(totals),
+            tiers=[_TIER],
+            structure=containers,
+            values=values,
+        )
 
 
 _PLAN_CACHING = (
@@ -493,33 +467,10 @@ def _abort_quietly(commit: CheckpointCommit) -> None:
         pass
 
 
-def _json_able(value: Any, depth: int = 0) -> bool:
-    """True for exactly the plain values a manifest stores: ``None``, bools, ints, floats
-    (non-finite ones too), valid Unicode strings, and lists, tuples and dicts (str or int keys)
-    of those; subclasses (``OrderedDict``, named tuples) and everything else are not."""
-    if depth > MAX_PATH_DEPTH:
-        return False
-    kind = type(value)
-    if value is None or kind in (bool, int, float):
-        return True
-    if kind is str:
-        return _valid_text(value)
-    if kind in (list, tuple):
-        return all(_json_able(item, depth + 1) for item in value)
-    if kind is dict:
-        return all(
-            (type(key) is int or (type(key) is str and _valid_text(key))) and _json_able(item, depth + 1)
-            for key, item in value.items()
-        )
-    return False
-
-
-def _valid_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _json_able(value: Any) -> bool:
+    """True for exactly the plain values a manifest stores and gives back as the same types
+    (:func:`~shardkeep.tensors.flatten.is_manifest_value`, expanded, exact types)."""
+    return is_manifest_value(value, allow_nonfinite=True, allow_int_keys=True, exact_types=True)
 
 
 def _json_item(data: bytes) -> bytes | None:
@@ -817,9 +768,9 @@ def dcp_to_torch_save(
         planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
         no_dist=True,
     )
-    from shardkeep.integrations.convert import _write_replacing
+    from shardkeep.integrations.convert import write_replacing
 
-    _write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
+    write_replacing(os.fspath(torch_save_path), lambda temporary: torch.save(state, temporary))
 
 
 def _metadata_of(manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, _Stored]]:

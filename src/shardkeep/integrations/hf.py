@@ -62,7 +62,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import MANIFEST_FILENAME, strict_json_hooks
-from shardkeep.names import check_name_length, sibling_name
+from shardkeep.names import HF_OLD_MARKER, STAGING_MARKER, check_name_length, sibling_name
 from shardkeep.storage import local
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import flatten_state
@@ -788,7 +788,7 @@ def _place(staging: str, target: str, overwrite: bool, source: str | None) -> st
         return staging  # which now holds the replaced folder
     except local.ExchangeUnsupported:
         pass
-    old = os.path.join(parent, sibling_name(name, ".old-", uuid.uuid4().hex[:12], lead="."))
+    old = os.path.join(parent, sibling_name(name, HF_OLD_MARKER, uuid.uuid4().hex[:12], lead="."))
     os.rename(target, old)
     try:
         os.rename(staging, target)
@@ -936,7 +936,9 @@ def export_hf(
     if total_parameters is None:  # no model to count its parameters: every element written
         total_parameters = sum(tensor.numel() for tensor in tensors.values())
     parent = os.path.dirname(target)
-    staging = os.path.join(parent, sibling_name(os.path.basename(target), ".tmp-", uuid.uuid4().hex[:12], lead="."))
+    staging = os.path.join(
+        parent, sibling_name(os.path.basename(target), STAGING_MARKER, uuid.uuid4().hex[:12], lead=".")
+    )
     try:
         os.mkdir(staging)
         try:

@@ -67,8 +67,18 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import STAGING_MARKER, Manifest
-from shardkeep.names import NAME_MAX, check_name_length, name_digest
+from shardkeep.manifest import Manifest
+from shardkeep.names import (
+    LIGHTNING_NEW_ROLE,
+    LIGHTNING_OLD_ROLE,
+    LIGHTNING_RETIRED_ROLE,
+    LIGHTNING_TAG,
+    MANIFEST_FILENAME,
+    NAME_MAX,
+    STAGING_MARKER,
+    check_name_length,
+    name_digest,
+)
 from shardkeep.storage.local import ExchangeUnsupported, exchange_paths, fsync_directory_path, rename_noreplace_path
 from shardkeep.tensors.convert import is_dtensor
 from shardkeep.verification import read_manifest
@@ -216,7 +226,7 @@ def _rename(source: str, destination: str) -> None:
 def _retire(parent: str, tag: str, entry: str) -> str:
     """Rename ``parent/entry`` to ``<tag>del-<id>`` (a name recovery never brings back) and return
     the new path; only then is it deleted, so a half-deleted tree always has such a name."""
-    doomed = os.path.join(parent, f"{tag}del-{uuid.uuid4().hex}")
+    doomed = os.path.join(parent, f"{tag}{LIGHTNING_RETIRED_ROLE}{uuid.uuid4().hex}")
     os.rename(os.path.join(parent, entry), doomed)
     return doomed
 
@@ -242,7 +252,7 @@ def _fsync_directory(path: str) -> None:
 
 
 def _is_checkpoint_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST_FILENAME))
 
 
 #: Hex digits of the id of a working name (``new-<id>``, ``old-<id>``, ``del-<id>``).
@@ -252,7 +262,7 @@ _STAGING_ID_CHARS = 32
 #: The most bytes of a tag: a working name (``<tag>new-<id>``) and the staging directory
 #: shardkeep.save makes of it (``<tag>new-<id>.tmp-<id>``) must fit in one path component, so
 #: that no name derived from a working name is ever shortened (recovery finds them by the tag).
-_TAG_MAX = NAME_MAX - len("new-") - _ID_CHARS - len(STAGING_MARKER) - _STAGING_ID_CHARS
+_TAG_MAX = NAME_MAX - len(LIGHTNING_NEW_ROLE) - _ID_CHARS - len(STAGING_MARKER) - _STAGING_ID_CHARS
 
 
 def _tag(name: str) -> str:
@@ -261,9 +271,9 @@ def _tag(name: str) -> str:
     88 bytes). Hex has no ``l``, ``s`` or ``t``, so Lightning's search for ``last*.ckpt`` never
     matches one."""
     encoded = name.encode("utf-8", "surrogateescape").hex()
-    if len(".sk-.") + len(encoded) > _TAG_MAX:
+    if len(f"{LIGHTNING_TAG}.") + len(encoded) > _TAG_MAX:
         encoded = "h" + name_digest(name, 40)
-    return f".sk-{encoded}."
+    return f"{LIGHTNING_TAG}{encoded}."
 
 
 def _recorded_name(name: str) -> dict[str, str]:
@@ -278,19 +288,19 @@ def _recorded_name(name: str) -> dict[str, str]:
 
 def _tag_of(entry: str) -> str | None:
     """The tag a hidden working name starts with, or None."""
-    if not entry.startswith(".sk-"):
+    if not entry.startswith(LIGHTNING_TAG):
         return None
-    encoded, found, _ = entry[4:].partition(".")
-    return f".sk-{encoded}." if found and encoded else None
+    encoded, found, _ = entry[len(LIGHTNING_TAG) :].partition(".")
+    return f"{LIGHTNING_TAG}{encoded}." if found and encoded else None
 
 
 def _name_of_tag(entry: str) -> str | None:
     """The name a hex tag spells (None for a digest tag, which cannot be told back)."""
     tag = _tag_of(entry)
-    if tag is None or tag[4] == "h":
+    if tag is None or tag[len(LIGHTNING_TAG)] == "h":
         return None
     try:
-        name = bytes.fromhex(tag[4:-1]).decode("utf-8", "surrogateescape")
+        name = bytes.fromhex(tag[len(LIGHTNING_TAG) : -1]).decode("utf-8", "surrogateescape")
     except ValueError:
         return None
     return name if _tag(name) == tag else None
@@ -399,7 +409,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             self._recover(parent, name)
         except OSError as exc:
             raise StorageError(f"cannot repair what an interrupted save left beside {target}: {exc}") from exc
-        staging = os.path.join(parent, f"{_tag(name)}new-{uuid.uuid4().hex}")
+        staging = os.path.join(parent, f"{_tag(name)}{LIGHTNING_NEW_ROLE}{uuid.uuid4().hex}")
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         try:
             self.last_manifest = api.save(
@@ -537,7 +547,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         for entry in self._leftovers(parent, name):
             if entry == keep:
                 continue
-            if entry[len(prefix) :].startswith("del-"):
+            if entry[len(prefix) :].startswith(LIGHTNING_RETIRED_ROLE):
                 doomed.append(os.path.join(parent, entry))
                 continue
             try:
@@ -564,7 +574,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         chosen: str | None = None
         for entry in entries:
             role = entry[len(prefix) :]
-            if not role.startswith(("new-", "old-")) or ".tmp-" in role:
+            if not role.startswith((LIGHTNING_NEW_ROLE, LIGHTNING_OLD_ROLE)) or STAGING_MARKER in role:
                 continue
             candidate = os.path.join(parent, entry)
             if not _is_checkpoint_dir(candidate):
@@ -573,7 +583,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
                 rank = (True, read_manifest(candidate).created_at.timestamp())
             except ShardkeepError:
                 rank = (False, 0.0)
-            key = (*rank, role.startswith("new-"))
+            key = (*rank, role.startswith(LIGHTNING_NEW_ROLE))
             if best is None or key > best:
                 best, chosen = key, entry
         return chosen
@@ -607,7 +617,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
         except ExchangeUnsupported:
             # Two renames: between them nothing is at ``target``; a crash there is repaired by
             # the next save of this path (see _recover).
-            old = os.path.join(parent, f"{_tag(name)}old-{uuid.uuid4().hex}")
+            old = os.path.join(parent, f"{_tag(name)}{LIGHTNING_OLD_ROLE}{uuid.uuid4().hex}")
             _rename(target, old)
             _rename(staging, target)
         # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
@@ -649,7 +659,11 @@ class ShardkeepCheckpointIO(CheckpointIO):
         :func:`_recorded_name`), when it is one whose tag that is."""
         for entry in sorted(listing):
             role = entry[len(tag) :]
-            if not entry.startswith(tag) or not role.startswith(("new-", "old-")) or STAGING_MARKER in role:
+            if (
+                not entry.startswith(tag)
+                or not role.startswith((LIGHTNING_NEW_ROLE, LIGHTNING_OLD_ROLE))
+                or STAGING_MARKER in role
+            ):
                 continue
             candidate = os.path.join(parent, entry)
             if not _is_checkpoint_dir(candidate):
@@ -673,7 +687,7 @@ class ShardkeepCheckpointIO(CheckpointIO):
             role = entry[len(tag) :]
             if not entry.startswith(tag):
                 continue
-            if role.startswith("del-"):
+            if role.startswith(LIGHTNING_RETIRED_ROLE):
                 doomed.append(os.path.join(parent, entry))
             elif STAGING_MARKER in role or not _is_checkpoint_dir(os.path.join(parent, entry)):
                 doomed.append(_retire(parent, tag, entry))

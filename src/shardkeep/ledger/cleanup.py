@@ -17,8 +17,7 @@ from pathlib import Path
 
 from shardkeep.errors import LedgerStateError, StorageError
 from shardkeep.ledger.format import LedgerState
-from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER
-from shardkeep.names import sibling_name
+from shardkeep.names import DELETING_MARKER, STAGING_MARKER, sibling_name
 from shardkeep.storage.localfs import LocalFS
 
 __all__ = [

@@ -54,7 +54,7 @@ from shardkeep.ledger.format import (
     timestamp_now,
 )
 from shardkeep.ledger.lock import LedgerLock
-from shardkeep.manifest import MANIFEST_FILENAME
+from shardkeep.names import MANIFEST_FILENAME
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",

@@ -2,7 +2,7 @@
 capabilities, and how a store that lacks the capabilities gets their defaults.
 
 A store is rooted at one directory (or bucket prefix). Paths given to it are relative,
-``/``-separated and already checked by :func:`shardkeep.manifest.unsafe_path_reason`.
+``/``-separated and already checked by :func:`shardkeep.names.unsafe_path_reason`.
 
 Who calls what: on a save, each writing rank calls ``open_write`` for its own files (from worker
 threads: ``open_write`` and the handles it returns must be thread-safe across different paths),
@@ -26,6 +26,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from shardkeep.names import ATTEMPT_PREFIX
+
 __all__ = [
     "ATTEMPT_PREFIX",
     "ByteStore",
@@ -39,11 +41,6 @@ __all__ = [
     "renames",
     "write_new",
 ]
-
-#: Data written by one save attempt on a store without rename (or in a tier location) lives
-#: under ``<checkpoint>/attempt-<id>/``: a prefix no other attempt uses, so nothing is ever
-#: overwritten (see :mod:`shardkeep.distributed.commit`).
-ATTEMPT_PREFIX = "attempt-"
 
 
 @dataclass(frozen=True)

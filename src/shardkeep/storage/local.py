@@ -33,8 +33,7 @@ from shardkeep.errors import (
     StorageError,
     UnsafePathError,
 )
-from shardkeep.manifest import STAGING_MARKER, unsafe_path_reason
-from shardkeep.names import sibling_name
+from shardkeep.names import STAGING_MARKER, sibling_name, unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
 from shardkeep.storage.localfs import (
     RENAME_EXCHANGE,

@@ -39,7 +39,7 @@ from typing import Any
 
 from shardkeep.errors import StorageError
 from shardkeep.manifest import DELETING_MARKER, STAGING_MARKER
-from shardkeep.names import REPLACED_MARKER, sibling_name
+from shardkeep.names import HF_OLD_MARKER, sibling_name
 
 __all__ = [
     "LOCAL",
@@ -269,23 +269,26 @@ class LocalFS:
     def makedirs_durable(self, path: str | os.PathLike[str], mode: int = 0o755) -> None:
         """Create directory ``path`` and its missing parents, fsyncing each parent whose
         entries changed, so that the whole chain survives a crash. An existing directory is
-        left as it is."""
+        left as it is; anything else at ``path`` is ``FileExistsError``, a file above it
+        ``NotADirectoryError``."""
         missing: list[str] = []
         at = os.path.abspath(os.fspath(path))
-        while not os.path.isdir(at):
+        while not os.path.lexists(at):
             missing.append(at)
             parent = os.path.dirname(at)
             if parent == at:
                 break
             at = parent
+        if not missing and not os.path.isdir(at):
+            raise FileExistsError(errno.EEXIST, "exists and is not a directory", at)
         for directory in reversed(missing):
             try:
                 self.mkdir(directory, mode)
             except FileExistsError:
                 if not os.path.isdir(directory):
                     raise
-                continue  # another process made it; it fsyncs its parent
-            self.fsync_directory(os.path.dirname(directory) or directory)
+                continue  # another process made it, and syncs its parent
+            self.fsync_directory(os.path.dirname(directory))
 
     def replace_dir(self, staging: str, target: str, *, aside: str | None = None) -> str | None:
         """Put the finished directory ``staging`` at ``target``; return where the replaced
@@ -308,7 +311,7 @@ class LocalFS:
             old = staging
         except ExchangeUnsupported:
             old = aside or os.path.join(
-                parent, sibling_name(name, REPLACED_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
+                parent, sibling_name(name, HF_OLD_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
             )
             self.rename(target, old)
             try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError, UnsafePathError
-from shardkeep.manifest import unsafe_path_reason
+from shardkeep.names import unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
 
 __all__ = ["MemoryStore"]

@@ -31,7 +31,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import unsafe_path_reason
+from shardkeep.names import unsafe_path_reason
 from shardkeep.storage.base import EntryInfo, StoreBase
 from shardkeep.storage.locations import split_url
 

@@ -21,7 +21,15 @@ import torch
 from shardkeep.errors import ManifestError, UnsupportedValueError
 from shardkeep.manifest import ContainerEntry, KeyPath, ValueEntry, key_for_path
 
-__all__ = ["FlatState", "TensorLeaf", "flatten_state", "is_plain_json", "rebuild_state"]
+__all__ = [
+    "FlatState",
+    "TensorLeaf",
+    "as_manifest_mapping",
+    "flatten_state",
+    "is_manifest_value",
+    "is_plain_json",
+    "rebuild_state",
+]
 
 #: Deeper nesting than this is refused on save (and catches reference cycles). It equals the
 #: manifest's default ``max_path_components``.
@@ -54,26 +62,91 @@ class FlatState:
     containers: list[ContainerEntry] = field(default_factory=list)
 
 
-def _is_plain_json(value: Any, depth: int) -> bool:
-    """True when ``value`` survives a JSON round trip exactly and nests at most MAX_VALUE_DEPTH."""
-    if depth > MAX_VALUE_DEPTH:
+def is_manifest_value(
+    value: Any, *, allow_nonfinite: bool = False, allow_int_keys: bool = False, exact_types: bool = False
+) -> bool:
+    """True when the manifest can store ``value`` and give it back equal: the one rule for what a
+    manifest holds as plain values.
+
+    With every flag off, the rule for one JSON value (a value entry's ``value``, the manifest's
+    ``custom_fields``, a :class:`~shardkeep.training.TrainingCheckpoint`'s ``model_args``):
+    ``None``, bools, ints that fit in 64 bits (signed or unsigned), finite floats, strings, and
+    lists and dicts with string keys of those, nested at most ``MAX_VALUE_DEPTH`` deep.
+
+    - ``allow_int_keys``: the value is stored expanded into containers (:func:`flatten_state`),
+      which also record int dict keys and tuples; the nesting limit is then ``MAX_PATH_DEPTH``.
+    - ``allow_nonfinite``: NaN and infinite floats too (a value entry's ``special``).
+    - ``exact_types``: only the exact built-in types, and strings that are valid Unicode (no lone
+      surrogates), so that the value comes back as the very same types: a subclass (a ``str``
+      or ``IntEnum`` subclass, ``numpy.float64``, ``OrderedDict``, a named tuple) is refused.
+      Without it a scalar subclass is accepted and comes back as its built-in base type; a
+      container must always be an exact ``list``, ``tuple`` or ``dict``.
+    """
+    limit = MAX_PATH_DEPTH if allow_int_keys else MAX_VALUE_DEPTH
+    return _is_value(value, 0, limit, allow_nonfinite, allow_int_keys, exact_types)
+
+
+def _is_value(value: Any, depth: int, limit: int, nonfinite: bool, expanded: bool, exact: bool) -> bool:
+    """:func:`is_manifest_value` at nesting ``depth``."""
+    if depth > limit:
         return False
-    if value is None or isinstance(value, (str, bool)):
+    if value is None:
         return True
-    if isinstance(value, int):
+    kind = type(value)
+    if exact:
+        if kind is str:
+            return _valid_text(value)
+        if kind is bool:
+            return True
+        if kind is int:
+            return bool(_INT64_MIN <= value <= _UINT64_MAX)
+        if kind is float:
+            return nonfinite or math.isfinite(value)
+    elif isinstance(value, (str, bool)):
+        return True
+    elif isinstance(value, int):
         return _INT64_MIN <= value <= _UINT64_MAX
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if type(value) is list:
-        return all(_is_plain_json(item, depth + 1) for item in value)
-    if type(value) is dict:
-        return all(isinstance(k, str) and _is_plain_json(v, depth + 1) for k, v in value.items())
+    elif isinstance(value, float):
+        return nonfinite or math.isfinite(value)
+    if kind is list or (expanded and kind is tuple):
+        return all(_is_value(item, depth + 1, limit, nonfinite, expanded, exact) for item in value)
+    if kind is dict:
+        return all(
+            _is_key(key, expanded, exact) and _is_value(item, depth + 1, limit, nonfinite, expanded, exact)
+            for key, item in value.items()
+        )
     return False
 
 
+def _is_key(key: Any, int_keys: bool, exact: bool) -> bool:
+    if exact:
+        return (type(key) is str and _valid_text(key)) or (int_keys and type(key) is int)
+    return isinstance(key, str) or (int_keys and isinstance(key, int) and not isinstance(key, bool))
+
+
+def _valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def is_plain_json(value: Any) -> bool:
-    """True when ``value`` survives a JSON round trip exactly (string keys, finite floats, lists)."""
-    return _is_plain_json(value, 0)
+    """True when ``value`` is one JSON value the manifest stores: :func:`is_manifest_value`
+    with every flag off (string keys, finite floats, lists)."""
+    return _is_value(value, 0, MAX_VALUE_DEPTH, False, False, False)
+
+
+def as_manifest_mapping(value: Any) -> dict[str, Any] | None:
+    """``value`` copied into a dict when it is a mapping of JSON values the manifest stores
+    (:func:`is_plain_json`); ``None`` otherwise. Callers raise their own error naming the field."""
+    if not isinstance(value, Mapping):
+        return None
+    copied = dict(value)
+    return copied if _is_value(copied, 0, MAX_VALUE_DEPTH, False, False, False) else None
 
 
 def _has_state_dict(value: Any) -> bool:
@@ -143,7 +216,7 @@ class _Flattener:
                 ValueEntry(key=self.claim(path), path=list(path), special=special, order=self.next_order())
             )
             return
-        if path and _is_plain_json(value, 0):
+        if path and _is_value(value, 0, MAX_VALUE_DEPTH, False, False, False):
             self.flat.values.append(
                 ValueEntry(key=self.claim(path), path=list(path), value=value, order=self.next_order())
             )
