@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import shardkeep as sk
 from conftest import assert_same_tree
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
-from shardkeep.storage import local
+from shardkeep.storage import direct_io
 
 # DCP on one process (no process group) warns once per call; only that warning is expected.
 pytestmark = pytest.mark.filterwarnings(
@@ -364,7 +364,7 @@ def test_a_failed_write_on_one_process_leaves_no_staging_directory(
 ) -> None:
     path = tmp_path / "ckpt"
     writer = ShardkeepWriter(path)
-    monkeypatch.setattr(local._LocalWriter, "commit", _failing_commit(local._LocalWriter.commit))
+    monkeypatch.setattr(direct_io.LocalWriter, "commit", _failing_commit(direct_io.LocalWriter.commit))
     with pytest.raises(CheckpointException) as raised:
         dcp.save(_small_state(2.0), storage_writer=writer)
     (error, _), *_ = raised.value.failures.values()
@@ -378,7 +378,7 @@ def test_a_failed_write_on_one_process_leaves_no_staging_directory(
 
 def _save_failing_on(rank: int, world_size: int, path: str, failing_rank: int, cleanup: str) -> Any:
     if rank == failing_rank:  # this forked rank only
-        local._LocalWriter.commit = _failing_commit(local._LocalWriter.commit)  # type: ignore[method-assign]
+        direct_io.LocalWriter.commit = _failing_commit(direct_io.LocalWriter.commit)  # type: ignore[method-assign]
     model, optimizer = _model(world_size, seed=0)  # FSDP2: every rank writes chunks of its own
     writer = ShardkeepWriter(path)
     try:

@@ -28,16 +28,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from shardkeep.storage import local, localfs
+from shardkeep.storage import direct_io, localfs
 from shardkeep.storage.local import DIRECT_IO_BLOCK, LocalStore
 
 #: A block size the tests can afford many of (a multiple of the 4 KiB direct I/O alignment).
 SMALL_BLOCK = 16 * 1024
 
 
+class SmallBlocks(direct_io.FileCalls):
+    """The real system calls, with blocks the tests can afford many of."""
+
+    block = SMALL_BLOCK
+
+
 @pytest.fixture
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "DIRECT_IO_BLOCK", SMALL_BLOCK)
+def small_blocks() -> direct_io.FileCalls:
+    return SmallBlocks()
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
@@ -79,9 +85,9 @@ def test_files_are_byte_exact_at_every_block_boundary(tmp_path: Path, size: int)
     writable=st.booleans(),
 )
 def test_any_split_of_the_writes_gives_the_same_file(
-    tmp_path: Path, small_blocks: None, size: int, splits: list[int], writable: bool
+    tmp_path: Path, small_blocks: direct_io.FileCalls, size: int, splits: list[int], writable: bool
 ) -> None:
-    store = LocalStore(tmp_path)
+    store = LocalStore(tmp_path, file_calls=small_blocks)
     data = _payload(size, seed=size + len(splits))
     name = f"f{time.monotonic_ns()}"
     taken = _write(store, name, data, splits, writable=writable)
@@ -119,7 +125,7 @@ def test_a_save_with_o_direct_is_byte_identical_to_one_through_the_page_cache(tm
     assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["strided"], state["strided"])
 
 
-class _Refusing(local._FileCalls):
+class _Refusing(direct_io.FileCalls):
     """A filesystem that refuses O_DIRECT: on ``fcntl`` (``where="fcntl"``), or only when the
     first aligned write is made (``where="write"``, as some network filesystems do)."""
 
@@ -141,10 +147,9 @@ class _Refusing(local._FileCalls):
 
 @pytest.mark.parametrize("where", ["fcntl", "write"])
 def test_a_filesystem_that_refuses_o_direct_gets_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
-    monkeypatch.setattr(local, "_FILE_CALLS", _Refusing(where))
-    store = LocalStore(tmp_path)
+    store = LocalStore(tmp_path, file_calls=_Refusing(where))
     state = _large_state()
     with caplog.at_level("INFO", logger="shardkeep"):
         sk.save(state, "ckpt", storage=store)
@@ -157,7 +162,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_the_page_cache(
     assert torch.equal(sk.load(tmp_path / "ckpt")["big"], state["big"])
 
 
-class _FailingLater(local._FileCalls):
+class _FailingLater(direct_io.FileCalls):
     """O_DIRECT works, then the write at byte ``offset`` fails with ``code``; records the order
     of writes and closes per file descriptor."""
 
@@ -186,13 +191,10 @@ class _FailingLater(local._FileCalls):
     [(DIRECT_IO_BLOCK, errno.EINVAL), (DIRECT_IO_BLOCK, errno.EIO), (2 * DIRECT_IO_BLOCK, errno.ENOSPC)],
     ids=["einval-on-block-2", "eio-in-background", "enospc-in-background"],
 )
-def test_a_failed_direct_write_fails_the_save_and_commits_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int, code: int
-) -> None:
+def test_a_failed_direct_write_fails_the_save_and_commits_nothing(tmp_path: Path, offset: int, code: int) -> None:
     calls = _FailingLater(offset, code)
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
     with pytest.raises(sk.StorageError, match=r"writing '.*\.safetensors' failed: .*") as failure:
-        sk.save(_large_state(), tmp_path / "ckpt")
+        sk.save(_large_state(), "ckpt", storage=LocalStore(tmp_path, file_calls=calls))
     assert f"errno {code}" in str(failure.value)
     assert sorted(os.listdir(tmp_path)) == []  # no checkpoint, no staging directory left
     failed_fd = next(fd for event, fd in calls.events if event == "failed write")
@@ -200,7 +202,7 @@ def test_a_failed_direct_write_fails_the_save_and_commits_nothing(
     assert order.index("failed write") < order.index("close"), order  # the fd outlived its write
 
 
-class _PowerLossFile(local._FileCalls):
+class _PowerLossFile(SmallBlocks):
     """A simulated disk under the real writer: a file's bytes survive a power cut only once
     fsynced. ``cut_at=N`` cuts the power at the N-th call (1-based); ``skip_fsync`` makes fsync
     a no-op (the mutation). Background writes are slowed, so that an fsync issued before they
@@ -247,18 +249,15 @@ class _PowerLossFile(local._FileCalls):
         super().close(fd)  # closing never fails here, and is always allowed to happen
 
 
-def _power_loss_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip_fsync: bool = False) -> list[str]:
+def _power_loss_sweep(tmp_path: Path, skip_fsync: bool = False) -> list[str]:
     data = _payload(5 * SMALL_BLOCK + 123, seed=9)
     probe = _PowerLossFile()
-    monkeypatch.setattr(local, "_FILE_CALLS", probe)
-    store = LocalStore(tmp_path)
-    assert _write(store, "probe", data, [SMALL_BLOCK // 3], writable=True) == "direct"
+    assert _write(LocalStore(tmp_path, file_calls=probe), "probe", data, [SMALL_BLOCK // 3], writable=True) == "direct"
     violations = []
     for cut in range(1, probe.calls + 2):
         disk = _PowerLossFile(cut_at=cut, skip_fsync=skip_fsync)
-        monkeypatch.setattr(local, "_FILE_CALLS", disk)
         try:
-            _write(store, f"cut{cut}", data, [SMALL_BLOCK // 3], writable=True)
+            _write(LocalStore(tmp_path, file_calls=disk), f"cut{cut}", data, [SMALL_BLOCK // 3], writable=True)
         except sk.StorageError:
             continue  # the save fails, and its staging directory is never read as a checkpoint
         if disk.durable != data:
@@ -266,25 +265,20 @@ def _power_loss_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip_fsyn
     return violations
 
 
-def test_power_loss_at_every_call_of_a_direct_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
-    assert _power_loss_sweep(tmp_path, monkeypatch) == []
+def test_power_loss_at_every_call_of_a_direct_write(tmp_path: Path) -> None:
+    assert _power_loss_sweep(tmp_path) == []
 
 
-def test_removing_the_fsync_of_a_direct_write_is_caught(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
-    assert _power_loss_sweep(tmp_path, monkeypatch, skip_fsync=True)
+def test_removing_the_fsync_of_a_direct_write_is_caught(tmp_path: Path) -> None:
+    assert _power_loss_sweep(tmp_path, skip_fsync=True)
 
 
-def test_fsync_before_the_background_write_lands_is_caught(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
-    """The second mutation: a commit that does not wait for the blocks still in flight."""
-    monkeypatch.setattr(local._LocalWriter, "_wait_in_flight", lambda self: None)
-    monkeypatch.setattr(local._LocalWriter, "_settle", staticmethod(lambda future: None))
-    assert _power_loss_sweep(tmp_path, monkeypatch)
+def test_fsync_before_the_background_write_lands_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second mutation: a commit that does not wait for the blocks still in flight (the
+    writer's own waiting methods are removed: a mutation of the writer, not a simulated disk)."""
+    monkeypatch.setattr(direct_io.LocalWriter, "_wait_in_flight", lambda self: None)
+    monkeypatch.setattr(direct_io.LocalWriter, "_settle", lambda self, future: None)
+    assert _power_loss_sweep(tmp_path)
 
 
 def test_a_store_with_direct_io_off_never_uses_it(tmp_path: Path) -> None:
@@ -296,7 +290,7 @@ def test_a_store_with_direct_io_off_never_uses_it(tmp_path: Path) -> None:
 
 
 def _write_in_child(root: str, name: str, size: int, seed: int) -> None:
-    store = LocalStore(root)
+    store = LocalStore(root, file_calls=SmallBlocks())
     for round_ in range(20):
         data = _payload(size, seed=seed + round_)
         _write(store, f"{name}-{round_}", data, [size // 3], writable=round_ % 2 == 0)
@@ -304,10 +298,10 @@ def _write_in_child(root: str, name: str, size: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("size", [300, 2 * SMALL_BLOCK + 17], ids=["small-file", "direct-file"])
-def test_forked_writers_never_share_a_buffer(tmp_path: Path, small_blocks: None, size: int) -> None:
+def test_forked_writers_never_share_a_buffer(tmp_path: Path, small_blocks: direct_io.FileCalls, size: int) -> None:
     """The pooled buffers a parent made are its own after a fork: two forked children writing
     at once, with buffers the parent already holds in its pool, each write only their bytes."""
-    parent = LocalStore(tmp_path)
+    parent = LocalStore(tmp_path, file_calls=small_blocks)
     _write(parent, "parent", _payload(3 * SMALL_BLOCK), [], writable=True)  # fills the pool
     import multiprocessing
 
@@ -325,13 +319,17 @@ def test_forked_writers_never_share_a_buffer(tmp_path: Path, small_blocks: None,
             assert (tmp_path / f"child{i}-{round_}").read_bytes() == _payload(size, seed=100 * i + round_)
 
 
-class _SlowBackground(local._FileCalls):
-    """Background block writes take a while, and can fail; records writes and closes in order."""
+class _SlowBackground(SmallBlocks):
+    """Background block writes take a while, and can fail; records writes and closes in order.
+    ``interrupts`` are raised, one each, by the first waits for a background write (a Ctrl-C
+    landing while the writer waits)."""
 
-    def __init__(self, fail_offset: int | None = None) -> None:
+    def __init__(self, fail_offset: int | None = None, in_flight: int = direct_io.DIRECT_IN_FLIGHT) -> None:
         self.fail_offset = fail_offset
+        self.in_flight = in_flight
         self.events: list[str] = []
         self.fsyncs = 0
+        self.interrupts: list[BaseException] = []
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         if threading.current_thread() is not threading.main_thread():
@@ -352,30 +350,24 @@ class _SlowBackground(local._FileCalls):
         self.events.append("close")
         super().close(fd)
 
+    def wait(self, future: Any) -> None:
+        if self.interrupts:
+            raise self.interrupts.pop()
+        super().wait(future)
 
-def _interrupt_the_first_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def _interrupt_the_first_wait(calls: _SlowBackground) -> None:
     """A Ctrl-C lands while the writer first waits for a background write."""
-    real_wait = local.wait_for
-    interrupts = [KeyboardInterrupt()]
-
-    def interrupted_wait(futures: Any) -> Any:
-        if interrupts:
-            raise interrupts.pop()
-        return real_wait(futures)
-
-    monkeypatch.setattr(local, "wait_for", interrupted_wait)
+    calls.interrupts.append(KeyboardInterrupt())
 
 
-def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
+def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(tmp_path: Path) -> None:
     """Ctrl-C while the writer waits for its block in flight: the wait goes on until the block
     is written, then the interrupt is raised and the descriptor closed (a descriptor closed
     first could be reused by another file, which the late write would land in)."""
     calls = _SlowBackground()
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
-    _interrupt_the_first_wait(monkeypatch)
-    handle = LocalStore(tmp_path).open_write("f")
+    _interrupt_the_first_wait(calls)
+    handle = LocalStore(tmp_path, file_calls=calls).open_write("f")
     handle.write(_payload(2 * SMALL_BLOCK + 5))  # block 1 inline, block 2 in the background
     with pytest.raises(KeyboardInterrupt):
         handle.commit()
@@ -383,15 +375,12 @@ def test_an_interrupt_while_waiting_for_a_background_write_closes_nothing_early(
     assert calls.fsyncs == 0  # never committed
 
 
-def test_a_writer_whose_background_write_failed_refuses_to_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
+def test_a_writer_whose_background_write_failed_refuses_to_commit(tmp_path: Path) -> None:
     calls = _SlowBackground(fail_offset=SMALL_BLOCK)
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
-    handle = LocalStore(tmp_path).open_write("f")
+    handle = LocalStore(tmp_path, file_calls=calls).open_write("f")
     handle.write(_payload(2 * SMALL_BLOCK))  # block 2 goes to the background and fails
     with pytest.raises(sk.StorageError, match=r"writing 'f' failed"):  # a later block waits for it
-        for _ in range(2 + local._DIRECT_IN_FLIGHT):
+        for _ in range(2 + calls.in_flight):
             handle.write(_payload(SMALL_BLOCK))
     with pytest.raises(sk.StorageError, match="a write to it failed"):
         handle.commit()
@@ -399,7 +388,7 @@ def test_a_writer_whose_background_write_failed_refuses_to_commit(
     handle.abort()
     with pytest.raises(sk.StorageError, match="a write to it failed"):
         handle.write(b"x")
-    closed = LocalStore(tmp_path).open_write("g")
+    closed = LocalStore(tmp_path, file_calls=calls).open_write("g")
     closed.write(b"y")
     closed.commit()
     with pytest.raises(sk.StorageError, match="it is closed"):
@@ -416,7 +405,7 @@ def _open_write_in_child(root: str) -> None:
 def test_a_fork_while_another_thread_holds_the_stores_locks_does_not_hang_the_child(tmp_path: Path) -> None:
     import multiprocessing
 
-    held = [localfs._Libc.lock, local._BUFFERS._lock]
+    held = [localfs._Libc.lock, direct_io._BUFFERS._lock]
     for lock in held:
         lock.acquire()  # as a parent thread inside open_write would hold them at the fork
     try:
@@ -435,40 +424,35 @@ def test_a_fork_while_another_thread_holds_the_stores_locks_does_not_hang_the_ch
 
 
 @pytest.mark.parametrize("depth", [2, 3])
-def test_several_blocks_in_flight_give_the_same_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None, depth: int
-) -> None:
-    """The writer keeps up to ``_DIRECT_IN_FLIGHT`` blocks in the background (1 by default; a
-    deeper queue was measured and did not pay here): deeper queues write the same bytes."""
-    monkeypatch.setattr(local, "_DIRECT_IN_FLIGHT", depth)
+def test_several_blocks_in_flight_give_the_same_file(tmp_path: Path, depth: int) -> None:
+    """The writer keeps up to ``in_flight`` blocks in the background (``DIRECT_IN_FLIGHT``, 1,
+    by default; a deeper queue was measured and did not pay here): deeper queues write the same
+    bytes."""
     calls = _PowerLossFile()  # slows background writes, so that several are in flight at once
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
+    calls.in_flight = depth
     data = _payload(9 * SMALL_BLOCK + 77, seed=depth)
-    store = LocalStore(tmp_path)
+    store = LocalStore(tmp_path, file_calls=calls)
     assert _write(store, "f", data, [SMALL_BLOCK // 2, 4 * SMALL_BLOCK + 1], writable=True) == "direct"
     assert (tmp_path / "f").read_bytes() == data == calls.durable
 
 
-def test_an_interrupt_while_queueing_a_block_never_lets_it_land_elsewhere(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
+class _SubmitThenInterrupted(_SlowBackground):
+    """The job gets into the pool, then a Ctrl-C lands (while the pool starts a thread)."""
+
+    def submit(self, job: Any) -> None:
+        super().submit(job)
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_queueing_a_block_never_lets_it_land_elsewhere(tmp_path: Path) -> None:
     """Ctrl-C inside the pool's submit, after the job got in (while the pool starts a thread):
     the job is cancelled if it has not started, or waited for; either way the descriptor is
     closed after it, and a file opened next never receives its bytes."""
-    calls = _SlowBackground()
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
-    real_submit = local._BlockWriters.submit.__func__  # type: ignore[attr-defined]
-
-    def submit_then_interrupted(cls: Any, function: Any, *args: Any) -> Any:
-        real_submit(cls, function, *args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._BlockWriters, "submit", classmethod(submit_then_interrupted))
-    handle = LocalStore(tmp_path).open_write("victim")
+    calls = _SubmitThenInterrupted()
+    handle = LocalStore(tmp_path, file_calls=calls).open_write("victim")
     with pytest.raises(KeyboardInterrupt):
         handle.write(_payload(2 * SMALL_BLOCK + 1))
     handle.abort()
-    monkeypatch.undo()
     other = LocalStore(tmp_path).open_write("innocent")
     other.write(b"x" * 20)
     time.sleep(0.4)  # longer than a slowed background write
@@ -478,15 +462,11 @@ def test_an_interrupt_while_queueing_a_block_never_lets_it_land_elsewhere(
         assert calls.events.index("background write done") < calls.events.index("close"), calls.events
 
 
-def test_an_interrupt_during_abort_with_several_blocks_in_flight_closes_after_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: None
-) -> None:
-    monkeypatch.setattr(local, "_DIRECT_IN_FLIGHT", 2)
-    calls = _SlowBackground()
-    monkeypatch.setattr(local, "_FILE_CALLS", calls)
-    handle = LocalStore(tmp_path).open_write("f")
+def test_an_interrupt_during_abort_with_several_blocks_in_flight_closes_after_all(tmp_path: Path) -> None:
+    calls = _SlowBackground(in_flight=2)
+    handle = LocalStore(tmp_path, file_calls=calls).open_write("f")
     handle.write(_payload(3 * SMALL_BLOCK))  # block 1 inline, blocks 2 and 3 in the background
-    _interrupt_the_first_wait(monkeypatch)
+    _interrupt_the_first_wait(calls)
     with pytest.raises(KeyboardInterrupt):
         handle.abort()
     assert calls.events == ["background write done", "background write done", "close"], calls.events

@@ -384,12 +384,12 @@ print((after - before) // 1024, dict(store.write_paths))
     import subprocess
     import sys
 
-    from shardkeep.storage.local import _DIRECT_IN_FLIGHT, DIRECT_IO_BLOCK
+    from shardkeep.storage.direct_io import DIRECT_IN_FLIGHT, DIRECT_IO_BLOCK
 
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
     growth, paths = result.stdout.strip().split(" ", 1)
     growth_mib = int(growth)
-    allowed = 64 + ((_DIRECT_IN_FLIGHT + 1) * DIRECT_IO_BLOCK >> 20 if direct_io else 0)
+    allowed = 64 + ((DIRECT_IN_FLIGHT + 1) * DIRECT_IO_BLOCK >> 20 if direct_io else 0)
     assert growth_mib < allowed, f"peak RSS grew by {growth_mib} MiB for a 16 MiB budget ({paths})"
     assert ("'direct': 1" in paths) == direct_io, paths
     assert sk.verify(tmp_path / "ckpt").ok

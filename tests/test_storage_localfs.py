@@ -270,3 +270,41 @@ def test_the_old_import_path_names_the_same_functions() -> None:
     assert local.rename_noreplace_path is localfs.rename_noreplace_path
     assert local.fsync_directory_path is localfs.fsync_directory_path
     assert local.ExchangeUnsupported is localfs.ExchangeUnsupported
+
+
+def test_write_new_file_never_replaces_and_is_the_step_of_an_atomic_write(tmp_path: Path) -> None:
+    localfs.LOCAL.write_new_file(tmp_path / "ledger.json", b"one")
+    with pytest.raises(FileExistsError):
+        localfs.LOCAL.write_new_file(tmp_path / "ledger.json", b"two")
+    assert (tmp_path / "ledger.json").read_bytes() == b"one"
+
+    class ShortDisk(LocalFS):
+        def write_new_file(self, path: str | os.PathLike[str], data: object, *, mode: int = 0o644) -> None:
+            Path(path).write_bytes(b"sh")
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        ShortDisk().write_file_atomic(tmp_path / "ledger.json", b"three")
+    assert (tmp_path / "ledger.json").read_bytes() == b"one"
+    assert os.listdir(tmp_path) == ["ledger.json"]
+
+
+def test_retire_to_a_given_name_never_replaces(tmp_path: Path) -> None:
+    folder(tmp_path / "a", "x")
+    folder(tmp_path / "taken", "y")
+    with pytest.raises(FileExistsError):
+        localfs.LOCAL.retire(str(tmp_path / "a"), aside=str(tmp_path / "taken"))
+    moved = localfs.LOCAL.retire(str(tmp_path / "a"), aside=str(tmp_path / ".tag.del-1"))
+    assert moved == str(tmp_path / ".tag.del-1") and sorted(os.listdir(tmp_path)) == [".tag.del-1", "taken"]
+
+
+def test_link_gives_a_second_name(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"x")
+    localfs.LOCAL.link(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert (tmp_path / "a").stat().st_ino == (tmp_path / "b").stat().st_ino
+
+
+def test_makedirs_durable_refuses_a_file_at_the_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        localfs.makedirs_durable(tmp_path / "file")

@@ -5,9 +5,10 @@ survive a crash on a local or shared POSIX filesystem.
 
 - *steps*, each one system call or one well-known library call: :meth:`~LocalFS.rename`,
   :meth:`~LocalFS.replace`, :meth:`~LocalFS.rename_noreplace`, :meth:`~LocalFS.exchange`,
+  :meth:`~LocalFS.link`, :meth:`~LocalFS.write_new_file` (exclusive create, write, fsync),
   :meth:`~LocalFS.fsync_directory`, :meth:`~LocalFS.fsync_file`, :meth:`~LocalFS.mkdir` and
   :meth:`~LocalFS.remove_tree`;
-- *protocols* built only from those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
+- *protocols* whose every change on disk is one of those steps: :meth:`~LocalFS.write_file_atomic` (temporary file
   beside the target, fsync, rename, fsync of the directory), :meth:`~LocalFS.makedirs_durable`,
   :meth:`~LocalFS.replace_dir` (exchange, or two renames), :meth:`~LocalFS.retire` and
   :meth:`~LocalFS.retire_and_remove` (rename aside under a marker, then remove), and
@@ -74,6 +75,10 @@ _TEMPORARY_ID_CHARS = 12
 #: What :meth:`LocalFS.write_file_atomic` writes: the bytes, or a function that writes the
 #: (already created, empty) temporary file at the path it is given.
 Content = bytes | bytearray | memoryview | Callable[[str], None]
+#: A local path.
+PathText = str | os.PathLike[str]
+#: Which names of a directory :meth:`LocalFS.remove_idle` considers.
+NameMatch = Callable[[str], bool]
 
 
 def storage_error(action: str, path: str, exc: OSError) -> StorageError:
@@ -166,6 +171,14 @@ def rename_noreplace_at(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) ->
     raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
 
 
+def _fsync_path(path: str, flags: int) -> None:
+    handle = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -200,19 +213,29 @@ class LocalFS:
 
     def fsync_directory(self, path: str) -> None:
         """fsync the directory ``path``, so that the renames and creations in it are durable."""
-        handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
+        _fsync_path(path, os.O_DIRECTORY)
 
     def fsync_file(self, path: str) -> None:
         """fsync the regular file ``path`` (not following a symlink)."""
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        _fsync_path(path, os.O_NOFOLLOW)
+
+    def link(self, source: str, destination: str) -> None:
+        """``os.link``: a second name for the file ``source`` (``FileExistsError`` when
+        ``destination`` exists)."""
+        os.link(source, destination)
+
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
+        """Create ``path`` exclusively (never truncating or following what is there:
+        ``FileExistsError``), write all of ``data`` and fsync it. Not atomic: a crash can leave
+        it short; :meth:`write_file_atomic` cannot."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
-            os.fsync(handle)
+            _write_all(fd, data)
+            os.fsync(fd)
         finally:
-            os.close(handle)
+            os.close(fd)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         """``os.mkdir`` (``FileExistsError`` when something is there)."""
@@ -245,17 +268,13 @@ class LocalFS:
         temporary = os.path.join(
             directory, sibling_name(name, STAGING_MARKER, uuid.uuid4().hex[:_TEMPORARY_ID_CHARS], lead=".")
         )
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
-            try:
-                if not callable(content):
-                    _write_all(fd, content)
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
             if callable(content):
+                self.write_new_file(temporary, b"", mode=mode)  # created exclusively, with its mode
                 content(temporary)
                 self.fsync_file(temporary)
+            else:
+                self.write_new_file(temporary, content, mode=mode)
             if overwrite:
                 self.replace(temporary, target)
             else:
@@ -322,12 +341,13 @@ class LocalFS:
         self.fsync_directory(parent)
         return old
 
-    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True) -> str:
-        """Rename ``path`` aside to ``<name><marker><32 hex digits>`` in its directory (a name
-        that nothing reads as what it was) and return the new path; with ``sync`` the directory
-        is fsynced, so the rename is durable before anything inside is deleted."""
+    def retire(self, path: str, marker: str = DELETING_MARKER, *, sync: bool = True, aside: str | None = None) -> str:
+        """Rename ``path`` aside (never replacing anything) to ``aside``, by default
+        ``<name><marker><32 hex digits>`` in its directory (a name that nothing reads as what it
+        was), and return the new path; with ``sync`` the directory is fsynced, so the rename is
+        durable before anything inside is deleted."""
         parent, name = os.path.split(path)
-        doomed = os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
+        doomed = aside or os.path.join(parent, sibling_name(name, marker, uuid.uuid4().hex))
         self.rename_noreplace(path, doomed)
         if sync:
             self.fsync_directory(parent or ".")
@@ -339,8 +359,7 @@ class LocalFS:
         marker name. ``False`` when nothing is at ``path``."""
         try:
             if os.path.islink(path) or not os.path.isdir(path):
-                os.remove(path)
-                return True
+                return self.remove_tree(path)
             doomed = self.retire(path, marker)
         except FileNotFoundError:
             return False
@@ -364,8 +383,8 @@ class LocalFS:
 
     def remove_idle(
         self,
-        directory: str | os.PathLike[str],
-        match: Callable[[str], bool],
+        directory: PathText,
+        match: NameMatch,
         lease: float,
         *,
         now: float | None = None,
@@ -458,12 +477,7 @@ def retire_and_remove(path: str, marker: str = DELETING_MARKER) -> bool:
 
 
 def remove_idle(
-    directory: str | os.PathLike[str],
-    match: Callable[[str], bool],
-    lease: float,
-    *,
-    now: float | None = None,
-    marker: str = DELETING_MARKER,
+    directory: PathText, match: NameMatch, lease: float, *, now: float | None = None, marker: str = DELETING_MARKER
 ) -> list[str]:
     """:meth:`LocalFS.remove_idle` of the filesystem in use."""
     return current().remove_idle(directory, match, lease, now=now, marker=marker)
