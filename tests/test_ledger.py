@@ -34,7 +34,8 @@ from shardkeep.ledger import (
     checked_sequence,
     filesystem_type,
 )
-from shardkeep.ledger.files import LedgerFS
+from shardkeep.storage import localfs
+from shardkeep.storage.localfs import LocalFS
 
 
 class FakeClock:
@@ -436,13 +437,13 @@ def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: P
         record(ledger, tmp_path, 0, batch)
     ledger.mark_shard_complete(0)
 
-    class FailingDirectorySync(LedgerFS):
+    class FailingDirectorySync(LocalFS):
         def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
     files = sorted((tmp_path / "shard_0").iterdir())
-    with pytest.raises(StorageError, match="may not survive a power loss"):
-        ProgressLedger(ledger.path, fs=FailingDirectorySync()).cleanup_checkpoints()
+    with pytest.raises(StorageError, match="may not survive a power loss"), localfs.using(FailingDirectorySync()):
+        ledger.cleanup_checkpoints()
     assert all(path.exists() for path in files)  # the marking failed: nothing deleted yet
     assert ledger.cleanup_checkpoints() == 2
     assert [path.exists() for path in files] == [False, False, True]
@@ -622,17 +623,19 @@ def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
     assert ledger.completed_shards() == [0]
 
 
-class _PausedWrite(LedgerFS):
+class _PausedWrite(LocalFS):
     """Writes pause until the test lets them go, so the test can look at the lock mid-update."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def create(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         self.entered.set()
         assert self.release.wait(30)
-        super().create(path, data)
+        super().write_new_file(path, data, mode=mode)
 
 
 def _descriptors_of(inode: tuple[int, int], but: int) -> list[int]:
@@ -652,8 +655,8 @@ def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: 
     """A writer waiting on the lock file when it is deleted must, once it gets the lock, lock the
     file now at the path: a lock on the deleted file would exclude nobody (another process, an
     older shardkeep, or a filesystem that cannot lock the directory, opens the new file)."""
+    ledger = make_ledger(tmp_path, lock_timeout=30)
     files = _PausedWrite()
-    ledger = ProgressLedger(make_ledger(tmp_path).path, lock_timeout=30, fs=files)
     holder = os.open(ledger.lock_path, os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
     held = os.fstat(holder)
@@ -666,26 +669,27 @@ def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: 
             errors.append(exc)
 
     writer = threading.Thread(target=update)
-    writer.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not _descriptors_of((held.st_dev, held.st_ino), but=holder):
-            assert time.monotonic() < deadline, "the writer never opened the lock file"
-            time.sleep(0.01)
-        os.unlink(ledger.lock_path)  # while the writer waits on it
-        fcntl.flock(holder, fcntl.LOCK_UN)
-        os.close(holder)
-        assert files.entered.wait(10), errors
-        # The writer is inside its update: the lock file at the path must be locked by it.
-        probe = os.open(ledger.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    with localfs.using(files):
+        writer.start()
         try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            deadline = time.monotonic() + 10
+            while not _descriptors_of((held.st_dev, held.st_ino), but=holder):
+                assert time.monotonic() < deadline, "the writer never opened the lock file"
+                time.sleep(0.01)
+            os.unlink(ledger.lock_path)  # while the writer waits on it
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+            assert files.entered.wait(10), errors
+            # The writer is inside its update: the lock file at the path must be locked by it.
+            probe = os.open(ledger.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(probe)
         finally:
-            os.close(probe)
-    finally:
-        files.release.set()
-        writer.join(30)
+            files.release.set()
+            writer.join(30)
     assert not errors
     assert ledger.completed_shards() == [0]
 
@@ -785,7 +789,7 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
 # kill -9 at every file operation of an update
 
 
-class _KillAt(LedgerFS):
+class _KillAt(LocalFS):
     """Counts the file operations of an update and kills the process before the chosen one (or,
     with ``torn``, halfway through the chosen write)."""
 
@@ -801,20 +805,22 @@ class _KillAt(LedgerFS):
             os.kill(os.getpid(), signal.SIGKILL)
         return reached
 
-    def remove_file(self, path: str) -> None:
+    def remove_tree(self, path: str) -> bool:
         self._reached()
-        super().remove_file(path)
+        return super().remove_tree(path)
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, destination: str) -> None:
         self._reached()
-        super().link(source, target)
+        super().link(source, destination)
 
-    def create(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         if self._reached():
             with open(path, "wb") as handle:
                 handle.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        super().create(path, data)
+        super().write_new_file(path, data, mode=mode)
 
     def replace(self, source: str, destination: str) -> None:
         self._reached()
@@ -826,8 +832,8 @@ class _KillAt(LedgerFS):
 
 
 def _update_and_die(path: str, kill_at: int, torn: bool, action: Callable[[ProgressLedger], None]) -> None:
-    ledger = ProgressLedger(path, fs=_KillAt(kill_at, torn=torn))
-    action(ledger)
+    with localfs.using(_KillAt(kill_at, torn=torn)):
+        action(ProgressLedger(path))
     os._exit(0)
 
 
@@ -863,7 +869,8 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
             path.write_bytes(data)
 
     counter = _KillAt(-1)
-    update(ProgressLedger(ledger.path, fs=counter))
+    with localfs.using(counter):
+        update(ledger)
     roll_back()
     operations = counter.count
     if start == "clean":
@@ -914,12 +921,17 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
 def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FailingWrite(LedgerFS):
-        def create(self, path: str, data: bytes) -> None:
+    class FailingWrite(LocalFS):
+        def write_new_file(
+            self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+        ) -> None:
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(StorageError, match="No space left on device; the previous version is intact"):
-        record(ProgressLedger(ledger.path, fs=FailingWrite()), tmp_path, 0, 0)
+    with (
+        pytest.raises(StorageError, match="No space left on device; the previous version is intact"),
+        localfs.using(FailingWrite()),
+    ):
+        record(ledger, tmp_path, 0, 0)
     assert ledger.resume_info(0)["resume_from_batch"] == 0
     record(ledger, tmp_path, 0, 0)
     assert ledger.resume_info(0)["resume_from_batch"] == 1
@@ -945,14 +957,16 @@ def _reseal(raw: bytes) -> bytes:
 def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FsyncFails(LedgerFS):
-        def create(self, path: str, data: bytes) -> None:
+    class FsyncFails(LocalFS):
+        def write_new_file(
+            self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+        ) -> None:
             with open(path, "xb") as handle:
                 handle.write(data)  # the bytes are there; only the fsync fails
             raise OSError(5, "Input/output error")
 
-    with pytest.raises(StorageError, match="the previous version is intact"):
-        ProgressLedger(ledger.path, fs=FsyncFails()).mark_shard_failed(0, "oom")
+    with pytest.raises(StorageError, match="the previous version is intact"), localfs.using(FsyncFails()):
+        ledger.mark_shard_failed(0, "oom")
     assert not ledger.tmp_path.exists()
     assert ledger.shard_status(0)["retry_count"] == 0  # type: ignore[index]
     ledger.mark_shard_failed(0, "oom")  # the caller's retry counts once
@@ -962,12 +976,12 @@ def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> No
 def test_a_failed_directory_fsync_says_the_outcome_is_uncertain(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class DirectorySyncFails(LedgerFS):
+    class DirectorySyncFails(LocalFS):
         def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
-    with pytest.raises(StorageError, match="re-read the ledger before retrying"):
-        ProgressLedger(ledger.path, fs=DirectorySyncFails()).mark_shard_failed(0, "oom")
+    with pytest.raises(StorageError, match="re-read the ledger before retrying"), localfs.using(DirectorySyncFails()):
+        ledger.mark_shard_failed(0, "oom")
     assert ledger.shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
 
@@ -1027,7 +1041,7 @@ def test_a_claimed_shard_that_records_nothing_becomes_stale(tmp_path: Path) -> N
 # Power loss: a simulated disk that keeps only what was fsynced
 
 
-class PowerLossFiles(LedgerFS):
+class PowerLossFiles(LocalFS):
     """Performs every operation for real and models what a power cut would keep: a file's data
     only once fsynced, directory entries (creates, links, renames, removals) only once the
     directory is fsynced. ``skip`` removes one kind of fsync (the mutation check)."""
@@ -1052,22 +1066,25 @@ class PowerLossFiles(LedgerFS):
             raise _PowerCut
         self.operations += 1
 
-    def remove_file(self, path: str) -> None:
+    def remove_tree(self, path: str) -> bool:
         self._step()
-        super().remove_file(path)
+        removed = super().remove_tree(path)
         self.current.pop(os.path.basename(path), None)
+        return removed
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, destination: str) -> None:
         self._step()
-        super().link(source, target)
-        self.current[os.path.basename(target)] = self.current[os.path.basename(source)]
+        super().link(source, destination)
+        self.current[os.path.basename(destination)] = self.current[os.path.basename(source)]
 
-    def create(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         self._step()
-        super().create(path, data)
+        super().write_new_file(path, data, mode=mode)
         inode = os.stat(path).st_ino
-        self.inodes[inode] = None if self.skip == "file" else data
-        self.current[os.path.basename(path)] = inode
+        self.inodes[inode] = None if self.skip == "file" else bytes(data)
+        self.current[os.path.basename(os.fspath(path))] = inode
 
     def replace(self, source: str, destination: str) -> None:
         self._step()
@@ -1106,12 +1123,13 @@ def _power_loss_violations(tmp_path: Path, skip: str | None) -> tuple[int, int]:
         names = [batch_file(directory, 0, batch) for batch in range(3)]
         files = PowerLossFiles(directory, skip)
         files.crash_at = crash_at
-        ledger = ProgressLedger(directory / "progress.json", fs=files)
+        ledger = ProgressLedger(directory / "progress.json")
         returned = []
         try:
-            for batch, name in enumerate(names):
-                ledger.update_shard_checkpoint(0, batch, 1, name)
-                returned.append(batch)
+            with localfs.using(files):
+                for batch, name in enumerate(names):
+                    ledger.update_shard_checkpoint(0, batch, 1, name)
+                    returned.append(batch)
         except _PowerCut:
             pass
         if files.crash_at is not None and files.operations < crash_at:

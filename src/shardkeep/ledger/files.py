@@ -18,8 +18,9 @@ An update, under the exclusive lock:
 1. read the current version (the highest valid copy);
 2. keep it as ``.backup``: hard-link the primary as ``.tmp`` (or write the recovered bytes there
    and fsync them) and rename it over ``.backup``;
-3. write the new version to a fresh ``.tmp`` (created exclusively, never truncated: a leftover
-   ``.tmp`` may be a hard link to the primary) and fsync it;
+3. write the new version to a fresh ``.tmp`` (whatever is at ``.tmp`` is removed first; created
+   exclusively, never truncated: a leftover ``.tmp`` may be a hard link to the primary) and fsync
+   it;
 4. rename ``.tmp`` over the primary and fsync the directory. Only then does the call return.
 
 Crash windows: before step 4's rename, the primary still holds the old version (and ``.backup``
@@ -27,9 +28,10 @@ too), so the update is simply absent. After the rename, the new version is the p
 ``.tmp`` left by a crash after its fsync has the highest sequence and is adopted: that update
 completed everything except the rename. A torn ``.tmp`` fails its checksum and is ignored.
 
-Each step of steps 2-4 is one call on a :class:`LedgerFS`: ``replace`` and ``fsync_directory``
-of :class:`~shardkeep.storage.localfs.LocalFS`, and the ledger's ``remove_file``, ``link`` and
-``create``. A crash test gives the ledger a subclass that fails or stops at a chosen step.
+Each file operation of steps 2-4 is one step of the :class:`~shardkeep.storage.localfs.LocalFS`
+in use (``remove_tree``, ``link``, ``write_new_file``, ``replace``, ``fsync_directory``), so a
+crash test that installs its own with :func:`~shardkeep.storage.localfs.using` can fail or stop
+the update at any of them.
 """
 
 from __future__ import annotations
@@ -63,43 +65,13 @@ from shardkeep.ledger.format import (
 from shardkeep.names import check_name_length, sibling_name
 from shardkeep.storage.localfs import LocalFS
 
-__all__ = ["Copy", "LedgerCopies", "LedgerFS", "Loaded"]
+__all__ = ["Copy", "LedgerCopies", "Loaded"]
 
 logger = logging.getLogger(__name__)
 
 Copy = Literal["primary", "tmp", "backup"]
 # A version moves .tmp -> primary -> .backup; on equal sequence numbers the primary wins.
 _PREFERENCE: dict[Copy, int] = {"primary": 2, "tmp": 1, "backup": 0}
-
-
-class LedgerFS(LocalFS):
-    """The local filesystem of a ledger: :class:`~shardkeep.storage.localfs.LocalFS` (whose
-    ``replace`` and ``fsync_directory`` steps an update uses, and whose protocols archive and
-    clean up), plus the three steps an update adds: :meth:`remove_file`, :meth:`link` and
-    :meth:`create`. A crash test passes a subclass whose step fails or stops as
-    ``ProgressLedger(..., fs=...)``; every step of an update is one call on it, in order."""
-
-    def remove_file(self, path: str) -> None:
-        """Unlink the file ``path``; nothing to do when it is absent."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-    def link(self, source: str, target: str) -> None:
-        """Hard-link ``source`` as ``target`` (``FileExistsError`` when something is there)."""
-        os.link(source, target)
-
-    def create(self, path: str, data: bytes) -> None:
-        """Create the file ``path`` exclusively, write ``data`` and fsync it. Never truncates an
-        existing file, which may share its inode with another copy (``FileExistsError``)."""
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(descriptor, view)
-                view = view[written:]
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
 
 
 class Loaded(NamedTuple):
@@ -244,7 +216,7 @@ class LedgerCopies:
             problems[str(path)] = str(exc)
             return None
 
-    def write(self, state: LedgerState, previous: bytes | None, source: Copy | None, fs: LedgerFS) -> None:
+    def write(self, state: LedgerState, previous: bytes | None, source: Copy | None, fs: LocalFS) -> None:
         """Steps 2-4 of an update (see the module docstring), each one step of ``fs``. The caller
         holds the lock; ``previous`` and ``source`` are what :meth:`load` returned (``None``:
         none)."""
@@ -256,18 +228,18 @@ class LedgerCopies:
                 if source == "tmp":
                     fs.replace(tmp, backup)
                 else:
-                    fs.remove_file(tmp)
+                    fs.remove_tree(tmp)
                     try:
                         fs.link(primary, tmp)
                     except OSError:
                         wrote_tmp = True
-                        fs.create(tmp, previous)
+                        fs.write_new_file(tmp, previous)
                     fs.replace(tmp, backup)
             # Always a fresh inode: after a crash, .tmp may be a hard link to the primary, and a
             # rename between two links of one inode does nothing (POSIX), leaving it in place.
-            fs.remove_file(tmp)
+            fs.remove_tree(tmp)
             wrote_tmp = True
-            fs.create(tmp, raw)
+            fs.write_new_file(tmp, raw)
             fs.replace(tmp, primary)
             renamed = True
             fs.fsync_directory(str(self.path.parent))

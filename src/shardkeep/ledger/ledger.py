@@ -43,7 +43,7 @@ from shardkeep.ledger.cleanup import (
     require_complete,
     write_archive,
 )
-from shardkeep.ledger.files import Copy, LedgerCopies, LedgerFS, Loaded
+from shardkeep.ledger.files import Copy, LedgerCopies, Loaded
 from shardkeep.ledger.format import (
     LEDGER_VERSION,
     BatchRecord,
@@ -55,6 +55,7 @@ from shardkeep.ledger.format import (
 )
 from shardkeep.ledger.lock import LedgerLock
 from shardkeep.names import MANIFEST_FILENAME
+from shardkeep.storage import localfs
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -104,8 +105,10 @@ class ProgressLedger:
     - ``lock_timeout`` (120 s): how long a change waits for the lock before
       :class:`~shardkeep.errors.LedgerLockTimeoutError`.
     - ``max_bytes``: refuse to read a ledger file larger than this.
-    - ``fs``: the filesystem operations (a :class:`~shardkeep.ledger.files.LedgerFS`), for crash
-      tests; every file operation of the ledger is one call on it.
+
+    Every file operation is a step of the :class:`~shardkeep.storage.localfs.LocalFS` in use
+    (:func:`~shardkeep.storage.localfs.current`; crash tests install theirs with
+    :func:`~shardkeep.storage.localfs.using`).
 
     Every method that changes the ledger takes the lock, re-reads the newest valid version, applies
     the change, and writes it durably before returning. Methods that only read take no lock.
@@ -125,7 +128,6 @@ class ProgressLedger:
         clock: Callable[[], float] | None = None,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         max_bytes: int = DEFAULT_MAX_BYTES,
-        fs: LedgerFS | None = None,
     ) -> None:
         self.path = Path(path)
         if self.path.name in ("", ".", ".."):
@@ -151,7 +153,6 @@ class ProgressLedger:
         self.backup_path = self._copies.backup_path
         self.lock_path = self._copies.lock_path
         self._lock = LedgerLock(self.path, self.lock_path)
-        self._fs = fs if fs is not None else LedgerFS()
 
     @property
     def manifest_path(self) -> Path:
@@ -197,7 +198,7 @@ class ProgressLedger:
     def _write(self, state: LedgerState, previous: bytes | None, source: Copy | None) -> None:
         """Write ``state`` as the next version over ``previous`` (read from ``source``). Caller
         holds the lock."""
-        self._copies.write(state, previous, source, self._fs)
+        self._copies.write(state, previous, source, localfs.current())
 
     def _check_writable(self, state: LedgerState) -> None:
         if state.version != LEDGER_VERSION:
@@ -765,7 +766,7 @@ class ProgressLedger:
         with self._locked():
             state, raw, _ = self._load()
             require_complete(state, "archive the ledger")
-            target = write_archive(raw, self.path, Path(archive_dir), self._fs)
+            target = write_archive(raw, self.path, Path(archive_dir), localfs.current())
         logger.info("progress ledger %s archived to %s", self.path, target)
         return target
 
@@ -792,7 +793,7 @@ class ProgressLedger:
 
         self._mutate(mark)
         with self._locked():
-            removed = remove_marked(self._load().state, self.resolve_file, self._fs, force=force, lease=lease)
+            removed = remove_marked(self._load().state, self.resolve_file, localfs.current(), force=force, lease=lease)
         logger.info("progress ledger %s: removed %d batch files", self.path, removed)
         return removed
 
