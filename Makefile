@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -75,13 +76,14 @@ bench-cold-start: $(STAMP)
 bench-memory: $(STAMP)
 	$(PY) bench/memory.py
 
-# Metadata growth with tensors and ranks (issue 18): the real save, read and load-plan code for R
+# Metadata growth with tensors and ranks (the target: tensors plus ranks, not tensors times ranks):
+# the real save, read and load-plan code for R
 # simulated ranks in one process, R = 8 ... 4096 (about 40 minutes on 2 cores); SCALE_ARGS=--quick
 # for a few minutes.
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py $(SCALE_ARGS)
 
-# DCP's side of issue 18: the size of torch.distributed.checkpoint's .metadata and its save/load planning
+# The same growth for DCP: the size of torch.distributed.checkpoint's .metadata and its save/load planning
 # time for bench/scale.py's dense-70b layout, R = 8 ... 1024 simulated ranks in one process (about 35 minutes,
 # R = 1024 alone 25, on 2 cores); DCP_METADATA_ARGS=--quick for 8, 64, 256 (about 8 minutes).
 bench-dcp-metadata: $(STAMP)

@@ -1,4 +1,4 @@
-"""How long ``sk.async_save`` blocks training, and where that time goes (issue 20).
+"""How long ``sk.async_save`` blocks training, and where that time goes.
 
 For each state size (default 4 MiB, 64 MiB and 1 GiB of fp32 tensors of 1 MiB each, plus a
 step counter) and each world size (1 process, and 3 forked gloo ranks on 127.0.0.1), it runs

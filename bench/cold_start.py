@@ -1,4 +1,4 @@
-"""Cold start (issue 20): the first save of a small state in a fresh process, timed from process
+"""Cold start: the first save of a small state in a fresh process, timed from process
 start, against ``torch.save`` in a fresh process.
 
 Each contender is a new Python process that imports what it needs, builds a state of 1 MiB

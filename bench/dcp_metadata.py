@@ -1,4 +1,4 @@
-"""DCP's side of issue 18: the size of ``torch.distributed.checkpoint``'s ``.metadata`` file and
+"""DCP's side of bench/scale.py: the size of ``torch.distributed.checkpoint``'s ``.metadata`` file and
 the time DCP's planners spend on it, for the dense-70B layout of bench/scale.py on R simulated
 ranks, in one process, without a process group and without writing tensor data.
 

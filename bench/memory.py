@@ -1,4 +1,4 @@
-"""Peak memory beyond the tensors themselves (issue 20): save, async save and load of a 1 GiB
+"""Peak memory beyond the tensors themselves: save, async save and load of a 1 GiB
 state, each in a fresh process.
 
 Each operation runs in its own process, which builds the state (fp32 tensors of 4 MiB), then

@@ -6,7 +6,7 @@ table with what was measured (trials run, failures found).
     python bench/reliability.py --markdown docs/reliability-figures.md
 
 Every number comes from the tests in ``tests/reliability/`` (and the ledger's concurrency
-tests), which record what they measured through ``tests/figures.py``; a failing test fails this
+tests), which record what they measured through ``tests/support/figures.py``; a failing test fails this
 script too.
 """
 

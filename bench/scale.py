@@ -1,5 +1,5 @@
-"""Scale simulator for issue 18 ("metadata that grows with tensors plus ranks, not tensors times
-ranks"): how the checkpoint metadata of a save and of a resharding load grows with the number of
+"""Scale simulator for the target "metadata that grows with tensors plus ranks, not tensors times
+ranks": how the checkpoint metadata of a save and of a resharding load grows with the number of
 tensors T and of ranks R, measured by running the real shardkeep code for R simulated ranks in
 one process.
 

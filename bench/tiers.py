@@ -12,7 +12,7 @@ Saves (each on the same state, fsynced before the clock stops):
   checkpoint: unchanged files are referenced, not written (their digests are still computed);
 * ``shardkeep incremental, trust_versions``: the same save with ``trust_versions=True``: files
   whose tensors' version counters did not move since the full save are referenced without
-  hashing them (issue 20's target: at most 0.15x the full save).
+  hashing them (the target: at most 0.15x the full save).
 
 Loads (warm page cache; every loader touches every page it returns):
 
@@ -49,7 +49,7 @@ from save_load import fsync_path, fsync_tree, pretouch, touch_pages
 
 RULES = [("*.experts.*", "cold"), ("*", "hot")]
 TRUSTED = "shardkeep incremental, trust_versions"
-TARGET = 0.15  # issue 20: the trusted incremental save, as a fraction of the full save
+TARGET = 0.15  # the trusted incremental save, as a fraction of the full save
 
 
 def build_state(layers: int, experts_per_layer: int, width: int) -> dict[str, torch.Tensor]:

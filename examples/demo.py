@@ -479,8 +479,8 @@ class Demo:
 @contextlib.contextmanager
 def cold_tier_on_s3(demo: Demo) -> Iterator[None]:
     """Start the test suite's SeaweedFS server on 127.0.0.1 and put the cold tier in a bucket."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from s3server import running
+    sys.path.insert(0, str(REPO))
+    from tests.support.s3server import running
 
     with running(demo.workdir / "seaweedfs") as server:
         demo.env = server.environment

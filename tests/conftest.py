@@ -1,8 +1,9 @@
-"""Shared fixtures: small deterministic states and helpers that damage checkpoints on disk."""
+"""Shared fixtures: small deterministic states, helpers that damage checkpoints on disk, a local
+S3 server. The helpers themselves live in :mod:`tests.support`."""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,26 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# The helpers and the storage conformance checks assert too: rewrite their asserts as pytest does
+# the tests' (before they are imported).
+pytest.register_assert_rewrite("tests.support", "shardkeep.testing")
 
-def make_state(seed: int = 0) -> dict[str, Any]:
-    """A small training-like state: a module, an optimizer with state, JSON leaves, odd tensors."""
-    generator = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 8, generator=generator)).sum().backward()
-    optimizer.step()
-    return {
-        "model": model,
-        "optim": optimizer,
-        "step": 7 + seed,
-        "best_val_loss": float("inf"),
-        "config": {"name": "tiny", "layers": [8, 6, 2], "dropout": 0.0},
-        "ema": {"0.weight": torch.randn(6, 8, generator=generator)},
-        "rng": torch.get_rng_state(),
-    }
+from tests.support import disk, states  # noqa: E402  (after the torch check: states imports torch)
 
 
 @pytest.fixture(autouse=True)
@@ -43,58 +29,47 @@ def _process_wide_torch_flags() -> Any:
 
 @pytest.fixture
 def state() -> dict[str, Any]:
-    return make_state()
+    return states.make_state()
 
 
-def assert_same_tree(found: Any, expected: Any, where: str = "") -> None:
-    """``found`` holds exactly ``expected``: the same keys, lengths, values, and tensors of the
-    same dtype and values (a DTensor is compared by its full tensor)."""
-    if isinstance(expected, torch.Tensor) or isinstance(found, torch.Tensor):
-        assert isinstance(found, torch.Tensor) and isinstance(expected, torch.Tensor), where
-        found = found.full_tensor() if hasattr(found, "full_tensor") else found
-        assert found.dtype == expected.dtype and torch.equal(found, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(found, dict) and set(found) == set(expected), (where, sorted(found), sorted(expected))
-        for key in expected:
-            assert_same_tree(found[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (a, b) in enumerate(zip(found, expected, strict=True)):
-            assert_same_tree(a, b, f"{where}[{index}]")
-    else:
-        assert found == expected, (where, found, expected)
+# --------------------------------------------------------------------------------------------
+# The helpers of tests/support as fixtures: a test asks for one by name and calls it
 
 
-def flip_bit(path: Path, byte_index: int, bit: int) -> None:
-    with open(path, "r+b") as handle:
-        handle.seek(byte_index)
-        value = handle.read(1)[0]
-        handle.seek(byte_index)
-        handle.write(bytes([value ^ (1 << bit)]))
+@pytest.fixture
+def make_state() -> Callable[..., dict[str, Any]]:
+    """``make_state(seed=0)``: a small deterministic training state (:func:`tests.support.states.make_state`)."""
+    return states.make_state
 
 
-def checkpoint_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+@pytest.fixture
+def assert_same_tree() -> Callable[..., None]:
+    """``assert_same_tree(found, expected)``: the two state trees hold the same values."""
+    return states.assert_same_tree
 
 
-def reseal(checkpoint: Path, mutate: Any) -> None:
-    """Change the manifest with ``mutate(raw_dict)`` and re-seal it, as an attacker who can write
-    the directory could (the seal detects damage, not tampering)."""
-    import json
-
-    from shardkeep.integrity import seal_manifest
-
-    raw = json.loads((checkpoint / "manifest.json").read_bytes())
-    raw.pop("manifest_digest")
-    mutate(raw)
-    os.chmod(checkpoint / "manifest.json", 0o644)
-    (checkpoint / "manifest.json").write_bytes(seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3"))
+@pytest.fixture
+def flip_bit() -> Callable[[Path, int, int], None]:
+    """``flip_bit(path, byte_index, bit)``: flip one bit of a file in place."""
+    return disk.flip_bit
 
 
-def tree_listing(root: Path) -> list[str]:
-    return sorted(
-        os.path.relpath(os.path.join(d, name), root) for d, dirs, files in os.walk(root) for name in dirs + files
-    )
+@pytest.fixture
+def reseal() -> Callable[..., None]:
+    """``reseal(checkpoint, mutate)``: change a checkpoint's manifest and re-seal it."""
+    return disk.reseal
+
+
+@pytest.fixture
+def tree_listing() -> Callable[[Path], list[str]]:
+    """``tree_listing(root)``: every path under ``root``, relative and sorted."""
+    return disk.tree_listing
+
+
+@pytest.fixture
+def checkpoint_files() -> Callable[[Path], list[Path]]:
+    """``checkpoint_files(directory)``: every regular file under ``directory``, sorted."""
+    return disk.checkpoint_files
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +78,7 @@ def tree_listing(root: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from s3server import running
+    from tests.support.s3server import running
 
     with running(tmp_path_factory.mktemp("seaweedfs")) as server:
         yield server

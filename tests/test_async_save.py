@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import make_state
-from distributed_harness import results_or_raise, run_ranks
-from shardkeep.storage import FaultInjectingStore, LocalStore
+from shardkeep.storage import LocalStore
+from shardkeep.testing import FaultInjectingStore
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
 def test_saved_values_are_the_staged_ones_even_after_mutation(tmp_path: Path) -> None:
@@ -37,7 +38,9 @@ def test_saved_values_are_the_staged_ones_even_after_mutation(tmp_path: Path) ->
     assert loaded["meta"] == {"n": 1}
 
 
-def test_modules_and_optimizers_are_snapshotted_and_load_back(tmp_path: Path) -> None:
+def test_modules_and_optimizers_are_snapshotted_and_load_back(
+    tmp_path: Path, make_state: Callable[..., dict[str, Any]]
+) -> None:
     state = make_state(seed=4)
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
     handle = sk.async_save(state, tmp_path / "ckpt")
@@ -136,7 +139,9 @@ def test_async_save_across_ranks_commits_through_the_store(tmp_path: Path) -> No
     assert [name for name in os.listdir(tmp_path) if name.startswith("broken")] == []
 
 
-def test_async_manifest_records_the_same_sections_as_a_sync_save(tmp_path: Path) -> None:
+def test_async_manifest_records_the_same_sections_as_a_sync_save(
+    tmp_path: Path, make_state: Callable[..., dict[str, Any]]
+) -> None:
     state = make_state(seed=2)
     state["layers.0.router.weight"] = torch.zeros(2)
     synchronous = sk.save(state, tmp_path / "sync")

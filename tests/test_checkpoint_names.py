@@ -1,4 +1,4 @@
-"""A checkpoint is trusted only under its own name (issue 16, item 5).
+"""A checkpoint is trusted only under its own name.
 
 Copying a validly signed ``step_00000003`` to ``step_00000099`` keeps every digest and the
 signature valid: a signature proves who wrote the bytes, not when, nor under which name. The

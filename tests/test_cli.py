@@ -7,18 +7,19 @@ import io
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import shardkeep as sk
-from conftest import flip_bit, make_state
 from shardkeep.cli import main
 
 
 @pytest.fixture
-def checkpoint(tmp_path: Path) -> Path:
+def checkpoint(tmp_path: Path, make_state: Callable[..., dict[str, Any]]) -> Path:
     path = tmp_path / "step_00000007"
     sk.save(make_state(), path, step=7, epoch=1, model_id="tiny")
     return path
@@ -57,7 +58,7 @@ def test_inspect_json_is_machine_readable(checkpoint: Path) -> None:
     assert "F32" in document["summary"]["dtypes"]
 
 
-def test_verify_exit_codes(checkpoint: Path, tmp_path: Path) -> None:
+def test_verify_exit_codes(checkpoint: Path, tmp_path: Path, flip_bit: Callable[[Path, int, int], None]) -> None:
     code, out, _ = run("verify", str(checkpoint))
     assert code == 0 and out.startswith("OK")
     shard = checkpoint / "shards" / "rank_00000.safetensors"
@@ -116,7 +117,7 @@ def managed_root(tmp_path: Path) -> Path:
     return root
 
 
-def test_ls_shows_steps_metrics_marks_and_state(managed_root: Path) -> None:
+def test_ls_shows_steps_metrics_marks_and_state(managed_root: Path, flip_bit: Callable[[Path, int, int], None]) -> None:
     code, out, _ = run("ls", str(managed_root))
     assert code == 0
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("step_")}
@@ -160,7 +161,7 @@ def test_prune_is_a_dry_run_unless_applied(managed_root: Path) -> None:
         run("prune", str(managed_root), "--keep-last", "-1")
 
 
-# -- exit codes: 0 ok, 1 problems found, 2 usage error or unreadable (issue 16) ------------------
+# -- exit codes: 0 ok, 1 problems found, 2 usage error or unreadable -----------------------------
 
 
 @pytest.fixture

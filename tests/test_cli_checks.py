@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from tests.distributed_harness import results_or_raise, run_ranks
 
 import shardkeep as sk
 from shardkeep.cli import build_parser, main
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
 def run(*argv: str) -> tuple[int, str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -12,7 +13,6 @@ import torch
 import zstandard
 
 import shardkeep as sk
-from conftest import reseal
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def _bombs(honest: bytes, size: int) -> dict[str, tuple[bytes, int]]:
     }
 
 
-def test_compression_bombs_are_refused_before_allocating(tmp_path: Path) -> None:
+def test_compression_bombs_are_refused_before_allocating(tmp_path: Path, reseal: Callable[..., None]) -> None:
     manifest = sk.save(_state(), tmp_path / "pristine", compression="zstd")
     record = manifest.files[0]
     honest = (tmp_path / "pristine" / record.path).read_bytes()

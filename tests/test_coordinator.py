@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
 from shardkeep.distributed.coordinator import Coordinator
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
 def test_without_a_process_group_it_is_a_no_op() -> None:

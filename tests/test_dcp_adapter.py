@@ -13,21 +13,21 @@ import json
 import math
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tests.distributed_harness import results_or_raise, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import shardkeep as sk
-from conftest import assert_same_tree
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
 from shardkeep.storage import direct_io
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 # DCP on one process (no process group) warns once per call; only that warning is expected.
 pytestmark = pytest.mark.filterwarnings(
@@ -116,7 +116,9 @@ def _manifest(path: Path) -> dict[str, Any]:
     return data
 
 
-def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(tmp_path: Path) -> None:
+def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     path = tmp_path / "step_1"
     reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "sync", outbox=tmp_path / "save"))[0]
     assert not list(tmp_path.glob("*.tmp-*")), "the staging directory was left behind"
@@ -159,7 +161,9 @@ def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(tmp_pat
     assert_same_tree(on_three, {**reference, "extra": EXTRA})
 
 
-def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(tmp_path: Path) -> None:
+def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     path = tmp_path / "step_2"
     reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "async", outbox=tmp_path / "save"))[0]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_2"]
@@ -170,13 +174,15 @@ def test_async_save_on_two_ranks_commits_a_verifiable_checkpoint(tmp_path: Path)
     assert_same_tree(_load_one_process(str(path)), {**reference, "extra": EXTRA})
 
 
-def test_the_reader_loads_a_sharded_sk_save_checkpoint(tmp_path: Path) -> None:
+def test_the_reader_loads_a_sharded_sk_save_checkpoint(tmp_path: Path, assert_same_tree: Callable[..., None]) -> None:
     path = tmp_path / "by_sk_save"
     reference = results_or_raise(run_ranks(2, _save_fsdp, str(path), "sk", outbox=tmp_path / "save"))[0]
     assert_same_tree(_load_one_process(str(path)), {**reference, "extra": EXTRA})
 
 
-def test_the_reader_loads_a_checkpoint_written_by_sk_save(tmp_path: Path) -> None:
+def test_the_reader_loads_a_checkpoint_written_by_sk_save(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     torch.manual_seed(0)
     layer = nn.Linear(3, 2)
     saved = {
@@ -216,7 +222,9 @@ def _small_state(scale: float) -> dict[str, Any]:
     }
 
 
-def test_a_flipped_byte_fails_the_load_before_any_value_changes(tmp_path: Path) -> None:
+def test_a_flipped_byte_fails_the_load_before_any_value_changes(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     path = tmp_path / "ckpt"
     dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
     assert sk.verify(path).ok
@@ -240,7 +248,9 @@ def test_a_damaged_manifest_is_refused_when_the_reader_is_built(tmp_path: Path) 
         ShardkeepReader(path)
 
 
-def test_a_second_save_to_the_same_path_is_refused_and_leaves_the_first(tmp_path: Path) -> None:
+def test_a_second_save_to_the_same_path_is_refused_and_leaves_the_first(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     path = tmp_path / "ckpt"
     dcp.save(_small_state(2.0), storage_writer=ShardkeepWriter(path))
     before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
@@ -259,7 +269,7 @@ def test_a_second_save_to_the_same_path_is_refused_and_leaves_the_first(tmp_path
     assert_same_tree(target, _small_state(2.0))
 
 
-def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
+def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path, assert_same_tree: Callable[..., None]) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     key = Ed25519PrivateKey.generate()
@@ -322,7 +332,9 @@ def test_a_hostile_checkpoint_that_verifies_is_refused_and_runs_nothing(tmp_path
     assert state["step"] == 7 and torch.equal(state["w"], torch.full((2,), 3.0))
 
 
-def test_values_that_are_not_json_stay_opaque_and_load_only_with_trust_pickle(tmp_path: Path) -> None:
+def test_values_that_are_not_json_stay_opaque_and_load_only_with_trust_pickle(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     path = tmp_path / "ckpt"
     saved = {
         "w": torch.arange(4.0),
@@ -416,7 +428,9 @@ def test_a_failed_write_on_one_of_two_ranks_is_cleaned_up(tmp_path: Path, failin
     assert list((tmp_path / "ckpts").iterdir()) == []
 
 
-def test_a_signed_checkpoint_is_never_read_without_its_digests(tmp_path: Path) -> None:
+def test_a_signed_checkpoint_is_never_read_without_its_digests(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     """The signature covers the data only through the digests: with ``public_key``, a reader
     that skips them (``verify=False``) is refused, as ``sk.load`` refuses it."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -560,6 +574,7 @@ def test_a_writer_whose_header_disagrees_with_the_manifest_commits_nothing(
 
 def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_it_to_torch_save(
     tmp_path: Path,
+    assert_same_tree: Callable[..., None],
 ) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as dcp_own_conversion
 
@@ -597,7 +612,9 @@ def test_dcp_finds_a_shardkeep_checkpoint_only_through_the_reader_and_converts_i
     ]
 
 
-def test_dcp_to_torch_save_writes_through_a_fresh_temporary_and_takes_long_names(tmp_path: Path) -> None:
+def test_dcp_to_torch_save_writes_through_a_fresh_temporary_and_takes_long_names(
+    tmp_path: Path, assert_same_tree: Callable[..., None]
+) -> None:
     """A symlink planted where a predictable temporary name would be is never followed, and a
     destination name of 250 bytes (a legal name) is written."""
     from shardkeep.dcp import dcp_to_torch_save

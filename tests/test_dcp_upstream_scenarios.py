@@ -24,7 +24,6 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tests.distributed_harness import results_or_raise, run_ranks
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 import shardkeep as sk
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 pytestmark = [
     # DCP on one process (no process group) warns on every call; ShardedTensor is deprecated.

@@ -1,4 +1,4 @@
-"""``O_DIRECT`` writes of large files (``LocalStore``, issue 20).
+"""``O_DIRECT`` writes of large files (``LocalStore``).
 
 - Files come out byte for byte as written, at every block boundary and for any split of the
   writes, from read-only and writable buffers; a whole save is byte-identical to one written

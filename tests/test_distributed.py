@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
 from shardkeep.manifest import is_staging_name
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 ROWS = 10  # deliberately not divisible by 3 or 4: uneven chunks
 
@@ -180,7 +180,8 @@ def test_a_failing_rank_fails_every_rank_and_leaves_nothing(tmp_path: Path) -> N
 
 
 def _one_rank_fails_while_writing(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from shardkeep.storage import FaultInjectingStore, LocalStore
+    from shardkeep.storage import LocalStore
+    from shardkeep.testing import FaultInjectingStore
 
     store = FaultInjectingStore(LocalStore(root), fail_at=2 if rank == 1 else None)
     try:

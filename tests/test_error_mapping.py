@@ -48,8 +48,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors import SafetensorError
 
 import shardkeep as sk
-from conftest import reseal
 from shardkeep.integrity import PASSPHRASE_ENV, digest_bytes
+from tests.support.disk import reseal
 
 
 def _permission_bits_enforced() -> bool:
@@ -1557,8 +1557,8 @@ def test_a_real_file_size_limit_fails_the_save_with_a_storage_error(tmp_path: Pa
 
 
 def test_a_ledger_claiming_a_huge_world_size_is_refused_in_bounded_memory(tmp_path: Path) -> None:
-    """A checksum-valid ledger whose ``world_size`` is 10**12 used to make the reader build 10**12
-    shard names to compare with (killed for memory); the count is checked first now. The reader
+    """A checksum-valid ledger whose ``world_size`` is 10**12 is refused before the reader builds
+    10**12 shard names to compare with (which would be killed for memory). The reader
     runs under a 1 GiB address-space limit, so a regression is a ``MemoryError``, not a dead host."""
     ledger = sk.ProgressLedger(tmp_path / "progress.json", world_size=2)
     ledger.initialize()

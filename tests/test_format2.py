@@ -12,13 +12,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from tests.distributed_harness import results_or_raise, run_ranks
 
 import shardkeep as sk
 from shardkeep.integrity import digest_bytes, seal_manifest
 from shardkeep.manifest import IndexedManifest, RankIndex
 from shardkeep.storage import ForwardingStore, LocalStore, ReadHandle
 from shardkeep.tensors.grid import chunk_writer
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 ROWS = 12
 

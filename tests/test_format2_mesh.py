@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from tests.distributed_harness import results_or_raise, run_ranks
 
 import shardkeep as sk
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 pytestmark = pytest.mark.slow
 

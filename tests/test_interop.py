@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardkeep as sk
-from conftest import assert_same_tree, make_state
 from shardkeep.cli import main
 from shardkeep.integrity import generate_key_pair
 from shardkeep.interop import detect_format, export_checkpoint, import_checkpoint
+from tests.support.states import assert_same_tree, make_state
 
 
 def _training_state() -> dict[str, Any]:
@@ -180,7 +180,7 @@ def test_a_dcp_import_gives_every_parameter_its_optimizer_state_back(tmp_path: P
 
 
 def test_string_keyed_optimizer_state_is_matched_or_refused_on_load(tmp_path: Path) -> None:
-    """A checkpoint already holding string state keys (an import from before the fix, or any
+    """A checkpoint already holding string state keys (an import by an older shardkeep, or any
     string-keyed source) loads with its state matched to the parameters; a key that matches no
     parameter is refused instead of dropped in silence."""
     model, optim = _adamw_trained(0)

@@ -4,8 +4,8 @@ shows the test can fail); writers killed with SIGKILL mid-update lose nothing th
 writers lose nothing while another process keeps deleting the lock file, where a lock on the
 file alone (the controls) loses updates.
 
-RELIABILITY.md figure: "progress manifest | 8 processes x 500 updates, with kill -9 of writers |
-0 lost updates, 0 unreadable reads".
+The figure in docs/reliability.md: "progress manifest | 8 processes x 500 updates, with kill -9 of
+writers | 0 lost updates, 0 unreadable reads".
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-import ledger_workers
-from figures import record
 from shardkeep.ledger import ProgressLedger
+from tests.support import ledger_workers
+from tests.support.figures import record
 
 pytestmark = pytest.mark.slow  # many writer processes
 

@@ -1150,7 +1150,7 @@ def _save_a_dtensor(rank: int, world_size: int, path: str) -> str:
 def test_a_dtensor_in_a_lightning_checkpoint_is_refused_by_key(tmp_path: Path) -> None:
     """Rank 0 alone saves: a DTensor (a subclass too) would keep only rank 0's shard, so it is
     refused, naming its key, before anything is written."""
-    from distributed_harness import results_or_raise, run_ranks
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     (message,) = results_or_raise(run_ranks(1, _save_a_dtensor, str(tmp_path / "ckpt"), outbox=tmp_path / "out"))
     assert message.split(" | ") == [message.split(" | ")[0]] * 2, message  # both refused alike

@@ -8,16 +8,16 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import shardkeep as sk
-from conftest import flip_bit
 from shardkeep.retention import CheckpointInfo, RetentionPolicy, decide
-from shardkeep.storage.faults import FaultInjectingStore, InjectedFault
 from shardkeep.storage.local import LocalStore
+from shardkeep.testing import FaultInjectingStore, InjectedFault
 
 torch = pytest.importorskip("torch")
 
@@ -287,7 +287,9 @@ def data_file(checkpoint: Path) -> Path:
     return next(p for p in sorted(checkpoint.rglob("*.safetensors")))
 
 
-def test_corrupt_newest_falls_back_to_the_previous_with_a_warning(tmp_path: Path, caplog: Any) -> None:
+def test_corrupt_newest_falls_back_to_the_previous_with_a_warning(
+    tmp_path: Path, caplog: Any, flip_bit: Callable[[Path, int, int], None]
+) -> None:
     manager = sk.CheckpointManager(tmp_path, keep_last=3, keep_best=0)
     for step in range(3):
         manager.save(tiny(step), step=step)
@@ -307,7 +309,9 @@ def test_corrupt_newest_falls_back_to_the_previous_with_a_warning(tmp_path: Path
         sk.CheckpointManager(tmp_path).restore()
 
 
-def test_saving_over_a_corrupt_step_moves_it_aside(tmp_path: Path, caplog: Any) -> None:
+def test_saving_over_a_corrupt_step_moves_it_aside(
+    tmp_path: Path, caplog: Any, flip_bit: Callable[[Path, int, int], None]
+) -> None:
     manager = sk.CheckpointManager(tmp_path, keep_last=2, keep_best=0)
     manager.save(tiny(0), step=0)
     manager.save(tiny(1), step=1)

@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import shardkeep as sk
 from shardkeep.retention import CheckpointInfo, RetentionPolicy, decide
-from shardkeep.storage.faults import FaultInjectingStore, _Counter
 from shardkeep.storage.local import LocalStore
+from shardkeep.testing import FaultInjectingStore
 
 torch = pytest.importorskip("torch")
 
@@ -42,13 +42,9 @@ def leftovers(root: Path) -> list[str]:
     return [p.name for p in root.iterdir() if ".tmp-" in p.name or ".deleting-" in p.name]
 
 
-class _KillCounter(_Counter):
-    """Counts store operations like the fault injector, but kill -9s this process at one."""
-
-    def tick(self, operation: str) -> None:
-        self.count += 1
-        if self.count == self.fail_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+def _kill_this_process(operation: str) -> None:
+    """The fault of a simulated crash: kill -9 this process at the chosen store operation."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _save_in_child(root: Path, kill_at: int) -> bool:
@@ -57,8 +53,7 @@ def _save_in_child(root: Path, kill_at: int) -> bool:
     if pid == 0:  # pragma: no cover - the child
         code = 0
         try:
-            store = FaultInjectingStore(LocalStore(root))
-            store._counter = _KillCounter(kill_at, 0)
+            store = FaultInjectingStore(LocalStore(root), fail_at=kill_at, fault=_kill_this_process)
             manager = sk.CheckpointManager(root, storage=store, keep_last=1, keep_best=1, run_id=RUN)
             manager.save(tiny(3), step=3, metrics={"val_loss": 0.5})
         except BaseException:

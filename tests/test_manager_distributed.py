@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 torch = pytest.importorskip("torch")
 

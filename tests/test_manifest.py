@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import reseal
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import digest_bytes, seal_manifest, unseal_manifest
 from shardkeep.manifest import (
@@ -546,7 +546,7 @@ def test_the_default_limits_bound_what_reading_a_manifest_costs(tmp_path: Path, 
     assert torch.equal(roomy.restore().state["t7"], torch.full((2,), 7.0))
 
 
-def test_an_invalid_manifest_message_is_bounded(tmp_path: Path) -> None:
+def test_an_invalid_manifest_message_is_bounded(tmp_path: Path, reseal: Callable[..., None]) -> None:
     sk.save({f"t{index}": torch.zeros(2) for index in range(100)}, tmp_path / "c")
 
     def break_every_entry(raw: dict) -> None:  # type: ignore[type-arg]
@@ -676,7 +676,7 @@ def _load_golden_v2_into_dtensors(rank: int, world_size: int, path: str) -> dict
 
 
 def test_golden_v2_0_checkpoint_loads_into_dtensors_on_two_ranks(tmp_path: Path) -> None:
-    from distributed_harness import results_or_raise, run_ranks
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     root = tmp_path / "root"
     shutil.copytree(GOLDEN / "v2.0", root)

@@ -6,6 +6,7 @@ import io
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import flip_bit
 from shardkeep.cli import main
 from shardkeep.manifest import HistoryPoint, RunInfo, SaveTiming, validate_manifest
 
@@ -112,7 +112,9 @@ def test_history_keeps_a_save_whose_retention_failed_and_ignores_stale_results(
     assert [point.step for point in manifest.run.history] == [1, 2, 3, 4]
 
 
-def test_history_after_a_fallback_follows_the_restored_checkpoint(tmp_path: Path) -> None:
+def test_history_after_a_fallback_follows_the_restored_checkpoint(
+    tmp_path: Path, flip_bit: Callable[[Path, int, int], None]
+) -> None:
     manager = sk.CheckpointManager(tmp_path / "r", keep_last=3, keep_best=0)
     for step in (1, 2, 3):
         manager.save({"w": torch.ones(2) * step}, step=step)
@@ -173,7 +175,9 @@ def test_ls_plot_draws_the_curve_marks_and_blocking_times(root: Path, tmp_path: 
     assert all(0 < t["blocked_seconds"] <= t["total_seconds"] for t in timings.values())
 
 
-def test_ls_plot_shows_a_corrupt_checkpoint_and_still_exits_1(root: Path, tmp_path: Path) -> None:
+def test_ls_plot_shows_a_corrupt_checkpoint_and_still_exits_1(
+    root: Path, tmp_path: Path, flip_bit: Callable[[Path, int, int], None]
+) -> None:
     flip_bit(next((root / "step_00000060").rglob("*.safetensors")), 200, 0)
     code, out, _ = run("ls", str(root), "--verify", "--plot", str(tmp_path / "c.png"))
     assert code == 1 and "CORRUPT" in out and "7 saves (3 still present)" in out
@@ -262,8 +266,8 @@ def labels_outside_their_frame(figure: Any) -> list[str]:
 
 
 def test_plot_keeps_every_label_inside_its_frame(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The newest checkpoint (the rightmost point) is `last`: its label used to run off the right
-    edge of the frame."""
+    """The newest checkpoint (the rightmost point) is `last`: its label, the widest, stays inside
+    the right edge of the frame."""
     saved = drawn_figure(monkeypatch)
     code, out, _ = run("ls", str(root), "--plot", str(tmp_path / "p.png"))
     assert code == 0, out

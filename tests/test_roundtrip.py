@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardkeep as sk
-from conftest import make_state, tree_listing
 from shardkeep.io import ByteBudget
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.shardfile import header_form
@@ -138,7 +138,9 @@ def test_nested_state_round_trips_exactly(tmp_path: Path) -> None:
     assert loaded["np_scalar"] == 2.5
 
 
-def test_modules_and_optimizers_expand_and_load_in_place(tmp_path: Path) -> None:
+def test_modules_and_optimizers_expand_and_load_in_place(
+    tmp_path: Path, make_state: Callable[..., dict[str, Any]]
+) -> None:
     original = make_state(seed=1)
     sk.save(original, tmp_path / "ckpt")
     target = make_state(seed=2)
@@ -161,7 +163,9 @@ def test_modules_and_optimizers_expand_and_load_in_place(tmp_path: Path) -> None
     assert torch.equal(target["rng"], original["rng"])
 
 
-def test_extra_ignore_fills_what_into_holds_and_adds_nothing(tmp_path: Path) -> None:
+def test_extra_ignore_fills_what_into_holds_and_adds_nothing(
+    tmp_path: Path, make_state: Callable[..., dict[str, Any]]
+) -> None:
     """load(into=..., extra="ignore"): what into= holds is filled (a module, an optimizer and
     plain tensors alike); saved state it lacks (tensors, JSON values) is neither read into it
     nor added; a key of into= the checkpoint lacks is still an error, before anything changes."""
@@ -227,7 +231,9 @@ def test_a_list_of_live_objects_of_another_length_is_refused(tmp_path: Path) -> 
     assert len(into["m"]) == 1 and torch.equal(into["m"][0].weight, before)
 
 
-def test_load_into_checks_everything_before_modifying_anything(tmp_path: Path) -> None:
+def test_load_into_checks_everything_before_modifying_anything(
+    tmp_path: Path, make_state: Callable[..., dict[str, Any]]
+) -> None:
     sk.save(make_state(seed=1), tmp_path / "ckpt")
     target = make_state(seed=2)
     target["model"] = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
@@ -264,7 +270,9 @@ def test_unsupported_values_are_refused_with_their_key(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
-def test_saving_onto_a_committed_checkpoint_raises_and_changes_nothing(tmp_path: Path) -> None:
+def test_saving_onto_a_committed_checkpoint_raises_and_changes_nothing(
+    tmp_path: Path, tree_listing: Callable[[Path], list[str]]
+) -> None:
     sk.save({"x": torch.ones(3)}, tmp_path / "ckpt")
     before = (tmp_path / "ckpt" / "manifest.json").read_bytes()
     with pytest.raises(sk.CheckpointExistsError, match="ckpt"):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,13 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import make_state
-from distributed_harness import results_or_raise, run_ranks
 from shardkeep.catalog import CheckpointRoot
 from shardkeep.cli import main as cli_main
 from shardkeep.errors import CheckpointExistsError, CheckpointNotFoundError
 from shardkeep.manifest import IndexedManifest
-from shardkeep.storage import FaultInjectingStore, FsspecStore
+from shardkeep.storage import FsspecStore
+from shardkeep.testing import FaultInjectingStore
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 pytestmark = pytest.mark.slow  # a SeaweedFS server and kill -9 of S3 uploads
 
@@ -37,7 +38,9 @@ def _objects(server: Any, url: str) -> list[str]:
     return sorted(key[len(base) + 1 :] for key in fs.find(base) if len(key) > len(base) + 1)
 
 
-def test_save_load_verify_by_url(s3_root: tuple[str, dict[str, Any]], s3_server: Any) -> None:
+def test_save_load_verify_by_url(
+    s3_root: tuple[str, dict[str, Any]], s3_server: Any, make_state: Callable[..., dict[str, Any]]
+) -> None:
     root, options = s3_root
     state = make_state()
     manifest = sk.save(state, f"{root}/step_00000007", step=7, storage_options=options)

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
 from shardkeep.distributed.plan import (
     ItemDescriptor,
     agreement_digest,
@@ -25,6 +24,7 @@ from shardkeep.distributed.plan import (
     chunk_writer,
     global_totals,
 )
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
 def _whole(key: str, nbytes: int) -> ItemDescriptor:

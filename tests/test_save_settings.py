@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ import torch
 
 import shardkeep as sk
 import shardkeep.saving as saving
-from conftest import make_state
 from shardkeep.saving import SaveSettings
 
 ASYNC_ONLY = {"wait", "staging_budget", "after_commit"}
@@ -88,7 +88,9 @@ def test_manager_validates_save_options_at_construction(tmp_path: Path) -> None:
         sk.CheckpointManager(tmp_path / "root", compression="lz4")
 
 
-def test_manager_forwards_every_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_manager_forwards_every_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_state: Callable[..., dict[str, Any]]
+) -> None:
     """Every manager option given at construction arrives, unchanged, in the settings of each
     save; checked generically over SaveSettings.manager_options()."""
     given: dict[str, Any] = {

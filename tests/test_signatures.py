@@ -1,4 +1,4 @@
-"""Signed manifests (RELIABILITY.md rule 17): ``manifest.sig`` is an Ed25519 signature over a
+"""Signed manifests: ``manifest.sig`` is an Ed25519 signature over a
 domain-separation prefix and the manifest's exact bytes, checked before the manifest is parsed."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
-from conftest import make_state, reseal
 from shardkeep.cli import main
 from shardkeep.integrity import (
     PASSPHRASE_ENV,
@@ -114,7 +114,9 @@ def test_the_signature_is_checked_before_the_manifest_is_parsed(tmp_path: Path, 
     assert [p.split(":")[0] for p in report.problems] == ["manifest.sig"]
 
 
-def test_a_resealed_manifest_passes_the_seal_but_not_the_signature(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+def test_a_resealed_manifest_passes_the_seal_but_not_the_signature(
+    tmp_path: Path, key: Ed25519PrivateKey, reseal: Callable[..., None]
+) -> None:
     checkpoint = tmp_path / "ckpt"
     sk.save(_state(), checkpoint, signer=key)
 
@@ -195,8 +197,8 @@ def test_malformed_signature_files_are_typed_errors(tmp_path: Path, key: Ed25519
 
 @pytest.mark.timeout(60)
 def test_key_files_must_be_small_regular_files(tmp_path: Path, key: Ed25519PrivateKey) -> None:
-    """A FIFO given as a key used to block forever; a device, a directory, a symlink to any of
-    them or a huge file is refused too, promptly, with the path and the reason."""
+    """A FIFO given as a key (an open of it would block forever), a device, a directory, a symlink
+    to any of them or a huge file is refused promptly, with the path and the reason."""
     checkpoint = tmp_path / "ckpt"
     sk.save(_state(), checkpoint, signer=key)
     generate_key_pair(tmp_path / "k.pem", tmp_path / "k.pub")
@@ -282,7 +284,7 @@ def test_signing_an_existing_checkpoint_and_the_cli(tmp_path: Path, capsys: pyte
 
 
 def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
-    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture, make_state: Callable[..., dict[str, Any]]
 ) -> None:
     root = tmp_path / "root"
     manager = sk.CheckpointManager(

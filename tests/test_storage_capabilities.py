@@ -16,7 +16,6 @@ from shardkeep.distributed.commit import CheckpointCommit, FilesystemCommit, Obj
 from shardkeep.storage import (
     ByteStore,
     EntryInfo,
-    FaultInjectingStore,
     FsspecStore,
     LocalStore,
     MemoryStore,
@@ -27,6 +26,7 @@ from shardkeep.storage import (
     adapt_store,
     renames,
 )
+from shardkeep.testing import FaultInjectingStore
 
 
 class OperationsOnly:

@@ -388,7 +388,7 @@ def _save_collective_save(rank: int, world_size: int, root: str) -> dict[str, li
 def test_a_tensor_written_by_a_collective_is_never_proved_unchanged(tmp_path: Path) -> None:
     # Collectives write tensors without moving their version counters: with a process group, the
     # proof must not be trusted, or the second save references the first save's stale bytes.
-    from distributed_harness import results_or_raise, run_ranks
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     results = results_or_raise(run_ranks(2, _save_collective_save, str(tmp_path), outbox=tmp_path / "outbox"))
     stale = []

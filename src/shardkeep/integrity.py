@@ -8,7 +8,7 @@ buffers, so hashing runs in parallel with file writes.
 The manifest carries its own digest as its last member (the *seal*), so a bit flip anywhere in
 ``manifest.json`` is detected even when the damaged JSON still parses.
 
-Signatures (RELIABILITY.md rule 17): ``manifest.sig`` holds an Ed25519 signature over
+Signatures: ``manifest.sig`` holds an Ed25519 signature over
 ``SIGNATURE_DOMAIN + <the exact bytes of manifest.json>``. The prefix keeps a signature over a
 manifest from being valid for any other message signed with the same key. Since the manifest
 records every file's digest, the signature covers the data, provided those digests are

@@ -134,7 +134,7 @@ def read_manifest_bytes(location: CheckpointLocation, limits: ManifestLimits | N
             raise CheckpointNotFoundError(f"no checkpoint at {location}")
         if info.kind != "dir":
             raise CheckpointNotFoundError(f"{location} is not a checkpoint directory")
-    # On an object store only the manifest object itself proves a checkpoint (rule 12).
+    # On an object store only the manifest object itself proves a checkpoint, never a listing.
     if location.store.stat(manifest_path) is None:
         raise CheckpointNotFoundError(f"{location} has no {MANIFEST_FILENAME}: it is not a committed checkpoint")
     return read_small(location.store, manifest_path, limits.max_bytes, ManifestError)
@@ -395,7 +395,7 @@ def file_set_problems(
     equal the manifest's records that live there. ``listing`` is the directory's
     ``list_files`` when the caller already has it.
 
-    On an object store a listing proves nothing (rule 12) and other attempts' leftovers may sit
+    On an object store a listing proves nothing and other attempts' leftovers may sit
     beside the committed objects: only the committed objects' presence is checked there, by
     reading each of them.
     """

@@ -1,19 +1,19 @@
 """How the golden checkpoints ``v1.1``-``v1.3`` and the golden ledger were made.
 
-Each ``v<version>/step_00000042`` was written by the shardkeep of that format version: the last
-commit before the next version, checked out beside this one and put first on the path::
+Each ``v<version>/step_00000042`` holds format ``<version>`` as the code that wrote that format
+writes it: a checkout of that code beside this one, put first on the path::
 
     PYTHONPATH=/path/to/old/checkout/src .venv/bin/python tests/golden/make_golden_checkpoint.py OUT
     PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py OUT --ledger
 
-(1.1: ee04182, 1.2: 5587072, 1.3: this session's code.) They are never regenerated once
+(format 1.1: commit ee04182, 1.2: 5587072, 1.3: b925bbe.) They are never regenerated once
 committed: the tests read the committed bytes, so a reader change that breaks old checkpoints
 fails loudly.
 
 ``v1.3-dtypes/step_00000042`` holds one tensor of each dtype that a shard's safetensors header
 carries under another dtype (complex128, complex32, float8_e8m0fnu, float4_e2m1fn_x2 and the
-``bits*`` dtypes: the manifest records the true dtype), written by the first code that stored
-them (after 4c930e2)::
+``bits*`` dtypes: the manifest records the true dtype), in format 1.3 (the code after commit
+4c930e2 stores these dtypes)::
 
     PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py tests/golden --dtypes
 
@@ -22,7 +22,8 @@ written by a real 2-rank gloo save (this script forks the 2 ranks itself)::
 
     PYTHONPATH=src .venv/bin/python tests/golden/make_golden_checkpoint.py tests/golden --v2
 
-(2.0: the code after 2874581, with the rank indexes as a column table; the manager's ``last`` pointer file was removed, as for 1.x.) Its state: on a 1-D mesh of 2, ``model.w`` Shard(0),
+(format 2.0 with the rank indexes as a column table, from the code after commit 2874581; the
+manager's ``last`` pointer file is removed, as for 1.x.) Its state: on a 1-D mesh of 2, ``model.w`` Shard(0),
 ``model.col`` Shard(1), ``model.rep`` Replicate and ``model.uneven`` Shard(0) of 3 rows (2 and
 1); a whole tensor, a bf16 tensor and JSON values (:func:`golden_v2_state`).
 """
@@ -92,8 +93,8 @@ def make_v2(out: Path) -> None:
     """``v2.0/step_00000042``, saved by 2 forked gloo ranks."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from distributed_harness import results_or_raise, run_ranks
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as outbox:

@@ -21,7 +21,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
+from tests.support.distributed_harness import results_or_raise, run_ranks
 
 #: The key the pristine checkpoint is signed with (forked ranks inherit it).
 KEY = Ed25519PrivateKey.generate()

@@ -1,7 +1,7 @@
 """A simulated disk that loses everything not yet made durable when the power is cut.
 
 :class:`PowerLossStore` implements the byte-store contract over an in-memory tree of inodes
-with two views (RELIABILITY.md rule 4):
+with two views:
 
 - the *volatile* view, what a running process sees;
 - the *durable* view, what survives a power cut. A file's data becomes durable when the file is

@@ -19,10 +19,12 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import make_state, tree_listing
-from figures import record, scale
 from shardkeep.manifest import is_staging_name
-from shardkeep.storage import FaultInjectingStore, LocalStore
+from shardkeep.storage import LocalStore
+from shardkeep.testing import FaultInjectingStore
+from tests.support.disk import tree_listing
+from tests.support.figures import record, scale
+from tests.support.states import make_state
 
 CRASH_TRIALS = int(os.environ.get("SHARDKEEP_CRASH_TRIALS", scale(200, 1000)))
 
@@ -140,7 +142,7 @@ def test_kill_9_during_save_never_leaves_a_committed_checkpoint_that_fails(tmp_p
 
 
 def _rank_one_fails_at_every_operation(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from test_distributed import replicated_state
+    from tests.test_distributed import replicated_state
 
     counter = FaultInjectingStore(LocalStore(root))
     sk.save(replicated_state(), "probe", storage=counter, file_size_target=20_000)  # operations per rank
@@ -165,7 +167,7 @@ def _rank_one_fails_at_every_operation(rank: int, world_size: int, root: str) ->
 
 
 def test_an_io_error_at_every_operation_of_one_rank_fails_every_rank(tmp_path: Path) -> None:
-    from distributed_harness import results_or_raise, run_ranks
+    from tests.support.distributed_harness import results_or_raise, run_ranks
 
     root = tmp_path / "root"
     sk.save({"previous": torch.ones(3)}, root / "previous")

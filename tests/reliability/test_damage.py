@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-import format2
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
-from conftest import checkpoint_files, flip_bit, reseal
-from figures import FULL, record
+from tests.reliability import format2
+from tests.support.disk import checkpoint_files, flip_bit, reseal
+from tests.support.figures import FULL, record
 
 KEY = Ed25519PrivateKey.generate()
 

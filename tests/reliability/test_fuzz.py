@@ -1,5 +1,5 @@
 """Hypothesis fuzzing of the four parsers that read untrusted bytes: the manifest, the shard
-(safetensors) header, paths, and the signature file (RELIABILITY.md rule 16). The only errors
+(safetensors) header, paths, and the signature file. The only errors
 allowed are shardkeep's own types; 10,000+ inputs in the full run."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import format2
 import msgspec
 import pytest
 import torch
@@ -21,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardkeep as sk
-from figures import record, scale
 from shardkeep.integrity import (
     SignaturePolicy,
     check_signature,
@@ -32,6 +30,8 @@ from shardkeep.integrity import (
 )
 from shardkeep.manifest import decode_manifest, encode_manifest, unsafe_path_reason, validate_manifest
 from shardkeep.tensors.shardfile import build_header, check_header, parse_header
+from tests.reliability import format2
+from tests.support.figures import record, scale
 
 EXAMPLES = scale(500, 2600)
 KEY = Ed25519PrivateKey.generate()

@@ -1,4 +1,4 @@
-"""A corpus of hostile paths (RELIABILITY.md rule 15): manifest paths that climb out, absolute
+"""A corpus of hostile paths: manifest paths that climb out, absolute
 paths, NUL and backslash; symlinks (to a shard, the shards directory, the manifest, the
 signature, the checkpoint itself); FIFOs, device files and sockets in place of files; tier
 locations that point elsewhere; hostile checkpoint names on save. Every case must be refused by
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import shardkeep as sk
-from conftest import reseal
-from figures import record
 from shardkeep.cli import main
+from tests.support.disk import reseal
+from tests.support.figures import record
 
 OUTSIDE_NAME = "OUTSIDE-SECRET"
 

@@ -1,5 +1,5 @@
 """Pickle payloads that try to create a sentinel file, fed to every public load API with
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` set (RELIABILITY.md rule 14): none may run."""
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` set: none may run."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import shardkeep as sk
-from figures import record
 from shardkeep.cli import main
 from shardkeep.interop import import_checkpoint
+from tests.support.figures import record
 
 
 class _Payload:

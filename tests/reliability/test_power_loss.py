@@ -1,4 +1,4 @@
-"""Simulated power loss at every operation of a save (RELIABILITY.md rule 4), and the mutation
+"""Simulated power loss at every operation of a save, and the mutation
 check: with any one fsync of the save removed, the same sweep finds a violation.
 
 A ``kill -9`` cannot see a missing fsync, because the page cache survives the kill. Here the
@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from powerloss import PowerCut, PowerLossStore
 
 import shardkeep as sk
-from distributed_harness import results_or_raise, run_ranks
-from figures import FULL, record
 from shardkeep.manifest import is_staging_name
+from tests.reliability.powerloss import PowerCut, PowerLossStore
+from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.figures import FULL, record
 
 KEY = Ed25519PrivateKey.generate()
 

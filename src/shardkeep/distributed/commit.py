@@ -217,14 +217,15 @@ class FilesystemCommit(CheckpointCommit):
        :mod:`shardkeep.names`), so a retry never overwrites anything and the final rename never
        crosses filesystems.
     2. Writers create every data file under the staging directory; each file is fsynced before
-       its record is reported (rule 3).
+       its record is reported.
     3. ``commit(manifest_bytes, signature)``: fsync the data directories; write ``manifest.sig``
        if the save is signed; write ``manifest.json.tmp``, fsync it, rename it to
        ``manifest.json`` (the rename fsyncs the staging directory); then the commit point:
        rename the staging directory to its final name (refusing to replace anything but an
        empty directory, which the rename replaces in one atomic step) and fsync the parent
-       (rules 4 and 5).
-    4. ``abort``: remove the staging directory, and only it (rule 7).
+       (data before rename, rename before the directory's fsync; the manifest last).
+    4. ``abort``: remove the staging directory, and only it (leftovers of other attempts are
+       collected later, after their lease).
 
     Crash windows and what recovery sees:
 

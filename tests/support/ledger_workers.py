@@ -31,8 +31,8 @@ class UnlockedLedger(ProgressLedger):
 
 
 class LockFileOnlyLedger(ProgressLedger):
-    """The control for the deletion attack: a lock on the file alone, an ``flock`` on whatever
-    file is at the lock path, with no check that it is still there afterwards."""
+    """The control for the deletion attack: an ``flock`` on whatever file is at the lock path,
+    with no check that it is still there afterwards (the ledger checks that it still is)."""
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
