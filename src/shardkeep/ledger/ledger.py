@@ -106,13 +106,16 @@ class ProgressLedger:
       :class:`~shardkeep.errors.LedgerLockTimeoutError`.
     - ``max_bytes``: refuse to read a ledger file larger than this.
 
+    Every method that changes the ledger takes the lock, re-reads the newest valid version, applies
+    the change, and writes it durably before returning. Methods that only read take no lock.
+    Processes started with ``spawn`` each construct their own ``ProgressLedger`` on the same path.
     Every file operation is a step of the :class:`~shardkeep.storage.localfs.LocalFS` in use
     (:func:`~shardkeep.storage.localfs.current`; crash tests install theirs with
     :func:`~shardkeep.storage.localfs.using`).
 
-    Every method that changes the ledger takes the lock, re-reads the newest valid version, applies
-    the change, and writes it durably before returning. Methods that only read take no lock.
-    Processes started with ``spawn`` each construct their own ``ProgressLedger`` on the same path.
+    The names of the progress-manifest design are aliases: ``manifest_path`` of :attr:`path`,
+    ``archive_manifest`` of :meth:`archive`, and each ``get_*`` query of the query without the
+    prefix (``get_global_progress`` of :meth:`progress`).
     """
 
     MAX_ORPHANED_RETRIES = MAX_ORPHANED_RETRIES
