@@ -29,7 +29,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from shardkeep.ledger import BatchRecord, ProgressLedger
+from shardkeep.ledger import BatchRecord, ProgressLedger, encode_state
 
 SHARDS = 8
 
@@ -90,10 +90,8 @@ def prepare(directory: Path, records: int) -> tuple[ProgressLedger, Path]:
             {"batch_idx": batch, "num_sequences": 1, "file": "r.bin", "timestamp": now, "sequence_range": f"{batch}"}
         )
         seed["shards"][str(shard)]["last_checkpoint_batch"] = batch  # type: ignore[index]
-    with ledger._locked():
-        _, raw, source = ledger._load()
-        state.sequence += 1
-        ledger._write(state, raw, source)
+    state.sequence += 1
+    ledger.path.write_bytes(encode_state(state))  # no other process has the ledger yet
     seed_path.write_text(json.dumps(seed, indent=2))
     return ledger, seed_path
 
@@ -114,7 +112,7 @@ def measure_size(records: int, calls: int) -> None:
         seed = time_calls(lambda batch: seed_style_update(seed_path, 0, batch, False), first, calls)
         durable = time_calls(lambda batch: seed_style_update(seed_path, 0, batch, True), first + calls, calls)
         ours = time_calls(lambda batch: ledger.update_shard_checkpoint(0, batch, 1, "r.bin", f"{batch}"), first, calls)
-        size = ledger.manifest_path.stat().st_size
+        size = ledger.path.stat().st_size
         print(
             f"{records:>8} {seed * 1e3:>10.2f}ms {durable * 1e3:>10.2f}ms {ours * 1e3:>10.2f}ms   "
             f"{ours / durable:>5.2f}x   (ledger file {size / 1024:.0f} KiB)",
@@ -139,7 +137,7 @@ def many_writers(updates: int) -> None:
         ledger, _ = prepare(Path(scratch) / "ledger", 0)
         context = multiprocessing.get_context("spawn")
         processes = [
-            context.Process(target=_writer, args=(str(ledger.manifest_path), shard, updates)) for shard in range(SHARDS)
+            context.Process(target=_writer, args=(str(ledger.path), shard, updates)) for shard in range(SHARDS)
         ]
         started = time.perf_counter()
         for process in processes:
@@ -147,7 +145,7 @@ def many_writers(updates: int) -> None:
         for process in processes:
             process.join()
         elapsed = time.perf_counter() - started
-        total = ledger.get_global_progress()["total_batches"]
+        total = ledger.progress()["total_batches"]
         assert total == SHARDS * updates, total
         print(
             f"{SHARDS} spawned writers x {updates} updates: {elapsed:.1f} s including process start, "

@@ -64,11 +64,11 @@ def worker_main(worker: int, ledger_path: str, batches: int, batch_size: int, de
     torch.set_num_threads(1)
     ledger = sk.ProgressLedger(ledger_path)
     weights = model_weights()
-    for shard in ledger.get_assigned_shards(worker):
+    for shard in ledger.assigned_shards(worker):
         # The claim makes this process the shard's only writer: a replaced process's late
         # updates (same rank or not) are refused.
         claim = ledger.claim_shard(shard, worker)
-        start = ledger.get_resume_info(shard)["resume_from_batch"]
+        start = ledger.resume_info(shard)["resume_from_batch"]
         print(f"  worker {worker}: shard {shard} from batch {start}", flush=True)
         for batch_idx in range(start, batches):
             inputs = input_batch(shard, batch_idx, batch_size)
@@ -97,7 +97,7 @@ def run_workers(
     for worker in workers:
         process = context.Process(
             target=worker_main,
-            args=(worker, str(ledger.manifest_path), args.batches, args.batch_size, args.delay),
+            args=(worker, str(ledger.path), args.batches, args.batch_size, args.delay),
         )
         process.start()
         processes[worker] = process
@@ -105,7 +105,7 @@ def run_workers(
     while any(process.is_alive() for process in processes.values()):
         if kill is not None and not killed:
             victim, after = kill
-            info = ledger.get_resume_info(victim)
+            info = ledger.resume_info(victim)
             if info["last_completed_batch"] >= after and processes[victim].is_alive():
                 os.kill(processes[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
                 killed = True
@@ -181,12 +181,12 @@ def main() -> int:
     for worker, code in sorted(exits.items()):
         if code != 0:
             reason = f"worker {worker} died with signal {-code}" if code < 0 else f"worker {worker} exited {code}"
-            for shard in ledger.get_assigned_shards(worker):
+            for shard in ledger.assigned_shards(worker):
                 ledger.mark_shard_failed(shard, reason)
             summary["killed"] = {"worker": worker, "exit_code": code}
     show_status(ledger_path)
 
-    incomplete = ledger.get_incomplete_shard_ranks()
+    incomplete = ledger.incomplete_shards()
     if incomplete:
         print("\n=== phase 2: restart ===", flush=True)
         # A restarted driver: initialize() keeps the ledger and checks that the run is the same.
@@ -197,11 +197,11 @@ def main() -> int:
                 ledger.reassign_shard(shard, 0)
                 print(f"driver: reassigned shard {shard} to worker 0 (original rank stays {shard})", flush=True)
             summary["reassigned"] = {str(shard): 0 for shard in incomplete}
-        for shard, batch in ledger.get_resume_points().items():
-            owner = ledger.get_resume_info(shard)["assigned_rank"]
+        for shard, batch in ledger.resume_points().items():
+            owner = ledger.resume_info(shard)["assigned_rank"]
             print(f"driver: shard {shard} resumes from batch {batch} on worker {owner}", flush=True)
             summary["resume"][str(shard)] = batch
-        workers = sorted({ledger.get_resume_info(shard)["assigned_rank"] for shard in incomplete})
+        workers = sorted({ledger.resume_info(shard)["assigned_rank"] for shard in incomplete})
         exits = run_workers(args, ledger, workers, None)
         if any(exits.values()):
             print(f"driver: restart failed: {exits}", flush=True)
@@ -209,11 +209,11 @@ def main() -> int:
         show_status(ledger_path)
 
     print("\n=== result ===", flush=True)
-    progress = ledger.get_global_progress()
+    progress = ledger.progress()
     output = merged_output(ledger, args.workers)
     expected = reference_output(args)
     matches = bool(torch.equal(output, expected))
-    archived = ledger.archive_manifest(args.out / "archive")
+    archived = ledger.archive(args.out / "archive")
     final = args.out / "final"
     sk.save({"embeddings": output}, final)
     print(

@@ -48,7 +48,7 @@ def test_killed_worker_resumes_from_its_last_recorded_batch(tmp_path: Path) -> N
     assert summary["batches"] == 32 and summary["sequences"] == 512 and summary["completed"] == 4
 
     ledger = sk.ProgressLedger(tmp_path / "crash" / "progress.json")
-    shard_2 = ledger.get_shard_status(2)
+    shard_2 = ledger.shard_status(2)
     assert shard_2 is not None
     assert [record["batch_idx"] for record in shard_2["checkpoints"]] == list(range(8))  # each batch once
     assert shard_2["retry_count"] == 1
@@ -67,7 +67,7 @@ def test_killed_workers_shard_can_move_to_a_healthy_worker(tmp_path: Path) -> No
     assert f"worker 0: shard 2 from batch {summary['resume']['2']}" in stdout
     assert "reassigned 2->0" in stdout
     assert summary["matches"] is True
-    status = sk.ProgressLedger(tmp_path / "job" / "progress.json").get_shard_status(2)
+    status = sk.ProgressLedger(tmp_path / "job" / "progress.json").shard_status(2)
     assert status is not None
     assert (status["original_rank"], status["assigned_rank"], status["status"]) == (2, 0, "complete")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardkeep as sk
-from shardkeep.batches import new_batch_path
 from shardkeep.errors import CheckpointExistsError, LedgerStateError, UnsafePathError
+from shardkeep.ledger.batches import new_batch_path
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def result(batch: int) -> dict[str, object]:
 
 
 def recorded_path(ledger: sk.ProgressLedger, shard: int) -> Path:
-    return ledger.resolve_file(ledger.get_resume_info(shard)["last_checkpoint_file"])[1]
+    return ledger.resolve_file(ledger.resume_info(shard)["last_checkpoint_file"])[1]
 
 
 def test_saved_batches_are_recorded_and_load_back(ledger: sk.ProgressLedger) -> None:
@@ -35,7 +35,7 @@ def test_saved_batches_are_recorded_and_load_back(ledger: sk.ProgressLedger) -> 
             ledger, result(batch), shard=1, batch_idx=batch, num_sequences=4, worker=1, claim=claim
         )
         assert manifest.files
-    info = ledger.get_resume_info(1)
+    info = ledger.resume_info(1)
     assert info["resume_from_batch"] == 3
     assert info["last_checkpoint_file"].startswith("shard_00001/batch_00000002-")
     assert sk.verify(recorded_path(ledger, 1)).ok
@@ -60,7 +60,7 @@ def test_a_reused_path_is_refused_and_the_recorded_batch_kept(ledger: sk.Progres
     with pytest.raises(CheckpointExistsError):
         sk.save_batch(ledger, result(1), shard=0, batch_idx=1, num_sequences=4, path=latest)
     assert torch.equal(sk.load_batch(ledger, 0, 0)["embeddings"], torch.zeros(4, 3))
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    assert ledger.resume_info(0)["resume_from_batch"] == 1
 
 
 def test_a_committed_but_unrecorded_attempt_is_left_for_cleanup(ledger: sk.ProgressLedger) -> None:
@@ -89,7 +89,7 @@ def test_a_reassigned_shard_refuses_the_old_worker_before_writing(ledger: sk.Pro
     assert not (ledger.checkpoint_dir / "shard_00001").exists()
     claim = ledger.claim_shard(1, 0)
     sk.save_batch(ledger, result(0), shard=1, batch_idx=0, num_sequences=4, worker=0, claim=claim)
-    assert ledger.get_resume_info(1)["resume_from_batch"] == 1
+    assert ledger.resume_info(1)["resume_from_batch"] == 1
 
 
 def test_a_replaced_process_with_the_same_rank_is_fenced_by_its_claim(ledger: sk.ProgressLedger) -> None:
@@ -107,7 +107,7 @@ def test_a_replaced_process_with_the_same_rank_is_fenced_by_its_claim(ledger: sk
         ledger.mark_shard_complete(0, worker=0, claim=hung)
     ledger.update_shard_checkpoint(0, 0, 4, name, worker=0, claim=restarted)
     ledger.mark_shard_complete(0, worker=0, claim=restarted)
-    assert ledger.get_completed_shards() == [0]
+    assert ledger.completed_shards() == [0]
 
 
 def test_paths_outside_the_checkpoint_directory_are_refused(ledger: sk.ProgressLedger, tmp_path: Path) -> None:
@@ -136,3 +136,13 @@ def test_cleanup_removes_batches_and_iteration_skips_them(ledger: sk.ProgressLed
     assert len(list((ledger.checkpoint_dir / "shard_00000").iterdir())) == 1
     with pytest.raises(LedgerStateError, match="removed by cleanup_checkpoints"):
         sk.load_batch(ledger, 0, 0)
+
+
+def test_the_old_import_path_is_the_same_module() -> None:
+    """``shardkeep.batches`` is the module ``shardkeep.ledger.batches`` itself (so patching either
+    patches what ``sk.save_batch`` calls)."""
+    import shardkeep.batches as old
+    import shardkeep.ledger.batches as moved
+
+    assert old is moved
+    assert sk.save_batch is moved.save_batch and old.new_batch_path is new_batch_path

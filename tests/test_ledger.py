@@ -31,10 +31,11 @@ from shardkeep.errors import (
 from shardkeep.ledger import (
     LedgerLockWarning,
     ProgressLedger,
-    _LedgerFiles,
     checked_sequence,
     filesystem_type,
 )
+from shardkeep.storage import localfs
+from shardkeep.storage.localfs import LocalFS
 
 
 class FakeClock:
@@ -93,8 +94,33 @@ def test_initialize_creates_one_in_progress_shard_per_worker(tmp_path: Path) -> 
         "claim": 0,
         "claimed_at": None,
     }
-    assert ledger.get_incomplete_shard_ranks() == [0, 1, 2]
-    assert ledger.get_completed_shards() == []
+    assert ledger.incomplete_shards() == [0, 1, 2]
+    assert ledger.completed_shards() == []
+
+
+def test_the_names_of_the_original_design_are_the_ledger_methods(tmp_path: Path) -> None:
+    """``manifest_path``, ``archive_manifest`` and the ``get_*`` queries keep working: each is the
+    ledger's own name under another spelling, with the same result."""
+    ledger = make_ledger(tmp_path, 2)
+    assert ledger.manifest_path == ledger.path == tmp_path / "progress.json"
+    aliases = {
+        "archive_manifest": "archive",
+        "get_shard_status": "shard_status",
+        "get_incomplete_shard_ranks": "incomplete_shards",
+        "get_resumable_shards": "incomplete_shards",
+        "get_completed_shards": "completed_shards",
+        "get_assigned_shards": "assigned_shards",
+        "get_resume_info": "resume_info",
+        "get_resume_points": "resume_points",
+        "get_orphaned_shards": "orphaned_shards",
+        "get_global_progress": "progress",
+        "get_latest_global_checkpoint": "latest_global_checkpoint",
+    }
+    for old, new in aliases.items():
+        assert getattr(ProgressLedger, old) is getattr(ProgressLedger, new), old
+    record(ledger, tmp_path, 1, 0)
+    assert ledger.get_resume_info(1) == ledger.resume_info(1) and ledger.resume_info(1)["resume_from_batch"] == 1
+    assert ledger.get_global_progress() == ledger.progress()
 
 
 def test_initialize_again_keeps_progress_and_fills_missing_metadata(tmp_path: Path) -> None:
@@ -104,7 +130,7 @@ def test_initialize_again_keeps_progress_and_fills_missing_metadata(tmp_path: Pa
     document = again.initialize(input_fingerprint="in-1")
     assert document["shards"]["1"]["last_checkpoint_batch"] == 0
     assert again.read().input_fingerprint == "in-1"
-    assert again.get_resume_info(1)["resume_from_batch"] == 1
+    assert again.resume_info(1)["resume_from_batch"] == 1
 
 
 def test_initialize_overwrite_starts_afresh_with_a_higher_sequence(tmp_path: Path) -> None:
@@ -145,14 +171,14 @@ def test_run_mismatch_gives_a_readable_diff(tmp_path: Path) -> None:
 def test_opening_with_the_wrong_world_size_is_refused(tmp_path: Path) -> None:
     make_ledger(tmp_path, 4)
     with pytest.raises(sk.LedgerMismatchError, match="world_size 4"):
-        ProgressLedger(tmp_path / "progress.json", 2).get_global_progress()
-    assert ProgressLedger(tmp_path / "progress.json").get_global_progress()["total_shards"] == 4
+        ProgressLedger(tmp_path / "progress.json", 2).progress()
+    assert ProgressLedger(tmp_path / "progress.json").progress()["total_shards"] == 4
 
 
 def test_reading_a_missing_ledger_says_to_initialize(tmp_path: Path) -> None:
     ledger = ProgressLedger(tmp_path / "progress.json", 2)
     with pytest.raises(LedgerNotFoundError, match="initialize"):
-        ledger.get_global_progress()
+        ledger.progress()
     with pytest.raises(FileNotFoundError):  # the seed's callers catch this
         ledger.mark_shard_complete(0)
 
@@ -178,23 +204,23 @@ def test_update_records_batches_and_resume_info(tmp_path: Path) -> None:
     ledger.update_shard_checkpoint(2, 0, 100, batch_file(tmp_path, 2, 0), "seq_0-seq_99")
     clock.now += 5
     ledger.update_shard_checkpoint(2, 1, 50, batch_file(tmp_path, 2, 1))
-    status = ledger.get_shard_status(2)
+    status = ledger.shard_status(2)
     assert status is not None
     assert status["last_checkpoint_batch"] == 1
     assert status["total_sequences"] == 150
     assert [c["batch_idx"] for c in status["checkpoints"]] == [0, 1]
     assert status["checkpoints"][0]["sequence_range"] == "seq_0-seq_99"
     assert status["checkpoints"][0]["file"] == "shard_2/batch_00000.bin"
-    info = ledger.get_resume_info(2)
+    info = ledger.resume_info(2)
     assert info["resume_from_batch"] == 2
     assert info["last_completed_batch"] == 1
     assert info["last_checkpoint_file"] == "shard_2/batch_00001.bin"
     assert info["total_sequences_completed"] == 150
     assert info["last_checkpoint_time"].startswith("2027-01-15T08:00:05")
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 0
-    assert ledger.get_resume_info(99) == {"rank": 99, "status": "unknown"}
-    assert ledger.get_shard_status(99) is None
-    assert ledger.get_resume_points() == {0: 0, 1: 0, 2: 2, 3: 0}
+    assert ledger.resume_info(0)["resume_from_batch"] == 0
+    assert ledger.resume_info(99) == {"rank": 99, "status": "unknown"}
+    assert ledger.shard_status(99) is None
+    assert ledger.resume_points() == {0: 0, 1: 0, 2: 2, 3: 0}
 
 
 def test_update_refuses_a_missing_file_and_records_nothing(tmp_path: Path) -> None:
@@ -208,14 +234,14 @@ def test_update_refuses_a_missing_file_and_records_nothing(tmp_path: Path) -> No
     with pytest.raises(BatchFileMissingError, match="without a committed manifest"):
         ledger.update_shard_checkpoint(0, 0, 10, "half_saved")
     assert ledger.read().sequence == sequence
-    assert ledger.get_shard_status(0)["checkpoints"] == []  # type: ignore[index]
+    assert ledger.shard_status(0)["checkpoints"] == []  # type: ignore[index]
 
 
 def test_update_accepts_absolute_paths_inside_and_refuses_escapes(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path / "job")
     name = batch_file(tmp_path / "job", 0, 0)
     ledger.update_shard_checkpoint(0, 0, 1, tmp_path / "job" / name)
-    assert ledger.get_resume_info(0)["last_checkpoint_file"] == name
+    assert ledger.resume_info(0)["last_checkpoint_file"] == name
     (tmp_path / "outside.bin").write_bytes(b"x")
     for bad in ("../outside.bin", str(tmp_path / "outside.bin"), "a/../../outside.bin", ""):
         with pytest.raises(UnsafePathError):
@@ -241,30 +267,30 @@ def test_update_refuses_regressions_finished_shards_and_unknown_shards(tmp_path:
         ledger.update_shard_checkpoint(1, -1, 1, batch_file(tmp_path, 1, 0))
     with pytest.raises(UnsupportedValueError, match="num_sequences"):
         ledger.update_shard_checkpoint(1, 0, True, batch_file(tmp_path, 1, 0))
-    assert ledger.get_shard_status(0)["last_checkpoint_batch"] == 3  # type: ignore[index]
+    assert ledger.shard_status(0)["last_checkpoint_batch"] == 3  # type: ignore[index]
 
 
 def test_complete_and_failed_count_retries(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 1, 0)
     ledger.mark_shard_failed(1, "CUDA out of memory")
-    status = ledger.get_shard_status(1)
+    status = ledger.shard_status(1)
     assert status is not None
     assert (status["status"], status["retry_count"], status["error"]) == ("failed", 1, "CUDA out of memory")
     assert status["failed_at"] is not None
-    assert ledger.get_incomplete_shard_ranks() == [0, 1, 2, 3]
+    assert ledger.incomplete_shards() == [0, 1, 2, 3]
     assert ledger.get_resumable_shards() == [0, 1, 2, 3]
     # A retry that records a batch is in progress again; the failure count stays.
     record(ledger, tmp_path, 1, 1)
-    assert ledger.get_shard_status(1)["status"] == "in_progress"  # type: ignore[index]
-    assert ledger.get_shard_status(1)["retry_count"] == 1  # type: ignore[index]
+    assert ledger.shard_status(1)["status"] == "in_progress"  # type: ignore[index]
+    assert ledger.shard_status(1)["retry_count"] == 1  # type: ignore[index]
     ledger.mark_shard_complete(1)
     ledger.mark_shard_complete(1)  # idempotent
-    assert ledger.get_completed_shards() == [1]
-    assert ledger.get_incomplete_shard_ranks() == [0, 2, 3]
+    assert ledger.completed_shards() == [1]
+    assert ledger.incomplete_shards() == [0, 2, 3]
     with pytest.raises(LedgerStateError, match="complete"):
         ledger.mark_shard_failed(1, "late error from a zombie")
-    progress = ledger.get_global_progress()
+    progress = ledger.progress()
     assert (progress["completed"], progress["in_progress"], progress["failed"]) == (1, 3, 0)
     assert progress["total_sequences_checkpointed"] == 20
     assert progress["total_batches"] == 2
@@ -281,22 +307,22 @@ def test_staleness_uses_the_injected_clock_and_threshold(tmp_path: Path) -> None
     record(ledger, tmp_path, 1, 0)
     clock.now += 300
     record(ledger, tmp_path, 1, 1)
-    assert ledger.get_global_progress()["stale_shards"] == []
+    assert ledger.progress()["stale_shards"] == []
     clock.now += 301  # shard 0: 601 s since its last batch; shard 1: 301 s
     assert ledger.is_shard_stale(0)
     assert not ledger.is_shard_stale(1)
     assert ledger.is_shard_stale(1, threshold_sec=300)
     assert not ledger.is_shard_stale(2)  # no batch yet: maybe still starting up
     assert not ledger.is_shard_stale(42)
-    progress = ledger.get_global_progress()
+    progress = ledger.progress()
     assert (progress["stale"], progress["stale_shards"]) == (1, [0])
-    assert ledger.get_resume_info(0)["stale"] is True
+    assert ledger.resume_info(0)["stale"] is True
     clock.now += 300
-    assert ledger.get_global_progress()["stale_shards"] == [0, 1]
+    assert ledger.progress()["stale_shards"] == [0, 1]
     # Finished and failed shards are never stale.
     ledger.mark_shard_complete(0)
     ledger.mark_shard_failed(1, "hung")
-    assert ledger.get_global_progress()["stale_shards"] == []
+    assert ledger.progress()["stale_shards"] == []
     # The default threshold is ten minutes.
     assert ProgressLedger(tmp_path / "progress.json").staleness_threshold_sec == 600
 
@@ -306,28 +332,28 @@ def test_reassign_keeps_the_original_rank_and_fences_the_old_worker(tmp_path: Pa
     ledger = make_ledger(tmp_path, clock=clock)
     ledger.update_shard_checkpoint(2, 0, 10, batch_file(tmp_path, 2, 0), worker=2)
     clock.now += 1000  # worker 2 hangs
-    assert ledger.get_global_progress()["stale_shards"] == [2]
+    assert ledger.progress()["stale_shards"] == [2]
     ledger.reassign_shard(2, 0)
-    status = ledger.get_shard_status(2)
+    status = ledger.shard_status(2)
     assert status is not None
     assert (status["original_rank"], status["assigned_rank"]) == (2, 0)
     assert status["reassignments"][0]["from_rank"] == 2
-    assert ledger.get_global_progress()["stale_shards"] == []  # the reassignment is activity
-    assert ledger.get_assigned_shards(0) == [0, 2]
-    assert ledger.get_assigned_shards(2) == []
+    assert ledger.progress()["stale_shards"] == []  # the reassignment is activity
+    assert ledger.assigned_shards(0) == [0, 2]
+    assert ledger.assigned_shards(2) == []
     # The hung worker wakes up: its update is refused; the new owner's is accepted.
     with pytest.raises(LedgerStateError, match="assigned to worker 0, not worker 2"):
         ledger.update_shard_checkpoint(2, 1, 10, batch_file(tmp_path, 2, 1), worker=2)
     with pytest.raises(LedgerStateError, match="not worker 2"):
         ledger.mark_shard_complete(2, worker=2)
     ledger.update_shard_checkpoint(2, 1, 10, batch_file(tmp_path, 2, 1), worker=0)
-    assert ledger.get_resume_info(2)["resume_from_batch"] == 2
+    assert ledger.resume_info(2)["resume_from_batch"] == 2
     with pytest.raises(LedgerStateError, match=r"workers are 0\.\.3"):
         ledger.reassign_shard(2, 4)
     ledger.mark_shard_complete(2, worker=0)
     with pytest.raises(LedgerStateError, match="nothing to reassign"):
         ledger.reassign_shard(2, 1)
-    assert ledger.get_shard_status(2)["original_rank"] == 2  # type: ignore[index]
+    assert ledger.shard_status(2)["original_rank"] == 2  # type: ignore[index]
 
 
 def test_orphans_are_failed_three_times_and_reassignment_revives_them(tmp_path: Path) -> None:
@@ -335,14 +361,14 @@ def test_orphans_are_failed_three_times_and_reassignment_revives_them(tmp_path: 
     record(ledger, tmp_path, 3, 0)
     for attempt in range(2):
         ledger.mark_shard_failed(3, f"attempt {attempt}")
-    assert ledger.get_orphaned_shards() == []
+    assert ledger.orphaned_shards() == []
     ledger.mark_shard_failed(3, "attempt 2")
-    assert ledger.get_orphaned_shards() == [3]
-    progress = ledger.get_global_progress()
+    assert ledger.orphaned_shards() == [3]
+    progress = ledger.progress()
     assert (progress["orphaned"], progress["orphaned_shards"], progress["failed"]) == (1, [3], 1)
     ledger.reassign_shard(3, 1)
-    assert ledger.get_orphaned_shards() == []
-    info = ledger.get_resume_info(3)
+    assert ledger.orphaned_shards() == []
+    info = ledger.resume_info(3)
     assert (info["status"], info["assigned_rank"], info["retry_count"], info["resume_from_batch"]) == (
         "in_progress",
         1,
@@ -350,18 +376,18 @@ def test_orphans_are_failed_three_times_and_reassignment_revives_them(tmp_path: 
         1,
     )
     # A custom limit.
-    assert ProgressLedger(tmp_path / "progress.json", max_retries=4).get_orphaned_shards() == []
+    assert ProgressLedger(tmp_path / "progress.json", max_retries=4).orphaned_shards() == []
 
 
 def test_global_checkpoints_record_barriers_that_exist(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path, 2)
-    assert ledger.get_latest_global_checkpoint() is None
+    assert ledger.latest_global_checkpoint() is None
     record(ledger, tmp_path, 0, 0)
     record(ledger, tmp_path, 1, 0)
     record(ledger, tmp_path, 1, 1)
     ledger.record_global_checkpoint("barrier_1", {0: 0, 1: 0})
     ledger.record_global_checkpoint("barrier_2", {0: 0, 1: 1})
-    latest = ledger.get_latest_global_checkpoint()
+    latest = ledger.latest_global_checkpoint()
     assert latest is not None
     assert (latest["checkpoint_id"], latest["batch_boundaries"]) == ("barrier_2", {"0": 0, "1": 1})
     with pytest.raises(LedgerStateError, match="already recorded"):
@@ -379,7 +405,7 @@ def test_archive_and_cleanup_after_completion(tmp_path: Path) -> None:
         record(ledger, tmp_path, 0, batch)
         record(ledger, tmp_path, 1, batch)
     with pytest.raises(LedgerStateError, match=r"shards \[0, 1\] are not complete"):
-        ledger.archive_manifest(tmp_path / "archive")
+        ledger.archive(tmp_path / "archive")
     with pytest.raises(LedgerStateError, match="not complete"):
         ledger.cleanup_checkpoints()
     # A leftover of an interrupted save next to the batch files.
@@ -387,9 +413,9 @@ def test_archive_and_cleanup_after_completion(tmp_path: Path) -> None:
     leftover.mkdir()
     ledger.mark_shard_complete(0)
     ledger.mark_shard_complete(1)
-    archived = ledger.archive_manifest(tmp_path / "archive")
+    archived = ledger.archive(tmp_path / "archive")
     assert archived == tmp_path / "archive" / "progress_final.json"
-    assert ProgressLedger(archived).get_global_progress()["completed"] == 2  # a valid ledger itself
+    assert ProgressLedger(archived).progress()["completed"] == 2  # a valid ledger itself
     assert ledger.cleanup_checkpoints() == 4
     assert sorted(p.name for p in (tmp_path / "shard_0").iterdir()) == ["batch_00002.bin", leftover.name]
     # Leftovers go only once untouched for the lease (default one hour): a save may be running.
@@ -397,7 +423,7 @@ def test_archive_and_cleanup_after_completion(tmp_path: Path) -> None:
     os.utime(leftover, (two_hours_ago, two_hours_ago))
     assert ledger.cleanup_checkpoints() == 0
     assert sorted(p.name for p in (tmp_path / "shard_0").iterdir()) == ["batch_00002.bin"]
-    status = ledger.get_shard_status(0)
+    status = ledger.shard_status(0)
     assert status is not None
     assert [c["removed_at"] is not None for c in status["checkpoints"]] == [True, True, False]
     assert ledger.cleanup_checkpoints(keep_final_only=False) == 2
@@ -411,16 +437,14 @@ def test_cleanup_records_before_deleting_and_finishes_after_an_error(tmp_path: P
         record(ledger, tmp_path, 0, batch)
     ledger.mark_shard_complete(0)
 
-    class FailingDirectorySync(_LedgerFiles):
-        def sync_dir(self, directory: str) -> None:
+    class FailingDirectorySync(LocalFS):
+        def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
     files = sorted((tmp_path / "shard_0").iterdir())
-    ledger._files = FailingDirectorySync()
-    with pytest.raises(StorageError, match="may not survive a power loss"):
+    with pytest.raises(StorageError, match="may not survive a power loss"), localfs.using(FailingDirectorySync()):
         ledger.cleanup_checkpoints()
     assert all(path.exists() for path in files)  # the marking failed: nothing deleted yet
-    ledger._files = _LedgerFiles()
     assert ledger.cleanup_checkpoints() == 2
     assert [path.exists() for path in files] == [False, False, True]
 
@@ -453,7 +477,7 @@ def test_every_write_bumps_the_sequence_and_keeps_the_previous_as_backup(tmp_pat
     sequences = []
     for batch in range(3):
         record(ledger, tmp_path, 0, batch)
-        sequences.append(checked_sequence(ledger.manifest_path.read_bytes()))
+        sequences.append(checked_sequence(ledger.path.read_bytes()))
         assert checked_sequence(ledger.backup_path.read_bytes()) == sequences[-1] - 1
         assert not ledger.tmp_path.exists()
     assert sequences == [2, 3, 4]
@@ -462,7 +486,7 @@ def test_every_write_bumps_the_sequence_and_keeps_the_previous_as_backup(tmp_pat
 
 def test_any_edit_breaks_the_checksum(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
-    raw = ledger.manifest_path.read_bytes()
+    raw = ledger.path.read_bytes()
     edited = raw.replace(b'"world_size":4', b'"world_size":5')
     assert edited != raw
     with pytest.raises(sk.LedgerError, match="checksum mismatch"):
@@ -483,23 +507,23 @@ def test_corrupted_primary_recovers_from_backup_and_is_repaired(
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
     record(ledger, tmp_path, 0, 1)
-    _corrupt(ledger.manifest_path)
+    _corrupt(ledger.path)
     with caplog.at_level(logging.WARNING, logger="shardkeep.ledger"):
-        info = ledger.get_resume_info(0)
+        info = ledger.resume_info(0)
     assert info["resume_from_batch"] == 1  # the backup is the version before the last update
     assert "primary copy unusable" in caplog.text
     record(ledger, tmp_path, 0, 1)  # the worker redoes batch 1; the primary is rewritten
-    assert checked_sequence(ledger.manifest_path.read_bytes()) == ledger.read().sequence
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 2
+    assert checked_sequence(ledger.path.read_bytes()) == ledger.read().sequence
+    assert ledger.resume_info(0)["resume_from_batch"] == 2
 
 
 def test_torn_or_missing_primary_recovers(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
-    raw = ledger.manifest_path.read_bytes()
-    ledger.manifest_path.write_bytes(raw[: len(raw) // 3])
+    raw = ledger.path.read_bytes()
+    ledger.path.write_bytes(raw[: len(raw) // 3])
     assert ledger.read().sequence == 1  # the initialize version, from .backup
-    ledger.manifest_path.unlink()
+    ledger.path.unlink()
     assert ledger.read().sequence == 1
 
 
@@ -507,7 +531,7 @@ def test_corrupted_backup_is_ignored(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
     _corrupt(ledger.backup_path)
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    assert ledger.resume_info(0)["resume_from_batch"] == 1
     record(ledger, tmp_path, 0, 1)
     assert checked_sequence(ledger.backup_path.read_bytes()) == ledger.read().sequence - 1
 
@@ -515,25 +539,25 @@ def test_corrupted_backup_is_ignored(tmp_path: Path) -> None:
 def test_all_copies_corrupted_raises_manifest_corrupted(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
-    ledger.tmp_path.write_bytes(ledger.manifest_path.read_bytes()[:100])
-    _corrupt(ledger.manifest_path)
+    ledger.tmp_path.write_bytes(ledger.path.read_bytes()[:100])
+    _corrupt(ledger.path)
     _corrupt(ledger.backup_path)
-    with pytest.raises(sk.ManifestCorruptedError) as caught:
-        ledger.get_global_progress()
+    with pytest.raises(sk.LedgerCorruptedError) as caught:
+        ledger.progress()
     error = caught.value
     assert isinstance(error, ShardkeepError)
-    assert error.manifest_path == str(ledger.manifest_path)
-    assert set(error.problems) == {str(ledger.manifest_path), str(ledger.tmp_path), str(ledger.backup_path)}
+    assert error.ledger_path == error.manifest_path == str(ledger.path)
+    assert set(error.problems) == {str(ledger.path), str(ledger.tmp_path), str(ledger.backup_path)}
     assert "no valid copy" in str(error)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-    with pytest.raises(sk.ManifestCorruptedError):
+    with pytest.raises(sk.LedgerCorruptedError):
         record(ledger, tmp_path, 0, 1)
-    with pytest.raises(sk.ManifestCorruptedError):
+    with pytest.raises(sk.LedgerCorruptedError):
         ledger.initialize()
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     assert before == after  # nothing was overwritten
     ledger.initialize(overwrite=True)
-    assert ledger.get_global_progress()["total_batches"] == 0
+    assert ledger.progress()["total_batches"] == 0
 
 
 def test_a_valid_tmp_with_a_higher_sequence_wins(tmp_path: Path) -> None:
@@ -541,10 +565,10 @@ def test_a_valid_tmp_with_a_higher_sequence_wins(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
     old_primary = ledger.backup_path.read_bytes()  # the version before the update
-    newest = ledger.manifest_path.read_bytes()
-    ledger.manifest_path.write_bytes(old_primary)
+    newest = ledger.path.read_bytes()
+    ledger.path.write_bytes(old_primary)
     ledger.tmp_path.write_bytes(newest)
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    assert ledger.resume_info(0)["resume_from_batch"] == 1
     record(ledger, tmp_path, 0, 1)
     assert not ledger.tmp_path.exists()
     assert [c.batch_idx for c in ledger.read().shards["0"].checkpoints] == [0, 1]
@@ -556,16 +580,16 @@ def test_a_newer_minor_version_is_read_only_and_another_major_is_refused(tmp_pat
     ledger = make_ledger(tmp_path)
     state = ledger.read()
     state.version = "2.1"
-    ledger.manifest_path.write_bytes(encode_state(state))
-    assert ledger.get_global_progress()["total_shards"] == 4
+    ledger.path.write_bytes(encode_state(state))
+    assert ledger.progress()["total_shards"] == 4
     with pytest.raises(sk.LedgerError, match="read-only here"):
         ledger.mark_shard_complete(0)
     state.version = "3.0"
     state.sequence += 10
-    ledger.manifest_path.write_bytes(encode_state(state))
+    ledger.path.write_bytes(encode_state(state))
     with pytest.raises(sk.LedgerError, match=r"schema version 3\.0 is not supported") as caught:
         ledger.read()
-    assert not isinstance(caught.value, sk.ManifestCorruptedError)  # an older copy never replaces it
+    assert not isinstance(caught.value, sk.LedgerCorruptedError)  # an older copy never replaces it
     with pytest.raises(sk.LedgerError, match=r"3\.0"):
         ledger.mark_shard_complete(0)
 
@@ -591,25 +615,27 @@ def test_a_held_lock_times_out_with_a_typed_error(tmp_path: Path) -> None:
         with pytest.raises(LedgerLockTimeoutError, match="held by another process"):
             ledger.mark_shard_complete(0)
         assert time.monotonic() - started < 5
-        assert ledger.get_global_progress()["completed"] == 0  # reads need no lock
+        assert ledger.progress()["completed"] == 0  # reads need no lock
     finally:
         release.set()
         holder.join(10)
     ledger.mark_shard_complete(0)  # the holder exited: the kernel released its lock
-    assert ledger.get_completed_shards() == [0]
+    assert ledger.completed_shards() == [0]
 
 
-class _PausedWrite(_LedgerFiles):
+class _PausedWrite(LocalFS):
     """Writes pause until the test lets them go, so the test can look at the lock mid-update."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def write(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         self.entered.set()
         assert self.release.wait(30)
-        super().write(path, data)
+        super().write_new_file(path, data, mode=mode)
 
 
 def _descriptors_of(inode: tuple[int, int], but: int) -> list[int]:
@@ -631,7 +657,6 @@ def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: 
     older shardkeep, or a filesystem that cannot lock the directory, opens the new file)."""
     ledger = make_ledger(tmp_path, lock_timeout=30)
     files = _PausedWrite()
-    ledger._files = files
     holder = os.open(ledger.lock_path, os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
     held = os.fstat(holder)
@@ -644,28 +669,29 @@ def test_a_lock_file_deleted_while_a_writer_waits_is_not_held_in_vain(tmp_path: 
             errors.append(exc)
 
     writer = threading.Thread(target=update)
-    writer.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not _descriptors_of((held.st_dev, held.st_ino), but=holder):
-            assert time.monotonic() < deadline, "the writer never opened the lock file"
-            time.sleep(0.01)
-        os.unlink(ledger.lock_path)  # while the writer waits on it
-        fcntl.flock(holder, fcntl.LOCK_UN)
-        os.close(holder)
-        assert files.entered.wait(10), errors
-        # The writer is inside its update: the lock file at the path must be locked by it.
-        probe = os.open(ledger.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    with localfs.using(files):
+        writer.start()
         try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            deadline = time.monotonic() + 10
+            while not _descriptors_of((held.st_dev, held.st_ino), but=holder):
+                assert time.monotonic() < deadline, "the writer never opened the lock file"
+                time.sleep(0.01)
+            os.unlink(ledger.lock_path)  # while the writer waits on it
+            fcntl.flock(holder, fcntl.LOCK_UN)
+            os.close(holder)
+            assert files.entered.wait(10), errors
+            # The writer is inside its update: the lock file at the path must be locked by it.
+            probe = os.open(ledger.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(probe)
         finally:
-            os.close(probe)
-    finally:
-        files.release.set()
-        writer.join(30)
+            files.release.set()
+            writer.join(30)
     assert not errors
-    assert ledger.get_completed_shards() == [0]
+    assert ledger.completed_shards() == [0]
 
 
 def test_the_lock_path_must_be_a_regular_file(tmp_path: Path) -> None:
@@ -708,16 +734,16 @@ def test_special_files_as_ledger_copies_are_problems_not_hangs(tmp_path: Path) -
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)  # now there is a .backup
     sequence = ledger.read().sequence
-    os.unlink(ledger.manifest_path)
-    os.mkfifo(ledger.manifest_path)  # a read of it would block forever
+    os.unlink(ledger.path)
+    os.mkfifo(ledger.path)  # a read of it would block forever
     assert ledger.read().sequence == sequence - 1  # recovered from .backup
     target = tmp_path / "other.json"
     os.rename(ledger.backup_path, target)
     os.symlink(target, ledger.backup_path)
-    with pytest.raises(sk.ManifestCorruptedError) as caught:
+    with pytest.raises(sk.LedgerCorruptedError) as caught:
         ledger.read()
     assert caught.value.problems == {
-        str(ledger.manifest_path): "is a FIFO, not a regular file",
+        str(ledger.path): "is a FIFO, not a regular file",
         str(ledger.backup_path): "is a symlink, which is never followed",
     }
 
@@ -730,7 +756,7 @@ def test_a_directory_as_the_ledger_path_is_named_as_such(tmp_path: Path) -> None
         sk.LedgerError, match=rf"{re.escape(str(job))} is a directory; .* e\.g\. .*job/progress\.json"
     ) as caught:
         ledger.read()
-    assert not isinstance(caught.value, sk.ManifestCorruptedError)
+    assert not isinstance(caught.value, sk.LedgerCorruptedError)
     ProgressLedger(job / "progress.json", 2).initialize()
     with pytest.raises(sk.LedgerError, match=r"did you mean .*job/progress\.json\?"):
         ledger.reassign_shard(0, 1)
@@ -750,9 +776,9 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
     assert filesystem_type("/scratchpad/x", mountinfo) == "ext4"
     assert filesystem_type(tmp_path) is not None  # this machine's /proc/self/mountinfo parses
 
-    import shardkeep.ledger as ledger_module
+    import shardkeep.ledger.lock as lock_module
 
-    monkeypatch.setattr(ledger_module, "filesystem_type", lambda path, mountinfo=None: "nfs4")
+    monkeypatch.setattr(lock_module, "filesystem_type", lambda path, mountinfo=None: "nfs4")
     ledger = ProgressLedger(tmp_path / "progress.json", 1)
     with pytest.warns(LedgerLockWarning, match="nfs4 filesystem, where file locks may not exclude"):
         ledger.initialize()
@@ -763,7 +789,7 @@ def test_network_filesystems_are_detected_and_warned_about(tmp_path: Path, monke
 # kill -9 at every file operation of an update
 
 
-class _KillAt(_LedgerFiles):
+class _KillAt(LocalFS):
     """Counts the file operations of an update and kills the process before the chosen one (or,
     with ``torn``, halfway through the chosen write)."""
 
@@ -779,34 +805,35 @@ class _KillAt(_LedgerFiles):
             os.kill(os.getpid(), signal.SIGKILL)
         return reached
 
-    def remove(self, path: str) -> None:
+    def remove_tree(self, path: str) -> bool:
         self._reached()
-        super().remove(path)
+        return super().remove_tree(path)
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, destination: str) -> None:
         self._reached()
-        super().link(source, target)
+        super().link(source, destination)
 
-    def write(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         if self._reached():
             with open(path, "wb") as handle:
                 handle.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        super().write(path, data)
+        super().write_new_file(path, data, mode=mode)
 
-    def rename(self, source: str, target: str) -> None:
+    def replace(self, source: str, destination: str) -> None:
         self._reached()
-        super().rename(source, target)
+        super().replace(source, destination)
 
-    def sync_dir(self, directory: str) -> None:
+    def fsync_directory(self, path: str) -> None:
         self._reached()
-        super().sync_dir(directory)
+        super().fsync_directory(path)
 
 
 def _update_and_die(path: str, kill_at: int, torn: bool, action: Callable[[ProgressLedger], None]) -> None:
-    ledger = ProgressLedger(path)
-    ledger._files = _KillAt(kill_at, torn=torn)
-    action(ledger)
+    with localfs.using(_KillAt(kill_at, torn=torn)):
+        action(ProgressLedger(path))
     os._exit(0)
 
 
@@ -816,23 +843,23 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
     record(ledger, tmp_path, 0, 0)
     if start == "primary_corrupted":
         record(ledger, tmp_path, 1, 0)
-        _corrupt(ledger.manifest_path)  # the backup (shard 0 at batch 0) is the newest valid copy
+        _corrupt(ledger.path)  # the backup (shard 0 at batch 0) is the newest valid copy
     elif start == "primary_missing":
         record(ledger, tmp_path, 1, 0)
-        ledger.manifest_path.unlink()
+        ledger.path.unlink()
     elif start == "tmp_newer":
         # A writer died after fsyncing its .tmp: that version (shard 1 at batch 0) is the newest.
         record(ledger, tmp_path, 1, 0)
-        os.replace(ledger.manifest_path, ledger.tmp_path)
-        os.link(ledger.backup_path, ledger.manifest_path)
+        os.replace(ledger.path, ledger.tmp_path)
+        os.link(ledger.backup_path, ledger.path)
     name = batch_file(tmp_path, 0, 1)
-    shard_1_before = [c.batch_idx for c in ProgressLedger(ledger.manifest_path).read().shards["1"].checkpoints]
+    shard_1_before = [c.batch_idx for c in ProgressLedger(ledger.path).read().shards["1"].checkpoints]
     assert shard_1_before == ([0] if start == "tmp_newer" else [])
 
     def update(target: ProgressLedger) -> None:
         target.update_shard_checkpoint(0, 1, 10, name)
 
-    copies = (ledger.manifest_path, ledger.tmp_path, ledger.backup_path)
+    copies = (ledger.path, ledger.tmp_path, ledger.backup_path)
     snapshot = {path: path.read_bytes() for path in copies if path.exists()}
 
     def roll_back() -> None:
@@ -842,9 +869,8 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
             path.write_bytes(data)
 
     counter = _KillAt(-1)
-    ledger._files = counter
-    update(ledger)
-    ledger._files = _LedgerFiles()
+    with localfs.using(counter):
+        update(ledger)
     roll_back()
     operations = counter.count
     if start == "clean":
@@ -857,7 +883,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
     skipped = 0
     points = [(index, False) for index in range(operations)] + [(index, True) for index in range(operations)]
     for kill_at, torn in points:
-        child = context.Process(target=_update_and_die, args=(str(ledger.manifest_path), kill_at, torn, update))
+        child = context.Process(target=_update_and_die, args=(str(ledger.path), kill_at, torn, update))
         child.start()
         child.join(30)
         if torn and child.exitcode == 0:
@@ -865,7 +891,7 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
             skipped += 1
             continue  # that operation is not a write
         assert child.exitcode == -signal.SIGKILL, (kill_at, child.exitcode)
-        state = ProgressLedger(ledger.manifest_path).read()  # always readable
+        state = ProgressLedger(ledger.path).read()  # always readable
         batches = [c.batch_idx for c in state.shards["0"].checkpoints]
         assert batches in ([0], [0, 1]), (kill_at, batches)
         # What the starting state had is never lost.
@@ -875,10 +901,10 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
         else:
             present.append(batches == [0, 1])
         # The next writer repairs whatever was left, then the update goes through.
-        repaired = ProgressLedger(ledger.manifest_path)
+        repaired = ProgressLedger(ledger.path)
         repaired.update_shard_checkpoint(0, 1, 10, name)
         assert [c.batch_idx for c in repaired.read().shards["0"].checkpoints] == [0, 1]
-        assert checked_sequence(ledger.manifest_path.read_bytes()) == repaired.read().sequence
+        assert checked_sequence(ledger.path.read_bytes()) == repaired.read().sequence
         assert not ledger.tmp_path.exists(), kill_at
         roll_back()
     kills = len(present) + sum(1 for kill_at, torn in points if torn) - skipped
@@ -895,17 +921,20 @@ def test_kill_at_every_operation_of_an_update_leaves_old_or_new(tmp_path: Path, 
 def test_storage_errors_leave_the_previous_version(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FailingWrite(_LedgerFiles):
-        def write(self, path: str, data: bytes) -> None:
+    class FailingWrite(LocalFS):
+        def write_new_file(
+            self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+        ) -> None:
             raise OSError(28, "No space left on device")
 
-    ledger._files = FailingWrite()
-    with pytest.raises(StorageError, match="No space left on device; the previous version is intact"):
+    with (
+        pytest.raises(StorageError, match="No space left on device; the previous version is intact"),
+        localfs.using(FailingWrite()),
+    ):
         record(ledger, tmp_path, 0, 0)
-    ledger._files = _LedgerFiles()
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 0
+    assert ledger.resume_info(0)["resume_from_batch"] == 0
     record(ledger, tmp_path, 0, 0)
-    assert ledger.get_resume_info(0)["resume_from_batch"] == 1
+    assert ledger.resume_info(0)["resume_from_batch"] == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -928,62 +957,60 @@ def _reseal(raw: bytes) -> bytes:
 def test_a_failed_fsync_never_leaves_a_tmp_that_is_adopted(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class FsyncFails(_LedgerFiles):
-        def write(self, path: str, data: bytes) -> None:
+    class FsyncFails(LocalFS):
+        def write_new_file(
+            self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+        ) -> None:
             with open(path, "xb") as handle:
                 handle.write(data)  # the bytes are there; only the fsync fails
             raise OSError(5, "Input/output error")
 
-    ledger._files = FsyncFails()
-    with pytest.raises(StorageError, match="the previous version is intact"):
+    with pytest.raises(StorageError, match="the previous version is intact"), localfs.using(FsyncFails()):
         ledger.mark_shard_failed(0, "oom")
     assert not ledger.tmp_path.exists()
-    assert ledger.get_shard_status(0)["retry_count"] == 0  # type: ignore[index]
-    ledger._files = _LedgerFiles()
+    assert ledger.shard_status(0)["retry_count"] == 0  # type: ignore[index]
     ledger.mark_shard_failed(0, "oom")  # the caller's retry counts once
-    assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
+    assert ledger.shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
 
 def test_a_failed_directory_fsync_says_the_outcome_is_uncertain(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
 
-    class DirectorySyncFails(_LedgerFiles):
-        def sync_dir(self, directory: str) -> None:
+    class DirectorySyncFails(LocalFS):
+        def fsync_directory(self, path: str) -> None:
             raise OSError(5, "Input/output error")
 
-    ledger._files = DirectorySyncFails()
-    with pytest.raises(StorageError, match="re-read the ledger before retrying"):
+    with pytest.raises(StorageError, match="re-read the ledger before retrying"), localfs.using(DirectorySyncFails()):
         ledger.mark_shard_failed(0, "oom")
-    ledger._files = _LedgerFiles()
-    assert ledger.get_shard_status(0)["retry_count"] == 1  # type: ignore[index]
+    assert ledger.shard_status(0)["retry_count"] == 1  # type: ignore[index]
 
 
 def test_a_newer_minor_version_with_new_fields_is_never_replaced_by_an_older_copy(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
     record(ledger, tmp_path, 0, 0)
-    raw = ledger.manifest_path.read_bytes()
+    raw = ledger.path.read_bytes()
     newer = _reseal(
         raw.replace(b'"version":"2.0"', b'"version":"2.1"').replace(
             b'"status":"in_progress"', b'"status":"in_progress","priority":5', 1
         )
     )
-    ledger.manifest_path.write_bytes(newer)
+    ledger.path.write_bytes(newer)
     with pytest.raises(sk.LedgerError, match=r"schema version 2\.1\) has fields or values this shardkeep"):
-        ledger.get_global_progress()
+        ledger.progress()
     with pytest.raises(sk.LedgerError, match=r"2\.1"):
         record(ledger, tmp_path, 0, 1)
     with pytest.raises(sk.LedgerError, match=r"2\.1"):
         ledger.initialize(input_fingerprint="x")
-    assert ledger.manifest_path.read_bytes() == newer
+    assert ledger.path.read_bytes() == newer
 
 
 def test_a_checksummed_file_with_a_bad_timestamp_is_a_typed_error(tmp_path: Path) -> None:
     ledger = make_ledger(tmp_path)
-    raw = ledger.manifest_path.read_bytes()
+    raw = ledger.path.read_bytes()
     broken = _reseal(re.sub(rb'"created_at":"[^"]+"', b'"created_at":"yesterday"', raw))
-    ledger.manifest_path.write_bytes(broken)
-    with pytest.raises(sk.ManifestCorruptedError, match="created_at"):
-        ledger.get_global_progress()
+    ledger.path.write_bytes(broken)
+    with pytest.raises(sk.LedgerCorruptedError, match="created_at"):
+        ledger.progress()
 
 
 def test_odd_file_arguments_are_typed_errors(tmp_path: Path) -> None:
@@ -1014,7 +1041,7 @@ def test_a_claimed_shard_that_records_nothing_becomes_stale(tmp_path: Path) -> N
 # Power loss: a simulated disk that keeps only what was fsynced
 
 
-class PowerLossFiles(_LedgerFiles):
+class PowerLossFiles(LocalFS):
     """Performs every operation for real and models what a power cut would keep: a file's data
     only once fsynced, directory entries (creates, links, renames, removals) only once the
     directory is fsynced. ``skip`` removes one kind of fsync (the mutation check)."""
@@ -1039,31 +1066,34 @@ class PowerLossFiles(_LedgerFiles):
             raise _PowerCut
         self.operations += 1
 
-    def remove(self, path: str) -> None:
+    def remove_tree(self, path: str) -> bool:
         self._step()
-        super().remove(path)
+        removed = super().remove_tree(path)
         self.current.pop(os.path.basename(path), None)
+        return removed
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, destination: str) -> None:
         self._step()
-        super().link(source, target)
-        self.current[os.path.basename(target)] = self.current[os.path.basename(source)]
+        super().link(source, destination)
+        self.current[os.path.basename(destination)] = self.current[os.path.basename(source)]
 
-    def write(self, path: str, data: bytes) -> None:
+    def write_new_file(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, mode: int = 0o644
+    ) -> None:
         self._step()
-        super().write(path, data)
+        super().write_new_file(path, data, mode=mode)
         inode = os.stat(path).st_ino
-        self.inodes[inode] = None if self.skip == "file" else data
-        self.current[os.path.basename(path)] = inode
+        self.inodes[inode] = None if self.skip == "file" else bytes(data)
+        self.current[os.path.basename(os.fspath(path))] = inode
 
-    def rename(self, source: str, target: str) -> None:
+    def replace(self, source: str, destination: str) -> None:
         self._step()
-        super().rename(source, target)
-        self.current[os.path.basename(target)] = self.current.pop(os.path.basename(source))
+        super().replace(source, destination)
+        self.current[os.path.basename(destination)] = self.current.pop(os.path.basename(source))
 
-    def sync_dir(self, directory: str) -> None:
+    def fsync_directory(self, path: str) -> None:
         self._step()
-        super().sync_dir(directory)
+        super().fsync_directory(path)
         if self.skip != "directory":
             self.durable = dict(self.current)
 
@@ -1089,16 +1119,17 @@ def _power_loss_violations(tmp_path: Path, skip: str | None) -> tuple[int, int]:
     while True:
         directory = tmp_path / f"{skip}-{crash_at}"
         directory.mkdir()
-        ledger = make_ledger(directory, 1)
+        make_ledger(directory, 1)
         names = [batch_file(directory, 0, batch) for batch in range(3)]
         files = PowerLossFiles(directory, skip)
         files.crash_at = crash_at
-        ledger._files = files
+        ledger = ProgressLedger(directory / "progress.json")
         returned = []
         try:
-            for batch, name in enumerate(names):
-                ledger.update_shard_checkpoint(0, batch, 1, name)
-                returned.append(batch)
+            with localfs.using(files):
+                for batch, name in enumerate(names):
+                    ledger.update_shard_checkpoint(0, batch, 1, name)
+                    returned.append(batch)
         except _PowerCut:
             pass
         if files.crash_at is not None and files.operations < crash_at:
@@ -1142,7 +1173,7 @@ def test_the_golden_ledger_reads_and_accepts_updates(tmp_path: Path) -> None:
     assert state.world_size == 2 and state.input_fingerprint == "golden-input"
     assert [c.batch_idx for c in state.shards["0"].checkpoints] == [0, 1]
     assert state.shards["0"].total_sequences == 22
-    assert ledger.get_resume_points() == {0: 2, 1: 0}
+    assert ledger.resume_points() == {0: 2, 1: 0}
     (directory / "batch_2.bin").write_bytes(b"2")
     ledger.update_shard_checkpoint(0, 2, 5, "batch_2.bin")
     assert ledger.read().shards["0"].total_sequences == 27

@@ -37,7 +37,7 @@ def ledger(tmp_path: Path) -> ProgressLedger:
 
 
 def test_status_prints_a_table_with_totals_and_markers(ledger: ProgressLedger) -> None:
-    code, out, _ = run("ledger", "status", str(ledger.manifest_path))
+    code, out, _ = run("ledger", "status", str(ledger.path))
     assert code == 0
     lines = out.splitlines()
     assert "sequence 11" in lines[0]  # initialize + 10 changes
@@ -57,18 +57,18 @@ def test_status_prints_a_table_with_totals_and_markers(ledger: ProgressLedger) -
 
 
 def test_status_marks_stale_shards_with_a_threshold(ledger: ProgressLedger) -> None:
-    code, out, _ = run("ledger", "status", str(ledger.manifest_path), "--stale-after", "0.000001")
+    code, out, _ = run("ledger", "status", str(ledger.path), "--stale-after", "0.000001")
     assert code == 0
     rows = {int(line.split()[0]): line for line in out.splitlines()[3:7]}
     assert rows[0].rstrip().endswith("STALE")
     assert "STALE" not in rows[3]  # no batch yet: not stale
     assert "1 stale" in out
-    _, out, _ = run("ledger", "status", str(ledger.manifest_path), "--max-retries", "4")
+    _, out, _ = run("ledger", "status", str(ledger.path), "--max-retries", "4")
     assert "ORPHANED" not in out
 
 
 def test_status_json(ledger: ProgressLedger) -> None:
-    code, out, _ = run("ledger", "status", str(ledger.manifest_path), "--json")
+    code, out, _ = run("ledger", "status", str(ledger.path), "--json")
     assert code == 0
     document = json.loads(out)
     assert document["progress"]["orphaned_shards"] == [2]
@@ -77,18 +77,18 @@ def test_status_json(ledger: ProgressLedger) -> None:
 
 
 def test_reassign(ledger: ProgressLedger) -> None:
-    code, out, _ = run("ledger", "reassign", str(ledger.manifest_path), "2", "3")
+    code, out, _ = run("ledger", "reassign", str(ledger.path), "2", "3")
     assert code == 0
     assert out == "shard 2 (original rank 2): worker 2 -> 3\n"
-    status = ledger.get_shard_status(2)
+    status = ledger.shard_status(2)
     assert status is not None
     assert (status["original_rank"], status["assigned_rank"], status["status"]) == (2, 3, "in_progress")
-    _, out, _ = run("ledger", "status", str(ledger.manifest_path))
+    _, out, _ = run("ledger", "status", str(ledger.path))
     assert "reassigned 2->3" in out
-    code, _, err = run("ledger", "reassign", str(ledger.manifest_path), "1", "0")
+    code, _, err = run("ledger", "reassign", str(ledger.path), "1", "0")
     assert code == 2
     assert "shard 1 is complete" in err
-    code, _, err = run("ledger", "reassign", str(ledger.manifest_path), "7", "0")
+    code, _, err = run("ledger", "reassign", str(ledger.path), "7", "0")
     assert code == 2
     assert "unknown shard 7" in err
 
@@ -97,9 +97,9 @@ def test_unreadable_ledgers_exit_2_with_the_reason(tmp_path: Path, ledger: Progr
     code, _, err = run("ledger", "status", str(tmp_path / "missing.json"))
     assert code == 2
     assert "no progress ledger" in err
-    for copy in (ledger.manifest_path, ledger.backup_path):
+    for copy in (ledger.path, ledger.backup_path):
         copy.write_bytes(b"{garbage")
-    code, _, err = run("ledger", "status", str(ledger.manifest_path))
+    code, _, err = run("ledger", "status", str(ledger.path))
     assert code == 2
     assert "no valid copy" in err
 
@@ -114,19 +114,19 @@ def test_a_directory_is_named_as_one_with_the_file_expected_in_it(tmp_path: Path
     assert "corrupted" not in err
     code, _, err = run("ledger", "status", str(tmp_path))  # the job's directory instead of its ledger
     assert code == 2
-    assert f"did you mean {ledger.manifest_path}?" in err
+    assert f"did you mean {ledger.path}?" in err
     code, _, err = run("ledger", "reassign", str(tmp_path), "2", "3")
     assert code == 2
     assert "is a directory" in err
     assert not Path(f"{tmp_path}.lock").exists()  # no lock file created next to the directory
-    assert ledger.get_shard_status(2)["assigned_rank"] == 2  # type: ignore[index]
+    assert ledger.shard_status(2)["assigned_rank"] == 2  # type: ignore[index]
 
 
 def test_help_and_no_torch(ledger: ProgressLedger) -> None:
     program = (
         "import sys\n"
         "from shardkeep.cli import main\n"
-        f"code = main(['ledger', 'status', {str(ledger.manifest_path)!r}])\n"
+        f"code = main(['ledger', 'status', {str(ledger.path)!r}])\n"
         "assert 'torch' not in sys.modules\n"
         "sys.exit(code)\n"
     )

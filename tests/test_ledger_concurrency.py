@@ -123,7 +123,7 @@ def test_eight_writers_and_readers_lose_nothing(tmp_path: Path) -> None:
     assert reads > 0
     state = ledger.read()
     assert state.sequence == 1 + WRITERS * updates
-    assert ledger.get_global_progress()["total_sequences_checkpointed"] == WRITERS * updates
+    assert ledger.progress()["total_sequences_checkpointed"] == WRITERS * updates
 
 
 def test_without_the_lock_updates_are_lost(tmp_path: Path) -> None:
@@ -250,7 +250,7 @@ def test_deleting_the_lock_file_while_writers_run_loses_nothing(tmp_path: Path) 
 
 @pytest.mark.parametrize("variant", ["lock-file-only", "checked-lock-file"])
 def test_deleting_the_lock_file_defeats_a_lock_on_the_file_alone(tmp_path: Path, variant: str) -> None:
-    """The controls: under the same attack, the lock as it was before (an ``flock`` on whatever
+    """The controls: under the same attack, a lock on the file alone (an ``flock`` on whatever
     file is at the lock path) loses updates, and so does that lock with a check after locking
     that it is still the file at the path, without the lock on the directory. So the test above
     can fail, and the directory lock is what makes it pass."""

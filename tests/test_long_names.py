@@ -242,9 +242,9 @@ def test_a_progress_ledger_and_its_batch_files_under_long_names(tmp_path: Path) 
     ledger.update_shard_checkpoint(0, 0, 10, str(batch))
     ledger.update_shard_checkpoint(0, 1, 10, str(second))  # updates go through .tmp and .backup copies
     ledger.mark_shard_complete(0)
-    archived = ledger.archive_manifest(tmp_path / "archive")
+    archived = ledger.archive(tmp_path / "archive")
     assert len(archived.name.encode()) <= 255 and archived.name.endswith("_final.json")
-    assert sk.ProgressLedger(archived).get_global_progress()["completed"] == 1
+    assert sk.ProgressLedger(archived).progress()["completed"] == 1
     assert ledger.cleanup_checkpoints(keep_final_only=False) == 2
     assert os.listdir(tmp_path / "shard_0") == []
     with pytest.raises(sk.UnsafePathError, match="256 bytes"):

@@ -51,8 +51,8 @@ from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
-    from shardkeep.batches import iter_batches, load_batch, save_batch
     from shardkeep.lazy import LazyTensor
+    from shardkeep.ledger.batches import iter_batches, load_batch, save_batch
     from shardkeep.manager import CheckpointManager, PendingSave, Restored
     from shardkeep.training import TrainingCheckpoint
 
@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 _LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
-_LAZY.update({name: "shardkeep.batches" for name in ("save_batch", "load_batch", "iter_batches")})
+_LAZY.update({name: "shardkeep.ledger.batches" for name in ("save_batch", "load_batch", "iter_batches")})
 _LAZY["LazyTensor"] = "shardkeep.lazy"
 _LAZY["TrainingCheckpoint"] = "shardkeep.training"
 _LAZY.update({name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored")})

@@ -15,9 +15,11 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from shardkeep.errors import ShardkeepError
 from shardkeep.ledger import ProgressLedger
+from shardkeep.ledger.lock import LedgerLock
 
 
 class UnlockedLedger(ProgressLedger):
@@ -42,13 +44,21 @@ class LockFileOnlyLedger(ProgressLedger):
             os.close(descriptor)
 
 
+class _FileOnlyLock(LedgerLock):
+    """The ledger's lock without its lock on the directory."""
+
+    def _lock_directory(self, deadline: float | None, timeout: float | None) -> int | None:
+        return None
+
+
 class CheckedLockFileLedger(ProgressLedger):
     """The second control: the lock file checked after locking (still the file at the path), but
     without the lock on the directory. The check cannot help a holder whose lock file is deleted
     while it holds it: the next writer creates and locks a new one."""
 
-    def _lock_directory(self, deadline: float | None) -> int | None:
-        return None
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)
+        self._lock = _FileOnlyLock(self.path, self.lock_path)
 
 
 LEDGERS: dict[str, type[ProgressLedger]] = {
@@ -65,7 +75,7 @@ def writer(path: str, shard: int, updates: int, log_path: str, variant: str = "l
     the real ledger never may, so there an error ends the process."""
     ledger = LEDGERS[variant](path, lock_timeout=120)
     batch_file = f"shard_{shard}/result.bin"
-    start = ledger.get_resume_info(shard)["resume_from_batch"] if variant == "locked" else 0
+    start = ledger.resume_info(shard)["resume_from_batch"] if variant == "locked" else 0
     with open(log_path, "a", encoding="utf-8") as log:
         for batch in range(start, updates):
             try:
@@ -86,7 +96,7 @@ def reader(path: str, stop_path: str, report_path: str) -> None:
     examples: list[str] = []
     while not os.path.exists(stop_path):
         try:
-            progress = ledger.get_global_progress()
+            progress = ledger.progress()
         except Exception as exc:  # every failure counts, whatever its type
             failures += 1
             if len(examples) < 5:
