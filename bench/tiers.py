@@ -114,11 +114,19 @@ def one_repetition(
         fsync_tree(str(here / "dcp"))
 
     def sk_full() -> None:  # trust_versions records each file's proof: a few µs per tensor
-        sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True, trust_versions=True)
+        sk.save(
+            state,
+            root / "step_00000001",
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=sk.Incremental(trust_versions=True),
+        )
 
     def sk_incremental() -> None:
         manifest = sk.save(
-            state, root / "step_00000002", tiers=tiers, placement=RULES, incremental=root / "step_00000001"
+            state,
+            root / "step_00000002",
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=root / "step_00000001",
         )
         written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
 
@@ -126,10 +134,8 @@ def one_repetition(
         manifest = sk.save(
             state,
             root / "step_00000003",
-            tiers=tiers,
-            placement=RULES,
-            incremental=root / "step_00000001",
-            trust_versions=True,
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=sk.Incremental(base=root / "step_00000001", trust_versions=True),
         )
         trusted_written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
 

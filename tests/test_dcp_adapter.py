@@ -274,7 +274,7 @@ def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path) -> None:
     with pytest.raises(sk.SignatureError):
         ShardkeepReader(path, public_key=Ed25519PrivateKey.generate().public_key())
     with pytest.raises(sk.UnsupportedValueError, match="cryptographic"):
-        ShardkeepWriter(tmp_path / "weak", signer=key, digest="xxh3-128")
+        ShardkeepWriter(tmp_path / "weak", signer=key, options=sk.WriteOptions(digest="xxh3-128"))
 
 
 # -- non-tensor values: JSON, never an unpickled byte from storage by default -----------------
@@ -305,7 +305,11 @@ def test_a_hostile_checkpoint_that_verifies_is_refused_and_runs_nothing(tmp_path
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     # A plain sk.save checkpoint, unsigned, that claims its uint8 tensor is one of DCP's items.
     hostile = tmp_path / "hostile"
-    sk.save({"w": torch.ones(2), "step": payload}, hostile, custom_fields={"dcp": {"bytes": ["step"]}})
+    sk.save(
+        {"w": torch.ones(2), "step": payload},
+        hostile,
+        fields=sk.ManifestFields(custom_fields={"dcp": {"bytes": ["step"]}}),
+    )
     assert sk.verify(hostile).ok
     with pytest.raises(sk.UnsupportedValueError, match=r"'step'.*unpickle.*trust_pickle=True"):
         ShardkeepReader(hostile)

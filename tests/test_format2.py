@@ -412,7 +412,9 @@ def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> No
 def _save_on_tiers(rank: int, world_size: int, root: str) -> str:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=f"{root}/cold")]
     rules = [("model.col", "cold"), ("model.w", "cold"), ("*", "hot")]
-    return sk.save(_state(world_size), f"{root}/main/step_00000001", tiers=tiers, placement=rules).metadata_version
+    return sk.save(
+        _state(world_size), f"{root}/main/step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=rules)
+    ).metadata_version
 
 
 def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) -> None:

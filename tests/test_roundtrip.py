@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import shardkeep as sk
 from conftest import make_state, tree_listing
 from shardkeep.io import ByteBudget
+from shardkeep.saving import SaveSettings, run_save
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.shardfile import header_form
 
@@ -255,7 +256,7 @@ def test_unsupported_values_are_refused_with_their_key(tmp_path: Path) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="state must be a mapping"):
         sk.save([torch.zeros(1)], tmp_path / "e")  # type: ignore[arg-type]  # deliberately wrong type
     with pytest.raises(sk.UnsupportedValueError, match="digest"):
-        sk.save({"x": torch.zeros(1)}, tmp_path / "f", digest="md5")
+        sk.save({"x": torch.zeros(1)}, tmp_path / "f", options=sk.WriteOptions(digest="md5"))
     cycle: dict[str, Any] = {}
     cycle["self"] = [cycle, torch.zeros(1)]
     with pytest.raises(sk.UnsupportedValueError, match="deeper"):
@@ -276,7 +277,7 @@ def test_saving_onto_a_committed_checkpoint_raises_and_changes_nothing(tmp_path:
 
 @pytest.mark.parametrize("digest", ["blake3", "xxh3-128", "sha256"])
 def test_digest_algorithm_is_selectable_and_recorded(tmp_path: Path, digest: str) -> None:
-    manifest = sk.save({"x": torch.arange(10)}, tmp_path / "ckpt", digest=digest)
+    manifest = sk.save({"x": torch.arange(10)}, tmp_path / "ckpt", options=sk.WriteOptions(digest=digest))
     assert manifest.digest_algorithm == digest
     assert all(record.digest and record.digest.startswith(digest + ":") for record in manifest.files)
     assert sk.read_manifest(tmp_path / "ckpt").files[0].digest == manifest.files[0].digest
@@ -288,7 +289,7 @@ def test_large_states_split_into_several_aligned_files(tmp_path: Path) -> None:
     state = {f"w{i}": torch.randn(256, 256) for i in range(8)}
     state.update({f"h{i}": torch.randn(100).half() for i in range(5)})
     state["flag"] = torch.tensor([True, False, True])
-    manifest = sk.save(state, tmp_path / "ckpt", file_size_target=600_000)
+    manifest = sk.save(state, tmp_path / "ckpt", options=sk.WriteOptions(file_size_target=600_000))
     assert len(manifest.files) >= 3
     assert manifest.sharding.shard_count == len(manifest.files)
     for record in manifest.files:
@@ -303,7 +304,12 @@ def test_large_states_split_into_several_aligned_files(tmp_path: Path) -> None:
 
 
 def test_manifest_records_absolute_offsets_and_training_fields(tmp_path: Path, state: dict[str, Any]) -> None:
-    manifest = sk.save(state, tmp_path / "ckpt", step=7, epoch=2, model_id="tiny-mlp", custom_fields={"run": "abc"})
+    manifest = sk.save(
+        state,
+        tmp_path / "ckpt",
+        step=7,
+        fields=sk.ManifestFields(model_id="tiny-mlp", epoch=2, custom_fields={"run": "abc"}),
+    )
     data = (tmp_path / "ckpt" / manifest.files[0].path).read_bytes()
     weight = state["model"][0].weight.detach()
     entry = next(e for e in manifest.files[0].tensors if e.key == "model.0.weight")
@@ -333,7 +339,7 @@ def test_byte_budget_bounds_copies_of_non_contiguous_tensors(tmp_path: Path) -> 
     big = torch.randn(2048, 1024).t()  # 8 MiB, non-contiguous: must be copied to be written
     small = {f"s{i}": torch.randn(64) for i in range(500)}
     budget = ByteBudget(2 << 20)
-    sk.save({"big": big, **small}, tmp_path / "ckpt", byte_budget=2 << 20, budget=budget)
+    run_save({"big": big, **small}, tmp_path / "ckpt", SaveSettings(byte_budget=2 << 20, budget=budget))
     assert 0 < budget.peak <= 2 << 20
     assert torch.equal(sk.load(tmp_path / "ckpt")["big"], big)
 
@@ -377,7 +383,7 @@ tensor = torch.ones(8192, 8192).t()  # 256 MiB, transposed: not contiguous
 save = sk.save  # import the saving modules before measuring
 store = LocalStore({str(tmp_path)!r}, direct_io={direct_io!r})
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-save({{"t": tensor}}, "ckpt", storage=store, byte_budget=16 << 20)
+save({{"t": tensor}}, "ckpt", storage=store, options=sk.WriteOptions(byte_budget=16 << 20))
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((after - before) // 1024, dict(store.write_paths))
 """

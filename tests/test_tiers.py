@@ -78,7 +78,7 @@ def test_placement_rules_put_each_tier_in_its_location(tmp_path: Path) -> None:
     cold = tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
     state = moe_state()
-    manifest = sk.save(state, tmp_path / "root" / "step_00000003", tiers=tiers, placement=RULES)
+    manifest = sk.save(state, tmp_path / "root" / "step_00000003", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     by_key = {entry.key: (record.tier, entry) for record in manifest.files for entry in record.tensors}
     assert by_key["model.layers.2.experts.3.w1"][0] == "cold"
     assert by_key["model.layers.2.experts.3.w1"][1].expert_key == [2, 2, 3]  # [tier, group (layer), expert]
@@ -105,7 +105,7 @@ def test_a_placement_callable_sees_kind_layer_and_section(tmp_path: Path) -> Non
         return "warm" if info.kind == "expert" and info.layer is not None and info.layer >= 2 else "hot"
 
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="warm"), sk.Tier(tier_id=3, name="cold")]
-    manifest = sk.save(moe_state(), tmp_path / "step_00000001", tiers=tiers, placement=place)
+    manifest = sk.save(moe_state(), tmp_path / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=place))
     tier_of = {entry.key: record.tier for record in manifest.files for entry in record.tensors}
     assert tier_of["model.layers.3.experts.0.w1"] == "warm"
     assert tier_of["model.layers.1.experts.0.w1"] == "hot"
@@ -118,9 +118,9 @@ def test_a_placement_callable_sees_kind_layer_and_section(tmp_path: Path) -> Non
 def test_bad_tier_definitions_and_rules_are_refused_by_name(tmp_path: Path) -> None:
     state = moe_state(layers=1, experts=1)
     with pytest.raises(ConfigError, match="unknown tier 'warm'"):
-        sk.save(state, tmp_path / "a", tiers=TIERS, placement=[("*", "warm")])
+        sk.save(state, tmp_path / "a", tiers=sk.TierPlan(tiers=TIERS, placement=[("*", "warm")]))
     with pytest.raises(ConfigError, match=r"no placement rule matches tensor 'model\.layers\.0\.attn\.weight'"):
-        sk.save(state, tmp_path / "b", tiers=TIERS, placement=[("*.experts.*", "cold")])
+        sk.save(state, tmp_path / "b", tiers=sk.TierPlan(tiers=TIERS, placement=[("*.experts.*", "cold")]))
     with pytest.raises(ConfigError, match="defined twice"):
         sk.save(state, tmp_path / "c", tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="hot")])
     with pytest.raises(ConfigError, match="placement_policy='lru'"):
@@ -154,7 +154,9 @@ def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
     root.mkdir()
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
     state = moe_state(layers=4, experts=8, width=64)
-    manifest = sk.save(state, "step_00000001", storage=LocalStore(root), tiers=tiers, placement=RULES)
+    manifest = sk.save(
+        state, "step_00000001", storage=LocalStore(root), tiers=sk.TierPlan(tiers=tiers, placement=RULES)
+    )
     hot_bytes = sum(r.size for r in manifest.files if r.tier == "hot")
     cold_bytes = sum(r.size for r in manifest.files if r.tier == "cold")
     assert cold_bytes > 5 * hot_bytes
@@ -179,7 +181,7 @@ def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
     cold_dir = tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
     state = moe_state(layers=2, experts=2)
-    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     cold = CountingStore(LocalStore(cold_dir))
     loaded = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True, tier_locations={"cold": cold})
     lazy = loaded["model"]["layers.1.experts.0.w1"]
@@ -238,7 +240,7 @@ def test_a_moved_tier_is_remapped_at_load(tmp_path: Path) -> None:
     old, new = tmp_path / "cold-old", tmp_path / "cold-new"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
     state = moe_state(layers=1, experts=2)
-    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     old.rename(new)
     report = sk.verify(tmp_path / "root" / "step_00000001")
     assert not report.ok and any("cold-old" in problem for problem in report.problems)
@@ -254,7 +256,10 @@ def test_tiers_split_between_a_local_directory_and_s3(tmp_path: Path, s3_root: t
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=bucket_root)]
     state = moe_state(layers=2, experts=4)
     manifest = sk.save(
-        state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES, storage_options=options
+        state,
+        tmp_path / "root" / "step_00000001",
+        options=sk.WriteOptions(storage_options=options),
+        tiers=sk.TierPlan(tiers=tiers, placement=RULES),
     )
     assert {r.tier for r in manifest.files} == {"hot", "cold"}
     local_files = [p for p in (tmp_path / "root" / "step_00000001").rglob("*") if p.is_file()]
@@ -291,7 +296,7 @@ def test_a_stale_file_is_reported_and_read_again(tmp_path: Path) -> None:
 def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp_path: Path) -> None:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold")]
     state = {"bufs": [torch.ones(3), torch.full((3,), 2.0)], "n": 1}
-    sk.save(state, tmp_path / "ckpt", tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")])
+    sk.save(state, tmp_path / "ckpt", tiers=sk.TierPlan(tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")]))
     target = {"bufs": [torch.zeros(3), torch.zeros(3)], "n": 0}
     kept = target["bufs"][1]
     sk.load(tmp_path / "ckpt", into=target, tiers={"hot"})
@@ -306,8 +311,7 @@ def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp
     sk.save(
         {"model": model, "optim": optimizer},
         tmp_path / "opt",
-        tiers=tiers,
-        placement=[("*exp_avg_sq", "cold"), ("*", "hot")],
+        tiers=sk.TierPlan(tiers=tiers, placement=[("*exp_avg_sq", "cold"), ("*", "hot")]),
     )
     with pytest.raises(sk.UnsupportedValueError, match="optimizer state"):
         sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, tiers={"hot"})
@@ -331,7 +335,9 @@ def test_a_manager_restores_from_a_moved_tier_with_tier_locations(tmp_path: Path
     old, new = tmp_path / "cold-old", tmp_path / "cold-new"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
     state = moe_state(layers=1, experts=2)
-    sk.CheckpointManager(tmp_path / "root", keep_best=0, tiers=tiers, placement=RULES).save(state, step=1)
+    sk.CheckpointManager(tmp_path / "root", keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES)).save(
+        state, step=1
+    )
     old.rename(new)
     with pytest.raises(sk.IntegrityError, match="cold"):
         sk.CheckpointManager(tmp_path / "root", keep_best=0, read_only=True).restore()
@@ -354,14 +360,18 @@ class _DiesAtTheCommit(LocalStore):
 def _crashing_save(root: str, cold: str, run_id: str) -> None:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)]
     storage = _DiesAtTheCommit(root)
-    manager = sk.CheckpointManager(root, keep_best=0, storage=storage, tiers=tiers, placement=RULES, run_id=run_id)
+    manager = sk.CheckpointManager(
+        root, keep_best=0, storage=storage, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id=run_id
+    )
     manager.save(moe_state(layers=1, experts=2), step=2)
 
 
 def test_a_crashed_save_leaves_nothing_in_a_tier_location_once_collected(tmp_path: Path) -> None:
     root, cold = tmp_path / "root", tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    manager = sk.CheckpointManager(root, keep_last=2, keep_best=0, tiers=tiers, placement=RULES, staging_lease=0)
+    manager = sk.CheckpointManager(
+        root, keep_last=2, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), staging_lease=0
+    )
     manager.save(moe_state(layers=1, experts=2), step=1)
     child = multiprocessing.get_context("fork").Process(
         target=_crashing_save, args=(str(root), str(cold), manager.run_id)
@@ -393,7 +403,7 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
     (staging,) = [p.name for p in root.iterdir() if ".tmp-" in p.name]
     attempt = cold / "step_00000002" / f"attempt-{staging.partition('.tmp-')[2][:16]}"
     assert any(attempt.rglob("*.safetensors"))
-    options: dict[str, Any] = {"keep_best": 0, "tiers": tiers, "placement": RULES, "run_id": "run-1"}
+    options: dict[str, Any] = {"keep_best": 0, "tiers": sk.TierPlan(tiers=tiers, placement=RULES), "run_id": "run-1"}
     sk.CheckpointManager(root, staging_lease=3600, **options).prune()
     assert (root / staging).exists() and attempt.exists()  # within the lease: kept
     old = time.time() - 7200
@@ -412,7 +422,9 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
 def _two_saves_with_a_cold_tier(tmp_path: Path) -> tuple[Path, Path]:
     root, cold = tmp_path / "root", tmp_path / "cold-a"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    manager = sk.CheckpointManager(
+        root, keep_last=1, keep_best=1, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a"
+    )
     manager.save(moe_state(layers=1, experts=2), step=1, metrics={"val_loss": 0.1})
     manager.save(moe_state(layers=1, experts=2), step=2, metrics={"val_loss": 0.9})
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002"]
@@ -426,7 +438,9 @@ def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_pa
     other = tmp_path / "cold-b"
     if continued == "new-location":
         tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
-        manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+        manager = sk.CheckpointManager(
+            root, keep_last=1, keep_best=1, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a"
+        )
     else:
         other.mkdir()
         tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
@@ -434,8 +448,7 @@ def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_pa
             root,
             keep_last=1,
             keep_best=1,
-            tiers=tiers,
-            placement=RULES,
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
             tier_locations={"cold": str(other)},
             run_id="run-a",
         )
@@ -501,11 +514,11 @@ def test_a_tier_location_that_cannot_be_opened_is_unreadable_not_corrupt(tmp_pat
 def test_a_save_of_the_same_step_leaves_a_checkpoint_with_an_unseen_tier_in_place(tmp_path: Path) -> None:
     root, cold = tmp_path / "root", tmp_path / "cold-a"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a").save(
+    sk.CheckpointManager(root, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a").save(
         moe_state(layers=1, experts=2), step=1
     )
     cold.rename(tmp_path / "cold-moved")
-    manager = sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a")
+    manager = sk.CheckpointManager(root, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a")
     with pytest.raises(sk.CheckpointExistsError, match="tier of it cannot be seen"):
         manager.save(moe_state(layers=1, experts=2), step=1)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(("last", "best"))) == ["step_00000001"]

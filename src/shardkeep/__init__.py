@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.catalog import CheckpointEntry
-from shardkeep.config import LOCAL
+from shardkeep.config import LOCAL, WriteOptions
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,
@@ -33,12 +33,14 @@ from shardkeep.errors import (
     StateMismatchError,
     StorageError,
     TierBudgetError,
+    UnknownOptionError,
     UnsafePathError,
     UnsupportedValueError,
     import_needing_torch,
 )
 from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
+from shardkeep.options import Incremental, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy
 from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
@@ -62,6 +64,7 @@ __all__ = [
     "CoordinationError",
     "DependencyError",
     "FingerprintMismatchError",
+    "Incremental",
     "IntegrityError",
     "LOCAL",
     "LazyTensor",
@@ -71,6 +74,7 @@ __all__ = [
     "Manifest",
     "ManifestCorruptedError",
     "ManifestError",
+    "ManifestFields",
     "ManifestVersionError",
     "PendingSave",
     "PlacementInfo",
@@ -86,12 +90,15 @@ __all__ = [
     "StorageError",
     "Tier",
     "TierBudgetError",
+    "TierPlan",
     "TrainingCheckpoint",
+    "UnknownOptionError",
     "UnsafePathError",
     "StateMismatchError",
     "UnsupportedValueError",
     "ValidationResult",
     "VerifyReport",
+    "WriteOptions",
     "__version__",
     "async_save",
     "iter_batches",

@@ -26,7 +26,7 @@ from shardkeep.catalog import (
     missing_tier_problem,
     missing_tiers,
 )
-from shardkeep.config import ManifestLimits
+from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -782,7 +782,7 @@ def _run_import(args: argparse.Namespace, out: TextIO) -> int:
         trust_pickle=args.trust_pickle,
         subtree=args.subtree,
         signer=args.key,
-        progress=args.progress,
+        options=WriteOptions(progress=args.progress),
     )
     info = summary(manifest)
     if args.json:

@@ -14,7 +14,8 @@
     │   ├── StateMismatchError   a loaded value does not fit its target in into= (shape, dtype,
     │   │                        keys, kind of object, optimizer kind or parameter groups)
     │   └── ConfigError          a checkpoint-manager configuration that is invalid
-    │       └── TierBudgetError  a tensor does not fit its tier's budget and may not spill
+    │       ├── TierBudgetError  a tensor does not fit its tier's budget and may not spill
+    │       └── UnknownOptionError a keyword no save option has (also a TypeError)
     ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
     ├── RunMismatchError         a manager asked to write into a root another run owns
     ├── FingerprintMismatchError restoring a checkpoint whose model args or config differ
@@ -66,6 +67,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "TierBudgetError",
+    "UnknownOptionError",
     "UnsafePathError",
     "UnsupportedValueError",
     "import_needing_torch",
@@ -154,6 +156,11 @@ class ConfigError(UnsupportedValueError):
 
 class TierBudgetError(ConfigError):
     """A tensor does not fit in its tier's size budget, and the policy does not let it spill."""
+
+
+class UnknownOptionError(ConfigError, TypeError):
+    """A call got a keyword argument that is neither one of its options nor an old spelling of
+    one; a :class:`TypeError` too, as Python raises for an unexpected keyword."""
 
 
 class CheckpointFieldError(ShardkeepError):

@@ -34,15 +34,17 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from shardkeep.api import load, read_manifest, save
 from shardkeep.catalog import CheckpointRoot
+from shardkeep.config import WriteOptions
 from shardkeep.conversions import ValueEncoder, decode_values
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,
@@ -56,8 +58,12 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import MANIFEST_FILENAME, Manifest, unsafe_path_reason
+from shardkeep.manifest import MANIFEST_FILENAME, Manifest, Tier, unsafe_path_reason
+from shardkeep.options import LEGACY_KEYWORDS, Incremental, ManifestFields, TierPlan, regroup
 from shardkeep.training import TrainingCheckpoint
+
+if TYPE_CHECKING:
+    from shardkeep.options import Group, Signer
 
 __all__ = ["accelerator_state", "automatic_checkpoints", "load_state", "save_state"]
 
@@ -370,11 +376,23 @@ def _scratch_parent(target: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **save_options: Any) -> Manifest:
+def save_state(
+    accelerator: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    options: WriteOptions | None = None,
+    tiers: TierPlan | Sequence[Tier] | None = None,
+    incremental: Incremental | bool | str | os.PathLike[str] = False,
+    fields: ManifestFields | None = None,
+    signer: Signer | None = None,
+    process_group: Group | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **legacy: Any,
+) -> Manifest:
     """Save what ``accelerator.save_state`` would save as one shardkeep checkpoint and return
-    its manifest. ``save_options`` go to :func:`shardkeep.save` (``signer=``, ``digest=``,
-    ``compression=`` ...). With several processes, every process calls it, as it calls
-    ``save_state``; each keeps its own RNG states.
+    its manifest. The options are those of :func:`shardkeep.save` (``legacy``: its keyword
+    spellings of the previous release, with a :class:`DeprecationWarning`). With several
+    processes, every process calls it, as it calls ``save_state``; each keeps its own RNG states.
 
     Where, as ``Accelerator.save_state`` decides: with ``ProjectConfiguration(
     automatic_checkpoint_naming=True)``, ``project_dir/checkpoints/checkpoint_<iteration>``
@@ -390,6 +408,24 @@ def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **s
     saves a model itself removes its weights from the list) and a fresh directory; every file
     the hooks write there is saved in the checkpoint (``hook_files``), digested like the rest.
     """
+    groups = regroup(
+        "save_state",
+        legacy,
+        options=options,
+        tiers=tiers,
+        incremental=incremental,
+        fields=fields,
+        accepted=LEGACY_KEYWORDS,
+    )
+    save_options: dict[str, Any] = {
+        "options": groups.options,
+        "tiers": groups.tiers,
+        "incremental": groups.incremental,
+        "fields": groups.fields,
+        "signer": signer,
+        "process_group": process_group,
+        "timeout": timeout,
+    }
     config = accelerator.project_configuration
     directory: str | None = None  # where total_limit applies
     if _automatic(accelerator):
