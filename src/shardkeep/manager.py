@@ -843,7 +843,9 @@ def _check_manager_arguments(
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
     if incremental and settings.compression:
-        raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
+        raise ConfigError(
+            "incremental=True cannot be combined with compression yet; pass WriteOptions(compression=None)"
+        )
     if not isinstance(read_only, bool):
         raise ConfigError(f"read_only={read_only!r} must be True or False")
 
