@@ -283,3 +283,91 @@ def test_each_group_names_its_bad_field() -> None:
             build()
     with pytest.raises(sk.ConfigError, match=r"options= must be a shardkeep\.WriteOptions"):
         sk.save({"w": torch.zeros(2)}, "unused", options={"digest": "sha256"})  # type: ignore[arg-type]
+
+
+def _one_deprecation(caught: Any, call: str, *spellings: str) -> None:
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert message.startswith(f"{call}(): "), message
+    for spelling in spellings:
+        assert spelling in message, message
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
+def test_the_dcp_writer_takes_the_groups_and_its_old_keywords(tmp_path: Path) -> None:
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from shardkeep.dcp import ShardkeepWriter
+
+    state = {"w": torch.arange(6.0), "b": torch.ones(3)}
+    with pytest.warns(DeprecationWarning) as caught:
+        old_writer = ShardkeepWriter(tmp_path / "old", digest="sha256", model_id="m", epoch=2)
+    _one_deprecation(caught, "ShardkeepWriter", "digest= is now options=WriteOptions(digest=...)")
+    dcp.save(state, storage_writer=old_writer)
+    new_writer = ShardkeepWriter(
+        tmp_path / "new", options=sk.WriteOptions(digest="sha256"), fields=sk.ManifestFields(model_id="m", epoch=2)
+    )
+    dcp.save(state, storage_writer=new_writer)
+    old, new = sk.read_manifest(tmp_path / "old"), sk.read_manifest(tmp_path / "new")
+    _same_checkpoint(old, new)
+    with pytest.raises(sk.UnknownOptionError, match="compression"):
+        ShardkeepWriter(tmp_path / "x", compression="zstd")
+    with pytest.raises(sk.ConfigError, match="compression"):
+        ShardkeepWriter(tmp_path / "x", options=sk.WriteOptions(compression="zstd"))
+
+
+def test_the_lightning_plugin_takes_the_groups_and_its_old_keywords(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from shardkeep.lightning import ShardkeepCheckpointIO
+
+    checkpoint = {"state_dict": {"w": torch.arange(64.0)}, "epoch": 1, "global_step": 8}
+    with pytest.warns(DeprecationWarning) as caught:
+        old_io = ShardkeepCheckpointIO(digest="sha256", compression="zstd", save_options={"io_threads": 1})
+    _one_deprecation(caught, "ShardkeepCheckpointIO", "save_options= is now", "compression= is now options=")
+    old_io.save_checkpoint(checkpoint, tmp_path / "old.ckpt")
+    new_io = ShardkeepCheckpointIO(options=sk.WriteOptions(digest="sha256", compression="zstd", io_threads=1))
+    new_io.save_checkpoint(checkpoint, tmp_path / "new.ckpt")
+    old, new = sk.read_manifest(tmp_path / "old.ckpt"), sk.read_manifest(tmp_path / "new.ckpt")
+    assert old.digest_algorithm == new.digest_algorithm == "sha256"
+    assert [(r.path, r.size, r.digest) for r in old.files] == [(r.path, r.size, r.digest) for r in new.files]
+    assert all(record.path.endswith(".zst") for record in new.files)
+    assert torch.equal(new_io.load_checkpoint(tmp_path / "old.ckpt")["state_dict"]["w"], torch.arange(64.0))
+
+
+def test_accelerate_save_state_takes_the_groups_and_its_old_keywords(tmp_path: Path) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from shardkeep.accelerate import save_state
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    assert model is not None
+    with pytest.warns(DeprecationWarning) as caught:
+        old = save_state(accelerator, tmp_path / "old", digest="sha256", model_id="m")
+    _one_deprecation(caught, "save_state", "model_id= is now fields=ManifestFields(model_id=...)")
+    new = save_state(
+        accelerator, tmp_path / "new", options=sk.WriteOptions(digest="sha256"), fields=sk.ManifestFields(model_id="m")
+    )
+    assert (old.digest_algorithm, old.model_id) == (new.digest_algorithm, new.model_id) == ("sha256", "m")
+    with pytest.raises(sk.UnknownOptionError, match="digets"):
+        save_state(accelerator, tmp_path / "bad", digets="sha256")
+
+
+def test_save_batch_takes_the_groups_and_its_old_keywords(tmp_path: Path) -> None:
+    ledger = sk.ProgressLedger(tmp_path / "job" / "progress.json", 2)
+    ledger.initialize()
+    state = {"w": torch.arange(4.0)}
+    with pytest.warns(DeprecationWarning) as caught:
+        old = sk.save_batch(
+            ledger, state, shard=0, batch_idx=0, num_sequences=4, process_group=sk.LOCAL, digest="sha256"
+        )
+    _one_deprecation(caught, "save", "digest= is now options=WriteOptions(digest=...)")
+    new = sk.save_batch(
+        ledger,
+        state,
+        shard=0,
+        batch_idx=1,
+        num_sequences=4,
+        process_group=sk.LOCAL,
+        options=sk.WriteOptions(digest="sha256"),
+    )
+    assert old.digest_algorithm == new.digest_algorithm == "sha256"
+    assert [(r.size, r.digest) for r in old.files] == [(r.size, r.digest) for r in new.files]
