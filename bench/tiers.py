@@ -162,7 +162,10 @@ def one_repetition(
             ("safetensors", lambda: touch_pages(safetensors.torch.load_file(str(here / "model.safetensors")))),
             ("DCP", dcp_load),
             ("shardkeep full", lambda: touch_pages(sk.load(root / "step_00000002"))),
-            ("shardkeep hot", lambda: touch_pages(sk.load(root / "step_00000002", tiers={"hot"}))),
+            (
+                "shardkeep hot",
+                lambda: touch_pages(sk.load(root / "step_00000002", select=sk.LoadSelection(tiers={"hot"}))),
+            ),
         ]
         for name, work in loaders:
             loads.setdefault(name, []).append(timed(work, pretouch_bytes))

@@ -428,7 +428,7 @@ def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) 
     loaded = sk.load(path)
     for key, value in _full().items():
         assert torch.equal(loaded["model"][key], value), key
-    hot = sk.load(path, tiers=["hot"])  # the cold tier's tensors are left out
+    hot = sk.load(path, select=sk.LoadSelection(tiers=["hot"]))  # the cold tier's tensors are left out
     assert torch.equal(hot["model"]["bias"], _full()["bias"])
     assert "w" not in hot["model"] and "col" not in hot["model"]
     assert torch.equal(hot["model"]["rep"], _full()["rep"])
@@ -492,7 +492,7 @@ def _load_only_w(rank: int, world_size: int, path: str, extra: str) -> dict[str,
     holds only its own experts)."""
     target = {"model": {"w": _state(world_size, fill=False)["model"]["w"]}}
     store = _IndexReads(LocalStore(str(Path(path).parent)))
-    sk.load(Path(path).name, into=target, storage=store, extra=extra)
+    sk.load(Path(path).name, into=target, storage=store, select=sk.LoadSelection(extra=extra))
     return {
         "same": torch.equal(target["model"]["w"].full_tensor(), _full()["w"]),
         "keys": sorted(target) + sorted(target["model"]),

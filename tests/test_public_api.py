@@ -29,6 +29,7 @@ EXPECTED_ALL = [
     "LedgerError",
     "LedgerMismatchError",
     "LedgerStateError",
+    "LoadSelection",
     "Manifest",
     "ManifestCorruptedError",
     "ManifestError",

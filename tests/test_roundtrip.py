@@ -171,7 +171,7 @@ def test_extra_ignore_fills_what_into_holds_and_adds_nothing(tmp_path: Path) -> 
     target = make_state(seed=2)
     del target["ema"], target["step"]
     target["model"] = torch.nn.Sequential(torch.nn.Linear(8, 6))  # the first of its layers
-    result = sk.load(tmp_path / "ckpt", into=target, extra="ignore")
+    result = sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(extra="ignore"))
     assert result is target and "ema" not in target and "step" not in target
     assert torch.equal(target["model"][0].weight, original["model"][0].weight)
     assert torch.equal(target["rng"], original["rng"])
@@ -181,12 +181,14 @@ def test_extra_ignore_fills_what_into_holds_and_adds_nothing(tmp_path: Path) -> 
     assert torch.equal(added["ema"]["0.weight"], original["ema"]["0.weight"])
     rng_before = target["rng"].clone()
     with pytest.raises(sk.UnsupportedValueError, match="not_saved"):
-        sk.load(tmp_path / "ckpt", into={**target, "not_saved": torch.zeros(1)}, extra="ignore")
+        sk.load(
+            tmp_path / "ckpt", into={**target, "not_saved": torch.zeros(1)}, select=sk.LoadSelection(extra="ignore")
+        )
     assert torch.equal(target["rng"], rng_before)
     with pytest.raises(sk.UnsupportedValueError, match="extra='sometimes'"):
-        sk.load(tmp_path / "ckpt", into=target, extra="sometimes")
+        sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(extra="sometimes"))
     with pytest.raises(sk.UnsupportedValueError, match="needs into="):
-        sk.load(tmp_path / "ckpt", extra="ignore")
+        sk.load(tmp_path / "ckpt", select=sk.LoadSelection(extra="ignore"))
 
 
 @pytest.mark.parametrize("extra", ["add", "ignore"])
@@ -210,7 +212,7 @@ def test_lists_in_into_are_filled_in_place_and_optimizers_whole(tmp_path: Path, 
         "slot": None,
     }
     buffer, module = into["bufs"][0], into["m"][0]
-    sk.load(tmp_path / "ckpt", into=into, extra=extra)
+    sk.load(tmp_path / "ckpt", into=into, select=sk.LoadSelection(extra=extra))
 
     assert into["bufs"][0] is buffer and torch.equal(buffer, torch.ones(3))
     assert torch.equal(into["bufs"][1], torch.full((2,), 7.0))

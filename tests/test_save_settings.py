@@ -371,3 +371,21 @@ def test_save_batch_takes_the_groups_and_its_old_keywords(tmp_path: Path) -> Non
     )
     assert old.digest_algorithm == new.digest_algorithm == "sha256"
     assert [(r.size, r.digest) for r in old.files] == [(r.size, r.digest) for r in new.files]
+
+
+def test_old_load_keywords_fold_into_the_selection(tmp_path: Path) -> None:
+    tiers = sk.TierPlan(
+        tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold")], placement=[("w", "cold"), ("*", "hot")]
+    )
+    sk.save({"w": torch.arange(4.0), "b": torch.ones(2)}, tmp_path / "c", tiers=tiers)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = sk.load(tmp_path / "c", tiers={"hot"}, lazy=True)
+    _one_deprecation(caught, "load", "tiers= is now select=LoadSelection(tiers=...)", "lazy= is now")
+    new = sk.load(tmp_path / "c", select=sk.LoadSelection(tiers={"hot"}, lazy=True))
+    assert set(old) == set(new) == {"w", "b"}
+    assert isinstance(old["w"], sk.LazyTensor) and isinstance(new["w"], sk.LazyTensor)
+    assert torch.equal(old["b"], new["b"])
+    with pytest.raises(sk.UnknownOptionError, match="tier_location"):
+        sk.load(tmp_path / "c", tier_location={})
+    with pytest.raises(sk.ConfigError, match="extra='sometimes'"):
+        sk.LoadSelection(extra="sometimes")  # type: ignore[arg-type]

@@ -162,7 +162,9 @@ def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
     assert cold_bytes > 5 * hot_bytes
 
     main, cold = CountingStore(LocalStore(root)), CountingStore(LocalStore(cold_dir))
-    loaded = sk.load("step_00000001", storage=main, tiers={"hot"}, tier_locations={"cold": cold})
+    loaded = sk.load(
+        "step_00000001", storage=main, select=sk.LoadSelection(tiers={"hot"}), tier_locations={"cold": cold}
+    )
     assert cold.read_bytes == 0 and cold.opened == []
     manifest_size = (root / "step_00000001" / "manifest.json").stat().st_size
     assert main.read_bytes == hot_bytes + manifest_size
@@ -174,7 +176,7 @@ def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
     assert cold.read_bytes == cold_bytes
     assert torch.equal(everything["model"]["layers.3.experts.7.w1"], state["model"]["layers.3.experts.7.w1"])
     with pytest.raises(ConfigError, match="unknown tier"):
-        sk.load("step_00000001", storage=main, tiers={"warm"})
+        sk.load("step_00000001", storage=main, select=sk.LoadSelection(tiers={"warm"}))
 
 
 def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
@@ -183,7 +185,11 @@ def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
     state = moe_state(layers=2, experts=2)
     sk.save(state, tmp_path / "root" / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     cold = CountingStore(LocalStore(cold_dir))
-    loaded = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True, tier_locations={"cold": cold})
+    loaded = sk.load(
+        tmp_path / "root" / "step_00000001",
+        select=sk.LoadSelection(tiers={"hot"}, lazy=True),
+        tier_locations={"cold": cold},
+    )
     lazy = loaded["model"]["layers.1.experts.0.w1"]
     assert isinstance(lazy, LazyTensor) and not lazy.loaded
     assert lazy.shape == torch.Size([32, 64]) and lazy.dtype == torch.float32 and lazy.tier == "cold"
@@ -201,7 +207,7 @@ def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
     data[-1] ^= 0xFF
     damaged.chmod(0o644)
     damaged.write_bytes(bytes(data))
-    again = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True)
+    again = sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(tiers={"hot"}, lazy=True))
     lazies = [v for v in again["model"].values() if isinstance(v, LazyTensor)]
     with pytest.raises(IntegrityError, match="digest mismatch"):
         for value in lazies:
@@ -218,22 +224,22 @@ def test_router_and_optimizer_sections_load_on_their_own(tmp_path: Path) -> None
     manifest = sk.read_manifest(tmp_path / "root" / "step_00000001")
     assert manifest.router_state is not None and manifest.optim_state is not None
     store = CountingStore(LocalStore(tmp_path / "root"))
-    router_only = sk.load("step_00000001", storage=store, sections={"router"})
+    router_only = sk.load("step_00000001", storage=store, select=sk.LoadSelection(sections={"router"}))
     assert set(router_only["model"]) == {"router.weight", "router.bias"}
     router_files = [r for r in manifest.files if any(".router." in e.key for e in r.tensors)]
     manifest_size = (tmp_path / "root" / "step_00000001" / "manifest.json").stat().st_size
     assert store.read_bytes == sum(r.size for r in router_files) + manifest_size
-    optim_only = sk.load(tmp_path / "root" / "step_00000001", sections={"optim"})
+    optim_only = sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(sections={"optim"}))
     assert not optim_only.get("model")  # no model tensor was read (the section is empty or absent)
     assert torch.equal(optim_only["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     # A partial load into live objects fills what it read and leaves the rest alone.
     fresh = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "body": torch.nn.Linear(4, 4)})
     body_before = fresh["body"].weight.detach().clone()
-    sk.load(tmp_path / "root" / "step_00000001", into={"model": fresh}, sections={"router"})
+    sk.load(tmp_path / "root" / "step_00000001", into={"model": fresh}, select=sk.LoadSelection(sections={"router"}))
     assert torch.equal(fresh["router"].weight, model["router"].weight)
     assert torch.equal(fresh["body"].weight, body_before)
     with pytest.raises(sk.UnsupportedValueError, match="unknown section"):
-        sk.load(tmp_path / "root" / "step_00000001", sections={"experts"})
+        sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(sections={"experts"}))
 
 
 def test_a_moved_tier_is_remapped_at_load(tmp_path: Path) -> None:
@@ -265,7 +271,9 @@ def test_tiers_split_between_a_local_directory_and_s3(tmp_path: Path, s3_root: t
     local_files = [p for p in (tmp_path / "root" / "step_00000001").rglob("*") if p.is_file()]
     assert not [p for p in local_files if "_E0" in p.name]  # expert files went to S3
     assert sk.verify(tmp_path / "root" / "step_00000001", storage_options=options).ok
-    hot = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"})  # no S3 access needed at all
+    hot = sk.load(
+        tmp_path / "root" / "step_00000001", select=sk.LoadSelection(tiers={"hot"})
+    )  # no S3 access needed at all
     assert "layers.0.experts.0.w1" not in hot["model"]
     full = sk.load(tmp_path / "root" / "step_00000001", storage_options=options)
     assert torch.equal(full["model"]["layers.1.experts.3.w1"], state["model"]["layers.1.experts.3.w1"])
@@ -299,7 +307,7 @@ def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp
     sk.save(state, tmp_path / "ckpt", tiers=sk.TierPlan(tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")]))
     target = {"bufs": [torch.zeros(3), torch.zeros(3)], "n": 0}
     kept = target["bufs"][1]
-    sk.load(tmp_path / "ckpt", into=target, tiers={"hot"})
+    sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(tiers={"hot"}))
     assert torch.equal(target["bufs"][0], torch.ones(3))
     assert target["bufs"][1] is kept and torch.equal(kept, torch.zeros(3))  # not loaded: untouched
     assert target["n"] == 1
@@ -314,15 +322,15 @@ def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp
         tiers=sk.TierPlan(tiers=tiers, placement=[("*exp_avg_sq", "cold"), ("*", "hot")]),
     )
     with pytest.raises(sk.UnsupportedValueError, match="optimizer state"):
-        sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, tiers={"hot"})
+        sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, select=sk.LoadSelection(tiers={"hot"}))
 
 
 def test_bad_load_options_are_typed_errors(tmp_path: Path) -> None:
     sk.save({"w": torch.ones(2)}, tmp_path / "c")
     with pytest.raises(ConfigError):
-        sk.load(tmp_path / "c", tiers=1)  # type: ignore[arg-type]
+        sk.load(tmp_path / "c", select=sk.LoadSelection(tiers=1))  # type: ignore[arg-type]
     with pytest.raises(sk.UnsupportedValueError):
-        sk.load(tmp_path / "c", sections=1)  # type: ignore[arg-type]
+        sk.load(tmp_path / "c", select=sk.LoadSelection(sections=1))  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         sk.load(tmp_path / "c", tier_locations=["hot"])  # type: ignore[arg-type]
     with pytest.raises(ConfigError):

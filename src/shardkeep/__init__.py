@@ -40,7 +40,7 @@ from shardkeep.errors import (
 )
 from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
-from shardkeep.options import Incremental, ManifestFields, TierPlan
+from shardkeep.options import Incremental, LoadSelection, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy
 from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
@@ -71,6 +71,7 @@ __all__ = [
     "LedgerError",
     "LedgerMismatchError",
     "LedgerStateError",
+    "LoadSelection",
     "Manifest",
     "ManifestCorruptedError",
     "ManifestError",

@@ -27,7 +27,16 @@ from shardkeep.errors import (
 from shardkeep.integrity import SignaturePolicy
 from shardkeep.loading import LoadJob
 from shardkeep.manifest import Manifest, Tier
-from shardkeep.options import INTERNAL_KEYWORDS, LEGACY_KEYWORDS, Incremental, ManifestFields, TierPlan, regroup
+from shardkeep.options import (
+    INTERNAL_KEYWORDS,
+    LEGACY_KEYWORDS,
+    Incremental,
+    LoadSelection,
+    ManifestFields,
+    TierPlan,
+    regroup,
+    reselect,
+)
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import StoreOperations
@@ -188,20 +197,18 @@ def load(
     path: str | os.PathLike[str],
     into: Any = None,
     *,
+    select: LoadSelection | None = None,
     verify: bool = True,
     mmap: bool = True,
     io_threads: int = LoadOptions.io_threads,
     progress: bool = False,
     storage: StoreOperations | None = None,
-    limits: ManifestLimits | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    tiers: Iterable[str] | None = None,
-    sections: Iterable[str] | None = None,
-    lazy: bool = False,
+    limits: ManifestLimits | None = None,
     tier_locations: TierLocations | None = None,
     public_key: PublicKey | None = None,
     require_signature: bool | None = None,
-    extra: str = "add",
+    **legacy: Any,
 ) -> Any:
     """Load the checkpoint at ``path`` (a local path or a URL such as ``s3://bucket/p/step_1``).
 
@@ -211,17 +218,14 @@ def load(
     With ``verify`` (the default) the file set, every size, digest, version and shard header are
     checked before any tensor is built or any target modified.
 
-    ``tiers`` (tier names) and ``sections`` (``"model"``, ``"optim"``, ``"router"``) select a
-    part of the checkpoint: only the files holding it are read. Tensors left out are absent from
-    the result (``None`` inside lists), or, with ``lazy=True``, :class:`~shardkeep.lazy.LazyTensor`
-    placeholders that read and verify their file on first use. With ``into``, a partial load
-    fills only what it read and leaves the rest of ``into`` as it is. ``tier_locations`` maps a
-    tier name to where its files are now (a path, URL or byte store), for a tier that moved.
-
-    ``extra`` says what becomes of saved state that ``into`` lacks: ``"add"`` (the default)
-    loads it and adds it to ``into``; ``"ignore"`` never reads it, so a rank whose ``into``
-    holds only its own experts reads only their files (and, in format 2.0, only the rank indexes
-    that list their chunks). Keys of ``into`` that the checkpoint lacks are an error either way.
+    ``select`` (a :class:`~shardkeep.options.LoadSelection`: tiers, sections, ``extra``,
+    ``lazy``) reads a part of the checkpoint: only the files holding it (and, in format 2.0, only
+    the rank indexes that list its chunks). With ``into``, a partial load fills only what it read
+    and leaves the rest of ``into`` as it is; keys of ``into`` that the checkpoint lacks are an
+    error either way. ``tier_locations`` maps a tier name to where its files are now (a path, URL
+    or byte store), for a tier that moved. ``storage_options`` go to fsspec for a URL.
+    ``legacy``: the keyword spellings of the previous release (``tiers=``, ``sections=``,
+    ``extra=``, ``lazy=``), folded into ``select`` with a :class:`DeprecationWarning`.
 
     ``public_key`` (an ``Ed25519PublicKey`` or the path of a PEM file): ``manifest.sig`` must
     be a valid signature by that key, checked before the manifest is parsed; since every file
@@ -230,8 +234,8 @@ def load(
     :class:`~shardkeep.errors.SignatureError` otherwise.
     """
     options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
-    if extra not in ("add", "ignore"):
-        raise UnsupportedValueError(f"extra={extra!r} must be 'add' or 'ignore'")
+    chosen = reselect("load", legacy, select)
+    extra, lazy = chosen.extra, chosen.lazy
     if extra == "ignore" and into is None:
         raise UnsupportedValueError("extra='ignore' leaves out the saved state into= lacks: it needs into=")
     if lazy and into is not None:
@@ -250,8 +254,8 @@ def load(
         manifest,
         options,
         into=into,
-        tiers=tiers,
-        sections=_check_sections(sections),
+        tiers=chosen.tiers,
+        sections=_check_sections(chosen.sections),
         tier_locations=tier_locations,
         storage_options=storage_options,
         lazy=lazy,

@@ -1,8 +1,9 @@
-"""The public option groups of a save: where tensors go (:class:`TierPlan`), what an incremental
-save compares against (:class:`Incremental`) and what the manifest records
+"""The public option groups of a save and a load: where tensors go (:class:`TierPlan`), what an
+incremental save compares against (:class:`Incremental`) and what the manifest records
 (:class:`ManifestFields`), beside :class:`~shardkeep.config.WriteOptions` (how bytes are
-written); the typed values of ``signer=``, ``public_key=`` and ``process_group=``; and
-:func:`regroup`, which turns the keyword spellings of older releases into these groups.
+written); which part of a checkpoint a load reads (:class:`LoadSelection`); the typed values of
+``signer=``, ``public_key=`` and ``process_group=``; and :func:`regroup` and :func:`reselect`,
+which turn the keyword spellings of the previous release into these groups.
 
 Each group is frozen and checks its fields when it is built, raising
 :class:`~shardkeep.errors.ConfigError` naming the field. :func:`shardkeep.save`,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -41,11 +42,13 @@ __all__ = [
     "INTERNAL_KEYWORDS",
     "LEGACY_KEYWORDS",
     "Incremental",
+    "LoadSelection",
     "ManifestFields",
     "Regrouped",
     "TierPlan",
     "WriteOptions",
     "regroup",
+    "reselect",
 ]
 
 #: The base of ``incremental=``: off, on (laid out to be referenced later), or an earlier checkpoint.
@@ -139,8 +142,33 @@ class ManifestFields:
                 raise ConfigError(f"ManifestFields {name}= must be a mapping or None, got {type(value).__name__}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoadSelection:
+    """Which part of a checkpoint :func:`shardkeep.load` reads: the ``select=`` of ``load``.
+
+    ``tiers`` (tier names) and ``sections`` (``"model"``, ``"optim"``, ``"router"``) select a
+    part: only the files holding it are read. Tensors left out are absent from the result
+    (``None`` inside lists), or, with ``lazy=True``, :class:`~shardkeep.lazy.LazyTensor`
+    placeholders that read and verify their file on first use (not with ``into``). ``extra``
+    says what becomes of saved state that ``into`` lacks: ``"add"`` (the default) loads it and
+    adds it to ``into``; ``"ignore"`` never reads it (it needs ``into``), so a rank whose
+    ``into`` holds only its own experts reads only their files.
+    """
+
+    tiers: Collection[str] | None = None
+    sections: Collection[str] | None = None
+    extra: Literal["add", "ignore"] = "add"
+    lazy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.extra not in ("add", "ignore"):
+            raise ConfigError(f"extra={self.extra!r} must be 'add' or 'ignore'")
+        if not isinstance(self.lazy, bool):
+            raise ConfigError(f"LoadSelection lazy={self.lazy!r} must be True or False")
+
+
 # --------------------------------------------------------------------------------------------
-# The keyword spellings of older releases
+# The keyword spellings of the previous release
 # --------------------------------------------------------------------------------------------
 
 _GROUP_OF: dict[str, tuple[str, type[Any]]] = {
@@ -231,3 +259,23 @@ def _group(call: str, name: str, value: Any, kind: type[Any]) -> Any:
     if not isinstance(value, kind):
         raise ConfigError(f"{call}(): {name}= must be a shardkeep.{kind.__name__}, got {value!r}")
     return value
+
+
+#: The keyword spellings of ``load`` of the previous release that name a field of :class:`LoadSelection`.
+LOAD_KEYWORDS: tuple[str, ...] = tuple(f.name for f in fields(LoadSelection))
+
+
+def reselect(call: str, legacy: Mapping[str, Any], select: LoadSelection | None) -> LoadSelection:
+    """The :class:`LoadSelection` of a call to ``call``, from ``select`` and ``legacy``, the
+    keywords it got beyond its own: an old keyword (``tiers=``, ``sections=``, ``extra=``,
+    ``lazy=``) is folded in, with one :class:`DeprecationWarning` per call naming each; any
+    other raises :class:`~shardkeep.errors.UnknownOptionError`."""
+    unknown = sorted(name for name in legacy if name not in LOAD_KEYWORDS)
+    if unknown:
+        raise UnknownOptionError(f"{call}() got unknown option(s) {unknown}")
+    chosen: LoadSelection = _group(call, "select", select, LoadSelection)
+    if not legacy:
+        return chosen
+    hints = [f"{name}= is now select=LoadSelection({name}=...)" for name in legacy]
+    warnings.warn(f"{call}(): " + "; ".join(hints), DeprecationWarning, stacklevel=3)
+    return replace(chosen, **legacy)

@@ -59,11 +59,14 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.manifest import MANIFEST_FILENAME, Manifest, Tier, unsafe_path_reason
-from shardkeep.options import LEGACY_KEYWORDS, Incremental, ManifestFields, TierPlan, regroup
+from shardkeep.options import LEGACY_KEYWORDS, Incremental, LoadSelection, ManifestFields, TierPlan, regroup
 from shardkeep.training import TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
+
+#: What a load reads of a checkpoint: what ``into`` holds (this process's RNG states, not the others').
+_OWN_STATE_ONLY = LoadSelection(extra="ignore")
 
 __all__ = ["accelerator_state", "automatic_checkpoints", "load_state", "save_state"]
 
@@ -467,7 +470,7 @@ def load_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **l
     objects, its step and samplers, and this process's RNG states, in place, after every digest
     is checked; all or nothing (a refused RNG state, say for another number of CUDA devices,
     leaves everything as it was). The objects must be prepared in the same order as when it
-    was saved; other processes' RNG states are not read (``extra="ignore"``). ``load_options``
+    was saved; other processes' RNG states are not read (``LoadSelection(extra="ignore")``). ``load_options``
     go to :func:`shardkeep.load` (``public_key=`` ...).
 
     Without ``path``, with automatic checkpoint naming, the newest committed
@@ -518,19 +521,19 @@ _MANIFEST_OPTIONS = ("storage", "limits", "storage_options", "public_key", "requ
 def _load_checkpoint(accelerator: Any, path: str, hooks: list[Any], load_options: Mapping[str, Any]) -> None:
     state = _state_with_counters(accelerator)
     if not hooks:
-        load(path, into=state, extra="ignore", **load_options)
+        load(path, into=state, select=_OWN_STATE_ONLY, **load_options)
         return
     manifest = read_manifest(path, **{key: load_options[key] for key in _MANIFEST_OPTIONS if key in load_options})
     stored = {entry.key for _, entry in manifest.iter_tensors()} | {value.key for value in manifest.values}
     with tempfile.TemporaryDirectory(prefix="shardkeep-accelerate-hooks-") as scratch:
         if any(key.startswith(f"{HOOK_FILES_KEY}.") for key in stored):
             writer = _HookFileWriter(scratch, path)
-            load(path, into={HOOK_FILES_KEY: writer}, extra="ignore", **load_options)
+            load(path, into={HOOK_FILES_KEY: writer}, select=_OWN_STATE_ONLY, **load_options)
         models = list(accelerator._models)
         for hook in hooks:
             hook(models, scratch)
         state["models"] = {str(i): accelerator.unwrap_model(model) for i, model in enumerate(models)}
-        load(path, into=state, extra="ignore", **load_options)
+        load(path, into=state, select=_OWN_STATE_ONLY, **load_options)
 
 
 def _restore_rng(rng: Any) -> None:
