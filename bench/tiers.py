@@ -17,7 +17,7 @@ Saves (each on the same state, fsynced before the clock stops):
 Loads (warm page cache; every loader touches every page it returns):
 
 * full loads with ``torch.load(mmap)``, ``safetensors`` and ``DCP``, and ``shardkeep`` (all tiers);
-* ``shardkeep hot``: ``load(path, tiers={"hot"})``, which reads only the hot tier's files.
+* ``shardkeep hot``: ``load(path, select=LoadSelection(tiers={"hot"}))``, which reads only the hot tier's files.
 
 Steps are interleaved and repeated; each ratio is computed per repetition and reported as
 median (min-max). Run: ``make bench-tiers`` or ``.venv/bin/python bench/tiers.py [--quick]
