@@ -181,7 +181,8 @@ _GROUP_OF: dict[str, tuple[str, type[Any]]] = {
 #: The keyword spellings of the previous release that name a field of a group.
 LEGACY_KEYWORDS: tuple[str, ...] = tuple(_GROUP_OF)
 
-#: Keywords that only the checkpoint manager passes; they reach the save settings unchanged.
+#: Keywords of the previous release that only the checkpoint manager passed (it now builds the
+#: save settings itself); still accepted, with the warning, and passed on unchanged.
 INTERNAL_KEYWORDS = ("run", "budget", "started", "after_commit")
 
 
@@ -214,8 +215,8 @@ def regroup(
     An old keyword (``digest=``, ``placement=``, ``model_id=`` ... listed in ``accepted``) is
     folded into its group, over the group's value, and one :class:`DeprecationWarning` per call
     names each old keyword and its replacement (and ``hints``, the caller's own old spellings).
-    Any other keyword raises
-    :class:`~shardkeep.errors.UnknownOptionError`, as Python raises ``TypeError``.
+    Any other keyword raises :class:`~shardkeep.errors.UnknownOptionError`, as Python raises
+    ``TypeError``.
     """
     unknown = sorted(name for name in legacy if name not in accepted)
     if unknown:
