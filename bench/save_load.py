@@ -323,7 +323,7 @@ def save_shardkeep(workload: Workload, path: str) -> None:
 
 def save_shardkeep_xxh3(workload: Workload, path: str) -> None:
     """shardkeep with the fast non-cryptographic digest (no signatures possible)."""
-    sk.save(workload.state, path, digest="xxh3-128")
+    sk.save(workload.state, path, options=sk.WriteOptions(digest="xxh3-128"))
 
 
 def save_shardkeep_page_cache(workload: Workload, path: str) -> None:

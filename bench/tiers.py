@@ -17,7 +17,7 @@ Saves (each on the same state, fsynced before the clock stops):
 Loads (warm page cache; every loader touches every page it returns):
 
 * full loads with ``torch.load(mmap)``, ``safetensors`` and ``DCP``, and ``shardkeep`` (all tiers);
-* ``shardkeep hot``: ``load(path, tiers={"hot"})``, which reads only the hot tier's files.
+* ``shardkeep hot``: ``load(path, select=LoadSelection(tiers={"hot"}))``, which reads only the hot tier's files.
 
 Steps are interleaved and repeated; each ratio is computed per repetition and reported as
 median (min-max). Run: ``make bench-tiers`` or ``.venv/bin/python bench/tiers.py [--quick]
@@ -114,11 +114,19 @@ def one_repetition(
         fsync_tree(str(here / "dcp"))
 
     def sk_full() -> None:  # trust_versions records each file's proof: a few µs per tensor
-        sk.save(state, root / "step_00000001", tiers=tiers, placement=RULES, incremental=True, trust_versions=True)
+        sk.save(
+            state,
+            root / "step_00000001",
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=sk.Incremental(trust_versions=True),
+        )
 
     def sk_incremental() -> None:
         manifest = sk.save(
-            state, root / "step_00000002", tiers=tiers, placement=RULES, incremental=root / "step_00000001"
+            state,
+            root / "step_00000002",
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=root / "step_00000001",
         )
         written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
 
@@ -126,10 +134,8 @@ def one_repetition(
         manifest = sk.save(
             state,
             root / "step_00000003",
-            tiers=tiers,
-            placement=RULES,
-            incremental=root / "step_00000001",
-            trust_versions=True,
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
+            incremental=sk.Incremental(base=root / "step_00000001", trust_versions=True),
         )
         trusted_written.append(sum(r.size for r in manifest.files if r.ref is None) / total)
 
@@ -156,7 +162,10 @@ def one_repetition(
             ("safetensors", lambda: touch_pages(safetensors.torch.load_file(str(here / "model.safetensors")))),
             ("DCP", dcp_load),
             ("shardkeep full", lambda: touch_pages(sk.load(root / "step_00000002"))),
-            ("shardkeep hot", lambda: touch_pages(sk.load(root / "step_00000002", tiers={"hot"}))),
+            (
+                "shardkeep hot",
+                lambda: touch_pages(sk.load(root / "step_00000002", select=sk.LoadSelection(tiers={"hot"}))),
+            ),
         ]
         for name, work in loaders:
             loads.setdefault(name, []).append(timed(work, pretouch_bytes))

@@ -354,7 +354,7 @@ class Demo:
             Path(self.cold).rename(offline)
             print(f"  the cold tier is offline (renamed to {offline.name})")
         try:
-            hot = sk.load(newest.path, tiers={"hot"})
+            hot = sk.load(newest.path, select=sk.LoadSelection(tiers={"hot"}))
         finally:
             if offline is not None:
                 offline.rename(self.cold)

@@ -67,7 +67,7 @@ def main() -> None:
     loss = train_a_little(model, optimizer, 50)
     state = {"model": model, "optim": optimizer, "step": 50, "loss": loss, "rng": torch.get_rng_state()}
     checkpoint = out / "step_00000050"
-    manifest = sk.save(state, checkpoint, step=50, model_id="quickstart-mlp")
+    manifest = sk.save(state, checkpoint, step=50, fields=sk.ManifestFields(model_id="quickstart-mlp"))
     print(
         f"saved {checkpoint} ({len(manifest.files)} file(s), {manifest.total_tensor_bytes} tensor bytes), loss {loss:.4f}"
     )

@@ -386,8 +386,10 @@ def train(args: argparse.Namespace) -> None:
         keep_last=2,
         keep_best=1,
         metric="val_loss",
-        tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)],
-        placement=HOT_AND_COLD,
+        tiers=sk.TierPlan(
+            tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)],
+            placement=HOT_AND_COLD,
+        ),
         timeout=120,
         storage=storage,
         staging_lease=args.staging_lease,

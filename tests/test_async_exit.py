@@ -138,10 +138,10 @@ def _interrupt(process: subprocess.Popen[str], times: int) -> tuple[int, str]:
 @pytest.mark.parametrize("through", ["async_save", "manager"])
 def test_ctrl_c_during_training_completes_the_save_in_flight_and_says_so(tmp_path: Path, through: str) -> None:
     save = (
-        'sk.async_save(state, "step_00000003", storage=SlowStore(root), io_threads=1)'
+        'sk.async_save(state, "step_00000003", storage=SlowStore(root), options=sk.WriteOptions(io_threads=1))'
         if through == "async_save"
         else "manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, storage=SlowStore(root), "
-        "io_threads=1)\n"
+        "options=sk.WriteOptions(io_threads=1))\n"
         'manager.async_save(state, step=3, metrics={"val_loss": 1.0})'
     )
     process = _start_training(tmp_path, _TRAINING.replace("{save}", save))
@@ -158,7 +158,7 @@ def test_ctrl_c_during_training_completes_the_save_in_flight_and_says_so(tmp_pat
 
 
 def test_a_second_ctrl_c_abandons_the_save_and_cleans_it_up(tmp_path: Path) -> None:
-    save = 'sk.async_save(state, "step_00000003", storage=SlowStore(root), io_threads=1)'
+    save = 'sk.async_save(state, "step_00000003", storage=SlowStore(root), options=sk.WriteOptions(io_threads=1))'
     process = _start_training(tmp_path, _TRAINING.replace("{save}", save))
     returncode, stderr = _interrupt(process, 2)
     assert returncode != 0
@@ -173,7 +173,7 @@ def test_a_slow_save_that_keeps_writing_is_waited_for_past_its_timeout(tmp_path:
     body = _TRAINING.split("state = {", 1)[0].replace("{save}", "") + textwrap.dedent(
         """
         state = {f"w{i}": torch.randn(2**18) for i in range(16)}  # 16 slowed writes: about 3 s
-        sk.async_save(state, "step_00000003", storage=SlowStore(root), io_threads=1, timeout=1)
+        sk.async_save(state, "step_00000003", storage=SlowStore(root), options=sk.WriteOptions(io_threads=1), timeout=1)
         """
     )
     done = _run(tmp_path, body)

@@ -21,7 +21,7 @@ from shardkeep.cli import main
 @pytest.fixture
 def checkpoint(tmp_path: Path, make_state: Callable[..., dict[str, Any]]) -> Path:
     path = tmp_path / "step_00000007"
-    sk.save(make_state(), path, step=7, epoch=1, model_id="tiny")
+    sk.save(make_state(), path, step=7, fields=sk.ManifestFields(model_id="tiny", epoch=1))
     return path
 
 
@@ -99,7 +99,7 @@ def test_cli_does_not_import_torch_and_module_entry_point_works(checkpoint: Path
 
 def test_inspect_escapes_control_characters_from_the_manifest(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    sk.save({"evil\x1b[2Jkey": torch.zeros(1)}, path, model_id="m\x1b]0;title\x07")
+    sk.save({"evil\x1b[2Jkey": torch.zeros(1)}, path, fields=sk.ManifestFields(model_id="m\x1b]0;title\x07"))
     code, out, _ = run("inspect", str(path))
     assert code == 0
     assert "\x1b" not in out and "\x07" not in out
@@ -303,7 +303,13 @@ def tiered(tmp_path: Path) -> tuple[Path, Path]:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
     state = {f"layer{i}.experts.w": torch.full((16,), float(i)) for i in range(8)} | {"dense": torch.ones(3)}
     path = tmp_path / "root" / "step_00000010"
-    sk.save(state, path, tiers=tiers, placement=[("*.experts.*", "cold"), ("*", "hot")], file_size_target=1, step=10)
+    sk.save(
+        state,
+        path,
+        options=sk.WriteOptions(file_size_target=1),
+        tiers=sk.TierPlan(tiers=tiers, placement=[("*.experts.*", "cold"), ("*", "hot")]),
+        step=10,
+    )
     assert len({record.path for record in sk.read_manifest(path).files if record.tier == "cold"}) == 8
     moved = tmp_path / "cold-moved"
     cold.rename(moved)
@@ -390,7 +396,9 @@ def test_manifest_limit_mib_reads_a_checkpoint_over_the_default_limits(tmp_path:
 
     root = tmp_path / "root"
     checkpoint = root / "step_00000001"
-    sk.save({"w": torch.ones(3)}, checkpoint, step=1, custom_fields={"padding": "x" * (2 << 20)})
+    sk.save(
+        {"w": torch.ones(3)}, checkpoint, step=1, fields=sk.ManifestFields(custom_fields={"padding": "x" * (2 << 20)})
+    )
     small = ManifestLimits.scaled(1)
     assert small.max_bytes == 1 << 20 and small.max_tensors == round(ManifestLimits().max_tensors / 40)
     for argv in (

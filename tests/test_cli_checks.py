@@ -96,7 +96,10 @@ def _tiered_root(tmp_path: Path) -> tuple[Path, Path]:
     for step in (1, 2):
         state = {"body": torch.full((64,), float(step)), "experts": {"e0": torch.full((256,), float(step))}}
         sk.save(
-            state, root / f"step_{step:08d}", step=step, tiers=tiers, placement=[("experts.*", "cold"), ("*", "hot")]
+            state,
+            root / f"step_{step:08d}",
+            step=step,
+            tiers=sk.TierPlan(tiers=tiers, placement=[("experts.*", "cold"), ("*", "hot")]),
         )
     return root, cold
 

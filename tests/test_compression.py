@@ -24,7 +24,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def test_compressed_files_round_trip_and_record_their_settings(tmp_path: Path) -> None:
-    manifest = sk.save(_state(), tmp_path / "ckpt", compression="zstd", compression_level=5)
+    manifest = sk.save(_state(), tmp_path / "ckpt", options=sk.WriteOptions(compression="zstd", compression_level=5))
     record = manifest.files[0]
     assert record.path.endswith(".safetensors.zst")
     assert record.compression is not None
@@ -41,8 +41,8 @@ def test_compressed_files_round_trip_and_record_their_settings(tmp_path: Path) -
 
 
 def test_compression_is_deterministic(tmp_path: Path) -> None:
-    first = sk.save(_state(), tmp_path / "a", compression="zstd")
-    second = sk.save(_state(), tmp_path / "b", compression="zstd")
+    first = sk.save(_state(), tmp_path / "a", options=sk.WriteOptions(compression="zstd"))
+    second = sk.save(_state(), tmp_path / "b", options=sk.WriteOptions(compression="zstd"))
     path = first.files[0].path
     assert (tmp_path / "a" / path).read_bytes() == (tmp_path / "b" / path).read_bytes()
     assert first.files[0].digest == second.files[0].digest
@@ -61,7 +61,7 @@ def _bombs(honest: bytes, size: int) -> dict[str, tuple[bytes, int]]:
 
 
 def test_compression_bombs_are_refused_before_allocating(tmp_path: Path, reseal: Callable[..., None]) -> None:
-    manifest = sk.save(_state(), tmp_path / "pristine", compression="zstd")
+    manifest = sk.save(_state(), tmp_path / "pristine", options=sk.WriteOptions(compression="zstd"))
     record = manifest.files[0]
     honest = (tmp_path / "pristine" / record.path).read_bytes()
     for name, (stored, declared) in _bombs(honest, record.size).items():
@@ -82,14 +82,14 @@ def test_compression_bombs_are_refused_before_allocating(tmp_path: Path, reseal:
 
 def test_bad_compression_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="compression"):
-        sk.save(_state(), tmp_path / "a", compression="gzip")
+        sk.save(_state(), tmp_path / "a", options=sk.WriteOptions(compression="gzip"))
     with pytest.raises(sk.UnsupportedValueError, match="compression_level"):
-        sk.save(_state(), tmp_path / "b", compression="zstd", compression_level=99)
+        sk.save(_state(), tmp_path / "b", options=sk.WriteOptions(compression="zstd", compression_level=99))
 
 
 def test_a_compressed_file_smaller_than_its_header_verifies_and_loads(tmp_path: Path) -> None:
     """A highly compressible tensor: the stored file is smaller than the safetensors header."""
-    manifest = sk.save({"w": torch.ones(1000)}, tmp_path / "c", compression="zstd")
+    manifest = sk.save({"w": torch.ones(1000)}, tmp_path / "c", options=sk.WriteOptions(compression="zstd"))
     assert manifest.files[0].stored_size < manifest.files[0].tensors[0].offset
     assert sk.verify(tmp_path / "c").ok
     assert torch.equal(sk.load(tmp_path / "c")["w"], torch.ones(1000))

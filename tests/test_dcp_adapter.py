@@ -284,7 +284,7 @@ def test_a_signed_save_verifies_with_the_public_key(tmp_path: Path, assert_same_
     with pytest.raises(sk.SignatureError):
         ShardkeepReader(path, public_key=Ed25519PrivateKey.generate().public_key())
     with pytest.raises(sk.UnsupportedValueError, match="cryptographic"):
-        ShardkeepWriter(tmp_path / "weak", signer=key, digest="xxh3-128")
+        ShardkeepWriter(tmp_path / "weak", signer=key, options=sk.WriteOptions(digest="xxh3-128"))
 
 
 # -- non-tensor values: JSON, never an unpickled byte from storage by default -----------------
@@ -315,7 +315,11 @@ def test_a_hostile_checkpoint_that_verifies_is_refused_and_runs_nothing(tmp_path
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     # A plain sk.save checkpoint, unsigned, that claims its uint8 tensor is one of DCP's items.
     hostile = tmp_path / "hostile"
-    sk.save({"w": torch.ones(2), "step": payload}, hostile, custom_fields={"dcp": {"bytes": ["step"]}})
+    sk.save(
+        {"w": torch.ones(2), "step": payload},
+        hostile,
+        fields=sk.ManifestFields(custom_fields={"dcp": {"bytes": ["step"]}}),
+    )
     assert sk.verify(hostile).ok
     with pytest.raises(sk.UnsupportedValueError, match=r"'step'.*unpickle.*trust_pickle=True"):
         ShardkeepReader(hostile)
@@ -668,9 +672,11 @@ def test_the_writer_records_what_sk_save_records_of_the_same_state(tmp_path: Pat
         "model": {"w": torch.zeros(64, dtype=torch.bfloat16), "b": torch.zeros(2)},
         "optimizer": {"state": {"0": {"exp_avg": torch.zeros(64, dtype=torch.bfloat16)}}},
     }
-    dcp.save(state, storage_writer=ShardkeepWriter(tmp_path / "dcp", model_id="m", step=3, epoch=1))
+    dcp.save(
+        state, storage_writer=ShardkeepWriter(tmp_path / "dcp", step=3, fields=sk.ManifestFields(model_id="m", epoch=1))
+    )
     written = sk.read_manifest(tmp_path / "dcp")
-    saved = sk.save(state, tmp_path / "sk", model_id="m", step=3, epoch=1)
+    saved = sk.save(state, tmp_path / "sk", step=3, fields=sk.ManifestFields(model_id="m", epoch=1))
     for manifest in (written, saved):
         assert manifest.optim_state is not None and manifest.optim_state.prefixes == ["optimizer"]
         assert (manifest.sharding.strategy, manifest.sharding.precision) == ("none", "bf16")

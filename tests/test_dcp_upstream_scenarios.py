@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import shardkeep as sk
+from shardkeep import WriteOptions
 from shardkeep.dcp import ShardkeepReader, ShardkeepWriter
 from tests.support.distributed_harness import results_or_raise, run_ranks
 
@@ -257,7 +258,10 @@ SCENARIOS: dict[str, Scenario] = {
         lambda: {
             f"w{index}": torch.randn(64, 64, generator=torch.Generator().manual_seed(index)) for index in range(6)
         },
-        writer_options={"dcp": {"thread_count": 2}, "shardkeep": {"io_threads": 2, "file_size_target": 20_000}},
+        writer_options={
+            "dcp": {"thread_count": 2},
+            "shardkeep": {"options": WriteOptions(io_threads=2, file_size_target=20_000)},
+        },
     ),
     # non-tensor values: JSON-able ones are the same both ways
     "ints-floats-strings-bools-none": _scenario(

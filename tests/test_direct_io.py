@@ -114,8 +114,8 @@ def test_a_save_with_o_direct_is_byte_identical_to_one_through_the_page_cache(tm
     direct, buffered = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b", direct_io=False)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    sk.save(state, "ckpt", storage=direct, file_size_target=4 * DIRECT_IO_BLOCK)
-    sk.save(state, "ckpt", storage=buffered, file_size_target=4 * DIRECT_IO_BLOCK)
+    sk.save(state, "ckpt", storage=direct, options=sk.WriteOptions(file_size_target=4 * DIRECT_IO_BLOCK))
+    sk.save(state, "ckpt", storage=buffered, options=sk.WriteOptions(file_size_target=4 * DIRECT_IO_BLOCK))
     assert direct.write_paths["direct"] >= 1
     assert "direct" not in buffered.write_paths
     files = _data_files(tmp_path / "a" / "ckpt")

@@ -429,9 +429,9 @@ def _one_rank_has_a_bad_value(rank: int, world_size: int, root: str, bad: int, m
     started = time.monotonic()
     try:
         if mode == "async":
-            sk.async_save(state, f"{root}/ck", custom_fields=fields, timeout=20).result(60)
+            sk.async_save(state, f"{root}/ck", fields=sk.ManifestFields(custom_fields=fields), timeout=20).result(60)
         else:
-            sk.save(state, f"{root}/ck", custom_fields=fields, timeout=20)
+            sk.save(state, f"{root}/ck", fields=sk.ManifestFields(custom_fields=fields), timeout=20)
     except sk.ShardkeepError as exc:
         return type(exc).__name__, time.monotonic() - started
     return "ok", time.monotonic() - started

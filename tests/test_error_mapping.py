@@ -781,7 +781,7 @@ MSGSPEC_CASES = [
 
 def compressed_and(damage: Callable[[bytearray], bytes | bytearray], **load: Any) -> Callable[[Scene], object]:
     def trigger(scene: Scene) -> object:
-        checkpoint = saved(scene.tmp, compression="zstd")
+        checkpoint = saved(scene.tmp, options=sk.WriteOptions(compression="zstd"))
         rewrite_shard(checkpoint, damage)
         return sk.load(checkpoint, **load)
 
@@ -1507,7 +1507,7 @@ def test_verify_reports_third_party_failures_as_problems(
 
 
 def test_verify_reports_a_corrupted_compressed_file(tmp_path: Path) -> None:
-    checkpoint = saved(tmp_path, compression="zstd")
+    checkpoint = saved(tmp_path, options=sk.WriteOptions(compression="zstd"))
     rewrite_shard(checkpoint, reserved_block_type)
     report = sk.verify(checkpoint)
     assert report.problems and "rank_00000.safetensors.zst: cannot be decompressed" in report.problems[0]
@@ -1594,7 +1594,7 @@ def test_the_zstd_decoder_wrapper_turns_decoder_errors_into_problems(
     from shardkeep.io import check_shard
     from shardkeep.storage import LocalStore
 
-    checkpoint = saved(tmp_path, compression="zstd")
+    checkpoint = saved(tmp_path, options=sk.WriteOptions(compression="zstd"))
     record = sk.read_manifest(checkpoint).files[0]
     store, path = LocalStore(tmp_path), f"ckpt/{record.path}"
     assert check_shard(store, path, record, verify=True, keep=False) == (None, [])

@@ -412,7 +412,9 @@ def test_merging_the_ranks_descriptions_leaves_their_reports_as_received() -> No
 def _save_on_tiers(rank: int, world_size: int, root: str) -> str:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=f"{root}/cold")]
     rules = [("model.col", "cold"), ("model.w", "cold"), ("*", "hot")]
-    return sk.save(_state(world_size), f"{root}/main/step_00000001", tiers=tiers, placement=rules).metadata_version
+    return sk.save(
+        _state(world_size), f"{root}/main/step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=rules)
+    ).metadata_version
 
 
 def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) -> None:
@@ -426,7 +428,7 @@ def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) 
     loaded = sk.load(path)
     for key, value in _full().items():
         assert torch.equal(loaded["model"][key], value), key
-    hot = sk.load(path, tiers=["hot"])  # the cold tier's tensors are left out
+    hot = sk.load(path, select=sk.LoadSelection(tiers=["hot"]))  # the cold tier's tensors are left out
     assert torch.equal(hot["model"]["bias"], _full()["bias"])
     assert "w" not in hot["model"] and "col" not in hot["model"]
     assert torch.equal(hot["model"]["rep"], _full()["rep"])
@@ -490,7 +492,7 @@ def _load_only_w(rank: int, world_size: int, path: str, extra: str) -> dict[str,
     holds only its own experts)."""
     target = {"model": {"w": _state(world_size, fill=False)["model"]["w"]}}
     store = _IndexReads(LocalStore(str(Path(path).parent)))
-    sk.load(Path(path).name, into=target, storage=store, extra=extra)
+    sk.load(Path(path).name, into=target, storage=store, select=sk.LoadSelection(extra=extra))
     return {
         "same": torch.equal(target["model"]["w"].full_tensor(), _full()["w"]),
         "keys": sorted(target) + sorted(target["model"]),

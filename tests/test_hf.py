@@ -589,7 +589,9 @@ def test_an_imported_folder_without_the_tied_copy_loads_into_a_tied_model(name: 
     assert torch.equal(_logits(fresh), _logits(model))
     with torch.no_grad():
         fresh.get_input_embeddings().weight.zero_()
-    sk.load(tmp_path / "ckpt", into={"model": fresh}, extra="ignore")  # reading only what into= holds
+    sk.load(
+        tmp_path / "ckpt", into={"model": fresh}, select=sk.LoadSelection(extra="ignore")
+    )  # reading only what into= holds
     assert torch.equal(_logits(fresh), _logits(model))
 
 

@@ -215,7 +215,12 @@ def test_incremental_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="incremental="):
         sk.save({"w": torch.ones(2)}, tmp_path / "a", incremental=3)  # type: ignore[arg-type]
     with pytest.raises(sk.ConfigError, match="compression"):
-        sk.CheckpointManager(tmp_path / "m", incremental=True, compression="zstd")
+        sk.CheckpointManager(tmp_path / "m", incremental=True, options=sk.WriteOptions(compression="zstd"))
     sk.save({"w": torch.ones(2)}, tmp_path / "b" / "step_00000001", incremental=True)
     with pytest.raises(sk.UnsupportedValueError, match="compressed"):
-        sk.save({"w": torch.ones(2)}, tmp_path / "b" / "step_00000002", incremental="step_00000001", compression="zstd")
+        sk.save(
+            {"w": torch.ones(2)},
+            tmp_path / "b" / "step_00000002",
+            incremental="step_00000001",
+            options=sk.WriteOptions(compression="zstd"),
+        )

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from shardkeep import WriteOptions
 from shardkeep.errors import StorageError
 from shardkeep.integrity import digest_bytes
 from shardkeep.io import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, _digest_view, check_shard, write_shards
@@ -352,10 +353,10 @@ def test_a_file_whose_header_disagrees_with_its_record_is_never_committed(
     monkeypatch.setattr(layout, "build_header", _colliding_header(layout.build_header))
     state = {"w": torch.ones(4), "b": torch.zeros(2), "step": 3}
     with pytest.raises(sk.IntegrityError, match=r"rank_00000.*header lists 1 tensors, manifest lists 2"):
-        sk.save(state, tmp_path / "ckpt", compression=compression)
+        sk.save(state, tmp_path / "ckpt", options=WriteOptions(compression=compression))
     assert list(tmp_path.iterdir()) == []  # nothing committed, the staging directory removed
     monkeypatch.undo()
-    sk.save(state, tmp_path / "ckpt", compression=compression)
+    sk.save(state, tmp_path / "ckpt", options=WriteOptions(compression=compression))
     assert sk.verify(tmp_path / "ckpt").ok
 
 
@@ -392,7 +393,7 @@ def test_the_quick_header_comparison_agrees_with_the_full_check(
         "many": {str(i): torch.full((i + 1,), float(i)) for i in range(20)},
     }
     sk.save(state, tmp_path / "ckpt")
-    sk.save(state, tmp_path / "packed", file_size_target=64)
+    sk.save(state, tmp_path / "packed", options=WriteOptions(file_size_target=64))
     assert plans
     for plan in plans:
         assert built_header_agrees(plan.header, plan.record), plan.record.path

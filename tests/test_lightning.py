@@ -356,7 +356,9 @@ def test_signed_and_compressed_checkpoints(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     key = Ed25519PrivateKey.generate()
-    io = ShardkeepCheckpointIO(signer=key, public_key=key.public_key(), compression="zstd", digest="sha256")
+    io = ShardkeepCheckpointIO(
+        signer=key, public_key=key.public_key(), options=sk.WriteOptions(digest="sha256", compression="zstd")
+    )
     target = tmp_path / "s.ckpt"
     io.save_checkpoint({"state_dict": {"w": torch.zeros(64)}, "epoch": 0}, target)
     assert (target / "manifest.sig").is_file()

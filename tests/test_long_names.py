@@ -183,14 +183,14 @@ def _tiered_state() -> dict[str, object]:
 
 def _crashing_save(root: str, cold: str, name: str) -> None:
     store = _DiesAtTheCommit(root)
-    sk.save(_tiered_state(), name, storage=store, tiers=_tiers(Path(cold)), placement=TIERS_RULES)
+    sk.save(_tiered_state(), name, storage=store, tiers=sk.TierPlan(tiers=_tiers(Path(cold)), placement=TIERS_RULES))
 
 
 def test_leftovers_of_a_crashed_save_under_a_long_name_are_collected_with_their_tier_files(tmp_path: Path) -> None:
     root, cold = tmp_path / "root", tmp_path / "cold"
     root.mkdir()
     committed = long_name(255, "é")
-    sk.save(_tiered_state(), root / committed, tiers=_tiers(cold), placement=TIERS_RULES)
+    sk.save(_tiered_state(), root / committed, tiers=sk.TierPlan(tiers=_tiers(cold), placement=TIERS_RULES))
     crashed = long_name(255, "检")
     child = multiprocessing.get_context("fork").Process(target=_crashing_save, args=(str(root), str(cold), crashed))
     child.start()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import shardkeep as sk
 from shardkeep.io import ByteBudget
+from shardkeep.saving import SaveSettings, run_save
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.shardfile import header_form
 
@@ -174,7 +175,7 @@ def test_extra_ignore_fills_what_into_holds_and_adds_nothing(
     target = make_state(seed=2)
     del target["ema"], target["step"]
     target["model"] = torch.nn.Sequential(torch.nn.Linear(8, 6))  # the first of its layers
-    result = sk.load(tmp_path / "ckpt", into=target, extra="ignore")
+    result = sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(extra="ignore"))
     assert result is target and "ema" not in target and "step" not in target
     assert torch.equal(target["model"][0].weight, original["model"][0].weight)
     assert torch.equal(target["rng"], original["rng"])
@@ -184,12 +185,14 @@ def test_extra_ignore_fills_what_into_holds_and_adds_nothing(
     assert torch.equal(added["ema"]["0.weight"], original["ema"]["0.weight"])
     rng_before = target["rng"].clone()
     with pytest.raises(sk.UnsupportedValueError, match="not_saved"):
-        sk.load(tmp_path / "ckpt", into={**target, "not_saved": torch.zeros(1)}, extra="ignore")
+        sk.load(
+            tmp_path / "ckpt", into={**target, "not_saved": torch.zeros(1)}, select=sk.LoadSelection(extra="ignore")
+        )
     assert torch.equal(target["rng"], rng_before)
     with pytest.raises(sk.UnsupportedValueError, match="extra='sometimes'"):
-        sk.load(tmp_path / "ckpt", into=target, extra="sometimes")
+        sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(extra="sometimes"))
     with pytest.raises(sk.UnsupportedValueError, match="needs into="):
-        sk.load(tmp_path / "ckpt", extra="ignore")
+        sk.load(tmp_path / "ckpt", select=sk.LoadSelection(extra="ignore"))
 
 
 @pytest.mark.parametrize("extra", ["add", "ignore"])
@@ -213,7 +216,7 @@ def test_lists_in_into_are_filled_in_place_and_optimizers_whole(tmp_path: Path, 
         "slot": None,
     }
     buffer, module = into["bufs"][0], into["m"][0]
-    sk.load(tmp_path / "ckpt", into=into, extra=extra)
+    sk.load(tmp_path / "ckpt", into=into, select=sk.LoadSelection(extra=extra))
 
     assert into["bufs"][0] is buffer and torch.equal(buffer, torch.ones(3))
     assert torch.equal(into["bufs"][1], torch.full((2,), 7.0))
@@ -261,7 +264,7 @@ def test_unsupported_values_are_refused_with_their_key(tmp_path: Path) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="state must be a mapping"):
         sk.save([torch.zeros(1)], tmp_path / "e")  # type: ignore[arg-type]  # deliberately wrong type
     with pytest.raises(sk.UnsupportedValueError, match="digest"):
-        sk.save({"x": torch.zeros(1)}, tmp_path / "f", digest="md5")
+        sk.save({"x": torch.zeros(1)}, tmp_path / "f", options=sk.WriteOptions(digest="md5"))
     cycle: dict[str, Any] = {}
     cycle["self"] = [cycle, torch.zeros(1)]
     with pytest.raises(sk.UnsupportedValueError, match="deeper"):
@@ -284,7 +287,7 @@ def test_saving_onto_a_committed_checkpoint_raises_and_changes_nothing(
 
 @pytest.mark.parametrize("digest", ["blake3", "xxh3-128", "sha256"])
 def test_digest_algorithm_is_selectable_and_recorded(tmp_path: Path, digest: str) -> None:
-    manifest = sk.save({"x": torch.arange(10)}, tmp_path / "ckpt", digest=digest)
+    manifest = sk.save({"x": torch.arange(10)}, tmp_path / "ckpt", options=sk.WriteOptions(digest=digest))
     assert manifest.digest_algorithm == digest
     assert all(record.digest and record.digest.startswith(digest + ":") for record in manifest.files)
     assert sk.read_manifest(tmp_path / "ckpt").files[0].digest == manifest.files[0].digest
@@ -296,7 +299,7 @@ def test_large_states_split_into_several_aligned_files(tmp_path: Path) -> None:
     state = {f"w{i}": torch.randn(256, 256) for i in range(8)}
     state.update({f"h{i}": torch.randn(100).half() for i in range(5)})
     state["flag"] = torch.tensor([True, False, True])
-    manifest = sk.save(state, tmp_path / "ckpt", file_size_target=600_000)
+    manifest = sk.save(state, tmp_path / "ckpt", options=sk.WriteOptions(file_size_target=600_000))
     assert len(manifest.files) >= 3
     assert manifest.sharding.shard_count == len(manifest.files)
     for record in manifest.files:
@@ -311,7 +314,12 @@ def test_large_states_split_into_several_aligned_files(tmp_path: Path) -> None:
 
 
 def test_manifest_records_absolute_offsets_and_training_fields(tmp_path: Path, state: dict[str, Any]) -> None:
-    manifest = sk.save(state, tmp_path / "ckpt", step=7, epoch=2, model_id="tiny-mlp", custom_fields={"run": "abc"})
+    manifest = sk.save(
+        state,
+        tmp_path / "ckpt",
+        step=7,
+        fields=sk.ManifestFields(model_id="tiny-mlp", epoch=2, custom_fields={"run": "abc"}),
+    )
     data = (tmp_path / "ckpt" / manifest.files[0].path).read_bytes()
     weight = state["model"][0].weight.detach()
     entry = next(e for e in manifest.files[0].tensors if e.key == "model.0.weight")
@@ -341,7 +349,7 @@ def test_byte_budget_bounds_copies_of_non_contiguous_tensors(tmp_path: Path) -> 
     big = torch.randn(2048, 1024).t()  # 8 MiB, non-contiguous: must be copied to be written
     small = {f"s{i}": torch.randn(64) for i in range(500)}
     budget = ByteBudget(2 << 20)
-    sk.save({"big": big, **small}, tmp_path / "ckpt", byte_budget=2 << 20, budget=budget)
+    run_save({"big": big, **small}, tmp_path / "ckpt", SaveSettings(byte_budget=2 << 20, budget=budget))
     assert 0 < budget.peak <= 2 << 20
     assert torch.equal(sk.load(tmp_path / "ckpt")["big"], big)
 
@@ -385,7 +393,7 @@ tensor = torch.ones(8192, 8192).t()  # 256 MiB, transposed: not contiguous
 save = sk.save  # import the saving modules before measuring
 store = LocalStore({str(tmp_path)!r}, direct_io={direct_io!r})
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-save({{"t": tensor}}, "ckpt", storage=store, byte_budget=16 << 20)
+save({{"t": tensor}}, "ckpt", storage=store, options=sk.WriteOptions(byte_budget=16 << 20))
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((after - before) // 1024, dict(store.write_paths))
 """

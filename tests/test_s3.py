@@ -43,7 +43,7 @@ def test_save_load_verify_by_url(
 ) -> None:
     root, options = s3_root
     state = make_state()
-    manifest = sk.save(state, f"{root}/step_00000007", step=7, storage_options=options)
+    manifest = sk.save(state, f"{root}/step_00000007", step=7, options=sk.WriteOptions(storage_options=options))
     assert manifest.step == 7
     keys = _objects(s3_server, root)
     # No rename, no staging name: data under a fresh attempt prefix, the manifest beside it.
@@ -56,7 +56,7 @@ def test_save_load_verify_by_url(
     assert loaded["config"] == state["config"]
     assert sk.read_manifest(f"{root}/step_00000007", storage_options=options).step == 7
     with pytest.raises(CheckpointExistsError):
-        sk.save(state, f"{root}/step_00000007", storage_options=options)
+        sk.save(state, f"{root}/step_00000007", options=sk.WriteOptions(storage_options=options))
 
 
 def test_credentials_and_endpoint_come_from_the_aws_environment(
@@ -190,7 +190,7 @@ def _save_two_ranks_to_s3(rank: int, world_size: int, url: str, options: dict[st
         "replicated": torch.arange(5.0) + 1,
         "step": 3,
     }
-    saved = sk.save(state, url, step=3, storage_options=options)
+    saved = sk.save(state, url, step=3, options=sk.WriteOptions(storage_options=options))
     manifest = sk.read_manifest(url, storage_options=options)  # format 2.0: every rank's index expanded
     return {"ranks": sorted({record.rank for record in manifest.files}), "version": saved.metadata_version}
 
@@ -219,7 +219,7 @@ state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # ~100 MB in 
 print("saving", flush=True)
 # One writer: after the first object completes, nine more are still to come, so the kill lands
 # mid-save even on a loaded machine.
-sk.save(state, url, storage_options=options, file_size_target=10 * 2**20, io_threads=1)
+sk.save(state, url, options=sk.WriteOptions(storage_options=options, file_size_target=10 * 2**20, io_threads=1))
 print("committed", flush=True)
 """
 
@@ -303,8 +303,7 @@ def test_a_failure_after_the_commit_point_never_deletes_committed_data(
             state,
             "step_00000001",
             storage=LostResponse(store),
-            tiers=tiers,
-            placement=[("*.experts.*", "cold"), ("*", "hot")],
+            tiers=sk.TierPlan(tiers=tiers, placement=[("*.experts.*", "cold"), ("*", "hot")]),
         )
     assert sk.verify("step_00000001", storage=store).ok
     assert torch.equal(sk.load("step_00000001", storage=store)["a.experts.0.w"], torch.ones(8))
@@ -317,7 +316,12 @@ def _save_chunks_on_a_cold_tier(rank: int, world_size: int, url: str, cold: str,
     mesh = init_device_mesh("cpu", (world_size,))
     state = {"w": distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Shard(0)])}
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)]
-    manifest = sk.save(state, url, tiers=tiers, placement=[("*", "cold")], storage_options=options)
+    manifest = sk.save(
+        state,
+        url,
+        options=sk.WriteOptions(storage_options=options),
+        tiers=sk.TierPlan(tiers=tiers, placement=[("*", "cold")]),
+    )
     return manifest.metadata_version
 
 

@@ -162,9 +162,9 @@ def test_unsigned_wrong_key_and_undomained_signatures_are_refused(tmp_path: Path
 
 def test_non_cryptographic_digests_are_never_signed_or_trusted(tmp_path: Path, key: Ed25519PrivateKey) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="cryptographic digest"):
-        sk.save(_state(), tmp_path / "fast", digest="xxh3-128", signer=key)
+        sk.save(_state(), tmp_path / "fast", options=sk.WriteOptions(digest="xxh3-128"), signer=key)
     assert not (tmp_path / "fast").exists() and not list(tmp_path.iterdir())
-    sk.save(_state(), tmp_path / "fast", digest="xxh3-128")
+    sk.save(_state(), tmp_path / "fast", options=sk.WriteOptions(digest="xxh3-128"))
     with pytest.raises(sk.UnsupportedValueError, match="not cryptographic"):
         from shardkeep.verification import sign_checkpoint
 
@@ -175,7 +175,7 @@ def test_non_cryptographic_digests_are_never_signed_or_trusted(tmp_path: Path, k
     with pytest.raises(sk.SignatureError, match="not cryptographic"):
         sk.load(tmp_path / "fast", public_key=key.public_key())
     assert not sk.verify(tmp_path / "fast", public_key=key.public_key()).ok
-    sk.save(_state(), tmp_path / "sha", digest="sha256", signer=key)
+    sk.save(_state(), tmp_path / "sha", options=sk.WriteOptions(digest="sha256"), signer=key)
     assert sk.verify(tmp_path / "sha", public_key=key.public_key()).ok
 
 
@@ -320,7 +320,7 @@ def test_the_manager_signs_and_restore_falls_back_past_a_bad_signature(
 
 def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519PrivateKey) -> None:
     root, options = s3_root
-    sk.save(_state(), f"{root}/step_1", signer=key, storage_options=options)
+    sk.save(_state(), f"{root}/step_1", signer=key, options=sk.WriteOptions(storage_options=options))
     assert sk.load(f"{root}/step_1", public_key=key.public_key(), storage_options=options)["step"] == 5
     report = sk.verify(f"{root}/step_1", public_key=key.public_key(), storage_options=options)
     assert report.ok and report.signature.startswith("valid")

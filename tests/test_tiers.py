@@ -78,7 +78,7 @@ def test_placement_rules_put_each_tier_in_its_location(tmp_path: Path) -> None:
     cold = tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
     state = moe_state()
-    manifest = sk.save(state, tmp_path / "root" / "step_00000003", tiers=tiers, placement=RULES)
+    manifest = sk.save(state, tmp_path / "root" / "step_00000003", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     by_key = {entry.key: (record.tier, entry) for record in manifest.files for entry in record.tensors}
     assert by_key["model.layers.2.experts.3.w1"][0] == "cold"
     assert by_key["model.layers.2.experts.3.w1"][1].expert_key == [2, 2, 3]  # [tier, group (layer), expert]
@@ -105,7 +105,7 @@ def test_a_placement_callable_sees_kind_layer_and_section(tmp_path: Path) -> Non
         return "warm" if info.kind == "expert" and info.layer is not None and info.layer >= 2 else "hot"
 
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="warm"), sk.Tier(tier_id=3, name="cold")]
-    manifest = sk.save(moe_state(), tmp_path / "step_00000001", tiers=tiers, placement=place)
+    manifest = sk.save(moe_state(), tmp_path / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=place))
     tier_of = {entry.key: record.tier for record in manifest.files for entry in record.tensors}
     assert tier_of["model.layers.3.experts.0.w1"] == "warm"
     assert tier_of["model.layers.1.experts.0.w1"] == "hot"
@@ -118,9 +118,9 @@ def test_a_placement_callable_sees_kind_layer_and_section(tmp_path: Path) -> Non
 def test_bad_tier_definitions_and_rules_are_refused_by_name(tmp_path: Path) -> None:
     state = moe_state(layers=1, experts=1)
     with pytest.raises(ConfigError, match="unknown tier 'warm'"):
-        sk.save(state, tmp_path / "a", tiers=TIERS, placement=[("*", "warm")])
+        sk.save(state, tmp_path / "a", tiers=sk.TierPlan(tiers=TIERS, placement=[("*", "warm")]))
     with pytest.raises(ConfigError, match=r"no placement rule matches tensor 'model\.layers\.0\.attn\.weight'"):
-        sk.save(state, tmp_path / "b", tiers=TIERS, placement=[("*.experts.*", "cold")])
+        sk.save(state, tmp_path / "b", tiers=sk.TierPlan(tiers=TIERS, placement=[("*.experts.*", "cold")]))
     with pytest.raises(ConfigError, match="defined twice"):
         sk.save(state, tmp_path / "c", tiers=[sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="hot")])
     with pytest.raises(ConfigError, match="placement_policy='lru'"):
@@ -154,13 +154,17 @@ def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
     root.mkdir()
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
     state = moe_state(layers=4, experts=8, width=64)
-    manifest = sk.save(state, "step_00000001", storage=LocalStore(root), tiers=tiers, placement=RULES)
+    manifest = sk.save(
+        state, "step_00000001", storage=LocalStore(root), tiers=sk.TierPlan(tiers=tiers, placement=RULES)
+    )
     hot_bytes = sum(r.size for r in manifest.files if r.tier == "hot")
     cold_bytes = sum(r.size for r in manifest.files if r.tier == "cold")
     assert cold_bytes > 5 * hot_bytes
 
     main, cold = CountingStore(LocalStore(root)), CountingStore(LocalStore(cold_dir))
-    loaded = sk.load("step_00000001", storage=main, tiers={"hot"}, tier_locations={"cold": cold})
+    loaded = sk.load(
+        "step_00000001", storage=main, select=sk.LoadSelection(tiers={"hot"}), tier_locations={"cold": cold}
+    )
     assert cold.read_bytes == 0 and cold.opened == []
     manifest_size = (root / "step_00000001" / "manifest.json").stat().st_size
     assert main.read_bytes == hot_bytes + manifest_size
@@ -172,16 +176,20 @@ def test_loading_only_the_hot_tier_reads_only_its_files(tmp_path: Path) -> None:
     assert cold.read_bytes == cold_bytes
     assert torch.equal(everything["model"]["layers.3.experts.7.w1"], state["model"]["layers.3.experts.7.w1"])
     with pytest.raises(ConfigError, match="unknown tier"):
-        sk.load("step_00000001", storage=main, tiers={"warm"})
+        sk.load("step_00000001", storage=main, select=sk.LoadSelection(tiers={"warm"}))
 
 
 def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
     cold_dir = tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold_dir))]
     state = moe_state(layers=2, experts=2)
-    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     cold = CountingStore(LocalStore(cold_dir))
-    loaded = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True, tier_locations={"cold": cold})
+    loaded = sk.load(
+        tmp_path / "root" / "step_00000001",
+        select=sk.LoadSelection(tiers={"hot"}, lazy=True),
+        tier_locations={"cold": cold},
+    )
     lazy = loaded["model"]["layers.1.experts.0.w1"]
     assert isinstance(lazy, LazyTensor) and not lazy.loaded
     assert lazy.shape == torch.Size([32, 64]) and lazy.dtype == torch.float32 and lazy.tier == "cold"
@@ -199,7 +207,7 @@ def test_lazy_tensors_fetch_and_verify_on_first_use(tmp_path: Path) -> None:
     data[-1] ^= 0xFF
     damaged.chmod(0o644)
     damaged.write_bytes(bytes(data))
-    again = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"}, lazy=True)
+    again = sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(tiers={"hot"}, lazy=True))
     lazies = [v for v in again["model"].values() if isinstance(v, LazyTensor)]
     with pytest.raises(IntegrityError, match="digest mismatch"):
         for value in lazies:
@@ -216,29 +224,29 @@ def test_router_and_optimizer_sections_load_on_their_own(tmp_path: Path) -> None
     manifest = sk.read_manifest(tmp_path / "root" / "step_00000001")
     assert manifest.router_state is not None and manifest.optim_state is not None
     store = CountingStore(LocalStore(tmp_path / "root"))
-    router_only = sk.load("step_00000001", storage=store, sections={"router"})
+    router_only = sk.load("step_00000001", storage=store, select=sk.LoadSelection(sections={"router"}))
     assert set(router_only["model"]) == {"router.weight", "router.bias"}
     router_files = [r for r in manifest.files if any(".router." in e.key for e in r.tensors)]
     manifest_size = (tmp_path / "root" / "step_00000001" / "manifest.json").stat().st_size
     assert store.read_bytes == sum(r.size for r in router_files) + manifest_size
-    optim_only = sk.load(tmp_path / "root" / "step_00000001", sections={"optim"})
+    optim_only = sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(sections={"optim"}))
     assert not optim_only.get("model")  # no model tensor was read (the section is empty or absent)
     assert torch.equal(optim_only["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     # A partial load into live objects fills what it read and leaves the rest alone.
     fresh = torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2), "body": torch.nn.Linear(4, 4)})
     body_before = fresh["body"].weight.detach().clone()
-    sk.load(tmp_path / "root" / "step_00000001", into={"model": fresh}, sections={"router"})
+    sk.load(tmp_path / "root" / "step_00000001", into={"model": fresh}, select=sk.LoadSelection(sections={"router"}))
     assert torch.equal(fresh["router"].weight, model["router"].weight)
     assert torch.equal(fresh["body"].weight, body_before)
     with pytest.raises(sk.UnsupportedValueError, match="unknown section"):
-        sk.load(tmp_path / "root" / "step_00000001", sections={"experts"})
+        sk.load(tmp_path / "root" / "step_00000001", select=sk.LoadSelection(sections={"experts"}))
 
 
 def test_a_moved_tier_is_remapped_at_load(tmp_path: Path) -> None:
     old, new = tmp_path / "cold-old", tmp_path / "cold-new"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
     state = moe_state(layers=1, experts=2)
-    sk.save(state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES)
+    sk.save(state, tmp_path / "root" / "step_00000001", tiers=sk.TierPlan(tiers=tiers, placement=RULES))
     old.rename(new)
     report = sk.verify(tmp_path / "root" / "step_00000001")
     assert not report.ok and any("cold-old" in problem for problem in report.problems)
@@ -254,13 +262,18 @@ def test_tiers_split_between_a_local_directory_and_s3(tmp_path: Path, s3_root: t
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=bucket_root)]
     state = moe_state(layers=2, experts=4)
     manifest = sk.save(
-        state, tmp_path / "root" / "step_00000001", tiers=tiers, placement=RULES, storage_options=options
+        state,
+        tmp_path / "root" / "step_00000001",
+        options=sk.WriteOptions(storage_options=options),
+        tiers=sk.TierPlan(tiers=tiers, placement=RULES),
     )
     assert {r.tier for r in manifest.files} == {"hot", "cold"}
     local_files = [p for p in (tmp_path / "root" / "step_00000001").rglob("*") if p.is_file()]
     assert not [p for p in local_files if "_E0" in p.name]  # expert files went to S3
     assert sk.verify(tmp_path / "root" / "step_00000001", storage_options=options).ok
-    hot = sk.load(tmp_path / "root" / "step_00000001", tiers={"hot"})  # no S3 access needed at all
+    hot = sk.load(
+        tmp_path / "root" / "step_00000001", select=sk.LoadSelection(tiers={"hot"})
+    )  # no S3 access needed at all
     assert "layers.0.experts.0.w1" not in hot["model"]
     full = sk.load(tmp_path / "root" / "step_00000001", storage_options=options)
     assert torch.equal(full["model"]["layers.1.experts.3.w1"], state["model"]["layers.1.experts.3.w1"])
@@ -291,10 +304,10 @@ def test_a_stale_file_is_reported_and_read_again(tmp_path: Path) -> None:
 def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp_path: Path) -> None:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold")]
     state = {"bufs": [torch.ones(3), torch.full((3,), 2.0)], "n": 1}
-    sk.save(state, tmp_path / "ckpt", tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")])
+    sk.save(state, tmp_path / "ckpt", tiers=sk.TierPlan(tiers=tiers, placement=[("bufs.1", "cold"), ("*", "hot")]))
     target = {"bufs": [torch.zeros(3), torch.zeros(3)], "n": 0}
     kept = target["bufs"][1]
-    sk.load(tmp_path / "ckpt", into=target, tiers={"hot"})
+    sk.load(tmp_path / "ckpt", into=target, select=sk.LoadSelection(tiers={"hot"}))
     assert torch.equal(target["bufs"][0], torch.ones(3))
     assert target["bufs"][1] is kept and torch.equal(kept, torch.zeros(3))  # not loaded: untouched
     assert target["n"] == 1
@@ -306,19 +319,18 @@ def test_a_partial_load_into_lists_and_optimizers_keeps_what_it_did_not_read(tmp
     sk.save(
         {"model": model, "optim": optimizer},
         tmp_path / "opt",
-        tiers=tiers,
-        placement=[("*exp_avg_sq", "cold"), ("*", "hot")],
+        tiers=sk.TierPlan(tiers=tiers, placement=[("*exp_avg_sq", "cold"), ("*", "hot")]),
     )
     with pytest.raises(sk.UnsupportedValueError, match="optimizer state"):
-        sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, tiers={"hot"})
+        sk.load(tmp_path / "opt", into={"model": model, "optim": optimizer}, select=sk.LoadSelection(tiers={"hot"}))
 
 
 def test_bad_load_options_are_typed_errors(tmp_path: Path) -> None:
     sk.save({"w": torch.ones(2)}, tmp_path / "c")
     with pytest.raises(ConfigError):
-        sk.load(tmp_path / "c", tiers=1)  # type: ignore[arg-type]
+        sk.load(tmp_path / "c", select=sk.LoadSelection(tiers=1))  # type: ignore[arg-type]
     with pytest.raises(sk.UnsupportedValueError):
-        sk.load(tmp_path / "c", sections=1)  # type: ignore[arg-type]
+        sk.load(tmp_path / "c", select=sk.LoadSelection(sections=1))  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         sk.load(tmp_path / "c", tier_locations=["hot"])  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
@@ -331,7 +343,9 @@ def test_a_manager_restores_from_a_moved_tier_with_tier_locations(tmp_path: Path
     old, new = tmp_path / "cold-old", tmp_path / "cold-new"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(old))]
     state = moe_state(layers=1, experts=2)
-    sk.CheckpointManager(tmp_path / "root", keep_best=0, tiers=tiers, placement=RULES).save(state, step=1)
+    sk.CheckpointManager(tmp_path / "root", keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES)).save(
+        state, step=1
+    )
     old.rename(new)
     with pytest.raises(sk.IntegrityError, match="cold"):
         sk.CheckpointManager(tmp_path / "root", keep_best=0, read_only=True).restore()
@@ -354,14 +368,18 @@ class _DiesAtTheCommit(LocalStore):
 def _crashing_save(root: str, cold: str, run_id: str) -> None:
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=cold)]
     storage = _DiesAtTheCommit(root)
-    manager = sk.CheckpointManager(root, keep_best=0, storage=storage, tiers=tiers, placement=RULES, run_id=run_id)
+    manager = sk.CheckpointManager(
+        root, keep_best=0, storage=storage, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id=run_id
+    )
     manager.save(moe_state(layers=1, experts=2), step=2)
 
 
 def test_a_crashed_save_leaves_nothing_in_a_tier_location_once_collected(tmp_path: Path) -> None:
     root, cold = tmp_path / "root", tmp_path / "cold"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    manager = sk.CheckpointManager(root, keep_last=2, keep_best=0, tiers=tiers, placement=RULES, staging_lease=0)
+    manager = sk.CheckpointManager(
+        root, keep_last=2, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), staging_lease=0
+    )
     manager.save(moe_state(layers=1, experts=2), step=1)
     child = multiprocessing.get_context("fork").Process(
         target=_crashing_save, args=(str(root), str(cold), manager.run_id)
@@ -393,7 +411,7 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
     (staging,) = [p.name for p in root.iterdir() if ".tmp-" in p.name]
     attempt = cold / "step_00000002" / f"attempt-{staging.partition('.tmp-')[2][:16]}"
     assert any(attempt.rglob("*.safetensors"))
-    options: dict[str, Any] = {"keep_best": 0, "tiers": tiers, "placement": RULES, "run_id": "run-1"}
+    options: dict[str, Any] = {"keep_best": 0, "tiers": sk.TierPlan(tiers=tiers, placement=RULES), "run_id": "run-1"}
     sk.CheckpointManager(root, staging_lease=3600, **options).prune()
     assert (root / staging).exists() and attempt.exists()  # within the lease: kept
     old = time.time() - 7200
@@ -412,7 +430,9 @@ def test_a_crashed_first_save_to_a_new_tier_is_collected_and_a_live_one_is_not(t
 def _two_saves_with_a_cold_tier(tmp_path: Path) -> tuple[Path, Path]:
     root, cold = tmp_path / "root", tmp_path / "cold-a"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+    manager = sk.CheckpointManager(
+        root, keep_last=1, keep_best=1, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a"
+    )
     manager.save(moe_state(layers=1, experts=2), step=1, metrics={"val_loss": 0.1})
     manager.save(moe_state(layers=1, experts=2), step=2, metrics={"val_loss": 0.9})
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001", "step_00000002"]
@@ -426,7 +446,9 @@ def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_pa
     other = tmp_path / "cold-b"
     if continued == "new-location":
         tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
-        manager = sk.CheckpointManager(root, keep_last=1, keep_best=1, tiers=tiers, placement=RULES, run_id="run-a")
+        manager = sk.CheckpointManager(
+            root, keep_last=1, keep_best=1, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a"
+        )
     else:
         other.mkdir()
         tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(other))]
@@ -434,8 +456,7 @@ def test_retention_keeps_the_best_checkpoint_when_its_tier_location_moved(tmp_pa
             root,
             keep_last=1,
             keep_best=1,
-            tiers=tiers,
-            placement=RULES,
+            tiers=sk.TierPlan(tiers=tiers, placement=RULES),
             tier_locations={"cold": str(other)},
             run_id="run-a",
         )
@@ -501,11 +522,11 @@ def test_a_tier_location_that_cannot_be_opened_is_unreadable_not_corrupt(tmp_pat
 def test_a_save_of_the_same_step_leaves_a_checkpoint_with_an_unseen_tier_in_place(tmp_path: Path) -> None:
     root, cold = tmp_path / "root", tmp_path / "cold-a"
     tiers = [sk.Tier(tier_id=1, name="hot"), sk.Tier(tier_id=2, name="cold", location=str(cold))]
-    sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a").save(
+    sk.CheckpointManager(root, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a").save(
         moe_state(layers=1, experts=2), step=1
     )
     cold.rename(tmp_path / "cold-moved")
-    manager = sk.CheckpointManager(root, keep_best=0, tiers=tiers, placement=RULES, run_id="run-a")
+    manager = sk.CheckpointManager(root, keep_best=0, tiers=sk.TierPlan(tiers=tiers, placement=RULES), run_id="run-a")
     with pytest.raises(sk.CheckpointExistsError, match="tier of it cannot be seen"):
         manager.save(moe_state(layers=1, experts=2), step=1)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(("last", "best"))) == ["step_00000001"]

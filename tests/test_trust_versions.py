@@ -1,4 +1,4 @@
-"""``save(..., incremental=base, trust_versions=True)``: files whose tensors provably did not change
+"""``save(..., incremental=Incremental(base=..., trust_versions=True))``: files whose tensors provably did not change
 since this process saved them are referenced without hashing (:mod:`shardkeep.versions`).
 
 Each test counts the files the save hashed (``shardkeep.saving.incremental.digest_of``), and checks that what
@@ -54,10 +54,12 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _save_twice(root: Path, model: dict[str, torch.Tensor], change: Any, hashed: list[int]) -> sk.Manifest:
     """Save, apply ``change``, save again on top of the first; return the second manifest, after
     checking that it loads exactly what the model holds. ``hashed`` then counts the second save."""
-    sk.save({"model": model}, root / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, root / "step_1", incremental=sk.Incremental(trust_versions=True))
     change(model)
     hashed.clear()
-    second = sk.save({"model": model}, root / "step_2", incremental=root / "step_1", trust_versions=True)
+    second = sk.save(
+        {"model": model}, root / "step_2", incremental=sk.Incremental(base=root / "step_1", trust_versions=True)
+    )
     loaded = sk.load(root / "step_2")["model"]
     for key, value in model.items():
         assert torch.equal(loaded[key], value), key
@@ -127,7 +129,7 @@ def test_inference_tensors_are_always_hashed(tmp_path: Path, hashed: list[int]) 
 
 def test_another_process_hashes_everything(tmp_path: Path) -> None:
     """A fresh process has nothing recorded: it hashes every file, and references them all."""
-    sk.save({"model": moe()}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": moe()}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     program = textwrap.dedent(
         f"""
         import shardkeep as sk
@@ -136,7 +138,7 @@ def test_another_process_hashes_everything(tmp_path: Path) -> None:
         real = incremental.digest_of
         incremental.digest_of = lambda *a, **k: calls.append(1) or real(*a, **k)
         state = sk.load({str(tmp_path / "step_1")!r})
-        manifest = sk.save(state, {str(tmp_path / "step_2")!r}, incremental="step_1", trust_versions=True)
+        manifest = sk.save(state, {str(tmp_path / "step_2")!r}, incremental=sk.Incremental(base="step_1", trust_versions=True))
         print(len(calls), sum(r.ref is not None for r in manifest.files))
         """
     )
@@ -165,9 +167,11 @@ def test_writes_that_bypass_the_counter_are_not_seen_documented_limit(
     missed and the earlier bytes are referenced (docs/tiers.md says so). Without the option it
     is found, which is why the option is off by default."""
     model = moe()
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     write(model["embed.weight"])
-    trusted = sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    trusted = sk.save(
+        {"model": model}, tmp_path / "step_2", incremental=sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    )
     assert _referenced(trusted) == FILES  # missed: what the documentation warns about
     hashed_save = sk.save({"model": model}, tmp_path / "step_3", incremental=tmp_path / "step_1")
     assert _referenced(hashed_save) == FILES - 1
@@ -205,10 +209,12 @@ def test_a_module_trained_by_any_optimizer_kind_saves_what_it_holds(
 
     train([1, 2])
     state = {"model": model, "optim": optimizer}
-    sk.save(state, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save(state, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     train([1, 2])  # the same two experts: their weights and Adam moments change
     hashed.clear()
-    second = sk.save(state, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    second = sk.save(
+        state, tmp_path / "step_2", incremental=sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    )
     loaded = sk.load(tmp_path / "step_2")
     for key, value in model.state_dict().items():
         assert torch.equal(loaded["model"][key], value), key
@@ -241,7 +247,7 @@ def test_async_saves_never_use_the_proof(tmp_path: Path, hashed: list[int]) -> N
     """The manager forwards trust_versions to every save; an async save's state is a staged copy
     in reused buffers, so it hashes."""
     model = moe()
-    manager = sk.CheckpointManager(tmp_path, keep_last=3, incremental=True, trust_versions=True)
+    manager = sk.CheckpointManager(tmp_path, keep_last=3, incremental=sk.Incremental(trust_versions=True))
     manager.save({"model": model}, step=1)
     hashed.clear()
     manager.save({"model": model}, step=2)
@@ -252,11 +258,13 @@ def test_async_saves_never_use_the_proof(tmp_path: Path, hashed: list[int]) -> N
 
 def test_trust_versions_is_checked(tmp_path: Path) -> None:
     with pytest.raises(sk.UnsupportedValueError, match="trust_versions=True needs incremental="):
-        sk.save({"w": torch.ones(2)}, tmp_path / "a", trust_versions=True)
+        sk.save({"w": torch.ones(2)}, tmp_path / "a", incremental=sk.Incremental(base=False, trust_versions=True))
     with pytest.raises(sk.UnsupportedValueError, match="trust_versions='yes' must be True or False"):
-        sk.save({"w": torch.ones(2)}, tmp_path / "b", incremental=True, trust_versions="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
-        sk.async_save({"w": torch.ones(2)}, tmp_path / "c", trust_versions=True)  # type: ignore[call-arg]
+        sk.save({"w": torch.ones(2)}, tmp_path / "b", incremental=sk.Incremental(trust_versions="yes"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # not an option of async_save, in the old spelling either
+        sk.async_save({"w": torch.ones(2)}, tmp_path / "c", trust_versions=True)
+    with pytest.raises(sk.ConfigError, match="trust_versions"):
+        sk.async_save({"w": torch.ones(2)}, tmp_path / "d", incremental=sk.Incremental(trust_versions=True))
 
 
 def test_records_of_tensors_that_are_gone_are_dropped() -> None:
@@ -284,11 +292,11 @@ def test_module_buffers_are_always_hashed(tmp_path: Path, hashed: list[int]) -> 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32))
     model[0].requires_grad_(False)
-    options: dict[str, Any] = {"incremental": True, "trust_versions": True, "file_size_target": 1024}
-    sk.save({"model": model}, tmp_path / "step_1", **options)
+    options = sk.WriteOptions(file_size_target=1024)
+    sk.save({"model": model}, tmp_path / "step_1", options=options, incremental=sk.Incremental(trust_versions=True))
     model(torch.randn(8, 32))  # train mode: the running statistics move
-    options["incremental"] = tmp_path / "step_1"
-    sk.save({"model": model}, tmp_path / "step_2", **options)
+    incremental = sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_2", options=options, incremental=incremental)
     loaded = sk.load(tmp_path / "step_2")["model"]
     for key, value in model.state_dict().items():
         assert torch.equal(loaded[key], value), key
@@ -313,10 +321,12 @@ def test_an_optimizer_that_frees_gradients_inside_its_step_is_still_seen(tmp_pat
 
     model = torch.nn.Linear(16, 16)
     optimizer = Freeing(model.parameters())
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     model(torch.randn(4, 16)).sum().backward()
     optimizer.step()
-    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    sk.save(
+        {"model": model}, tmp_path / "step_2", incremental=sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    )
     loaded = sk.load(tmp_path / "step_2")["model"]
     assert torch.equal(loaded["weight"], model.weight.detach())
     assert torch.equal(loaded["bias"], model.bias.detach())
@@ -332,7 +342,7 @@ def test_a_module_whose_state_dict_takes_no_keep_vars_still_saves(tmp_path: Path
             return {"weight": self.weight.detach()}
 
     model = Legacy()
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     assert torch.equal(sk.load(tmp_path / "step_1")["model"]["weight"], torch.ones(4))
 
 
@@ -378,9 +388,13 @@ def _save_collective_save(rank: int, world_size: int, root: str) -> dict[str, li
     for collective in _COLLECTIVES:
         weight = torch.ones(4096)
         state = {"model": {f"w{rank}": weight}}  # each rank saves its own weight
-        sk.save(state, f"{root}/{collective}/step_1", incremental=True, trust_versions=True)
+        sk.save(state, f"{root}/{collective}/step_1", incremental=sk.Incremental(trust_versions=True))
         _change_by_collective(rank, weight, collective)
-        sk.save(state, f"{root}/{collective}/step_2", incremental=f"{root}/{collective}/step_1", trust_versions=True)
+        sk.save(
+            state,
+            f"{root}/{collective}/step_2",
+            incremental=sk.Incremental(base=f"{root}/{collective}/step_1", trust_versions=True),
+        )
         after[collective] = weight.tolist()
     return after
 
@@ -404,23 +418,27 @@ def test_a_tensor_written_by_a_collective_is_never_proved_unchanged(tmp_path: Pa
 
 def test_swap_tensors_works_on_parameters_a_proved_save_holds(tmp_path: Path) -> None:
     model = torch.nn.Linear(8, 8)
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     replacement = torch.nn.Parameter(torch.full((8, 8), 3.0))
     torch.utils.swap_tensors(model.weight, replacement)
-    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    sk.save(
+        {"model": model}, tmp_path / "step_2", incremental=sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    )
     assert torch.equal(sk.load(tmp_path / "step_2")["model"]["weight"], torch.full((8, 8), 3.0))
 
 
 def test_load_state_dict_with_the_swap_flag_works_after_a_proved_save(tmp_path: Path) -> None:
     model = torch.nn.Linear(8, 8)
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         model.load_state_dict({"weight": torch.full((8, 8), 2.0), "bias": torch.zeros(8)})
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
-    sk.save({"model": model}, tmp_path / "step_2", incremental=tmp_path / "step_1", trust_versions=True)
+    sk.save(
+        {"model": model}, tmp_path / "step_2", incremental=sk.Incremental(base=tmp_path / "step_1", trust_versions=True)
+    )
     assert torch.equal(sk.load(tmp_path / "step_2")["model"]["weight"], torch.full((8, 8), 2.0))
 
 
@@ -433,7 +451,11 @@ def test_a_new_object_at_a_reused_address_is_never_proved(tmp_path: Path) -> Non
     for step in range(60):
         state = {"w": param.data}
         path = tmp_path / f"step_{step}"
-        sk.save(state, path, incremental=previous if previous is not None else True, trust_versions=True)
+        sk.save(
+            state,
+            path,
+            incremental=sk.Incremental(base=previous if previous is not None else True, trust_versions=True),
+        )
         if not torch.equal(sk.load(path)["w"], param.detach()):
             stale += 1
         del state
@@ -445,7 +467,7 @@ def test_a_new_object_at_a_reused_address_is_never_proved(tmp_path: Path) -> Non
 
 def test_a_proved_tensor_still_round_trips_through_torch_save_weights_only(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 4)
-    sk.save({"model": model}, tmp_path / "step_1", incremental=True, trust_versions=True)
+    sk.save({"model": model}, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=True))
     torch.save(model.state_dict(keep_vars=True), tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
     assert torch.equal(loaded["weight"], model.weight)

@@ -179,6 +179,7 @@ GROUPS: dict[str, set[str]] = {
         "StateMismatchError",
         "ConfigError",
         "TierBudgetError",
+        "UnknownOptionError",
         "CommitRefusedError",
         "CheckpointFieldError",
         "SaveInProgressError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.catalog import CheckpointEntry
-from shardkeep.config import LOCAL
+from shardkeep.config import LOCAL, WriteOptions
 from shardkeep.errors import (
     CheckpointDataError,
     CheckpointExistsError,
@@ -38,6 +38,7 @@ from shardkeep.errors import (
     StateMismatchError,
     StorageError,
     TierBudgetError,
+    UnknownOptionError,
     UnsafePathError,
     UnsupportedValueError,
     UsageError,
@@ -45,6 +46,7 @@ from shardkeep.errors import (
 )
 from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
+from shardkeep.options import Incremental, LoadSelection, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy
 from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
@@ -70,6 +72,7 @@ __all__ = [
     "CoordinationError",
     "DependencyError",
     "FingerprintMismatchError",
+    "Incremental",
     "IntegrityError",
     "LOCAL",
     "LazyTensor",
@@ -78,9 +81,11 @@ __all__ = [
     "LedgerMismatchError",
     "LedgerStateError",
     "ManagerError",
+    "LoadSelection",
     "Manifest",
     "ManifestCorruptedError",
     "ManifestError",
+    "ManifestFields",
     "ManifestVersionError",
     "PendingSave",
     "PlacementError",
@@ -98,12 +103,15 @@ __all__ = [
     "StorageError",
     "Tier",
     "TierBudgetError",
+    "TierPlan",
     "TrainingCheckpoint",
+    "UnknownOptionError",
     "UnsafePathError",
     "UnsupportedValueError",
     "UsageError",
     "ValidationResult",
     "VerifyReport",
+    "WriteOptions",
     "__version__",
     "async_save",
     "iter_batches",

@@ -1,16 +1,20 @@
-"""Frozen option objects: the validated settings of a save, a load and the manifest parser.
+"""Frozen option objects: how a save writes its bytes, how a load reads them, and the limits of
+the manifest parser.
 
-Public functions take plain keyword arguments and build one of these objects, so every option is
-checked in one place and a bad value produces an error that names the option and the value.
+Each object checks its fields when it is built, so a bad value raises an error naming the field
+and the value. The other public option groups of a save (tiers, incremental, manifest fields)
+are in :mod:`shardkeep.options`.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Final
 
-from shardkeep.errors import ConfigError, UnsupportedValueError
+from shardkeep.errors import ConfigError
 
 __all__ = [
     "LOCAL",
@@ -20,6 +24,7 @@ __all__ = [
     "SaveOptions",
     "SIZE_UNITS",
     "parse_size",
+    "WriteOptions",
 ]
 
 MiB = 1 << 20
@@ -27,7 +32,7 @@ MiB = 1 << 20
 #: ``process_group=LOCAL``: this process alone, even when ``torch.distributed`` is initialized
 #: (a save that one rank makes on its own: Lightning's and Accelerate's rank-zero saves, a batch
 #: worker's result). No collective runs; the save is that of a single process.
-LOCAL = "local"
+LOCAL: Final = "local"
 
 #: Digest algorithms that can be recorded in a manifest. The first is the default.
 DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")
@@ -35,7 +40,7 @@ DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")
 
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UnsupportedValueError(f"option {name}={value!r} must be a positive integer")
+        raise ConfigError(f"option {name}={value!r} must be a positive integer")
 
 
 #: The units of a size string, matched without regard to case: none or ``B`` for bytes;
@@ -125,16 +130,21 @@ class ManifestLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveOptions:
-    """How a save writes its files.
+class WriteOptions:
+    """How a save writes its bytes: the ``options=`` of :func:`shardkeep.save`,
+    :func:`shardkeep.async_save`, :class:`shardkeep.CheckpointManager` and the integrations.
 
-    ``byte_budget`` bounds the memory a save holds beyond the caller's own tensors (contiguous
-    copies, device-to-host copies and the buffer that coalesces small tensors); a local store
-    writing a file with ``O_DIRECT`` also holds two aligned buffers of
-    :data:`~shardkeep.storage.local.DIRECT_IO_BLOCK` bytes for it, outside the budget. ``io_threads``
-    bounds concurrent file writes (backpressure). A data file is closed and a new one started
-    once it holds ``file_size_target`` bytes, so large states are written as several files in
-    parallel.
+    ``digest`` is the algorithm recorded for every file (:data:`DIGEST_ALGORITHMS`; signing needs
+    ``blake3`` or ``sha256``). ``byte_budget`` bounds the memory a save holds beyond the caller's
+    own tensors (contiguous copies, device-to-host copies and the buffer that coalesces small
+    tensors); a local store writing a file with ``O_DIRECT`` also holds two aligned buffers of
+    :data:`~shardkeep.storage.local.DIRECT_IO_BLOCK` bytes for it, outside the budget.
+    ``io_threads`` bounds concurrent file writes (backpressure). A data file is closed and a new
+    one started once it holds ``file_size_target`` bytes, so large states are written as several
+    files in parallel. ``compression`` (``None`` or ``"zstd"``, at ``compression_level`` from -7
+    to 22) compresses each data file. ``progress`` draws a progress bar (``save`` only).
+    ``storage_options`` go to fsspec when the path is a URL (credentials, endpoint; the AWS
+    environment variables are used otherwise).
     """
 
     digest: str = "blake3"
@@ -143,27 +153,37 @@ class SaveOptions:
     file_size_target: int = 512 * MiB
     compression: str | None = None
     compression_level: int = 3
+    progress: bool = False
+    storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in (None, "zstd"):
-            raise UnsupportedValueError(f"option compression={self.compression!r} must be None or 'zstd'")
+            raise ConfigError(f"option compression={self.compression!r} must be None or 'zstd'")
         if (
             isinstance(self.compression_level, bool)
             or not isinstance(self.compression_level, int)
             or not (-7 <= self.compression_level <= 22)
         ):
-            raise UnsupportedValueError(
-                f"option compression_level={self.compression_level!r} must be an integer from -7 to 22"
-            )
+            raise ConfigError(f"option compression_level={self.compression_level!r} must be an integer from -7 to 22")
         if self.digest not in DIGEST_ALGORITHMS:
-            raise UnsupportedValueError(
+            raise ConfigError(
                 f"option digest={self.digest!r} is not supported; choose one of " + ", ".join(DIGEST_ALGORITHMS)
             )
         _require_positive_int("byte_budget", self.byte_budget)
         _require_positive_int("io_threads", self.io_threads)
         _require_positive_int("file_size_target", self.file_size_target)
         if self.byte_budget < 1 * MiB:
-            raise UnsupportedValueError(f"option byte_budget={self.byte_budget!r} is below the 1 MiB minimum")
+            raise ConfigError(f"option byte_budget={self.byte_budget!r} is below the 1 MiB minimum")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"option progress={self.progress!r} must be True or False")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ConfigError(
+                f"option storage_options={self.storage_options!r} must be a mapping of fsspec options or None"
+            )
+
+
+#: The name :class:`WriteOptions` had before the other option groups existed; the same class.
+SaveOptions = WriteOptions
 
 
 @dataclass(frozen=True, kw_only=True)

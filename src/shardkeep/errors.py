@@ -13,8 +13,10 @@ A class drawn under two parents derives from both, so every ``except`` that caug
     │   │   ├── StateMismatchError   a loaded value does not fit its target in into= (shape, dtype,
     │   │   │                        keys, kind of object, optimizer kind or parameter groups)
     │   │   ├── ConfigError          an option value that is invalid (manager, tiers, signing, hf ...)
-    │   │   │   └── TierBudgetError  a tensor does not fit its tier's budget and may not spill
-    │   │   │                        (also a PlacementError)
+    │   │   │   ├── TierBudgetError  a tensor does not fit its tier's budget and may not spill
+    │   │   │   │                    (also a PlacementError)
+    │   │   │   └── UnknownOptionError a keyword no option has, nor an old spelling of one
+    │   │   │                        (also a TypeError)
     │   │   └── CommitRefusedError   the written files do not cover the state (coverage or bytes
     │   │                            mismatch), so the checkpoint is not committed
     │   ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
@@ -86,6 +88,7 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "TierBudgetError",
+    "UnknownOptionError",
     "UnsafePathError",
     "UnsupportedValueError",
     "UsageError",
@@ -274,6 +277,11 @@ class PlacementError(ShardkeepError):
 class TierBudgetError(ConfigError, PlacementError):
     """A tensor does not fit in its tier's size budget, and the policy does not let it spill.
     (A :class:`ConfigError` and so an :class:`UnsupportedValueError` too.)"""
+
+
+class UnknownOptionError(ConfigError, TypeError):
+    """A call got a keyword argument that is neither one of its options nor an old spelling of
+    one; a :class:`TypeError` too, as Python raises for an unexpected keyword."""
 
 
 # Errors of the machinery: storage I/O, the ranks, missing packages.

@@ -1,6 +1,6 @@
 """Lazy tensors: placeholders for the tensors a partial load left out.
 
-``load(path, tiers={"hot"}, lazy=True)`` returns a :class:`LazyTensor` for every tensor on
+``load(path, select=LoadSelection(tiers={"hot"}, lazy=True))`` returns a :class:`LazyTensor` for every tensor on
 another tier. Nothing of its file is read until first use: ``materialize()``, ``.tensor``, or
 passing it to any torch function (``torch.matmul(x, lazy)``, ``lazy.sum()`` through
 ``__torch_function__``). Then its whole file is read once, checked (size, digest, version,

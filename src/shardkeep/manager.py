@@ -19,9 +19,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import shardkeep.api as api
 from shardkeep.async_saving import AsyncSaver
@@ -34,7 +34,7 @@ from shardkeep.catalog import (
     load_config_file,
     misnamed_problem,
 )
-from shardkeep.config import ManifestLimits
+from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
     CheckpointExistsError,
@@ -61,6 +61,7 @@ from shardkeep.manifest import (
     stored_bytes,
 )
 from shardkeep.names import CORRUPT_MARKER, sibling_name, step_of_checkpoint
+from shardkeep.options import Incremental, ManifestFields, Regrouped, TierPlan, regroup
 from shardkeep.retention import RetentionPolicy, policy_from_config
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import (
@@ -84,6 +85,9 @@ from shardkeep.training import (
     json_mapping,
     skeleton,
 )
+
+if TYPE_CHECKING:
+    from shardkeep.options import Group, PublicKey, Signer
 
 __all__ = ["CheckpointManager", "PendingSave", "Restored", "TrainingCheckpoint"]
 
@@ -158,7 +162,14 @@ class CheckpointManager:
     - ``read_only``: list and restore only (``save`` and ``prune`` raise ``ConfigError``); the
       root is not created.
     - ``process_group``, ``timeout``: as for :func:`shardkeep.save`.
-    - any :func:`shardkeep.save` option (``digest``, ``compression``, ``io_threads`` ...).
+    - ``options``, ``tiers``, ``fields``: the option groups of :func:`shardkeep.save`
+      (:class:`~shardkeep.config.WriteOptions`, :class:`~shardkeep.options.TierPlan`,
+      :class:`~shardkeep.options.ManifestFields`), applied to every save; the metrics come
+      from each :meth:`save`. ``incremental`` is ``True``/``False`` or an
+      :class:`~shardkeep.options.Incremental` whose ``base`` is ``True`` (the manager picks each
+      save's base), with ``trust_versions``.
+    - ``save_options``: the keyword spellings of the previous release (``digest=`` ...), folded
+      into their group with a :class:`DeprecationWarning`.
     """
 
     def __init__(
@@ -176,20 +187,28 @@ class CheckpointManager:
         staging_lease: float = DEFAULT_LEASE,
         storage: StoreOperations | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        incremental: bool = False,
-        public_key: Any = None,
+        incremental: bool | Incremental = False,
+        public_key: PublicKey | None = None,
         require_signature: bool | None = None,
         read_only: bool = False,
         limits: ManifestLimits | None = None,
         tier_locations: Mapping[str, str] | None = None,
-        process_group: Any = None,
+        process_group: Group | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: bool = False,
+        options: WriteOptions | None = None,
+        tiers: TierPlan | Sequence[Tier] | None = None,
+        fields: ManifestFields | None = None,
+        signer: Signer | None = None,
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
-        #: The save options this manager forwards to every save (validated now, not at the first save).
-        self.save_settings = _manager_save_settings(save_options)
+        groups = _manager_groups(save_options, options, tiers, incremental, fields)
+        incremental = groups.incremental.base is True
+        if storage_options is None:
+            storage_options = groups.options.storage_options
+        #: The save settings this manager applies to every save (validated now, not at the first save).
+        self.save_settings = SaveSettings.of(groups, signer=signer)
         _check_manager_arguments(run_id, staging_lease, incremental, read_only, self.save_settings)
         self.signatures = SignaturePolicy.of(public_key, require_signature)
         if self.signatures.required and self.save_settings.signer is None and not read_only:
@@ -225,7 +244,7 @@ class CheckpointManager:
         self.staging_lease = float(staging_lease)
         self.process_group = process_group
         self.timeout = timeout
-        self.progress = progress
+        self.progress = progress or groups.options.progress
         self._pending: PendingSave | None = None
         self._lock = threading.RLock()
         self._flags: dict[str, tuple[bool, bool, bool, bool | None]] = {}
@@ -310,9 +329,8 @@ class CheckpointManager:
                 if coordinator.is_coordinator:  # background thread: no collectives, the coordinator prunes
                     self._retain(name)
 
-            handle = AsyncSaver.default().save(
-                payload, name, self._settings_for(step, metrics, run, started), after_commit=after_commit
-            )
+            settings = replace(self._settings_for(step, metrics, run, started), progress=False)
+            handle = AsyncSaver.default().save(payload, name, settings, after_commit=after_commit)
             self._pending = PendingSave(self, handle, name)
             return self._pending
 
@@ -780,15 +798,42 @@ class CheckpointManager:
         return CheckpointEntry(name=name, path=self.catalog.path_of(name), step=manifest.step or 0, verified=True)
 
 
-def _manager_save_settings(options: Mapping[str, Any]) -> SaveSettings:
-    """The manager's save options as settings, refusing a name that is not a manager option."""
-    accepted = SaveSettings.manager_options()
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
+#: The old keyword spellings ``CheckpointManager(**save_options)`` still accepts (the per-save
+#: ones, such as ``step`` or ``metrics``, the manager sets itself).
+_MANAGER_LEGACY = (
+    *(f.name for f in dataclasses.fields(WriteOptions) if f.name != "progress"),
+    "placement",
+    "trust_versions",
+    *(f.name for f in dataclasses.fields(ManifestFields) if f.name != "metrics"),
+)
+
+
+def _manager_groups(
+    legacy: Mapping[str, Any],
+    options: WriteOptions | None,
+    tiers: TierPlan | Sequence[Tier] | None,
+    incremental: bool | Incremental,
+    fields: ManifestFields | None,
+) -> Regrouped:
+    """The manager's option groups, refusing what the manager decides for each save itself."""
+    if not isinstance(incremental, (bool, Incremental)):
+        raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
+    groups = regroup(
+        "CheckpointManager",
+        legacy,
+        options=options,
+        tiers=tiers,
+        incremental=incremental,
+        fields=fields,
+        accepted=_MANAGER_LEGACY,
+    )
+    if not isinstance(groups.incremental.base, bool):
         raise ConfigError(
-            f"CheckpointManager got unknown option(s) {unknown}; save options are: {', '.join(sorted(accepted))}"
+            f"incremental=Incremental(base={groups.incremental.base!r}): the manager picks the base; pass base=True"
         )
-    return SaveSettings(**options)
+    if groups.fields.metrics is not None:
+        raise ConfigError("fields=ManifestFields(metrics=...): the metrics of each save go to CheckpointManager.save")
+    return groups
 
 
 def _check_manager_arguments(
@@ -804,7 +849,9 @@ def _check_manager_arguments(
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
     if incremental and settings.compression:
-        raise ConfigError("incremental=True cannot be combined with compression yet; pass compression=None")
+        raise ConfigError(
+            "incremental=True cannot be combined with compression yet; pass WriteOptions(compression=None)"
+        )
     if not isinstance(read_only, bool):
         raise ConfigError(f"read_only={read_only!r} must be True or False")
 

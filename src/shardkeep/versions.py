@@ -27,7 +27,7 @@ Some writes do not move the counter, and are handled or documented:
   a functional fused optimizer update outside ``Optimizer.step``), through NumPy or DLPack,
   through raw pointers or custom kernels outside an optimizer step, or by another process into
   shared memory, are not seen. That is why the proof is used only when the caller asks for it
-  (``save(..., trust_versions=True)``); docs/tiers.md lists these limits for users.
+  (``save(..., incremental=Incremental(trust_versions=True))``); docs/tiers.md lists these limits for users.
 
 Collectives write tensors without moving their version counters either: ``broadcast``,
 ``all_reduce``, ``recv``, ``scatter``, ``all_gather_single``, ``all_to_all_single``, DDP's

@@ -32,7 +32,12 @@ def main() -> None:
         "pair": (1, 2),
         "best": float("inf"),
     }
-    sk.save(state, checkpoint, step=42, epoch=3, model_id="golden-model", custom_fields={"owner": "tests"})
+    sk.save(
+        state,
+        checkpoint,
+        step=42,
+        fields=sk.ManifestFields(model_id="golden-model", epoch=3, custom_fields={"owner": "tests"}),
+    )
 
     body = json.loads((checkpoint / "manifest.json").read_bytes())
     body.pop("manifest_digest")

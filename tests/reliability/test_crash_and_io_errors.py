@@ -43,7 +43,7 @@ def test_failure_at_every_operation_leaves_nothing_committed(tmp_path: Path, cod
     state = _multi_file_state()
 
     counter = FaultInjectingStore(LocalStore(root))
-    sk.save(state, "step_2", storage=counter, file_size_target=100_000)
+    sk.save(state, "step_2", storage=counter, options=sk.WriteOptions(file_size_target=100_000))
     total = counter.operation_count
     operations = counter.operations
     assert any(op.startswith("rename step_2.tmp-") for op in operations)
@@ -54,7 +54,7 @@ def test_failure_at_every_operation_leaves_nothing_committed(tmp_path: Path, cod
     for fail_at in range(1, total + 1):
         store = FaultInjectingStore(LocalStore(root), fail_at=fail_at, code=code)
         with pytest.raises(sk.StorageError, match=f"operation {fail_at} "):
-            sk.save(state, "step_2", storage=store, file_size_target=100_000)
+            sk.save(state, "step_2", storage=store, options=sk.WriteOptions(file_size_target=100_000))
         assert tree_listing(root) == before, f"leftovers after a failure at {operations[fail_at - 1]}"
     assert sk.verify(root / "step_1").ok
     assert not (root / "step_2").exists()
@@ -86,7 +86,7 @@ def test_storage_errors_are_typed_and_name_the_path(tmp_path: Path) -> None:
 def _keep_saving(root: str, first_step: int, state: dict[str, Any]) -> None:
     step = first_step
     while True:
-        sk.save(state, os.path.join(root, f"step_{step:08d}"), file_size_target=200_000)
+        sk.save(state, os.path.join(root, f"step_{step:08d}"), options=sk.WriteOptions(file_size_target=200_000))
         step += 1
 
 
@@ -103,7 +103,7 @@ def test_kill_9_during_save_never_leaves_a_committed_checkpoint_that_fails(tmp_p
     # in that path too.
     state["payload"] = torch.randn(1536, 1536)
     probe = LocalStore(tmp_path)
-    sk.save(state, "probe", storage=probe, file_size_target=200_000)
+    sk.save(state, "probe", storage=probe, options=sk.WriteOptions(file_size_target=200_000))
     assert probe.write_paths["direct"] == 1, probe.write_paths
     sk.save(state, root / "step_00000000")
     context = multiprocessing.get_context("fork")
@@ -145,7 +145,9 @@ def _rank_one_fails_at_every_operation(rank: int, world_size: int, root: str) ->
     from tests.test_distributed import replicated_state
 
     counter = FaultInjectingStore(LocalStore(root))
-    sk.save(replicated_state(), "probe", storage=counter, file_size_target=20_000)  # operations per rank
+    sk.save(
+        replicated_state(), "probe", storage=counter, options=sk.WriteOptions(file_size_target=20_000)
+    )  # operations per rank
     totals = [0] * world_size
     import torch.distributed as dist
 
@@ -155,7 +157,13 @@ def _rank_one_fails_at_every_operation(rank: int, world_size: int, root: str) ->
         store = FaultInjectingStore(LocalStore(root), fail_at=fail_at if rank == 1 else None)
         started = time.monotonic()
         try:
-            sk.save(replicated_state(), f"ckpt_{fail_at:03d}", storage=store, timeout=30, file_size_target=20_000)
+            sk.save(
+                replicated_state(),
+                f"ckpt_{fail_at:03d}",
+                storage=store,
+                timeout=30,
+                options=sk.WriteOptions(file_size_target=20_000),
+            )
         except sk.CoordinationError as exc:
             failed = sorted(exc.failures)
             outcomes[fail_at] = f"CoordinationError ranks {failed} in {time.monotonic() - started:.1f} s"

@@ -148,7 +148,11 @@ def test_every_extra_or_missing_file_is_detected(tmp_path: Path) -> None:
 
 def test_verify_reports_every_problem_at_once(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
-    sk.save({f"t{i}": torch.full((1000,), float(i)) for i in range(4)}, checkpoint, file_size_target=4000)
+    sk.save(
+        {f"t{i}": torch.full((1000,), float(i)) for i in range(4)},
+        checkpoint,
+        options=sk.WriteOptions(file_size_target=4000),
+    )
     files = sorted((checkpoint / "shards").iterdir())
     assert len(files) == 4
     flip_bit(files[0], files[0].stat().st_size - 1, 0)

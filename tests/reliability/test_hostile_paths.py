@@ -186,7 +186,7 @@ def _apis(checkpoint: Path, root: Path, key: Any) -> dict[str, Callable[[], Any]
     return {
         "load": lambda: sk.load(checkpoint),
         "load with key": lambda: sk.load(checkpoint, public_key=key.public_key()),
-        "load lazy": lambda: sk.load(checkpoint, lazy=True)["w"] + 1,
+        "load lazy": lambda: sk.load(checkpoint, select=sk.LoadSelection(lazy=True))["w"] + 1,
         "load without verify": lambda: sk.load(checkpoint, verify=False),
         "verify": verify_refuses(),
         "verify with key": verify_refuses(public_key=key.public_key()),

@@ -88,7 +88,7 @@ def _targets(work: Path, payload: bytes) -> dict[str, Callable[[], Any]]:
     quiet = {"out": io.StringIO(), "err": io.StringIO()}
     return {
         "load (shard)": lambda: sk.load(shard),
-        "load lazy (shard)": lambda: sk.load(shard, lazy=True)["w"] + 1,
+        "load lazy (shard)": lambda: sk.load(shard, select=sk.LoadSelection(lazy=True))["w"] + 1,
         "load (manifest)": lambda: sk.load(manifest),
         "load with key (signature)": lambda: sk.load(signature, public_key=work / "key.pub"),
         "verify (shard)": lambda: sk.verify(shard),

@@ -42,9 +42,14 @@ class Config:
 
 
 CONFIGS = [
-    Config("3 files, signed", 3, {"file_size_target": 5_000, "signer": KEY}),
-    Config("format 2.0, 1 gloo rank, signed", 3, {"file_size_target": 5_000, "signer": KEY}, format2=True),
-    Config("8 files, zstd", 8, {"file_size_target": 5_000, "compression": "zstd"}),
+    Config("3 files, signed", 3, {"options": sk.WriteOptions(file_size_target=5_000), "signer": KEY}),
+    Config(
+        "format 2.0, 1 gloo rank, signed",
+        3,
+        {"options": sk.WriteOptions(file_size_target=5_000), "signer": KEY},
+        format2=True,
+    ),
+    Config("8 files, zstd", 8, {"options": sk.WriteOptions(file_size_target=5_000, compression="zstd")}),
 ]
 if not FULL:
     CONFIGS = CONFIGS[:2]

@@ -18,6 +18,7 @@ from shardkeep.cli.format import (
     torch_module,
     write_json,
 )
+from shardkeep.config import WriteOptions
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -143,7 +144,7 @@ def run_import(args: argparse.Namespace, out: TextIO) -> int:
         trust_pickle=args.trust_pickle,
         subtree=args.subtree,
         signer=args.key,
-        progress=args.progress,
+        options=WriteOptions(progress=args.progress),
     )
     info = summary(manifest)
     if args.json:

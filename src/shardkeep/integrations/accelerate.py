@@ -34,15 +34,17 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from shardkeep.api import load, read_manifest, save
 from shardkeep.catalog import CheckpointRoot
+from shardkeep.config import WriteOptions
 from shardkeep.conversions import ValueEncoder, decode_values
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT
 from shardkeep.errors import (
     CheckpointExistsError,
     CheckpointFieldError,
@@ -56,9 +58,16 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import MANIFEST_FILENAME, Manifest, unsafe_path_reason
+from shardkeep.manifest import MANIFEST_FILENAME, Manifest, Tier, unsafe_path_reason
+from shardkeep.options import LEGACY_KEYWORDS, Incremental, LoadSelection, ManifestFields, TierPlan, regroup
 from shardkeep.storage.locations import local_path
 from shardkeep.training import TrainingCheckpoint
+
+if TYPE_CHECKING:
+    from shardkeep.options import Group, Signer
+
+#: What a load reads of a checkpoint: what ``into`` holds (this process's RNG states, not the others').
+_OWN_STATE_ONLY = LoadSelection(extra="ignore")
 
 __all__ = ["accelerator_state", "automatic_checkpoints", "load_state", "save_state"]
 
@@ -372,11 +381,23 @@ def _scratch_parent(target: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **save_options: Any) -> Manifest:
+def save_state(
+    accelerator: Any,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    options: WriteOptions | None = None,
+    tiers: TierPlan | Sequence[Tier] | None = None,
+    incremental: Incremental | bool | str | os.PathLike[str] = False,
+    fields: ManifestFields | None = None,
+    signer: Signer | None = None,
+    process_group: Group | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **legacy: Any,
+) -> Manifest:
     """Save what ``accelerator.save_state`` would save as one shardkeep checkpoint and return
-    its manifest. ``save_options`` go to :func:`shardkeep.save` (``signer=``, ``digest=``,
-    ``compression=`` ...). With several processes, every process calls it, as it calls
-    ``save_state``; each keeps its own RNG states.
+    its manifest. The options are those of :func:`shardkeep.save` (``legacy``: its keyword
+    spellings of the previous release, with a :class:`DeprecationWarning`). With several
+    processes, every process calls it, as it calls ``save_state``; each keeps its own RNG states.
 
     Where, as ``Accelerator.save_state`` decides: with ``ProjectConfiguration(
     automatic_checkpoint_naming=True)``, ``project_dir/checkpoints/checkpoint_<iteration>``
@@ -392,6 +413,24 @@ def save_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **s
     saves a model itself removes its weights from the list) and a fresh directory; every file
     the hooks write there is saved in the checkpoint (``hook_files``), digested like the rest.
     """
+    groups = regroup(
+        "save_state",
+        legacy,
+        options=options,
+        tiers=tiers,
+        incremental=incremental,
+        fields=fields,
+        accepted=LEGACY_KEYWORDS,
+    )
+    save_options: dict[str, Any] = {
+        "options": groups.options,
+        "tiers": groups.tiers,
+        "incremental": groups.incremental,
+        "fields": groups.fields,
+        "signer": signer,
+        "process_group": process_group,
+        "timeout": timeout,
+    }
     config = accelerator.project_configuration
     directory: str | None = None  # where total_limit applies
     if _automatic(accelerator):
@@ -433,7 +472,7 @@ def load_state(accelerator: Any, path: str | os.PathLike[str] | None = None, **l
     objects, its step and samplers, and this process's RNG states, in place, after every digest
     is checked; all or nothing (a refused RNG state, say for another number of CUDA devices,
     leaves everything as it was). The objects must be prepared in the same order as when it
-    was saved; other processes' RNG states are not read (``extra="ignore"``). ``load_options``
+    was saved; other processes' RNG states are not read (``LoadSelection(extra="ignore")``). ``load_options``
     go to :func:`shardkeep.load` (``public_key=`` ...).
 
     Without ``path``, with automatic checkpoint naming, the newest committed
@@ -484,19 +523,19 @@ _MANIFEST_OPTIONS = ("storage", "limits", "storage_options", "public_key", "requ
 def _load_checkpoint(accelerator: Any, path: str, hooks: list[Any], load_options: Mapping[str, Any]) -> None:
     state = _state_with_counters(accelerator)
     if not hooks:
-        load(path, into=state, extra="ignore", **load_options)
+        load(path, into=state, select=_OWN_STATE_ONLY, **load_options)
         return
     manifest = read_manifest(path, **{key: load_options[key] for key in _MANIFEST_OPTIONS if key in load_options})
     stored = {entry.key for _, entry in manifest.iter_tensors()} | {value.key for value in manifest.values}
     with tempfile.TemporaryDirectory(prefix="shardkeep-accelerate-hooks-") as scratch:
         if any(key.startswith(f"{HOOK_FILES_KEY}.") for key in stored):
             writer = _HookFileWriter(scratch, path)
-            load(path, into={HOOK_FILES_KEY: writer}, extra="ignore", **load_options)
+            load(path, into={HOOK_FILES_KEY: writer}, select=_OWN_STATE_ONLY, **load_options)
         models = list(accelerator._models)
         for hook in hooks:
             hook(models, scratch)
         state["models"] = {str(i): accelerator.unwrap_model(model) for i, model in enumerate(models)}
-        load(path, into=state, extra="ignore", **load_options)
+        load(path, into=state, select=_OWN_STATE_ONLY, **load_options)
 
 
 def _restore_rng(rng: Any) -> None:

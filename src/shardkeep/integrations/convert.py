@@ -22,6 +22,7 @@ safetensors file (tensors under their dotted keys; JSON values go into the heade
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -46,6 +47,7 @@ from shardkeep.errors import (
 from shardkeep.fill import restore_optimizer_ids
 from shardkeep.manifest import Manifest
 from shardkeep.names import check_name_length
+from shardkeep.options import ManifestFields
 from shardkeep.storage.localfs import write_file_atomic
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import FlatState, flatten_state
@@ -235,7 +237,8 @@ def import_checkpoint(
 ) -> Manifest:
     """Convert ``source`` (a torch file, a safetensors file, a DCP directory or a Hugging Face
     model folder) into a new shardkeep checkpoint at ``destination``; ``save_options`` go to
-    :func:`shardkeep.save` (``signer``, ``digest``, ``storage_options`` ...). See the module
+    :func:`shardkeep.save` (``options=``, ``fields=``, ``signer=`` ...; the custom fields of
+    ``fields`` are recorded beside ``imported_from``). See the module
     docstring for what is trusted.
 
     A Hugging Face folder's tensors go under ``subtree`` (dotted; default ``"model"``, ``""``
@@ -267,8 +270,17 @@ def import_checkpoint(
         raise UnsupportedValueError(
             f"{path} holds a {type(state).__name__}, not a mapping of names to tensors; a checkpoint's state is a dict"
         )
-    given = save_options.pop("custom_fields", None) or {}
-    return api.save(state, destination, custom_fields={**custom, **given}, **save_options)
+    recorded = save_options.pop("fields", None) or ManifestFields()
+    given = save_options.pop("custom_fields", None)  # the previous release's spelling
+    if given is not None:
+        warnings.warn(
+            "import_checkpoint(): custom_fields= is now fields=ManifestFields(custom_fields=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    given = given if given is not None else recorded.custom_fields or {}
+    fields = dataclasses.replace(recorded, custom_fields={**custom, **given})
+    return api.save(state, destination, fields=fields, **save_options)
 
 
 def _hf_state(path: str, subtree: str) -> tuple[dict[str, Any], str]:

@@ -68,17 +68,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardkeep.config import ManifestLimits, SaveOptions
+from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
 from shardkeep.integrity import SignaturePolicy, load_private_key
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
 from shardkeep.layout import PlannedItem, file_header, plan_files
 from shardkeep.manifest import ContainerEntry, FileRecord, Manifest, Tier, ValueEntry, key_for_path
+from shardkeep.options import ManifestFields, regroup
 from shardkeep.saving.job import ensure_directory
 from shardkeep.saving.manifest_build import (
     DEFAULT_TIER,
-    ManifestFields,
+    RecordedFields,
     commit_manifest,
     new_manifest,
     plain_json_mapping,
@@ -93,6 +94,8 @@ from shardkeep.verification import CheckpointLocation, FileResolver, locate, rea
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shardkeep.options import Signer
 
 __all__ = ["DCP_FIELD", "ShardkeepReader", "ShardkeepWriter", "dcp_to_torch_save"]
 
@@ -139,13 +142,27 @@ def _checkpoint_path(path: str | os.PathLike[str]) -> str:
     return os.fspath(path)
 
 
+#: The keyword spellings of the previous release that ``ShardkeepWriter`` still accepts.
+_WRITER_LEGACY = (
+    "digest",
+    "io_threads",
+    "byte_budget",
+    "file_size_target",
+    "storage_options",
+    "model_id",
+    "epoch",
+    "custom_fields",
+)
+
+
 class ShardkeepWriter(StorageWriter):
     """A DCP ``StorageWriter`` that commits a shardkeep checkpoint at ``path``.
 
-    ``digest``, ``io_threads``, ``byte_budget`` and ``file_size_target`` are those of
-    ``sk.save``; ``signer`` (an Ed25519 private key or the path of a PEM file) signs the manifest
-    (it needs a cryptographic digest); ``model_id``, ``step``, ``epoch`` and ``custom_fields`` are
-    recorded in the manifest. A committed checkpoint is never overwritten: constructing a writer
+    ``options`` (a :class:`~shardkeep.config.WriteOptions`: digest, I/O threads, byte budget,
+    file size, fsspec ``storage_options``; no compression), ``fields`` (a
+    :class:`~shardkeep.options.ManifestFields`: model id, epoch, custom fields), ``step`` and
+    ``signer`` (an Ed25519 private key or the path of a PEM file; it needs a cryptographic
+    digest) are those of ``sk.save``, and what they record is recorded in the manifest. A committed checkpoint is never overwritten: constructing a writer
     (or ``reset`` with a checkpoint id) for an existing checkpoint raises
     :class:`~shardkeep.errors.CheckpointExistsError`; a checkpoint that appears while the save
     runs makes the commit fail (DCP reports it wrapped in its ``CheckpointException``).
@@ -173,29 +190,32 @@ class ShardkeepWriter(StorageWriter):
         self,
         path: str | os.PathLike[str],
         *,
-        digest: str = SaveOptions.digest,
-        signer: Any = None,
-        io_threads: int = SaveOptions.io_threads,
-        byte_budget: int = SaveOptions.byte_budget,
-        file_size_target: int = SaveOptions.file_size_target,
-        model_id: str | None = None,
         step: int | None = None,
-        epoch: int | None = None,
-        custom_fields: Mapping[str, Any] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
+        options: WriteOptions | None = None,
+        fields: ManifestFields | None = None,
+        signer: Signer | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__()
-        self.options = SaveOptions(
-            digest=digest, io_threads=io_threads, byte_budget=byte_budget, file_size_target=file_size_target
-        )
+        groups = regroup("ShardkeepWriter", legacy, options=options, fields=fields, accepted=_WRITER_LEGACY)
+        self.options = groups.options
+        digest, recorded = groups.options.digest, groups.fields
+        for name, value in (
+            ("options=WriteOptions(compression", self.options.compression),
+            ("fields=ManifestFields(training", recorded.training),
+            ("fields=ManifestFields(sharding_strategy", recorded.sharding_strategy),
+            ("fields=ManifestFields(metrics", recorded.metrics),
+        ):
+            if value is not None:
+                raise ConfigError(f"ShardkeepWriter does not take {name}=...)")
         require_cryptographic_digest(signer, digest)
-        fields = plain_json_mapping("custom_fields", custom_fields)
-        if DCP_FIELD in fields:
+        custom_fields = plain_json_mapping("custom_fields", recorded.custom_fields)
+        if DCP_FIELD in custom_fields:
             raise UnsupportedValueError(f"custom_fields[{DCP_FIELD!r}] is reserved for the DCP adapter's own record")
-        self.custom_fields = fields
+        self.custom_fields = custom_fields
         self.signer = signer
-        self.model_id, self.step, self.epoch = model_id, step, epoch
-        self.storage_options = storage_options
+        self.model_id, self.step, self.epoch = recorded.model_id, step, recorded.epoch
+        self.storage_options = self.options.storage_options
         self.path = _checkpoint_path(path)
         self.is_coordinator = False
         self.rank = 0
@@ -427,7 +447,7 @@ class ShardkeepWriter(StorageWriter):
         }
         # The top-level names of the state DCP saved: its optimizer section, as sk.save finds it.
         tops = dict.fromkeys(str(entry.path[0]) for record in records for entry in record.tensors)
-        fields = ManifestFields(
+        fields = RecordedFields(
             model_id=self.model_id,
             step=self.step,
             epoch=self.epoch,

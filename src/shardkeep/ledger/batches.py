@@ -26,12 +26,17 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardkeep.api import load, save
+from shardkeep.config import WriteOptions
 from shardkeep.errors import LedgerStateError, UnsupportedValueError
 from shardkeep.ledger.ledger import ProgressLedger
 from shardkeep.manifest import Manifest
+from shardkeep.options import ManifestFields
+
+if TYPE_CHECKING:
+    from shardkeep.options import Group, Signer
 
 __all__ = ["iter_batches", "load_batch", "new_batch_path", "save_batch"]
 
@@ -53,6 +58,10 @@ def save_batch(
     worker: int | None = None,
     claim: int | None = None,
     path: str | os.PathLike[str] | None = None,
+    options: WriteOptions | None = None,
+    fields: ManifestFields | None = None,
+    signer: Signer | None = None,
+    process_group: Group | None = None,
     **save_options: Any,
 ) -> Manifest:
     """Save one batch result with :func:`shardkeep.save` (committed, fsynced), then record it in
@@ -62,16 +71,20 @@ def save_batch(
     checkpoint directory and not exist (committed checkpoints are never replaced). ``worker``
     (the calling worker's rank) and ``claim`` (from :meth:`ProgressLedger.claim_shard`) fence
     the update: if the shard was reassigned or claimed again, the ledger refuses it.
-    ``save_options`` go to :func:`shardkeep.save` (``compression=``, ``digest=`` ...). A batch
+    ``options``, ``fields``, ``signer``, ``process_group`` and ``save_options`` (any other
+    keyword of :func:`shardkeep.save`, or its spelling of the previous release, with a
+    :class:`DeprecationWarning`) go to :func:`shardkeep.save`. A batch
     the ledger already records, or a shard this worker no longer holds, is refused before
     anything is written (:class:`~shardkeep.errors.LedgerStateError`).
     """
-    if "process_group" not in save_options:
+    if process_group is None:
         _refuse_implicit_group()
     target = Path(path) if path is not None else new_batch_path(ledger, shard, batch_idx)
     name, absolute = ledger.resolve_file(target)
     ledger.check_batch(shard, batch_idx, worker=worker, claim=claim)
-    manifest = save(state, absolute, **save_options)
+    manifest = save(
+        state, absolute, options=options, fields=fields, signer=signer, process_group=process_group, **save_options
+    )
     ledger.update_shard_checkpoint(shard, batch_idx, num_sequences, name, sequence_range, worker=worker, claim=claim)
     return manifest
 

@@ -53,7 +53,7 @@ from shardkeep.progress import collector_paused, progress_bar
 from shardkeep.saving.incremental import IncrementalLayout, base_location, read_base
 from shardkeep.saving.manifest_build import (
     DEFAULT_TIER,
-    ManifestFields,
+    RecordedFields,
     Sections,
     commit_manifest,
     describe_sharded,
@@ -438,7 +438,7 @@ class SaveJob:
         with collector_paused():
             if self.on_grid and (coordinator.is_coordinator or not self.alike):
                 self.descriptions = describe_sharded(self.planned, self.tier_of, self.tiers)
-            fields = ManifestFields(
+            fields = RecordedFields(
                 model_id=settings.model_id,
                 step=settings.step if settings.step is not None else step_of(self.state, self.location.name),
                 epoch=settings.epoch,

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIER",
     "OPTIMIZER_NAMES",
-    "ManifestFields",
+    "RecordedFields",
     "Sections",
     "commit_manifest",
     "describe_sharded",
@@ -113,7 +113,7 @@ def state_sections(state: Mapping[str, Any], keys: list[str]) -> Sections:
     return Sections(optim, router, training)
 
 
-class ManifestFields(NamedTuple):
+class RecordedFields(NamedTuple):
     """What the caller asks a manifest to record, beside what the save itself knows."""
 
     model_id: str | None = None
@@ -129,7 +129,7 @@ class ManifestFields(NamedTuple):
 
 def new_manifest(
     records: list[FileRecord],
-    fields: ManifestFields,
+    fields: RecordedFields,
     sections: Sections,
     *,
     digest: str,

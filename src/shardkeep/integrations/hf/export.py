@@ -37,7 +37,7 @@ import stat
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -78,6 +78,9 @@ from shardkeep.storage.locations import local_path
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.flatten import flatten_state
 from shardkeep.tensors.shardfile import CARRIED_DTYPES
+
+if TYPE_CHECKING:
+    from shardkeep.options import PublicKey
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HFExportSummary", "export_hf", "parse_size"]
 
@@ -480,7 +483,7 @@ def export_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     check_keys: bool = True,
     model_class: str | None = None,
-    public_key: Any = None,
+    public_key: PublicKey | None = None,
     overwrite: bool = False,
     **load_options: Any,
 ) -> HFExportSummary:

@@ -23,14 +23,15 @@ failures are raised as :class:`~shardkeep.errors.StorageError` naming the path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import shardkeep.api as api
-from shardkeep.config import LOCAL
+from shardkeep.config import LOCAL, WriteOptions
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -41,7 +42,7 @@ from shardkeep.errors import (
     UnsupportedValueError,
 )
 from shardkeep.integrations.lightning.values import apply_map_location, decode_checkpoint, encode_checkpoint
-from shardkeep.manifest import Manifest
+from shardkeep.manifest import Manifest, Tier
 from shardkeep.names import (
     LIGHTNING_NEW_ROLE,
     LIGHTNING_OLD_ROLE,
@@ -53,6 +54,7 @@ from shardkeep.names import (
     check_name_length,
     name_digest,
 )
+from shardkeep.options import LEGACY_KEYWORDS, Incremental, ManifestFields, TierPlan, regroup
 from shardkeep.storage.localfs import ExchangeUnsupported, current
 from shardkeep.storage.locations import local_path
 from shardkeep.verification import read_manifest
@@ -66,6 +68,9 @@ except ModuleNotFoundError as _missing_lightning:  # pragma: no cover - depends 
         raise DependencyError(
             "shardkeep.lightning needs Lightning, which is not installed: pip install lightning"
         ) from _missing_lightning
+
+if TYPE_CHECKING:
+    from shardkeep.options import PublicKey, Signer
 
 __all__ = ["ShardkeepCheckpointIO"]
 
@@ -154,12 +159,17 @@ def _name_of_tag(entry: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+#: The keyword spellings of the previous release that ``ShardkeepCheckpointIO`` still accepts
+#: (``save_options=`` is folded into them first).
+_PLUGIN_LEGACY = tuple(name for name in LEGACY_KEYWORDS if name not in ("epoch", "storage_options"))
+
+
 class ShardkeepCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that writes each checkpoint as a verified shardkeep directory.
 
-    ``digest``, ``signer``, ``compression``, ``compression_level`` and ``save_options`` (any
-    other keyword of :func:`shardkeep.save`) apply to every save; ``public_key``,
-    ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
+    ``options``, ``tiers``, ``incremental``, ``fields`` and ``signer`` (the option groups of
+    :func:`shardkeep.save`; the plugin sets the step, the epoch and its own custom field) apply
+    to every save; ``public_key``, ``require_signature`` and ``mmap`` to every load (digests are always verified). Local paths
     only. See :mod:`~shardkeep.integrations.lightning.values` for the conversions and the module
     docstring for the atomic replacement.
 
@@ -198,29 +208,48 @@ class ShardkeepCheckpointIO(CheckpointIO):
     def __init__(
         self,
         *,
-        digest: str | None = None,
-        signer: Any = None,
-        compression: str | None = None,
-        compression_level: int | None = None,
-        public_key: Any = None,
+        options: WriteOptions | None = None,
+        tiers: TierPlan | Sequence[Tier] | None = None,
+        incremental: Incremental | bool | str | os.PathLike[str] = False,
+        fields: ManifestFields | None = None,
+        signer: Signer | None = None,
+        public_key: PublicKey | None = None,
         require_signature: bool | None = None,
         mmap: bool = False,
-        save_options: Mapping[str, Any] | None = None,
+        **legacy: Any,
     ) -> None:
         super().__init__()
-        options: dict[str, Any] = dict(save_options or {})
-        for reserved in ("process_group", "step", "epoch", "storage", "storage_options"):
-            if reserved in options:
-                raise ConfigError(f"save_options={{{reserved!r}: ...}}: the plugin sets {reserved} itself")
-        if digest is not None:
-            options["digest"] = digest
-        if signer is not None:
-            options["signer"] = signer
-        if compression is not None:
-            options["compression"] = compression
-        if compression_level is not None:
-            options["compression_level"] = compression_level
-        self._save_options = options
+        hints = []
+        if "save_options" in legacy:
+            legacy = dict(legacy)
+            mapping = dict(legacy.pop("save_options") or {})
+            for reserved in ("process_group", "step", "epoch", "storage", "storage_options"):
+                if reserved in mapping:
+                    raise ConfigError(f"save_options={{{reserved!r}: ...}}: the plugin sets {reserved} itself")
+            tiers = mapping.pop("tiers", tiers)
+            incremental = mapping.pop("incremental", incremental)
+            signer = mapping.pop("signer", signer)
+            legacy.update(mapping)
+            hints.append("save_options= is now options=, tiers=, incremental=, fields= and signer=")
+        groups = regroup(
+            "ShardkeepCheckpointIO",
+            legacy,
+            options=options,
+            tiers=tiers,
+            incremental=incremental,
+            fields=fields,
+            accepted=_PLUGIN_LEGACY,
+            hints=hints,
+        )
+        if groups.options.storage_options is not None:
+            raise ConfigError("options=WriteOptions(storage_options=...): the plugin saves to local paths only")
+        self._fields = groups.fields
+        self._save_arguments: dict[str, Any] = {
+            "options": groups.options,
+            "tiers": groups.tiers,
+            "incremental": groups.incremental,
+            "signer": signer,
+        }
         self._public_key = public_key
         self._require_signature = require_signature
         self._mmap = mmap
@@ -261,15 +290,19 @@ class ShardkeepCheckpointIO(CheckpointIO):
                 staging,
                 process_group=LOCAL,
                 step=step if type(step) is int and step >= 0 else None,
-                epoch=epoch if type(epoch) is int and epoch >= 0 else None,
-                custom_fields={
-                    "lightning": {
-                        "version": str(checkpoint.get("pytorch-lightning_version", "")),
-                        "checkpoint_io": "shardkeep.lightning.ShardkeepCheckpointIO",
-                        **_recorded_name(name),
-                    }
-                },
-                **self._save_options,
+                fields=dataclasses.replace(
+                    self._fields,
+                    epoch=epoch if type(epoch) is int and epoch >= 0 else None,
+                    custom_fields={
+                        **(self._fields.custom_fields or {}),
+                        "lightning": {
+                            "version": str(checkpoint.get("pytorch-lightning_version", "")),
+                            "checkpoint_io": "shardkeep.lightning.ShardkeepCheckpointIO",
+                            **_recorded_name(name),
+                        },
+                    },
+                ),
+                **self._save_arguments,
             )
         except BaseException:
             try:
