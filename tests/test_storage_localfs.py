@@ -201,6 +201,14 @@ def test_replace_dir_puts_the_old_directory_back_when_the_second_rename_fails(tm
     assert (staging / "value").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["staging", "target"]
 
+    aside = str(tmp_path / "aside")
+    with pytest.raises(OSError):  # without restore: the window's state, for the caller's recovery
+        SecondRenameFails(exchange=False).replace_dir(
+            str(staging), str(tmp_path / "target"), aside=aside, restore=False
+        )
+    assert sorted(os.listdir(tmp_path)) == ["aside", "staging"]
+    assert (Path(aside) / "value").read_text() == "old" and (staging / "value").read_text() == "new"
+
 
 def test_retire_and_remove_renames_a_directory_aside_durably_before_removing_it(tmp_path: Path) -> None:
     doomed = folder(tmp_path / "step_1", "x")

@@ -309,11 +309,13 @@ class LocalFS:
                 continue  # another process made it, and syncs its parent
             self.fsync_directory(os.path.dirname(directory))
 
-    def replace_dir(self, staging: str, target: str, *, aside: str | None = None) -> str | None:
+    def replace_dir(self, staging: str, target: str, *, aside: str | None = None, restore: bool = True) -> str | None:
         """Put the finished directory ``staging`` at ``target``; return where the replaced
         directory now is (for the caller to remove), or ``None`` when ``target`` was free.
         If it raises, ``staging`` still holds the new directory and ``target`` is as it was
-        (unless the process dies in the fallback's window, below).
+        (unless the process dies in the fallback's window, below; with ``restore=False`` a
+        failed second rename leaves that window's state, for a caller whose recovery repairs
+        it).
 
         A free ``target`` is a rename that never replaces anything. An existing one is swapped
         with ``staging`` in one step (:meth:`exchange`), so ``target`` is never missing, and
@@ -336,7 +338,8 @@ class LocalFS:
             try:
                 self.rename(staging, target)
             except BaseException:
-                self.rename(old, target)
+                if restore:
+                    self.rename(old, target)
                 raise
         self.fsync_directory(parent)
         return old
@@ -466,9 +469,9 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> None:
     current().makedirs_durable(path, mode)
 
 
-def replace_dir(staging: str, target: str, *, aside: str | None = None) -> str | None:
+def replace_dir(staging: str, target: str, *, aside: str | None = None, restore: bool = True) -> str | None:
     """:meth:`LocalFS.replace_dir` of the filesystem in use."""
-    return current().replace_dir(staging, target, aside=aside)
+    return current().replace_dir(staging, target, aside=aside, restore=restore)
 
 
 def retire_and_remove(path: str, marker: str = DELETING_MARKER) -> bool:
