@@ -90,7 +90,7 @@ def test_custom_fields_and_training_fields_accept_the_same_values(
         with pytest.raises(sk.CheckpointFieldError, match="model_args"):
             json_mapping("model_args", fields)
         with pytest.raises(sk.UnsupportedValueError, match="custom_fields= must be a mapping of plain JSON"):
-            sk.save({"w": torch.ones(1)}, tmp_path / "c", custom_fields=fields)
+            sk.save({"w": torch.ones(1)}, tmp_path / "c", fields=sk.ManifestFields(custom_fields=fields))
         assert not (tmp_path / "c").exists()
 
 
@@ -211,7 +211,7 @@ def _save_and_resolve(rank: int, world_size: int, path: str) -> tuple[list[str],
     manifest = read_manifest(path)
     held = sorted(held_keys(into, manifest))
     wanted = sorted(wanted_regions(into, manifest))
-    sk.load(path, into={"blocks": into["blocks"]}, extra="ignore")
+    sk.load(path, into={"blocks": into["blocks"]}, select=sk.LoadSelection(extra="ignore"))
     return held, wanted, bool(torch.equal(into["blocks"][0].full_tensor(), torch.arange(32.0).reshape(8, 4)))
 
 

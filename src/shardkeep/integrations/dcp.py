@@ -487,12 +487,6 @@ def _abort_quietly(commit: CheckpointCommit) -> None:
         pass
 
 
-def _json_able(value: Any) -> bool:
-    """True for exactly the plain values a manifest stores and gives back as the same types
-    (:func:`~shardkeep.tensors.flatten.is_manifest_value`, expanded, exact types)."""
-    return is_manifest_value(value, allow_nonfinite=True, allow_int_keys=True, exact_types=True)
-
-
 def _json_item(data: bytes) -> bytes | None:
     """A DCP byte item (``torch.save`` bytes from DCP's planner, of a local object) as the
     manifest's containers and values (msgpack, paths under ``["v"]``), or ``None`` when it is
@@ -502,7 +496,8 @@ def _json_item(data: bytes) -> bytes | None:
         value = torch.load(io.BytesIO(data), weights_only=True)
     except Exception:
         return None
-    if not _json_able(value):
+    # Exactly the plain values a manifest stores and gives back as the same types.
+    if not is_manifest_value(value, allow_nonfinite=True, allow_int_keys=True, exact_types=True):
         return None
     try:
         flat = flatten_state({"v": value})

@@ -55,7 +55,7 @@ from shardkeep.names import (
     name_digest,
 )
 from shardkeep.options import LEGACY_KEYWORDS, Incremental, ManifestFields, TierPlan, regroup
-from shardkeep.storage.localfs import ExchangeUnsupported, current
+from shardkeep.storage.localfs import current
 from shardkeep.storage.locations import local_path
 from shardkeep.verification import read_manifest
 
@@ -485,25 +485,17 @@ class ShardkeepCheckpointIO(CheckpointIO):
         checkpoint, for the caller to delete, or None when there was none. Unlike
         :meth:`~shardkeep.storage.localfs.LocalFS.replace_dir`, a failed fallback swap is not
         undone: recovery puts the later committed checkpoint (the new one) at ``target``."""
-        fs = current()
         parent, name = os.path.split(target)
-        if not os.path.lexists(target):
-            fs.rename_noreplace(staging, target)
-            fs.fsync_directory(parent)
+        aside = os.path.join(parent, f"{_tag(name)}{LIGHTNING_OLD_ROLE}{uuid.uuid4().hex}")
+        # Where the exchange is not supported it is two renames: between them nothing is at
+        # ``target``, and a crash there is repaired by the next save of this path (see _recover).
+        old = current().replace_dir(staging, target, aside=aside, restore=False)
+        if old is None:
             return None
-        try:
-            fs.exchange(staging, target)  # target now holds the new checkpoint, staging the old one
-            old = staging
-        except ExchangeUnsupported:
-            # Two renames: between them nothing is at ``target``; a crash there is repaired by
-            # the next save of this path (see _recover).
-            old = os.path.join(parent, f"{_tag(name)}{LIGHTNING_OLD_ROLE}{uuid.uuid4().hex}")
-            fs.rename(target, old)
-            fs.rename(staging, target)
-        # At once out of the names recovery considers: after the exchange ``staging`` (a "new-"
+        # At once out of the names recovery considers: after an exchange ``staging`` (a "new-"
         # name) holds the *previous* checkpoint.
         doomed = _retire(parent, _tag(name), os.path.basename(old))
-        fs.fsync_directory(parent)
+        current().fsync_directory(parent)
         return doomed
 
     @classmethod
