@@ -92,7 +92,7 @@ def test_every_group_field_arrives_in_the_settings() -> None:
 
 def test_every_setting_reaches_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A value given to ``save`` arrives in the SaveSettings the job runs with (so a new field
-    cannot be silently dropped by ``from_arguments``)."""
+    cannot be silently dropped by ``SaveSettings.of``)."""
     seen: list[SaveSettings] = []
     real = saving.run_save
 
