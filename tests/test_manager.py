@@ -410,6 +410,11 @@ def test_changed_fingerprint_is_refused_with_a_field_diff(tmp_path: Path) -> Non
         ({"keep": 3}, r"checkpointing\.keep must be a mapping"),
         ({"mode": "lowest"}, r"checkpointing\.mode='lowest'"),
         ({"metric": ""}, r"checkpointing\.metric=''"),
+        ({"keep": {"period": 0}}, r"checkpointing\.keep\.period=0"),
+        ({"keep": {"period": "10"}}, r"checkpointing\.keep\.period='10'"),
+        ({"keep": {"interval_seconds": -5}}, r"checkpointing\.keep\.interval_seconds=-5"),
+        ({"keep": {"interval_seconds": True}}, r"checkpointing\.keep\.interval_seconds=True"),
+        ({"keep": {"fn": "mod.f"}}, r"checkpointing\.keep\.fn: unknown key"),
         ([1], "must be a mapping"),
     ],
 )
@@ -439,6 +444,20 @@ def test_configs_from_a_dict_and_from_yaml(tmp_path: Path) -> None:
         sk.CheckpointManager.from_config(tmp_path / "e", broken)
     with pytest.raises(sk.ConfigError, match="cannot read"):
         sk.CheckpointManager.from_config(tmp_path / "f", tmp_path / "missing.yaml")
+
+
+def test_configs_carry_keep_period_and_interval_to_the_manager(tmp_path: Path) -> None:
+    section = tmp_path / "checkpointing.yaml"
+    section.write_text("keep:\n  last: 1\n  best: 0\n  period: 2\n  interval_seconds: 86400\n")
+    manager = sk.CheckpointManager.from_config(tmp_path / "root", section)
+    assert manager.policy == RetentionPolicy(keep_last=1, keep_best=0, keep_period=2, keep_interval_seconds=86400)
+    off = sk.CheckpointManager.from_config(tmp_path / "off", {"keep": {"period": None, "interval_seconds": None}})
+    assert (off.policy.keep_period, off.policy.keep_interval_seconds) == (None, None)
+    manager = sk.CheckpointManager.from_config(tmp_path / "saved", {"keep": {"last": 1, "best": 0, "period": 2}})
+    for step in range(1, 6):
+        manager.save({"w": torch.full((2,), float(step))}, step=step)
+    # keep_last=1 keeps step 5, keep_period=2 keeps 2 and 4; 1 and 3 are pruned
+    assert [entry.step for entry in manager.list()] == [2, 4, 5]
 
 
 @pytest.mark.parametrize(

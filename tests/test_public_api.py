@@ -51,6 +51,7 @@ EXPECTED_ALL = [
     "RetentionPolicy",
     "RunMismatchError",
     "SaveHandle",
+    "SavePolicy",
     "SaveInProgressError",
     "ShardkeepError",
     "SignatureError",

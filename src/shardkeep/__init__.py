@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardkeep.cadence import SavePolicy
 from shardkeep.catalog import CheckpointEntry
 from shardkeep.config import LOCAL, WriteOptions
 from shardkeep.errors import (
@@ -96,6 +97,7 @@ __all__ = [
     "RetentionPolicy",
     "RunMismatchError",
     "SaveHandle",
+    "SavePolicy",
     "SaveInProgressError",
     "ShardkeepError",
     "SignatureError",

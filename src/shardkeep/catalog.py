@@ -510,6 +510,7 @@ class CheckpointRoot:
                 metric=_metric(item.manifest, policy.metric),
                 # A tier that cannot be seen proves nothing either way: unknown, never deleted.
                 verified=None if item.missing_tiers else not item.problems,
+                created=item.manifest.created_at.timestamp() if item.manifest is not None else None,
             )
             for item in mine
         ]

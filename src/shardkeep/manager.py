@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import shardkeep.api as api
 from shardkeep.async_saving import AsyncSaver
+from shardkeep.cadence import SavePolicy, SaveSchedule
 from shardkeep.catalog import (
     DEFAULT_LEASE,
     CheckpointEntry,
@@ -168,6 +169,9 @@ class CheckpointManager:
       from each :meth:`save`. ``incremental`` is ``True``/``False`` or an
       :class:`~shardkeep.options.Incremental` whose ``base`` is ``True`` (the manager picks each
       save's base), with ``trust_versions``.
+    - ``save_policy``: a :class:`~shardkeep.cadence.SavePolicy` that :meth:`should_save`
+      follows (every N steps, every T seconds, a function); without one, every step is due.
+      :meth:`save` itself saves whatever it is given.
     - ``save_options``: the keyword spellings of the previous release (``digest=`` ...), folded
       into their group with a :class:`DeprecationWarning`.
     """
@@ -200,9 +204,11 @@ class CheckpointManager:
         tiers: TierPlan | Sequence[Tier] | None = None,
         fields: ManifestFields | None = None,
         signer: Signer | None = None,
+        save_policy: SavePolicy | None = None,
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+        self._schedule = SaveSchedule(save_policy) if save_policy is not None else None
         groups = _manager_groups(save_options, options, tiers, incremental, fields)
         incremental = groups.incremental.base is True
         if storage_options is None:
@@ -264,7 +270,9 @@ class CheckpointManager:
         clashing = sorted({"keep_last", "keep_best", "metric", "mode"} & set(options))
         if clashing:
             raise ConfigError(f"{clashing} come from the config; do not pass them to from_config as well")
-        return cls(root, policy.keep_last, policy.keep_best, policy.metric, policy.mode, **options)
+        manager = cls(root, policy.keep_last, policy.keep_best, policy.metric, policy.mode, **options)
+        manager.policy = policy  # with keep_period and keep_interval_seconds, which the constructor lacks
+        return manager
 
     def __repr__(self) -> str:
         p = self.policy
@@ -286,6 +294,18 @@ class CheckpointManager:
         return Coordinator(self.process_group, timeout=self.timeout)
 
     # -- saving -----------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due under ``save_policy`` (always, without one); never a step at or
+        below the last one this manager saved or restored. Every rank calls it: with several
+        ranks and a time or function rule, the coordinator decides and broadcasts."""
+        schedule = self._schedule
+        if schedule is None:
+            return True
+        coordinator = self._coordinator()
+        if not (coordinator.distributed and schedule.policy.needs_agreement):
+            return schedule.due(step)
+        return coordinator.broadcast(schedule.due(step) if coordinator.is_coordinator else None, label="should_save")
+
     def save(
         self, state: TrainingCheckpoint | Mapping[str, Any], *, step: int, metrics: Mapping[str, Any] | None = None
     ) -> CheckpointEntry:
@@ -303,6 +323,8 @@ class CheckpointManager:
             name, payload, run = self._prepare(state, step, metrics, coordinator)
             settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
             manifest = run_save(payload, name, settings)
+            if self._schedule is not None:
+                self._schedule.saved(step)
             self._history = lineage(manifest)  # committed: on record even if retention fails
             coordinator.on_coordinator("apply retention", lambda: self._retain(name))
             return self._entry_after_save(name, manifest)
@@ -332,6 +354,8 @@ class CheckpointManager:
             settings = replace(self._settings_for(step, metrics, run, started), progress=False)
             handle = AsyncSaver.default().save(payload, name, settings, after_commit=after_commit)
             self._pending = PendingSave(self, handle, name)
+            if self._schedule is not None:  # the cadence counts from the snapshot
+                self._schedule.saved(step)
             return self._pending
 
     def wait(self, timeout: float | None = None) -> CheckpointEntry | None:
@@ -699,6 +723,8 @@ class CheckpointManager:
                     self._run_id = manifest.run.run_id
                 self._history = lineage(manifest)
                 entry = self._restored_entry(name, manifest)
+                if self._schedule is not None:
+                    self._schedule.saved(entry.step)
                 return Restored(entry=entry, state=state, skipped=skipped)
             details = "; ".join(f"{name}: {reason}" for name, reason in skipped)
             raise IntegrityError(
