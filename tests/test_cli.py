@@ -161,6 +161,38 @@ def test_prune_is_a_dry_run_unless_applied(managed_root: Path) -> None:
         run("prune", str(managed_root), "--keep-last", "-1")
 
 
+def test_keep_period_and_interval_add_to_the_policy(managed_root: Path) -> None:
+    plain = ("--keep-last", "1", "--keep-best", "0")
+    code, out, _ = run("prune", str(managed_root), *plain, "--keep-period", "20", "--json")
+    document = json.loads(out)
+    assert code == 0 and document["delete"] == ["step_00000030"]  # 20 is a multiple of the period
+    assert document["policy"]["keep_period"] == 20 and document["policy"]["keep_interval_seconds"] is None
+    assert document["policy"]["source"] == "recorded by step_00000040, with the options given"
+    # one window as long as the epoch: only its last checkpoint (step 40) is kept by the interval
+    code, out, _ = run("prune", str(managed_root), *plain, "--keep-interval", "1e10", "--json")
+    document = json.loads(out)
+    assert document["delete"] == ["step_00000030", "step_00000020"]
+    assert document["policy"]["keep_interval_seconds"] == 1e10 and document["policy"]["keep_period"] is None
+    code, out, _ = run("ls", str(managed_root), "--keep-period", "20", "--keep-interval", "1e10")
+    assert "keep_last=2 keep_best=1 metric=val_loss mode=min keep_period=20 keep_interval=1e+10s" in out
+    assert "(recorded by step_00000040, with the options given)" in out
+    lines = {
+        line.split()[0]: line.split()[6] for line in out.splitlines() if line.startswith("step_")
+    }  # size is 2 words
+    assert lines == {"step_00000020": "best,period", "step_00000030": "last", "step_00000040": "last,period,interval"}
+    code, out, _ = run("ls", str(managed_root), "--json", "--keep-period", "20")
+    periodic = {c["step"]: (c["is_periodic"], c["is_per_interval"]) for c in json.loads(out)["checkpoints"]}
+    assert periodic == {20: (True, False), 30: (False, False), 40: (True, False)}
+    code, out, _ = run("prune", str(managed_root), *plain, "--keep-period", "20", "--apply")
+    assert sorted(p.name for p in managed_root.iterdir() if p.name.startswith("step_")) == [
+        "step_00000020",
+        "step_00000040",
+    ]
+    for bad in (("--keep-period", "0"), ("--keep-period", "1.5"), ("--keep-interval", "0"), ("--keep-interval", "nan")):
+        with pytest.raises(SystemExit):
+            run("prune", str(managed_root), *bad)
+
+
 # -- exit codes: 0 ok, 1 problems found, 2 usage error or unreadable -----------------------------
 
 

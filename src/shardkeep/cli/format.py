@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -45,6 +46,20 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _period(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
     return value
 
 
@@ -110,6 +125,19 @@ def policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", help="metric ranking the best (default: recorded, else val_loss)")
     parser.add_argument(
         "--mode", choices=("min", "max"), help="lower or higher is better (default: recorded, else min)"
+    )
+    parser.add_argument(
+        "--keep-period",
+        type=_period,
+        metavar="K",
+        help="also keep every checkpoint whose step is a multiple of K (manifests do not record it: default off)",
+    )
+    parser.add_argument(
+        "--keep-interval",
+        type=_seconds,
+        metavar="SECONDS",
+        help="also keep the last checkpoint created in each SECONDS-long window, aligned to the Unix epoch "
+        "(86400: one per UTC day; manifests do not record it: default off)",
     )
     parser.add_argument("--run", metavar="RUN_ID", help="the run whose checkpoints count (default: the root's owner)")
 

@@ -45,7 +45,8 @@ def add_ls(commands: Any) -> None:
         description="List the committed checkpoints (step_<N> directories: step_ and the step in digits, e.g. "
         "step_100 or step_00000100) of a checkpoint-manager root. Marks and "
         "the policy come from the manifests (the newest one records the manager's policy); --keep-last/--keep-best/"
-        "--metric/--mode override it. Without --verify only the manifests, file sets and sizes are checked (every "
+        "--metric/--mode override it, and --keep-period/--keep-interval add to it (manifests do not record "
+        "those two). Without --verify only the manifests, file sets and sizes are checked (every "
         "tier's files too, wherever they are kept): such a "
         "checkpoint is listed as 'unverified', and the last/best marks are what the manager would keep if its data "
         "is sound. A checkpoint whose name disagrees with the step in its manifest (renamed or copied) is flagged "
@@ -175,25 +176,45 @@ def _policy_for(
     record = root.policy_record(found, run)
     recorded = record[0] if record is not None else RetentionPolicy()
     given = [args.keep_last, args.keep_best, args.metric, args.mode]
+    # keep_period and keep_interval_seconds are not recorded in manifests: only the options set them.
+    scheduled = [args.keep_period, args.keep_interval]
     policy = RetentionPolicy(
         keep_last=recorded.keep_last if args.keep_last is None else args.keep_last,
         keep_best=recorded.keep_best if args.keep_best is None else args.keep_best,
         metric=args.metric or recorded.metric,
         mode=args.mode or recorded.mode,
+        keep_period=args.keep_period,
+        keep_interval_seconds=args.keep_interval,
     )
+    any_given = any(value is not None for value in given + scheduled)
     if all(value is not None for value in given):
         source = "from the options"
     elif record is not None:
-        source = f"recorded by {record[1]}" + (", with the options given" if any(v is not None for v in given) else "")
+        source = f"recorded by {record[1]}" + (", with the options given" if any_given else "")
     else:
         source = "no checkpoint records a policy: " + (
-            "the options given, defaults for the rest" if any(v is not None for v in given) else "defaults"
+            "the options given, defaults for the rest" if any_given else "defaults"
         )
     return policy, source
 
 
+def _policy_words(policy: RetentionPolicy) -> str:
+    """The policy on one line of ``ls`` and ``prune``."""
+    words = f"keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} mode={policy.mode}"
+    if policy.keep_period is not None:
+        words += f" keep_period={policy.keep_period}"
+    if policy.keep_interval_seconds is not None:
+        words += f" keep_interval={policy.keep_interval_seconds:g}s"
+    return words
+
+
 def _marks(entry: CheckpointEntry, decision: RetentionDecision, scoped: bool) -> str:
     marks = [name for name, on in (("last", entry.is_last), ("best", entry.is_best)) if on]
+    marks += [
+        mark
+        for mark, names in (("period", decision.periodic), ("interval", decision.per_interval))
+        if entry.name in names
+    ]
     if entry.is_newest and not entry.is_last:
         marks.append("newest")
     if entry.name in decision.delete:
@@ -276,10 +297,7 @@ def run_ls(args: argparse.Namespace, out: TextIO) -> int:
         out.write(printable(text))
 
     w(f"root    {root.display}\n")
-    w(
-        f"policy  keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} mode={policy.mode}"
-        f"   ({source})   run {run or '-'}\n"
-    )
+    w(f"policy  {_policy_words(policy)}   ({source})   run {run or '-'}\n")
     runs = _runs_line(entries, run)
     if runs:
         w(runs)
@@ -336,6 +354,8 @@ def _entry_document(entry: CheckpointEntry, decision: RetentionDecision) -> dict
         "is_best": entry.is_best,
         "is_newest": entry.is_newest,
         "prunable": entry.name in decision.delete,
+        "is_periodic": entry.name in decision.periodic,
+        "is_per_interval": entry.name in decision.per_interval,
         "state": _state_word(entry),
         "verified": entry.verified,
         "misnamed": entry.misnamed,
@@ -354,6 +374,8 @@ def _policy_document(policy: RetentionPolicy, source: str) -> dict[str, Any]:
         "keep_best": policy.keep_best,
         "metric": policy.metric,
         "mode": policy.mode,
+        "keep_period": policy.keep_period,
+        "keep_interval_seconds": policy.keep_interval_seconds,
         "source": source,
     }
 
@@ -388,12 +410,7 @@ def run_prune(args: argparse.Namespace, out: TextIO) -> int:
         write_json(out, document)
         return 0
     verb = "deleted" if args.apply else "would delete"
-    out.write(
-        printable(
-            f"policy keep_last={policy.keep_last} keep_best={policy.keep_best} metric={policy.metric} "
-            f"mode={policy.mode}   ({source})   run {run or '-'}\n"
-        )
-    )
+    out.write(printable(f"policy {_policy_words(policy)}   ({source})   run {run or '-'}\n"))
     for name in decision.keep:
         out.write(printable(f"keep          {name}\n"))
     for name in decision.delete:
