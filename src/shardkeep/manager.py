@@ -263,7 +263,8 @@ class CheckpointManager:
         cls, root: str | os.PathLike[str], config: Mapping[str, Any] | str | os.PathLike[str], **options: Any
     ) -> CheckpointManager:
         """A manager whose policy comes from a ``checkpointing`` mapping
-        (``{"keep": {"last": N, "best": M}}``, optionally ``metric`` and ``mode``) or from a YAML
+        (``{"keep": {"last": N, "best": M, "period": K, "interval_seconds": T}}``, optionally
+        ``metric`` and ``mode``; see :func:`~shardkeep.retention.policy_from_config`) or from a YAML
         file holding that section (or a whole RuntimeConfig with a ``checkpointing:`` key)."""
         is_file = isinstance(config, (str, os.PathLike))
         policy = load_config_file(config) if is_file else policy_from_config(config)  # type: ignore[arg-type]  # a mapping here
