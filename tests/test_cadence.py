@@ -231,3 +231,13 @@ def test_ranks_whose_clocks_disagree_follow_the_coordinator(tmp_path: Path) -> N
         run_ranks(2, _decide_with_skewed_clocks, str(tmp_path / "root"), outbox=tmp_path / "out")
     )
     assert results[0] == results[1] == [False, False, True, False, False]
+
+
+def test_a_failing_should_save_fn_is_a_config_error_naming_it() -> None:
+    def broken(step: int) -> bool:
+        raise ZeroDivisionError("no")
+
+    with pytest.raises(sk.ConfigError, match="should_save_fn raised ZeroDivisionError at step 3") as raised:
+        SavePolicy(should_save_fn=broken).should_save(3, now=0.0, last_step=None, since=0.0)
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+    assert SavePolicy(every_steps=3, should_save_fn=broken).should_save(3, now=0.0, last_step=None, since=0.0)

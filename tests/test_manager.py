@@ -651,3 +651,23 @@ def test_restoring_a_checkpoint_without_rng_states_leaves_the_generators_alone(t
     torch.manual_seed(123)
     sk.CheckpointManager(tmp_path).restore(into=target)
     assert torch.equal(torch.rand(1), expected)
+
+
+def test_a_failing_keep_fn_fails_retention_not_the_commit(tmp_path: Path) -> None:
+    def broken(info: CheckpointInfo) -> bool:
+        raise ValueError("bad tag")
+
+    manager = sk.CheckpointManager(tmp_path, keep_last=1, keep_best=0)
+    manager.policy = RetentionPolicy(keep_last=1, keep_best=0, keep_fn=broken)
+    with pytest.raises(sk.RetentionError, match="keep_fn raised ValueError") as raised:
+        manager.save(tiny(1), step=1)
+    assert isinstance(raised.value.__cause__, sk.ConfigError)
+    assert sk.verify(tmp_path / "step_00000001").ok  # committed all the same
+
+
+def test_keep_fn_keeps_what_it_chooses_through_the_manager(tmp_path: Path) -> None:
+    manager = sk.CheckpointManager(tmp_path, keep_last=1, keep_best=0)
+    manager.policy = RetentionPolicy(keep_last=1, keep_best=0, keep_fn=lambda info: info.step in (2, 3))
+    for step in range(1, 6):
+        manager.save(tiny(step), step=step)
+    assert [entry.step for entry in manager.list()] == [2, 3, 5]

@@ -256,7 +256,7 @@ def test_an_interval_tie_goes_to_the_higher_step() -> None:
     assert decision.per_interval == ("s3", "s2")
 
 
-def test_keep_fn_sees_the_checkpoint_info_and_its_errors_reach_the_caller() -> None:
+def test_keep_fn_sees_the_checkpoint_info_and_its_errors_are_typed() -> None:
     seen: list[CheckpointInfo] = []
 
     def record(info: CheckpointInfo) -> bool:
@@ -269,8 +269,9 @@ def test_keep_fn_sees_the_checkpoint_info_and_its_errors_reach_the_caller() -> N
     def broken(info: CheckpointInfo) -> bool:
         raise KeyError("tag")
 
-    with pytest.raises(KeyError, match="tag"):
+    with pytest.raises(sk.ConfigError, match="keep_fn raised KeyError on s40: 'tag'") as raised:
         decide(SCHEDULED, RetentionPolicy(keep_fn=broken))
+    assert isinstance(raised.value.__cause__, KeyError)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,8 @@ class SavePolicy:
 
     ``clock`` is the time source of ``every_seconds`` (seconds, monotonic); it is read by the
     caller, never by :meth:`should_save`. ``should_save_fn`` must be a pure function of the
-    step: with several ranks, the checkpoint manager evaluates the time and function rules on
+    step; what it raises is raised as a :class:`~shardkeep.errors.ConfigError` naming it, with
+    the original as its cause. With several ranks, the checkpoint manager evaluates the time and function rules on
     the coordinator only and broadcasts the answer.
     """
 
@@ -85,7 +86,12 @@ class SavePolicy:
             return True
         if self.every_seconds is not None and now - since >= self.every_seconds:
             return True
-        return self.should_save_fn is not None and bool(self.should_save_fn(step))
+        if self.should_save_fn is None:
+            return False
+        try:
+            return bool(self.should_save_fn(step))
+        except Exception as exc:
+            raise ConfigError(f"should_save_fn raised {type(exc).__name__} at step {step}: {exc}") from exc
 
 
 class SaveSchedule:

@@ -305,7 +305,7 @@ class CheckpointManager:
         coordinator = self._coordinator()
         if not (coordinator.distributed and schedule.policy.needs_agreement):
             return schedule.due(step)
-        return coordinator.broadcast(schedule.due(step) if coordinator.is_coordinator else None, label="should_save")
+        return coordinator.on_coordinator("should_save", lambda: schedule.due(step))
 
     def save(
         self, state: TrainingCheckpoint | Mapping[str, Any], *, step: int, metrics: Mapping[str, Any] | None = None

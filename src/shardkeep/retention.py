@@ -19,8 +19,9 @@ The rules:
   interval*. The newest window's choice moves forward as newer checkpoints are saved in it. A
   checkpoint without a creation time is in no window;
 - with ``keep_fn``, every verified checkpoint for which ``keep_fn(info)`` is true is kept as
-  *chosen*. It must be a pure function of its :class:`CheckpointInfo`; what it raises reaches
-  the caller of :func:`decide`;
+  *chosen*. It must be a pure function of its :class:`CheckpointInfo`; what it raises is raised
+  as a :class:`~shardkeep.errors.ConfigError` naming ``keep_fn`` and the checkpoint, with the
+  original as its cause;
 - these rules compose as a union: a checkpoint is kept when any of them keeps it;
 - the newest verified checkpoint is always kept, whatever the policy, so a run can resume;
 - a checkpoint that a kept checkpoint references is kept;
@@ -182,9 +183,15 @@ def _kept_by_schedule(
             newest_in_window[window] = checkpoint
     in_a_window = {checkpoint.name for checkpoint in newest_in_window.values()}
     per_interval = [c.name for c in verified if c.name in in_a_window]
-    keep_fn = policy.keep_fn
-    chosen = [c.name for c in verified if keep_fn is not None and keep_fn(c)]
+    chosen = [c.name for c in verified if policy.keep_fn is not None and _chosen(policy.keep_fn, c)]
     return periodic, per_interval, chosen
+
+
+def _chosen(keep_fn: Callable[[CheckpointInfo], bool], checkpoint: CheckpointInfo) -> bool:
+    try:
+        return bool(keep_fn(checkpoint))
+    except Exception as exc:
+        raise ConfigError(f"keep_fn raised {type(exc).__name__} on {checkpoint.name}: {exc}") from exc
 
 
 def _created_order(checkpoint: CheckpointInfo) -> tuple[float, int]:
