@@ -63,6 +63,7 @@ from shardkeep.manifest import (
 from shardkeep.names import CORRUPT_MARKER, sibling_name, step_of_checkpoint
 from shardkeep.options import Incremental, ManifestFields, Regrouped, TierPlan, regroup
 from shardkeep.retention import RetentionPolicy, policy_from_config
+from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import (
     ByteStore,
@@ -168,6 +169,8 @@ class CheckpointManager:
       from each :meth:`save`. ``incremental`` is ``True``/``False`` or an
       :class:`~shardkeep.options.Incremental` whose ``base`` is ``True`` (the manager picks each
       save's base), with ``trust_versions``.
+    - ``retry``: a :class:`~shardkeep.retry.RetryPolicy`; a :meth:`save` that fails with a
+      transient storage error is tried again, every rank together (default: no retry).
     - ``save_options``: the keyword spellings of the previous release (``digest=`` ...), folded
       into their group with a :class:`DeprecationWarning`.
     """
@@ -200,6 +203,7 @@ class CheckpointManager:
         tiers: TierPlan | Sequence[Tier] | None = None,
         fields: ManifestFields | None = None,
         signer: Signer | None = None,
+        retry: RetryPolicy | None = None,
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
@@ -217,6 +221,9 @@ class CheckpointManager:
                 "signer=, so its own saves would be unsigned and then refused: pass signer= (on every rank), "
                 "require_signature=False, or read_only=True for a manager that only lists and restores"
             )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry= must be a RetryPolicy or None, got {type(retry).__name__}")
+        self.retry = retry
         self.read_only = read_only
         self.root = os.fspath(root)
         storage, display = _open_root(self.root, storage, storage_options, create=not read_only)
@@ -293,16 +300,27 @@ class CheckpointManager:
 
         Every rank calls it when distributed. Retention runs only after the commit is durable;
         if it fails, :class:`~shardkeep.errors.RetentionError` is raised and the new checkpoint
-        is still committed and usable.
+        is still committed and usable. With ``retry=``, a transient failure is retried (see
+        :mod:`shardkeep.retry`); a failed retention never is.
         """
         started = time.perf_counter()
         self._refuse_if_read_only("save")
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
-            name, payload, run = self._prepare(state, step, metrics, coordinator)
-            settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
-            manifest = run_save(payload, name, settings)
+
+            def attempt(number: int) -> tuple[str, Manifest]:  # a fresh claim and staging each time
+                name, payload, run = self._prepare(state, step, metrics, coordinator)
+                settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
+                return name, run_save(payload, name, settings)
+
+            name, manifest = run_with_retries(
+                attempt,
+                self.retry,
+                voters=coordinator,
+                free_space=lambda: bool(coordinator.on_coordinator("free space to retry the save", self.prune)),
+                what=f"the save of step {step} to {self.catalog.display}",
+            )
             self._history = lineage(manifest)  # committed: on record even if retention fails
             coordinator.on_coordinator("apply retention", lambda: self._retain(name))
             return self._entry_after_save(name, manifest)
