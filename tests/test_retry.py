@@ -430,6 +430,37 @@ def test_a_full_disk_is_retried_only_when_retention_freed_space(tmp_path: Path) 
     assert committed(tmp_path) == ["step_00000003"]
 
 
+class LostCommitAnswer(FaultInjectingStore):
+    """The rename that commits happens, then its answer is lost (EIO), once."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.lost = 0
+
+    def rename(self, src: str, dst: str) -> None:
+        super().rename(src, dst)
+        if self.lost == 0 and dst.startswith("step_") and "/" not in dst:
+            self.lost += 1
+            raise InjectedFault(f"injected EIO after renaming {src}") from OSError(errno.EIO, "Input/output error")
+
+
+def test_a_retry_after_the_commit_point_keeps_the_commit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = LostCommitAnswer(LocalStore(tmp_path))
+    manager = sk.CheckpointManager(tmp_path, storage=store, keep_last=2, keep_best=0, retry=QUICK)
+    manager.save(tiny(1), step=1)  # the answer of this commit is lost; the retry finds the commit
+    assert store.lost == 1 and committed(tmp_path) == ["step_00000001"]
+    with caplog.at_level(logging.WARNING, logger="shardkeep"):
+        entry = manager.save(tiny(2), step=2)
+    assert entry.step == 2 and entry.is_newest and committed(tmp_path) == ["step_00000001", "step_00000002"]
+    store.lost = 0
+    with caplog.at_level(logging.WARNING, logger="shardkeep"):
+        entry = manager.save(tiny(3), step=3)
+    assert store.lost == 1 and entry.step == 3 and entry.is_newest and entry.verified
+    assert committed(tmp_path) == ["step_00000002", "step_00000003"]  # retention ran after the kept commit
+    assert any("committed by the attempt that failed" in record.getMessage() for record in caplog.records)
+    assert torch.equal(sk.load(tmp_path / "step_00000003")["w"], tiny(3)["w"])
+
+
 def test_retry_must_be_a_policy(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="retry="):
         sk.CheckpointManager(tmp_path, retry=3)  # type: ignore[arg-type]  # the wrong type is the point

@@ -310,17 +310,20 @@ class CheckpointManager:
             coordinator = self._coordinator()
 
             def attempt(number: int) -> tuple[str, Manifest]:  # a fresh claim and staging each time
+                earlier = (
+                    None if number == 1 else coordinator.on_coordinator("find a commit", lambda: self._committed(step))
+                )
+                if earlier is not None:  # the failed attempt failed after its commit point
+                    return checkpoint_name(step), earlier
                 name, payload, run = self._prepare(state, step, metrics, coordinator)
                 settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
                 return name, run_save(payload, name, settings)
 
-            name, manifest = run_with_retries(
-                attempt,
-                self.retry,
-                voters=coordinator,
-                free_space=lambda: bool(coordinator.on_coordinator("free space to retry the save", self.prune)),
-                what=f"the save of step {step} to {self.catalog.display}",
-            )
+            def free_space() -> bool:
+                return bool(coordinator.on_coordinator("free space to retry the save", self.prune))
+
+            what = f"the save of step {step} to {self.catalog.display}"
+            name, manifest = run_with_retries(attempt, self.retry, voters=coordinator, free_space=free_space, what=what)
             self._history = lineage(manifest)  # committed: on record even if retention fails
             coordinator.on_coordinator("apply retention", lambda: self._retain(name))
             return self._entry_after_save(name, manifest)
@@ -512,6 +515,17 @@ class CheckpointManager:
                     base = item.name
                     break
         return run_id, base
+
+    def _committed(self, step: int) -> Manifest | None:
+        """On the coordinator, before a retry: the manifest of ``step`` if the failed attempt
+        committed it after all (it is this run's and verifies in full), else None."""
+        name = checkpoint_name(step)
+        found = next((item for item in self.catalog.scan() if item.name == name), None)
+        if found is None or found.manifest is None or CheckpointRoot.run_of(found) != self._run_id:
+            return None
+        self.catalog.verify_fully(found)
+        logger.warning("%s: committed by the attempt that failed, so kept", self.catalog.path_of(name))
+        return None if found.problems else found.manifest
 
     def _retain(self, name: str) -> None:
         """On the coordinator, after ``name`` committed: delete what the policy no longer keeps,
