@@ -339,13 +339,15 @@ def test_the_slowest_ranks_clock_decides_the_deadline() -> None:
 class FailingWrites(FaultInjectingStore):
     """Every file write fails with ``code`` (the first ``times`` of them)."""
 
-    def __init__(self, inner: Any, *, code: int = errno.EIO, times: int = 1_000_000) -> None:
+    def __init__(self, inner: Any, *, code: int = errno.EIO, times: int = 1_000_000, after: int = 0) -> None:
         super().__init__(inner)
         self.code = code
         self.left = times
+        self.after = after  # file writes that succeed before the failures start
 
     def open_write(self, path: str) -> Any:
-        if self.left > 0:
+        self.after -= 1
+        if self.after < 0 and self.left > 0:
             self.left -= 1
             raise InjectedFault(f"injected {errno.errorcode[self.code]} opening {path}") from OSError(
                 self.code, os.strerror(self.code), path
@@ -470,7 +472,7 @@ def test_retry_must_be_a_policy(tmp_path: Path) -> None:
 # Two real gloo ranks: one vote, the same attempt on every rank
 
 
-def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, int]) -> dict[str, Any]:
+def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, int], after: int = 0) -> dict[str, Any]:
     messages: list[str] = []
 
     class Collect(logging.Handler):
@@ -479,7 +481,9 @@ def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, in
 
     logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
     inner = LocalStore(root)
-    store = FailingWrites(inner, code=codes[rank], times=1) if rank in codes else FaultInjectingStore(inner)
+    store = (
+        FailingWrites(inner, code=codes[rank], times=1, after=after) if rank in codes else FaultInjectingStore(inner)
+    )
     manager = sk.CheckpointManager(root, storage=store, keep_best=0, retry=QUICK, timeout=60)
     state = {"w": torch.arange(64, dtype=torch.float32) + rank, "shared": torch.ones(8)}
     try:
@@ -492,17 +496,22 @@ def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, in
 
 
 @pytest.mark.parametrize(
-    ("codes", "retried"),
+    ("codes", "after", "retried"),
     [
-        ({1: errno.EIO}, True),  # only rank 1 fails, transiently: both ranks retry once
-        ({1: errno.EACCES}, False),  # only rank 1 fails, permanently: nobody retries
-        ({0: errno.EIO, 1: errno.EACCES}, False),  # one transient, one permanent: nobody retries
+        ({1: errno.EIO}, 0, True),  # only rank 1 fails, transiently: both ranks retry once
+        ({1: errno.EACCES}, 0, False),  # only rank 1 fails, permanently: nobody retries
+        ({0: errno.EIO, 1: errno.EACCES}, 0, False),  # one transient, one permanent: nobody retries
+        # the coordinator's manifest write fails: rank 1 holds only the error re-raised by type
+        ({0: errno.EIO}, 1, True),
+        ({0: errno.EACCES}, 1, False),
     ],
 )
-def test_every_rank_retries_the_same_attempt_or_none(tmp_path: Path, codes: dict[int, int], retried: bool) -> None:
+def test_every_rank_retries_the_same_attempt_or_none(
+    tmp_path: Path, codes: dict[int, int], after: int, retried: bool
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    results = results_or_raise(run_ranks(2, _save_with_faults, str(root), codes, outbox=tmp_path / "out"))
+    results = results_or_raise(run_ranks(2, _save_with_faults, str(root), codes, after, outbox=tmp_path / "out"))
     if retried:
         assert [result["step"] for result in results] == [1, 1], results
         for result in results:
@@ -511,7 +520,7 @@ def test_every_rank_retries_the_same_attempt_or_none(tmp_path: Path, codes: dict
         loaded = sk.load(root / "step_00000001")
         assert torch.equal(loaded["rank_part"]["r1"], torch.arange(64, dtype=torch.float32) + 1)
     else:
-        assert [result["error"] for result in results] == ["CoordinationError"] * 2, results
+        assert len({result["error"] for result in results}) == 1 and results[0]["error"], results
         assert [result["retries"] for result in results] == [[], []]
         assert committed(root) == []
 
