@@ -525,6 +525,40 @@ def test_every_rank_retries_the_same_attempt_or_none(
         assert committed(root) == []
 
 
+def _rank_1_dies_while_writing(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
+    inner = LocalStore(root)
+    store = (
+        FaultInjectingStore(inner, fail_at=1, fault=lambda _: os._exit(3)) if rank == 1 else FaultInjectingStore(inner)
+    )
+    manager = sk.CheckpointManager(root, storage=store, keep_best=0, retry=QUICK, timeout=5)
+    try:
+        manager.save({"rank_part": {f"r{rank}": torch.ones(64) * rank}}, step=1)  # every rank writes
+    except sk.ShardkeepError as exc:
+        return {"error": type(exc).__name__, "failures": getattr(exc, "failures", None), "retries": messages}
+    return {"error": None, "retries": messages}
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_is_not_retried(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    outcomes = run_ranks(
+        2, _rank_1_dies_while_writing, str(root), outbox=tmp_path / "out", timeout=60, allow_unfinished=frozenset({1})
+    )
+    kind, result = outcomes[0]
+    assert kind == "ok", result
+    assert result["error"] == "CoordinationError" and result["failures"] == {}, result
+    assert result["retries"] == []
+    assert committed(root) == []
+
+
 # --------------------------------------------------------------------------------------------
 # A real S3 server: a throttled write, retried
 

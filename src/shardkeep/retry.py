@@ -56,7 +56,7 @@ from shardkeep.errors import (
     UsageError,
 )
 
-__all__ = ["FailureKind", "RetryPolicy", "failure_kind", "is_transient", "run_with_retries"]
+__all__ = ["FailureKind", "RetryPolicy", "Voters", "agreed_kind", "failure_kind", "is_transient", "run_with_retries"]
 
 logger = logging.getLogger("shardkeep.retry")
 
