@@ -463,6 +463,38 @@ def test_a_retry_after_the_commit_point_keeps_the_commit(tmp_path: Path, caplog:
     assert torch.equal(sk.load(tmp_path / "step_00000003")["w"], tiny(3)["w"])
 
 
+def test_eio_at_every_operation_of_a_managed_save_is_retried_or_after_the_commit(tmp_path: Path) -> None:
+    (tmp_path / "probe").mkdir()
+    probe = FaultInjectingStore(LocalStore(tmp_path / "probe"))
+    sk.CheckpointManager(tmp_path / "probe", storage=probe, keep_last=1, keep_best=0, run_id="run").save(
+        tiny(1), step=1
+    )
+    before = probe.operation_count
+    sk.CheckpointManager(tmp_path / "probe", storage=probe, keep_last=1, keep_best=0, run_id="run").save(
+        tiny(2), step=2
+    )
+    total = probe.operation_count - before
+    outcomes = {"retried": 0, "retention failed": 0}
+    for at in range(1, total + 1):
+        root = tmp_path / f"at{at}"
+        root.mkdir()
+        sk.CheckpointManager(root, keep_last=1, keep_best=0, run_id="run").save(tiny(1), step=1)
+        store = FaultInjectingStore(LocalStore(root), fail_at=10**9)
+        manager = sk.CheckpointManager(root, storage=store, keep_last=1, keep_best=0, run_id="run", retry=QUICK)
+        store._counter.fail_at = store.operation_count + at
+        try:
+            entry = manager.save(tiny(2), step=2)
+            assert entry.step == 2 and entry.verified, at
+            outcomes["retried"] += 1
+        except RetentionError:  # after the commit: never retried, the checkpoint stands
+            outcomes["retention failed"] += 1
+        assert store.operation_count > store._counter.fail_at - 1, at  # the fault was injected
+        assert sk.verify(root / "step_00000002").ok, at
+        assert torch.equal(sk.load(root / "step_00000002")["w"], tiny(2)["w"]), at
+        assert not [name for name in os.listdir(root) if ".tmp-" in name], (at, os.listdir(root))
+    assert outcomes["retried"] >= 10 and sum(outcomes.values()) == total, outcomes
+
+
 def test_retry_must_be_a_policy(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="retry="):
         sk.CheckpointManager(tmp_path, retry=3)  # type: ignore[arg-type]  # the wrong type is the point
