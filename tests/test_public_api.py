@@ -49,6 +49,7 @@ EXPECTED_ALL = [
     "Restored",
     "RetentionError",
     "RetentionPolicy",
+    "RetryPolicy",
     "RunMismatchError",
     "SaveHandle",
     "SavePolicy",

@@ -49,6 +49,7 @@ from shardkeep.ledger import ProgressLedger
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
 from shardkeep.options import Incremental, LoadSelection, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy
+from shardkeep.retry import RetryPolicy
 from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
@@ -95,6 +96,7 @@ __all__ = [
     "Restored",
     "RetentionError",
     "RetentionPolicy",
+    "RetryPolicy",
     "RunMismatchError",
     "SaveHandle",
     "SavePolicy",

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import datetime as _dt
-import errno
 import logging
 import os
 import threading
@@ -48,11 +46,10 @@ from shardkeep.errors import (
     RetentionError,
     RunMismatchError,
     ShardkeepError,
-    StorageError,
 )
 from shardkeep.integrity import SignaturePolicy
+from shardkeep.manager_setup import check_manager_arguments, manager_groups, new_run_id, open_root
 from shardkeep.manifest import (
-    RUN_ID_PATTERN,
     HistoryPoint,
     Manifest,
     RetentionRecord,
@@ -62,17 +59,12 @@ from shardkeep.manifest import (
     stored_bytes,
 )
 from shardkeep.names import CORRUPT_MARKER, sibling_name, step_of_checkpoint
-from shardkeep.options import Incremental, ManifestFields, Regrouped, TierPlan, regroup
+from shardkeep.options import Incremental, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy, policy_from_config
+from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.storage import (
-    ByteStore,
-    LocalStore,
     StoreOperations,
-    adapt_store,
-    local_path,
-    localfs,
-    open_store,
     renames,
 )
 from shardkeep.training import (
@@ -172,6 +164,8 @@ class CheckpointManager:
     - ``save_policy``: a :class:`~shardkeep.cadence.SavePolicy` that :meth:`should_save`
       follows (every N steps, every T seconds, a function); without one, every step is due.
       :meth:`save` itself saves whatever it is given.
+    - ``retry``: a :class:`~shardkeep.retry.RetryPolicy`; a :meth:`save` that fails with a
+      transient storage error is tried again, every rank together (default: no retry).
     - ``save_options``: the keyword spellings of the previous release (``digest=`` ...), folded
       into their group with a :class:`DeprecationWarning`.
     """
@@ -205,17 +199,18 @@ class CheckpointManager:
         fields: ManifestFields | None = None,
         signer: Signer | None = None,
         save_policy: SavePolicy | None = None,
+        retry: RetryPolicy | None = None,
         **save_options: Any,
     ) -> None:
         self.policy = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
         self._schedule = SaveSchedule(save_policy) if save_policy is not None else None
-        groups = _manager_groups(save_options, options, tiers, incremental, fields)
+        groups = manager_groups(save_options, options, tiers, incremental, fields)
         incremental = groups.incremental.base is True
         if storage_options is None:
             storage_options = groups.options.storage_options
         #: The save settings this manager applies to every save (validated now, not at the first save).
         self.save_settings = SaveSettings.of(groups, signer=signer)
-        _check_manager_arguments(run_id, staging_lease, incremental, read_only, self.save_settings)
+        check_manager_arguments(run_id, staging_lease, incremental, read_only, self.save_settings)
         self.signatures = SignaturePolicy.of(public_key, require_signature)
         if self.signatures.required and self.save_settings.signer is None and not read_only:
             raise ConfigError(
@@ -223,9 +218,12 @@ class CheckpointManager:
                 "signer=, so its own saves would be unsigned and then refused: pass signer= (on every rank), "
                 "require_signature=False, or read_only=True for a manager that only lists and restores"
             )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry= must be a RetryPolicy or None, got {type(retry).__name__}")
+        self.retry = retry
         self.read_only = read_only
         self.root = os.fspath(root)
-        storage, display = _open_root(self.root, storage, storage_options, create=not read_only)
+        storage, display = open_root(self.root, storage, storage_options, create=not read_only)
         self.store = storage
         self.storage_options = storage_options
         self.incremental = incremental
@@ -314,16 +312,30 @@ class CheckpointManager:
 
         Every rank calls it when distributed. Retention runs only after the commit is durable;
         if it fails, :class:`~shardkeep.errors.RetentionError` is raised and the new checkpoint
-        is still committed and usable.
+        is still committed and usable. With ``retry=``, a transient failure is retried (see
+        :mod:`shardkeep.retry`); a failed retention never is.
         """
         started = time.perf_counter()
         self._refuse_if_read_only("save")
         with self._lock:
             self.wait()
             coordinator = self._coordinator()
-            name, payload, run = self._prepare(state, step, metrics, coordinator)
-            settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
-            manifest = run_save(payload, name, settings)
+
+            def attempt(number: int) -> tuple[str, Manifest]:  # a fresh claim and staging each time
+                earlier = (
+                    None if number == 1 else coordinator.on_coordinator("find a commit", lambda: self._committed(step))
+                )
+                if earlier is not None:  # the failed attempt failed after its commit point
+                    return checkpoint_name(step), earlier
+                name, payload, run = self._prepare(state, step, metrics, coordinator)
+                settings = replace(self._settings_for(step, metrics, run, started), progress=self.progress)
+                return name, run_save(payload, name, settings)
+
+            def free_space() -> bool:
+                return bool(coordinator.on_coordinator("free space to retry the save", self.prune))
+
+            what = f"the save of step {step} to {self.catalog.display}"
+            name, manifest = run_with_retries(attempt, self.retry, voters=coordinator, free_space=free_space, what=what)
             if self._schedule is not None:
                 self._schedule.saved(step)
             self._history = lineage(manifest)  # committed: on record even if retention fails
@@ -451,7 +463,7 @@ class CheckpointManager:
                 owner=owner,
             )
         if run_id is None:
-            run_id = _new_run_id()
+            run_id = new_run_id()
         step = step_of_checkpoint(name)
         for newer in reversed(found):
             if newer.step <= step or CheckpointRoot.run_of(newer) != run_id:
@@ -519,6 +531,17 @@ class CheckpointManager:
                     base = item.name
                     break
         return run_id, base
+
+    def _committed(self, step: int) -> Manifest | None:
+        """On the coordinator, before a retry: the manifest of ``step`` if the failed attempt
+        committed it after all (it is this run's and verifies in full), else None."""
+        name = checkpoint_name(step)
+        found = next((item for item in self.catalog.scan() if item.name == name), None)
+        if found is None or found.manifest is None or CheckpointRoot.run_of(found) != self._run_id:
+            return None
+        self.catalog.verify_fully(found)
+        logger.warning("%s: committed by the attempt that failed, so kept", self.catalog.path_of(name))
+        return None if found.problems else found.manifest
 
     def _retain(self, name: str) -> None:
         """On the coordinator, after ``name`` committed: delete what the policy no longer keeps,
@@ -823,97 +846,3 @@ class CheckpointManager:
             if entry.name == name:
                 return dataclasses.replace(entry, verified=True)
         return CheckpointEntry(name=name, path=self.catalog.path_of(name), step=manifest.step or 0, verified=True)
-
-
-#: The old keyword spellings ``CheckpointManager(**save_options)`` still accepts (the per-save
-#: ones, such as ``step`` or ``metrics``, the manager sets itself).
-_MANAGER_LEGACY = (
-    *(f.name for f in dataclasses.fields(WriteOptions) if f.name != "progress"),
-    "placement",
-    "trust_versions",
-    *(f.name for f in dataclasses.fields(ManifestFields) if f.name != "metrics"),
-)
-
-
-def _manager_groups(
-    legacy: Mapping[str, Any],
-    options: WriteOptions | None,
-    tiers: TierPlan | Sequence[Tier] | None,
-    incremental: bool | Incremental,
-    fields: ManifestFields | None,
-) -> Regrouped:
-    """The manager's option groups, refusing what the manager decides for each save itself."""
-    if not isinstance(incremental, (bool, Incremental)):
-        raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
-    groups = regroup(
-        "CheckpointManager",
-        legacy,
-        options=options,
-        tiers=tiers,
-        incremental=incremental,
-        fields=fields,
-        accepted=_MANAGER_LEGACY,
-    )
-    if not isinstance(groups.incremental.base, bool):
-        raise ConfigError(
-            f"incremental=Incremental(base={groups.incremental.base!r}): the manager picks the base; pass base=True"
-        )
-    if groups.fields.metrics is not None:
-        raise ConfigError("fields=ManifestFields(metrics=...): the metrics of each save go to CheckpointManager.save")
-    return groups
-
-
-def _check_manager_arguments(
-    run_id: str | None, staging_lease: float, incremental: bool, read_only: bool, settings: SaveSettings
-) -> None:
-    """Refuse bad ``CheckpointManager`` arguments, naming the argument and its value."""
-    if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id)):
-        raise ConfigError(
-            f"run_id={run_id!r} must be 1-128 characters of letters, digits, '.', '_' or '-', starting alphanumeric"
-        )
-    if isinstance(staging_lease, bool) or not isinstance(staging_lease, (int, float)) or staging_lease < 0:
-        raise ConfigError(f"staging_lease={staging_lease!r} must be a number of seconds >= 0")
-    if not isinstance(incremental, bool):
-        raise ConfigError(f"incremental={incremental!r} must be True or False (the manager picks the base)")
-    if incremental and settings.compression:
-        raise ConfigError(
-            "incremental=True cannot be combined with compression yet; pass WriteOptions(compression=None)"
-        )
-    if not isinstance(read_only, bool):
-        raise ConfigError(f"read_only={read_only!r} must be True or False")
-
-
-def _open_root(
-    root: str, storage: StoreOperations | None, storage_options: Mapping[str, Any] | None, *, create: bool
-) -> tuple[ByteStore, str]:
-    """The manager's store and how its root is shown: a given store, an fsspec URL, or a local
-    directory (created unless read-only)."""
-    if storage is not None:
-        return adapt_store(storage), root
-    local = local_path(root)
-    if local is None:
-        return open_store(root, storage_options), root.rstrip("/")
-    return _local_root(local, create=create), local
-
-
-def _local_root(root: str, *, create: bool) -> LocalStore:
-    """The local directory ``root`` as a byte store, created unless it exists (or ``create`` is
-    false); an unusable root raises :class:`~shardkeep.errors.StorageError` naming it."""
-    try:
-        if create:
-            localfs.makedirs_durable(root)
-        if os.path.lexists(root) and not os.path.isdir(root):
-            raise StorageError(f"checkpoint root {root} is not a directory")
-        return LocalStore(root)
-    except FileExistsError as exc:  # makedirs over a file
-        raise StorageError(f"checkpoint root {root} is a file, not a directory") from exc
-    except NotADirectoryError as exc:
-        raise StorageError(f"checkpoint root {root} lies under a file, not a directory: {exc.filename}") from exc
-    except OSError as exc:
-        reason = "a read-only filesystem" if exc.errno == errno.EROFS else os.strerror(exc.errno or 0) or str(exc)
-        raise StorageError(f"cannot create the checkpoint root {root}: {reason}") from exc
-
-
-def _new_run_id() -> str:
-    now = _dt.datetime.now(_dt.UTC)
-    return f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"

@@ -11,6 +11,7 @@ store's, uncounted.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections.abc import Callable
 
@@ -43,7 +44,7 @@ class _Counter:
             self.fault(operation)
         raise InjectedFault(
             f"injected {errno.errorcode.get(self.code, self.code)} at operation {self.count} ({operation})"
-        )
+        ) from OSError(self.code, os.strerror(self.code), operation)
 
 
 class _FaultyWriter:
@@ -88,7 +89,8 @@ class _FaultyReader:
 
 
 class FaultInjectingStore(StoreBase):
-    """Wraps ``inner`` and raises :class:`InjectedFault` at operation number ``fail_at`` (1-based).
+    """Wraps ``inner`` and raises :class:`InjectedFault` at operation number ``fail_at`` (1-based),
+    chained to an ``OSError`` of ``code``, as a real store's failure is.
 
     With ``fail_at=None`` it only counts, so a first run can learn how many operations a save
     takes; ``operations`` lists them in order. ``remove_tree``, ``remove_file`` and
