@@ -504,7 +504,8 @@ def test_retry_must_be_a_policy(tmp_path: Path) -> None:
 # Two real gloo ranks: one vote, the same attempt on every rank
 
 
-def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, int], after: int = 0) -> dict[str, Any]:
+def _retry_log() -> list[str]:
+    """The messages this process logs on ``shardkeep.retry`` from now on (a warning per retry)."""
     messages: list[str] = []
 
     class Collect(logging.Handler):
@@ -512,6 +513,11 @@ def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, in
             messages.append(record.getMessage())
 
     logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
+    return messages
+
+
+def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, int], after: int = 0) -> dict[str, Any]:
+    messages = _retry_log()
     inner = LocalStore(root)
     store = (
         FailingWrites(inner, code=codes[rank], times=1, after=after) if rank in codes else FaultInjectingStore(inner)
@@ -558,13 +564,7 @@ def test_every_rank_retries_the_same_attempt_or_none(
 
 
 def _rank_1_dies_while_writing(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
+    messages = _retry_log()
     inner = LocalStore(root)
     store = (
         FaultInjectingStore(inner, fail_at=1, fault=lambda _: os._exit(3)) if rank == 1 else FaultInjectingStore(inner)

@@ -34,6 +34,19 @@ GROUPED = {
 ARGUMENTS = {"step", "signer", "storage", "process_group", "timeout"}
 
 
+#: Every write option at a value other than its default.
+NON_DEFAULT_WRITE = sk.WriteOptions(
+    digest="sha256",
+    byte_budget=8 << 20,
+    io_threads=3,
+    file_size_target=1 << 20,
+    compression="zstd",
+    compression_level=5,
+    progress=True,
+    storage_options={"anon": True},
+)
+
+
 def _init_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(SaveSettings) if f.init]
 
@@ -59,16 +72,7 @@ def test_every_group_field_arrives_in_the_settings() -> None:
     groups = regroup(
         "save",
         {},
-        options=sk.WriteOptions(
-            digest="sha256",
-            byte_budget=8 << 20,
-            io_threads=3,
-            file_size_target=1 << 20,
-            compression="zstd",
-            compression_level=5,
-            progress=True,
-            storage_options={"anon": True},
-        ),
+        options=NON_DEFAULT_WRITE,
         tiers=sk.TierPlan(tiers=[tier], placement=[("*", "hot")]),
         incremental=sk.Incremental(base="elsewhere", trust_versions=True),
         fields=sk.ManifestFields(
@@ -154,16 +158,7 @@ def test_manager_validates_save_options_at_construction(tmp_path: Path) -> None:
 def test_manager_forwards_every_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every field of the groups given to the manager arrives, unchanged, in the settings of
     each save; checked generically over the fields of the groups."""
-    options = sk.WriteOptions(
-        digest="sha256",
-        byte_budget=8 << 20,
-        io_threads=3,
-        file_size_target=1 << 20,
-        compression="zstd",
-        compression_level=5,
-        progress=True,
-        storage_options={"anon": True},
-    )
+    options = NON_DEFAULT_WRITE
     fields = sk.ManifestFields(
         model_id="tiny", epoch=4, training={"learning_rate": 0.5}, sharding_strategy="none", custom_fields={"team": "a"}
     )
