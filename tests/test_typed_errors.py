@@ -183,6 +183,7 @@ GROUPS: dict[str, set[str]] = {
         "CommitRefusedError",
         "CheckpointFieldError",
         "SaveInProgressError",
+        "LevelConfigError",
     },
     "CheckpointDataError": {
         "ManifestError",
@@ -191,6 +192,8 @@ GROUPS: dict[str, set[str]] = {
         "SignatureError",
         "UnsafePathError",
     },
+    "StorageError": {"LevelUnreachableError", "DrainError"},
+    "CheckpointNotFoundError": {"NoCompleteStepError"},
     "ManagerError": {"RunMismatchError", "FingerprintMismatchError", "RetentionError"},
     "PlacementError": {"TierBudgetError"},
     "LedgerError": {

@@ -15,8 +15,10 @@ A class drawn under two parents derives from both, so every ``except`` that caug
     │   │   ├── ConfigError          an option value that is invalid (manager, tiers, signing, hf ...)
     │   │   │   ├── TierBudgetError  a tensor does not fit its tier's budget and may not spill
     │   │   │   │                    (also a PlacementError)
-    │   │   │   └── UnknownOptionError a keyword no option has, nor an old spelling of one
-    │   │   │                        (also a TypeError)
+    │   │   │   ├── UnknownOptionError a keyword no option has, nor an old spelling of one
+    │   │   │   │                    (also a TypeError)
+    │   │   │   └── LevelConfigError levels that cannot work as configured (two on one root,
+    │   │   │                        a cadence that cannot be met); names the level
     │   │   └── CommitRefusedError   the written files do not cover the state (coverage or bytes
     │   │                            mismatch), so the checkpoint is not committed
     │   ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
@@ -28,6 +30,7 @@ A class drawn under two parents derives from both, so every ``except`` that caug
     │   │   └── SignatureError       manifest.sig is missing (when required), malformed, by another key or invalid
     │   └── UnsafePathError          a path that escapes the checkpoint or is not a regular file
     ├── CheckpointNotFoundError      no committed checkpoint (or file) where one was expected
+    │   └── NoCompleteStepError      no step can be completed from any level's verified copies
     ├── CheckpointExistsError        saving onto a checkpoint that is already committed
     ├── ManagerError                 a CheckpointManager refuses or half-completes an operation
     │   ├── RunMismatchError         a manager asked to write into a root another run owns
@@ -36,6 +39,8 @@ A class drawn under two parents derives from both, so every ``except`` that caug
     ├── PlacementError               tensors cannot be placed on the storage tiers as asked
     │   └── TierBudgetError          (also a ConfigError, above)
     ├── StorageError                 an I/O operation failed (write, fsync, rename, read ...)
+    │   ├── LevelUnreachableError    a level's root cannot be reached; names the level
+    │   └── DrainError               copying a local step to a persistent level failed
     ├── CoordinationError            one or more ranks failed a collective step
     ├── DependencyError              a package a feature needs (torch ...) is not installed (an ImportError)
     └── LedgerError                  a progress-ledger operation failed
@@ -67,6 +72,7 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "DependencyError",
+    "DrainError",
     "FingerprintMismatchError",
     "IntegrityError",
     "LedgerCorruptedError",
@@ -75,10 +81,14 @@ __all__ = [
     "LedgerMismatchError",
     "LedgerNotFoundError",
     "LedgerStateError",
+    "LevelConfigError",
+    "LevelUnreachableError",
+    "LevelWarning",
     "ManagerError",
     "ManifestCorruptedError",
     "ManifestError",
     "ManifestVersionError",
+    "NoCompleteStepError",
     "PlacementError",
     "RetentionError",
     "RunMismatchError",
@@ -133,6 +143,17 @@ class ConfigError(UnsupportedValueError):
     """An option value is invalid: a manager setting, a tier or budget, a signing key, an
     integration's option ... The message names the option and the value.
     (An :class:`UnsupportedValueError`, so code that catches that keeps working.)"""
+
+
+class LevelConfigError(ConfigError):
+    """The levels of a ``MultiLevelManager`` cannot work as configured (two levels on one root,
+    a cadence that cannot be met ...); the message names the level(s). Raised before anything
+    is written."""
+
+
+class LevelWarning(UserWarning):
+    """A level is configured in a way that works but defeats its purpose (a node-local level on
+    a network filesystem); the message names the level."""
 
 
 class CommitRefusedError(UnsupportedValueError):
@@ -222,6 +243,16 @@ class CheckpointNotFoundError(ShardkeepError):
     """No committed checkpoint, or no file, exists at the given location."""
 
 
+class NoCompleteStepError(CheckpointNotFoundError):
+    """No step can be completed from any level's verified copies. The message says, per step,
+    rank and level, why each copy was refused; ``refusals`` holds the same as
+    ``(step, rank, level, reason)`` tuples."""
+
+    def __init__(self, message: str, refusals: list[tuple[int, int, str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.refusals = list(refusals or [])
+
+
 class CheckpointExistsError(ShardkeepError):
     """A committed checkpoint already exists at the destination; it is never overwritten."""
 
@@ -289,6 +320,16 @@ class UnknownOptionError(ConfigError, TypeError):
 
 class StorageError(ShardkeepError):
     """A storage operation (write, fsync, close, rename, read, delete) failed."""
+
+
+class LevelUnreachableError(StorageError):
+    """A level's root cannot be reached (at start, or later for a ``required`` level); the
+    message names the level and the reason."""
+
+
+class DrainError(StorageError):
+    """Copying a committed local checkpoint to a persistent level failed; the message names the
+    step, the file, the node and the rank. Nothing was committed on the persistent level."""
 
 
 class CoordinationError(ShardkeepError):

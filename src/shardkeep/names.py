@@ -48,6 +48,7 @@ __all__ = [
     "MANIFEST_FILENAME",
     "MAX_STEP",
     "NAME_MAX",
+    "NODE_PART_FILENAME",
     "POINTERS",
     "RETAINED_MARKER",
     "SIGNATURE_FILENAME",
@@ -77,6 +78,9 @@ __all__ = [
 MANIFEST_FILENAME = "manifest.json"
 #: The detached signature of a checkpoint's manifest.
 SIGNATURE_FILENAME = "manifest.sig"
+#: In a node's part of a node-local checkpoint: which node, ranks and files it holds by design,
+#: and the digest of the manifest it belongs to (see :mod:`shardkeep.levels.local_save`).
+NODE_PART_FILENAME = "node-part.json"
 #: Staging directories are named ``<final>.tmp-<id>``; they are never read as checkpoints.
 STAGING_MARKER = ".tmp-"
 #: A checkpoint being deleted is first renamed to ``<name>.deleting-<id>`` (un-committed).
