@@ -9,7 +9,7 @@ damage at once. The CLI's ``inspect`` and ``verify`` use this module and never i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +50,7 @@ from shardkeep.manifest import (
     is_staging_name,
     unsafe_path_reason,
 )
-from shardkeep.names import check_name_length
+from shardkeep.names import NODE_PART_FILENAME, check_name_length
 from shardkeep.progress import collector_paused
 from shardkeep.storage import (
     ByteStore,
@@ -390,10 +390,16 @@ def file_set_problems(
     manifest: Manifest,
     listing: list[tuple[str, EntryInfo]] | None = None,
     resolver: FileResolver | None = None,
+    *,
+    holds: Collection[str] | None = None,
 ) -> list[str]:
     """Missing, extra and non-regular entries in the checkpoint's own directory: its files must
     equal the manifest's records that live there. ``listing`` is the directory's
     ``list_files`` when the caller already has it.
+
+    ``holds``: the directory is one node's part of a node-local step, which must hold these
+    data files (and every index, and ``node-part.json``); other files of the manifest may be
+    there too (healed copies), files the manifest does not list may not.
 
     On an object store a listing proves nothing and other attempts' leftovers may sit
     beside the committed objects: only the committed objects' presence is checked there, by
@@ -407,6 +413,9 @@ def file_set_problems(
     }
     expected.update((path, None) for path in index_paths(manifest))
     allowed = {MANIFEST_FILENAME, SIGNATURE_FILENAME}
+    if holds is not None:
+        allowed |= {NODE_PART_FILENAME, *expected}
+        expected = {path: record for path, record in expected.items() if record is None or path in holds}
     # A load of a format 2.0 checkpoint expands only the indexes it needs: the files the others
     # list are not known, so only missing files are reported.
     complete = not is_partial_view(manifest)
