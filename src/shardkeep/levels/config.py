@@ -232,9 +232,14 @@ def probe_level(level: Level, node: int = 0) -> ByteStore:
             except FileExistsError:
                 pass
             if not os.path.isdir(path):
-                raise LevelUnreachableError(f"level {level.name!r}: {root!r} is not a directory")
+                raise LevelUnreachableError(f"level {level.name!r} at {root!r} is unreachable: not a directory")
         store = open_store(root, level.storage_options)
         store.list_dir("")
+        filesystem = getattr(store, "fs", None)  # an fsspec store: a missing bucket lists as empty
+        if path is None and filesystem is not None:
+            bucket = normalized_root(root)[1].partition("/")[0]
+            if not filesystem.exists(bucket):
+                raise LevelUnreachableError(f"level {level.name!r} at {root!r} is unreachable: no bucket {bucket!r}")
     except LevelUnreachableError:
         raise
     except (ShardkeepError, OSError) as exc:
