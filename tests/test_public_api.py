@@ -36,6 +36,7 @@ EXPECTED_ALL = [
     "LedgerError",
     "LedgerMismatchError",
     "LedgerStateError",
+    "Level",
     "LevelConfigError",
     "LevelUnreachableError",
     "LevelWarning",

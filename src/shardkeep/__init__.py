@@ -51,6 +51,7 @@ from shardkeep.errors import (
     import_needing_torch,
 )
 from shardkeep.ledger import ProgressLedger
+from shardkeep.levels.config import Level
 from shardkeep.manifest import Manifest, Tier, ValidationResult, validate_manifest
 from shardkeep.options import Incremental, LoadSelection, ManifestFields, TierPlan
 from shardkeep.retention import RetentionPolicy
@@ -88,6 +89,7 @@ __all__ = [
     "LedgerError",
     "LedgerMismatchError",
     "LedgerStateError",
+    "Level",
     "LevelConfigError",
     "LevelUnreachableError",
     "LevelWarning",
