@@ -67,13 +67,19 @@ def _root_of(base: str, node: int) -> Path:
 
 
 def _save(
-    rank: int, world_size: int, base: str, kind: str, store_of: Any = None, timeout: float = 60.0
+    rank: int,
+    world_size: int,
+    base: str,
+    kind: str,
+    store_of: Any = None,
+    timeout: float = 60.0,
+    signer: Any = None,
 ) -> dict[str, Any]:
     coordinator = Coordinator(timeout=timeout)
     nodes = node_map(coordinator, lambda r: r // 2)
     node = nodes.node_of[rank]
     storage = store_of(rank, str(_root_of(base, node))) if store_of is not None else None
-    settings = SaveSettings(step=3, storage=storage, timeout=timeout)
+    settings = SaveSettings(step=3, storage=storage, timeout=timeout, signer=signer)
     try:
         manifest = save_node_local(
             _state(kind, world_size), lambda n: _root_of(base, n), STEP, settings, coordinator, nodes
@@ -311,3 +317,16 @@ def test_a_single_process_refusal_names_the_committed_step(tmp_path: Path) -> No
         save_node_local(_plain_state(), root, STEP, SaveSettings(step=3), Coordinator(), NodeMap((0,)))
     assert sorted(os.listdir(root)) == [STEP]
     assert not any(STAGING_MARKER in name for name in os.listdir(root))
+
+
+def test_a_signed_local_save_puts_one_signature_on_every_node(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    base = tmp_path / "local"
+    results = results_or_raise(run_ranks(4, _save, str(base), "sharded", None, 60.0, key, outbox=tmp_path / "o"))
+    assert all("error" not in result for result in results), results
+    signatures = {(_root_of(str(base), node) / STEP / "manifest.sig").read_bytes() for node in range(2)}
+    assert len(signatures) == 1
+    merged = _merged(base, 2, tmp_path / "merged")
+    assert sk.verify(merged, public_key=key.public_key(), require_signature=True).ok

@@ -52,6 +52,7 @@ node-local save is not provided: the save blocks until step 5.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,7 +75,9 @@ from shardkeep.storage import LocalStore, adapt_store, local_path, write_new
 from shardkeep.storage.localfs import makedirs_durable, retire_and_remove
 from shardkeep.verification import CheckpointLocation
 
-__all__ = ["NodeLocalSaveJob", "Sealed", "attempt_of", "save_node_local"]
+__all__ = ["NodeLocalSaveJob", "Sealed", "attempt_of", "node_location", "save_node_local"]
+
+logger = logging.getLogger(__name__)
 
 #: This node's root: a path, or a function of the node id.
 NodeRoot = str | os.PathLike[str] | Callable[[int], "str | os.PathLike[str]"]
@@ -317,6 +320,9 @@ def save_node_local(
         sealed = coordinator.on_coordinator("seal the node-local manifest", seal)
         coordinator.step("commit the node-local parts", lambda: job.publish(sealed))
     except BaseException:
-        job.abort()
+        try:
+            job.abort()
+        except Exception as exc:  # the save's own error matters more; the leftover is collected later
+            logger.warning("could not remove the node-local attempt %s: %s", job.staging, exc)
         raise
     return sealed.manifest
