@@ -79,11 +79,11 @@ def _save(
     nodes = node_map(coordinator, lambda r: r // 2)
     node = nodes.node_of[rank]
     storage = store_of(rank, str(_root_of(base, node))) if store_of is not None else None
+    root = (lambda n: _root_of(base, 0)) if kind == "shared" else (lambda n: _root_of(base, n))
+    kind = "plain" if kind == "shared" else kind
     settings = SaveSettings(step=3, storage=storage, timeout=timeout, signer=signer)
     try:
-        manifest = save_node_local(
-            _state(kind, world_size), lambda n: _root_of(base, n), STEP, settings, coordinator, nodes
-        )
+        manifest = save_node_local(_state(kind, world_size), root, STEP, settings, coordinator, nodes)
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"version": manifest.metadata_version, "node": node}
@@ -328,5 +328,26 @@ def test_a_signed_local_save_puts_one_signature_on_every_node(tmp_path: Path) ->
     assert all("error" not in result for result in results), results
     signatures = {(_root_of(str(base), node) / STEP / "manifest.sig").read_bytes() for node in range(2)}
     assert len(signatures) == 1
+    assert local_catalog.read_signature(_root_of(str(base), 1), STEP) in signatures
+    assert local_catalog.read_signature(tmp_path, STEP) is None
     merged = _merged(base, 2, tmp_path / "merged")
     assert sk.verify(merged, public_key=key.public_key(), require_signature=True).ok
+
+
+def test_uneven_nodes_of_two_and_one_ranks(tmp_path: Path) -> None:
+    base = tmp_path / "local"
+    results = results_or_raise(run_ranks(3, _save, str(base), "sharded", outbox=tmp_path / "o"))
+    assert all("error" not in result for result in results), results
+    parts = [local_catalog.read_part(_root_of(str(base), node), STEP)[2] for node in range(2)]
+    assert [part.ranks for part in parts] == [[0, 1], [2]]
+    assert all(local_catalog.verify_part(_root_of(str(base), node), STEP) == [] for node in range(2))
+    merged = _merged(base, 2, tmp_path / "merged")
+    assert sk.verify(merged).ok
+
+
+def test_two_nodes_on_one_root_are_refused(tmp_path: Path) -> None:
+    base = tmp_path / "local"
+    results = results_or_raise(run_ranks(4, _save, str(base), "shared", outbox=tmp_path / "o"))
+    assert {result["error"] for result in results} == {"LevelConfigError"}, results
+    assert "same node-local root" in results[0]["message"]
+    _no_leftovers(base, 1)

@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardkeep.catalog import DEFAULT_LEASE, CheckpointRoot
-from shardkeep.errors import CheckpointDataError, ShardkeepError, UnsupportedValueError
+from shardkeep.errors import CheckpointDataError, ShardkeepError, SignatureError, UnsupportedValueError
 from shardkeep.indexes import expand_all, read_small
+from shardkeep.integrity import MAX_SIGNATURE_BYTES
 from shardkeep.io import check_shard
 from shardkeep.levels.parts import NodePart, decode_node_part, manifest_identity
 from shardkeep.manifest import IndexedManifest, Manifest
 from shardkeep.names import (
     MANIFEST_FILENAME,
     NODE_PART_FILENAME,
+    SIGNATURE_FILENAME,
     STAGING_MARKER,
     is_derived_name,
     step_of_name,
@@ -46,6 +48,7 @@ __all__ = [
     "PartState",
     "collect_leftovers",
     "read_part",
+    "read_signature",
     "remove_step",
     "scan",
     "verify_part",
@@ -100,6 +103,16 @@ def read_part(root: str | os.PathLike[str] | ByteStore, name: str) -> tuple[byte
             f"the manifest's is {manifest_identity(data)})"
         )
     return data, manifest, part
+
+
+def read_signature(root: str | os.PathLike[str] | ByteStore, name: str) -> bytes | None:
+    """The ``manifest.sig`` of step ``name`` in this node's ``root`` (``None``: unsigned), the
+    same bytes on every node; a drain copies it with the manifest."""
+    store = _store(root)
+    path = f"{name}/{SIGNATURE_FILENAME}"
+    if store.stat(path) is None:
+        return None
+    return read_small(store, path, MAX_SIGNATURE_BYTES, SignatureError)
 
 
 def verify_part(

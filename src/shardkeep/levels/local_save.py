@@ -16,7 +16,8 @@ thread):
    lowest rank of a node) refuses if ``step_<N>`` is committed on its node
    (:class:`~shardkeep.errors.CheckpointExistsError` on every rank: a committed step is never
    overwritten, as with :class:`~shardkeep.CheckpointManager`), then creates the staging
-   directory durably;
+   directory, exclusively, and fsyncs the root (a staging directory already there means two
+   nodes share one root: :class:`~shardkeep.errors.LevelConfigError` on every rank);
 2. every rank writes its data files and its index into its own node's staging directory,
    each file fsynced, and sends its records and index bytes to the coordinator;
 3. the coordinator builds, checks, seals and signs the manifest exactly as a save does
@@ -60,7 +61,7 @@ from typing import Any
 
 from shardkeep.distributed.commit import FilesystemCommit
 from shardkeep.distributed.coordinator import Coordinator
-from shardkeep.errors import CheckpointExistsError, UnsupportedValueError
+from shardkeep.errors import CheckpointExistsError, LevelConfigError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
 from shardkeep.levels.nodes import NodeMap
@@ -72,7 +73,8 @@ from shardkeep.saving.job import SaveJob, ensure_directory
 from shardkeep.saving.settings import SaveSettings
 from shardkeep.saving.wire import RankReport, encode_report
 from shardkeep.storage import LocalStore, adapt_store, local_path, write_new
-from shardkeep.storage.localfs import makedirs_durable, retire_and_remove
+from shardkeep.storage.localfs import current as current_fs
+from shardkeep.storage.localfs import fsync_directory_path, retire_and_remove, storage_error
 from shardkeep.verification import CheckpointLocation
 
 __all__ = ["NodeLocalSaveJob", "Sealed", "attempt_of", "node_location", "save_node_local"]
@@ -159,14 +161,18 @@ class NodeLocalSaveJob(SaveJob):
         )
         self.staging = coordinator.broadcast(fresh, label="choose the node-local attempt")
         refusals = coordinator.step("open the node-local staging", self._open_staging)
-        refused = [message for message in refusals if message is not None]
-        if refused:
-            raise CheckpointExistsError(refused[0])
+        for refusal in refusals:
+            if refusal is not None:
+                kind, message = refusal
+                raise (CheckpointExistsError if kind == "exists" else LevelConfigError)(message)
         super().prepare(digests, described)
 
-    def _open_staging(self) -> str | None:
-        """On a node leader: refuse a committed step on this node (returned as the message, so
-        every rank raises :class:`CheckpointExistsError`), else create the staging directory."""
+    def _open_staging(self) -> tuple[str, str] | None:
+        """On a node leader: refuse a committed step on this node, or a root another node
+        shares (returned as (kind, message), so that every rank raises the same
+        :class:`CheckpointExistsError` or :class:`LevelConfigError`); else create the staging
+        directory, exclusively: the attempt id is fresh, so a staging directory already there
+        was made by another node's leader in the same root."""
         if not self.leader:
             return None
         store = self.location.store
@@ -175,9 +181,18 @@ class NodeLocalSaveJob(SaveJob):
             try:
                 FilesystemCommit(store, self.location.name, self.staging).begin()
             except CheckpointExistsError as exc:
-                return f"node {self.node}: {exc}"
+                return "exists", f"node {self.node}: {exc}"
+            try:
+                current_fs().mkdir(os.path.join(store.root, self.staging))
+            except FileExistsError:
+                return "shared", (
+                    f"node {self.node}: another node saves into the same node-local root {store.root!r} (a shared "
+                    "filesystem?): give each node a root of its own"
+                )
+            except OSError as exc:
+                raise storage_error("creating", self.staging, exc) from exc
             self.opened = True
-            makedirs_durable(os.path.join(store.root, self.staging))
+            fsync_directory_path(store.root)
         return None
 
     def _begin(self) -> str | None:
