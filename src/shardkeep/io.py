@@ -35,7 +35,7 @@ from shardkeep.tensors.shardfile import (
     parse_header,
 )
 
-__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
+__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "copy_with_digest", "digest_of", "write_shards"]
 
 MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
@@ -533,6 +533,37 @@ def _stream_digest(
         if on_bytes:
             on_bytes(count)
     return format_digest(algorithm, digester.hexdigest()), head
+
+
+def copy_with_digest(
+    source: ReadHandle,
+    target: WriteHandle,
+    algorithm: str,
+    *,
+    block: int,
+    stop: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> str:
+    """Copy all of ``source`` to ``target`` through one reused buffer of at most ``block``
+    bytes, hashing the same bytes on the way (the file is read once and never held whole);
+    return its formatted digest. ``target`` is neither committed nor aborted here. With
+    ``stop`` set, the copy fails with :class:`~shardkeep.errors.StorageError` before the next
+    block. Peak memory: the buffer, plus what ``target`` buffers itself."""
+    digester = new_digester(algorithm)
+    buffer = bytearray(max(1, min(block, source.size)))
+    view = memoryview(buffer)
+    offset = 0
+    while offset < source.size:
+        if stop is not None and stop.is_set():
+            raise StorageError(f"copy stopped at byte {offset} of {source.size}")
+        count = min(len(view), source.size - offset)
+        source.read_into(offset, view[:count])
+        digester.update(view[:count])
+        target.write(view[:count])
+        offset += count
+        if on_bytes:
+            on_bytes(count)
+    return format_digest(algorithm, digester.hexdigest())
 
 
 def _header_problems(
