@@ -71,7 +71,7 @@ from typing import Literal
 from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.distributed.coordinator import Coordinator
-from shardkeep.errors import CheckpointNotFoundError, DrainError, ShardkeepError
+from shardkeep.errors import CheckpointNotFoundError, DrainError, IntegrityError, ShardkeepError
 from shardkeep.indexes import expand_all, read_small
 from shardkeep.integrity import digests_equal, unseal_manifest
 from shardkeep.io import copy_with_digest
@@ -106,13 +106,15 @@ PersistentLocation = str | os.PathLike[str] | StoreOperations
 @dataclass(frozen=True)
 class CopyTask:
     """One file to copy: its path as the manifest records it (relative to the checkpoint), its
-    bytes on storage, its recorded digest (``None``: none recorded, the size is checked) and
-    the node it is copied from."""
+    bytes on storage, its recorded digest (``None``: none recorded, the size is checked), the
+    node it is copied from, and for a compressed file its decompressed size (the digest is of
+    the decompressed bytes)."""
 
     path: str
     size: int
     digest: str | None
     node: int
+    decompressed_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -337,9 +339,14 @@ class Drain:
                 )
             node = nodes[0]
             ranks = ranks_of[node]
-            rank = ranks[turn.get(node, 0) % len(ranks)]
-            turn[node] = turn.get(node, 0) + 1
-            tasks.setdefault(rank, []).append(CopyTask(record.path, record.stored_size, record.digest, node))
+            if record.rank in ranks:  # the rank that wrote it, where it still holds it
+                rank = record.rank
+            else:
+                rank = ranks[turn.get(node, 0) % len(ranks)]
+                turn[node] = turn.get(node, 0) + 1
+            decompressed = record.size if record.compression is not None else None
+            task = CopyTask(record.path, record.stored_size, record.digest, node, decompressed)
+            tasks.setdefault(rank, []).append(task)
         if isinstance(manifest, IndexedManifest):
             for index in manifest.index_records():
                 tasks.setdefault(0, []).append(CopyTask(index.path, index.size, index.digest, self.node_of[0]))
@@ -362,7 +369,7 @@ class Drain:
             progress.finished = time.monotonic()
 
     def _describe(self, task: CopyTask) -> str:
-        return f"step {self.name}, file {task.path}, node {task.node}, rank {self.coordinator.rank}"
+        return f"{self.name} (file {task.path}, node {task.node}, rank {self.coordinator.rank})"
 
     def _destination(self, task: CopyTask) -> str:
         assert self.plan is not None
@@ -408,9 +415,20 @@ class Drain:
             target = self.store.open_write(self._destination(task))
             try:
                 algorithm = (task.digest or "blake3").partition(":")[0]
-                found = copy_with_digest(
-                    source, target, algorithm, block=self.block, stop=self._stop, on_bytes=self._count
-                )
+                try:
+                    found = copy_with_digest(
+                        source,
+                        target,
+                        algorithm,
+                        block=self.block,
+                        stop=self._stop,
+                        on_bytes=self._count,
+                        decompressed_size=task.decompressed_size,
+                    )
+                except IntegrityError as exc:
+                    raise DrainError(
+                        f"draining refused {self._describe(task)}: the local file {exc} (the local copy is damaged)"
+                    ) from exc
                 if task.digest is not None and not digests_equal(task.digest, found):
                     raise DrainError(
                         f"draining refused {self._describe(task)}: the local file fails its digest "
