@@ -238,6 +238,7 @@ def test_an_eio_at_every_operation_fails_cleanly_or_commits(tmp_path: Path) -> N
         except DrainError as exc:  # the plan failed (a stat, or creating the staging)
             assert "EIO" in str(exc), exc
             state = drain.poll()
+        assert (state.state == "committed") == (persistent / NAME / MANIFEST_FILENAME).exists(), fail_at
         if state.state == "committed":
             assert_drained(tmp_path, persistent)
         else:
@@ -473,5 +474,36 @@ def test_threads_stop_with_the_drain(tmp_path: Path) -> None:
     local = local_step(tmp_path)
     persistent = tmp_path / "persistent"
     persistent.mkdir()
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
     drain_once(local, persistent)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == priority  # only the copying thread was lowered
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("shardkeep-drain")]
+
+
+@pytest.mark.slow
+def test_an_eio_at_every_operation_on_s3_fails_cleanly_or_commits(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]]
+) -> None:
+    from shardkeep.storage import FsspecStore
+
+    root, options = s3_root
+    local = local_step(tmp_path)
+    inner = FsspecStore(root, options)
+    counting = FaultInjectingStore(inner)
+    assert drain_once(local, counting).state == "committed"
+    operations = list(counting._counter.operations)
+    inner.remove_tree(NAME)
+    for fail_at in range(1, len(operations) + 1):
+        drain = Drain(local, NAME, FaultInjectingStore(inner, fail_at=fail_at), Coordinator(), [0])
+        try:
+            drain.start()
+            state = drain.wait(60)
+        except DrainError:
+            state = drain.poll()
+        assert (state.state == "committed") == (inner.stat(f"{NAME}/{MANIFEST_FILENAME}") is not None), fail_at
+        if state.state == "committed":
+            assert sk.verify(f"{root}/{NAME}", storage_options=options).ok, (fail_at, operations[fail_at - 1])
+        else:
+            assert state.state == "failed", state
+            assert inner.stat(NAME) is None, (fail_at, operations[fail_at - 1], inner.list_files(NAME))
+        inner.remove_tree(NAME)

@@ -45,13 +45,17 @@ Crash windows and what recovery sees:
   (:class:`~shardkeep.distributed.commit.FilesystemCommit`,
   :class:`~shardkeep.distributed.commit.ObjectStoreCommit`): either no manifest under the final
   name (as above), or a committed checkpoint whose every file was durable before its manifest.
+- after the commit point, when a later step fails (the signature on an object store) or its
+  response is lost: the manifest under the final name is this drain's, so the drain reports the
+  step committed (and logs the failure) rather than removing a committed checkpoint's files.
 - after the commit, before the caller's bookkeeping: the persistent level holds the step,
   committed. :func:`recover_drains` reports it as persisted; a new drain of it finds the same
   manifest there and reports it committed without copying.
 
 The local copy is only ever read: a drain cut off anywhere leaves it intact.
 
-Bounds: each rank's copying thread holds one buffer of ``min(byte_budget // 2, 16 MiB)``
+Bounds: each rank's copying thread runs at a lower CPU priority (``nice``) and drops the local
+files it read from the page cache (``POSIX_FADV_DONTNEED``); it holds one buffer of ``min(byte_budget // 2, 16 MiB)``
 bytes (the file is never held whole; the persistent store's writer may buffer one upload part
 of its own); a failed copy of one file is retried under the ``retry`` policy on the copying
 thread (transient errors only: the thread waits and copies the file again, never voting);
@@ -60,6 +64,7 @@ thread (transient errors only: the thread waits and copies the file again, never
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -172,7 +177,8 @@ class Drain:
     ``node_of[rank]`` is each rank's node (every rank of the coordinator's group); every rank
     passes its own node's ``local_root``. ``options`` gives the byte budget and the digest
     algorithm is the manifest's; ``retry`` (default: no retry) governs a failed file copy on
-    the copying thread. Every method but :meth:`state` is collective (see the module docstring).
+    the copying thread. ``nice`` lowers the copying thread's CPU priority by that much on Linux
+    (0: unchanged), so the drain yields to training. Every method but :meth:`state` is collective (see the module docstring).
     """
 
     def __init__(
@@ -187,6 +193,7 @@ class Drain:
         retry: RetryPolicy | None = None,
         storage_options: object = None,
         limits: ManifestLimits | None = None,
+        nice: int = 10,
     ) -> None:
         if len(node_of) != coordinator.world_size:
             raise DrainError(
@@ -202,6 +209,7 @@ class Drain:
         self.options = options or WriteOptions()
         self.retry = retry or RetryPolicy(attempts=1)
         self.limits = limits or ManifestLimits()
+        self.nice = nice
         self.block = max(64 * 1024, min(self.options.byte_budget // 2, MAX_BLOCK))
         self.plan: DrainPlan | None = None
         self._commit: CheckpointCommit | None = None
@@ -355,6 +363,7 @@ class Drain:
     # -- the copying thread ----------------------------------------------------------------
     def _copy_all(self, tasks: list[CopyTask]) -> None:
         progress = self._progress
+        _lower_priority(self.nice)
         try:
             for task in tasks:
                 self._copy_with_retries(task)
@@ -440,6 +449,7 @@ class Drain:
                 raise
         finally:
             source.close()
+        _drop_from_page_cache(os.path.join(self.local_root, self.name, task.path))
 
     def _count(self, nbytes: int) -> None:
         with self._progress.lock:
@@ -494,6 +504,11 @@ class Drain:
                     self._commit.add_data_file(task.path)
             self._commit.commit(sealed, signature)
         except Exception as exc:  # every rank waits for the outcome: any failure goes to all of them
+            if self._commit.sealed is not None and self._commit.committed():
+                # Past the commit point (the manifest is ours; a later step failed, or its
+                # response was lost): the step is committed, and stays so.
+                logger.warning("drain of %s: committed, but the commit then failed (%s)", self.name, exc)
+                return ""
             self._abort_quietly()
             return str(exc) if isinstance(exc, DrainError) else f"draining {self.name}: committing failed: {exc}"
         return ""
@@ -559,6 +574,29 @@ class Drain:
             raise DrainError(f"draining {self.name}: start() was not called")
 
 
+def _lower_priority(increment: int) -> None:
+    """Lower the calling thread's CPU priority (Linux: a thread is its own scheduling entity);
+    best effort."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    with contextlib.suppress(OSError):
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + increment))
+
+
+def _drop_from_page_cache(path: str) -> None:
+    """Tell the kernel the local file's cached pages are not needed again (the drain read them
+    once), so a drain does not push training's data out of the page cache; best effort."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    with contextlib.suppress(OSError):
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
 # -- recovery ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DrainRecovery:
@@ -588,7 +626,7 @@ def _clear_object_leftovers(store: ByteStore, name: str) -> list[str]:
         if not entry.startswith(ATTEMPT_PREFIX):
             store.remove_tree(f"{name}/{entry}")
             removed.append(f"{name}/{entry}")
-    removed.extend(f"upload:{key}" for key in store.abort_uploads(f"{name}/"))
+    removed.extend(f"upload:{key}" for key in store.abort_uploads(name))
     return removed
 
 
