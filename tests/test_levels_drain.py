@@ -180,7 +180,7 @@ def test_another_attempt_on_the_persistent_level_is_never_overwritten(tmp_path: 
 def _count_operations(local: Path, persistent: Path) -> list[str]:
     counting = FaultInjectingStore(LocalStore(str(persistent)))
     assert drain_once(local, counting).state == "committed"
-    operations = list(counting._counter.operations)
+    operations = counting.operations
     for entry in os.listdir(persistent):
         LocalStore(str(persistent)).remove_tree(entry)
     return operations
@@ -491,7 +491,7 @@ def test_an_eio_at_every_operation_on_s3_fails_cleanly_or_commits(
     inner = FsspecStore(root, options)
     counting = FaultInjectingStore(inner)
     assert drain_once(local, counting).state == "committed"
-    operations = list(counting._counter.operations)
+    operations = counting.operations
     inner.remove_tree(NAME)
     for fail_at in range(1, len(operations) + 1):
         drain = Drain(local, NAME, FaultInjectingStore(inner, fail_at=fail_at), Coordinator(), [0])
