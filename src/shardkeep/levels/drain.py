@@ -13,9 +13,10 @@ the caller's thread, never on the copying thread):
    which data files its node holds (its ``node-part.json`` whose ``manifest_digest`` is the
    manifest's, and the files present); the coordinator reads the local manifest, opens the
    persistent commit (:class:`~shardkeep.distributed.commit.CheckpointCommit`), assigns each
-   data file to exactly one rank (the lowest node holding it, spread over that node's ranks)
-   and takes the rank index files itself, and broadcasts the plan. Each rank then starts one
-   daemon thread that copies its files, block by block.
+   data file to exactly one rank (the lowest node holding it: the rank that wrote it if it is
+   there, else spread over that node's ranks) and takes the rank index files itself, and
+   broadcasts the plan. Each rank then starts up to ``io_threads`` daemon threads that copy
+   its files, block by block.
 2. :meth:`Drain.poll` (collective, at a safe point: the manager calls it at each save): every
    rank's state is gathered; when every rank is done, the coordinator commits; when a rank
    failed, every rank stops its thread and the coordinator aborts. :meth:`Drain.wait` waits
@@ -54,12 +55,13 @@ Crash windows and what recovery sees:
 
 The local copy is only ever read: a drain cut off anywhere leaves it intact.
 
-Bounds: each rank's copying thread runs at a lower CPU priority (``nice``) and drops the local
-files it read from the page cache (``POSIX_FADV_DONTNEED``); it holds one buffer of ``min(byte_budget // 2, 16 MiB)``
-bytes (the file is never held whole; the persistent store's writer may buffer one upload part
-of its own); a failed copy of one file is retried under the ``retry`` policy on the copying
-thread (transient errors only: the thread waits and copies the file again, never voting);
-:meth:`Drain.wait` returns after its timeout plus one collective.
+Bounds: a rank's copying threads hold one buffer each, together at most half the byte budget
+(each at most 16 MiB; a file is never held whole; the persistent store's writer may buffer one
+upload part of its own, and a compressed file adds zstd's window); they run at a lower CPU
+priority (``nice``) and drop the local files they read from the page cache
+(``POSIX_FADV_DONTNEED``). A failed copy of one file is retried under the ``retry`` policy on
+the copying thread (transient errors only: the thread waits and copies the file again; no
+vote, no collective). :meth:`Drain.wait` returns after its timeout plus one collective.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.commit import CheckpointCommit
@@ -151,9 +153,12 @@ class DrainState:
 
 @dataclass
 class _Progress:
-    """What the copying thread reports to the caller's thread (under ``lock``)."""
+    """The files left to copy and what the copying threads report to the caller's thread
+    (under ``lock``)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[CopyTask] = field(default_factory=list)
+    workers: int = 0
     copied: int = 0
     done: bool = False
     failure: str | None = None
@@ -164,9 +169,9 @@ class _Progress:
         return (self.finished if self.finished is not None else time.monotonic()) - self.started
 
 
-def _open_persistent(location: PersistentLocation, storage_options: object) -> ByteStore:
+def _open_persistent(location: PersistentLocation, storage_options: Mapping[str, Any] | None) -> ByteStore:
     if isinstance(location, (str, os.PathLike)):
-        return open_store(location, storage_options)  # type: ignore[arg-type]  # a mapping or None, checked there
+        return open_store(location, storage_options)
     return adapt_store(location)
 
 
@@ -177,8 +182,10 @@ class Drain:
     ``node_of[rank]`` is each rank's node (every rank of the coordinator's group); every rank
     passes its own node's ``local_root``. ``options`` gives the byte budget and the digest
     algorithm is the manifest's; ``retry`` (default: no retry) governs a failed file copy on
-    the copying thread. ``nice`` lowers the copying thread's CPU priority by that much on Linux
-    (0: unchanged), so the drain yields to training. Every method but :meth:`state` is collective (see the module docstring).
+    the copying threads (up to ``options.io_threads`` per rank, sharing the byte budget).
+    ``nice`` lowers the copying threads' CPU priority by that much on Linux (0: unchanged), so
+    the drain yields to training. Every method but :meth:`state` is collective (see the module
+    docstring).
     """
 
     def __init__(
@@ -191,7 +198,7 @@ class Drain:
         *,
         options: WriteOptions | None = None,
         retry: RetryPolicy | None = None,
-        storage_options: object = None,
+        storage_options: Mapping[str, Any] | None = None,
         limits: ManifestLimits | None = None,
         nice: int = 10,
     ) -> None:
@@ -210,12 +217,12 @@ class Drain:
         self.retry = retry or RetryPolicy(attempts=1)
         self.limits = limits or ManifestLimits()
         self.nice = nice
-        self.block = max(64 * 1024, min(self.options.byte_budget // 2, MAX_BLOCK))
+        self.block = max(64 * 1024, min(self.options.byte_budget // 2, MAX_BLOCK))  # set again by start
         self.plan: DrainPlan | None = None
         self._commit: CheckpointCommit | None = None
         self._progress = _Progress()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._final: DrainState | None = None
 
     # -- start -----------------------------------------------------------------------------
@@ -244,11 +251,15 @@ class Drain:
         if not self.coordinator.is_coordinator and self.store.atomic_rename:
             self._commit = CheckpointCommit(self.store, self.name, staging=payload.staging)
         tasks = payload.tasks.get(self.coordinator.rank, [])
-        self._progress = _Progress()
-        self._thread = threading.Thread(
-            target=self._copy_all, args=(tasks,), name=f"shardkeep-drain-{self.name}", daemon=True
-        )
-        self._thread.start()
+        workers = max(1, min(self.options.io_threads, len(tasks)))
+        self.block = max(64 * 1024, min(self.options.byte_budget // (2 * workers), MAX_BLOCK))
+        self._progress = _Progress(pending=list(tasks), workers=workers)
+        self._threads = [
+            threading.Thread(target=self._copy_all, name=f"shardkeep-drain-{self.name}-{index}", daemon=True)
+            for index in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _holdings(self) -> tuple[int, str | None, list[str], str]:
         """(node, the part's manifest digest, data files present, why none) of this rank's
@@ -361,21 +372,30 @@ class Drain:
         return tasks
 
     # -- the copying thread ----------------------------------------------------------------
-    def _copy_all(self, tasks: list[CopyTask]) -> None:
+    def _copy_all(self) -> None:
+        """One copying thread: take the next file until none is left or a copy failed (the
+        first failure stops the others at their next block)."""
         progress = self._progress
         _lower_priority(self.nice)
         try:
-            for task in tasks:
+            while True:
+                with progress.lock:
+                    if progress.failure is not None or not progress.pending:
+                        break
+                    task = progress.pending.pop(0)
                 self._copy_with_retries(task)
         except BaseException as exc:  # reported through poll(); the thread never raises
             message = str(exc) if isinstance(exc, DrainError) else f"{type(exc).__name__}: {exc}"
             with progress.lock:
-                progress.failure = message
-                progress.finished = time.monotonic()
-            return
-        with progress.lock:
-            progress.done = True
-            progress.finished = time.monotonic()
+                if progress.failure is None:
+                    progress.failure = message
+                    self._stop.set()
+        finally:
+            with progress.lock:
+                progress.workers -= 1
+                if progress.workers == 0:
+                    progress.done = progress.failure is None
+                    progress.finished = time.monotonic()
 
     def _describe(self, task: CopyTask) -> str:
         return f"{self.name} (file {task.path}, node {task.node}, rank {self.coordinator.rank})"
@@ -525,10 +545,11 @@ class Drain:
 
     def _stop_thread(self) -> float:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.coordinator.timeout)
-            if self._thread.is_alive():
-                logger.warning("drain of %s: the copying thread did not stop within the deadline", self.name)
+        deadline = time.monotonic() + self.coordinator.timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            logger.warning("drain of %s: a copying thread did not stop within the deadline", self.name)
         return self._progress.elapsed()
 
     def _abort_quietly(self) -> None:
@@ -552,8 +573,9 @@ class Drain:
         if self._final is not None:
             return self._final
         self._require_started()
-        if self._thread is not None:
-            self._thread.join(max(0.0, timeout))
+        deadline = time.monotonic() + max(0.0, timeout)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         return self.poll()
 
     def abandon(self) -> DrainState:
@@ -634,7 +656,7 @@ def recover_drains(
     persistent: PersistentLocation,
     local_names: Sequence[str],
     *,
-    storage_options: object = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> DrainRecovery:
     """Clean up the drains of ``local_names`` (the committed steps this node's local level
     holds) that a crash cut off, on the persistent level; the coordinator calls it once at
