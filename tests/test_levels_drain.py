@@ -507,3 +507,45 @@ def test_an_eio_at_every_operation_on_s3_fails_cleanly_or_commits(
             assert state.state == "failed", state
             assert inner.stat(NAME) is None, (fail_at, operations[fail_at - 1], inner.list_files(NAME))
         inner.remove_tree(NAME)
+
+
+def _drain_where_a_rank_dies(rank: int, world_size: int, base: str, crash: bool) -> dict[str, Any]:
+    root = Path(base)
+    node_of = list(range(world_size))  # one rank per node
+    coordinator = Coordinator(timeout=20)
+    if crash:
+        sk.save(_sharded_state(world_size), root / "src" / NAME, step=100)
+        if rank == 0:
+            split_into_nodes(root / "src" / NAME, [root / f"node{n}" for n in node_of], node_of)
+        coordinator.barrier()
+    store: Any = LocalStore(str(root / "persistent"))
+    if crash and rank == 1:  # dies at its first write into the staging directory
+        store = FaultInjectingStore(store, fail_at=2, fault=lambda _: os._exit(3))
+    drain = Drain(root / f"node{rank}", NAME, store, coordinator, node_of)
+    drain.start()
+    try:
+        state = drain.wait(60)
+        while state.state == "running":
+            state = drain.wait(1)
+    except sk.ShardkeepError as exc:
+        return {"state": "raised", "error": type(exc).__name__}
+    return {"state": state.state, "error": str(state.error or "")}
+
+
+@pytest.mark.slow
+def test_a_rank_dying_during_a_drain_leaves_no_checkpoint_and_a_redrain_commits(tmp_path: Path) -> None:
+    base = tmp_path / "run"
+    (base / "persistent").mkdir(parents=True)
+    outcomes = run_ranks(
+        2, _drain_where_a_rank_dies, str(base), True, outbox=tmp_path / "crash", allow_unfinished=frozenset({1})
+    )
+    assert outcomes[0] == ("ok", {"state": "raised", "error": "CoordinationError"}), outcomes[0]
+    assert 1 not in outcomes or outcomes[1][0] == "error"
+    assert not (base / "persistent" / NAME).exists()
+    before = {node: snapshot(base / f"node{node}") for node in (0, 1)}
+    recovery = recover_drains(base / "persistent", [NAME])
+    assert recovery.redrain == [NAME] and os.listdir(base / "persistent") == [], recovery
+    results = results_or_raise(run_ranks(2, _drain_where_a_rank_dies, str(base), False, outbox=tmp_path / "again"))
+    assert [result["state"] for result in results] == ["committed", "committed"], results
+    assert sk.verify(base / "persistent" / NAME).ok
+    assert {node: snapshot(base / f"node{node}") for node in (0, 1)} == before
