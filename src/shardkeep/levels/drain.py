@@ -277,8 +277,9 @@ class Drain:
         return self.node, part.manifest_digest, present, ""
 
     def _planned(self, holdings: list[tuple[int, str | None, list[str], str]]) -> tuple[str, DrainPlan | str]:
-        """The coordinator's plan, or why there is none (``("error", message)``); a commit
-        begun for the plan is aborted when planning fails after it."""
+        """The coordinator's plan, or why there is none (``("error", message)``). Nothing is
+        written on the persistent level before the plan is made (on an object store, the
+        leftovers of an earlier drain of this name without a manifest are removed first)."""
         try:
             sealed, manifest = self._local_manifest()
             identity = manifest_identity(sealed)
@@ -321,8 +322,11 @@ class Drain:
     def _assign(
         self, manifest: Manifest, identity: str, holdings: list[tuple[int, str | None, list[str], str]]
     ) -> dict[int, list[CopyTask]]:
-        """Each data file to one rank of the lowest node holding it (round robin over that
-        node's ranks); the index files to the coordinator (every node holds all of them)."""
+        """Each data file to one rank of the lowest node holding it (the rank that wrote it
+        when it is on that node, else round robin over that node's ranks); the index files to
+        the coordinator (every node holds all of them). Files of other checkpoints (an
+        incremental save's references) and of tiers with a location of their own are refused:
+        the drain copies the checkpoint's own directory."""
         located = {tier.name for tier in manifest.tiers if tier.location}
         held: dict[str, list[int]] = {}
         refused: dict[int, str] = {}
