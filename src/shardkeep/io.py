@@ -35,7 +35,7 @@ from shardkeep.tensors.shardfile import (
     parse_header,
 )
 
-__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "digest_of", "write_shards"]
+__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "copy_with_digest", "digest_of", "write_shards"]
 
 MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
@@ -533,6 +533,93 @@ def _stream_digest(
         if on_bytes:
             on_bytes(count)
     return format_digest(algorithm, digester.hexdigest()), head
+
+
+class _CopyingReader:
+    """A file-like reader of ``source`` (for zstd's stream reader) that writes every block it
+    hands out to ``target`` as well, so the stored bytes are copied as they are decompressed."""
+
+    def __init__(
+        self,
+        source: ReadHandle,
+        target: WriteHandle,
+        stop: threading.Event | None,
+        on_bytes: Callable[[int], None] | None,
+    ) -> None:
+        self.source, self.target, self.stop, self.on_bytes = source, target, stop, on_bytes
+        self.offset = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self.stop is not None and self.stop.is_set():
+            raise StorageError(f"copy stopped at byte {self.offset} of {self.source.size}")
+        left = self.source.size - self.offset
+        count = left if size < 0 else min(size, left)
+        if count <= 0:
+            return b""
+        block = bytearray(count)
+        self.source.read_into(self.offset, memoryview(block))
+        self.target.write(memoryview(block))
+        self.offset += count
+        if self.on_bytes:
+            self.on_bytes(count)
+        return bytes(block)
+
+
+def copy_with_digest(
+    source: ReadHandle,
+    target: WriteHandle,
+    algorithm: str,
+    *,
+    block: int,
+    stop: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    decompressed_size: int | None = None,
+) -> str:
+    """Copy all of ``source`` to ``target`` in blocks of at most ``block`` bytes, hashing the
+    same bytes on the way (the file is read once and never held whole); return the formatted
+    digest. For a zstd-compressed file give ``decompressed_size``: the digest is then of the
+    decompressed bytes (what a record's digest describes), decompressed as a stream of
+    ``block``-sized pieces, and any other size is an :class:`~shardkeep.errors.IntegrityError`.
+    ``target`` is neither committed nor aborted here. With ``stop`` set, the copy fails with
+    :class:`~shardkeep.errors.StorageError` before the next block. Peak memory: one block (about
+    three, plus zstd's window, for a compressed file), and what ``target`` buffers itself."""
+    digester = new_digester(algorithm)
+    if decompressed_size is None:  # one reused buffer
+        view = memoryview(bytearray(max(1, min(block, source.size))))
+        offset = 0
+        while offset < source.size:
+            if stop is not None and stop.is_set():
+                raise StorageError(f"copy stopped at byte {offset} of {source.size}")
+            count = min(len(view), source.size - offset)
+            source.read_into(offset, view[:count])
+            digester.update(view[:count])
+            target.write(view[:count])
+            offset += count
+            if on_bytes:
+                on_bytes(count)
+        return format_digest(algorithm, digester.hexdigest())
+    reader = _CopyingReader(source, target, stop, on_bytes)
+    output = memoryview(bytearray(max(1, min(block, decompressed_size + 1))))
+    produced = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(
+            reader,  # type: ignore[arg-type]  # a reader: zstd calls only read()
+            read_size=block,
+            read_across_frames=True,
+            closefd=False,
+        ) as stream:
+            while (count := stream.readinto(output)) > 0:
+                produced += count
+                if produced > decompressed_size:
+                    break
+                digester.update(output[:count])
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"cannot be decompressed ({exc})") from exc
+    if produced != decompressed_size:
+        raise IntegrityError(f"decompresses to {produced}+ bytes, the manifest records {decompressed_size}")
+    while reader.offset < source.size:  # bytes after the last frame: copied, as stored
+        reader.read(block)
+    return format_digest(algorithm, digester.hexdigest())
 
 
 def _header_problems(
