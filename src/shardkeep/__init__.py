@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from shardkeep.api import SaveHandle, async_save, load, save
     from shardkeep.lazy import LazyTensor
     from shardkeep.ledger.batches import iter_batches, load_batch, save_batch
+    from shardkeep.levels.manager import LevelsRestored, LevelsSaveResult, MultiLevelManager
     from shardkeep.manager import CheckpointManager, PendingSave, Restored
     from shardkeep.training import TrainingCheckpoint
 
@@ -93,6 +94,8 @@ __all__ = [
     "LevelConfigError",
     "LevelUnreachableError",
     "LevelWarning",
+    "LevelsRestored",
+    "LevelsSaveResult",
     "ManagerError",
     "LoadSelection",
     "Manifest",
@@ -100,6 +103,7 @@ __all__ = [
     "ManifestError",
     "ManifestFields",
     "ManifestVersionError",
+    "MultiLevelManager",
     "NoCompleteStepError",
     "PendingSave",
     "PlacementError",
@@ -145,6 +149,7 @@ _LAZY.update({name: "shardkeep.ledger.batches" for name in ("save_batch", "load_
 _LAZY["LazyTensor"] = "shardkeep.lazy"
 _LAZY["TrainingCheckpoint"] = "shardkeep.training"
 _LAZY.update({name: "shardkeep.manager" for name in ("CheckpointManager", "PendingSave", "Restored")})
+_LAZY.update({name: "shardkeep.levels.manager" for name in ("MultiLevelManager", "LevelsSaveResult", "LevelsRestored")})
 
 
 def __getattr__(name: str) -> Any:

@@ -50,6 +50,7 @@ from shardkeep.manifest import (
     is_staging_name,
     unsafe_path_reason,
 )
+from shardkeep.manifest.node_part import decode_node_part
 from shardkeep.names import NODE_PART_FILENAME, check_name_length
 from shardkeep.progress import collector_paused
 from shardkeep.storage import (
@@ -579,6 +580,25 @@ def _verify_indexes(
     return view
 
 
+def _node_part_holds(report: VerifyReport, location: CheckpointLocation) -> set[str] | None:
+    """The data files a node's part of a node-local step holds (its ``node-part.json``), with a
+    warning saying that only they are checked; ``None`` for an ordinary checkpoint."""
+    where = f"{location.name}/{NODE_PART_FILENAME}"
+    if not renames(location.store) or location.store.stat(where) is None:
+        return None
+    try:
+        part = decode_node_part(read_small(location.store, where, 64 * 2**20, ManifestError), where=str(location))
+    except ShardkeepError as exc:
+        report.problems.append(f"{NODE_PART_FILENAME}: {exc}")
+        return None
+    holds = {*part.files, *part.healed}
+    report.warnings.append(
+        f"node {part.node}'s part of a node-local step ({part.nodes} nodes): only its {len(holds)} data files "
+        "are here and checked; the other nodes hold the rest"
+    )
+    return holds
+
+
 def _verify_data_files(
     report: VerifyReport,
     location: CheckpointLocation,
@@ -598,8 +618,11 @@ def _verify_data_files(
     except ShardkeepError as exc:
         report.problems.append(str(exc))
         return
+    holds = _node_part_holds(report, location)
+    if holds is not None:
+        selected = [index for index in selected if manifest.files[index].path in holds]
     try:
-        report.problems.extend(file_set_problems(location, manifest, resolver=resolver))
+        report.problems.extend(file_set_problems(location, manifest, resolver=resolver, holds=holds))
     except ShardkeepError as exc:
         report.problems.append(f"{location.name}: {exc}")
 

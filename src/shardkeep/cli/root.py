@@ -27,6 +27,7 @@ from shardkeep.cli.format import (
     tier_locations,
     write_json,
 )
+from shardkeep.cli.levels import add_level_arguments, run_ls_levels
 from shardkeep.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -54,7 +55,13 @@ def add_ls(commands: Any) -> None:
         "holds no checkpoints (or is a checkpoint itself) or cannot be read, or a checkpoint's tier location is "
         "missing (remap it with --tier-location).",
     )
-    listing.add_argument("root", metavar="ROOT", help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints")
+    listing.add_argument(
+        "root",
+        metavar="ROOT",
+        nargs="?",
+        help="a directory or URL (s3://bucket/prefix) of step_<N> checkpoints (or give --level NAME=ROOT ...)",
+    )
+    add_level_arguments(listing)
     listing.add_argument(
         "--verify",
         action="store_true",
@@ -259,6 +266,10 @@ def _runs_line(entries: list[CheckpointEntry], run: str | None) -> str | None:
 
 
 def run_ls(args: argparse.Namespace, out: TextIO) -> int:
+    if args.level:
+        return run_ls_levels(args, out)
+    if args.root is None:
+        raise ConfigError("ls needs ROOT (a directory or URL of checkpoints) or --level NAME=ROOT ...")
     root, found = _open_root(args)
     run = args.run or root.owner(found)
     policy, source = _policy_for(args, root, found, run)

@@ -1,0 +1,268 @@
+"""One level against two: the steps a failure loses and the time training is blocked.
+
+The same training loop (an MLP with AdamW; its state is ``--mb`` MiB of parameters and
+optimizer moments) runs ``--steps`` steps twice per repetition:
+
+- **single**: a ``CheckpointManager`` on the persistent level, saving every ``--persist-every``
+  steps (100);
+- **levels**: a ``MultiLevelManager`` with a node-local level every ``--local-every`` steps (10)
+  and the persistent level fed by draining a committed local step every ``--persist-every``.
+
+A failure is injected at a random step (the same one for both, from ``--seed``); the run then
+restores as a restarted job would, and the steps lost are the failure's step minus the step it
+resumed from (+1: the failed step itself). The blocked time is the wall time spent inside
+``should_save``/``save`` (what training waits for); drains run in the background.
+
+The persistent level is the S3 server the test suite uses (SeaweedFS on 127.0.0.1,
+``--persistent s3``, the default when ``weed`` is installed) or a directory
+(``--persistent dir``); the local level is a directory under ``/dev/shm`` (a RAM disk, as NVRx
+recommends), or ``--local DIR``.
+
+Last, the drain's memory: a ``--drain-mb`` MiB local step is drained in a fresh process under a
+``--budget-mb`` byte budget, and its peak RSS above the process's RSS before the drain is
+reported::
+
+    .venv/bin/python bench/levels.py                     # 3 repetitions, S3 persistent level
+    .venv/bin/python bench/levels.py --reps 5 --json levels.json
+    .venv/bin/python bench/levels.py --persistent dir --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from common import fmt_range, median
+
+import shardkeep as sk
+
+
+def build(mb: float, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP whose parameters and two AdamW moments take about ``mb`` MiB together."""
+    torch.manual_seed(seed)
+    width = max(64, int((mb * 2**20 / 4 / 3 / 4) ** 0.5))  # 4 square layers, 3 copies (param, m, v)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    width = model[0].in_features  # type: ignore[index]
+    batch = torch.randn(32, width)
+    loss = model(batch).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    return float(loss)
+
+
+@contextmanager
+def persistent_root(kind: str, workdir: Path) -> Iterator[tuple[Callable[[str], str], dict[str, Any] | None]]:
+    """Yields ``(root_of(name), storage_options)`` for the persistent level."""
+    if kind == "dir":
+        yield (lambda name: str(workdir / "persistent" / name)), None
+        return
+    from tests.support import s3server
+
+    server = s3server.start(workdir / "s3")
+    try:
+        bucket = server.new_bucket("bench")
+        yield (lambda name: f"s3://{bucket}/{name}"), server.storage_options
+    finally:
+        s3server.stop(server)
+
+
+def one_run(
+    label: str,
+    make: Callable[[], Any],
+    args: argparse.Namespace,
+    fail_at: int,
+) -> dict[str, float]:
+    """Train until ``fail_at``, drop everything, restore with a fresh manager; return the steps
+    lost and the blocked seconds."""
+    model, optimizer = build(args.mb, args.seed)
+    state = {"model": model, "optimizer": optimizer}
+    manager = make()
+    blocked = 0.0
+    for step in range(fail_at):
+        loss = train_step(model, optimizer)
+        started = time.perf_counter()
+        if manager.should_save(step):
+            manager.save(state, step=step, metrics={"loss": loss})
+        blocked += time.perf_counter() - started
+    # The failure: the process dies here. A drain still running is lost with it.
+    abandon = getattr(manager, "abandon", None)
+    if abandon is not None:
+        abandon()
+    model, optimizer = build(args.mb, args.seed + 1)
+    state = {"model": model, "optimizer": optimizer}
+    restarted = make()
+    restored = restarted.restore(into=state)
+    resumed = -1 if restored is None else restored.step
+    close = getattr(restarted, "close", None)
+    if close is not None:
+        close()
+    return {"steps_lost": float(fail_at - resumed), "blocked_seconds": blocked}
+
+
+def drain_peak_rss(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Drain a ``--drain-mb`` MiB local step in a fresh process; its peak RSS above the RSS
+    before the drain, in MiB."""
+    program = f"""
+import json, resource, sys, torch
+import shardkeep as sk
+local, persistent = sys.argv[1], sys.argv[2]
+levels = [sk.Level("local", local, node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
+          sk.Level("persistent", persistent, source="drain", save_policy=sk.SavePolicy(every_steps=1))]
+state = {{"big": torch.ones({int(args.drain_mb * 2**20 // 4)}, dtype=torch.float32)}}
+options = sk.WriteOptions(byte_budget={int(args.budget_mb * 2**20)})
+writer = sk.MultiLevelManager(levels[:1], options=options)
+writer.save(state, step=0)
+writer.close()
+del state, writer
+import gc; gc.collect()
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+before = rss()
+peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+manager = sk.MultiLevelManager(levels, options=options)
+manager.drain(0)
+manager.close()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"rss_before_mib": before, "peak_rss_mib": peak, "peak_before_mib": peak_before}}))
+"""
+    local, persistent = workdir / "drain-local", workdir / "drain-persistent"
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(local), str(persistent)], check=True, capture_output=True, text=True
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "checkpoint_mib": args.drain_mb,
+        "budget_mib": args.budget_mb,
+        "peak_rss_above_start_mib": round(found["peak_rss_mib"] - found["rss_before_mib"], 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400, help="the failure falls in [steps/2, steps)")
+    parser.add_argument("--mb", type=float, default=48.0, help="MiB of model and optimizer state")
+    parser.add_argument("--local-every", type=int, default=10)
+    parser.add_argument("--persist-every", type=int, default=100)
+    parser.add_argument("--persistent", choices=("s3", "dir"), default="s3" if shutil.which("weed") else "dir")
+    parser.add_argument("--local", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument("--drain-mb", type=float, default=512.0)
+    parser.add_argument("--budget-mb", type=float, default=64.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="1 repetition, 200 steps, 16 MiB, drain 128 MiB")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.steps, args.mb, args.drain_mb = 1, 200, 16.0, 128.0
+    print(
+        f"bench/levels.py  {time.strftime('%Y-%m-%d %H:%M:%S')}  load {os.getloadavg()}  "
+        f"state {args.mb} MiB, {args.steps} steps, persistent={args.persistent}, local={args.local or 'tmp'}"
+    )
+    rng = random.Random(args.seed)
+    results: dict[str, list[dict[str, float]]] = {"single": [], "levels": []}
+    with tempfile.TemporaryDirectory(prefix="sk-levels-") as tmp:
+        workdir = Path(tmp)
+        local_base = Path(tempfile.mkdtemp(prefix="sk-levels-", dir=args.local)) if args.local else workdir / "local"
+        try:
+            with persistent_root(args.persistent, workdir) as (root_of, storage_options):
+                for rep in range(args.reps):
+                    fail_at = rng.randrange(args.steps // 2, args.steps)
+                    single_root = root_of(f"single-{rep}")
+                    levels_root = root_of(f"levels-{rep}")
+                    local_root = str(local_base / f"rep-{rep}")
+
+                    def single() -> Any:
+                        return sk.CheckpointManager(
+                            single_root,
+                            keep_last=3,
+                            keep_best=0,
+                            metric="loss",
+                            storage_options=storage_options,
+                            save_policy=sk.SavePolicy(every_steps=args.persist_every),
+                        )
+
+                    def levels() -> Any:
+                        return sk.MultiLevelManager(
+                            [
+                                sk.Level(
+                                    "local",
+                                    local_root,
+                                    node_local=True,
+                                    save_policy=sk.SavePolicy(every_steps=args.local_every),
+                                    retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
+                                ),
+                                sk.Level(
+                                    "persistent",
+                                    levels_root,
+                                    source="drain",
+                                    save_policy=sk.SavePolicy(every_steps=args.persist_every),
+                                    retention=sk.RetentionPolicy(keep_last=3, keep_best=0),
+                                    storage_options=storage_options,
+                                ),
+                            ]
+                        )
+
+                    for label, make in (("single", single), ("levels", levels)):
+                        outcome = one_run(label, make, args, fail_at)
+                        results[label].append(outcome)
+                        print(
+                            f"  rep {rep}  {label:<7} failure at step {fail_at}: lost {outcome['steps_lost']:.0f} steps, "
+                            f"blocked {outcome['blocked_seconds']:.3f} s"
+                        )
+            drain = drain_peak_rss(args, workdir)
+        finally:
+            if args.local:
+                shutil.rmtree(local_base, ignore_errors=True)
+    summary: dict[str, Any] = {}
+    for label, runs in results.items():
+        summary[label] = {
+            "steps_lost": sum(r["steps_lost"] for r in runs) / len(runs),
+            "blocked_seconds": sum(r["blocked_seconds"] for r in runs) / len(runs),
+            "blocked_seconds_median": median([r["blocked_seconds"] for r in runs]),
+            "runs": runs,
+        }
+    summary["drain_memory"] = drain
+    single, levels_ = summary["single"], summary["levels"]
+    print(
+        f"single: lost {single['steps_lost']:.1f} steps, blocked {single['blocked_seconds']:.3f} s "
+        f"({fmt_range([r['blocked_seconds'] for r in results['single']])})"
+    )
+    print(
+        f"levels: lost {levels_['steps_lost']:.1f} steps, blocked {levels_['blocked_seconds']:.3f} s "
+        f"({fmt_range([r['blocked_seconds'] for r in results['levels']])})"
+    )
+    loss_ratio = levels_["steps_lost"] / max(single["steps_lost"], 1e-9)
+    block_ratio = levels_["blocked_seconds"] / max(single["blocked_seconds"], 1e-9)
+    print(f"levels/single: steps lost {loss_ratio:.2f}x (target <= 0.20), blocked {block_ratio:.2f}x (target <= 1.00)")
+    print(
+        f"drain of a {drain['checkpoint_mib']:.0f} MiB step under a {drain['budget_mib']:.0f} MiB budget: "
+        f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

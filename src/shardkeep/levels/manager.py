@@ -1,0 +1,591 @@
+"""``MultiLevelManager``: save often to a fast node-local level, persist less often, restore from
+the best copy (see docs/levels.md).
+
+It composes the parts of :mod:`shardkeep.levels`:
+
+- the node-local level: :func:`~shardkeep.levels.local_save.save_node_local` writes each step,
+  :mod:`~shardkeep.levels.local_catalog` lists and removes this node's parts (retention is
+  decided by the coordinator from its node's parts, the same bytes on every node, and applied
+  by every node's leader);
+- each shared level is a :class:`~shardkeep.manager.CheckpointManager` on its root (its catalog,
+  retention and retries): ``source="save"`` levels save through it, ``source="drain"`` levels
+  are fed by a :class:`~shardkeep.levels.drain.Drain` of the newest committed local step;
+- :func:`~shardkeep.levels.restore.restore_best` restores.
+
+Every public method is collective: every rank calls it, in the same order. Collectives run on
+the caller's thread only; a drain's background threads copy bytes and never take part in one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from shardkeep.cadence import SaveSchedule
+from shardkeep.config import WriteOptions
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
+from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
+from shardkeep.levels.drain import Drain, recover_drains
+from shardkeep.levels.local_catalog import LocalStep, read_part, remove_step, scan
+from shardkeep.levels.local_save import save_node_local
+from shardkeep.levels.nodes import NodeMap, node_map
+from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
+from shardkeep.levels.status import LevelCopy, level_copies
+from shardkeep.manager import CheckpointManager
+from shardkeep.manager_setup import manager_groups
+from shardkeep.manifest import RetentionRecord, RunInfo
+from shardkeep.names import checkpoint_name, step_of_checkpoint
+from shardkeep.options import ManifestFields
+from shardkeep.retention import CheckpointInfo, decide
+from shardkeep.retry import RetryPolicy, run_with_retries
+from shardkeep.saving import SaveSettings
+from shardkeep.training import TrainingCheckpoint
+
+if TYPE_CHECKING:
+    from shardkeep.options import Group, Signer
+
+__all__ = ["LevelsRestored", "LevelsSaveResult", "MultiLevelManager"]
+
+logger = logging.getLogger("shardkeep.levels")
+
+
+@dataclass
+class LevelsSaveResult:
+    """What one :meth:`MultiLevelManager.save` did, per level: ``committed`` (level -> name),
+    ``draining`` (level -> name: a drain started in the background), ``skipped`` (level ->
+    reason), and the seconds the caller was blocked."""
+
+    step: int
+    committed: dict[str, str] = field(default_factory=dict)
+    draining: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    blocked_seconds: float = 0.0
+
+
+@dataclass
+class LevelsRestored:
+    """What :meth:`MultiLevelManager.restore` loaded: the step, the state (``into`` filled, or
+    a new state) and the :class:`~shardkeep.levels.restore.RestoreReport` (per rank and level:
+    where each part came from, what was healed, which copies were refused and why)."""
+
+    step: int
+    state: Any
+    report: RestoreReport
+
+
+class _Shared:
+    """A shared level: its configuration, its manager and schedule, and its drain in flight."""
+
+    def __init__(self, level: Level, manager: CheckpointManager) -> None:
+        self.level = level
+        self.manager = manager
+        self.schedule = SaveSchedule(level.save_policy) if level.save_policy is not None else None
+        self.drain: Drain | None = None
+        self.drain_step: int | None = None
+
+
+class MultiLevelManager:
+    """Checkpoints on several levels, each with its own root, cadence and retention.
+
+    ``levels``: :class:`~shardkeep.levels.config.Level` objects (checked with
+    :func:`~shardkeep.levels.config.check_levels` before anything is written; at most one is
+    node-local). ``retry``: a :class:`~shardkeep.retry.RetryPolicy` for every level's saves and
+    drains. ``drain_wait``: the longest a save waits (seconds) for a drain still in flight when
+    the next drain of that level is due; after it, that drain is skipped and logged (the
+    documented bound on how long a slow persistent level can block training). ``node_of``: the
+    node of each rank (see :func:`~shardkeep.levels.nodes.node_map`). ``options``, ``fields``,
+    ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        *,
+        retry: RetryPolicy | None = None,
+        drain_wait: float = 0.0,
+        node_of: Callable[[int], int] | Sequence[int] | None = None,
+        process_group: Group | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        options: WriteOptions | None = None,
+        fields: ManifestFields | None = None,
+        signer: Signer | None = None,
+        run_id: str | None = None,
+        progress: bool = False,
+    ) -> None:
+        check_levels(levels)
+        self.levels = list(levels)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry= must be a RetryPolicy or None, got {type(retry).__name__}")
+        if isinstance(drain_wait, bool) or not isinstance(drain_wait, (int, float)) or not drain_wait >= 0:
+            raise ConfigError(f"drain_wait={drain_wait!r} must be a number of seconds >= 0")
+        self.retry = retry
+        self.drain_wait = float(drain_wait)
+        self.process_group = process_group
+        self.timeout = timeout
+        self.options = options or WriteOptions()
+        self.progress = progress
+        self._node_of = node_of
+        self._nodes: NodeMap | None = None
+        self._run_id = run_id
+        self._lock = threading.RLock()
+        self.local: Level | None = next((level for level in self.levels if level.node_local), None)
+        self._local_schedule = (
+            SaveSchedule(self.local.save_policy)
+            if self.local is not None and self.local.save_policy is not None
+            else None
+        )
+        self._local_steps: list[int] = []
+        self._settings = SaveSettings.of(
+            manager_groups({}, self.options, None, False, fields), signer=signer, process_group=process_group
+        )
+        self._shared: dict[str, _Shared] = {}
+        for level in self.levels:
+            if level.node_local:
+                continue
+            probe_level(level)
+            policy = level.retention
+            manager = CheckpointManager(
+                level.root_of(),
+                keep_last=policy.keep_last if policy else 1,
+                keep_best=policy.keep_best if policy else 1,
+                metric=policy.metric if policy else "val_loss",
+                mode=policy.mode if policy else "min",
+                run_id=run_id,
+                storage_options=level.storage_options,
+                process_group=process_group,
+                timeout=timeout,
+                options=self.options,
+                fields=fields,
+                signer=signer,
+                retry=retry,
+                progress=progress,
+            )
+            if policy is not None:
+                manager.policy = policy
+            self._shared[level.name] = _Shared(level, manager)
+
+    def __repr__(self) -> str:
+        return f"MultiLevelManager({[level.name for level in self.levels]!r}, run_id={self._run_id!r})"
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _coordinator(self) -> Coordinator:
+        return Coordinator(self.process_group, timeout=self.timeout)
+
+    def _node_map(self, coordinator: Coordinator) -> NodeMap:
+        if self._nodes is None:
+            nodes = node_map(coordinator, self._node_of)
+            check_levels(self.levels, node_count=nodes.node_count)
+            if self.local is not None:
+                node = nodes.node_of[coordinator.rank]
+                leader = nodes.is_leader(coordinator.rank)
+                coordinator.step(
+                    f"open the local level {self.local.name!r}", lambda: self._open_local(node) if leader else None
+                )
+            self._nodes = nodes
+        return self._nodes
+
+    def _open_local(self, node: int) -> None:
+        assert self.local is not None
+        probe_level(self.local, node)
+        warn_if_network_filesystem(self.local, node)
+
+    def _local_root(self, coordinator: Coordinator) -> str:
+        assert self.local is not None
+        nodes = self._node_map(coordinator)
+        return self.local.root_of(nodes.node_of[coordinator.rank])
+
+    # -- saving --------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether any level is due at ``step`` (collective: every rank calls it)."""
+        return bool(self._due(step, self._coordinator()))
+
+    def _due(self, step: int, coordinator: Coordinator) -> list[str]:
+        schedules: list[tuple[str, SaveSchedule | None]] = []
+        if self.local is not None:
+            schedules.append((self.local.name, self._local_schedule))
+        schedules += [(name, shared.schedule) for name, shared in self._shared.items()]
+
+        def due() -> list[str]:
+            return [name for name, schedule in schedules if schedule is None or schedule.due(step)]
+
+        agree = any(s is not None and s.policy.needs_agreement for _, s in schedules)
+        if coordinator.distributed and agree:
+            return coordinator.on_coordinator("should_save", due)
+        return due()
+
+    def save(
+        self,
+        state: TrainingCheckpoint | Mapping[str, Any],
+        *,
+        step: int,
+        metrics: Mapping[str, Any] | None = None,
+        levels: Sequence[str] | None = None,
+    ) -> LevelsSaveResult:
+        """Save ``state`` as step ``step`` to the levels due at it (or to ``levels``; when none
+        is due, to the fastest level: a save asked for is never dropped).
+
+        The node-local level commits first; a drain level due at this step then starts copying
+        that local step in the background. A level that fails is logged and skipped (and named
+        in the result) unless it is ``required=True``. Every rank calls it.
+        """
+        started = time.perf_counter()
+        payload = state.to_state() if isinstance(state, TrainingCheckpoint) else state
+        if not isinstance(payload, Mapping):
+            raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
+        with self._lock:
+            coordinator = self._coordinator()
+            result = LevelsSaveResult(step=step)
+            self._settle_drains(coordinator, result, wait=0.0)
+            if levels is None:
+                wanted = self._due(step, coordinator) or [self.levels[0].name]
+            else:
+                unknown = sorted(set(levels) - {level.name for level in self.levels})
+                if unknown:
+                    raise ConfigError(f"levels={list(levels)!r}: no level named {unknown}")
+                wanted = list(levels)
+            self._ensure_run_id(coordinator)
+            if self.local is not None and self.local.name in wanted:
+                self._save_local(payload, step, metrics, coordinator, result)
+            for name, shared in self._shared.items():
+                if name not in wanted:
+                    continue
+                if shared.level.source == "drain":
+                    self._start_drain(shared, step, coordinator, result)
+                else:
+                    self._save_shared(shared, payload, step, metrics, result)
+            result.blocked_seconds = time.perf_counter() - started
+            return result
+
+    def _ensure_run_id(self, coordinator: Coordinator) -> None:
+        if self._run_id is None:
+            self._run_id = coordinator.broadcast(uuid.uuid4().hex if coordinator.is_coordinator else None)
+            for shared in self._shared.values():
+                if shared.manager.run_id is None:
+                    shared.manager._run_id = self._run_id
+
+    def _fail(self, level: Level, what: str, exc: BaseException, result: LevelsSaveResult) -> None:
+        if level.required:
+            raise exc
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.warning("level %r: %s failed and is skipped: %s", level.name, what, reason)
+        result.skipped[level.name] = reason
+
+    def _save_local(
+        self,
+        payload: Mapping[str, Any],
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        coordinator: Coordinator,
+        result: LevelsSaveResult,
+    ) -> None:
+        assert self.local is not None
+        level = self.local
+        name = checkpoint_name(step)
+        root = self._local_root(coordinator)
+        nodes = self._node_map(coordinator)
+        policy = level.retention
+        run = RunInfo(
+            run_id=self._run_id or "",
+            retention=RetentionRecord(
+                keep_last=policy.keep_last if policy else 1,
+                keep_best=policy.keep_best if policy else 1,
+                metric=policy.metric if policy else "val_loss",
+                mode=policy.mode if policy else "min",
+            ),
+        )
+        settings = replace(
+            self._settings,
+            step=step,
+            metrics=metrics,
+            run=run,
+            process_group=self.process_group,
+            timeout=self.timeout,
+            progress=self.progress,
+        )
+
+        def attempt(number: int) -> str:
+            save_node_local(payload, root, name, settings, coordinator, nodes)
+            return name
+
+        try:
+            run_with_retries(
+                attempt,
+                self.retry,
+                voters=coordinator,
+                free_space=lambda: self._retain_local(coordinator),
+                what=f"the local save of step {step} ({level.name!r})",
+            )
+        except ShardkeepError as exc:
+            self._fail(level, f"the save of step {step}", exc, result)
+            return
+        result.committed[level.name] = name
+        if self._local_schedule is not None:
+            self._local_schedule.saved(step)
+        self._retain_local(coordinator)
+
+    def _retain_local(self, coordinator: Coordinator) -> bool:
+        """Apply the local level's retention on every node: the coordinator decides from its
+        node's parts (the manifests are the same bytes on every node), every node's leader
+        removes what is not kept. A step being drained is kept until its drain ends."""
+        assert self.local is not None
+        policy = self.local.retention
+        if policy is None:
+            return False
+        root = self._local_root(coordinator)
+        pinned = {shared.drain_step for shared in self._shared.values() if shared.drain is not None}
+
+        def decided() -> list[str]:
+            steps = [found for found in scan(root) if found.state == "committed"]
+            infos = [_info(root, found, policy.metric) for found in steps]
+            decision = decide(infos, policy)
+            return [found.name for found in steps if found.name not in decision.keep and found.step not in pinned]
+
+        doomed = coordinator.on_coordinator("decide the local retention", decided)
+        nodes = self._node_map(coordinator)
+        if doomed and nodes.is_leader(coordinator.rank):
+            for name in doomed:
+                remove_step(root, name)
+        return bool(doomed)
+
+    def _save_shared(
+        self,
+        shared: _Shared,
+        payload: Mapping[str, Any],
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        result: LevelsSaveResult,
+    ) -> None:
+        try:
+            entry = shared.manager.save(payload, step=step, metrics=metrics)
+        except ShardkeepError as exc:
+            self._fail(shared.level, f"the save of step {step}", exc, result)
+            return
+        result.committed[shared.level.name] = entry.name
+        if shared.schedule is not None:
+            shared.schedule.saved(step)
+
+    # -- draining ------------------------------------------------------------------------------
+    def _start_drain(self, shared: _Shared, step: int, coordinator: Coordinator, result: LevelsSaveResult) -> None:
+        level = shared.level
+        if self.local is None or result.committed.get(self.local.name) != checkpoint_name(step):
+            result.skipped[level.name] = f"step {step} was not committed on the local level: nothing to drain"
+            logger.warning("level %r: %s", level.name, result.skipped[level.name])
+            return
+        if shared.drain is not None:
+            self._settle(shared, coordinator, result, wait=self.drain_wait)
+            if shared.drain is not None:
+                reason = (
+                    f"the drain of step {shared.drain_step} is still running after drain_wait={self.drain_wait:g} s; "
+                    f"step {step} is not drained"
+                )
+                logger.warning("level %r: %s", level.name, reason)
+                result.skipped[level.name] = reason
+                return
+        try:
+            shared.drain = self._new_drain(shared, step, coordinator)
+            shared.drain.start()
+        except ShardkeepError as exc:
+            shared.drain = None
+            self._fail(level, f"the drain of step {step}", exc, result)
+            return
+        shared.drain_step = step
+        result.draining[level.name] = checkpoint_name(step)
+
+    def _new_drain(self, shared: _Shared, step: int, coordinator: Coordinator) -> Drain:
+        nodes = self._node_map(coordinator)
+        return Drain(
+            self._local_root(coordinator),
+            checkpoint_name(step),
+            shared.level.root_of(),
+            coordinator,
+            nodes.node_of,
+            options=self.options,
+            retry=self.retry,
+            storage_options=shared.level.storage_options,
+        )
+
+    def _settle_drains(self, coordinator: Coordinator, result: LevelsSaveResult, *, wait: float) -> None:
+        for shared in self._shared.values():
+            if shared.drain is not None:
+                self._settle(shared, coordinator, result, wait=wait)
+
+    def _settle(self, shared: _Shared, coordinator: Coordinator, result: LevelsSaveResult, *, wait: float) -> None:
+        """Poll the drain in flight (collective); on its commit apply the level's retention, on
+        its failure log it; either way the level has no drain in flight afterwards."""
+        drain = shared.drain
+        assert drain is not None and shared.drain_step is not None
+        step = shared.drain_step
+        try:
+            outcome = drain.wait(wait) if wait > 0 else drain.poll()
+        except ShardkeepError as exc:
+            shared.drain = None
+            self._fail(shared.level, f"the drain of step {step}", exc, result)
+            return
+        if outcome.state == "running":
+            return
+        shared.drain = None
+        if outcome.state == "failed":
+            assert outcome.error is not None
+            self._fail(shared.level, f"the drain of step {step}", outcome.error, result)
+            return
+        if shared.schedule is not None:
+            shared.schedule.saved(step)
+        result.committed[shared.level.name] = checkpoint_name(step)
+        try:
+            shared.manager.prune()
+        except ShardkeepError as exc:
+            logger.warning("level %r: retention after the drain of step %d failed: %s", shared.level.name, step, exc)
+
+    def drain(self, step: int, *, timeout: float | None = None) -> LevelsSaveResult:
+        """Drain local step ``step`` to every drain level now and wait for it (at most
+        ``timeout`` seconds each); collective."""
+        with self._lock:
+            coordinator = self._coordinator()
+            result = LevelsSaveResult(step=step)
+            if self.local is not None:
+                result.committed[self.local.name] = checkpoint_name(step)
+            for shared in self._shared.values():
+                if shared.level.source != "drain":
+                    continue
+                self._start_drain(shared, step, coordinator, result)
+                if shared.drain is not None:
+                    self._settle(shared, coordinator, result, wait=float("inf") if timeout is None else timeout)
+            if self.local is not None:
+                result.committed.pop(self.local.name, None)
+            return result
+
+    def wait_for_drains(self, timeout: float | None = None) -> LevelsSaveResult:
+        """Wait (at most ``timeout`` seconds) for every drain in flight; collective."""
+        with self._lock:
+            result = LevelsSaveResult(step=-1)
+            self._settle_drains(self._coordinator(), result, wait=float("inf") if timeout is None else timeout)
+            return result
+
+    def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Finish (``wait``, bounded by ``timeout``) or abandon the drains in flight; an
+        abandoned drain leaves nothing committed, and its staging is removed."""
+        with self._lock:
+            if wait:
+                self.wait_for_drains(timeout)
+            for shared in self._shared.values():
+                if shared.drain is not None:
+                    shared.drain.abandon()
+                    shared.drain = None
+
+    # -- listing -------------------------------------------------------------------------------
+    def status(self, *, verify: bool = False) -> dict[str, list[LevelCopy]]:
+        """Every level's copies, oldest step first, as this rank sees them (this node's part
+        of a node-local level): see :mod:`shardkeep.levels.status`. ``verify`` reads every file
+        (this node's files of a node-local level). Collective only the first time, when the
+        node map is not known yet."""
+        coordinator = self._coordinator()
+        found: dict[str, list[LevelCopy]] = {}
+        for level in self.levels:
+            if level.node_local:
+                found[level.name] = level_copies(
+                    level.name, self._local_root(coordinator), node_local=True, verify=verify
+                )
+            else:
+                found[level.name] = level_copies(
+                    level.name,
+                    level.root_of(),
+                    node_local=False,
+                    verify=verify,
+                    storage_options=level.storage_options,
+                )
+        return found
+
+    # -- restoring -----------------------------------------------------------------------------
+    def restore(self, into: Any = None) -> LevelsRestored | None:
+        """Restore the newest step that can be completed from any level's verified copies
+        (see docs/levels.md); ``None`` when no level holds any step. Collective."""
+        with self._lock:
+            coordinator = self._coordinator()
+            views = self._views(coordinator)
+            again = self._recover(coordinator)
+            try:
+                state, report = restore_best(views, into, coordinator, self._node_map(coordinator))
+            except NoCompleteStepError as exc:
+                if exc.refusals:
+                    raise
+                return None  # no level holds any step: a fresh run
+            finally:
+                self._resume_drains(again, coordinator)
+            for shared in self._shared.values():
+                if shared.schedule is not None:
+                    shared.schedule.saved(report.step)
+            if self._local_schedule is not None:
+                self._local_schedule.saved(report.step)
+            return LevelsRestored(step=report.step, state=state, report=report)
+
+    def _views(self, coordinator: Coordinator) -> list[LevelView]:
+        views = []
+        for level in self.levels:
+            if level.node_local:
+                views.append(LevelView(level.name, self._local_root(coordinator), node_local=True))
+            else:
+                views.append(LevelView(level.name, level.root_of(), storage_options=level.storage_options))
+        return views
+
+    def _recover(self, coordinator: Coordinator) -> dict[str, list[str]]:
+        """Clean up what drains cut off by a crash left on the shared levels (the coordinator,
+        from its node's committed local steps); returns, per drain level, the local steps
+        whose drain was cut off and that are not persisted (to drain again)."""
+        drained = [shared for shared in self._shared.values() if shared.level.source == "drain"]
+        if not drained or self.local is None:
+            return {}
+        root = self._local_root(coordinator)
+
+        def recover() -> dict[str, list[str]]:
+            names = [found.name for found in scan(root) if found.state == "committed"]
+            again: dict[str, list[str]] = {}
+            for shared in drained:
+                try:
+                    recovery = recover_drains(
+                        shared.level.root_of(), names, storage_options=shared.level.storage_options
+                    )
+                except ShardkeepError as exc:
+                    logger.warning("level %r: cannot clean up interrupted drains: %s", shared.level.name, exc)
+                    continue
+                again[shared.level.name] = list(recovery.redrain)
+            return again
+
+        return coordinator.on_coordinator("clean up interrupted drains", recover)
+
+    def _resume_drains(self, again: dict[str, list[str]], coordinator: Coordinator) -> None:
+        """Drain again the newest local step whose drain a crash cut off (collective)."""
+        result = LevelsSaveResult(step=-1)
+        for level_name, names in again.items():
+            if not names:
+                continue
+            shared = self._shared[level_name]
+            step = max(step_of_checkpoint(name) for name in names)
+            logger.warning("level %r: the drain of step %d was cut off; draining it again", level_name, step)
+            try:
+                shared.drain = self._new_drain(shared, step, coordinator)
+                shared.drain.start()
+            except ShardkeepError as exc:
+                shared.drain = None
+                self._fail(shared.level, f"the resumed drain of step {step}", exc, result)
+                continue
+            shared.drain_step = step
+
+
+def _info(root: str, found: LocalStep, metric: str) -> CheckpointInfo:
+    """What retention needs of one committed local step (from its manifest)."""
+    _, manifest, _ = read_part(root, found.name)
+    value = (manifest.metrics or {}).get(metric)
+    created = manifest.created_at
+    return CheckpointInfo(
+        name=found.name,
+        step=found.step,
+        metric=float(value) if isinstance(value, (int, float)) else None,
+        verified=True,
+        created=created.timestamp() if hasattr(created, "timestamp") else None,
+    )
