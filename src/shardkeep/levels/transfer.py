@@ -52,6 +52,7 @@ __all__ = [
     "Exchange",
     "FileReceive",
     "FileSend",
+    "copy_file",
     "exchange_files",
     "run_exchange",
 ]
@@ -122,6 +123,19 @@ def exchange_files(
     exchange = run_exchange(group, sends, receives, block_bytes=block_bytes)
     exchange.raise_for_problems()
     return exchange.written
+
+
+def copy_file(
+    source: Source, destination: str | os.PathLike[str], record: FileRecord, *, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> None:
+    """Copy one file on this rank (no collective) through the checks of an exchange: streamed in
+    blocks, size and digest compared with ``record``, written atomically; raises as
+    :meth:`Exchange.raise_for_problems` says (the destination untouched)."""
+    exchange = Exchange(0)
+    itself = _Receiver(0, [FileReceive(0, destination, record)], exchange, block_bytes)
+    itself.copy_local(FileSend(0, source, record))
+    itself.finish_missing(itself.sent)
+    exchange.raise_for_problems()
 
 
 def run_exchange(

@@ -1,0 +1,245 @@
+"""Restore from the best copy (levels/restore.py) on real gloo ranks, where "nodes" are groups
+of ranks with separate local roots: healing a damaged or missing local part from the persistent
+copy or a peer node, falling back to an older step with the reasons per rank and level, never
+mixing attempts, resharding from every level, and an unreachable level."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardkeep as sk
+from shardkeep.errors import NoCompleteStepError
+from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
+from shardkeep.names import NODE_PART_FILENAME, checkpoint_name
+from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.node_parts import split_into_nodes
+
+torch = pytest.importorskip("torch")
+
+ROWS = 12
+RANK2_FILE = "shards/rank_00002_sharded.safetensors"
+
+
+def full_state(seed: int) -> dict[str, Any]:
+    return {
+        "w": torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4) + seed,
+        "col": torch.arange(40, dtype=torch.float64).reshape(4, 10) * (seed + 1),
+        "rep": torch.arange(6, dtype=torch.int64) + seed,
+        "bias": torch.full((3,), float(seed)),
+    }
+
+
+def sharded_state(world_size: int, seed: int, *, fill: bool = True) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = full_state(seed)
+    if not fill:
+        full = {key: torch.zeros_like(value) for key, value in full.items()}
+    placements = {"w": Shard(0), "col": Shard(1), "rep": Replicate()}
+    model: dict[str, Any] = {key: distribute_tensor(full[key], mesh, [p]) for key, p in placements.items()}
+    model["bias"] = full["bias"]
+    return {"model": model}
+
+
+def _save(rank: int, world_size: int, path: str, seed: int) -> None:
+    sk.save(sharded_state(world_size, seed), path, step=int(Path(path).name.removeprefix("step_")))
+
+
+def save_step(tmp_path: Path, step: int, seed: int, *, into: str = "saved") -> Path:
+    """Step ``step`` of the state of ``seed``, saved by 4 gloo ranks."""
+    path = tmp_path / f"{into}-{step}-{seed}" / checkpoint_name(step)
+    results_or_raise(run_ranks(4, _save, str(path), seed, outbox=tmp_path / f"save-{into}-{step}-{seed}"))
+    return path
+
+
+@dataclass(frozen=True)
+class Nodes:
+    node_of: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Setup:
+    node_roots: list[str]
+    persistent: str | None
+    node_of: Callable[[int], int]
+    seed: int
+    local: bool = True
+
+
+def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from shardkeep.distributed.coordinator import Coordinator
+
+    levels: list[LevelView] = []
+    if setup.local:
+        levels.append(LevelView("local", setup.node_roots[setup.node_of(rank)], node_local=True))
+    if setup.persistent is not None:
+        levels.append(LevelView("persistent", setup.persistent))
+    into = sharded_state(world_size, 0, fill=False)
+    nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
+    try:
+        _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100)
+    except NoCompleteStepError as exc:
+        return {"error": str(exc), "refusals": exc.refusals}
+    full = full_state(setup.seed)
+    same = {
+        key: torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, full[key])
+        for key, value in into["model"].items()
+    }
+    return {"report": report, "same": same}
+
+
+def restore(tmp_path: Path, world_size: int, setup: Setup, label: str) -> list[dict[str, Any]]:
+    return results_or_raise(run_ranks(world_size, _restore, setup, outbox=tmp_path / f"restore-{label}"))
+
+
+def two_nodes(tmp_path: Path, saved: Path, *, persistent: bool = True, **kwargs: Any) -> Setup:
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    split_into_nodes(saved, roots, lambda r: r // 2, 4, **kwargs)
+    shared = tmp_path / "persistent"
+    shared.mkdir(exist_ok=True)
+    if persistent:
+        shutil.copytree(saved, shared / saved.name)
+    return Setup(
+        [str(root) for root in roots], str(shared), lambda r: r // 2, seed=int(saved.parent.name.split("-")[-1])
+    )
+
+
+def the_report(results: list[dict[str, Any]]) -> RestoreReport:
+    for result in results:
+        assert "error" not in result, result
+        assert all(result["same"].values()), result
+    reports = [result["report"] for result in results]
+    assert all(report == reports[0] for report in reports)  # every rank reports the same
+    report = reports[0]
+    assert isinstance(report, RestoreReport)
+    return report
+
+
+def test_a_flipped_local_file_heals_from_the_persistent_copy_of_the_same_step(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=3)
+    setup = two_nodes(tmp_path, saved)
+    damaged = Path(setup.node_roots[1], saved.name, RANK2_FILE)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    report = the_report(restore(tmp_path, 4, setup, "flipped"))
+    assert report.step == 5 and report.source == {0: "local", 1: "local", 2: "local", 3: "local"}
+    assert (2, RANK2_FILE, "persistent") in report.healed
+    assert damaged.read_bytes() == (saved / RANK2_FILE).read_bytes()
+    assert report.refused == [] and report.unreachable == {}
+    assert report.levels_read == ["local", "persistent"]
+    # Files a node needed beyond its design (the replicated tensor's, the plain tensor's) are
+    # recorded as healed in its part; the part's own files are not.
+    part = json.loads((Path(setup.node_roots[1], saved.name, NODE_PART_FILENAME)).read_bytes())
+    assert RANK2_FILE in part["files"] and RANK2_FILE not in part["healed"]
+    assert part["healed"] == sorted({file for rank, file, _ in report.healed if rank >= 2} - set(part["files"]))
+
+
+def test_a_wiped_node_is_rebuilt_from_the_persistent_copy(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=4)
+    setup = two_nodes(tmp_path, saved)
+    shutil.rmtree(setup.node_roots[1])
+    report = the_report(restore(tmp_path, 4, setup, "wiped"))
+    assert report.step == 5 and report.source[2] == "local"
+    assert {source for rank, _, source in report.healed if rank >= 2} == {"persistent"}
+    rebuilt = Path(setup.node_roots[1], saved.name)
+    assert (rebuilt / "manifest.json").read_bytes() == (saved / "manifest.json").read_bytes()
+    assert sorted(p.name for p in (rebuilt / "index").iterdir()) == [f"rank_0000{r}.json" for r in range(4)]
+    part = json.loads((rebuilt / NODE_PART_FILENAME).read_bytes())
+    assert part["files"] == [] and RANK2_FILE in part["healed"] and part["ranks"] == [2, 3]
+    assert [p.name for p in Path(setup.node_roots[1]).iterdir()] == [saved.name]  # no staging left
+
+
+def test_a_wiped_node_is_rebuilt_from_a_peer_without_a_persistent_copy(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=5)
+    everything = [str(p.relative_to(saved)) for p in (saved / "shards").iterdir()]
+    setup = two_nodes(tmp_path, saved, persistent=False, also=lambda node: everything if node == 0 else [])
+    shutil.rmtree(setup.node_roots[1])
+    report = the_report(restore(tmp_path, 4, setup, "peer"))
+    assert report.step == 5
+    assert {source for rank, _, source in report.healed} == {"local@node0"}
+    assert (2, RANK2_FILE, "local@node0") in report.healed
+    assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
+    assert report.levels_read == ["local"]
+
+
+def test_a_newer_local_step_missing_a_node_part_falls_back_and_says_why(tmp_path: Path) -> None:
+    older = save_step(tmp_path, 5, seed=6)
+    newer = save_step(tmp_path, 10, seed=7)
+    setup = two_nodes(tmp_path, older)  # step 5: both nodes and persistent
+    split_into_nodes(newer, [Path(setup.node_roots[0]), tmp_path / "elsewhere"], lambda r: r // 2, 4)
+    report = the_report(restore(tmp_path, 4, setup, "fallback"))
+    assert report.step == 5
+    refused = {(step, rank, level) for step, rank, level, _ in report.refused}
+    # Ranks 2 and 3 lack their own files; ranks 0 and 1 lack chunks that node 1's ranks wrote.
+    assert refused == {(10, rank, level) for rank in range(4) for level in ("local", "persistent")}
+    reasons = {(rank, level, reason) for _, rank, level, reason in report.refused}
+    assert (2, "local", f"{RANK2_FILE}: missing on node 1; no other node holds it") in reasons
+    assert {reason for rank, level, reason in reasons if level == "persistent"} == {"no copy of step 10"}
+    assert not any(".tmp-" in p.name for p in Path(setup.node_roots[1]).iterdir())  # the rebuild was removed
+
+
+def test_a_node_part_of_another_attempt_is_never_used(tmp_path: Path) -> None:
+    older = save_step(tmp_path, 5, seed=8)
+    ours = save_step(tmp_path, 10, seed=9, into="ours")
+    theirs = save_step(tmp_path, 10, seed=10, into="theirs")
+    setup = two_nodes(tmp_path, older)
+    split_into_nodes(ours, [Path(setup.node_roots[0]), tmp_path / "x1"], lambda r: r // 2, 4)
+    split_into_nodes(theirs, [tmp_path / "x0", Path(setup.node_roots[1])], lambda r: r // 2, 4, attempt="1" * 32)
+    before = sorted(p.name for p in Path(setup.node_roots[1], ours.name).rglob("*"))
+    report = the_report(restore(tmp_path, 4, setup, "attempts"))
+    assert report.step == 5  # step 10 never mixes the two attempts' parts
+    assert any("another attempt" in reason for step, _, _, reason in report.refused if step == 10)
+    assert sorted(p.name for p in Path(setup.node_roots[1], ours.name).rglob("*")) == before
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("level", ["local", "persistent"])
+def test_resharding_from_every_level(tmp_path: Path, world_size: int, level: str) -> None:
+    saved = save_step(tmp_path, 5, seed=11)
+    setup = two_nodes(tmp_path, saved, persistent=level == "persistent")
+    if level == "local":
+        # 2 ranks: one node each; 3 ranks: ranks 0, 1 on node 0, rank 2 on node 1. Each node
+        # lacks chunks the other holds: they come over the process group.
+        node_of = (lambda r: r) if world_size == 2 else (lambda r: r // 2)
+        setup = Setup(setup.node_roots, None, node_of, setup.seed)
+    else:
+        setup = Setup(setup.node_roots, setup.persistent, lambda r: r, setup.seed, local=False)
+    report = the_report(restore(tmp_path, world_size, setup, f"reshard-{level}-{world_size}"))
+    assert report.step == 5 and set(report.source.values()) == {level}
+    if level == "local":
+        assert report.healed and {source for _, _, source in report.healed} <= {"local@node0", "local@node1"}
+    else:
+        assert report.healed == []
+
+
+def test_an_unreachable_persistent_level_is_reported_and_local_is_restored(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=12)
+    setup = two_nodes(tmp_path, saved, persistent=False)
+    (tmp_path / "gone").write_text("not a directory")
+    setup = Setup(setup.node_roots, str(tmp_path / "gone"), setup.node_of, setup.seed)
+    report = the_report(restore(tmp_path, 4, setup, "unreachable"))
+    assert report.step == 5 and set(report.unreachable) == {"persistent"}
+    assert "not a directory" in report.unreachable["persistent"]
+
+
+def test_no_complete_step_raises_with_the_refusals(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=13)
+    setup = two_nodes(tmp_path, saved, persistent=False)
+    shutil.rmtree(setup.node_roots[1])
+    results = restore(tmp_path, 4, setup, "none")
+    assert all("error" in result for result in results), results
+    refusals = results[0]["refusals"]
+    assert {(step, rank, level) for step, rank, level, _ in refusals} >= {(5, 2, "local"), (5, 3, "local")}
+    assert "step 5, rank 2, level local" in results[0]["error"]
