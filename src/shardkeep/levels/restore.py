@@ -166,10 +166,10 @@ def restore_best(
     if len(nodes.node_of) != coordinator.world_size:
         raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
     settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
-    copies, unreachable = _gather_copies(levels, coordinator, nodes, settings)
+    copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
     refused: list[tuple[int, int, str, str]] = []
     for step, identity in _candidates(copies):
-        attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity)
+        attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
         outcome = attempt.run(into)
         refused.extend(attempt.refused)
         if outcome is not None:
@@ -190,14 +190,17 @@ def restore_best(
 
 def _gather_copies(
     levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
-) -> tuple[list[StepCopy], dict[str, str]]:
-    """Every copy of every step on every level, and the unreachable levels (one all-gather)."""
+) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
+    """Every copy of every step on every level, the unreachable levels with the reasons, and
+    the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
     node = nodes.node_of[coordinator.rank]
     leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
     mine: list[StepCopy] = []
     unreachable: dict[str, str] = {}
     for view in levels:
-        if view.node_local and leader and view.root is not None:
+        if view.node_local and leader and view.root is None:
+            unreachable[view.name] = f"node {node}: no local root"
+        elif view.node_local and leader and view.root is not None:
             try:
                 mine.extend(_list_node_parts(view, node, settings.limits))
             except (OSError, ShardkeepError) as exc:
@@ -210,12 +213,16 @@ def _gather_copies(
     gathered = coordinator.all_gather((mine, unreachable), label="listing the levels' copies")
     copies = [copy for listed, _ in gathered for copy in listed]
     merged: dict[str, str] = {}
-    for _, found in gathered:
+    unusable: set[tuple[str, int]] = set()
+    local = {view.name for view in levels if view.node_local}
+    for rank, (_, found) in enumerate(gathered):
         for name, why in found.items():
             merged[name] = f"{merged[name]}; {why}" if name in merged else why
+            if name in local:
+                unusable.add((name, nodes.node_of[rank]))
     for name, why in merged.items():
         logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged
+    return copies, merged, unusable
 
 
 def _signature_of(store: ByteStore, name: str) -> tuple[int, str] | None:
@@ -332,6 +339,7 @@ class _StepAttempt:
         copies: list[StepCopy],
         step: int,
         identity: str,
+        unusable: set[tuple[str, int]],
     ) -> None:
         self.coordinator, self.settings, self.step, self.identity = coordinator, settings, step, identity
         self.rank = coordinator.rank
@@ -358,6 +366,8 @@ class _StepAttempt:
         shared_first = self.exact_shared[0] if self.exact_shared else None
         #: A copy of this manifest whose listing gives its size, signature, attempt and run.
         self.template: StepCopy | None = next(iter(self.holders.values()), shared_first)
+        #: ``(node-local level, node)`` pairs the listing could not read.
+        self.unusable = unusable
         self.mode = {node: self._mode_of(node) for node in sorted(set(self.node_of))}
         self.directory: str | None = None  # this node's local directory of the step (or its staging)
         self.location: CheckpointLocation | None = None
@@ -371,19 +381,16 @@ class _StepAttempt:
 
     def _mode_of(self, node: int) -> str:
         """``local`` (the node holds the part), ``rebuild`` (its local level has nothing of the
-        step), ``shared`` (read the shared copy directly) or ``none`` (no way to this step)."""
+        step), ``shared`` (read the shared copy directly: no usable local level, or its
+        directory of the step is another attempt) or ``none`` (no way to this step). The same
+        on every rank: it depends on the listing only."""
         home = self.home
         if home is not None and node in self.holders:
             return "local"
-        usable_home = home is not None and node not in self.foreign and self._has_home(node)
+        usable_home = home is not None and node not in self.foreign and (home.name, node) not in self.unusable
         if usable_home and (self.exact_shared or self.holders):
             return "rebuild"
         return "shared" if self.exact_shared else "none"
-
-    def _has_home(self, node: int) -> bool:
-        # Every node lists the same levels; only this node's own root is known here, so a node
-        # is assumed to have its local root unless it is this node and has none.
-        return node != self.node or (self.home is not None and self.home.root is not None)
 
     def refuse(self, rank: int, level: str, reason: str) -> None:
         if (self.step, rank, level, reason) not in self.refused:
@@ -401,7 +408,7 @@ class _StepAttempt:
 
     def run(self, into: Any) -> tuple[Any, RestoreReport] | None:
         self._refuse_foreign_parts()
-        gathered = self.agree("metadata", self._phase(self.metadata))
+        gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
             gathered = self.agree("checking the files", self._phase(lambda: self.check(into)))
         if gathered is not None:
@@ -450,9 +457,11 @@ class _StepAttempt:
             self.refuse(self.node_of.index(node), copy.level, f"node {node}'s part is not used: {reason}")
 
     def _phase(self, work: Any) -> _Outcome:
+        """Run this rank's local ``work`` (never a collective): any error becomes this rank's
+        reason to refuse the step, so that the ranks still agree instead of waiting on it."""
         try:
             result = work()
-        except (OSError, ShardkeepError) as exc:
+        except Exception as exc:
             return _Outcome([(self.source_level or self._level_name(), f"{type(exc).__name__}: {exc}")])
         return result if isinstance(result, _Outcome) else _Outcome(payload=result)
 
@@ -464,44 +473,47 @@ class _StepAttempt:
     # -- phase: metadata ------------------------------------------------------------------------
     def metadata(self) -> _Outcome:
         """Place this node's directory of the step, and its manifest and indexes, or say why not.
-        Collective (the peer exchanges of metadata run on every rank)."""
+        Collective: the peer exchanges of metadata run on every rank, whatever failed here."""
+        problem = self._phase(self._place)
+        self._metadata_from_peers()
+        if problem.reasons:
+            return problem
+        return self._phase(self._locate)
+
+    def _place(self) -> _Outcome | None:
+        """This rank's part of :meth:`metadata` before the peers' exchanges (no collective)."""
         mode = self.mode[self.node]
-        problem: _Outcome | None = None
         if mode == "none":
-            level = self.home.name if self.home is not None else "?"
-            reason = "no part on this node, no shared copy of this manifest"
+            level = self.home.name if self.home is not None else self._level_name()
+            reason = "no part on this node and no shared copy of this manifest"
             if self.node in self.foreign:
                 reason = "this node's part is another attempt and no shared copy of this manifest exists"
-            problem = _Outcome([(level, reason)])
-        elif mode == "local":
-            assert self.home is not None and self.home.root is not None
-            self.directory = os.path.join(self.home.root, self.holders[self.node].name)
-            self.source_level = self.home.name
-        elif mode == "rebuild":
-            assert self.home is not None and self.home.root is not None
-            # Named after the manifest, so that every rank of the node agrees on it.
-            tail = self.identity.partition(":")[2][:32]
-            self.directory = os.path.join(
-                self.home.root, sibling_name(checkpoint_name(self.step), STAGING_MARKER, tail)
-            )
-            self.source_level = self.home.name
-            if self.leader:
-                local_fs().remove_tree(self.directory)  # a rebuild of this manifest cut short
-                local_fs().makedirs_durable(self.directory)
-                if self.exact_shared:
-                    problem = self._phase(self._metadata_from_shared)
-        else:
+            return _Outcome([(level, reason)])
+        if mode == "shared":
             self.source_level = self.exact_shared[0].level
-        self._metadata_from_peers()
-        if problem is not None and problem.reasons:
-            return problem
+            return None
+        assert self.home is not None and self.home.root is not None
+        self.source_level = self.home.name
+        if mode == "local":
+            self.directory = os.path.join(self.home.root, self.holders[self.node].name)
+            return None
+        # A rebuild: its staging is named after the manifest, so that every rank of the node agrees.
+        tail = self.identity.partition(":")[2][:32]
+        self.directory = os.path.join(self.home.root, sibling_name(checkpoint_name(self.step), STAGING_MARKER, tail))
+        if self.leader:
+            local_fs().remove_tree(self.directory)  # a rebuild of this manifest cut short
+            local_fs().makedirs_durable(self.directory)
+            if self.exact_shared:
+                self._metadata_from_shared()
+        return None
+
+    def _locate(self) -> None:
         if self.directory is not None:
             parent, name = os.path.split(self.directory)
             self.location = CheckpointLocation(LocalStore(parent), name)
-        elif mode == "shared":
+        else:
             copy = self.exact_shared[0]
             self.location = CheckpointLocation(_shared_store(self.views[copy.level]), copy.name)
-        return _Outcome()
 
     def _metadata_records(self, manifest: Manifest | None) -> list[FileRecord]:
         """The manifest, its signature and (given the parsed manifest) the rank indexes as records."""
