@@ -146,6 +146,41 @@ def test_a_flipped_local_file_heals_from_the_persistent_copy_of_the_same_step(tm
     assert part["healed"] == sorted({file for rank, file, _ in report.healed if rank >= 2} - set(part["files"]))
 
 
+def test_a_damaged_rank_index_heals_from_the_persistent_copy(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=14)
+    setup = two_nodes(tmp_path, saved)
+    index = Path(setup.node_roots[1], saved.name, "index", "rank_00001.json")
+    index.write_bytes(index.read_bytes().replace(b"rank", b"RANK", 1))
+    report = the_report(restore(tmp_path, 4, setup, "index"))
+    assert report.step == 5 and report.source[2] == "local"
+    assert (2, "index/rank_00001.json", "persistent") in report.healed
+    assert index.read_bytes() == (saved / "index" / "rank_00001.json").read_bytes()
+    part = json.loads((Path(setup.node_roots[1], saved.name, NODE_PART_FILENAME)).read_bytes())
+    assert "index/rank_00001.json" not in part["healed"]  # every node holds every index by design
+
+
+def test_a_persistent_copy_of_another_attempt_heals_only_files_with_the_same_digest(tmp_path: Path) -> None:
+    ours = save_step(tmp_path, 10, seed=15, into="ours")
+    again = save_step(tmp_path, 10, seed=15, into="again")  # the same state saved again: same data files
+    other = save_step(tmp_path, 10, seed=16, into="other")  # another state
+    assert (ours / "manifest.json").read_bytes() != (again / "manifest.json").read_bytes()
+    assert (ours / RANK2_FILE).read_bytes() == (again / RANK2_FILE).read_bytes()
+    for persistent, expected in [(again, 10), (other, None)]:
+        root = tmp_path / f"case-{persistent.parent.name}"
+        setup = two_nodes(root, ours, persistent=False)
+        shutil.copytree(persistent, Path(setup.persistent or "", persistent.name))
+        # The persistent copy is incomplete (else, being complete, it would be restored as it is).
+        Path(setup.persistent or "", persistent.name, "shards", "rank_00000.safetensors").unlink()
+        Path(setup.node_roots[1], ours.name, RANK2_FILE).unlink()
+        results = restore(root, 4, setup, "attempt")
+        if expected is None:
+            assert all("error" in result for result in results)
+            assert f"{RANK2_FILE}: step 10 there is another attempt" in results[0]["error"]
+        else:
+            report = the_report(results)
+            assert report.step == 10 and (2, RANK2_FILE, "persistent") in report.healed
+
+
 def test_a_wiped_node_is_rebuilt_from_the_persistent_copy(tmp_path: Path) -> None:
     saved = save_step(tmp_path, 5, seed=4)
     setup = two_nodes(tmp_path, saved)

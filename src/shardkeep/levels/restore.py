@@ -52,13 +52,14 @@ from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import ManifestError, NoCompleteStepError, ShardkeepError
 from shardkeep.indexes import read_small
-from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes
+from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes, digests_equal
 from shardkeep.io import check_shard
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
 from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, copy_file, run_exchange
 from shardkeep.loading import LoadJob
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest
 from shardkeep.names import (
+    INDEX_DIRECTORY,
     MANIFEST_FILENAME,
     NODE_PART_FILENAME,
     SIGNATURE_FILENAME,
@@ -378,6 +379,9 @@ class _StepAttempt:
         #: Why each lacking file's local copy was refused.
         self.local_problems: dict[str, str] = {}
         self.other_records: dict[tuple[str, str], dict[str, FileRecord]] = {}
+        #: Rank indexes this (leader) rank replaced, with their source.
+        self.healed_metadata: list[tuple[str, str]] = []
+        self.stores: dict[str, ByteStore] = {}
 
     def _mode_of(self, node: int) -> str:
         """``local`` (the node holds the part), ``rebuild`` (its local level has nothing of the
@@ -496,6 +500,8 @@ class _StepAttempt:
         self.source_level = self.home.name
         if mode == "local":
             self.directory = os.path.join(self.home.root, self.holders[self.node].name)
+            if self.leader and self.exact_shared:
+                self._heal_indexes()
             return None
         # A rebuild: its staging is named after the manifest, so that every rank of the node agrees.
         tail = self.identity.partition(":")[2][:32]
@@ -507,13 +513,44 @@ class _StepAttempt:
                 self._metadata_from_shared()
         return None
 
+    def _heal_indexes(self) -> None:
+        """Check this node's rank indexes (small files) and replace a missing or damaged one
+        with the shared copy's (same manifest, so the same digest)."""
+        assert self.directory is not None
+        parent, name = os.path.split(self.directory)
+        manifest = self._parse(CheckpointLocation(LocalStore(parent), name))
+        copy = self.exact_shared[0]
+        for record in self._metadata_records(manifest):
+            if record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
+                continue
+            where = os.path.join(self.directory, record.path)
+            try:
+                with open(where, "rb") as file:
+                    data = file.read(record.size + 1)
+                if (
+                    len(data) == record.size
+                    and record.digest is not None
+                    and digests_equal(record.digest, digest_bytes(record.digest.partition(":")[0], data))
+                ):
+                    continue
+            except OSError:
+                pass
+            copy_file((self._store(copy.level), f"{copy.name}/{record.path}"), where, record)
+            self.healed_metadata.append((record.path, copy.level))
+
+    def _store(self, level: str) -> ByteStore:
+        """A shared level's store, opened once."""
+        if level not in self.stores:
+            self.stores[level] = _shared_store(self.views[level])
+        return self.stores[level]
+
     def _locate(self) -> None:
         if self.directory is not None:
             parent, name = os.path.split(self.directory)
             self.location = CheckpointLocation(LocalStore(parent), name)
         else:
             copy = self.exact_shared[0]
-            self.location = CheckpointLocation(_shared_store(self.views[copy.level]), copy.name)
+            self.location = CheckpointLocation(self._store(copy.level), copy.name)
 
     def _metadata_records(self, manifest: Manifest | None) -> list[FileRecord]:
         """The manifest, its signature and (given the parsed manifest) the rank indexes as records."""
@@ -532,7 +569,7 @@ class _StepAttempt:
 
     def _metadata_from_shared(self) -> None:
         copy = self.exact_shared[0]
-        store = _shared_store(self.views[copy.level])
+        store = self._store(copy.level)
         assert self.directory is not None
         head = self._metadata_records(None)
         for record in head:
@@ -645,7 +682,7 @@ class _StepAttempt:
                     claimed.add(key)
                     if rank == self.rank:
                         mine[path] = size
-        healed: list[tuple[str, str]] = []
+        healed: list[tuple[str, str]] = list(self.healed_metadata)
         shared_reasons: dict[str, list[tuple[str, str]]] = {}
         still: list[tuple[str, int]] = []
         for path, size in sorted(mine.items()):
@@ -682,7 +719,7 @@ class _StepAttempt:
         reasons: list[tuple[str, str]] = []
         for copy in [*self.exact_shared, *self.other_shared]:
             try:
-                store = _shared_store(self.views[copy.level])
+                store = self._store(copy.level)
                 if copy.identity != self.identity:
                     theirs = self._shared_record(store, copy, record.path)
                     if theirs is None or theirs.digest != record.digest or theirs.stored_size != record.stored_size:
@@ -766,7 +803,8 @@ class _StepAttempt:
         part into place with its ``node-part.json``."""
         if not self.leader or self.directory is None or self.home is None or self.home.root is None:
             return
-        files = sorted({file for rank, file, _ in healed if self.node_of[rank] == self.node})
+        metadata = (MANIFEST_FILENAME, SIGNATURE_FILENAME, INDEX_DIRECTORY)
+        files = sorted({f for rank, f, _ in healed if self.node_of[rank] == self.node and not f.startswith(metadata)})
         fs = local_fs()
         mode = self.mode[self.node]
         if mode == "local" and files:
