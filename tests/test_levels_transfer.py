@@ -147,3 +147,25 @@ def test_a_compressed_file_is_checked_against_its_uncompressed_digest(tmp_path: 
     with pytest.raises(IntegrityError, match="z: from rank 0 to rank 0: digest mismatch"):
         exchange_files(None, [FileSend(0, str(tmp_path / "z"), bad)], [FileReceive(0, str(tmp_path / "b" / "z"), bad)])
     assert not (tmp_path / "b" / "z").exists() and os.listdir(tmp_path / "b") == []
+
+
+def _all_to_all(rank: int, world_size: int, root: str) -> list[str]:
+    """Every rank sends two files to every other rank (and one to itself)."""
+    sends, receives = [], []
+    for peer in range(world_size):
+        for index in range(2 if peer != rank else 1):
+            outgoing, incoming = f"{rank}-{peer}-{index}", f"{peer}-{rank}-{index}"
+            data = payload(outgoing, 3000 + 100 * rank + index)
+            Path(root, outgoing).write_bytes(data)
+            sends.append(FileSend(peer, str(Path(root, outgoing)), record(outgoing, data)))
+            expected = payload(incoming, 3000 + 100 * peer + index)
+            receives.append(FileReceive(peer, str(Path(root, "in", incoming)), record(incoming, expected)))
+    return sorted(Path(p).name for p in exchange_files(None, sends, receives, block_bytes=512))
+
+
+def test_every_rank_sending_to_every_other_completes(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(4, _all_to_all, str(tmp_path), outbox=tmp_path / "out"))
+    for rank, written in enumerate(results):
+        assert written == sorted(
+            f"{peer}-{rank}-{index}" for peer in range(4) for index in range(2 if peer != rank else 1)
+        )

@@ -27,7 +27,8 @@ records it) and compared with the record's; only a file whose size and digest ma
 fsynced and renamed onto its destination (the directory fsynced). A mismatch leaves the
 destination as it was; :func:`exchange_files` raises
 :class:`~shardkeep.errors.IntegrityError` naming the file, the source rank and the destination
-rank once the whole exchange is over, so that no peer is left waiting. Sends to oneself are
+rank once the whole exchange is over, so that no peer is left waiting. A peer that dies or
+times out is a :class:`~shardkeep.errors.CoordinationError`. Sends to oneself are
 copies through the same checks.
 """
 
@@ -40,7 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from shardkeep.errors import IntegrityError, ShardkeepError, StorageError
+from shardkeep.errors import CoordinationError, IntegrityError, ShardkeepError, StorageError
 from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
 from shardkeep.manifest import FileRecord
 from shardkeep.names import STAGING_MARKER, sibling_name
@@ -172,7 +173,10 @@ def run_exchange(
         if send.peer != rank:
             row[send.peer] = 1
     rows = [torch.zeros(world, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(rows, row, group=group)
+    try:
+        dist.all_gather(rows, row, group=group)
+    except RuntimeError as exc:
+        raise CoordinationError(f"gathering who sends files to whom failed: {exc}", {}) from exc
     senders_of_mine = {peer for peer in range(world) if peer != rank and rows[peer][rank]}
     for distance in range(1, world):
         to_peer, from_peer = (rank + distance) % world, (rank - distance) % world
@@ -196,14 +200,19 @@ def _run_round(group: Any, to_peer: int, from_peer: int, messages: Iterator[Any]
         buffer = stream.next_buffer() if stream is not None else None
         if outgoing is None and buffer is None:
             return
-        works = []
-        if outgoing is not None:
-            works.append(dist.isend(outgoing, group=group, group_dst=to_peer))
-        if buffer is not None:
-            works.append(dist.irecv(buffer, group=group, group_src=from_peer))
-        for work in works:
-            if work is not None:
-                work.wait()
+        try:
+            works = []
+            if outgoing is not None:
+                works.append(dist.isend(outgoing, group=group, group_dst=to_peer))
+            if buffer is not None:
+                works.append(dist.irecv(buffer, group=group, group_src=from_peer))
+            for work in works:
+                if work is not None:
+                    work.wait()
+        except RuntimeError as exc:  # gloo reports a dead peer and a timeout so
+            raise CoordinationError(
+                f"exchanging files with ranks {to_peer} (to) and {from_peer} (from) failed: {exc}", {}
+            ) from exc
         if buffer is not None and stream is not None:
             stream.deliver(buffer)
 
