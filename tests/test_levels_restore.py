@@ -73,6 +73,7 @@ class Setup:
     node_of: Callable[[int], int]
     seed: int
     local: bool = True
+    options: dict[str, Any] | None = None
 
 
 def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
     if setup.local:
         levels.append(LevelView("local", setup.node_roots[setup.node_of(rank)], node_local=True))
     if setup.persistent is not None:
-        levels.append(LevelView("persistent", setup.persistent))
+        levels.append(LevelView("persistent", setup.persistent, storage_options=setup.options))
     into = sharded_state(world_size, 0, fill=False)
     nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
     try:
@@ -278,3 +279,21 @@ def test_no_complete_step_raises_with_the_refusals(tmp_path: Path) -> None:
     refusals = results[0]["refusals"]
     assert {(step, rank, level) for step, rank, level, _ in refusals} >= {(5, 2, "local"), (5, 3, "local")}
     assert "step 5, rank 2, level local" in results[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_wiped_node_is_rebuilt_from_a_persistent_copy_on_s3(tmp_path: Path, s3_server: Any) -> None:
+    saved = save_step(tmp_path, 5, seed=17)
+    setup = two_nodes(tmp_path, saved, persistent=False)
+    bucket = s3_server.new_bucket()
+    s3_server.filesystem().put(str(saved), f"{bucket}/root/{saved.name}", recursive=True)
+    shutil.rmtree(setup.node_roots[1])
+    setup = Setup(setup.node_roots, f"s3://{bucket}/root", setup.node_of, setup.seed, options=s3_server.storage_options)
+    report = the_report(restore(tmp_path, 4, setup, "s3"))
+    assert report.step == 5 and report.source == {0: "local", 1: "local", 2: "local", 3: "local"}
+    assert (2, RANK2_FILE, "persistent") in report.healed
+    assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
+    # Resharding 4 -> 3 straight from the S3 copy.
+    direct = Setup(setup.node_roots, setup.persistent, lambda r: r, setup.seed, local=False, options=setup.options)
+    report = the_report(restore(tmp_path, 3, direct, "s3-direct"))
+    assert report.step == 5 and set(report.source.values()) == {"persistent"}
