@@ -16,6 +16,7 @@ import pytest
 
 import shardkeep as sk
 from shardkeep.errors import NoCompleteStepError
+from shardkeep.integrity import SignaturePolicy, generate_key_pair
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.names import NODE_PART_FILENAME, checkpoint_name
 from tests.support.distributed_harness import results_or_raise, run_ranks
@@ -50,14 +51,14 @@ def sharded_state(world_size: int, seed: int, *, fill: bool = True) -> dict[str,
     return {"model": model}
 
 
-def _save(rank: int, world_size: int, path: str, seed: int) -> None:
-    sk.save(sharded_state(world_size, seed), path, step=int(Path(path).name.removeprefix("step_")))
+def _save(rank: int, world_size: int, path: str, seed: int, signer: str | None) -> None:
+    sk.save(sharded_state(world_size, seed), path, step=int(Path(path).name.removeprefix("step_")), signer=signer)
 
 
-def save_step(tmp_path: Path, step: int, seed: int, *, into: str = "saved") -> Path:
+def save_step(tmp_path: Path, step: int, seed: int, *, into: str = "saved", signer: str | None = None) -> Path:
     """Step ``step`` of the state of ``seed``, saved by 4 gloo ranks."""
     path = tmp_path / f"{into}-{step}-{seed}" / checkpoint_name(step)
-    results_or_raise(run_ranks(4, _save, str(path), seed, outbox=tmp_path / f"save-{into}-{step}-{seed}"))
+    results_or_raise(run_ranks(4, _save, str(path), seed, signer, outbox=tmp_path / f"save-{into}-{step}-{seed}"))
     return path
 
 
@@ -74,6 +75,7 @@ class Setup:
     seed: int
     local: bool = True
     options: dict[str, Any] | None = None
+    public_key: str | None = None
 
 
 def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
@@ -89,7 +91,8 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
     into = sharded_state(world_size, 0, fill=False)
     nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
     try:
-        _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100)
+        signatures = SignaturePolicy.of(setup.public_key) if setup.public_key is not None else None
+        _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100, signatures=signatures)
     except NoCompleteStepError as exc:
         return {"error": str(exc), "refusals": exc.refusals}
     full = full_state(setup.seed)
@@ -208,6 +211,24 @@ def test_a_wiped_node_is_rebuilt_from_a_peer_without_a_persistent_copy(tmp_path:
     assert (2, RANK2_FILE, "local@node0") in report.healed
     assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
     assert report.levels_read == ["local"]
+
+
+def test_a_signed_step_is_rebuilt_from_a_peer_with_its_signature_and_checked(tmp_path: Path) -> None:
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    saved = save_step(tmp_path, 5, seed=18, signer=str(tmp_path / "key.pem"))
+    everything = [str(p.relative_to(saved)) for p in (saved / "shards").iterdir()]
+    setup = two_nodes(tmp_path, saved, persistent=False, also=lambda node: everything if node == 0 else [])
+    shutil.rmtree(setup.node_roots[1])
+    signed = Setup(setup.node_roots, None, setup.node_of, setup.seed, public_key=str(tmp_path / "key.pub"))
+    report = the_report(restore(tmp_path, 4, signed, "signed"))
+    assert report.step == 5
+    rebuilt = Path(setup.node_roots[1], saved.name)
+    assert (rebuilt / "manifest.sig").read_bytes() == (saved / "manifest.sig").read_bytes()
+    # Another key: the signature is refused on every rank, and no step is left.
+    generate_key_pair(tmp_path / "other.pem", tmp_path / "other.pub")
+    other = Setup(setup.node_roots, None, setup.node_of, setup.seed, public_key=str(tmp_path / "other.pub"))
+    results = restore(tmp_path, 4, other, "other-key")
+    assert all("SignatureError" in result["error"] for result in results)
 
 
 def test_a_newer_local_step_missing_a_node_part_falls_back_and_says_why(tmp_path: Path) -> None:
