@@ -318,3 +318,22 @@ def test_a_wiped_node_is_rebuilt_from_a_persistent_copy_on_s3(tmp_path: Path, s3
     direct = Setup(setup.node_roots, setup.persistent, lambda r: r, setup.seed, local=False, options=setup.options)
     report = the_report(restore(tmp_path, 3, direct, "s3-direct"))
     assert report.step == 5 and set(report.source.values()) == {"persistent"}
+
+
+def test_one_process_restores_the_newest_step_and_returns_the_state(tmp_path: Path) -> None:
+    from shardkeep.distributed.coordinator import Coordinator
+
+    state = {"w": torch.arange(10.0), "step": 7}
+    for step in (3, 7):
+        sk.save({**state, "step": step}, tmp_path / "saved" / checkpoint_name(step))
+        split_into_nodes(tmp_path / "saved" / checkpoint_name(step), [tmp_path / "local"], lambda r: 0, 1)
+    shutil.copytree(tmp_path / "saved" / checkpoint_name(3), tmp_path / "persistent" / checkpoint_name(3))
+    Path(tmp_path, "local", checkpoint_name(7), "shards", "rank_00000.safetensors").write_bytes(b"damaged")
+    levels = [
+        LevelView("local", str(tmp_path / "local"), node_local=True),
+        LevelView("persistent", str(tmp_path / "persistent")),
+    ]
+    loaded, report = restore_best(levels, None, Coordinator(), Nodes((0,)))
+    assert report.step == 3 and loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+    assert [(step, rank, level) for step, rank, level, _ in report.refused] == [(7, 0, "local"), (7, 0, "persistent")]
+    assert "size is 7 bytes" in report.refused[0][3]
