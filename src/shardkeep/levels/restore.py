@@ -13,10 +13,13 @@ where each file came from and why each step was refused.
    hold). A node part whose ``manifest_digest`` differs from the candidate's identity is
    another attempt of that step and is never read.
 2. **Metadata.** A node whose local level has no part of the step gets one rebuilt in a
-   staging directory: the manifest, its signature and every rank index, copied from a shared
-   copy of the same identity or sent by a node holding the part (:mod:`.transfer`). A node
-   whose local directory of that step is another attempt, or that has no local level, reads
-   the shared copy directly.
+   staging directory (``step_<N>.tmp-<manifest digest>``): the manifest, its signature and
+   every rank index, copied from a shared copy of the same identity or sent by a node holding
+   the part (:mod:`.transfer`). A node holding the part replaces a missing or damaged rank
+   index from the shared copy. A node whose local directory of that step is another attempt,
+   or whose local level cannot be read, reads the shared copy directly. Every manifest is
+   checked as a load checks it (signature policy, seal, schema) and must have the candidate's
+   identity and step.
 3. **Files.** Each rank selects the files it needs with the load machinery
    (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
    index) and checks each in its node's directory (present, digest). A file missing or
@@ -24,19 +27,24 @@ where each file came from and why each step was refused.
    has the same digest), then a peer node holding it (sent over the process group). Each
    arrives checked and is written atomically with identical bytes; the node part records it
    in ``healed``. One rank of a node fetches each file the node lacks.
-4. **Agreement.** An all-gather of every rank's outcome: all ranks take the step, or all move
-   on to the next candidate, and each rank's reasons go to the report as ``(step, rank,
-   level, reason)``. A rebuilt part is renamed into place (or its staging removed).
-5. **Load.** Each rank reads its files with the ordinary load path (verified again when read
-   from a shared copy; the local ones were just checked), the ranks agree once more, and then
-   every rank fills ``into`` (all or nothing) or returns the state.
+4. **Agreement.** Each phase ends with an all-gather of every rank's outcome: all ranks go on
+   with the step, or all move on to the next candidate (a rebuild's staging is removed), and
+   each rank's reasons go to the report as ``(step, rank, level, reason)``: every rank that
+   needed a file its node could not heal is named, with the reason per level.
+5. **Load.** Each rank reads its files with the ordinary load path (verified when read from a
+   shared copy; the local ones were just checked, so they are read without their digests a
+   second time), the ranks agree once more, the node leaders record healed files in their
+   ``node-part.json`` (a rebuilt part is renamed into place), and then every rank fills
+   ``into`` (all or nothing) or returns the state.
 
 No candidate left: :class:`~shardkeep.errors.NoCompleteStepError` with every refusal.
 
 Limits: only files inside the checkpoint's own directory are healed (a tier with its own
 location or an incremental reference is read where the manifest says); the first node-local
 level listed is the one healed; a peer's copy that fails its digest on arrival is not retried
-from another peer (the step is refused for that rank, and an older one is tried).
+from another peer (the step is refused for that rank, and an older one is tried); rank indexes
+are healed from a shared copy only; each rank checks the local files it needs itself, so a
+file several ranks of a node need is read once by each.
 """
 
 from __future__ import annotations
