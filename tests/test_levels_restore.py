@@ -55,10 +55,13 @@ def _save(rank: int, world_size: int, path: str, seed: int, signer: str | None) 
     sk.save(sharded_state(world_size, seed), path, step=int(Path(path).name.removeprefix("step_")), signer=signer)
 
 
-def save_step(tmp_path: Path, step: int, seed: int, *, into: str = "saved", signer: str | None = None) -> Path:
-    """Step ``step`` of the state of ``seed``, saved by 4 gloo ranks."""
+def save_step(
+    tmp_path: Path, step: int, seed: int, *, into: str = "saved", signer: str | None = None, world_size: int = 4
+) -> Path:
+    """Step ``step`` of the state of ``seed``, saved by ``world_size`` gloo ranks."""
     path = tmp_path / f"{into}-{step}-{seed}" / checkpoint_name(step)
-    results_or_raise(run_ranks(4, _save, str(path), seed, signer, outbox=tmp_path / f"save-{into}-{step}-{seed}"))
+    outbox = tmp_path / f"save-{into}-{step}-{seed}"
+    results_or_raise(run_ranks(world_size, _save, str(path), seed, signer, outbox=outbox))
     return path
 
 
@@ -211,6 +214,22 @@ def test_a_wiped_node_is_rebuilt_from_a_peer_without_a_persistent_copy(tmp_path:
     assert (2, RANK2_FILE, "local@node0") in report.healed
     assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
     assert report.levels_read == ["local"]
+
+
+def test_a_peer_copy_refused_on_arrival_is_asked_of_the_next_node(tmp_path: Path) -> None:
+    saved = save_step(tmp_path, 5, seed=19, world_size=3)
+    everything = [str(p.relative_to(saved)) for p in (saved / "shards").iterdir()]
+    roots = [tmp_path / f"node{n}" for n in range(3)]
+    split_into_nodes(saved, roots, lambda r: r, 3, also=lambda node: everything if node < 2 else [])
+    shutil.rmtree(roots[2])
+    damaged = roots[0] / saved.name / RANK2_FILE
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    setup = Setup([str(root) for root in roots], None, lambda r: r, seed=19)
+    report = the_report(restore(tmp_path, 3, setup, "next-peer"))
+    assert report.step == 5 and (2, RANK2_FILE, "local@node1") in report.healed
+    assert (roots[2] / saved.name / RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
 
 
 def test_a_signed_step_is_rebuilt_from_a_peer_with_its_signature_and_checked(tmp_path: Path) -> None:

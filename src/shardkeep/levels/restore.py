@@ -24,7 +24,8 @@ where each file came from and why each step was refused.
    (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
    index) and checks each in its node's directory (present, digest). A file missing or
    damaged there comes, in this order, from: the shared copy of the same step (when its record
-   has the same digest), then a peer node holding it (sent over the process group). Each
+   has the same digest), then a peer node holding it (sent over the process group; a copy
+   refused on arrival is asked of the next node holding the file, in node order). Each
    arrives checked and is written atomically with identical bytes; the node part records it
    in ``healed``. One rank of a node fetches each file the node lacks.
 4. **Agreement.** Each phase ends with an all-gather of every rank's outcome: all ranks go on
@@ -41,8 +42,7 @@ No candidate left: :class:`~shardkeep.errors.NoCompleteStepError` with every ref
 
 Limits: only files inside the checkpoint's own directory are healed (a tier with its own
 location or an incremental reference is read where the manifest says); the first node-local
-level listed is the one healed; a peer's copy that fails its digest on arrival is not retried
-from another peer (the step is refused for that rank, and an older one is tried); rank indexes
+level listed is the one healed; rank indexes
 are healed from a shared copy only; each rank checks the local files it needs itself, so a
 file several ranks of a node need is read once by each.
 """
@@ -702,15 +702,20 @@ class _StepAttempt:
                 still.append((path, size))
         offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
         everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
-        sends, receives, unserved = self._peer_plan(everyone)
-        exchange = run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
-        origin = {os.fspath(receive.destination): receive.peer for receive in receives}
-        for destination in exchange.written:
-            path = os.path.relpath(destination, self.directory or "")
-            healed.append((path, f"{self.home.name if self.home else '?'}@node{self.node_of[origin[destination]]}"))
-        peer_reasons = {path: "no other node holds it" for path in unserved}
-        peer_reasons.update({path: f"from rank {source}: {reason}" for path, source, reason in exchange.refused})
-        peer_reasons.update({path: f"from rank {source}: {reason}" for path, source, reason in exchange.failed})
+        holders: dict[str, list[int]] = {}
+        for rank, (_, offered) in enumerate(everyone):
+            for path in offered:
+                holders.setdefault(path, []).append(self.node_of[rank])
+        pending = [(rank, path, size) for rank, (requests, _) in enumerate(everyone) for path, size in requests]
+        peer_reasons: dict[str, str] = {}
+        for path, _ in still:
+            if not [node for node in holders.get(path, []) if node != self.node]:
+                peer_reasons[path] = "no other node holds it"
+        turns = max((len([n for n in holders.get(p, []) if n != self.node_of[r]]) for r, p, _ in pending), default=0)
+        for turn in range(turns):
+            written = self._from_peers(pending, holders, turn, healed, peer_reasons)
+            done = self.coordinator.all_gather(written, label=f"restore step {self.step}: files sent by peers")
+            pending = [(rank, path, size) for rank, path, size in pending if path not in done[rank]]
         failed: dict[str, list[tuple[str, str]]] = {}
         home = self.home.name if self.home is not None else "?"
         for path in sorted(peer_reasons):
@@ -768,36 +773,44 @@ class _StepAttempt:
                     offered.append(path)
         return offered
 
-    def _peer_plan(
-        self, everyone: list[tuple[list[tuple[str, int]], list[str]]]
-    ) -> tuple[list[FileSend], list[FileReceive], list[str]]:
-        """The same plan on every rank: each request to the lowest other node offering the
-        file, served by that node's ranks in turn. Returns this rank's sends and receives, and
-        its requests nobody can serve."""
-        holders: dict[str, list[int]] = {}
-        for rank, (_, offered) in enumerate(everyone):
-            for path in offered:
-                holders.setdefault(path, []).append(self.node_of[rank])
+    def _from_peers(
+        self,
+        pending: list[tuple[int, str, int]],
+        holders: dict[str, list[int]],
+        turn: int,
+        healed: list[tuple[str, str]],
+        reasons: dict[str, str],
+    ) -> list[str]:
+        """One exchange of the files nodes still lack: each request goes to the ``turn``-th
+        other node offering the file (in node order), served by that node's ranks in turn; the
+        same plan on every rank. Collective. Returns the paths this rank received; adds them
+        to ``healed`` and the refusals to ``reasons``."""
         sends: list[FileSend] = []
         receives: list[FileReceive] = []
-        unserved: list[str] = []
-        count = 0
-        for rank, (requests, _) in enumerate(everyone):
-            for path, size in requests:
-                servers = sorted(node for node in holders.get(path, []) if node != self.node_of[rank])
-                if not servers:
-                    if rank == self.rank:
-                        unserved.append(path)
-                    continue
-                ranks = [r for r, n in enumerate(self.node_of) if n == servers[0]]
-                server = ranks[count % len(ranks)]
-                count += 1
-                if server == self.rank and self.directory is not None:
-                    record = FileRecord(path=path, rank=0, size=size, digest=None)
-                    sends.append(FileSend(rank, os.path.join(self.directory, path), record))
-                if rank == self.rank and self.directory is not None:
-                    receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
-        return sends, receives, unserved
+        for count, (rank, path, size) in enumerate(pending):
+            servers = sorted(node for node in holders.get(path, []) if node != self.node_of[rank])
+            if turn >= len(servers):
+                continue
+            ranks = [r for r, n in enumerate(self.node_of) if n == servers[turn]]
+            server = ranks[count % len(ranks)]
+            if server == self.rank and self.directory is not None:
+                record = FileRecord(path=path, rank=0, size=size, digest=None)
+                sends.append(FileSend(rank, os.path.join(self.directory, path), record))
+            if rank == self.rank and self.directory is not None:
+                receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
+        exchange = run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
+        home = self.home.name if self.home is not None else "?"
+        received: list[str] = []
+        for receive in receives:
+            path, destination = receive.record.path, os.fspath(receive.destination)
+            if destination in exchange.written:
+                received.append(path)
+                healed.append((path, f"{home}@node{self.node_of[receive.peer]}"))
+                reasons.pop(path, None)
+        for path, source, reason in [*exchange.refused, *exchange.failed]:
+            said = f"node {self.node_of[source]} (rank {source}): {reason}"
+            reasons[path] = f"{reasons[path]}; {said}" if path in reasons else said
+        return received
 
     # -- phases: reading, committing, loading ---------------------------------------------------
     def read(self) -> None:
