@@ -12,7 +12,7 @@ import zstandard
 
 from shardkeep.errors import IntegrityError
 from shardkeep.integrity import digest_bytes
-from shardkeep.levels.transfer import FileReceive, FileSend, exchange_files, run_exchange
+from shardkeep.levels.transfer import FileReceive, FileSend, copy_file, exchange_files, run_exchange
 from shardkeep.manifest import FileRecord
 from shardkeep.manifest.schema import Compression
 from tests.support.distributed_harness import results_or_raise, run_ranks
@@ -147,6 +147,9 @@ def test_a_compressed_file_is_checked_against_its_uncompressed_digest(tmp_path: 
     with pytest.raises(IntegrityError, match="z: from rank 0 to rank 0: digest mismatch"):
         exchange_files(None, [FileSend(0, str(tmp_path / "z"), bad)], [FileReceive(0, str(tmp_path / "b" / "z"), bad)])
     assert not (tmp_path / "b" / "z").exists() and os.listdir(tmp_path / "b") == []
+    with pytest.raises(IntegrityError, match=f"z: copied from {tmp_path}/z: digest mismatch on arrival"):
+        copy_file(str(tmp_path / "z"), tmp_path / "c" / "z", bad)
+    assert os.listdir(tmp_path / "c") == []
 
 
 def _all_to_all(rank: int, world_size: int, root: str) -> list[str]:

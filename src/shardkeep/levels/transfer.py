@@ -136,7 +136,12 @@ def copy_file(
     itself = _Receiver(0, [FileReceive(0, destination, record)], exchange, block_bytes)
     itself.copy_local(FileSend(0, source, record))
     itself.finish_missing(itself.sent)
-    exchange.raise_for_problems()
+    where = f"{source[0].root}/{source[1]}" if isinstance(source, tuple) else os.fspath(source)
+    problems = [f"{path}: copied from {where}: {reason}" for path, _, reason in [*exchange.refused, *exchange.failed]]
+    if exchange.refused:
+        raise IntegrityError("; ".join(problems), problems)
+    if exchange.failed:
+        raise StorageError("; ".join(problems))
 
 
 def run_exchange(
