@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from common import fmt_range, median
 
 import shardkeep as sk
+from common import fmt_range, median
 
 
 def build(mb: float, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -106,9 +106,9 @@ def one_run(
             manager.save(state, step=step, metrics={"loss": loss})
         blocked += time.perf_counter() - started
     # The failure: the process dies here. A drain still running is lost with it.
-    abandon = getattr(manager, "abandon", None)
-    if abandon is not None:
-        abandon()
+    close = getattr(manager, "close", None)
+    if close is not None:
+        close(wait=False)
     model, optimizer = build(args.mb, args.seed + 1)
     state = {"model": model, "optimizer": optimizer}
     restarted = make()
@@ -116,7 +116,7 @@ def one_run(
     resumed = -1 if restored is None else restored.step
     close = getattr(restarted, "close", None)
     if close is not None:
-        close()
+        close(wait=False)
     return {"steps_lost": float(fail_at - resumed), "blocked_seconds": blocked}
 
 
@@ -193,7 +193,7 @@ def main() -> None:
                     levels_root = root_of(f"levels-{rep}")
                     local_root = str(local_base / f"rep-{rep}")
 
-                    def single() -> Any:
+                    def single(single_root: str = single_root) -> Any:
                         return sk.CheckpointManager(
                             single_root,
                             keep_last=3,
@@ -203,7 +203,7 @@ def main() -> None:
                             save_policy=sk.SavePolicy(every_steps=args.persist_every),
                         )
 
-                    def levels() -> Any:
+                    def levels(local_root: str = local_root, levels_root: str = levels_root) -> Any:
                         return sk.MultiLevelManager(
                             [
                                 sk.Level(

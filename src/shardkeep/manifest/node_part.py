@@ -11,10 +11,10 @@ that step (a save repeated after a rollback) and is never used.
 
 from __future__ import annotations
 
+import blake3
 import msgspec
 
 from shardkeep.errors import ManifestError
-from shardkeep.integrity import digest_bytes
 
 __all__ = ["NodePart", "decode_node_part", "encode_node_part", "manifest_identity"]
 
@@ -43,7 +43,7 @@ class NodePart(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 def manifest_identity(sealed: bytes) -> str:
     """The identity of a step's manifest: the blake3 digest of its sealed bytes (the same bytes
     on every node and on the persistent copy a drain makes)."""
-    return digest_bytes("blake3", sealed)
+    return "blake3:" + blake3.blake3(sealed).hexdigest()
 
 
 def encode_node_part(part: NodePart) -> bytes:

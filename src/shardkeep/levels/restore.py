@@ -1,0 +1,854 @@
+"""Restore from the best copy: the newest step that every rank can complete from some level's
+verified files, healing node-local copies on the way, and a report saying per rank and level
+where each file came from and why each step was refused.
+
+:func:`restore_best` is a collective of every rank. It runs in this order:
+
+1. **Listing.** Each node's leader lists its node-local parts (``step_<N>`` directories with
+   their manifest's identity, :func:`~shardkeep.levels.parts.manifest_identity`, and
+   ``node-part.json``); the coordinator lists each shared (persistent) level. A level that
+   cannot be read is recorded as unreachable with the reason, and the others are used. One
+   all-gather; the candidates are the ``(step, manifest identity)`` pairs of every copy, newest
+   step first (for one step: the identity a shared level holds first, then the one most nodes
+   hold). A node part whose ``manifest_digest`` differs from the candidate's identity is
+   another attempt of that step and is never read.
+2. **Metadata.** A node whose local level has no part of the step gets one rebuilt in a
+   staging directory (``step_<N>.tmp-<manifest digest>``): the manifest, its signature and
+   every rank index, copied from a shared copy of the same identity or sent by a node holding
+   the part (:mod:`.transfer`). A node holding the part replaces a missing or damaged rank
+   index from the shared copy. A node whose local directory of that step is another attempt,
+   or whose local level cannot be read, reads the shared copy directly. Every manifest is
+   checked as a load checks it (signature policy, seal, schema) and must have the candidate's
+   identity and step.
+3. **Files.** Each rank selects the files it needs with the load machinery
+   (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
+   index) and checks each in its node's directory (present, digest). A file missing or
+   damaged there comes, in this order, from: the shared copy of the same step (when its record
+   has the same digest), then a peer node holding it (sent over the process group; a copy
+   refused on arrival is asked of the next node holding the file, in node order). Each
+   arrives checked and is written atomically with identical bytes; the node part records it
+   in ``healed``. One rank of a node fetches each file the node lacks.
+4. **Agreement.** Each phase ends with an all-gather of every rank's outcome: all ranks go on
+   with the step, or all move on to the next candidate (a rebuild's staging is removed), and
+   each rank's reasons go to the report as ``(step, rank, level, reason)``: every rank that
+   needed a file its node could not heal is named, with the reason per level.
+5. **Load.** Each rank reads its files with the ordinary load path (verified when read from a
+   shared copy; the local ones were just checked, so they are read without their digests a
+   second time), the ranks agree once more, the node leaders record healed files in their
+   ``node-part.json`` (a rebuilt part is renamed into place), and then every rank fills
+   ``into`` (all or nothing) or returns the state.
+
+No candidate left: :class:`~shardkeep.errors.NoCompleteStepError` with every refusal.
+
+Limits: only files inside the checkpoint's own directory are healed (a tier with its own
+location or an incremental reference is read where the manifest says); the first node-local
+level listed is the one healed; rank indexes
+are healed from a shared copy only; each rank checks the local files it needs itself, so a
+file several ranks of a node need is read once by each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shardkeep.config import LoadOptions, ManifestLimits
+from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.errors import ManifestError, NoCompleteStepError, ShardkeepError
+from shardkeep.indexes import read_small
+from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes, digests_equal
+from shardkeep.io import check_shard
+from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
+from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, copy_file, run_exchange
+from shardkeep.loading import LoadJob
+from shardkeep.manifest import FileRecord, IndexedManifest, Manifest
+from shardkeep.names import (
+    INDEX_DIRECTORY,
+    MANIFEST_FILENAME,
+    NODE_PART_FILENAME,
+    SIGNATURE_FILENAME,
+    STAGING_MARKER,
+    checkpoint_name,
+    sibling_name,
+    step_of_name,
+)
+from shardkeep.storage import ByteStore, LocalStore, local_path, open_store
+from shardkeep.storage.localfs import current as local_fs
+from shardkeep.verification import (
+    CheckpointLocation,
+    authenticate,
+    parse_manifest,
+    read_checked_manifest,
+    read_manifest_bytes,
+)
+
+__all__ = ["LevelView", "NodeLayout", "RestoreReport", "StepCopy", "restore_best"]
+
+logger = logging.getLogger("shardkeep")
+
+#: Bytes a signature file may have.
+_MAX_SIGNATURE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class LevelView:
+    """One level as a restore sees it from this rank: its ``name``; ``root``, this node's local
+    root for a ``node_local`` level, else the shared root (a path or URL); ``None`` when this
+    node has no root for it."""
+
+    name: str
+    root: str | None
+    node_local: bool = False
+    storage_options: Mapping[str, Any] | None = None
+
+
+class NodeLayout(Protocol):
+    """Which node each rank is on (``node_of[rank]``), as :func:`levels.nodes.node_map` gives."""
+
+    @property
+    def node_of(self) -> tuple[int, ...]: ...
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did, the same on every rank.
+
+    ``step``: the step restored. ``source``: per rank, the level it loaded from. ``healed``:
+    ``(rank, file, source)`` for each file copied into a node-local directory, ``source`` being
+    a shared level's name or ``"<level>@node<N>"`` for a peer node's copy. ``refused``:
+    ``(step, rank, level, reason)`` for each copy of a newer step (or of this one) that could
+    not be used. ``levels_read``: the levels any byte was read from. ``unreachable``: the
+    levels that could not be listed, with the reason."""
+
+    step: int
+    source: dict[int, str] = field(default_factory=dict)
+    healed: list[tuple[int, str, str]] = field(default_factory=list)
+    refused: list[tuple[int, int, str, str]] = field(default_factory=list)
+    levels_read: list[str] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepCopy:
+    """One copy of a step found by the listing: on a shared level (``node`` is ``None``) or one
+    node's part on a node-local level. ``problem`` is set when the part cannot serve its own
+    manifest (no readable ``node-part.json``, or one recording another manifest)."""
+
+    level: str
+    node: int | None
+    name: str
+    step: int
+    identity: str
+    manifest_size: int
+    signature: tuple[int, str] | None = None
+    attempt: str | None = None
+    run_id: str | None = None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class _Settings:
+    signatures: SignaturePolicy
+    limits: ManifestLimits | None
+    block_bytes: int
+    io_threads: int
+
+
+def restore_best(
+    levels: Sequence[LevelView],
+    into: Any,
+    coordinator: Coordinator,
+    nodes: NodeLayout,
+    *,
+    signatures: SignaturePolicy | None = None,
+    limits: ManifestLimits | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    io_threads: int = LoadOptions.io_threads,
+) -> tuple[Any, RestoreReport]:
+    """Load the newest step every rank can complete from ``levels`` (collective; see the module
+    docstring). Returns the loaded state (``into``, filled, when given) and the report; raises
+    :class:`~shardkeep.errors.NoCompleteStepError` naming every refusal when no step is left."""
+    if len(nodes.node_of) != coordinator.world_size:
+        raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
+    settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
+    copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
+    refused: list[tuple[int, int, str, str]] = []
+    for step, identity in _candidates(copies):
+        attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
+        outcome = attempt.run(into)
+        refused.extend(attempt.refused)
+        if outcome is not None:
+            state, report = outcome
+            report.refused = refused
+            report.unreachable = unreachable
+            return state, report
+    text = "; ".join(f"step {step}, rank {rank}, level {level}: {reason}" for step, rank, level, reason in refused)
+    where = ", ".join(f"{name} unreachable ({why})" for name, why in unreachable.items())
+    raise NoCompleteStepError(
+        "no step can be completed from any level" + (f" ({where})" if where else "") + (f": {text}" if text else ""),
+        refused,
+    )
+
+
+# -- listing ----------------------------------------------------------------------------------
+
+
+def _gather_copies(
+    levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
+) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
+    """Every copy of every step on every level, the unreachable levels with the reasons, and
+    the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
+    node = nodes.node_of[coordinator.rank]
+    leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
+    mine: list[StepCopy] = []
+    unreachable: dict[str, str] = {}
+    for view in levels:
+        if view.node_local and leader and view.root is None:
+            unreachable[view.name] = f"node {node}: no local root"
+        elif view.node_local and leader and view.root is not None:
+            try:
+                mine.extend(_list_node_parts(view, node, settings.limits))
+            except (OSError, ShardkeepError) as exc:
+                unreachable[view.name] = f"node {node}: {exc}"
+        elif not view.node_local and coordinator.is_coordinator and view.root is not None:
+            try:
+                mine.extend(_list_shared(view, settings.limits))
+            except (OSError, ShardkeepError) as exc:
+                unreachable[view.name] = str(exc)
+    gathered = coordinator.all_gather((mine, unreachable), label="listing the levels' copies")
+    copies = [copy for listed, _ in gathered for copy in listed]
+    merged: dict[str, str] = {}
+    unusable: set[tuple[str, int]] = set()
+    local = {view.name for view in levels if view.node_local}
+    for rank, (_, found) in enumerate(gathered):
+        for name, why in found.items():
+            merged[name] = f"{merged[name]}; {why}" if name in merged else why
+            if name in local:
+                unusable.add((name, nodes.node_of[rank]))
+    for name, why in merged.items():
+        logger.warning("restore: level %s is unreachable: %s", name, why)
+    return copies, merged, unusable
+
+
+def _signature_of(store: ByteStore, name: str) -> tuple[int, str] | None:
+    path = f"{name}/{SIGNATURE_FILENAME}"
+    if store.stat(path) is None:
+        return None
+    handle = store.open_read(path)
+    try:
+        if handle.size > _MAX_SIGNATURE_BYTES:
+            raise ShardkeepError(f"{path}: {handle.size} bytes is too large for a signature")
+        data = memoryview(bytearray(handle.size))
+        handle.read_into(0, data)
+    finally:
+        handle.close()
+    return handle.size, digest_bytes("blake3", data)
+
+
+def _list_node_parts(view: LevelView, node: int, limits: ManifestLimits | None) -> list[StepCopy]:
+    assert view.root is not None
+    if not os.path.isdir(view.root):
+        if os.path.lexists(view.root):
+            raise ShardkeepError(f"{view.root} is not a directory")
+        return []  # an empty (wiped or new) node: no parts
+    store = LocalStore(view.root)
+    found: list[StepCopy] = []
+    for name in sorted(os.listdir(view.root)):
+        step = step_of_name(name)
+        if step is None or not os.path.isdir(os.path.join(view.root, name)):
+            continue
+        try:
+            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
+        except ShardkeepError as exc:
+            logger.warning("restore: %s/%s is not usable: %s", view.root, name, exc)
+            continue
+        identity = manifest_identity(sealed)
+        problem, part = None, None
+        try:
+            with open(os.path.join(view.root, name, NODE_PART_FILENAME), "rb") as file:
+                part = decode_node_part(file.read(1 << 24), where=f"{view.root}/{name}")
+        except (OSError, ShardkeepError) as exc:
+            problem = f"no readable {NODE_PART_FILENAME} ({exc})"
+        if part is not None and part.manifest_digest != identity:
+            problem = f"{NODE_PART_FILENAME} records manifest {part.manifest_digest}, the manifest is {identity}"
+        found.append(
+            StepCopy(
+                view.name, node, name, step, identity, len(sealed), _signature_of(store, name),
+                part.attempt if part else None, part.run_id if part else None, problem,
+            )
+        )  # fmt: skip
+    return found
+
+
+def _shared_store(view: LevelView) -> ByteStore:
+    assert view.root is not None
+    local = local_path(view.root)
+    if local is not None:
+        if not os.path.isdir(local):
+            raise ShardkeepError(f"{view.root} is not a directory")
+        return LocalStore(local)
+    return open_store(view.root, view.storage_options)
+
+
+def _list_shared(view: LevelView, limits: ManifestLimits | None) -> list[StepCopy]:
+    store = _shared_store(view)
+    found: list[StepCopy] = []
+    for name, _ in store.list_dir(""):
+        step = step_of_name(name)
+        if step is None:
+            continue
+        try:
+            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
+        except ShardkeepError:
+            continue  # not committed (a drain in flight, leftovers): not a copy
+        found.append(
+            StepCopy(view.name, None, name, step, manifest_identity(sealed), len(sealed), _signature_of(store, name))
+        )
+    return found
+
+
+def _candidates(copies: list[StepCopy]) -> list[tuple[int, str]]:
+    """``(step, identity)`` pairs to try, best first."""
+    score: dict[tuple[int, str], tuple[int, int]] = {}
+    for copy in copies:
+        shared, parts = score.get((copy.step, copy.identity), (0, 0))
+        if copy.node is None:
+            shared = 1
+        elif copy.problem is None:
+            parts += 1
+        score[(copy.step, copy.identity)] = (shared, parts)
+    return sorted(score, key=lambda key: (-key[0], -score[key][0], -score[key][1], key[1]))
+
+
+# -- one step ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    """One rank's outcome of a phase, as gathered: ``reasons`` per level when it failed."""
+
+    reasons: list[tuple[str, str]] = field(default_factory=list)
+    payload: Any = None
+
+
+class _StepAttempt:
+    """One candidate ``(step, identity)`` on this rank: the phases of the module docstring, each
+    ending in an all-gather so that every rank runs the same collectives in the same order."""
+
+    def __init__(
+        self,
+        levels: Sequence[LevelView],
+        coordinator: Coordinator,
+        nodes: NodeLayout,
+        settings: _Settings,
+        copies: list[StepCopy],
+        step: int,
+        identity: str,
+        unusable: set[tuple[str, int]],
+    ) -> None:
+        self.coordinator, self.settings, self.step, self.identity = coordinator, settings, step, identity
+        self.rank = coordinator.rank
+        self.node_of = nodes.node_of
+        self.node = self.node_of[self.rank]
+        self.node_ranks = [r for r, n in enumerate(self.node_of) if n == self.node]
+        self.leader = self.rank == self.node_ranks[0]
+        self.refused: list[tuple[int, int, str, str]] = []
+        self.views = {view.name: view for view in levels}
+        home = next((view for view in levels if view.node_local), None)
+        self.home = home
+        of_step = [copy for copy in copies if copy.step == step]
+        self.exact_shared = [c for c in of_step if c.node is None and c.identity == identity]
+        self.other_shared = [c for c in of_step if c.node is None and c.identity != identity]
+        self.holders: dict[int, StepCopy] = {}
+        self.foreign: dict[int, StepCopy] = {}
+        for copy in of_step:
+            if copy.node is None or home is None or copy.level != home.name:
+                continue
+            if copy.identity == identity and copy.problem is None:
+                self.holders.setdefault(copy.node, copy)
+            else:
+                self.foreign.setdefault(copy.node, copy)
+        shared_first = self.exact_shared[0] if self.exact_shared else None
+        #: A copy of this manifest whose listing gives its size, signature, attempt and run.
+        self.template: StepCopy | None = next(iter(self.holders.values()), shared_first)
+        #: ``(node-local level, node)`` pairs the listing could not read.
+        self.unusable = unusable
+        self.mode = {node: self._mode_of(node) for node in sorted(set(self.node_of))}
+        self.directory: str | None = None  # this node's local directory of the step (or its staging)
+        self.location: CheckpointLocation | None = None
+        self.source_level = ""
+        self.job: LoadJob | None = None
+        #: The files this rank's load needs inside the checkpoint's directory, by path.
+        self.needed: dict[str, FileRecord] = {}
+        #: Why each lacking file's local copy was refused.
+        self.local_problems: dict[str, str] = {}
+        self.other_records: dict[tuple[str, str], dict[str, FileRecord]] = {}
+        #: Rank indexes this (leader) rank replaced, with their source.
+        self.healed_metadata: list[tuple[str, str]] = []
+        self.stores: dict[str, ByteStore] = {}
+
+    def _mode_of(self, node: int) -> str:
+        """``local`` (the node holds the part), ``rebuild`` (its local level has nothing of the
+        step), ``shared`` (read the shared copy directly: no usable local level, or its
+        directory of the step is another attempt) or ``none`` (no way to this step). The same
+        on every rank: it depends on the listing only."""
+        home = self.home
+        if home is not None and node in self.holders:
+            return "local"
+        usable_home = home is not None and node not in self.foreign and (home.name, node) not in self.unusable
+        if usable_home and (self.exact_shared or self.holders):
+            return "rebuild"
+        return "shared" if self.exact_shared else "none"
+
+    def refuse(self, rank: int, level: str, reason: str) -> None:
+        if (self.step, rank, level, reason) not in self.refused:
+            self.refused.append((self.step, rank, level, reason))
+
+    def agree(self, label: str, outcome: _Outcome) -> list[_Outcome] | None:
+        """All-gather the ranks' outcomes; ``None`` (and the refusals recorded) when any failed."""
+        everyone = self.coordinator.all_gather(outcome, label=f"restore step {self.step}: {label}")
+        if all(not each.reasons for each in everyone):
+            return everyone
+        for rank, each in enumerate(everyone):
+            for level, reason in each.reasons:
+                self.refuse(rank, level, reason)
+        return None
+
+    def run(self, into: Any) -> tuple[Any, RestoreReport] | None:
+        self._refuse_foreign_parts()
+        gathered = self.agree("metadata", self.metadata())
+        if gathered is not None:
+            gathered = self.agree("checking the files", self._phase(lambda: self.check(into)))
+        if gathered is not None:
+            lacking = [each.payload for each in gathered]
+            gathered = self.agree("fetching the files", self.fetch(lacking))
+            if gathered is not None and self._refuse_unhealed(lacking, gathered):
+                gathered = None
+        if gathered is not None:
+            healed = [(rank, file, source) for rank, each in enumerate(gathered) for file, source in each.payload[0]]
+            if (
+                self.agree("reading", self._phase(self.read)) is not None
+                and self.agree("committing healed parts", self._phase(lambda: self.finalize(healed))) is not None
+            ):
+                return self._loaded(healed)
+        with contextlib.suppress(OSError, ShardkeepError):
+            self.discard()
+        return None
+
+    def _refuse_unhealed(self, lacking: list[list[tuple[str, int]]], fetched: list[_Outcome]) -> bool:
+        """Refuse the step for every rank that lacks a file its node could not heal (with the
+        reasons its node's fetching rank found); whether any did."""
+        fetcher: dict[tuple[int, str], int] = {}
+        for rank, files in enumerate(lacking):
+            for path, _ in files:
+                fetcher.setdefault((self.node_of[rank], path), rank)
+        refused = False
+        for rank, files in enumerate(lacking):
+            for path, _ in files:
+                for level, reason in fetched[fetcher[(self.node_of[rank], path)]].payload[1].get(path, []):
+                    self.refuse(rank, level, reason)
+                    refused = True
+        return refused
+
+    def _loaded(self, healed: list[tuple[int, str, str]]) -> tuple[Any, RestoreReport]:
+        assert self.job is not None
+        sources = self.coordinator.all_gather(self.source_level, label="restore: each rank's level")
+        report = RestoreReport(self.step, dict(enumerate(sources)), healed)
+        report.levels_read = sorted({*sources, *(source.partition("@")[0] for _, _, source in healed)})
+        state = self.job.assemble()
+        return self.job.fill(state), report
+
+    def _refuse_foreign_parts(self) -> None:
+        """The same on every rank: the listing is everyone's."""
+        for node, copy in sorted(self.foreign.items()):
+            reason = copy.problem or f"another attempt of this step (manifest {copy.identity})"
+            self.refuse(self.node_of.index(node), copy.level, f"node {node}'s part is not used: {reason}")
+
+    def _phase(self, work: Any) -> _Outcome:
+        """Run this rank's local ``work`` (never a collective): any error becomes this rank's
+        reason to refuse the step, so that the ranks still agree instead of waiting on it."""
+        try:
+            result = work()
+        except Exception as exc:
+            return _Outcome([(self.source_level or self._level_name(), f"{type(exc).__name__}: {exc}")])
+        return result if isinstance(result, _Outcome) else _Outcome(payload=result)
+
+    def _level_name(self) -> str:
+        if self.mode[self.node] in ("local", "rebuild") and self.home is not None:
+            return self.home.name
+        return self.exact_shared[0].level if self.exact_shared else (self.home.name if self.home else "?")
+
+    # -- phase: metadata ------------------------------------------------------------------------
+    def metadata(self) -> _Outcome:
+        """Place this node's directory of the step, and its manifest and indexes, or say why not.
+        Collective: the peer exchanges of metadata run on every rank, whatever failed here."""
+        problem = self._phase(self._place)
+        self._metadata_from_peers()
+        if problem.reasons:
+            return problem
+        return self._phase(self._locate)
+
+    def _place(self) -> _Outcome | None:
+        """This rank's part of :meth:`metadata` before the peers' exchanges (no collective)."""
+        mode = self.mode[self.node]
+        if mode == "none":
+            level = self.home.name if self.home is not None else self._level_name()
+            reason = "no part on this node and no shared copy of this manifest"
+            if self.node in self.foreign:
+                reason = "this node's part is another attempt and no shared copy of this manifest exists"
+            return _Outcome([(level, reason)])
+        if mode == "shared":
+            self.source_level = self.exact_shared[0].level
+            return None
+        assert self.home is not None and self.home.root is not None
+        self.source_level = self.home.name
+        if mode == "local":
+            self.directory = os.path.join(self.home.root, self.holders[self.node].name)
+            if self.leader and self.exact_shared:
+                self._heal_indexes()
+            return None
+        # A rebuild: its staging is named after the manifest, so that every rank of the node agrees.
+        tail = self.identity.partition(":")[2][:32]
+        self.directory = os.path.join(self.home.root, sibling_name(checkpoint_name(self.step), STAGING_MARKER, tail))
+        if self.leader:
+            local_fs().remove_tree(self.directory)  # a rebuild of this manifest cut short
+            local_fs().makedirs_durable(self.directory)
+            if self.exact_shared:
+                self._metadata_from_shared()
+        return None
+
+    def _heal_indexes(self) -> None:
+        """Check this node's rank indexes (small files) and replace a missing or damaged one
+        with the shared copy's (same manifest, so the same digest)."""
+        assert self.directory is not None
+        parent, name = os.path.split(self.directory)
+        manifest = self._parse(CheckpointLocation(LocalStore(parent), name))
+        copy = self.exact_shared[0]
+        for record in self._metadata_records(manifest):
+            if record.path in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
+                continue
+            where = os.path.join(self.directory, record.path)
+            try:
+                with open(where, "rb") as file:
+                    data = file.read(record.size + 1)
+                if (
+                    len(data) == record.size
+                    and record.digest is not None
+                    and digests_equal(record.digest, digest_bytes(record.digest.partition(":")[0], data))
+                ):
+                    continue
+            except OSError:
+                pass
+            copy_file((self._store(copy.level), f"{copy.name}/{record.path}"), where, record)
+            self.healed_metadata.append((record.path, copy.level))
+
+    def _store(self, level: str) -> ByteStore:
+        """A shared level's store, opened once."""
+        if level not in self.stores:
+            self.stores[level] = _shared_store(self.views[level])
+        return self.stores[level]
+
+    def _locate(self) -> None:
+        if self.directory is not None:
+            parent, name = os.path.split(self.directory)
+            self.location = CheckpointLocation(LocalStore(parent), name)
+        else:
+            copy = self.exact_shared[0]
+            self.location = CheckpointLocation(self._store(copy.level), copy.name)
+
+    def _metadata_records(self, manifest: Manifest | None) -> list[FileRecord]:
+        """The manifest, its signature and (given the parsed manifest) the rank indexes as records."""
+        template = self.template
+        assert template is not None
+        records = [FileRecord(path=MANIFEST_FILENAME, rank=0, size=template.manifest_size, digest=self.identity)]
+        if template.signature is not None:
+            size, digest = template.signature
+            records.append(FileRecord(path=SIGNATURE_FILENAME, rank=0, size=size, digest=digest))
+        if isinstance(manifest, IndexedManifest):
+            records.extend(
+                FileRecord(path=index.path, rank=index.rank, size=index.size, digest=index.digest)
+                for index in manifest.index_records()
+            )
+        return records
+
+    def _metadata_from_shared(self) -> None:
+        copy = self.exact_shared[0]
+        store = self._store(copy.level)
+        assert self.directory is not None
+        head = self._metadata_records(None)
+        for record in head:
+            copy_file((store, f"{copy.name}/{record.path}"), os.path.join(self.directory, record.path), record)
+        manifest = self._parse(CheckpointLocation(store, copy.name))
+        for record in self._metadata_records(manifest)[len(head) :]:
+            copy_file(
+                (store, f"{copy.name}/{record.path}"), os.path.join(self.directory, record.path), record,
+                block_bytes=self.settings.block_bytes,
+            )  # fmt: skip
+
+    def _metadata_from_peers(self) -> None:
+        """Nodes rebuilding without a shared copy get the metadata from the lowest holder node's
+        leader: the manifest and signature first, then the indexes it lists (two exchanges)."""
+        needing = [node for node, mode in self.mode.items() if mode == "rebuild" and not self.exact_shared]
+        if not needing or not self.holders:
+            return
+        sender_node = min(self.holders)
+        sender = self.node_of.index(sender_node)
+        receivers = {node: self.node_of.index(node) for node in needing}
+        own_manifest: Manifest | None = None
+        if self.rank == sender and self.home is not None and self.home.root is not None:
+            parent = self.home.root
+            with contextlib.suppress(ShardkeepError, OSError):
+                own_manifest = self._parse(CheckpointLocation(LocalStore(parent), self.holders[sender_node].name))
+        for with_indexes in (False, True):
+            sends: list[FileSend] = []
+            receives: list[FileReceive] = []
+            if self.rank == sender and self.home is not None and self.home.root is not None:
+                source = os.path.join(self.home.root, self.holders[sender_node].name)
+                head = len(self._metadata_records(None))
+                records = self._metadata_records(own_manifest)
+                chosen = records[head:] if with_indexes else records[:head]
+                sends = [FileSend(rank, os.path.join(source, r.path), r) for rank in receivers.values() for r in chosen]
+            if self.rank in receivers.values() and self.directory is not None:
+                head = len(self._metadata_records(None))
+                manifest = None
+                if with_indexes:
+                    with contextlib.suppress(ShardkeepError, OSError):
+                        parent, name = os.path.split(self.directory)
+                        manifest = self._parse(CheckpointLocation(LocalStore(parent), name))
+                records = self._metadata_records(manifest)
+                chosen = records[head:] if with_indexes else records[:head]
+                receives = [FileReceive(sender, os.path.join(self.directory, r.path), r) for r in chosen]
+            run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
+
+    def _parse(self, location: CheckpointLocation) -> Manifest:
+        """The manifest at ``location`` (a committed directory or a rebuild's staging), checked
+        like a load checks it (signature policy, seal, schema), with this candidate's identity
+        and step."""
+        limits = self.settings.limits
+        path = f"{location.name}/{MANIFEST_FILENAME}"
+        sealed = read_small(location.store, path, (limits or ManifestLimits()).max_bytes, ManifestError)
+        if manifest_identity(sealed) != self.identity:
+            raise ShardkeepError(f"{location}: the manifest is not {self.identity} (changed since it was listed)")
+        policy = self.settings.signatures
+        status = authenticate(location, sealed, policy) if policy.public_key is not None else None
+        manifest = parse_manifest(sealed, where=str(location), limits=limits)
+        if status is not None and status.verified:
+            check_signed_digests(manifest, sealed)
+        if manifest.step is not None and manifest.step != self.step:
+            raise ShardkeepError(f"{location}: the manifest says step {manifest.step}, not {self.step}")
+        return manifest
+
+    # -- phase: which files, and checking them ---------------------------------------------------
+    def check(self, into: Any) -> list[tuple[str, int]]:
+        """Build this rank's load job, select the files it needs, and check the local copies of
+        them: the files this rank lacks, as ``(path, stored size)``."""
+        assert self.location is not None
+        manifest = self._parse(self.location)
+        shared = self.mode[self.node] == "shared"
+        options = LoadOptions(verify=shared, io_threads=self.settings.io_threads)
+        view = self.views.get(self.source_level)
+        self.job = job = LoadJob(
+            self.location, manifest, options, into=into, tiers=None, sections=None, tier_locations=None,
+            storage_options=view.storage_options if view is not None else None, lazy=False, progress=False,
+            limits=self.settings.limits,
+        )  # fmt: skip
+        job.select()
+        for record, wanted in zip(job.manifest.files, job.needed, strict=True):
+            if wanted != [] and job.resolver.own_directory(record):
+                self.needed[record.path] = record
+        if shared:
+            return []  # read, and verified, by the load
+        lacking: list[tuple[str, int]] = []
+        for path, record in sorted(self.needed.items()):
+            store, where = job.resolver(record)
+            if self.directory is not None and not os.path.lexists(os.path.join(self.directory, path)):
+                self.local_problems[path] = "missing"
+                lacking.append((path, record.stored_size))
+                continue
+            _, problems = check_shard(store, where, record, verify=True, keep=False)
+            if problems:
+                self.local_problems[path] = problems[0].removeprefix(f"{path}: ")
+                lacking.append((path, record.stored_size))
+        return lacking
+
+    # -- phase: fetching what a node lacks ------------------------------------------------------
+    def fetch(self, lacking: list[list[tuple[str, int]]]) -> _Outcome:
+        """Heal what this node lacks: each file by the node's lowest rank lacking it, from a
+        shared copy, else from a peer node holding it. Collective (one all-gather and one
+        exchange on every rank, whatever happens here). The payload: the files healed with
+        their source, and for each file that could not be, the reasons per level."""
+        mine: dict[str, int] = {}
+        claimed: set[tuple[int, str]] = set()
+        for rank, files in enumerate(lacking):
+            for path, size in files:
+                key = (self.node_of[rank], path)
+                if key not in claimed:
+                    claimed.add(key)
+                    if rank == self.rank:
+                        mine[path] = size
+        healed: list[tuple[str, str]] = list(self.healed_metadata)
+        shared_reasons: dict[str, list[tuple[str, str]]] = {}
+        still: list[tuple[str, int]] = []
+        for path, size in sorted(mine.items()):
+            source, why = self._from_shared(self.needed[path])
+            if source is not None:
+                healed.append((path, source))
+            else:
+                shared_reasons[path] = why
+                still.append((path, size))
+        offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
+        everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
+        holders: dict[str, list[int]] = {}
+        for rank, (_, offered) in enumerate(everyone):
+            for path in offered:
+                holders.setdefault(path, []).append(self.node_of[rank])
+        pending = [(rank, path, size) for rank, (requests, _) in enumerate(everyone) for path, size in requests]
+        peer_reasons: dict[str, str] = {}
+        for path, _ in still:
+            if not [node for node in holders.get(path, []) if node != self.node]:
+                peer_reasons[path] = "no other node holds it"
+        turns = max((len([n for n in holders.get(p, []) if n != self.node_of[r]]) for r, p, _ in pending), default=0)
+        for turn in range(turns):
+            written = self._from_peers(pending, holders, turn, healed, peer_reasons)
+            done = self.coordinator.all_gather(written, label=f"restore step {self.step}: files sent by peers")
+            pending = [(rank, path, size) for rank, path, size in pending if path not in done[rank]]
+        failed: dict[str, list[tuple[str, str]]] = {}
+        home = self.home.name if self.home is not None else "?"
+        for path in sorted(peer_reasons):
+            local = self.local_problems.get(path, "missing")
+            failed[path] = [(home, f"{path}: {local} on node {self.node}; {peer_reasons[path]}")]
+            failed[path].extend(shared_reasons.get(path, []))
+        return _Outcome(payload=(healed, failed))
+
+    def _from_shared(self, record: FileRecord) -> tuple[str | None, list[tuple[str, str]]]:
+        """Copy ``record``'s file from a shared copy of this step whose record of it has the
+        same digest: the level it came from, or ``None`` and why each shared level could not."""
+        assert self.directory is not None
+        destination = os.path.join(self.directory, record.path)
+        reasons: list[tuple[str, str]] = []
+        for copy in [*self.exact_shared, *self.other_shared]:
+            try:
+                store = self._store(copy.level)
+                if copy.identity != self.identity:
+                    theirs = self._shared_record(store, copy, record.path)
+                    if theirs is None or theirs.digest != record.digest or theirs.stored_size != record.stored_size:
+                        reasons.append((copy.level, f"{record.path}: step {self.step} there is another attempt"))
+                        continue
+                copy_file(
+                    (store, f"{copy.name}/{record.path}"), destination, record, block_bytes=self.settings.block_bytes
+                )
+            except (OSError, ShardkeepError) as exc:
+                reasons.append((copy.level, f"{record.path}: {exc}"))
+                continue
+            return copy.level, []
+        shared_levels = [view.name for view in self.views.values() if not view.node_local]
+        listed = {copy.level for copy in [*self.exact_shared, *self.other_shared]}
+        reasons.extend((name, f"no copy of step {self.step}") for name in shared_levels if name not in listed)
+        return None, reasons
+
+    def _shared_record(self, store: ByteStore, copy: StepCopy, path: str) -> FileRecord | None:
+        """The record of ``path`` in another attempt's manifest on a shared level (read once)."""
+        key = (copy.level, copy.name)
+        if key not in self.other_records:
+            location = CheckpointLocation(store, copy.name)
+            manifest = read_checked_manifest(location, self.settings.signatures, self.settings.limits, expand=True)
+            self.other_records[key] = {record.path: record for record in manifest.files}
+        return self.other_records[key].get(path)
+
+    def _offers(self, claimed: set[tuple[int, str]], lacking: list[list[tuple[str, int]]]) -> list[str]:
+        """Which of the files other nodes lack this (holding) node has, at the right size."""
+        assert self.directory is not None
+        sizes = {path: size for files in lacking for path, size in files}
+        offered: list[str] = []
+        for node, path in sorted(claimed):
+            if node == self.node or path in offered:
+                continue
+            with contextlib.suppress(OSError):
+                info = os.stat(os.path.join(self.directory, path), follow_symlinks=False)
+                if info.st_size == sizes[path] and os.path.isfile(os.path.join(self.directory, path)):
+                    offered.append(path)
+        return offered
+
+    def _from_peers(
+        self,
+        pending: list[tuple[int, str, int]],
+        holders: dict[str, list[int]],
+        turn: int,
+        healed: list[tuple[str, str]],
+        reasons: dict[str, str],
+    ) -> list[str]:
+        """One exchange of the files nodes still lack: each request goes to the ``turn``-th
+        other node offering the file (in node order), served by that node's ranks in turn; the
+        same plan on every rank. Collective. Returns the paths this rank received; adds them
+        to ``healed`` and the refusals to ``reasons``."""
+        sends: list[FileSend] = []
+        receives: list[FileReceive] = []
+        for count, (rank, path, size) in enumerate(pending):
+            servers = sorted(node for node in holders.get(path, []) if node != self.node_of[rank])
+            if turn >= len(servers):
+                continue
+            ranks = [r for r, n in enumerate(self.node_of) if n == servers[turn]]
+            server = ranks[count % len(ranks)]
+            if server == self.rank and self.directory is not None:
+                record = FileRecord(path=path, rank=0, size=size, digest=None)
+                sends.append(FileSend(rank, os.path.join(self.directory, path), record))
+            if rank == self.rank and self.directory is not None:
+                receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
+        exchange = run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
+        home = self.home.name if self.home is not None else "?"
+        received: list[str] = []
+        for receive in receives:
+            path, destination = receive.record.path, os.fspath(receive.destination)
+            if destination in exchange.written:
+                received.append(path)
+                healed.append((path, f"{home}@node{self.node_of[receive.peer]}"))
+                reasons.pop(path, None)
+        for path, source, reason in [*exchange.refused, *exchange.failed]:
+            said = f"node {self.node_of[source]} (rank {source}): {reason}"
+            reasons[path] = f"{reasons[path]}; {said}" if path in reasons else said
+        return received
+
+    # -- phases: reading, committing, loading ---------------------------------------------------
+    def read(self) -> None:
+        """Read this rank's files (verified when read from a shared copy; the local ones were
+        checked or arrived checked)."""
+        assert self.job is not None
+        self.job.read()
+
+    def finalize(self, healed: list[tuple[int, str, str]]) -> None:
+        """The node leader records the node's healed files in its part, or renames a rebuilt
+        part into place with its ``node-part.json``."""
+        if not self.leader or self.directory is None or self.home is None or self.home.root is None:
+            return
+        metadata = (MANIFEST_FILENAME, SIGNATURE_FILENAME, INDEX_DIRECTORY)
+        files = sorted({f for rank, f, _ in healed if self.node_of[rank] == self.node and not f.startswith(metadata)})
+        fs = local_fs()
+        mode = self.mode[self.node]
+        if mode == "local" and files:
+            where = os.path.join(self.directory, NODE_PART_FILENAME)
+            with open(where, "rb") as handle:
+                part = decode_node_part(handle.read(1 << 24), where=where)
+            part.healed = sorted(set(part.healed) | (set(files) - set(part.files)))
+            fs.write_file_atomic(where, encode_node_part(part))
+        elif mode == "rebuild":
+            template = self.template
+            part = NodePart(
+                node=self.node, nodes=len(set(self.node_of)), ranks=self.node_ranks, world_size=len(self.node_of),
+                files=[], attempt=(template.attempt if template else None) or "restored",
+                manifest_digest=self.identity, run_id=template.run_id if template else None, healed=files,
+            )  # fmt: skip
+            fs.write_file_atomic(os.path.join(self.directory, NODE_PART_FILENAME), encode_node_part(part))
+            final = os.path.join(self.home.root, checkpoint_name(self.step))
+            fs.rename_noreplace(self.directory, final)
+            fs.fsync_directory(self.home.root)
+            self.directory = final
+
+    def discard(self) -> None:
+        """After a refused step: remove a rebuilt part's staging directory (healed files in an
+        existing part stay: they are the step's own bytes)."""
+        if self.leader and self.mode[self.node] == "rebuild" and self.directory is not None:
+            local_fs().remove_tree(self.directory)
