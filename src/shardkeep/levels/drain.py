@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -571,12 +572,17 @@ class Drain:
                 "drain of %s: removing its leftovers failed (%s); recover_drains removes them", self.name, exc
             )
 
-    def wait(self, timeout: float) -> DrainState:
-        """Wait up to ``timeout`` seconds for this rank's copy, then poll once (collective):
-        returns within about ``timeout`` plus one collective, committed, failed or running."""
+    def wait(self, timeout: float | None) -> DrainState:
+        """Wait up to ``timeout`` seconds (``None``: without a limit) for this rank's copy, then
+        poll once (collective): returns within about ``timeout`` plus one collective,
+        committed, failed or running (another rank still copying)."""
         if self._final is not None:
             return self._final
         self._require_started()
+        if timeout is None or math.isinf(timeout):
+            for thread in self._threads:
+                thread.join()
+            return self.poll()
         deadline = time.monotonic() + max(0.0, timeout)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))

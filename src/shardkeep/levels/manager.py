@@ -19,6 +19,7 @@ the caller's thread only; a drain's background threads copy bytes and never take
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -423,6 +424,8 @@ class MultiLevelManager:
         step = shared.drain_step
         try:
             outcome = drain.wait(wait) if wait > 0 else drain.poll()
+            while outcome.state == "running" and math.isinf(wait):  # another rank still copying
+                outcome = drain.wait(None)
         except ShardkeepError as exc:
             shared.drain = None
             self._fail(shared.level, f"the drain of step {step}", exc, result)
