@@ -9,6 +9,7 @@ from each level; the status listing.
 
 from __future__ import annotations
 
+import errno
 import logging
 from pathlib import Path
 from typing import Any
@@ -246,3 +247,130 @@ def test_a_required_level_that_fails_fails_the_save(tmp_path: Path) -> None:
     manager.close(wait=False)
     # the local step committed before the drain failed
     assert (tmp_path / "node0" / "step_00000004" / "manifest.json").exists()
+
+
+def _one_level_pair(tmp: Path, *, drain_wait: float = 0.0) -> sk.MultiLevelManager:
+    """A local level and a drain level, both every step (one process)."""
+    return sk.MultiLevelManager(
+        [
+            sk.Level("local", str(tmp / "node{node}"), node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
+            sk.Level("persistent", str(tmp / "persistent"), source="drain", save_policy=sk.SavePolicy(every_steps=1)),
+        ],
+        drain_wait=drain_wait,
+    )
+
+
+def test_a_save_waits_for_a_slow_drain_at_most_drain_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import shardkeep.levels.drain as drain_module
+
+    release = threading.Event()
+    real_copy = drain_module.copy_with_digest
+
+    def slow_copy(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)  # the persistent level is stuck until the test releases it
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "copy_with_digest", slow_copy)
+    manager = _one_level_pair(tmp_path, drain_wait=0.3)
+    first = manager.save({"w": torch.ones(1000)}, step=0)
+    assert first.draining == {"persistent": "step_00000000"}
+    second = manager.save({"w": torch.ones(1000) * 2}, step=1)
+    # the local save committed; the drain of step 1 was skipped after waiting drain_wait at most
+    assert second.committed == {"local": "step_00000001"}
+    assert "still running" in second.skipped["persistent"]
+    assert second.blocked_seconds < 0.3 + 5.0
+    release.set()
+    manager.close()
+    assert _steps(tmp_path / "persistent") == ["step_00000000"]
+    assert sk.verify(tmp_path / "persistent" / "step_00000000").ok
+
+
+_CRASH_IN_DRAIN = """
+import os, sys, threading, torch
+import shardkeep as sk
+import shardkeep.levels.drain as drain_module
+tmp = sys.argv[1]
+levels = [
+    sk.Level("local", tmp + "/node{node}", node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
+    sk.Level("persistent", tmp + "/persistent", source="drain", save_policy=sk.SavePolicy(every_steps=1)),
+]
+manager = sk.MultiLevelManager(levels)
+manager.save({"w": torch.full((1000,), 0.0)}, step=0)
+manager.wait_for_drains()
+real_copy = drain_module.copy_with_digest
+copied = threading.Event()
+def copy_then_stall(*args, **kwargs):
+    found = real_copy(*args, **kwargs)
+    copied.set()
+    threading.Event().wait()  # the process dies while the drain is still open
+    return found
+drain_module.copy_with_digest = copy_then_stall
+manager.save({"w": torch.full((1000,), 1.0)}, step=1)
+copied.wait(30)
+os._exit(9)
+"""
+
+
+def test_a_drain_cut_off_by_a_crash_is_cleaned_up_and_resumed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CRASH_IN_DRAIN, str(tmp_path)], capture_output=True, timeout=120)
+    assert done.returncode == 9, done.stderr.decode()[-2000:]
+    persistent = tmp_path / "persistent"
+    assert _steps(persistent) == ["step_00000000"]
+    assert [p.name for p in persistent.iterdir() if ".tmp-" in p.name], "the cut-off drain left its staging"
+    manager = _one_level_pair(tmp_path)
+    state = {"w": torch.zeros(1000)}
+    restored = manager.restore(into=state)
+    assert restored is not None and restored.step == 1 and torch.equal(state["w"], torch.full((1000,), 1.0))
+    manager.close()  # the resumed drain of step 1 commits
+    assert _steps(persistent) == ["step_00000000", "step_00000001"]
+    assert not [p.name for p in persistent.iterdir() if ".tmp-" in p.name]
+    assert sk.verify(persistent / "step_00000001").ok
+    assert (persistent / "step_00000001" / "manifest.json").read_bytes() == (
+        tmp_path / "node0" / "step_00000001" / "manifest.json"
+    ).read_bytes()
+
+
+def test_a_transient_error_on_the_persistent_level_is_retried_and_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shardkeep.levels.drain as drain_module
+
+    real_copy = drain_module.copy_with_digest
+    failures = []
+
+    def flaky_copy(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise sk.StorageError("write failed (injected)") from OSError(errno.EIO, "Input/output error")
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "copy_with_digest", flaky_copy)
+    levels = _levels(str(tmp_path), local_every=1, persist_every=1)
+    manager = sk.MultiLevelManager(levels, retry=sk.RetryPolicy(attempts=3, initial_backoff=0.01))
+    with caplog.at_level(logging.WARNING):
+        manager.save({"w": torch.ones(64)}, step=0)
+        manager.close()
+    assert failures == [1]
+    assert any("attempt 1 of 3" in message for message in caplog.messages), caplog.messages
+    assert _steps(tmp_path / "persistent") == ["step_00000000"]
+    assert sk.verify(tmp_path / "persistent" / "step_00000000").ok
+
+
+def test_verify_checks_a_node_part_against_its_node_part_json(tmp_path: Path) -> None:
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 8, outbox=tmp_path / "out"))
+    part = tmp_path / "node1" / "step_00000008"
+    report = sk.verify(part)
+    assert report.ok, report.problems
+    assert any("node 1's part" in warning for warning in report.warnings), report.warnings
+    held = sorted(part.rglob("*.safetensors"))
+    assert report.files_checked == len(held)
+    data = bytearray(held[0].read_bytes())
+    data[-1] ^= 0xFF
+    held[0].write_bytes(bytes(data))
+    damaged = sk.verify(part)
+    assert not damaged.ok and any(held[0].name in problem for problem in damaged.problems), damaged.problems

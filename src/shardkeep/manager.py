@@ -285,6 +285,14 @@ class CheckpointManager:
         """This run's id: given, adopted by :meth:`restore`, or created by the first save."""
         return self._run_id
 
+    def adopt_run_id(self, run_id: str) -> None:
+        """Take ``run_id`` as this run's id when the manager has none yet (a run resumed
+        elsewhere, e.g. by a ``MultiLevelManager`` restoring from another level); a manager
+        that already has another id keeps it."""
+        if self._run_id is None:
+            check_manager_arguments(run_id, self.staging_lease, False, True, self.save_settings)
+            self._run_id = run_id
+
     def _refuse_if_read_only(self, verb: str) -> None:
         if self.read_only:
             raise ConfigError(f"this manager of {self.catalog.display} is read_only=True; it cannot {verb}")

@@ -22,7 +22,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,7 @@ from shardkeep.levels.nodes import NodeMap, node_map
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.levels.status import LevelCopy, level_copies
 from shardkeep.manager import CheckpointManager
-from shardkeep.manager_setup import manager_groups
+from shardkeep.manager_setup import manager_groups, new_run_id
 from shardkeep.manifest import RetentionRecord, RunInfo
 from shardkeep.names import checkpoint_name, step_of_checkpoint
 from shardkeep.options import ManifestFields
@@ -89,6 +88,8 @@ class _Shared:
         self.schedule = SaveSchedule(level.save_policy) if level.save_policy is not None else None
         self.drain: Drain | None = None
         self.drain_step: int | None = None
+        #: Due while no local step committed since: the next one is drained.
+        self.drain_due = False
 
 
 class MultiLevelManager:
@@ -253,22 +254,35 @@ class MultiLevelManager:
             self._ensure_run_id(coordinator)
             if self.local is not None and self.local.name in wanted:
                 self._save_local(payload, step, metrics, coordinator, result)
+            local_name = self.local.name if self.local is not None else None
             for name, shared in self._shared.items():
-                if name not in wanted:
+                if shared.level.source == "save":
+                    if name in wanted:
+                        self._save_shared(shared, payload, step, metrics, result)
                     continue
-                if shared.level.source == "drain":
+                # A drain level due at a step the local level did not save drains the next
+                # local step that commits (a time or function rule: the newest local step).
+                shared.drain_due = shared.drain_due or name in wanted
+                if shared.drain_due and local_name in result.committed:
+                    shared.drain_due = False
                     self._start_drain(shared, step, coordinator, result)
-                else:
-                    self._save_shared(shared, payload, step, metrics, result)
             result.blocked_seconds = time.perf_counter() - started
             return result
 
+    @property
+    def run_id(self) -> str | None:
+        """This run's id: given, adopted by :meth:`restore`, or created by the first save."""
+        return self._run_id
+
     def _ensure_run_id(self, coordinator: Coordinator) -> None:
         if self._run_id is None:
-            self._run_id = coordinator.broadcast(uuid.uuid4().hex if coordinator.is_coordinator else None)
-            for shared in self._shared.values():
-                if shared.manager.run_id is None:
-                    shared.manager._run_id = self._run_id
+            self._adopt_run_id(coordinator.broadcast(new_run_id() if coordinator.is_coordinator else None))
+
+    def _adopt_run_id(self, run_id: str) -> None:
+        """Take ``run_id`` as this run's, on every level (each shared level's manager too)."""
+        self._run_id = run_id
+        for shared in self._shared.values():
+            shared.manager.adopt_run_id(run_id)
 
     def _fail(self, level: Level, what: str, exc: BaseException, result: LevelsSaveResult) -> None:
         if level.required:
@@ -396,6 +410,8 @@ class MultiLevelManager:
             self._fail(level, f"the drain of step {step}", exc, result)
             return
         shared.drain_step = step
+        if shared.schedule is not None:  # the cadence counts from the drain's start
+            shared.schedule.saved(step)
         result.draining[level.name] = checkpoint_name(step)
 
     def _new_drain(self, shared: _Shared, step: int, coordinator: Coordinator) -> Drain:
@@ -520,6 +536,8 @@ class MultiLevelManager:
                 return None  # no level holds any step: a fresh run
             finally:
                 self._resume_drains(again, coordinator)
+            if self._run_id is None and report.run_id:
+                self._adopt_run_id(report.run_id)
             for shared in self._shared.values():
                 if shared.schedule is not None:
                     shared.schedule.saved(report.step)

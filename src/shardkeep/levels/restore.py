@@ -122,7 +122,8 @@ class RestoreReport:
     a shared level's name or ``"<level>@node<N>"`` for a peer node's copy. ``refused``:
     ``(step, rank, level, reason)`` for each copy of a newer step (or of this one) that could
     not be used. ``levels_read``: the levels any byte was read from. ``unreachable``: the
-    levels that could not be listed, with the reason."""
+    levels that could not be listed, with the reason. ``run_id``: the run that saved the step
+    (``None`` when its manifest records none); ``metrics``: its recorded metrics."""
 
     step: int
     source: dict[int, str] = field(default_factory=dict)
@@ -130,6 +131,8 @@ class RestoreReport:
     refused: list[tuple[int, int, str, str]] = field(default_factory=list)
     levels_read: list[str] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
+    run_id: str | None = None
+    metrics: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -459,6 +462,9 @@ class _StepAttempt:
         sources = self.coordinator.all_gather(self.source_level, label="restore: each rank's level")
         report = RestoreReport(self.step, dict(enumerate(sources)), healed)
         report.levels_read = sorted({*sources, *(source.partition("@")[0] for _, _, source in healed)})
+        manifest = self.job.manifest
+        report.run_id = manifest.run.run_id if manifest.run is not None else None
+        report.metrics = dict(manifest.metrics)
         state = self.job.assemble()
         return self.job.fill(state), report
 
