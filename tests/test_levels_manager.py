@@ -374,3 +374,30 @@ def test_verify_checks_a_node_part_against_its_node_part_json(tmp_path: Path) ->
     held[0].write_bytes(bytes(data))
     damaged = sk.verify(part)
     assert not damaged.ok and any(held[0].name in problem for problem in damaged.problems), damaged.problems
+
+
+def _readme_levels_code(tmp: Path) -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Two levels: save often to local disks, persist less often", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"/local_nvme/ckpt"' in code and '"s3://bucket/run-17"' in code
+    return code.replace('"/local_nvme/ckpt"', repr(str(tmp / "local"))).replace(
+        '"s3://bucket/run-17"', repr(str(tmp / "persistent"))
+    )
+
+
+def test_the_readme_levels_loop_runs_and_resumes(tmp_path: Path) -> None:
+    prelude = (
+        "import torch\nimport shardkeep as sk\n"
+        "state = {'w': torch.zeros(4)}\n"
+        "def train_step():\n    state['w'] += 1\n    return float(state['w'][0])\n"
+    )
+    code = _readme_levels_code(tmp_path)
+    first: dict[str, Any] = {"total_steps": 215}
+    exec(compile(prelude + code, "README.md", "exec"), first)
+    assert _steps(tmp_path / "local") == ["step_00000200", "step_00000210"]
+    assert _steps(tmp_path / "persistent") == ["step_00000000", "step_00000100", "step_00000200"]
+    again: dict[str, Any] = {"total_steps": 215}
+    exec(compile(prelude.replace("torch.zeros(4)", "torch.full((4,), -1.0)") + code, "README.md", "exec"), again)
+    # resumed from the newest local step: 211 increments in all, then 4 more after the restore
+    assert again["restored"].step == 210 and float(again["state"]["w"][0]) == 211 + 4

@@ -251,6 +251,7 @@ class MultiLevelManager:
                 if unknown:
                     raise ConfigError(f"levels={list(levels)!r}: no level named {unknown}")
                 wanted = list(levels)
+            self._check_metrics(wanted, metrics)
             self._ensure_run_id(coordinator)
             if self.local is not None and self.local.name in wanted:
                 self._save_local(payload, step, metrics, coordinator, result)
@@ -268,6 +269,21 @@ class MultiLevelManager:
                     self._start_drain(shared, step, coordinator, result)
             result.blocked_seconds = time.perf_counter() - started
             return result
+
+    def _check_metrics(self, wanted: Sequence[str], metrics: Mapping[str, Any] | None) -> None:
+        """Refuse metrics that lack the metric a level about to save ranks by (as
+        ``CheckpointManager.save`` does), before anything is written."""
+        if metrics is None:
+            return
+        if not isinstance(metrics, Mapping):
+            raise ConfigError(f"metrics= must be a mapping of names to numbers, got {type(metrics).__name__}")
+        for level in self.levels:
+            policy = level.retention
+            if level.name in wanted and policy is not None and policy.keep_best and policy.metric not in metrics:
+                raise ConfigError(
+                    f"level {level.name!r} keeps the best {policy.keep_best} by {policy.metric!r}, but metrics has "
+                    f"no {policy.metric!r}: got {sorted(metrics)} (or give it keep_best=0)"
+                )
 
     @property
     def run_id(self) -> str | None:
