@@ -401,3 +401,18 @@ def test_the_readme_levels_loop_runs_and_resumes(tmp_path: Path) -> None:
     exec(compile(prelude.replace("torch.zeros(4)", "torch.full((4,), -1.0)") + code, "README.md", "exec"), again)
     # resumed from the newest local step: 211 increments in all, then 4 more after the restore
     assert again["restored"].step == 210 and float(again["state"]["w"][0]) == 211 + 4
+
+
+def test_a_level_without_retention_keeps_every_step(tmp_path: Path) -> None:
+    manager = sk.MultiLevelManager(
+        [
+            sk.Level("local", str(tmp_path / "node{node}"), node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
+            sk.Level("persistent", str(tmp_path / "persistent"), source="drain"),
+        ]
+    )
+    for step in range(4):
+        manager.save({"w": torch.full((4,), float(step))}, step=step)
+        manager.wait_for_drains()
+    manager.close()
+    assert len(_steps(tmp_path / "node0")) == 4
+    assert len(_steps(tmp_path / "persistent")) == 4

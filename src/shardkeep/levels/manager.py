@@ -42,7 +42,7 @@ from shardkeep.manager_setup import manager_groups, new_run_id
 from shardkeep.manifest import RetentionRecord, RunInfo
 from shardkeep.names import checkpoint_name, step_of_checkpoint
 from shardkeep.options import ManifestFields
-from shardkeep.retention import CheckpointInfo, decide
+from shardkeep.retention import CheckpointInfo, RetentionPolicy, decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
 from shardkeep.training import TrainingCheckpoint
@@ -142,7 +142,6 @@ class MultiLevelManager:
             if self.local is not None and self.local.save_policy is not None
             else None
         )
-        self._local_steps: list[int] = []
         self._settings = SaveSettings.of(
             manager_groups({}, self.options, None, False, fields), signer=signer, process_group=process_group
         )
@@ -151,13 +150,13 @@ class MultiLevelManager:
             if level.node_local:
                 continue
             probe_level(level)
-            policy = level.retention
+            policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=_keep_every_step)
             manager = CheckpointManager(
                 level.root_of(),
-                keep_last=policy.keep_last if policy else 1,
-                keep_best=policy.keep_best if policy else 1,
-                metric=policy.metric if policy else "val_loss",
-                mode=policy.mode if policy else "min",
+                keep_last=policy.keep_last,
+                keep_best=policy.keep_best,
+                metric=policy.metric,
+                mode=policy.mode,
                 run_id=run_id,
                 storage_options=level.storage_options,
                 process_group=process_group,
@@ -168,8 +167,7 @@ class MultiLevelManager:
                 retry=retry,
                 progress=progress,
             )
-            if policy is not None:
-                manager.policy = policy
+            manager.policy = policy
             self._shared[level.name] = _Shared(level, manager)
 
     def __repr__(self) -> str:
@@ -612,6 +610,11 @@ class MultiLevelManager:
                 self._fail(shared.level, f"the resumed drain of step {step}", exc, result)
                 continue
             shared.drain_step = step
+
+
+def _keep_every_step(checkpoint: CheckpointInfo) -> bool:
+    """The retention of a level given ``retention=None``: every step is kept."""
+    return True
 
 
 def _info(root: str, found: LocalStep, metric: str) -> CheckpointInfo:
