@@ -46,7 +46,7 @@ from shardkeep.options import ManifestFields
 from shardkeep.retention import CheckpointInfo, decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
-from shardkeep.training import TrainingCheckpoint
+from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
@@ -507,19 +507,29 @@ class MultiLevelManager:
     # -- restoring -----------------------------------------------------------------------------
     def restore(self, into: Any = None) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
-        (see docs/levels.md); ``None`` when no level holds any step. Collective."""
+        (see docs/levels.md); ``None`` when no level holds any step. Collective.
+
+        With a :class:`~shardkeep.training.TrainingCheckpoint` as ``into``, as
+        :meth:`CheckpointManager.restore <shardkeep.manager.CheckpointManager.restore>` does: its
+        modules, optimizer, EMA and scheduler are filled in place, its plain fields (iteration,
+        best_val_loss, data_position, rng) are taken from the checkpoint (``model_args`` and
+        ``config`` stay the caller's), and with ``track_rng`` the RNG states the checkpoint holds
+        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
         with self._lock:
             coordinator = self._coordinator()
             views = self._views(coordinator)
             again = self._recover(coordinator)
+            training = isinstance(into, TrainingCheckpoint)
+            target = into.load_target() if training else into
             try:
-                state, report = restore_best(views, into, coordinator, self._node_map(coordinator))
+                state, report = restore_best(views, target, coordinator, self._node_map(coordinator))
             except NoCompleteStepError as exc:
                 if exc.refusals:
                     raise
                 return None  # no level holds any step: a fresh run
             finally:
                 self._resume_drains(again, coordinator)
+            state = _training_state(into, state)
             for shared in self._shared.values():
                 if shared.schedule is not None:
                     shared.schedule.saved(report.step)
@@ -578,6 +588,20 @@ class MultiLevelManager:
                 self._fail(shared.level, f"the resumed drain of step {step}", exc, result)
                 continue
             shared.drain_step = step
+
+
+def _training_state(into: Any, loaded: Any) -> Any:
+    """The restored state as the caller wants it: ``into`` (a TrainingCheckpoint) updated from
+    what was loaded into its target, with its RNG states put back; a loaded TrainingCheckpoint
+    state as one; anything else as loaded."""
+    if isinstance(into, TrainingCheckpoint):
+        into.update_from({key: value for key, value in loaded.items() if key not in ("model_args", "config")})
+        if into.track_rng and into.rng is not None and "rng" in loaded:
+            TrainingCheckpoint.restore_rng(into.rng)
+        return into
+    if into is None and isinstance(loaded, Mapping) and loaded.get("schema") == TRAINING_CHECKPOINT_SCHEMA:
+        return TrainingCheckpoint.from_state(loaded)
+    return loaded
 
 
 def _info(root: str, found: LocalStep, metric: str) -> CheckpointInfo:
