@@ -242,3 +242,13 @@ def test_listing_levels_imports_no_torch(trained: Path) -> None:
     done = subprocess.run([sys.executable, "-c", program], check=True, capture_output=True, text=True)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == {"code": 0, "steps": [8, 6, 4, 0], "torch": []}
+
+
+def test_a_node_whose_root_is_gone_is_named_and_a_missing_level_is_unreachable(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "node1")
+    code, document = _json(*_levels(run_dir))
+    assert code == 0
+    newest = document["steps"][0]["levels"]["local"]
+    assert newest["state"] == "incomplete" and newest["missing_nodes"] == [1]
+    code, document = _json("--level", f"local={run_dir / 'nowhere{node}'}")
+    assert code == 1 and "does not exist" in document["levels"][0]["unreachable"]

@@ -120,7 +120,8 @@ def _write_levels_text(
         if document["unreachable"] is not None:
             how = f"   UNREACHABLE: {document['unreachable']}"
         elif document["every_node"]:
-            how = f"   node-local, every node read ({document['nodes'] or 0} nodes)"
+            count = int(document["nodes"] or 0)
+            how = f"   node-local, every node read ({count} node{'s' if count != 1 else ''})"
         elif document["node_local"]:
             how = "   node-local: this node's part only (use {node} in ROOT to read every node's root)"
         w(printable(f"level   {document['name']:<{label}} {document['root']}{how}\n"))

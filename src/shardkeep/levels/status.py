@@ -109,10 +109,12 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def node_local_copies(level: str, root: str, *, verify: bool = False) -> list[LevelCopy]:
     """The copies this node's part of a node-local level holds (see
-    :func:`~shardkeep.levels.local_catalog.scan`). A root that is not a directory raises
-    :class:`~shardkeep.errors.StorageError`."""
+    :func:`~shardkeep.levels.local_catalog.scan`). A root that does not exist or is not a
+    directory raises :class:`~shardkeep.errors.StorageError`."""
     path = local_path(root) or root
-    if os.path.exists(path) and not os.path.isdir(path):
+    if not os.path.exists(path):
+        raise StorageError(f"{root} does not exist")
+    if not os.path.isdir(path):
         raise StorageError(f"{root} is not a directory")
     copies: list[LevelCopy] = []
     for found in scan(root, verify=verify):
@@ -141,11 +143,16 @@ def node_local_copies(level: str, root: str, *, verify: bool = False) -> list[Le
 
 def every_node_copies(level: str, template: str, *, verify: bool = False) -> list[LevelCopy]:
     """Every node's part of a node-local level whose root is ``template`` with ``{node}``: the
-    node count is the largest any part records (node 0, 1, ... are read until then)."""
+    node count is the largest any part records (node 0, 1, ... are read until then; node 0's
+    root must exist, another node's may be gone)."""
     copies: list[LevelCopy] = []
     node, nodes = 0, 1
     while node < nodes:
-        found = node_local_copies(level, template.replace(NODE_FIELD, str(node)), verify=verify)
+        root = template.replace(NODE_FIELD, str(node))
+        if node > 0 and not os.path.exists(local_path(root) or root):
+            node += 1  # a node whose root is gone: step_summary names it among the missing
+            continue
+        found = node_local_copies(level, root, verify=verify)
         nodes = max([nodes, *(copy.nodes for copy in found if copy.nodes is not None)])
         copies += found
         node += 1
@@ -171,6 +178,11 @@ def shared_copies(
         state: CopyState = "damaged" if problems else "committed"
         detail = "; ".join(problems[:3]) if problems else ("digests verified" if verify else "files present, not read")
         copies.append(LevelCopy(level, item.name, item.step, state, detail, root=root))
+    listed = {item.name for item in found}
+    for name, info in catalog.store.list_dir(""):
+        step = step_of_name(name)
+        if step is not None and info.kind == "dir" and name not in listed:  # an object store's, as above
+            copies.append(LevelCopy(level, name, step, "draining", "files without a manifest", root=root))
     for name, idle in catalog.leftovers():
         if not is_derived_name(name, STAGING_MARKER):
             continue
