@@ -54,7 +54,7 @@ def _train(rank: int, world_size: int, tmp: str) -> None:
             retention=sk.RetentionPolicy(keep_last=3, keep_best=0),
         ),
     ]
-    manager = sk.MultiLevelManager(levels, node_of=_node_of, timeout=60)
+    manager = sk.MultiLevelManager(levels, node_of=_node_of, timeout=60, drain_wait=60)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for step in range(9):
         if manager.should_save(step):
