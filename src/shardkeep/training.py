@@ -107,7 +107,12 @@ class TrainingCheckpoint:
     def fingerprint_source(self) -> dict[str, Any]:
         return {"model_args": dict(self.model_args), "config": dict(self.config)}
 
-    def _update_from(self, state: Mapping[str, Any]) -> None:
+    def load_target(self) -> dict[str, Any]:
+        """The mapping a restore loads into: the objects of :data:`FILLED` that are set (filled
+        in place); the load adds the plain fields, for :meth:`update_from`."""
+        return {name: value for name, value in self.to_state().items() if name in FILLED and value is not None}
+
+    def update_from(self, state: Mapping[str, Any]) -> None:
         """After an in-place load: take the plain fields from ``state`` (live objects were filled
         in place and are kept)."""
         for name in (*_REQUIRED, *_OPTIONAL):
@@ -117,6 +122,8 @@ class TrainingCheckpoint:
             if is_stateful(current):
                 continue
             setattr(self, name, state[name])
+
+    _update_from = update_from
 
     @staticmethod
     def capture_rng() -> dict[str, Any]:

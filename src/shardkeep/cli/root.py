@@ -42,7 +42,8 @@ def add_ls(commands: Any) -> None:
     """``shardkeep ls``: list the checkpoints of a root."""
     listing = commands.add_parser(
         "ls",
-        help="list the checkpoints in a root: step, metric, size, last/best marks, verification state",
+        help="list the checkpoints in a root (step, metric, size, last/best marks, verification state), or each "
+        "level's copies of every step (--level)",
         description="List the committed checkpoints (step_<N> directories: step_ and the step in digits, e.g. "
         "step_100 or step_00000100) of a checkpoint-manager root. Marks and "
         "the policy come from the manifests (the newest one records the manager's policy); --keep-last/--keep-best/"
@@ -53,7 +54,10 @@ def add_ls(commands: Any) -> None:
         "is sound. A checkpoint whose name disagrees with the step in its manifest (renamed or copied) is flagged "
         "and never marked. Exit 0 when every check passes, 1 if a checkpoint is corrupt or misnamed, 2 when ROOT "
         "holds no checkpoints (or is a checkpoint itself) or cannot be read, or a checkpoint's tier location is "
-        "missing (remap it with --tier-location).",
+        "missing (remap it with --tier-location). With --level NAME=ROOT (repeated, instead of ROOT) it lists "
+        "the levels of a MultiLevelManager: one row per step, each level's copies of it and their state "
+        "(committed, draining, damaged; on a node-local level, which nodes hold a part); exit 1 when a copy is "
+        "damaged or a level cannot be read.",
     )
     listing.add_argument(
         "root",

@@ -45,7 +45,7 @@ from shardkeep.options import ManifestFields
 from shardkeep.retention import CheckpointInfo, RetentionPolicy, decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
-from shardkeep.training import TrainingCheckpoint
+from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
@@ -537,13 +537,22 @@ class MultiLevelManager:
     # -- restoring -----------------------------------------------------------------------------
     def restore(self, into: Any = None) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
-        (see docs/levels.md); ``None`` when no level holds any step. Collective."""
+        (see docs/levels.md); ``None`` when no level holds any step. Collective.
+
+        With a :class:`~shardkeep.training.TrainingCheckpoint` as ``into``, as
+        :meth:`CheckpointManager.restore <shardkeep.manager.CheckpointManager.restore>` does: its
+        modules, optimizer, EMA and scheduler are filled in place, its plain fields (iteration,
+        best_val_loss, data_position, rng) are taken from the checkpoint (``model_args`` and
+        ``config`` stay the caller's), and with ``track_rng`` the RNG states the checkpoint holds
+        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
         with self._lock:
             coordinator = self._coordinator()
             views = self._views(coordinator)
             again = self._recover(coordinator)
+            training = isinstance(into, TrainingCheckpoint)
+            target = into.load_target() if training else into
             try:
-                state, report = restore_best(views, into, coordinator, self._node_map(coordinator))
+                state, report = restore_best(views, target, coordinator, self._node_map(coordinator))
             except NoCompleteStepError as exc:
                 if exc.refusals:
                     raise
@@ -552,6 +561,7 @@ class MultiLevelManager:
                 self._resume_drains(again, coordinator)
             if self._run_id is None and report.run_id:
                 self._adopt_run_id(report.run_id)
+            state = _training_state(into, state)
             for shared in self._shared.values():
                 if shared.schedule is not None:
                     shared.schedule.saved(report.step)
@@ -615,6 +625,20 @@ class MultiLevelManager:
 def _keep_every_step(checkpoint: CheckpointInfo) -> bool:
     """The retention of a level given ``retention=None``: every step is kept."""
     return True
+
+
+def _training_state(into: Any, loaded: Any) -> Any:
+    """The restored state as the caller wants it: ``into`` (a TrainingCheckpoint) updated from
+    what was loaded into its target, with its RNG states put back; a loaded TrainingCheckpoint
+    state as one; anything else as loaded."""
+    if isinstance(into, TrainingCheckpoint):
+        into.update_from({key: value for key, value in loaded.items() if key not in ("model_args", "config")})
+        if into.track_rng and into.rng is not None and "rng" in loaded:
+            TrainingCheckpoint.restore_rng(into.rng)
+        return into
+    if into is None and isinstance(loaded, Mapping) and loaded.get("schema") == TRAINING_CHECKPOINT_SCHEMA:
+        return TrainingCheckpoint.from_state(loaded)
+    return loaded
 
 
 def _info(root: str, found: LocalStep, metric: str) -> CheckpointInfo:
