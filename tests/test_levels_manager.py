@@ -416,3 +416,106 @@ def test_a_level_without_retention_keeps_every_step(tmp_path: Path) -> None:
     manager.close()
     assert len(_steps(tmp_path / "node0")) == 4
     assert len(_steps(tmp_path / "persistent")) == 4
+
+
+def _resave_after_rollback(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    manager = sk.MultiLevelManager(_levels(tmp), node_of=_node_of, timeout=60)
+    state = _state(0, zeros=True)
+    restored = manager.restore(into=state)
+    assert restored is not None
+    saved = manager.save(_state(8), step=8)
+    manager.close()
+    return {"restored": restored.step, "committed": dict(saved.committed), "skipped": dict(saved.skipped)}
+
+
+def test_a_step_saved_again_after_a_rollback_replaces_the_abandoned_parts(tmp_path: Path) -> None:
+    import shutil
+
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 8, outbox=tmp_path / "out"))
+    # node 1 lost step 8 and so did the persistent level: step 8 cannot be completed
+    shutil.rmtree(tmp_path / "node1" / "step_00000008")
+    shutil.rmtree(tmp_path / "persistent" / "step_00000008")
+    results = results_or_raise(run_ranks(4, _resave_after_rollback, str(tmp_path), outbox=tmp_path / "out2"))
+    assert {r["restored"] for r in results} == {6}
+    assert all(r["committed"].get("local") == "step_00000008" for r in results), results
+    manifests = {(tmp_path / f"node{n}" / "step_00000008" / "manifest.json").read_bytes() for n in (0, 1)}
+    assert len(manifests) == 1  # one timeline: both nodes hold the new save's part
+
+
+def _train_compressed(rank: int, world_size: int, tmp: str, last: int) -> None:
+    manager = sk.MultiLevelManager(
+        _levels(tmp), node_of=_node_of, timeout=60, options=sk.WriteOptions(compression="zstd")
+    )
+    for step in range(last + 1):
+        if manager.should_save(step):
+            manager.save(_state(step), step=step)
+    manager.close()
+
+
+def test_a_compressed_file_damaged_on_every_level_falls_back_on_every_rank(tmp_path: Path) -> None:
+    results_or_raise(run_ranks(2, _train_compressed, str(tmp_path), 8, outbox=tmp_path / "out"))
+    victim = sorted((tmp_path / "node1" / "step_00000008").rglob("*.safetensors*"))[0]
+    relative = victim.relative_to(tmp_path / "node1" / "step_00000008")
+    for copy in (victim, tmp_path / "persistent" / "step_00000008" / relative):
+        data = bytearray(copy.read_bytes())
+        data[0] ^= 0xFF  # the zstd frame header: the stream does not even decode
+        data[1] ^= 0xFF
+        copy.write_bytes(bytes(data))
+    restored = results_or_raise(run_ranks(2, _restore, str(tmp_path), outbox=tmp_path / "out2"))
+    assert {r["step"] for r in restored} == {6} and all(r["equal"] for r in restored), restored
+    assert any(entry[0] == 8 for r in restored for entry in r["refused"])
+
+
+def test_a_node_part_without_its_manifest_is_rebuilt_from_the_persistent_copy(tmp_path: Path) -> None:
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 8, outbox=tmp_path / "out"))
+    (tmp_path / "node1" / "step_00000008" / "manifest.json").unlink()
+    restored = results_or_raise(run_ranks(4, _restore, str(tmp_path), outbox=tmp_path / "out2"))
+    assert {r["step"] for r in restored} == {8} and all(r["equal"] for r in restored), restored
+    assert sk.verify(tmp_path / "node1" / "step_00000008").ok
+
+
+def test_a_save_nothing_is_due_for_goes_to_the_local_level(tmp_path: Path) -> None:
+    levels = _levels(str(tmp_path))
+    manager = sk.MultiLevelManager([levels[1], levels[0]])  # the drain level listed first
+    result = manager.save({"w": torch.ones(4)}, step=3)  # neither level is due at step 3
+    manager.close()
+    assert result.committed == {"local": "step_00000003"}
+
+
+def test_a_failing_local_level_does_not_stop_persisting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardkeep.levels.manager as manager_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise sk.StorageError("the local disk failed (injected)") from OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(manager_module, "save_node_local", broken)
+    manager = _single(str(tmp_path))
+    result = manager.save({"w": torch.ones(4)}, step=4)
+    manager.close()
+    assert "local" in result.skipped and result.committed == {"persistent": "step_00000004"}, result
+    assert sk.verify(tmp_path / "persistent" / "step_00000004").ok
+
+
+def test_restore_finishes_a_drain_in_flight_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import shardkeep.levels.drain as drain_module
+
+    release = threading.Event()
+    real_copy = drain_module.copy_with_digest
+
+    def slow_copy(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "copy_with_digest", slow_copy)
+    manager = _one_level_pair(tmp_path)
+    manager.save({"w": torch.ones(1000)}, step=0)
+    threading.Timer(0.5, release.set).start()
+    state = {"w": torch.zeros(1000)}
+    restored = manager.restore(into=state)
+    assert restored is not None and restored.step == 0
+    assert _steps(tmp_path / "persistent") == ["step_00000000"]  # the drain committed, not cut off
+    assert not [p.name for p in (tmp_path / "persistent").iterdir() if ".tmp-" in p.name]
+    assert not [t for t in threading.enumerate() if "drain" in t.name.lower()]
+    manager.close()

@@ -597,6 +597,11 @@ class Drain:
         copied = sum(self.coordinator.all_gather(self._report()[2], label=f"draining {self.name}: abandon"))
         return self._fail(DrainError(f"draining {self.name} was abandoned; nothing was committed"), copied)
 
+    def stop(self) -> None:
+        """Stop this rank's copying threads at their next block (not collective; for a drain
+        whose collectives failed, e.g. a peer died, so that no thread outlives it)."""
+        self._stop_thread()
+
     def state(self) -> DrainState | None:
         """The drain's last agreed state (``None`` while running): local, no collective."""
         return self._final

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.cadence import SaveSchedule
+from shardkeep.catalog import DEFAULT_LEASE
 from shardkeep.config import WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
 from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
 from shardkeep.levels.drain import Drain, recover_drains
-from shardkeep.levels.local_catalog import LocalStep, read_part, remove_step, scan
+from shardkeep.levels.local_catalog import LocalStep, collect_leftovers, read_part, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
 from shardkeep.levels.nodes import NodeMap, node_map
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
@@ -119,6 +120,7 @@ class MultiLevelManager:
         signer: Signer | None = None,
         run_id: str | None = None,
         progress: bool = False,
+        staging_lease: float = DEFAULT_LEASE,
     ) -> None:
         check_levels(levels)
         self.levels = list(levels)
@@ -128,6 +130,7 @@ class MultiLevelManager:
             raise ConfigError(f"drain_wait={drain_wait!r} must be a number of seconds >= 0")
         self.retry = retry
         self.drain_wait = float(drain_wait)
+        self.staging_lease = float(staging_lease)
         self.process_group = process_group
         self.timeout = timeout
         self.options = options or WriteOptions()
@@ -166,6 +169,9 @@ class MultiLevelManager:
                 signer=signer,
                 retry=retry,
                 progress=progress,
+                # A drain checks every digest while copying: retention after it need not read
+                # the newest checkpoint back on the training thread.
+                verify_newest=level.source == "save",
             )
             manager.policy = policy
             self._shared[level.name] = _Shared(level, manager)
@@ -243,7 +249,7 @@ class MultiLevelManager:
             result = LevelsSaveResult(step=step)
             self._settle_drains(coordinator, result, wait=0.0)
             if levels is None:
-                wanted = self._due(step, coordinator) or [self.levels[0].name]
+                wanted = self._due(step, coordinator) or [self._fastest().name]
             else:
                 unknown = sorted(set(levels) - {level.name for level in self.levels})
                 if unknown:
@@ -265,8 +271,21 @@ class MultiLevelManager:
                 if shared.drain_due and local_name in result.committed:
                     shared.drain_due = False
                     self._start_drain(shared, step, coordinator, result)
+                elif name in wanted and local_name in result.skipped:
+                    # No local step to copy: the level is saved directly, so that a failing
+                    # local level does not stop persisting.
+                    logger.warning("level %r: the local save of step %d failed; saving it directly", name, step)
+                    shared.drain_due = False
+                    self._save_shared(shared, payload, step, metrics, result)
             result.blocked_seconds = time.perf_counter() - started
             return result
+
+    def _fastest(self) -> Level:
+        """The level a save nobody asked for goes to: the node-local level, else the first
+        level that saves directly, else the first."""
+        if self.local is not None:
+            return self.local
+        return next((level for level in self.levels if level.source == "save"), self.levels[0])
 
     def _check_metrics(self, wanted: Sequence[str], metrics: Mapping[str, Any] | None) -> None:
         """Refuse metrics that lack the metric a level about to save ranks by (as
@@ -361,25 +380,35 @@ class MultiLevelManager:
     def _retain_local(self, coordinator: Coordinator) -> bool:
         """Apply the local level's retention on every node: the coordinator decides from its
         node's parts (the manifests are the same bytes on every node), every node's leader
-        removes what is not kept. A step being drained is kept until its drain ends."""
+        removes what is not kept, and the leftovers of local saves cut off by a crash (after
+        ``staging_lease``). A step being drained is kept until its drain ends. Whether a step
+        was removed."""
         assert self.local is not None
         policy = self.local.retention
-        if policy is None:
-            return False
         root = self._local_root(coordinator)
         pinned = {shared.drain_step for shared in self._shared.values() if shared.drain is not None}
 
         def decided() -> list[str]:
+            if policy is None:
+                return []
             steps = [found for found in scan(root) if found.state == "committed"]
             infos = [_info(root, found, policy.metric) for found in steps]
             decision = decide(infos, policy)
             return [found.name for found in steps if found.name not in decision.keep and found.step not in pinned]
 
         doomed = coordinator.on_coordinator("decide the local retention", decided)
-        nodes = self._node_map(coordinator)
-        if doomed and nodes.is_leader(coordinator.rank):
-            for name in doomed:
-                remove_step(root, name)
+        leader = self._node_map(coordinator).is_leader(coordinator.rank)
+
+        def remove() -> None:
+            if leader:
+                for name in doomed:
+                    remove_step(root, name)
+                collect_leftovers(root, lease=self.staging_lease)
+
+        try:  # every rank learns of a failure on any node: none leaves save() alone
+            coordinator.step(f"apply the retention of {self.local.name!r}", remove)
+        except ShardkeepError as exc:
+            logger.warning("level %r: retention failed (the save committed): %s", self.local.name, exc)
         return bool(doomed)
 
     def _save_shared(
@@ -457,6 +486,7 @@ class MultiLevelManager:
             while outcome.state == "running" and math.isinf(wait):  # another rank still copying
                 outcome = drain.wait(None)
         except ShardkeepError as exc:
+            drain.stop()
             shared.drain = None
             self._fail(shared.level, f"the drain of step {step}", exc, result)
             return
@@ -537,7 +567,8 @@ class MultiLevelManager:
     # -- restoring -----------------------------------------------------------------------------
     def restore(self, into: Any = None) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
-        (see docs/levels.md); ``None`` when no level holds any step. Collective.
+        (see docs/levels.md); ``None`` when no level holds any step. A drain in flight is
+        waited for first. Collective.
 
         With a :class:`~shardkeep.training.TrainingCheckpoint` as ``into``, as
         :meth:`CheckpointManager.restore <shardkeep.manager.CheckpointManager.restore>` does: its
@@ -547,6 +578,9 @@ class MultiLevelManager:
         are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
         with self._lock:
             coordinator = self._coordinator()
+            # A drain still in flight is finished first: recovery must not take its staging
+            # for a crash's leftovers.
+            self._settle_drains(coordinator, LevelsSaveResult(step=-1), wait=math.inf)
             views = self._views(coordinator)
             again = self._recover(coordinator)
             training = isinstance(into, TrainingCheckpoint)
@@ -561,6 +595,7 @@ class MultiLevelManager:
                 self._resume_drains(again, coordinator)
             if self._run_id is None and report.run_id:
                 self._adopt_run_id(report.run_id)
+            self._retire_newer_local_steps(report.step, coordinator)
             state = _training_state(into, state)
             for shared in self._shared.values():
                 if shared.schedule is not None:
@@ -568,6 +603,34 @@ class MultiLevelManager:
             if self._local_schedule is not None:
                 self._local_schedule.saved(report.step)
             return LevelsRestored(step=report.step, state=state, report=report)
+
+    def _retire_newer_local_steps(self, restored: int, coordinator: Coordinator) -> None:
+        """Remove, on every node, the local parts of steps newer than the step restored: they
+        could not be completed, and the resumed run saves those step numbers again (one step,
+        one timeline: a part of the abandoned timeline must never sit beside the new one)."""
+        if self.local is None:
+            return
+        root = self._local_root(coordinator)
+        leader = self._node_map(coordinator).is_leader(coordinator.rank)
+
+        def retire() -> None:
+            if not leader:
+                return
+            for found in scan(root):
+                if found.step > restored and found.state != "staging":
+                    logger.warning(
+                        "level %r: removing this node's part of step %d, newer than the step restored (%d): "
+                        "it cannot be completed, and the resumed run saves that step again",
+                        self.local.name if self.local else "",
+                        found.step,
+                        restored,
+                    )
+                    remove_step(root, found.name)
+
+        try:
+            coordinator.step("retire local steps newer than the restored one", retire)
+        except ShardkeepError as exc:
+            logger.warning("level %r: cannot remove steps newer than the restored one: %s", self.local.name, exc)
 
     def _views(self, coordinator: Coordinator) -> list[LevelView]:
         views = []

@@ -465,8 +465,12 @@ class _StepAttempt:
         manifest = self.job.manifest
         report.run_id = manifest.run.run_id if manifest.run is not None else None
         report.metrics = dict(manifest.metrics)
-        state = self.job.assemble()
-        return self.job.fill(state), report
+        job = self.job
+        filled: list[Any] = []
+        # One agreement after the fill: a rank whose fill fails (a value that does not fit
+        # into=) fails the restore on every rank, instead of the others returning success.
+        self.coordinator.step(f"restore step {self.step}: fill", lambda: filled.append(job.fill(job.assemble())))
+        return filled[0], report
 
     def _refuse_foreign_parts(self) -> None:
         """The same on every rank: the listing is everyone's."""
@@ -849,6 +853,13 @@ class _StepAttempt:
             )  # fmt: skip
             fs.write_file_atomic(os.path.join(self.directory, NODE_PART_FILENAME), encode_node_part(part))
             final = os.path.join(self.home.root, checkpoint_name(self.step))
+            if os.path.lexists(final):
+                # This node's old directory of the step is unusable (another attempt's part, or
+                # no readable manifest): it gives way to the part rebuilt from verified copies.
+                logger.warning(
+                    "restore: replacing %s, which cannot serve step %d, by the rebuilt part", final, self.step
+                )
+                fs.retire_and_remove(final)
             fs.rename_noreplace(self.directory, final)
             fs.fsync_directory(self.home.root)
             self.directory = final

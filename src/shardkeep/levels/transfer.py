@@ -468,8 +468,8 @@ class _Receiver:
         assert self.current is not None
         try:
             self.current.take(data)
-        except OSError as exc:
-            self._fail(f"writing failed: {exc}")
+        except Exception as exc:  # a write, or a compressed stream that does not decode (zstd)
+            self._fail(f"writing failed: {type(exc).__name__}: {exc}")
 
     def _fail(self, reason: str) -> None:
         current = self.current
@@ -485,8 +485,8 @@ class _Receiver:
         failed_before = current.expected is None and current.problem is not None
         try:
             current.finish(status)
-        except OSError as exc:
-            self._fail(f"writing failed: {exc}")
+        except Exception as exc:  # a write, or a compressed stream that does not decode (zstd)
+            self._fail(f"writing failed: {type(exc).__name__}: {exc}")
             return
         if current.problem is None:
             assert current.expected is not None
