@@ -519,3 +519,23 @@ def test_restore_finishes_a_drain_in_flight_first(tmp_path: Path, monkeypatch: p
     assert not [p.name for p in (tmp_path / "persistent").iterdir() if ".tmp-" in p.name]
     assert not [t for t in threading.enumerate() if "drain" in t.name.lower()]
     manager.close()
+
+
+def _unmounted(rank: int, world_size: int, tmp: str) -> list[tuple[int, dict[str, str], dict[str, str]]]:
+    # node 1 lacks the shared mount: the same path is a local directory there
+    root = tmp + ("/shared" if rank == 0 else "/node1-local-view-of-shared")
+    manager = sk.MultiLevelManager(_levels(tmp, root=root), node_of=_node_of, timeout=60)
+    out = []
+    for step in range(5):
+        if manager.should_save(step):
+            result = manager.save(_state(step), step=step)
+            manager.wait_for_drains()
+            out.append((step, dict(result.committed), dict(result.skipped)))
+    manager.close()
+    return out
+
+
+def test_a_drain_never_commits_files_a_node_wrote_elsewhere(tmp_path: Path) -> None:
+    results_or_raise(run_ranks(2, _unmounted, str(tmp_path), outbox=tmp_path / "out"))
+    shared = tmp_path / "shared"
+    assert _steps(shared) == [], "a persistent step was committed without node 1's files"

@@ -524,8 +524,10 @@ class Drain:
             signature = None
             if self.local.stat(f"{self.name}/{SIGNATURE_FILENAME}") is not None:
                 signature = read_small(self.local, f"{self.name}/{SIGNATURE_FILENAME}", _SMALL_FILE_LIMIT, DrainError)
-            for tasks in self.plan.tasks.values():
+            for rank, tasks in self.plan.tasks.items():
                 for task in tasks:
+                    if self.store.atomic_rename:
+                        self._check_visible(task, rank)
                     self._commit.add_data_file(task.path)
             self._commit.commit(sealed, signature)
         except Exception as exc:  # every rank waits for the outcome: any failure goes to all of them
@@ -537,6 +539,19 @@ class Drain:
             self._abort_quietly()
             return str(exc) if isinstance(exc, DrainError) else f"draining {self.name}: committing failed: {exc}"
         return ""
+
+    def _check_visible(self, task: CopyTask, rank: int) -> None:
+        """On a shared filesystem, refuse to commit unless the coordinator sees the file rank
+        ``rank`` copied, with its size: a node where the filesystem is not mounted writes into a
+        local directory of the same name, and its files would be missing from the commit."""
+        info = self.store.stat(self._destination(task))
+        if info is None or info.size != task.size:
+            found = "nothing" if info is None else f"{info.size} bytes"
+            raise DrainError(
+                f"draining {self.name}: rank {rank} (node {self.node_of[rank]}) copied {task.path}, but the "
+                f"coordinator finds {found} there, not {task.size} bytes: is the persistent level "
+                "the same shared filesystem on every node?"
+            )
 
     def _fail(self, error: DrainError, copied: int) -> DrainState:
         """Stop every rank's thread, then (once every rank stopped) abort on the coordinator."""
