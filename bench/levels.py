@@ -18,9 +18,14 @@ The persistent level is the S3 server the test suite uses (SeaweedFS on 127.0.0.
 (``--persistent dir``); the local level is a directory under ``/dev/shm`` (a RAM disk, as NVRx
 recommends), or ``--local DIR``.
 
-Last, the drain's memory: a ``--drain-mb`` MiB local step is drained in a fresh process under a
-``--budget-mb`` byte budget, and its peak RSS above the process's RSS before the drain is
-reported::
+The restore times are reported per level: the restarted runs restore from S3 (single) and from
+the local level (levels); then the levels run is restarted once more with its local level wiped
+(a lost node), restoring from the persistent level.
+
+Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
+drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
+reset just before the drain) above its RSS before the drain is reported. The results are in
+docs/performance.md, "Two levels against one"::
 
     .venv/bin/python bench/levels.py                     # 3 repetitions, S3 persistent level
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
