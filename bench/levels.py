@@ -18,9 +18,14 @@ The persistent level is the S3 server the test suite uses (SeaweedFS on 127.0.0.
 (``--persistent dir``); the local level is a directory under ``/dev/shm`` (a RAM disk, as NVRx
 recommends), or ``--local DIR``.
 
-Last, the drain's memory: a ``--drain-mb`` MiB local step is drained in a fresh process under a
-``--budget-mb`` byte budget, and its peak RSS above the process's RSS before the drain is
-reported::
+The restore times are reported per level: the restarted runs restore from S3 (single) and from
+the local level (levels); then the levels run is restarted once more with its local level wiped
+(a lost node), restoring from the persistent level.
+
+Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
+drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
+reset just before the drain) above its RSS before the drain is reported. The results are in
+docs/performance.md, "Two levels against one"::
 
     .venv/bin/python bench/levels.py                     # 3 repetitions, S3 persistent level
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
@@ -49,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import shardkeep as sk
-from common import fmt_range, median
+from common import fmt_range, median, touch_memory
 
 
 def build(mb: float, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -68,7 +73,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
     optimizer.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @contextmanager
@@ -87,6 +92,12 @@ def persistent_root(kind: str, workdir: Path) -> Iterator[tuple[Callable[[str], 
         s3server.stop(server)
 
 
+def has_weed() -> bool:
+    """Whether the SeaweedFS binary the test suite uses is installed (next to this Python, or on
+    the PATH)."""
+    return (Path(sys.executable).parent / "weed").exists() or shutil.which("weed") is not None
+
+
 def one_run(
     label: str,
     make: Callable[[], Any],
@@ -94,7 +105,8 @@ def one_run(
     fail_at: int,
 ) -> dict[str, float]:
     """Train until ``fail_at``, drop everything, restore with a fresh manager; return the steps
-    lost and the blocked seconds."""
+    lost, the blocked seconds and the seconds the restore took."""
+    touch_memory(int(2.5 * 2**30))
     model, optimizer = build(args.mb, args.seed)
     state = {"model": model, "optimizer": optimizer}
     manager = make()
@@ -112,51 +124,221 @@ def one_run(
     model, optimizer = build(args.mb, args.seed + 1)
     state = {"model": model, "optimizer": optimizer}
     restarted = make()
+    started = time.perf_counter()
     restored = restarted.restore(into=state)
+    restore_seconds = time.perf_counter() - started
     resumed = -1 if restored is None else restored.step
     close = getattr(restarted, "close", None)
     if close is not None:
         close(wait=False)
-    return {"steps_lost": float(fail_at - resumed), "blocked_seconds": blocked}
+    return {
+        "steps_lost": float(fail_at - resumed),
+        "blocked_seconds": blocked,
+        "restore_seconds": restore_seconds,
+        "resumed_step": float(resumed),
+    }
 
 
-def drain_peak_rss(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    """Drain a ``--drain-mb`` MiB local step in a fresh process; its peak RSS above the RSS
-    before the drain, in MiB."""
-    program = f"""
-import json, resource, sys, torch
+def restore_persistent(make: Callable[[], Any], local_root: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The levels setup restarted on a node whose local level is lost: its local root wiped, a
+    fresh manager restores from the persistent level; the seconds it took and the step."""
+    shutil.rmtree(local_root, ignore_errors=True)
+    model, optimizer = build(args.mb, args.seed + 2)
+    manager = make()
+    started = time.perf_counter()
+    restored = manager.restore(into={"model": model, "optimizer": optimizer})
+    seconds = time.perf_counter() - started
+    manager.close(wait=False)
+    return {"restore_seconds": seconds, "resumed_step": float(-1 if restored is None else restored.step)}
+
+
+_WRITE_STEP = """
+import sys, torch
 import shardkeep as sk
-local, persistent = sys.argv[1], sys.argv[2]
-levels = [sk.Level("local", local, node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
-          sk.Level("persistent", persistent, source="drain", save_policy=sk.SavePolicy(every_steps=1))]
-state = {{"big": torch.ones({int(args.drain_mb * 2**20 // 4)}, dtype=torch.float32)}}
-options = sk.WriteOptions(byte_budget={int(args.budget_mb * 2**20)})
-writer = sk.MultiLevelManager(levels[:1], options=options)
-writer.save(state, step=0)
+local, mib = sys.argv[1], float(sys.argv[2])
+level = sk.Level("local", local, node_local=True, save_policy=sk.SavePolicy(every_steps=1))
+writer = sk.MultiLevelManager([level])
+writer.save({"big": torch.ones(int(mib * 2**20 // 4), dtype=torch.float32)}, step=0)
 writer.close()
-del state, writer
-import gc; gc.collect()
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
-before = rss()
-peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-manager = sk.MultiLevelManager(levels, options=options)
-manager.drain(0)
-manager.close()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({{"rss_before_mib": before, "peak_rss_mib": peak, "peak_before_mib": peak_before}}))
 """
-    local, persistent = workdir / "drain-local", workdir / "drain-persistent"
+
+_DRAIN_STEP = """
+import json, resource, sys
+import torch  # imported before the baseline, as in a training process
+import shardkeep as sk
+local, persistent, budget, storage_options = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+levels = [sk.Level("local", local, node_local=True, save_policy=sk.SavePolicy(every_steps=1)),
+          sk.Level("persistent", persistent, source="drain", save_policy=sk.SavePolicy(every_steps=1),
+                   storage_options=storage_options)]
+manager = sk.MultiLevelManager(levels, options=sk.WriteOptions(byte_budget=budget))
+manager.status()  # the node map and the levels' probes, before the baseline
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+hwm_before = kib("VmHWM")
+try:  # reset the high-water mark to the current RSS, so that only the drain can raise it
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    reset = True
+except OSError:
+    reset = False
+before = kib("VmRSS")
+result = manager.drain(0)
+manager.close()
+print(json.dumps({"rss_before_kib": before, "hwm_before_kib": hwm_before, "hwm_reset": reset,
+                  "hwm_after_kib": kib("VmHWM"), "maxrss_after_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "committed": sorted(result.committed), "skipped": result.skipped}))
+"""
+
+
+def drain_peak_rss(
+    args: argparse.Namespace, local_base: Path, persistent: str, storage_options: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Drain a ``--drain-mb`` MiB local step under a ``--budget-mb`` byte budget in a fresh
+    process (the step is written by another process, so the drain's process never held the
+    state); the growth of its peak RSS (``VmHWM``, reset to the current RSS just before the
+    drain) over its RSS just before the drain, in MiB."""
+    local = local_base / "drain-local"
+    env = dict(os.environ)
+    subprocess.run([sys.executable, "-c", _WRITE_STEP, str(local), str(args.drain_mb)], check=True, env=env)
+    argv = [str(local), persistent, str(int(args.budget_mb * 2**20)), json.dumps(storage_options or {})]
     done = subprocess.run(
-        [sys.executable, "-c", program, str(local), str(persistent)], check=True, capture_output=True, text=True
+        [sys.executable, "-c", _DRAIN_STEP, *argv], check=True, capture_output=True, text=True, env=env
     )
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    if "persistent" not in found["committed"]:
+        raise RuntimeError(f"the drain did not commit: {found}")
+    # VmHWM, not ru_maxrss: after fork and exec, ru_maxrss starts at the parent's peak (this
+    # bench's, which touches 2.5 GiB), so it cannot show the drain's own growth.
+    peak = found["hwm_after_kib"]
     return {
         "checkpoint_mib": args.drain_mb,
         "budget_mib": args.budget_mb,
-        "peak_rss_above_start_mib": round(found["peak_rss_mib"] - found["rss_before_mib"], 1),
+        "rss_before_mib": round(found["rss_before_kib"] / 1024, 1),
+        "peak_rss_above_start_mib": round((peak - found["rss_before_kib"]) / 1024, 1),
+        "high_water_mark_reset": found["hwm_reset"],
+        "ru_maxrss_after_mib": round(found["maxrss_after_kib"] / 1024, 1),
     }
+
+
+def makers(
+    args: argparse.Namespace,
+    root_of: Callable[[str], str],
+    storage_options: dict[str, Any] | None,
+    local_root: str,
+    rep: int,
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The two setups of one repetition, as factories (a restarted job builds a fresh manager)."""
+    single_root, levels_root = root_of(f"single-{rep}"), root_of(f"levels-{rep}")
+
+    def single() -> Any:
+        return sk.CheckpointManager(
+            single_root,
+            keep_last=3,
+            keep_best=0,
+            metric="loss",
+            storage_options=storage_options,
+            save_policy=sk.SavePolicy(every_steps=args.persist_every),
+        )
+
+    def levels() -> Any:
+        local = sk.Level(
+            "local",
+            local_root,
+            node_local=True,
+            save_policy=sk.SavePolicy(every_steps=args.local_every),
+            retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
+        )
+        persistent = sk.Level(
+            "persistent",
+            levels_root,
+            source="drain",
+            save_policy=sk.SavePolicy(every_steps=args.persist_every),
+            retention=sk.RetentionPolicy(keep_last=3, keep_best=0),
+            storage_options=storage_options,
+        )
+        return sk.MultiLevelManager([local, persistent])
+
+    return single, levels
+
+
+def run_reps(args: argparse.Namespace, local_base: Path, workdir: Path) -> dict[str, Any]:
+    """Every repetition (single, then levels, on the same failure step), then the drain's
+    memory; the per-run figures."""
+    rng = random.Random(args.seed)
+    results: dict[str, Any] = {"single": [], "levels": [], "levels_from_persistent": []}
+    with persistent_root(args.persistent, workdir) as (root_of, storage_options):
+        for rep in range(args.reps):
+            fail_at = rng.randrange(args.steps // 2, args.steps)
+            local_root = local_base / f"rep-{rep}"
+            single, levels = makers(args, root_of, storage_options, str(local_root), rep)
+            for label, make in (("single", single), ("levels", levels)):
+                outcome = one_run(label, make, args, fail_at)
+                results[label].append(outcome)
+                print(
+                    f"  rep {rep}  {label:<7} failure at step {fail_at}: lost {outcome['steps_lost']:.0f} steps, "
+                    f"blocked {outcome['blocked_seconds']:.3f} s, restore of step {outcome['resumed_step']:.0f} "
+                    f"{outcome['restore_seconds']:.3f} s"
+                )
+            wiped = restore_persistent(levels, local_root, args)
+            results["levels_from_persistent"].append(wiped)
+            print(
+                f"  rep {rep}  levels, local level wiped: restore of step {wiped['resumed_step']:.0f} "
+                f"{wiped['restore_seconds']:.3f} s"
+            )
+        results["drain_memory"] = drain_peak_rss(args, local_base, root_of("drain"), storage_options)
+    return results
+
+
+def mean(samples: list[float]) -> float:
+    return sum(samples) / len(samples)
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Means over the repetitions (what ``--json`` writes), with the per-pair ratios."""
+    summary: dict[str, Any] = {}
+    for label in ("single", "levels"):
+        runs = results[label]
+        summary[label] = {
+            "steps_lost": mean([r["steps_lost"] for r in runs]),
+            "blocked_seconds": mean([r["blocked_seconds"] for r in runs]),
+            "blocked_seconds_median": median([r["blocked_seconds"] for r in runs]),
+            "restore_seconds": mean([r["restore_seconds"] for r in runs]),
+            "runs": runs,
+        }
+    wiped = results["levels_from_persistent"]
+    summary["levels"]["restore_seconds_from_persistent"] = mean([r["restore_seconds"] for r in wiped])
+    summary["levels"]["runs_from_persistent"] = wiped
+    pairs = list(zip(results["single"], results["levels"], strict=True))
+    summary["blocked_ratio_per_pair"] = [b["blocked_seconds"] / a["blocked_seconds"] for a, b in pairs]
+    summary["drain_memory"] = results["drain_memory"]
+    return summary
+
+
+def report(summary: dict[str, Any]) -> None:
+    single, levels = summary["single"], summary["levels"]
+    for label, figures in (("single", single), ("levels", levels)):
+        print(
+            f"{label}: lost {figures['steps_lost']:.1f} steps, blocked {figures['blocked_seconds']:.3f} s (mean; "
+            f"median, min-max {fmt_range([r['blocked_seconds'] for r in figures['runs']])}), "
+            f"restore {figures['restore_seconds']:.3f} s"
+        )
+    print(
+        f"levels, local level wiped: restore from the persistent level {levels['restore_seconds_from_persistent']:.3f} s"
+    )
+    loss_ratio = levels["steps_lost"] / max(single["steps_lost"], 1e-9)
+    block_ratio = levels["blocked_seconds"] / max(single["blocked_seconds"], 1e-9)
+    ratios = summary["blocked_ratio_per_pair"]
+    print(
+        f"levels/single: steps lost {loss_ratio:.2f}x (target <= 0.20), blocked {block_ratio:.2f}x of the means, "
+        f"per pair {fmt_range(ratios, lambda r: f'{r:.2f}x')} (target <= 1.00)"
+    )
+    drain = summary["drain_memory"]
+    print(
+        f"drain of a {drain['checkpoint_mib']:.0f} MiB step under a {drain['budget_mib']:.0f} MiB budget, fresh process: "
+        f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB over {drain['rss_before_mib']:.0f} MiB before it "
+        f"(high-water mark reset before the drain: {drain['high_water_mark_reset']})"
+    )
 
 
 def main() -> None:
@@ -166,7 +348,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=48.0, help="MiB of model and optimizer state")
     parser.add_argument("--local-every", type=int, default=10)
     parser.add_argument("--persist-every", type=int, default=100)
-    parser.add_argument("--persistent", choices=("s3", "dir"), default="s3" if shutil.which("weed") else "dir")
+    parser.add_argument("--persistent", choices=("s3", "dir"), default="s3" if has_weed() else "dir")
     parser.add_argument("--local", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--drain-mb", type=float, default=512.0)
     parser.add_argument("--budget-mb", type=float, default=64.0)
@@ -180,86 +362,17 @@ def main() -> None:
         f"bench/levels.py  {time.strftime('%Y-%m-%d %H:%M:%S')}  load {os.getloadavg()}  "
         f"state {args.mb} MiB, {args.steps} steps, persistent={args.persistent}, local={args.local or 'tmp'}"
     )
-    rng = random.Random(args.seed)
-    results: dict[str, list[dict[str, float]]] = {"single": [], "levels": []}
     with tempfile.TemporaryDirectory(prefix="sk-levels-") as tmp:
         workdir = Path(tmp)
         local_base = Path(tempfile.mkdtemp(prefix="sk-levels-", dir=args.local)) if args.local else workdir / "local"
         try:
-            with persistent_root(args.persistent, workdir) as (root_of, storage_options):
-                for rep in range(args.reps):
-                    fail_at = rng.randrange(args.steps // 2, args.steps)
-                    single_root = root_of(f"single-{rep}")
-                    levels_root = root_of(f"levels-{rep}")
-                    local_root = str(local_base / f"rep-{rep}")
-
-                    def single(single_root: str = single_root) -> Any:
-                        return sk.CheckpointManager(
-                            single_root,
-                            keep_last=3,
-                            keep_best=0,
-                            metric="loss",
-                            storage_options=storage_options,
-                            save_policy=sk.SavePolicy(every_steps=args.persist_every),
-                        )
-
-                    def levels(local_root: str = local_root, levels_root: str = levels_root) -> Any:
-                        return sk.MultiLevelManager(
-                            [
-                                sk.Level(
-                                    "local",
-                                    local_root,
-                                    node_local=True,
-                                    save_policy=sk.SavePolicy(every_steps=args.local_every),
-                                    retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
-                                ),
-                                sk.Level(
-                                    "persistent",
-                                    levels_root,
-                                    source="drain",
-                                    save_policy=sk.SavePolicy(every_steps=args.persist_every),
-                                    retention=sk.RetentionPolicy(keep_last=3, keep_best=0),
-                                    storage_options=storage_options,
-                                ),
-                            ]
-                        )
-
-                    for label, make in (("single", single), ("levels", levels)):
-                        outcome = one_run(label, make, args, fail_at)
-                        results[label].append(outcome)
-                        print(
-                            f"  rep {rep}  {label:<7} failure at step {fail_at}: lost {outcome['steps_lost']:.0f} steps, "
-                            f"blocked {outcome['blocked_seconds']:.3f} s"
-                        )
-            drain = drain_peak_rss(args, workdir)
+            results = run_reps(args, local_base, workdir)
         finally:
             if args.local:
                 shutil.rmtree(local_base, ignore_errors=True)
-    summary: dict[str, Any] = {}
-    for label, runs in results.items():
-        summary[label] = {
-            "steps_lost": sum(r["steps_lost"] for r in runs) / len(runs),
-            "blocked_seconds": sum(r["blocked_seconds"] for r in runs) / len(runs),
-            "blocked_seconds_median": median([r["blocked_seconds"] for r in runs]),
-            "runs": runs,
-        }
-    summary["drain_memory"] = drain
-    single, levels_ = summary["single"], summary["levels"]
-    print(
-        f"single: lost {single['steps_lost']:.1f} steps, blocked {single['blocked_seconds']:.3f} s "
-        f"({fmt_range([r['blocked_seconds'] for r in results['single']])})"
-    )
-    print(
-        f"levels: lost {levels_['steps_lost']:.1f} steps, blocked {levels_['blocked_seconds']:.3f} s "
-        f"({fmt_range([r['blocked_seconds'] for r in results['levels']])})"
-    )
-    loss_ratio = levels_["steps_lost"] / max(single["steps_lost"], 1e-9)
-    block_ratio = levels_["blocked_seconds"] / max(single["blocked_seconds"], 1e-9)
-    print(f"levels/single: steps lost {loss_ratio:.2f}x (target <= 0.20), blocked {block_ratio:.2f}x (target <= 1.00)")
-    print(
-        f"drain of a {drain['checkpoint_mib']:.0f} MiB step under a {drain['budget_mib']:.0f} MiB budget: "
-        f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB"
-    )
+    summary = summarize(results)
+    report(summary)
+    print(f"load at the end {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
 

@@ -539,3 +539,33 @@ def test_a_drain_never_commits_files_a_node_wrote_elsewhere(tmp_path: Path) -> N
     results_or_raise(run_ranks(2, _unmounted, str(tmp_path), outbox=tmp_path / "out"))
     shared = tmp_path / "shared"
     assert _steps(shared) == [], "a persistent step was committed without node 1's files"
+
+
+def test_the_retention_after_a_drain_does_not_block_the_caller(tmp_path: Path) -> None:
+    import threading
+
+    manager = _single(str(tmp_path))
+    persistent = manager._shared["persistent"].manager
+    entered, release = threading.Event(), threading.Event()
+    pruned: list[str] = []
+    real_prune = persistent.prune
+
+    def slow_prune() -> list[str]:
+        entered.set()
+        assert release.wait(10)
+        pruned.extend(real_prune())
+        return pruned
+
+    persistent.prune = slow_prune  # type: ignore[method-assign]
+    for step in range(13):
+        if manager.should_save(step):
+            manager.save({"w": torch.full((4,), float(step))}, step=step)
+        if step in (0, 4, 8):
+            result = manager.wait_for_drains()  # the drain commits; its retention starts behind
+            assert result.committed == {"persistent": f"step_{step:08d}"}
+            assert entered.wait(30)
+            entered.clear()
+            release.set()  # lets this prune finish while training goes on
+    manager.close()
+    assert _steps(tmp_path / "persistent") == ["step_00000004", "step_00000008", "step_00000012"]
+    assert "step_00000000" in pruned

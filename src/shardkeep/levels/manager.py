@@ -91,6 +91,32 @@ class _Shared:
         self.drain_step: int | None = None
         #: Due while no local step committed since: the next one is drained.
         self.drain_due = False
+        #: On the coordinator: the level's retention after a drain committed, running.
+        self.pruning: threading.Thread | None = None
+
+    def prune_later(self, coordinator: Coordinator) -> None:
+        """Apply the level's retention on a background thread of the coordinator (a prune is
+        the coordinator's alone, without a collective), so that a committed drain does not
+        block training on listing, verifying and deleting; see :meth:`join_prune`."""
+        self.join_prune()
+        if not coordinator.is_coordinator:
+            return
+
+        def prune() -> None:
+            try:
+                self.manager.prune()
+            except Exception as exc:  # logged: retention runs again after the next drain
+                logger.warning("level %r: retention after a drain failed: %s", self.level.name, exc)
+
+        self.pruning = threading.Thread(target=prune, name=f"shardkeep-retention-{self.level.name}", daemon=True)
+        self.pruning.start()
+
+    def join_prune(self) -> None:
+        """Wait for the retention started by :meth:`prune_later` (before the level's next
+        drain, a restore, a listing and close)."""
+        if self.pruning is not None:
+            self.pruning.join()
+            self.pruning = None
 
 
 class MultiLevelManager:
@@ -445,6 +471,7 @@ class MultiLevelManager:
                 logger.warning("level %r: %s", level.name, reason)
                 result.skipped[level.name] = reason
                 return
+        shared.join_prune()
         try:
             shared.drain = self._new_drain(shared, step, coordinator)
             shared.drain.start()
@@ -500,10 +527,7 @@ class MultiLevelManager:
         if shared.schedule is not None:
             shared.schedule.saved(step)
         result.committed[shared.level.name] = checkpoint_name(step)
-        try:
-            shared.manager.prune()
-        except ShardkeepError as exc:
-            logger.warning("level %r: retention after the drain of step %d failed: %s", shared.level.name, step, exc)
+        shared.prune_later(coordinator)
 
     def drain(self, step: int, *, timeout: float | None = None) -> LevelsSaveResult:
         """Drain local step ``step`` to every drain level now and wait for it (at most
@@ -540,6 +564,7 @@ class MultiLevelManager:
                 if shared.drain is not None:
                     shared.drain.abandon()
                     shared.drain = None
+                shared.join_prune()
 
     # -- listing -------------------------------------------------------------------------------
     def status(self, *, verify: bool = False) -> dict[str, list[LevelCopy]]:
@@ -548,6 +573,8 @@ class MultiLevelManager:
         (this node's files of a node-local level). Collective only the first time, when the
         node map is not known yet."""
         coordinator = self._coordinator()
+        for shared in self._shared.values():
+            shared.join_prune()
         found: dict[str, list[LevelCopy]] = {}
         for level in self.levels:
             if level.node_local:
@@ -581,6 +608,8 @@ class MultiLevelManager:
             # A drain still in flight is finished first: recovery must not take its staging
             # for a crash's leftovers.
             self._settle_drains(coordinator, LevelsSaveResult(step=-1), wait=math.inf)
+            for shared in self._shared.values():
+                shared.join_prune()
             views = self._views(coordinator)
             again = self._recover(coordinator)
             training = isinstance(into, TrainingCheckpoint)
