@@ -548,10 +548,13 @@ class MultiLevelManager:
             return result
 
     def wait_for_drains(self, timeout: float | None = None) -> LevelsSaveResult:
-        """Wait (at most ``timeout`` seconds) for every drain in flight; collective."""
+        """Wait (at most ``timeout`` seconds) for every drain in flight, and for the retention
+        that follows a committed drain; collective."""
         with self._lock:
             result = LevelsSaveResult(step=-1)
             self._settle_drains(self._coordinator(), result, wait=float("inf") if timeout is None else timeout)
+            for shared in self._shared.values():
+                shared.join_prune()
             return result
 
     def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
