@@ -28,8 +28,13 @@ def free_port() -> int:
 def _rank_main(
     rank: int, world_size: int, port: int, outbox: str, target: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
+    import torch
     import torch.distributed as dist
 
+    # A forked child inherits the parent's intra-op (OpenMP) thread pool without its threads: a
+    # parallel torch operation would wait on them forever once a test in the parent process ran
+    # a large tensor operation. One thread per rank runs every operation inline.
+    torch.set_num_threads(1)
     code = 0
     try:
         dist.init_process_group(
