@@ -299,6 +299,13 @@ class MultiLevelManager:
                 )
 
     @property
+    def replication(self) -> Replication | None:
+        """The peer replication of the node-local level (``None`` without one): the steps in
+        flight, the newest protected step, each settled step's outcome on this rank (bytes
+        sent and received, problems) and the seconds saves waited for it."""
+        return self._replication
+
+    @property
     def run_id(self) -> str | None:
         """This run's id: given, adopted by :meth:`restore`, or created by the first save."""
         return self._run_id
@@ -523,7 +530,10 @@ class MultiLevelManager:
     def _settle_replicas(self, coordinator: Coordinator, *, wait: float | None) -> None:
         replication = self._replication
         if replication is not None and replication.inflight and self._nodes is not None:
+            before = replication.protected
             replication.settle(self._local_root(coordinator), coordinator, self._nodes, wait=wait)
+            if replication.protected != before:  # a newer protected step frees the older one
+                self._retain_local(coordinator)
 
     def wait_for_replicas(self, timeout: float | None = None) -> int | None:
         """Wait (at most ``timeout`` seconds on each rank) for the peer replication in flight and

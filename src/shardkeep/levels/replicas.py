@@ -394,7 +394,7 @@ class Replication:
             replicator.wait(self.inflight, wait)
         mine = {step: replicator.outcome(step) for step in self.inflight}
         everyone = coordinator.all_gather(mine, label="settle the replicas")
-        leader = nodes.is_leader(coordinator.rank)
+        complete: list[int] = []
         for step in list(self.inflight):
             outcomes = [each[step] for each in everyone]
             if not all(outcome.finished for outcome in outcomes):
@@ -402,7 +402,7 @@ class Replication:
             self.inflight.remove(step)
             self.settled[step] = mine[step]
             if all(outcome.state == "done" for outcome in outcomes):
-                self._protect(step, root, mine[step], leader)
+                complete.append(step)
             else:
                 problems = [problem for outcome in outcomes for problem in outcome.problems]
                 states = sorted({outcome.state for outcome in outcomes})
@@ -410,16 +410,41 @@ class Replication:
                     "level %r: step %d is not protected (replication %s): %s",
                     self.level.name, step, "/".join(states), "; ".join(problems) or "cancelled",
                 )  # fmt: skip
+        if complete:
+            self._protect(complete, root, mine, coordinator, nodes)
 
-    def _protect(self, step: int, root: str, outcome: ReplicationOutcome, leader: bool) -> None:
-        if leader:
-            try:
-                record_replicas(root, self._names[step], outcome.received)
-            except (OSError, ShardkeepError) as exc:
-                logger.warning("level %r: recording the replicas of step %d failed: %s", self.level.name, step, exc)
-                return
-        self.protected = step if self.protected is None else max(self.protected, step)
-        logger.info("level %r: step %d is protected (every part has its replicas)", self.level.name, step)
+    def _protect(
+        self,
+        steps: list[int],
+        root: str,
+        mine: dict[int, ReplicationOutcome],
+        coordinator: Coordinator,
+        nodes: NodeMap,
+    ) -> None:
+        """Every node's leader records the replicas its node holds (collective: when this
+        returns, every node's part says so); a step is protected when every leader recorded."""
+        leader = nodes.is_leader(coordinator.rank)
+
+        def record() -> list[tuple[int, str]]:
+            failed: list[tuple[int, str]] = []
+            for step in steps if leader else []:
+                try:
+                    record_replicas(root, self._names[step], mine[step].received)
+                except (OSError, ShardkeepError) as exc:
+                    failed.append((step, f"node {nodes.node_of[coordinator.rank]}: {exc}"))
+            return failed
+
+        failures = [item for each in coordinator.step("record the replicas", record) for item in each]
+        for step in steps:
+            reasons = [reason for failed, reason in failures if failed == step]
+            if reasons:
+                logger.warning(
+                    "level %r: step %d is not protected: recording its replicas failed: %s",
+                    self.level.name, step, "; ".join(reasons),
+                )  # fmt: skip
+                continue
+            self.protected = step if self.protected is None else max(self.protected, step)
+            logger.info("level %r: step %d is protected (every part has its replicas)", self.level.name, step)
 
     def pinned(self) -> set[int]:
         """Steps local retention must keep: those whose replication is in flight."""

@@ -184,6 +184,12 @@ def restore_best(
         attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
         outcome = attempt.run(into)
         refused.extend(attempt.refused)
+        if outcome is None and coordinator.is_coordinator:
+            reasons = sorted({f"{level}: {reason}" for _, _, level, reason in attempt.refused})
+            logger.warning(
+                "restore: step %d is lost: no copy completes it (%s); trying an older step",
+                step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
+            )  # fmt: skip
         if outcome is not None:
             state, report = outcome
             report.refused = refused
