@@ -26,7 +26,7 @@ import torch
 import shardkeep as sk
 from shardkeep.errors import LevelConfigError
 from shardkeep.levels.config import check_levels, replica_holders
-from shardkeep.levels.nodes import NodeMap
+from shardkeep.levels.nodes import NodeMap, check_hosts
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part
 from shardkeep.levels.replicas import plan_replicas
 from shardkeep.levels.status import level_copies
@@ -97,6 +97,15 @@ def test_bad_replica_settings_are_refused(kwargs: dict[str, Any], message: str) 
 def test_replicas_on_a_shared_level_are_refused() -> None:
     with pytest.raises(LevelConfigError, match="level 'p': replicas= and replica_jump= copy a node-local level"):
         sk.Level("p", "/tmp/shardkeep-shared", replicas=1)
+
+
+def test_ranks_of_one_node_on_different_hosts_are_refused_naming_the_rank_and_the_node() -> None:
+    nodes = NodeMap((0, 0, 1, 1), source="SHARDKEEP_NODE")
+    check_hosts(nodes, ["a", "a", "a", "a"])  # several nodes on one host: simulations, namespaces
+    with pytest.raises(
+        LevelConfigError, match=r"rank 3 says it is on node 1 \(from SHARDKEEP_NODE\) but runs on host 'c'"
+    ):
+        check_hosts(nodes, ["a", "a", "b", "c"])
 
 
 def test_a_node_part_without_replicas_still_decodes_and_one_with_them_round_trips() -> None:
