@@ -18,6 +18,13 @@ The persistent level is the S3 server the test suite uses (SeaweedFS on 127.0.0.
 (``--persistent dir``); the local level is a directory under ``/dev/shm`` (a RAM disk, as NVRx
 recommends), or ``--local DIR``.
 
+Peer replicas (``--replica-mb``): 4 gloo ranks on 2 simulated nodes save one step to a
+node-local level with one replica per node part and drain it; the replication traffic is the
+bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks from the
+local level (node 1's part from node 0's replicas) and, separately, from the persistent level
+alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
+replicas gives how long a save blocks while the previous step replicates.
+
 Last, the drain's memory: a ``--drain-mb`` MiB local step is drained in a fresh process under a
 ``--budget-mb`` byte budget, and its peak RSS above the process's RSS before the drain is
 reported::
@@ -159,6 +166,143 @@ print(json.dumps({{"rss_before_mib": before, "peak_rss_mib": peak, "peak_before_
     }
 
 
+# -- peer replicas ------------------------------------------------------------------------------
+
+
+def _replica_state(mb: float, seed: int) -> dict[str, Any]:
+    """``mb`` MiB of float32 rows sharded over every rank (each rank writes its rows)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    rows = max(world, int(mb * 2**20 / 4 / 1024) // world * world)
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows, 1024, generator=generator)
+    mesh = init_device_mesh("cpu", (world,))
+    return {"weights": distribute_tensor(full, mesh, [Shard(0)])}
+
+
+def _replica_levels(local: str, persistent: str | None, storage_options: Any, replicas: int) -> list[Any]:
+    levels: list[Any] = []
+    if local:
+        keep = sk.RetentionPolicy(keep_last=2, keep_best=0)
+        levels.append(sk.Level("local", local + "/node{node}", node_local=True, replicas=replicas, retention=keep))
+    if persistent is not None:
+        levels.append(
+            sk.Level(
+                "persistent",
+                persistent,
+                source="drain" if local else "save",
+                storage_options=storage_options,
+            )
+        )
+    return levels
+
+
+def _node_of(rank: int) -> int:
+    return rank // 2
+
+
+def _replica_save(rank: int, world: int, local: str, persistent: str, options: Any, mb: float) -> dict[str, Any]:
+    """Save one step to the local level (one replica per node part), drain it, wait for its
+    replicas: the bytes replication sent and the seconds it took."""
+    manager = sk.MultiLevelManager(_replica_levels(local, persistent, options, 1), node_of=_node_of, timeout=300)
+    manager.save(_replica_state(mb, 0), step=0, levels=["local"])
+    manager.drain(0)
+    protected = manager.wait_for_replicas()
+    replication = manager.replication
+    assert replication is not None and protected == 0, protected
+    outcome = replication.settled[0]
+    manager.close()
+    return {"bytes_sent": outcome.bytes_sent, "seconds": outcome.seconds}
+
+
+def _replica_restore(
+    rank: int, world: int, local: str, persistent: str | None, options: Any, mb: float
+) -> dict[str, Any]:
+    """Restore the step from one level only (the local level with its peer replicas, or the
+    persistent level); the seconds ``restore`` took on this rank."""
+    manager = sk.MultiLevelManager(_replica_levels(local, persistent, options, 1), node_of=_node_of, timeout=300)
+    into = _replica_state(mb, 1)
+    import torch.distributed as dist
+
+    from shardkeep.distributed.coordinator import Coordinator
+
+    Coordinator(None, timeout=300)  # the checkpoint process group, created before the clock starts
+    dist.barrier()
+    started = time.perf_counter()
+    restored = manager.restore(into=into)
+    seconds = time.perf_counter() - started
+    manager.close()
+    assert restored is not None and restored.step == 0
+    expected = _replica_state(mb, 0)["weights"].to_local()
+    assert torch.equal(into["weights"].to_local(), expected)
+    return {"seconds": seconds, "healed_from": sorted({source for _, _, source in restored.report.healed})}
+
+
+def _replica_blocking(rank: int, world: int, local: str, replicas: int, saves: int, mb: float) -> dict[str, Any]:
+    """``saves`` local saves one after another (a short step between them): the seconds each
+    save blocked, with the replication of the previous step still in flight."""
+    manager = sk.MultiLevelManager(_replica_levels(local, None, None, replicas), node_of=_node_of, timeout=300)
+    blocked = []
+    for step in range(saves):
+        time.sleep(0.05)  # a training step
+        blocked.append(manager.save(_replica_state(mb, step), step=step).blocked_seconds)
+    manager.close()
+    return {"blocked": blocked}
+
+
+def replica_recovery(
+    args: argparse.Namespace, workdir: Path, local_base: Path, persistent: str, options: Any
+) -> dict[str, Any]:
+    """4 ranks on 2 simulated nodes: one replica per node part. Replication traffic per save;
+    after node 1 loses its disk, the time to restore the same step from the replicas and from
+    the persistent level; how long a save blocks with replication on and off."""
+    from tests.support.distributed_harness import results_or_raise, run_ranks
+
+    local = str(local_base / "replica-local")
+    mb = args.replica_mb
+    saved = results_or_raise(
+        run_ranks(4, _replica_save, local, persistent, options, mb, outbox=workdir / "r-save", timeout=600)
+    )
+    shutil.rmtree(Path(local) / "node1")  # the node is replaced: its local disk is empty
+    from_replicas = results_or_raise(
+        run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / "r-local", timeout=600)
+    )
+    from_persistent = results_or_raise(
+        run_ranks(4, _replica_restore, "", persistent, options, mb, outbox=workdir / "r-persistent", timeout=600)
+    )
+    blocking = {}
+    for replicas in (0, 1):
+        runs = results_or_raise(
+            run_ranks(
+                4,
+                _replica_blocking,
+                local + f"-block{replicas}",
+                replicas,
+                6,
+                mb,
+                outbox=workdir / f"r-block{replicas}",
+                timeout=600,
+            )
+        )
+        per_save = [max(run["blocked"][index] for run in runs) for index in range(6)]
+        blocking[f"replicas={replicas}"] = {"median_seconds": median(per_save[1:]), "max_seconds": max(per_save[1:])}
+    replicas_seconds = max(result["seconds"] for result in from_replicas)
+    persistent_seconds = max(result["seconds"] for result in from_persistent)
+    return {
+        "checkpoint_mib": mb,
+        "replication_bytes_per_save": sum(result["bytes_sent"] for result in saved),
+        "replication_seconds": max(result["seconds"] for result in saved),
+        "healed_from": from_replicas[0]["healed_from"],
+        "recovery_from_replicas_seconds": round(replicas_seconds, 3),
+        "recovery_from_persistent_seconds": round(persistent_seconds, 3),
+        "ratio": round(replicas_seconds / max(persistent_seconds, 1e-9), 3),
+        "save_blocking": blocking,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -171,11 +315,12 @@ def main() -> None:
     parser.add_argument("--drain-mb", type=float, default=512.0)
     parser.add_argument("--budget-mb", type=float, default=64.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replica-mb", type=float, default=256.0, help="MiB of the step replicated and recovered")
     parser.add_argument("--quick", action="store_true", help="1 repetition, 200 steps, 16 MiB, drain 128 MiB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.steps, args.mb, args.drain_mb = 1, 200, 16.0, 128.0
+        args.reps, args.steps, args.mb, args.drain_mb, args.replica_mb = 1, 200, 16.0, 128.0, 64.0
     print(
         f"bench/levels.py  {time.strftime('%Y-%m-%d %H:%M:%S')}  load {os.getloadavg()}  "
         f"state {args.mb} MiB, {args.steps} steps, persistent={args.persistent}, local={args.local or 'tmp'}"
@@ -231,6 +376,7 @@ def main() -> None:
                             f"  rep {rep}  {label:<7} failure at step {fail_at}: lost {outcome['steps_lost']:.0f} steps, "
                             f"blocked {outcome['blocked_seconds']:.3f} s"
                         )
+                replicas = replica_recovery(args, workdir, local_base, root_of("replicas"), storage_options)
             drain = drain_peak_rss(args, workdir)
         finally:
             if args.local:
@@ -244,6 +390,7 @@ def main() -> None:
             "runs": runs,
         }
     summary["drain_memory"] = drain
+    summary["replicas"] = replicas
     single, levels_ = summary["single"], summary["levels"]
     print(
         f"single: lost {single['steps_lost']:.1f} steps, blocked {single['blocked_seconds']:.3f} s "
@@ -259,6 +406,15 @@ def main() -> None:
     print(
         f"drain of a {drain['checkpoint_mib']:.0f} MiB step under a {drain['budget_mib']:.0f} MiB budget: "
         f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB"
+    )
+    blocking = replicas["save_blocking"]
+    print(
+        f"replicas ({replicas['checkpoint_mib']:.0f} MiB step, 4 ranks on 2 nodes, 1 replica): "
+        f"{replicas['replication_bytes_per_save'] / 2**20:.1f} MiB sent per save in {replicas['replication_seconds']:.2f} s; "
+        f"recovery after a node loss from replicas {replicas['recovery_from_replicas_seconds']:.2f} s, from the "
+        f"persistent level {replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x (target <= 0.33); "
+        f"a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
+        f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

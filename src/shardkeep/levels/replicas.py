@@ -30,9 +30,11 @@ replicated a step completely, each node's leader records the replicas its node h
 newest protected step until a newer one is protected, and every step whose replication is in
 flight.
 
-**Bounds.** A new local step while an older one is still replicating: the save waits at most
-``replicate_wait`` seconds, then cancels the older one (logged; it stops at its next batch) and
-queues the new one. Memory per rank: two blocks of the exchange.
+**Bounds.** A new local step while an older one is still replicating (or queued): the save
+waits at most ``replicate_wait`` seconds, then cancels the older one (logged) and queues the new
+one. A cancelled step stops before its next batch (a queued one before its first), so a save
+never waits for replication beyond ``replicate_wait`` plus one all-gather; the steps are
+replicated one at a time, in order. Memory per rank: two blocks of the exchange.
 """
 
 from __future__ import annotations
@@ -255,12 +257,13 @@ class Replicator:
                 outcome.state = "running"
             started = time.perf_counter()
             try:
-                self._replicate(job, outcome)
+                final = self._replicate(job, outcome)
             except Exception as exc:  # never leave the caller waiting on an outcome
                 outcome.problems.append(f"{type(exc).__name__}: {exc}")
-                outcome.state = "failed"
+                final = "failed"
             with self._lock:
                 outcome.seconds = time.perf_counter() - started
+                outcome.state = final
                 self._lock.notify_all()
 
     def _agree(self, stop: bool, batches: int) -> tuple[bool, int]:
@@ -273,11 +276,11 @@ class Replicator:
         dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
         return bool(vote[0]), int(vote[1])
 
-    def _replicate(self, job: _Job, outcome: ReplicationOutcome) -> None:
+    def _replicate(self, job: _Job, outcome: ReplicationOutcome) -> str:
+        """Replicate one step; its final state."""
         if self.broken is not None:
             outcome.problems.append(f"not replicated: the replication group failed earlier ({self.broken})")
-            outcome.state = "failed"
-            return
+            return "failed"
         plan: ReplicaPlan | None = None
         try:
             records = step_records(job.root, job.name)
@@ -287,13 +290,14 @@ class Replicator:
             node = self.nodes.node_of[self.rank]
             outcome.problems.append(f"rank {self.rank} (node {node}) cannot read step {job.step}: {exc}")
         try:
-            self._batches(job, plan, outcome)
+            return self._batches(job, plan, outcome)
         except (RuntimeError, ShardkeepError) as exc:  # gloo: a dead peer or a timeout
             self.broken = f"{type(exc).__name__}: {exc}"
             outcome.problems.append(f"replicating step {job.step} failed: {self.broken}")
-            outcome.state = "failed"
+            return "failed"
 
-    def _batches(self, job: _Job, plan: ReplicaPlan | None, outcome: ReplicationOutcome) -> None:
+    def _batches(self, job: _Job, plan: ReplicaPlan | None, outcome: ReplicationOutcome) -> str:
+        """The batches of one step, each after an agreement to go on; the final state."""
         mine = len(plan.batches) if plan is not None else 0
         node = self.nodes.node_of[self.rank]
         index, count = 0, mine
@@ -302,8 +306,7 @@ class Replicator:
                 cancelled = job.step in self._cancelled
             stop, count = self._agree(plan is None or cancelled, mine if index == 0 else count)
             if stop:
-                outcome.state = "failed" if plan is None or outcome.problems else "cancelled"
-                return
+                return "failed" if plan is None or outcome.problems else "cancelled"
             if index >= count:
                 break
             assert plan is not None
@@ -318,9 +321,11 @@ class Replicator:
                     f"(node {node}) of step {job.step}: {reason}; skipped, never loaded"
                 )
             index += 1
+            if index >= count:
+                break
         assert plan is not None
         outcome.received = plan.received
-        outcome.state = "failed" if outcome.problems else "done"
+        return "failed" if outcome.problems else "done"
 
 
 def new_replication_group(process_group: Any, timeout: float) -> Any:
@@ -373,8 +378,9 @@ class Replication:
             self.blocked_seconds += time.perf_counter() - started
             for older in self.inflight:
                 logger.warning(
-                    "level %r: the replication of step %d is still running after replicate_wait=%g s; it is "
-                    "skipped (not protected) and step %d is replicated instead",
+                    "level %r: the replication of step %d is still running after replicate_wait=%g s: it is "
+                    "skipped (cancelled before its next batch; a step not replicated completely is not protected) "
+                    "and step %d is queued",
                     self.level.name, older, self.replicate_wait, step,
                 )  # fmt: skip
                 self.replicator.cancel(older)
