@@ -236,7 +236,13 @@ def _train(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[s
     }
     status = {level: [(copy.step, copy.state) for copy in copies] for level, copies in manager.status().items()}
     manager.close()
-    return {"saves": saves, "protected": protected, "settled": settled, "status": status}
+    return {
+        "saves": saves,
+        "protected": protected,
+        "settled": settled,
+        "status": status,
+        "waited": replication.blocked_seconds,
+    }
 
 
 def _restore(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -379,3 +385,12 @@ def test_a_save_while_the_previous_step_replicates_skips_it_within_replicate_wai
         assert all(blocked < 3.0 for _, _, blocked in result["saves"]), result["saves"]  # replicate_wait=0
     assert _part(tmp_path / "node0", 2)["replicas"] == {} and _part(tmp_path / "node0", 4)["replicas"]
     assert sorted(p.name for p in (tmp_path / "node0").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_replicate_wait_lets_a_save_wait_for_the_previous_step_and_measures_it(tmp_path: Path) -> None:
+    results = train(tmp_path, 2, last=4, slow=2.0, wait_each=False, persistent=False, per_node=1, replicate_wait=30.0)
+    for result in results:
+        states = {step: settled[0] for step, settled in result["settled"].items()}
+        assert states == {0: "done", 2: "done", 4: "done"} and result["protected"] == 4, result
+        assert 1.0 < result["waited"] < 30.0, result["waited"]  # the saves of steps 2 and 4 waited
+        assert result["saves"][1][2] >= 1.0, result["saves"]
