@@ -20,9 +20,9 @@ recommends), or ``--local DIR``.
 
 Peer replicas (``--replica-mb``): 4 gloo ranks on 2 simulated nodes save one step to a
 node-local level with one replica per node part and drain it; the replication traffic is the
-bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks from the
-local level (node 1's part from node 0's replicas) and, separately, from the persistent level
-alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
+bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks with both
+levels (node 1's part from node 0's replicas), with the local level alone, and from the
+persistent level alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
 replicas gives how long a save blocks while the previous step replicates.
 
 Last, the drain's memory: a ``--drain-mb`` MiB local step is drained in a fresh process under a
@@ -221,8 +221,8 @@ def _replica_save(rank: int, world: int, local: str, persistent: str, options: A
 def _replica_restore(
     rank: int, world: int, local: str, persistent: str | None, options: Any, mb: float
 ) -> dict[str, Any]:
-    """Restore the step from one level only (the local level with its peer replicas, or the
-    persistent level); the seconds ``restore`` took on this rank."""
+    """Restore the step with both levels (``local`` given: node 1's part comes from node 0's
+    replicas) or from the persistent level alone; the seconds ``restore`` took on this rank."""
     manager = sk.MultiLevelManager(_replica_levels(local, persistent, options, 1), node_of=_node_of, timeout=300)
     into = _replica_state(mb, 1)
     import torch.distributed as dist
@@ -257,8 +257,9 @@ def replica_recovery(
     args: argparse.Namespace, workdir: Path, local_base: Path, persistent: str, options: Any
 ) -> dict[str, Any]:
     """4 ranks on 2 simulated nodes: one replica per node part. Replication traffic per save;
-    after node 1 loses its disk, the time to restore the same step from the replicas and from
-    the persistent level; how long a save blocks with replication on and off."""
+    after node 1 loses its disk, the time to restore the same step with both levels (node 1's
+    part from the replicas) and from the persistent level alone; how long a save blocks with
+    replication on and off."""
     from tests.support.distributed_harness import results_or_raise, run_ranks
 
     local = str(local_base / "replica-local")
@@ -268,7 +269,11 @@ def replica_recovery(
     )
     shutil.rmtree(Path(local) / "node1")  # the node is replaced: its local disk is empty
     from_replicas = results_or_raise(
-        run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / "r-local", timeout=600)
+        run_ranks(4, _replica_restore, local, persistent, options, mb, outbox=workdir / "r-local", timeout=600)
+    )
+    shutil.rmtree(Path(local) / "node1")  # the same loss again, restored by the local level alone
+    local_only = results_or_raise(
+        run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / "r-local-only", timeout=600)
     )
     from_persistent = results_or_raise(
         run_ranks(4, _replica_restore, "", persistent, options, mb, outbox=workdir / "r-persistent", timeout=600)
@@ -297,6 +302,7 @@ def replica_recovery(
         "replication_seconds": max(result["seconds"] for result in saved),
         "healed_from": from_replicas[0]["healed_from"],
         "recovery_from_replicas_seconds": round(replicas_seconds, 3),
+        "recovery_local_level_only_seconds": round(max(result["seconds"] for result in local_only), 3),
         "recovery_from_persistent_seconds": round(persistent_seconds, 3),
         "ratio": round(replicas_seconds / max(persistent_seconds, 1e-9), 3),
         "save_blocking": blocking,
@@ -412,7 +418,9 @@ def main() -> None:
         f"replicas ({replicas['checkpoint_mib']:.0f} MiB step, 4 ranks on 2 nodes, 1 replica): "
         f"{replicas['replication_bytes_per_save'] / 2**20:.1f} MiB sent per save in {replicas['replication_seconds']:.2f} s; "
         f"recovery after a node loss from replicas {replicas['recovery_from_replicas_seconds']:.2f} s, from the "
-        f"persistent level {replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x (target <= 0.33); "
+        f"persistent level {replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x (target <= 0.33; "
+        f"{replicas['recovery_local_level_only_seconds']:.2f} s with the local level alone, no listing of the persistent "
+        "level); "
         f"a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
         f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
     )

@@ -309,6 +309,15 @@ def test_a_lost_node_resumes_at_the_newest_local_step_from_the_replicas(tmp_path
     assert sk.verify(tmp_path / "node1" / "step_00000006").ok
 
 
+def test_a_lost_node_takes_its_part_from_the_replicas_before_the_persistent_copy(tmp_path: Path) -> None:
+    train(tmp_path, 4, last=4)  # step 4: protected on the local level and drained
+    assert (tmp_path / "persistent" / "step_00000004" / "manifest.json").exists()
+    wipe(tmp_path / "node1")
+    report = restore(tmp_path, 4, "after-loss")
+    assert report["step"] == 4 and report["levels_read"] == ["local"], report
+    assert {source for _, file, source in report["healed"] if file.startswith("shards/")} == {"local@node0"}
+
+
 def test_replication_not_finished_loses_that_step_and_names_it(tmp_path: Path) -> None:
     results = train(tmp_path, 4, last=6, skip=[6])  # the node dies before step 6 is replicated
     assert {result["protected"] for result in results} == {4}
