@@ -338,6 +338,9 @@ def main() -> None:
         local_base = Path(tempfile.mkdtemp(prefix="sk-levels-", dir=args.local)) if args.local else workdir / "local"
         try:
             with persistent_root(args.persistent, workdir) as (root_of, storage_options):
+                # first: its ranks are forked, and a fork after torch ran ops in this process can
+                # deadlock in the children's thread pools
+                replicas = replica_recovery(args, workdir, local_base, root_of("replicas"), storage_options)
                 for rep in range(args.reps):
                     fail_at = rng.randrange(args.steps // 2, args.steps)
                     single_root = root_of(f"single-{rep}")
@@ -382,7 +385,6 @@ def main() -> None:
                             f"  rep {rep}  {label:<7} failure at step {fail_at}: lost {outcome['steps_lost']:.0f} steps, "
                             f"blocked {outcome['blocked_seconds']:.3f} s"
                         )
-                replicas = replica_recovery(args, workdir, local_base, root_of("replicas"), storage_options)
             drain = drain_peak_rss(args, workdir)
         finally:
             if args.local:
