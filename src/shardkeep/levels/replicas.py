@@ -356,6 +356,8 @@ class Replication:
         self.settled: dict[int, ReplicationOutcome] = {}
         #: Seconds saves waited for an older replication (``replicate_wait``).
         self.blocked_seconds = 0.0
+        #: Why this manager does not replicate (the group could not be created), or ``None``.
+        self.disabled: str | None = None
 
     def active(self, nodes: NodeMap) -> bool:
         return self.level.replicas_for(nodes.node_count) > 0
@@ -365,12 +367,22 @@ class Replication:
         step still replicating gets ``replicate_wait`` seconds, then is cancelled."""
         if not self.active(nodes) or not coordinator.distributed:
             return
+        if self.disabled is not None:
+            return
         if self.replicator is None:
             made: list[Any] = []
-            coordinator.step(
-                "create the replication group",
-                lambda: made.append(new_replication_group(self.process_group, self.timeout)),
-            )
+            try:
+                coordinator.step(
+                    "create the replication group",
+                    lambda: made.append(new_replication_group(self.process_group, self.timeout)),
+                )
+            except ShardkeepError as exc:  # every rank gets the same error: none replicates
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "level %r: no peer replicas (the replication group cannot be created: %s)",
+                    self.level.name, self.disabled,
+                )  # fmt: skip
+                return
             self.replicator = Replicator(made[0], self.level, nodes, coordinator.rank)
         if self.inflight:
             started = time.perf_counter()
