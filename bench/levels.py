@@ -22,6 +22,13 @@ The restore times are reported per level: the restarted runs restore from S3 (si
 the local level (levels); then the levels run is restarted once more with its local level wiped
 (a lost node), restoring from the persistent level.
 
+Peer replicas (``--replica-mb``): 4 gloo ranks on 2 simulated nodes save one step to a
+node-local level with one replica per node part and drain it; the replication traffic is the
+bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks with both
+levels (node 1's part from node 0's replicas), with the local level alone, and from the
+persistent level alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
+replicas gives how long a save blocks while the previous step replicates.
+
 Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
 drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
 reset just before the drain) above its RSS before the drain is reported. The results are in
@@ -221,6 +228,149 @@ def drain_peak_rss(
     }
 
 
+# -- peer replicas ------------------------------------------------------------------------------
+
+
+def _replica_state(mb: float, seed: int) -> dict[str, Any]:
+    """``mb`` MiB of float32 rows sharded over every rank (each rank writes its rows)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    rows = max(world, int(mb * 2**20 / 4 / 1024) // world * world)
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows, 1024, generator=generator)
+    mesh = init_device_mesh("cpu", (world,))
+    return {"weights": distribute_tensor(full, mesh, [Shard(0)])}
+
+
+def _replica_levels(local: str, persistent: str | None, storage_options: Any, replicas: int) -> list[Any]:
+    levels: list[Any] = []
+    if local:
+        keep = sk.RetentionPolicy(keep_last=2, keep_best=0)
+        levels.append(sk.Level("local", local + "/node{node}", node_local=True, replicas=replicas, retention=keep))
+    if persistent is not None:
+        levels.append(
+            sk.Level(
+                "persistent",
+                persistent,
+                source="drain" if local else "save",
+                storage_options=storage_options,
+            )
+        )
+    return levels
+
+
+def _node_of(rank: int) -> int:
+    return rank // 2
+
+
+def _replica_save(rank: int, world: int, local: str, persistent: str, options: Any, mb: float) -> dict[str, Any]:
+    """Save one step to the local level (one replica per node part), drain it, wait for its
+    replicas: the bytes replication sent and the seconds it took."""
+    manager = sk.MultiLevelManager(_replica_levels(local, persistent, options, 1), node_of=_node_of, timeout=300)
+    manager.save(_replica_state(mb, 0), step=0, levels=["local"])
+    manager.drain(0)
+    protected = manager.wait_for_replicas()
+    replication = manager.replication
+    assert replication is not None and protected == 0, protected
+    outcome = replication.settled[0]
+    manager.close()
+    return {"bytes_sent": outcome.bytes_sent, "seconds": outcome.seconds}
+
+
+def _replica_restore(
+    rank: int, world: int, local: str, persistent: str | None, options: Any, mb: float
+) -> dict[str, Any]:
+    """Restore the step with both levels (``local`` given: node 1's part comes from node 0's
+    replicas) or from the persistent level alone; the seconds ``restore`` took on this rank."""
+    manager = sk.MultiLevelManager(_replica_levels(local, persistent, options, 1), node_of=_node_of, timeout=300)
+    into = _replica_state(mb, 1)
+    import torch.distributed as dist
+
+    from shardkeep.distributed.coordinator import Coordinator
+
+    Coordinator(None, timeout=300)  # the checkpoint process group, created before the clock starts
+    dist.barrier()
+    started = time.perf_counter()
+    restored = manager.restore(into=into)
+    seconds = time.perf_counter() - started
+    manager.close()
+    assert restored is not None and restored.step == 0
+    expected = _replica_state(mb, 0)["weights"].to_local()
+    assert torch.equal(into["weights"].to_local(), expected)
+    return {"seconds": seconds, "healed_from": sorted({source for _, _, source in restored.report.healed})}
+
+
+def _replica_blocking(rank: int, world: int, local: str, replicas: int, saves: int, mb: float) -> dict[str, Any]:
+    """``saves`` local saves one after another (a short step between them): the seconds each
+    save blocked, with the replication of the previous step still in flight."""
+    manager = sk.MultiLevelManager(_replica_levels(local, None, None, replicas), node_of=_node_of, timeout=300)
+    blocked = []
+    for step in range(saves):
+        time.sleep(0.05)  # a training step
+        blocked.append(manager.save(_replica_state(mb, step), step=step).blocked_seconds)
+    manager.close()
+    return {"blocked": blocked}
+
+
+def replica_recovery(
+    args: argparse.Namespace, workdir: Path, local_base: Path, persistent: str, options: Any
+) -> dict[str, Any]:
+    """4 ranks on 2 simulated nodes: one replica per node part. Replication traffic per save;
+    after node 1 loses its disk, the time to restore the same step with both levels (node 1's
+    part from the replicas) and from the persistent level alone; how long a save blocks with
+    replication on and off."""
+    from tests.support.distributed_harness import results_or_raise, run_ranks
+
+    local = str(local_base / "replica-local")
+    mb = args.replica_mb
+    saved = results_or_raise(
+        run_ranks(4, _replica_save, local, persistent, options, mb, outbox=workdir / "r-save", timeout=600)
+    )
+    shutil.rmtree(Path(local) / "node1")  # the node is replaced: its local disk is empty
+    from_replicas = results_or_raise(
+        run_ranks(4, _replica_restore, local, persistent, options, mb, outbox=workdir / "r-local", timeout=600)
+    )
+    shutil.rmtree(Path(local) / "node1")  # the same loss again, restored by the local level alone
+    local_only = results_or_raise(
+        run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / "r-local-only", timeout=600)
+    )
+    from_persistent = results_or_raise(
+        run_ranks(4, _replica_restore, "", persistent, options, mb, outbox=workdir / "r-persistent", timeout=600)
+    )
+    blocking = {}
+    for replicas in (0, 1):
+        runs = results_or_raise(
+            run_ranks(
+                4,
+                _replica_blocking,
+                local + f"-block{replicas}",
+                replicas,
+                6,
+                mb,
+                outbox=workdir / f"r-block{replicas}",
+                timeout=600,
+            )
+        )
+        per_save = [max(run["blocked"][index] for run in runs) for index in range(6)]
+        blocking[f"replicas={replicas}"] = {"median_seconds": median(per_save[1:]), "max_seconds": max(per_save[1:])}
+    replicas_seconds = max(result["seconds"] for result in from_replicas)
+    persistent_seconds = max(result["seconds"] for result in from_persistent)
+    return {
+        "checkpoint_mib": mb,
+        "replication_bytes_per_save": sum(result["bytes_sent"] for result in saved),
+        "replication_seconds": max(result["seconds"] for result in saved),
+        "healed_from": from_replicas[0]["healed_from"],
+        "recovery_from_replicas_seconds": round(replicas_seconds, 3),
+        "recovery_local_level_only_seconds": round(max(result["seconds"] for result in local_only), 3),
+        "recovery_from_persistent_seconds": round(persistent_seconds, 3),
+        "ratio": round(replicas_seconds / max(persistent_seconds, 1e-9), 3),
+        "save_blocking": blocking,
+    }
+
+
 def makers(
     args: argparse.Namespace,
     root_of: Callable[[str], str],
@@ -268,6 +418,8 @@ def run_reps(args: argparse.Namespace, local_base: Path, workdir: Path) -> dict[
     rng = random.Random(args.seed)
     results: dict[str, Any] = {"single": [], "levels": [], "levels_from_persistent": []}
     with persistent_root(args.persistent, workdir) as (root_of, storage_options):
+        # First: the replica runs fork gloo ranks, best before this process ran torch operations.
+        results["replicas"] = replica_recovery(args, workdir, local_base, root_of("replicas"), storage_options)
         for rep in range(args.reps):
             fail_at = rng.randrange(args.steps // 2, args.steps)
             local_root = local_base / f"rep-{rep}"
@@ -312,6 +464,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     pairs = list(zip(results["single"], results["levels"], strict=True))
     summary["blocked_ratio_per_pair"] = [b["blocked_seconds"] / a["blocked_seconds"] for a, b in pairs]
     summary["drain_memory"] = results["drain_memory"]
+    summary["replicas"] = results["replicas"]
     return summary
 
 
@@ -339,6 +492,18 @@ def report(summary: dict[str, Any]) -> None:
         f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB over {drain['rss_before_mib']:.0f} MiB before it "
         f"(high-water mark reset before the drain: {drain['high_water_mark_reset']})"
     )
+    replicas = summary["replicas"]
+    blocking = replicas["save_blocking"]
+    print(
+        f"replicas ({replicas['checkpoint_mib']:.0f} MiB step, 4 ranks on 2 nodes, 1 replica): "
+        f"{replicas['replication_bytes_per_save'] / 2**20:.1f} MiB sent per save in {replicas['replication_seconds']:.2f} s; "
+        f"recovery after a node loss from replicas {replicas['recovery_from_replicas_seconds']:.2f} s, from the "
+        f"persistent level {replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x (target <= 0.33; "
+        f"{replicas['recovery_local_level_only_seconds']:.2f} s with the local level alone, no listing of the persistent "
+        "level); "
+        f"a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
+        f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
+    )
 
 
 def main() -> None:
@@ -352,12 +517,13 @@ def main() -> None:
     parser.add_argument("--local", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--drain-mb", type=float, default=512.0)
     parser.add_argument("--budget-mb", type=float, default=64.0)
+    parser.add_argument("--replica-mb", type=float, default=256.0, help="MiB of the step replicated and recovered")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 repetition, 200 steps, 16 MiB, drain 128 MiB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.steps, args.mb, args.drain_mb = 1, 200, 16.0, 128.0
+        args.reps, args.steps, args.mb, args.drain_mb, args.replica_mb = 1, 200, 16.0, 128.0, 64.0
     print(
         f"bench/levels.py  {time.strftime('%Y-%m-%d %H:%M:%S')}  load {os.getloadavg()}  "
         f"state {args.mb} MiB, {args.steps} steps, persistent={args.persistent}, local={args.local or 'tmp'}"

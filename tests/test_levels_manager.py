@@ -10,6 +10,7 @@ from each level; the status listing.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,16 @@ def _state(step: int, *, zeros: bool = False) -> dict[str, Any]:
     return {"weights": distribute_tensor(full, mesh, [Shard(0)]), "step": 0 if zeros else step}
 
 
-def _levels(tmp: str, *, local_every: int = 2, persist_every: int = 4, **persistent: Any) -> list[sk.Level]:
+def _levels(
+    tmp: str, *, local_every: int = 2, persist_every: int = 4, replicas: int | None = 0, **persistent: Any
+) -> list[sk.Level]:
+    """Peer replicas are off unless asked for: these tests are about the persistent copy."""
     return [
         sk.Level(
             "local",
             tmp + "/node{node}",
             node_local=True,
+            replicas=replicas,
             save_policy=sk.SavePolicy(every_steps=local_every),
             retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
         ),
@@ -65,8 +70,8 @@ def _node_of(rank: int) -> int:
     return rank * 2 // world_size if world_size > 1 else 0
 
 
-def _train(rank: int, world_size: int, tmp: str, last: int) -> dict[str, Any]:
-    manager = sk.MultiLevelManager(_levels(tmp), node_of=_node_of, timeout=60)
+def _train(rank: int, world_size: int, tmp: str, last: int, replicas: int | None = 0) -> dict[str, Any]:
+    manager = sk.MultiLevelManager(_levels(tmp, replicas=replicas), node_of=_node_of, timeout=60)
     results = []
     for step in range(last + 1):
         if manager.should_save(step):
@@ -98,7 +103,7 @@ def _steps(root: Path) -> list[str]:
 
 
 def test_two_levels_save_on_their_cadence_and_keep_their_retention(tmp_path: Path) -> None:
-    results_or_raise(run_ranks(4, _train, str(tmp_path), 9, outbox=tmp_path / "out"))
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 9, None, outbox=tmp_path / "out"))
     # local every 2 steps, keep the last 2, on each node; persistent every 4 steps (drained), keep 3
     for node in (0, 1):
         assert _steps(tmp_path / f"node{node}") == ["step_00000006", "step_00000008"]
@@ -109,9 +114,14 @@ def test_two_levels_save_on_their_cadence_and_keep_their_retention(tmp_path: Pat
     node0, node1 = tmp_path / "node0" / "step_00000008", tmp_path / "node1" / "step_00000008"
     assert (node0 / "manifest.json").read_bytes() == (node1 / "manifest.json").read_bytes()
     assert (node0 / "manifest.json").read_bytes() == (tmp_path / "persistent/step_00000008/manifest.json").read_bytes()
-    data0 = {p.name for p in node0.rglob("*.safetensors")}
-    data1 = {p.name for p in node1.rglob("*.safetensors")}
-    assert data0 and data1 and not data0 & data1
+    # each node's own part holds its ranks' data files; with two nodes the default of one
+    # replica puts each node's files on the other node too, recorded once replicated
+    part0 = json.loads((node0 / "node-part.json").read_bytes())
+    part1 = json.loads((node1 / "node-part.json").read_bytes())
+    assert part0["files"] and part1["files"] and not set(part0["files"]) & set(part1["files"])
+    assert part0["replicas"] == {"1": part1["files"]} and part1["replicas"] == {"0": part0["files"]}
+    data0 = {str(p.relative_to(node0)) for p in node0.rglob("*.safetensors")}
+    assert data0 == set(part0["files"]) | set(part1["files"])
 
 
 def test_restore_resumes_at_the_newest_local_step(tmp_path: Path) -> None:

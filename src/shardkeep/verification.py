@@ -591,7 +591,7 @@ def _node_part_holds(report: VerifyReport, location: CheckpointLocation) -> set[
     except ShardkeepError as exc:
         report.problems.append(f"{NODE_PART_FILENAME}: {exc}")
         return None
-    holds = {*part.files, *part.healed}
+    holds = part.holds()  # by design, healed, and peer replicas
     report.warnings.append(
         f"node {part.node}'s part of a node-local step ({part.nodes} nodes): only its {len(holds)} data files "
         "are here and checked; the other nodes hold the rest"

@@ -1,5 +1,5 @@
 """``shardkeep ls --level NAME=ROOT ...``: every level of a multi-level setup, with each step's
-copies and their state (committed, draining, damaged)."""
+copies and their state (committed, protected, draining, damaged)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def add_level_arguments(listing: Any) -> None:
         default=[],
         metavar="NAME=ROOT",
         help="list a level of a MultiLevelManager instead of one root (repeatable, in the manager's order): each "
-        "step's copies on every level and their state (committed, draining, damaged). A root holding node parts "
-        "(node-part.json) is read as this node's part of a node-local level; a root with {node} "
-        "(/tmp/run/node{node}) is read for every node",
+        "step's copies on every level and their state (committed, protected: with its peer replicas, draining, "
+        "damaged). A root holding node parts (node-part.json) is read as this node's part of a node-local level; "
+        "a root with {node} (/tmp/run/node{node}) is read for every node",
     )
 
 

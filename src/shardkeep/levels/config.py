@@ -21,7 +21,9 @@ the level(s):
   node-local level's ``every_steps`` (else a due persistent step is never a local step). A
   drain with ``every_seconds`` or ``should_save_fn`` is evaluated at committed local steps
   and drains the newest local step that is due;
-- a persistent root given per node (a callable, or a string with ``{node}``).
+- a persistent root given per node (a callable, or a string with ``{node}``);
+- ``replicas`` on a shared level; more replicas than other nodes, or a ``replica_jump`` that
+  puts a replica on the node that holds the part (once the node count is known).
 
 ``save_policy=None`` means every step the manager is asked to save is saved on that level
 (as :class:`~shardkeep.CheckpointManager` without a policy), and for a drain level every
@@ -55,6 +57,7 @@ __all__ = [
     "check_levels",
     "normalized_root",
     "probe_level",
+    "replica_holders",
     "warn_if_network_filesystem",
 ]
 
@@ -76,6 +79,11 @@ class Level:
     formatted with the node id. ``required=True``: a failure of this level fails the save
     (otherwise it is logged and skipped while another level commits). ``storage_options`` go
     to the fsspec filesystem of a URL root.
+
+    ``replicas`` (node-local only): how many other nodes keep a copy of each node's part,
+    placed like NVRx's clique strategy by node: node ``n``'s part goes to nodes
+    ``(n + k * replica_jump) % N`` for ``k = 1 .. replicas`` (``replica_jump`` defaults to 1).
+    ``None`` means 1 with two nodes or more and 0 with one node (see :meth:`replicas_for`).
     """
 
     name: str
@@ -86,6 +94,8 @@ class Level:
     source: Literal["save", "drain"] = field(default="save", kw_only=True)
     required: bool = field(default=False, kw_only=True)
     storage_options: Mapping[str, Any] | None = field(default=None, kw_only=True, compare=False)
+    replicas: int | None = field(default=None, kw_only=True)
+    replica_jump: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -113,6 +123,24 @@ class Level:
             )
         if self.node_local and self.source == "drain":
             raise LevelConfigError(f"{where}: a node-local level is saved, never drained into (source='save')")
+        for name, least in (("replicas", 0), ("replica_jump", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise LevelConfigError(f"{where}: {name}={value!r} must be an integer >= {least} (or None)")
+        if not self.node_local and (self.replicas or self.replica_jump is not None):
+            raise LevelConfigError(
+                f"{where}: replicas= and replica_jump= copy a node-local level's parts to other nodes; a shared "
+                "level holds every file already (set node_local=True, or leave them out)"
+            )
+
+    def replicas_for(self, node_count: int) -> int:
+        """How many other nodes keep a copy of each node's part: ``replicas``, or by default 1
+        when there are at least two nodes and 0 with one node (or on a shared level)."""
+        if not self.node_local:
+            return 0
+        if self.replicas is not None:
+            return self.replicas
+        return 1 if node_count >= 2 else 0
 
     def root_of(self, node: int = 0) -> str:
         """The root of this level on ``node`` (the same for every node unless the root is given
@@ -192,10 +220,11 @@ def _check_drain(level: Level, local: Level | None) -> None:
         )
 
 
-def check_levels(levels: Sequence[Level], *, node_count: int = 1) -> None:
+def check_levels(levels: Sequence[Level], *, node_count: int | None = None) -> None:
     """Refuse a list of levels that cannot work (see the module docstring), naming the
     level(s). Pure: nothing is read or written (see :func:`probe_level`). ``node_count`` is how
-    many nodes resolve a node-local root given per node."""
+    many nodes resolve a node-local root given per node and hold replicas (``None``: not known
+    yet; roots are checked for one node and the replica placement is not checked)."""
     if isinstance(levels, (str, bytes)) or not isinstance(levels, Sequence):
         raise LevelConfigError(f"levels must be a list of shardkeep.Level, not {type(levels).__name__}")
     if not levels:
@@ -212,10 +241,36 @@ def check_levels(levels: Sequence[Level], *, node_count: int = 1) -> None:
         raise LevelConfigError(
             f"levels {[level.name for level in local]} are all node-local: configure at most one node-local level"
         )
-    _check_roots(levels, node_count)
+    _check_roots(levels, node_count or 1)
+    for level in local:
+        if node_count is not None:
+            replica_holders(level, 0, node_count)  # refuses a placement that cannot work, naming it
     for level in levels:
         if level.source == "drain":
             _check_drain(level, local[0] if local else None)
+
+
+def replica_holders(level: Level, node: int, node_count: int) -> list[int]:
+    """The nodes that keep a copy of ``node``'s part of the node-local ``level`` (the clique
+    placement by node: ``(node + k * jump) % node_count`` for ``k = 1 .. replicas``).
+    :class:`~shardkeep.errors.LevelConfigError` naming the level and the node count when there
+    are more replicas than other nodes, or when the jump maps a node onto itself."""
+    replicas = level.replicas_for(node_count)
+    jump = 1 if level.replica_jump is None else level.replica_jump
+    if replicas > node_count - 1:
+        raise LevelConfigError(
+            f"level {level.name!r}: replicas={replicas} needs {replicas + 1} nodes or more, the job has {node_count} "
+            f"node(s): a node's part can have at most {node_count - 1} replica(s) on other nodes"
+        )
+    holders = [(node + k * jump) % node_count for k in range(1, replicas + 1)]
+    for k, holder in enumerate(holders, start=1):
+        if holder == node or holders.index(holder) != k - 1:
+            raise LevelConfigError(
+                f"level {level.name!r}: replica_jump={jump} with {node_count} nodes puts replica {k} of node {node} "
+                f"on node {holder}, which already holds that part; choose a jump whose multiples 1..{replicas} "
+                f"are not multiples of {node_count}"
+            )
+    return holders
 
 
 def probe_level(level: Level, node: int = 0) -> ByteStore:

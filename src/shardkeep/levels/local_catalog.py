@@ -125,7 +125,7 @@ def verify_part(
     """Every problem of this node's part of step ``name``: the manifest's seal and checks, the
     node part, every rank index, the directory's file set (:func:`~shardkeep.verification.file_set_problems`
     against the files the part holds), and the size and digest of each data file the part
-    holds (including healed ones). Empty when the part verifies; never raises for bad content."""
+    holds (including healed ones and replicas). Empty when the part verifies; never raises for bad content."""
     store = _store(root)
     location = CheckpointLocation(store, name)
     try:
@@ -138,7 +138,7 @@ def verify_part(
             manifest = expand_all(store, name, manifest)
         except ShardkeepError as exc:
             return [str(exc)]
-    holds = set(part.files) | set(part.healed)
+    holds = part.holds()
     records = {record.path: record for record in manifest.files}
     problems += [
         f"{path}: listed in {NODE_PART_FILENAME} but not in the manifest" for path in sorted(holds - set(records))

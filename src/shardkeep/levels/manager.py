@@ -36,6 +36,7 @@ from shardkeep.levels.drain import Drain, recover_drains
 from shardkeep.levels.local_catalog import LocalStep, collect_leftovers, read_part, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
 from shardkeep.levels.nodes import NodeMap, node_map
+from shardkeep.levels.replicas import Replication
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.levels.status import LevelCopy, level_copies
 from shardkeep.manager import CheckpointManager
@@ -128,7 +129,9 @@ class MultiLevelManager:
     drains. ``drain_wait``: the longest a save waits (seconds) for a drain still in flight when
     the next drain of that level is due; after it, that drain is skipped and logged (the
     documented bound on how long a slow persistent level can block training). ``node_of``: the
-    node of each rank (see :func:`~shardkeep.levels.nodes.node_map`). ``options``, ``fields``,
+    node of each rank (see :func:`~shardkeep.levels.nodes.node_map`). ``replicate_wait``: the
+    longest a save waits (seconds) for the peer replication of the previous local step before
+    that step is skipped (see :mod:`~shardkeep.levels.replicas`). ``options``, ``fields``,
     ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
     """
 
@@ -138,6 +141,7 @@ class MultiLevelManager:
         *,
         retry: RetryPolicy | None = None,
         drain_wait: float = 0.0,
+        replicate_wait: float = 0.0,
         node_of: Callable[[int], int] | Sequence[int] | None = None,
         process_group: Group | None = None,
         timeout: float = DEFAULT_TIMEOUT,
@@ -154,6 +158,8 @@ class MultiLevelManager:
             raise ConfigError(f"retry= must be a RetryPolicy or None, got {type(retry).__name__}")
         if isinstance(drain_wait, bool) or not isinstance(drain_wait, (int, float)) or not drain_wait >= 0:
             raise ConfigError(f"drain_wait={drain_wait!r} must be a number of seconds >= 0")
+        if isinstance(replicate_wait, bool) or not isinstance(replicate_wait, (int, float)) or not replicate_wait >= 0:
+            raise ConfigError(f"replicate_wait={replicate_wait!r} must be a number of seconds >= 0")
         self.retry = retry
         self.drain_wait = float(drain_wait)
         self.staging_lease = float(staging_lease)
@@ -166,6 +172,11 @@ class MultiLevelManager:
         self._run_id = run_id
         self._lock = threading.RLock()
         self.local: Level | None = next((level for level in self.levels if level.node_local), None)
+        self._replication = (
+            Replication(self.local, process_group=process_group, timeout=timeout, replicate_wait=float(replicate_wait))
+            if self.local is not None
+            else None
+        )
         self._local_schedule = (
             SaveSchedule(self.local.save_policy)
             if self.local is not None and self.local.save_policy is not None
@@ -234,8 +245,11 @@ class MultiLevelManager:
 
     # -- saving --------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether any level is due at ``step`` (collective: every rank calls it)."""
-        return bool(self._due(step, self._coordinator()))
+        """Whether any level is due at ``step`` (collective: every rank calls it). While a peer
+        replication is in flight it is also the safe point that settles it (one all-gather)."""
+        coordinator = self._coordinator()
+        self._settle_replicas(coordinator, wait=0.0)
+        return bool(self._due(step, coordinator))
 
     def _due(self, step: int, coordinator: Coordinator) -> list[str]:
         schedules: list[tuple[str, SaveSchedule | None]] = []
@@ -274,6 +288,7 @@ class MultiLevelManager:
             coordinator = self._coordinator()
             result = LevelsSaveResult(step=step)
             self._settle_drains(coordinator, result, wait=0.0)
+            self._settle_replicas(coordinator, wait=0.0)
             if levels is None:
                 wanted = self._due(step, coordinator) or [self._fastest().name]
             else:
@@ -327,6 +342,13 @@ class MultiLevelManager:
                     f"level {level.name!r} keeps the best {policy.keep_best} by {policy.metric!r}, but metrics has "
                     f"no {policy.metric!r}: got {sorted(metrics)} (or give it keep_best=0)"
                 )
+
+    @property
+    def replication(self) -> Replication | None:
+        """The peer replication of the node-local level (``None`` without one): the steps in
+        flight, the newest protected step, each settled step's outcome on this rank (bytes
+        sent and received, problems) and the seconds saves waited for it."""
+        return self._replication
 
     @property
     def run_id(self) -> str | None:
@@ -401,6 +423,8 @@ class MultiLevelManager:
         result.committed[level.name] = name
         if self._local_schedule is not None:
             self._local_schedule.saved(step)
+        if self._replication is not None:
+            self._replication.after_commit(step, name, root, coordinator, nodes)
         self._retain_local(coordinator)
 
     def _retain_local(self, coordinator: Coordinator) -> bool:
@@ -413,11 +437,14 @@ class MultiLevelManager:
         policy = self.local.retention
         root = self._local_root(coordinator)
         pinned = {shared.drain_step for shared in self._shared.values() if shared.drain is not None}
+        pinned |= self._replication.pinned() if self._replication is not None else set()
 
         def decided() -> list[str]:
             if policy is None:
                 return []
             steps = [found for found in scan(root) if found.state == "committed"]
+            protected = [found.step for found in steps if found.part is not None and found.part.replicas]
+            pinned.update(protected[-1:])  # the newest protected step, until a newer one is
             infos = [_info(root, found, policy.metric) for found in steps]
             decision = decide(infos, policy)
             return [found.name for found in steps if found.name not in decision.keep and found.step not in pinned]
@@ -557,10 +584,30 @@ class MultiLevelManager:
                 shared.join_prune()
             return result
 
-    def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
-        """Finish (``wait``, bounded by ``timeout``) or abandon the drains in flight; an
-        abandoned drain leaves nothing committed, and its staging is removed."""
+    def _settle_replicas(self, coordinator: Coordinator, *, wait: float | None) -> None:
+        replication = self._replication
+        if replication is not None and replication.inflight and self._nodes is not None:
+            before = replication.protected
+            replication.settle(self._local_root(coordinator), coordinator, self._nodes, wait=wait)
+            if replication.protected != before:  # a newer protected step frees the older one
+                self._retain_local(coordinator)
+
+    def wait_for_replicas(self, timeout: float | None = None) -> int | None:
+        """Wait (at most ``timeout`` seconds on each rank) for the peer replication in flight and
+        settle it (collective); the newest protected step this manager saw, or ``None``."""
         with self._lock:
+            self._settle_replicas(self._coordinator(), wait=timeout)
+            return self._replication.protected if self._replication is not None else None
+
+    def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Finish (``wait``, bounded by ``timeout``) or abandon the drains and the peer
+        replication in flight; an abandoned drain leaves nothing committed, and its staging is
+        removed; an abandoned replication leaves the step unprotected."""
+        with self._lock:
+            if self._replication is not None:
+                coordinator = self._coordinator()
+                root = self._local_root(coordinator) if self._nodes is not None else None
+                self._replication.close(root, coordinator, self._nodes, wait=wait, timeout=timeout)
             if wait:
                 self.wait_for_drains(timeout)
             for shared in self._shared.values():

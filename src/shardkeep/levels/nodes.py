@@ -11,7 +11,8 @@ the first source that gives one, then gathers them:
 
 Explicit and environment ids must number the nodes ``0 .. K-1``, each with at least one rank.
 Every rank validates the same gathered list, so a bad id raises the same
-:class:`~shardkeep.errors.LevelConfigError` (naming the rank) on every rank.
+:class:`~shardkeep.errors.LevelConfigError` (naming the rank) on every rank; so does a layout
+the ranks disagree on (ranks of one node id on different hosts: :func:`check_hosts`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import LevelConfigError
 
-__all__ = ["NODE_ENVIRONMENT", "NodeMap", "NodeOf", "node_map"]
+__all__ = ["NODE_ENVIRONMENT", "NodeMap", "NodeOf", "check_hosts", "node_map"]
 
 #: The environment variable naming this process's node id (an integer).
 NODE_ENVIRONMENT = "SHARDKEEP_NODE"
@@ -141,9 +142,28 @@ def resolve(gathered: list[tuple[str, object]]) -> NodeMap:
     return NodeMap(tuple(ids), source=source)
 
 
+def check_hosts(nodes: NodeMap, hosts: Sequence[str]) -> None:
+    """Refuse a layout whose ranks disagree about what a node is: ranks given one node id on
+    different hosts (each host's local disk would hold part of that node's files). Several
+    nodes on one host are allowed (simulations, network namespaces)."""
+    for node in nodes.nodes:
+        ranks = nodes.ranks_of(node)
+        first = ranks[0]
+        for rank in ranks[1:]:
+            if hosts[rank] != hosts[first]:
+                raise LevelConfigError(
+                    f"rank {rank} says it is on node {node} (from {nodes.source}) but runs on host {hosts[rank]!r}, "
+                    f"while rank {first} of node {node} runs on host {hosts[first]!r}: one node id must name one "
+                    f"machine; fix node_of= or {NODE_ENVIRONMENT}"
+                )
+
+
 def node_map(coordinator: Coordinator, node_of: NodeOf | None = None) -> NodeMap:
     """The node map of the job (collective: every rank calls it, in the same order as its other
-    collectives). See the module docstring for the sources of the ids and their checks."""
-    own = _own_id(coordinator.rank, node_of)
-    gathered = coordinator.all_gather(own, label="gather the node map")
-    return resolve([(str(source), value) for source, value in gathered])
+    collectives). See the module docstring for the sources of the ids and their checks; ranks
+    given one node id on different hosts are refused (:func:`check_hosts`)."""
+    source, value = _own_id(coordinator.rank, node_of)
+    gathered = coordinator.all_gather((source, value, socket.gethostname()), label="gather the node map")
+    nodes = resolve([(str(source), value) for source, value, _ in gathered])
+    check_hosts(nodes, [str(host) for _, _, host in gathered])
+    return nodes

@@ -23,9 +23,10 @@ where each file came from and why each step was refused.
 3. **Files.** Each rank selects the files it needs with the load machinery
    (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
    index) and checks each in its node's directory (present, digest). A file missing or
-   damaged there comes, in this order, from: the shared copy of the same step (when its record
-   has the same digest), then a peer node holding it (sent over the process group; a copy
-   refused on arrival is asked of the next node holding the file, in node order). Each
+   damaged there comes, in this order, from: a peer node holding it, in its own part or as a
+   replica (sent over the process group; a copy refused on arrival is asked of the next node
+   holding the file, in node order), then the shared copy of the same step (when its record
+   has the same digest). Each
    arrives checked and is written atomically with identical bytes; the node part records it
    in ``healed``. One rank of a node fetches each file the node lacks.
 4. **Agreement.** Each phase ends with an all-gather of every rank's outcome: all ranks go on
@@ -184,6 +185,12 @@ def restore_best(
         attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
         outcome = attempt.run(into)
         refused.extend(attempt.refused)
+        if outcome is None and coordinator.is_coordinator:
+            reasons = sorted({f"{level}: {reason}" for _, _, level, reason in attempt.refused})
+            logger.warning(
+                "restore: step %d is lost: no copy completes it (%s); trying an older step",
+                step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
+            )  # fmt: skip
         if outcome is not None:
             state, report = outcome
             report.refused = refused
@@ -688,9 +695,10 @@ class _StepAttempt:
     # -- phase: fetching what a node lacks ------------------------------------------------------
     def fetch(self, lacking: list[list[tuple[str, int]]]) -> _Outcome:
         """Heal what this node lacks: each file by the node's lowest rank lacking it, from a
-        shared copy, else from a peer node holding it. Collective (one all-gather and one
-        exchange on every rank, whatever happens here). The payload: the files healed with
-        their source, and for each file that could not be, the reasons per level."""
+        peer node holding it (its own part or a replica), else from a shared copy. Collective
+        (one all-gather and the peers' exchanges on every rank, whatever happens here). The
+        payload: the files healed with their source, and for each file that could not be, the
+        reasons per level."""
         mine: dict[str, int] = {}
         claimed: set[tuple[int, str]] = set()
         for rank, files in enumerate(lacking):
@@ -701,15 +709,7 @@ class _StepAttempt:
                     if rank == self.rank:
                         mine[path] = size
         healed: list[tuple[str, str]] = list(self.healed_metadata)
-        shared_reasons: dict[str, list[tuple[str, str]]] = {}
-        still: list[tuple[str, int]] = []
-        for path, size in sorted(mine.items()):
-            source, why = self._from_shared(self.needed[path])
-            if source is not None:
-                healed.append((path, source))
-            else:
-                shared_reasons[path] = why
-                still.append((path, size))
+        still = sorted(mine.items())
         offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
         everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
         holders: dict[str, list[int]] = {}
@@ -722,16 +722,24 @@ class _StepAttempt:
             if not [node for node in holders.get(path, []) if node != self.node]:
                 peer_reasons[path] = "no other node holds it"
         turns = max((len([n for n in holders.get(p, []) if n != self.node_of[r]]) for r, p, _ in pending), default=0)
+        received: set[str] = set()
         for turn in range(turns):
             written = self._from_peers(pending, holders, turn, healed, peer_reasons)
+            received.update(written)
             done = self.coordinator.all_gather(written, label=f"restore step {self.step}: files sent by peers")
             pending = [(rank, path, size) for rank, path, size in pending if path not in done[rank]]
         failed: dict[str, list[tuple[str, str]]] = {}
         home = self.home.name if self.home is not None else "?"
-        for path in sorted(peer_reasons):
+        for path, _ in still:
+            if path in received:
+                continue
+            source, shared_reasons = self._from_shared(self.needed[path])
+            if source is not None:
+                healed.append((path, source))
+                continue
             local = self.local_problems.get(path, "missing")
-            failed[path] = [(home, f"{path}: {local} on node {self.node}; {peer_reasons[path]}")]
-            failed[path].extend(shared_reasons.get(path, []))
+            why = peer_reasons.get(path, "no other node sent it")
+            failed[path] = [(home, f"{path}: {local} on node {self.node}; {why}"), *shared_reasons]
         return _Outcome(payload=(healed, failed))
 
     def _from_shared(self, record: FileRecord) -> tuple[str | None, list[tuple[str, str]]]:

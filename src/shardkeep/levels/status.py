@@ -5,6 +5,10 @@ A copy's state is one of:
 
 - ``committed``: a committed checkpoint (on a node-local level: this node's part of it, whose
   own files were checked when ``verify``);
+- ``protected``: on a node-local level, a committed part whose ``node-part.json`` records the
+  peer replicas it holds: every rank's replication of that step ended with every file
+  checked, so every part of the step has its replicas on other nodes and the step survives
+  losing a node (:mod:`shardkeep.levels.replicas`);
 - ``damaged``: committed, but a check failed (``detail`` says which);
 - ``draining``: a staging directory (or attempt prefix) of a save or drain in progress, or
   left by one that a crash cut off (``detail`` gives its age);
@@ -42,7 +46,7 @@ __all__ = [
 #: The placeholder of a node-local root given for every node at once (``/tmp/run/node{node}``).
 NODE_FIELD = "{node}"
 
-CopyState = Literal["committed", "damaged", "draining", "unreachable"]
+CopyState = Literal["committed", "protected", "damaged", "draining", "unreachable"]
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,14 @@ def node_local_copies(level: str, root: str, *, verify: bool = False) -> list[Le
             detail = f"node {part.node} of {part.nodes}, ranks {_ranks(part.ranks)}: {files}, {checked}"
             if part.healed:
                 detail += f", {len(part.healed)} healed from another copy"
+            if part.replicas:
+                sources = ",".join(str(source) for source in sorted(part.replicas))
+                detail += f", replicas of node(s) {sources}"
         else:
             detail = ""
         state: CopyState = "damaged" if found.state == "damaged" else "committed"
+        if state == "committed" and part is not None and part.replicas:
+            state = "protected"
         copies.append(LevelCopy(level, found.name, found.step, state, detail, node, nodes, root))
     return copies
 

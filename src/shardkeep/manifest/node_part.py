@@ -38,6 +38,14 @@ class NodePart(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     run_id: str | None = None
     #: Files this node holds beyond its design (copied here by a restore that healed it).
     healed: list[str] = msgspec.field(default_factory=list)
+    #: Peer replicas this node holds, recorded once every rank's replication of the step ended
+    #: (the step is then *protected*): source node -> the data files of that node's part, at the
+    #: same relative paths as on the source node.
+    replicas: dict[int, list[str]] = msgspec.field(default_factory=dict)
+
+    def holds(self) -> set[str]:
+        """Every data file this part holds: by design, healed, and replicas of other nodes."""
+        return set(self.files) | set(self.healed) | {path for paths in self.replicas.values() for path in paths}
 
 
 def manifest_identity(sealed: bytes) -> str:
