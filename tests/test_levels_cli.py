@@ -45,6 +45,7 @@ def _train(rank: int, world_size: int, tmp: str) -> None:
             node_local=True,
             save_policy=sk.SavePolicy(every_steps=2),
             retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
+            replicas=0,  # the states without replicas (test_levels_replicas lists "protected")
         ),
         sk.Level(
             "persistent",

@@ -233,8 +233,9 @@ def steps_table(copies: Sequence[LevelCopy]) -> dict[int, dict[str, list[LevelCo
 @dataclass(frozen=True)
 class StepSummary:
     """One step on one level at a glance: ``state`` (``damaged`` when a copy is, else
-    ``committed`` when one is, else ``draining``; ``incomplete`` when a node-local step lacks
-    some node's part), ``nodes`` (the nodes holding a part, node-local only) and
+    ``incomplete`` when a node-local step lacks some node's part, else ``committed`` when a
+    copy is, else ``protected`` when every part read holds its peers' replicas, else
+    ``draining``), ``nodes`` (the nodes holding a part, node-local only) and
     ``missing_nodes`` (the nodes of the step without one, when every node was read)."""
 
     state: str
@@ -251,8 +252,12 @@ def step_summary(copies: Sequence[LevelCopy], *, every_node: bool = False) -> St
     missing = sorted(set(range(max(counts))) - set(held)) if every_node and counts else []
     if "damaged" in states:
         state = "damaged"
+    elif missing and states & {"committed", "protected"}:
+        state = "incomplete"
     elif "committed" in states:
-        state = "incomplete" if missing else "committed"
+        state = "committed"
+    elif "protected" in states:
+        state = "protected"  # every part read holds its peers' replicas
     else:
         state = "draining"
     return StepSummary(state, held, missing)
