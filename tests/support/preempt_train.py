@@ -169,4 +169,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # what a training script does on any exit, the preemption's SystemExit included
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -10,7 +10,9 @@ It composes the parts of :mod:`shardkeep.levels`:
 - each shared level is a :class:`~shardkeep.manager.CheckpointManager` on its root (its catalog,
   retention and retries): ``source="save"`` levels save through it, ``source="drain"`` levels
   are fed by a :class:`~shardkeep.levels.drain.Drain` of the newest committed local step;
-- :func:`~shardkeep.levels.restore.restore_best` restores.
+- :func:`~shardkeep.levels.restore.restore_best` restores;
+- :class:`~shardkeep.levels.preemption.PreemptionHandler` (opt-in, :meth:`MultiLevelManager.handle_preemption`)
+  turns a preemption signal into one agreed emergency save and a distinct exit.
 
 Every public method is collective: every rank calls it, in the same order. Collectives run on
 the caller's thread only; a drain's background threads copy bytes and never take part in one.
@@ -517,7 +519,8 @@ class MultiLevelManager:
 
     def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
         """Finish (``wait``, bounded by ``timeout``) or abandon the drains in flight; an
-        abandoned drain leaves nothing committed, and its staging is removed."""
+        abandoned drain leaves nothing committed, and its staging is removed. The preemption
+        signals go back to their previous handlers (on the main thread)."""
         with self._lock:
             if wait:
                 self.wait_for_drains(timeout)
@@ -525,8 +528,10 @@ class MultiLevelManager:
                 if shared.drain is not None:
                     shared.drain.abandon()
                     shared.drain = None
-            if self._preemption is not None and self._preemption.emergency_started is None:
-                self._preemption.uninstall()
+            handler = self._preemption
+            main = threading.current_thread() is threading.main_thread()
+            if handler is not None and handler.emergency_started is None and main:
+                handler.uninstall()  # the signals go back to their previous handlers
                 self._preemption = None
 
     # -- preemption (see shardkeep.levels.preemption) -------------------------------------------
@@ -606,7 +611,7 @@ class MultiLevelManager:
                 raise ShardkeepError(result.skipped.get(fastest.name, f"step {step} was not saved"))
             return result.committed[fastest.name]
 
-        self._preemption.run_emergency(decision, level=fastest.name, settle=settle, save=save)
+        self._preemption.run_emergency(decision, level=fastest.name, settle=settle, save=save, coordinator=coordinator)
 
     # -- listing -------------------------------------------------------------------------------
     def status(self, *, verify: bool = False) -> dict[str, list[LevelCopy]]:

@@ -44,7 +44,7 @@ from typing import NoReturn
 
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import ConfigError, PreemptionHandlerError, ShardkeepError
-from shardkeep.io import stop_writes_on
+from shardkeep.io import ABANDONED, stop_writes_on
 
 __all__ = [
     "DEBOUNCE_SECONDS",
@@ -280,11 +280,14 @@ class PreemptionHandler:
         level: str,
         settle: Callable[[float], list[str]],
         save: Callable[[], str],
+        coordinator: Coordinator,
     ) -> NoReturn:
         """Settle the drains (``settle(seconds)``: wait at most that long, abandon the rest,
         return what happened to each), save once to ``level`` (``save()``: the committed name;
-        raises a :class:`~shardkeep.errors.ShardkeepError` when it did not commit), then
-        raise :class:`SystemExit`. Every rank calls it with the same decision."""
+        raises a :class:`~shardkeep.errors.ShardkeepError` when it did not commit), wait for
+        every rank at one barrier (the ranks leave together, so none tears its process group
+        down under a peer still in a collective), then raise :class:`SystemExit`. Every rank
+        calls it with the same decision."""
         started = self._clock()
         self.emergency_started = started
         left = max(0.0, self.grace_seconds - decision.seconds_since_signal)
@@ -310,13 +313,17 @@ class PreemptionHandler:
                     outcome.saved = save()
                 outcome.exit_code = self.exit_code
         except ShardkeepError as exc:
-            stopped = self.repeat.is_set()
-            outcome.reason = (
-                f"aborted by a second {decision.signal_name}: {exc}" if stopped else f"{type(exc).__name__}: {exc}"
-            )
+            if self.repeat.is_set() or ABANDONED in str(exc):
+                outcome.reason = f"aborted by a second {decision.signal_name} (on this rank or another): {exc}"
+            else:
+                outcome.reason = f"{type(exc).__name__}: {exc}"
         outcome.seconds = self._clock() - started
         self.outcome = outcome
         self._log(outcome)
+        try:
+            coordinator.barrier(label="preemption: every rank exits")
+        except ShardkeepError as exc:
+            logger.warning("preemption: not every rank reached the exit: %s", exc)
         raise SystemExit(outcome.exit_code)
 
     def _log(self, outcome: PreemptionOutcome) -> None:
