@@ -13,10 +13,10 @@ parts, in the order they run:
    ``debounce_seconds`` (1 s) of the first is counted as a duplicate and ignored; a later one is
    a repeat.
 3. **Agreement at a safe point.** :meth:`PreemptionHandler.agree`, called by the manager's
-   ``should_save``, ``save`` and ``preempted`` on the caller's thread, gathers every rank's
-   ``(state, seconds since its first signal)`` in one all-gather of small slots (one collective
-   per step; nothing at all with one process) and takes the maximum, so the ranks, which the
-   launcher signals at slightly different times, decide together at the same step. The
+   ``should_save``, ``save`` and ``preempted`` on the caller's thread, reduces every rank's
+   ``(state, seconds since its first signal, signal, which rank)`` with one all-reduce (MAX) of
+   a few numbers (one collective per step; nothing at all with one process), so the ranks, which
+   the launcher signals at slightly different times, decide together at the same step. The
    answer is cached per step: ``should_save(step)`` then ``save(step)`` cost one collective.
 4. **The emergency** (:meth:`PreemptionHandler.run_emergency`, every rank): the drains in flight
    get at most ``drain_seconds`` (default: half of what is left of ``grace_seconds``), then the
@@ -240,33 +240,32 @@ class PreemptionHandler:
         """Whether this process got a signal (no collective)."""
         return self.first_at is not None
 
-    def _vote(self) -> tuple[int, float, int]:
+    def _vote(self, rank: int, world_size: int) -> list[float]:
+        """This rank's vote: its state, the seconds since its first signal, the signal's number,
+        then one flag per rank (this rank's set when it got a signal)."""
+        flags = [0.0] * world_size
         if self.first_at is None:
-            return _QUIET, 0.0, 0
+            return [float(_QUIET), 0.0, 0.0, *flags]
+        flags[rank] = 1.0
         state = _REPEATED if self.repeat.is_set() else _SIGNALED
-        return state, max(0.0, self._clock() - self.first_at), int(self.first_signal or 0)
+        return [float(state), max(0.0, self._clock() - self.first_at), float(self.first_signal or 0), *flags]
 
     def agree(self, step: int, coordinator: Coordinator) -> Preemption | None:
-        """Whether the ranks are preempted at ``step`` (collective: one all-gather when
-        distributed, none with one process; the answer is cached for ``step``)."""
+        """Whether the ranks are preempted at ``step`` (collective: one all-reduce (MAX) of
+        ``3 + world_size`` numbers when distributed, none with one process; the answer is
+        cached for ``step``)."""
         if self._agreed is not None and self._agreed[0] == step:
             return self._agreed[1]
-        vote = self._vote()
-        votes = (
-            coordinator.all_gather(vote, label=f"preemption check at step {step}")
-            if coordinator.distributed
-            else [vote]
-        )
-        state = max(v[0] for v in votes)
+        vote = self._vote(coordinator.rank, coordinator.world_size)
+        agreed = coordinator.all_reduce_max(vote, label=f"preemption check at step {step}")
+        state, seconds, number = int(agreed[0]), agreed[1], int(agreed[2])
         decision = None
         if state != _QUIET:
-            signaled = tuple(rank for rank, v in enumerate(votes) if v[0] != _QUIET)
-            number = votes[signaled[0]][2]
             decision = Preemption(
                 step=step,
                 signal_name=signal.Signals(number).name if number else "signal",
-                signaled_ranks=signaled,
-                seconds_since_signal=max(v[1] for v in votes),
+                signaled_ranks=tuple(rank for rank, flag in enumerate(agreed[3:]) if flag),
+                seconds_since_signal=seconds,
                 abort=state == _REPEATED,
             )
         self._agreed = (step, decision)
