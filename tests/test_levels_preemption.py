@@ -491,3 +491,26 @@ def test_a_second_sigterm_during_the_emergency_save_aborts_it_cleanly(
     for node in range(max(1, world // 2)):
         assert not [p for p in (tmp_path / f"node{node}").iterdir() if p.name.startswith(f"step_{logged - 1:08d}")]
     _resume_and_compare(tmp_path, world, reference, **SAVE_RUN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_during_a_local_save(world: int, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The save in progress completes (the flag is read at the next step boundary), then the
+    next step is trained and saved as the emergency checkpoint."""
+    reference = _reference(tmp_path_factory, world, **SAVE_RUN)
+    processes = _launch(tmp_path, world, "0", **SAVE_RUN)
+    node0 = tmp_path / "node0"
+
+    def saving() -> bool:
+        return _steps_logged(tmp_path) >= 2 and node0.exists() and any(".tmp-" in p.name for p in node0.iterdir())
+
+    _until(saving, "a local save in progress")
+    in_progress = _steps_logged(tmp_path) - 1
+    time.sleep(random.uniform(0, 0.3))
+    _terminate(processes)
+    codes = _wait(processes, tmp_path, "0")
+    assert codes == [EXIT_PREEMPTED] * world, _logs(tmp_path, "0")
+    committed = _committed_everywhere_verifies(tmp_path)
+    assert f"step_{in_progress:08d}" in committed and f"step_{in_progress + 1:08d}" in committed, committed
+    _resume_and_compare(tmp_path, world, reference, **SAVE_RUN)
