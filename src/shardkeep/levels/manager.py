@@ -562,7 +562,7 @@ class MultiLevelManager:
         return handler
 
     def preempted(self, step: int) -> bool:
-        """Whether the ranks agree they are preempted at ``step`` (collective: one all-gather
+        """Whether the ranks agree they are preempted at ``step`` (collective: one all-reduce
         per step, cached; call it every step when ``should_save`` is not). When ``True``, the
         next :meth:`save` is the emergency save and exits."""
         return self._preempted_at(step, self._coordinator()) is not None
