@@ -33,7 +33,7 @@ import shardkeep as sk
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.io import WriteControl, stop_writes_on
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, PreemptionHandler
-from tests.support.distributed_harness import free_port
+from tests.support.distributed_harness import free_port, results_or_raise, run_ranks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SOURCE = Path(sk.__file__).resolve().parents[1]
@@ -265,6 +265,31 @@ def test_a_drain_in_flight_is_abandoned_within_the_grace_period(
     assert not (tmp_path / "persistent").exists() or not [
         p for p in (tmp_path / "persistent").iterdir() if p.name.startswith("step_")
     ]
+
+
+def _signal_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    manager = sk.MultiLevelManager(_local_levels(Path(root), every=4), node_of=lambda r: r // 2, timeout=60)
+    handler = manager.handle_preemption(grace_seconds=10)
+    try:
+        for step in range(10):
+            if step == 3 and rank == world_size - 1:
+                signal.raise_signal(signal.SIGTERM)
+            if manager.should_save(step):
+                manager.save(_state(float(step)), step=step, metrics={"loss": 1.0})
+    except SystemExit as exited:
+        assert handler.outcome is not None
+        return {"code": exited.code, "saved": handler.outcome.saved, "step": handler.outcome.step}
+    finally:
+        handler.uninstall()
+    return {"code": None}
+
+
+def test_a_signal_on_one_rank_is_agreed_by_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    outcomes = results_or_raise(run_ranks(4, _signal_one_rank, str(tmp_path), outbox=tmp_path / "out"))
+    assert outcomes == [{"code": EXIT_PREEMPTED, "saved": "step_00000003", "step": 3}] * 4
+    for node in (0, 1):
+        assert sk.verify(tmp_path / f"node{node}" / "step_00000003").ok
+    assert sorted(p.name for p in (tmp_path / "node1").iterdir()) == ["step_00000000", "step_00000003"]
 
 
 # -- real signals on real processes --------------------------------------------------------------
