@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,10 +170,18 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
-    finally:  # what a training script does on any exit, the preemption's SystemExit included
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except SystemExit as exited:  # the preemption's exit, with its code
+        code = exited.code if isinstance(exited.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown, as tests/support/distributed_harness.py does: torch's gloo
+    # teardown sometimes aborts ("terminate called without an active exception"), with or
+    # without a preemption, which would hide the exit code under test.
+    os._exit(code)
