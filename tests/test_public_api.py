@@ -53,6 +53,7 @@ EXPECTED_ALL = [
     "NoCompleteStepError",
     "PendingSave",
     "PlacementError",
+    "PreemptionHandlerError",
     "PlacementInfo",
     "ProgressLedger",
     "Restored",

@@ -184,6 +184,7 @@ GROUPS: dict[str, set[str]] = {
         "CheckpointFieldError",
         "SaveInProgressError",
         "LevelConfigError",
+        "PreemptionHandlerError",
     },
     "CheckpointDataError": {
         "ManifestError",

@@ -17,8 +17,10 @@ A class drawn under two parents derives from both, so every ``except`` that caug
     │   │   │   │                    (also a PlacementError)
     │   │   │   ├── UnknownOptionError a keyword no option has, nor an old spelling of one
     │   │   │   │                    (also a TypeError)
-    │   │   │   └── LevelConfigError levels that cannot work as configured (two on one root,
-    │   │   │                        a cadence that cannot be met); names the level
+    │   │   │   ├── LevelConfigError levels that cannot work as configured (two on one root,
+    │   │   │   │                    a cadence that cannot be met); names the level
+    │   │   │   └── PreemptionHandlerError a preemption handler that cannot be installed (twice,
+    │   │   │                        off the main thread, a signal that cannot be caught)
     │   │   └── CommitRefusedError   the written files do not cover the state (coverage or bytes
     │   │                            mismatch), so the checkpoint is not committed
     │   ├── CheckpointFieldError     a TrainingCheckpoint field that is missing or has a wrong type
@@ -90,6 +92,7 @@ __all__ = [
     "ManifestVersionError",
     "NoCompleteStepError",
     "PlacementError",
+    "PreemptionHandlerError",
     "RetentionError",
     "RunMismatchError",
     "SaveInProgressError",
@@ -149,6 +152,13 @@ class LevelConfigError(ConfigError):
     """The levels of a ``MultiLevelManager`` cannot work as configured (two levels on one root,
     a cadence that cannot be met ...); the message names the level(s). Raised before anything
     is written."""
+
+
+class PreemptionHandlerError(ConfigError):
+    """A preemption handler cannot be installed as asked: a second handler for a signal one
+    already handles, a call from a thread other than the main thread (Python runs signal
+    handlers there only), or a signal that cannot be caught; the message names the signal and
+    the thread."""
 
 
 class LevelWarning(UserWarning):

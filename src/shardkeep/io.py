@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +37,17 @@ from shardkeep.tensors.shardfile import (
     parse_header,
 )
 
-__all__ = ["ByteBudget", "ShardPlan", "TensorSource", "check_shard", "copy_with_digest", "digest_of", "write_shards"]
+__all__ = [
+    "ByteBudget",
+    "ShardPlan",
+    "TensorSource",
+    "WriteControl",
+    "check_shard",
+    "copy_with_digest",
+    "digest_of",
+    "stop_writes_on",
+    "write_shards",
+]
 
 MiB = 1 << 20
 #: Tensors up to this size are copied into a shared buffer and written together.
@@ -104,17 +116,39 @@ class ShardPlan:
 ABANDONED = "the save was abandoned"
 
 
+#: The event of the innermost :func:`stop_writes_on` block of this thread (or context).
+_STOP_SCOPE: ContextVar[threading.Event | None] = ContextVar("shardkeep_stop_writes", default=None)
+
+
+@contextmanager
+def stop_writes_on(event: threading.Event) -> Iterator[None]:
+    """Every :class:`WriteControl` created inside this block (on this thread) also counts as
+    cancelled once ``event`` is set: setting it from anywhere (a signal handler included: it is
+    one flag) stops the writes of the saves begun in the block at their next buffer."""
+    token = _STOP_SCOPE.set(event)
+    try:
+        yield
+    finally:
+        _STOP_SCOPE.reset(token)
+
+
 class WriteControl:
     """Lets another thread follow and stop a :func:`write_shards` call: ``progressed`` is the
     ``time.monotonic()`` of the last buffer written (or of the control's creation), and after
-    :meth:`cancel` the next buffer any writer would write fails the call instead."""
+    :meth:`cancel` (or once the event of the :func:`stop_writes_on` block it was created in is
+    set) the next buffer any writer would write fails the call instead."""
 
     def __init__(self) -> None:
         self.cancelled = threading.Event()
         self.progressed = time.monotonic()
+        self.scope = _STOP_SCOPE.get()
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def stopped(self) -> bool:
+        """Whether writes must stop: cancelled, or the enclosing block's event is set."""
+        return self.cancelled.is_set() or (self.scope is not None and self.scope.is_set())
 
 
 class _Sink:
@@ -141,7 +175,7 @@ class _Sink:
             return
         control = self._control
         if control is not None:
-            if control.cancelled.is_set():
+            if control.stopped():
                 raise StorageError(f"{self._path}: {ABANDONED} before this file was complete")
             control.progressed = time.monotonic()
         if len(view) >= MiB:

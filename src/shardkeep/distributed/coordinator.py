@@ -177,6 +177,18 @@ class Coordinator:
             return gathered
         return [pickle.loads(raw[4 : 4 + size]) for raw, size in zip(received, sizes, strict=True)]
 
+    def all_reduce_max(self, values: list[float], *, label: str = "all_reduce") -> list[float]:
+        """The element-wise maximum of every rank's ``values`` (the same length on every rank),
+        on every rank: one all-reduce of a small float64 tensor, cheaper than :meth:`all_gather`
+        (no pickling), for checks that run every step."""
+        if not self.distributed:
+            return [float(value) for value in values]
+        import torch
+
+        tensor = torch.tensor([float(value) for value in values], dtype=torch.float64)
+        self._collective(label, lambda: self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group))
+        return [float(value) for value in tensor.tolist()]
+
     def broadcast(self, value: T | None, *, label: str = "broadcast", source: int = 0) -> T:
         """The ``value`` of rank ``source`` (the coordinator by default) on every rank (other
         ranks pass anything, e.g. ``None``)."""

@@ -61,9 +61,10 @@ from typing import Any
 
 from shardkeep.distributed.commit import FilesystemCommit
 from shardkeep.distributed.coordinator import Coordinator
-from shardkeep.errors import CheckpointExistsError, LevelConfigError, UnsupportedValueError
+from shardkeep.errors import CheckpointExistsError, LevelConfigError, StorageError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
+from shardkeep.io import ABANDONED
 from shardkeep.levels.nodes import NodeMap
 from shardkeep.levels.parts import NodePart, encode_node_part, manifest_identity
 from shardkeep.manifest import FileRecord, IndexRecord, Manifest, index_path
@@ -242,7 +243,11 @@ class NodeLocalSaveJob(SaveJob):
     # -- step 4 --------------------------------------------------------------------------------
     def publish(self, sealed: Sealed) -> None:
         """On a node leader: complete this node's staging directory and rename it to the step's
-        name (nothing on the other ranks)."""
+        name (nothing on the other ranks). A rank whose writes were stopped (its
+        :class:`~shardkeep.io.WriteControl`, e.g. by a second preemption signal) refuses
+        instead, so that every node removes this attempt (step 5)."""
+        if self.control.stopped():
+            raise StorageError(f"node {self.node}, rank {self.coordinator.rank}: {ABANDONED} before its commit")
         if not self.leader:
             return
         store = self.location.store

@@ -10,7 +10,9 @@ It composes the parts of :mod:`shardkeep.levels`:
 - each shared level is a :class:`~shardkeep.manager.CheckpointManager` on its root (its catalog,
   retention and retries): ``source="save"`` levels save through it, ``source="drain"`` levels
   are fed by a :class:`~shardkeep.levels.drain.Drain` of the newest committed local step;
-- :func:`~shardkeep.levels.restore.restore_best` restores.
+- :func:`~shardkeep.levels.restore.restore_best` restores;
+- :class:`~shardkeep.levels.preemption.PreemptionHandler` (opt-in, :meth:`MultiLevelManager.handle_preemption`)
+  turns a preemption signal into one agreed emergency save and a distinct exit.
 
 Every public method is collective: every rank calls it, in the same order. Collectives run on
 the caller's thread only; a drain's background threads copy bytes and never take part in one.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +39,7 @@ from shardkeep.levels.drain import Drain, recover_drains
 from shardkeep.levels.local_catalog import LocalStep, collect_leftovers, read_part, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
 from shardkeep.levels.nodes import NodeMap, node_map
+from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, Preemption, PreemptionHandler
 from shardkeep.levels.replicas import Replication
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.levels.status import LevelCopy, level_copies
@@ -186,6 +190,9 @@ class MultiLevelManager:
             manager_groups({}, self.options, None, False, fields), signer=signer, process_group=process_group
         )
         self._shared: dict[str, _Shared] = {}
+        self._preemption: PreemptionHandler | None = None
+        #: The newest step this process committed on the fastest level (an emergency save skips it).
+        self._fastest_step: int | None = None
         for level in self.levels:
             if level.node_local:
                 continue
@@ -246,9 +253,13 @@ class MultiLevelManager:
     # -- saving --------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether any level is due at ``step`` (collective: every rank calls it). While a peer
-        replication is in flight it is also the safe point that settles it (one all-gather)."""
+        replication is in flight it is also the safe point that settles it (one all-gather). With
+        :meth:`handle_preemption`, also ``True`` once the ranks agree they are preempted: the
+        ``save`` that follows is the emergency save."""
         coordinator = self._coordinator()
         self._settle_replicas(coordinator, wait=0.0)
+        if self._preempted_at(step, coordinator) is not None:
+            return True
         return bool(self._due(step, coordinator))
 
     def _due(self, step: int, coordinator: Coordinator) -> list[str]:
@@ -286,6 +297,9 @@ class MultiLevelManager:
             raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
         with self._lock:
             coordinator = self._coordinator()
+            preempted = self._preempted_at(step, coordinator)
+            if preempted is not None:
+                self._emergency(preempted, payload, metrics, coordinator)
             result = LevelsSaveResult(step=step)
             self._settle_drains(coordinator, result, wait=0.0)
             self._settle_replicas(coordinator, wait=0.0)
@@ -318,6 +332,8 @@ class MultiLevelManager:
                     logger.warning("level %r: the local save of step %d failed; saving it directly", name, step)
                     shared.drain_due = False
                     self._save_shared(shared, payload, step, metrics, result)
+            if (self.local or self.levels[0]).name in result.committed:
+                self._fastest_step = step
             result.blocked_seconds = time.perf_counter() - started
             return result
 
@@ -602,7 +618,8 @@ class MultiLevelManager:
     def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
         """Finish (``wait``, bounded by ``timeout``) or abandon the drains and the peer
         replication in flight; an abandoned drain leaves nothing committed, and its staging is
-        removed; an abandoned replication leaves the step unprotected."""
+        removed; an abandoned replication leaves the step unprotected. The preemption signals go
+        back to their previous handlers (on the main thread)."""
         with self._lock:
             if self._replication is not None:
                 coordinator = self._coordinator()
@@ -615,6 +632,90 @@ class MultiLevelManager:
                     shared.drain.abandon()
                     shared.drain = None
                 shared.join_prune()
+            handler = self._preemption
+            main = threading.current_thread() is threading.main_thread()
+            if handler is not None and handler.emergency_started is None and main:
+                handler.uninstall()  # the signals go back to their previous handlers
+                self._preemption = None
+
+    # -- preemption (see shardkeep.levels.preemption) -------------------------------------------
+    def handle_preemption(
+        self,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        *,
+        grace_seconds: float = 30.0,
+        drain_seconds: float | None = None,
+        exit_code: int = EXIT_PREEMPTED,
+        aborted_exit_code: int = EXIT_PREEMPTED_ABORTED,
+    ) -> PreemptionHandler:
+        """Handle preemption ``signals`` from now on (main thread; once per process, else
+        :class:`~shardkeep.errors.PreemptionHandlerError`): once a rank gets one, the ranks
+        agree at the next :meth:`should_save`, :meth:`save` or :meth:`preempted`, settle the
+        drains within ``grace_seconds``, save to the fastest level and exit with ``exit_code``
+        (``aborted_exit_code`` when no emergency checkpoint committed). :meth:`close`
+        uninstalls it."""
+        handler = PreemptionHandler(
+            signals,
+            grace_seconds=grace_seconds,
+            drain_seconds=drain_seconds,
+            exit_code=exit_code,
+            aborted_exit_code=aborted_exit_code,
+        )
+        handler.install()
+        self._preemption = handler
+        return handler
+
+    def preempted(self, step: int) -> bool:
+        """Whether the ranks agree they are preempted at ``step`` (collective: one all-reduce
+        per step, cached; call it every step when ``should_save`` is not). When ``True``, the
+        next :meth:`save` is the emergency save and exits."""
+        return self._preempted_at(step, self._coordinator()) is not None
+
+    def _preempted_at(self, step: int, coordinator: Coordinator) -> Preemption | None:
+        handler = self._preemption
+        if handler is None or handler.emergency_started is not None:
+            return None
+        return handler.agree(step, coordinator)
+
+    def _emergency(
+        self,
+        decision: Preemption,
+        payload: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        coordinator: Coordinator,
+    ) -> None:
+        """Settle the drains, save once to the fastest level (no drain started, no metric
+        required), exit: :meth:`PreemptionHandler.run_emergency`."""
+        assert self._preemption is not None
+        step = decision.step
+        fastest = self.local or self.levels[0]
+
+        def settle(seconds: float) -> list[str]:
+            result = LevelsSaveResult(step=step)
+            self._settle_drains(coordinator, result, wait=seconds)
+            report = [f"{name}: {checkpoint}" for name, checkpoint in result.committed.items()]
+            report += [f"{name}: {reason}" for name, reason in result.skipped.items()]
+            for name, shared in self._shared.items():
+                if shared.drain is not None:
+                    report.append(f"{name}: the drain of step {shared.drain_step} was abandoned")
+                    shared.drain.abandon()
+                    shared.drain = None
+            return report
+
+        def save() -> str:
+            if self._fastest_step == step:
+                return checkpoint_name(step)  # saved at this step already
+            result = LevelsSaveResult(step=step)
+            self._ensure_run_id(coordinator)
+            if fastest.node_local:
+                self._save_local(payload, step, metrics, coordinator, result)
+            else:
+                self._save_shared(self._shared[fastest.name], payload, step, metrics, result)
+            if fastest.name not in result.committed:
+                raise ShardkeepError(result.skipped.get(fastest.name, f"step {step} was not saved"))
+            return result.committed[fastest.name]
+
+        self._preemption.run_emergency(decision, level=fastest.name, settle=settle, save=save, coordinator=coordinator)
 
     # -- listing -------------------------------------------------------------------------------
     def status(self, *, verify: bool = False) -> dict[str, list[LevelCopy]]:
