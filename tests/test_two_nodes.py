@@ -1,0 +1,199 @@
+"""Two real nodes on one host: ``torchrun --nnodes 2 --nproc-per-node 2`` across two network
+namespaces (tests/support/netns.py), each node with its own private local disk, the persistent
+level on SeaweedFS listening on the bridge's host address.
+
+One module-scoped run (tests/support/two_node_train.py, every 2 steps local, every 4 persistent):
+
+1. 2 nodes x 2 ranks train steps 1-11 from nothing: local holds 8 and 10 on each node's disk,
+   persistent 4 and 8 on S3;
+2. 2 nodes x 2 ranks resume at the newest local step (10) from their own disks, with the same
+   state digest and the same losses as run 1, and train to 14 (local 12, 14; persistent 12);
+3. 1 node x 2 ranks (node 1 gone, its disk unreachable) resumes at 12: node 0's part from its
+   disk, node 1's from the persistent copy of the same step, resharded from 4 ranks to 2;
+   its states are the same bytes as run 2's.
+
+And the harness removes everything it made after a failing run (and after KeyboardInterrupt).
+
+Needs root and network namespaces (CI runs as root): skipped with the reason where
+``ip netns add`` fails; any failure after that probe fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import netns, s3server
+
+pytestmark = pytest.mark.slow  # three torchrun jobs on two namespaces, a SeaweedFS server
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "support" / "two_node_train.py"
+
+
+def _require_namespaces() -> None:
+    reason = netns.probe()
+    if reason is not None:
+        pytest.skip(f"two real nodes need network namespaces: {reason}")
+
+
+class Cluster:
+    """The harness, its S3 server and bucket, and each torchrun job's outcome per rank."""
+
+    def __init__(self, nodes: netns.TwoNodes, server: s3server.S3Server, work: Path) -> None:
+        self.nodes, self.server, self.work = nodes, server, work
+        self.bucket = server.new_bucket("two-nodes")
+        self.out = work / "out"
+        self.out.mkdir()
+        self.timings: dict[str, float] = {}
+        self.results: dict[str, list[dict[str, Any]]] = {}
+
+    def train(self, tag: str, *, last_step: int, nodes: tuple[int, ...]) -> list[dict[str, Any]]:
+        env = dict(os.environ)
+        env.update(self.server.environment)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+        script = [
+            str(SCRIPT),
+            f"--disk-root={self.nodes.local}/ckpt",
+            f"--s3-url=s3://{self.bucket}/run",
+            f"--last-step={last_step}",
+            f"--results={self.out}",
+            f"--tag={tag}",
+        ]
+        started = time.monotonic()
+        runs = self.nodes.torchrun(script, nodes=nodes, env=env)
+        self.timings[tag] = time.monotonic() - started
+        logs = "\n".join(f"--- node {run.node} ---\n{run.output()[-4000:]}" for run in runs)
+        assert all(run.process.returncode == 0 for run in runs), logs
+        outcomes = [json.loads(path.read_text()) for path in sorted(self.out.glob(f"{tag}-rank*.json"))]
+        assert [o["rank"] for o in outcomes] == list(range(2 * len(nodes))), logs
+        self.results[tag] = outcomes
+        return outcomes
+
+    def persistent_steps(self) -> list[str]:
+        listed = self.server.filesystem().ls(f"{self.bucket}/run", detail=False)
+        return sorted(Path(p).name for p in listed if Path(p).name.startswith("step_"))
+
+
+def _committed(disk: Path) -> list[str]:
+    root = disk / "ckpt"
+    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    _require_namespaces()
+    work = tmp_path_factory.mktemp("two-nodes")
+    with (
+        netns.two_nodes(work / "nodes") as nodes,
+        s3server.running(work / "s3", ip=nodes.host_address) as server,
+    ):
+        cluster = Cluster(nodes, server, work)
+        yield cluster
+        sys.stderr.write(f"two-node timings (s): {json.dumps({k: round(v, 1) for k, v in cluster.timings.items()})}\n")
+
+
+def test_two_nodes_train_save_and_resume_at_the_newest_local_step(cluster: Cluster) -> None:
+    first = cluster.train("run1", last_step=11, nodes=(0, 1))
+    assert all(o["restored"] is None and o["world"] == 4 for o in first)
+    assert sorted({o["node"] for o in first}) == [0, 1]
+    for disk in cluster.nodes.disks:
+        assert _committed(disk) == ["step_00000008", "step_00000010"]
+    # each disk holds only its own node's data files
+    data = [{p.name for p in (disk / "ckpt" / "step_00000010").rglob("*.safetensors")} for disk in cluster.nodes.disks]
+    assert data[0] and data[1] and not data[0] & data[1]
+    assert cluster.persistent_steps() == ["step_00000004", "step_00000008"]
+
+    second = cluster.train("run2", last_step=14, nodes=(0, 1))
+    for outcome in second:
+        restored = outcome["restored"]
+        assert restored["step"] == 10 and restored["state_step"] == 10, restored
+        assert set(restored["source"].values()) == {"local"}, restored
+        # from the nodes' own disks; a file one node's ranks need and only the other node holds
+        # (rank 0's optimizer file, with the replicated step counters) crosses the bridge
+        assert restored["levels_read"] == ["local"], restored
+        assert all(source.startswith("local@node") for _, _, source in restored["healed"]), restored
+        assert restored["digest"] == first[0]["digests"]["10"]
+    # the resumed run's step 11 is the first run's, bit for bit
+    assert second[0]["losses"]["11"] == first[0]["losses"]["11"]
+    assert second[0]["digests"]["11"] == first[0]["digests"]["11"]
+    for disk in cluster.nodes.disks:
+        assert _committed(disk) == ["step_00000012", "step_00000014"]
+    assert cluster.persistent_steps() == ["step_00000004", "step_00000008", "step_00000012"]
+
+
+def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluster) -> None:
+    second = cluster.results.get("run2")
+    if second is None:
+        pytest.fail("the two-node run did not complete (see the test before)")
+    cluster.nodes.kill_node(1)
+    third = cluster.train("run3", last_step=13, nodes=(0,))
+    for outcome in third:
+        assert outcome["world"] == 2
+        restored = outcome["restored"]
+        # step 14 has no copy of node 1's part: refused, named
+        assert any(r[0] == "14" for r in restored["refused"]), restored
+        assert restored["step"] == 12, restored
+        assert restored["digest"] == second[0]["digests"]["12"], "resharded 4 -> 2 ranks, same state"
+        assert "persistent" in restored["levels_read"], restored
+    assert third[0]["digests"]["13"] == second[0]["digests"]["13"]
+    assert math.isclose(third[0]["losses"]["13"], second[0]["losses"]["13"], rel_tol=1e-6)
+
+
+_STUCK = """import os, sys, time
+import torch.distributed as dist
+if os.environ["GROUP_RANK"] == "1":
+    sys.exit("node 1 fails at once")
+dist.init_process_group("gloo")  # node 0's ranks wait for node 1's, which never come
+time.sleep(300)
+"""
+
+
+def _assert_nothing_left(tag: str, work: Path) -> None:
+    assert netns.leftovers_of(tag, work) == {"namespaces": [], "links": [], "mounts": [], "processes": []}
+    alive = subprocess.run(["pgrep", "-f", f"{tag}-n"], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", alive.stdout
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+def test_the_harness_leaves_nothing_after_a_failing_run(tmp_path: Path, failure: type[BaseException]) -> None:
+    """Processes in both namespaces and an exception (or Ctrl-C) in the test: no namespace, link,
+    mount or process of the run is left."""
+    _require_namespaces()
+    with pytest.raises(failure), netns.two_nodes(tmp_path / "nodes") as nodes:
+        tag, work = nodes.tag, nodes.work
+        sleepers = [nodes.start(node, ["sleep", "300"]) for node in (0, 1)]
+        assert nodes.start(0, ["sh", "-c", "exit 3"]).process.wait(30) == 3
+        deadline = time.monotonic() + 10
+        while len(netns.leftovers_of(tag, work)["processes"]) < 2:
+            assert time.monotonic() < deadline, "the sleepers never started"
+            time.sleep(0.1)
+        assert len(netns.leftovers_of(tag, work)["namespaces"]) == 2
+        raise failure("an injected failure")
+    assert all(sleeper.process.poll() is not None for sleeper in sleepers)
+    _assert_nothing_left(tag, work)
+
+
+def test_a_torchrun_job_cut_off_at_its_deadline_leaves_nothing(tmp_path: Path) -> None:
+    """Node 1 fails at once, node 0's workers wait for it: the harness kills the job at its
+    deadline, says so with both logs, and removes everything."""
+    _require_namespaces()
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK)
+    with (
+        pytest.raises(netns.NetnsError, match="did not finish within") as raised,
+        netns.two_nodes(tmp_path / "nodes") as nodes,
+    ):
+        tag, work = nodes.tag, nodes.work
+        nodes.torchrun([str(script)], timeout=20)
+    assert "node 1 fails at once" in str(raised.value)
+    _assert_nothing_left(tag, work)
