@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -147,6 +148,57 @@ def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluste
         assert "persistent" in restored["levels_read"], restored
     assert third[0]["digests"]["13"] == second[0]["digests"]["13"]
     assert math.isclose(third[0]["losses"]["13"], second[0]["losses"]["13"], rel_tol=1e-6)
+
+
+def test_each_node_sees_its_own_disk_and_only_the_harness_addresses(tmp_path: Path) -> None:
+    _require_namespaces()
+    with netns.two_nodes(tmp_path / "nodes") as nodes:
+        for node, disk in enumerate(nodes.disks):
+            (disk / f"only-on-node{node}").write_text("x")
+        script = f"ls {nodes.local}; echo --; ls -A {nodes.work / 'disks'}; echo --; ip -4 -o addr show"
+        runs = [nodes.start(node, ["sh", "-c", script]) for node in (0, 1)]
+        for node, run in enumerate(runs):
+            assert run.process.wait(30) == 0, run.output()
+            local, hidden, addresses = run.output().split("--\n")
+            assert local.split() == [f"only-on-node{node}"]
+            assert hidden.split() == [], "the other node's disk is hidden"
+            interfaces = sorted((line.split()[1], line.split()[3]) for line in addresses.splitlines())
+            assert interfaces == [(netns.NODE_IFNAME, f"{nodes.addresses[node]}/24"), ("lo", "127.0.0.1/8")]
+        assert sorted(p.name for p in nodes.local.iterdir()) == [], "mounts do not leak to the host"
+
+
+_TERMINATED = """import os, sys, time
+from pathlib import Path
+from tests.support import netns
+with netns.two_nodes(Path(sys.argv[1])) as nodes:
+    nodes.start(1, ["sleep", "300"])
+    print(nodes.tag, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_sigterm_to_the_test_process_removes_the_nodes(tmp_path: Path) -> None:
+    _require_namespaces()
+    work = tmp_path / "nodes"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TERMINATED, str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        tag = process.stdout.readline().strip()
+        assert tag.startswith("skn"), process.stderr.read() if process.stderr else ""
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0 and "SIGTERM while two nodes were up" in errors, errors
+    _assert_nothing_left(tag, work)
 
 
 _STUCK = """import os, sys, time

@@ -35,14 +35,16 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["NODE_IFNAME", "NetnsError", "NodeRun", "TwoNodes", "leftovers_of", "probe", "two_nodes"]
+__all__ = ["NODE_IFNAME", "NetnsError", "NodeRun", "Terminated", "TwoNodes", "leftovers_of", "probe", "two_nodes"]
 
 #: The interface name of every node's link to the bridge.
 NODE_IFNAME = "lan0"
@@ -58,6 +60,28 @@ mount --bind "$1" "$2"
 mount -t tmpfs -o size=1m,mode=0755 hidden "$3"
 shift 3
 exec "$@"
+"""
+
+
+# A listener a node runs for check_reachable, and the dialer that connects to the others.
+_LISTEN = """import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+server.settimeout(60)
+while True:
+    server.accept()[0].close()
+"""
+_DIAL = """import socket, sys, time
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                sys.exit(f"{target}: {exc}")
+            time.sleep(0.05)
 """
 
 
@@ -147,12 +171,15 @@ def _remove(tag: str, node_count: int) -> list[str]:
             done = _run("ip", "netns", "del", namespace, check=False)
             if done.returncode != 0:
                 problems.append(f"ip netns del {namespace}: {done.stderr.strip()}")
-    links = _links()
     for name in [*(f"{tag}h{index}" for index in range(node_count)), f"{tag}br"]:
-        if name in links:
+        # a veth goes with its peer's namespace, asynchronously: gone before or during the del
+        if name in _links():
             done = _run("ip", "link", "del", name, check=False)
-            if done.returncode != 0:
+            if done.returncode != 0 and name in _links():
                 problems.append(f"ip link del {name}: {done.stderr.strip()}")
+    deadline = time.monotonic() + 10
+    while any(name.startswith(tag) for name in _links()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return problems
 
 
@@ -252,6 +279,41 @@ class TwoNodes:
             self.disks[index].mkdir(parents=True, exist_ok=True)
         self.local.mkdir(parents=True, exist_ok=True)
         (self.work / "logs").mkdir(exist_ok=True)
+
+    def check_reachable(self, timeout: float = 20.0) -> None:
+        """Each node reaches the host address and every other node over the bridge (a TCP
+        connection to a listener there); a :class:`NetnsError` says which pair failed. Bridged
+        traffic is dropped on hosts with ``bridge-nf-call-iptables=1`` and a FORWARD DROP
+        policy (Docker hosts): allow the bridge there."""
+        with socket.socket() as host:
+            host.bind((self.host_address, 0))
+            host.listen(8)
+            port = host.getsockname()[1]
+            listeners = [
+                self.start(node, [sys.executable, "-c", _LISTEN, self.addresses[node], str(RDZV_PORT)])
+                for node in range(self.node_count)
+            ]
+            targets = [(self.host_address, port)] + [(address, RDZV_PORT) for address in self.addresses]
+            dialers = []
+            for node in range(self.node_count):
+                wanted = [f"{a}:{p}" for a, p in targets if a != self.addresses[node]]
+                dialers.append((node, wanted, self.start(node, [sys.executable, "-c", _DIAL, *wanted])))
+            for node, wanted, run in dialers:
+                try:
+                    code = run.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if code != 0:
+                    raise NetnsError(
+                        f"node {node} cannot reach {wanted} over the bridge {self.tag}br (bridged traffic "
+                        f"dropped? with bridge-nf-call-iptables=1 and a FORWARD DROP policy, allow the bridge):\n"
+                        f"{run.output()[-2000:]}"
+                    )
+            for listener in listeners:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(listener.process.pid, signal.SIGKILL)
+                listener.process.wait(10)
+            self.runs.clear()
 
     def start(self, node: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> NodeRun:
         """Start ``argv`` on ``node`` (in its namespaces, its disk on :attr:`local`), output to a
@@ -388,11 +450,56 @@ def two_nodes(work: Path, *, node_count: int = 2) -> Iterator[TwoNodes]:
     harness = TwoNodes(work=work, tag=tag, subnet=_free_subnet(), node_count=node_count)
     work.mkdir(parents=True, exist_ok=True)
     problems: list[str] = []
-    try:
-        harness.build()
-        _INODES[tag] = {os.stat(f"/run/netns/{harness.namespace(node)}").st_ino for node in range(node_count)}
-        yield harness
-    finally:
-        problems = harness.close()
+    with _terminate_raises():
+        try:
+            harness.build()
+            _INODES[tag] = {os.stat(f"/run/netns/{harness.namespace(node)}").st_ino for node in range(node_count)}
+            harness.check_reachable()
+            yield harness
+        finally:
+            with _uninterruptible():
+                problems = harness.close()
+            if problems:
+                sys.stderr.write(f"cleanup of {tag} left: {problems}\n")
     if problems:
         raise NetnsError(f"cleanup of {tag} left: {problems}")
+
+
+class Terminated(NetnsError):
+    """SIGTERM arrived while the nodes were up (raised on the main thread, so cleanup runs)."""
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """While the nodes are up, SIGTERM (a CI job cancelled) raises :class:`Terminated` on the
+    main thread instead of ending the process without cleanup; an existing handler is kept."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM while two nodes were up: removing them")
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _uninterruptible() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM during cleanup (a second Ctrl-C would leave namespaces behind);
+    they are delivered when cleanup ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
