@@ -2,7 +2,8 @@
 namespaces (tests/support/netns.py), each node with its own private local disk, the persistent
 level on SeaweedFS listening on the bridge's host address.
 
-One module-scoped run (tests/support/two_node_train.py, every 2 steps local, every 4 persistent):
+One module-scoped harness and S3 server; tests/support/two_node_train.py saves every 2 steps on
+the local level and drains every 4 to S3. Without replicas (``replicas=0``):
 
 1. 2 nodes x 2 ranks train steps 1-11 from nothing: local holds 8 and 10 on each node's disk,
    persistent 4 and 8 on S3;
@@ -12,7 +13,16 @@ One module-scoped run (tests/support/two_node_train.py, every 2 steps local, eve
    disk, node 1's from the persistent copy of the same step, resharded from 4 ranks to 2;
    its states are the same bytes as run 2's.
 
-And the harness removes everything it made after a failing run (and after KeyboardInterrupt).
+With ``replicas=1`` (skipped where this shardkeep has no peer replicas):
+
+4. 2 nodes train to 15 (local 12, 14, each protected: its part on both nodes); node 1 is
+   killed and its disk wiped; a fresh node 1 joins and the job resumes at 14, node 1's files
+   sent by node 0 over the bridge, nothing read from S3;
+5. 1 node x 2 ranks resumes at 14 from node 0's disk alone (its part and node 1's replica).
+
+And the harness: each node sees only its own disk and the addresses the harness made; it
+removes everything it made after a failing run, KeyboardInterrupt, SIGTERM, or a torchrun job
+cut off at its deadline.
 
 Needs root and network namespaces (CI runs as root): skipped with the reason where
 ``ip netns add`` fails; any failure after that probe fails the test.
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,11 +45,17 @@ from typing import Any
 import pytest
 
 from tests.support import netns, s3server
+from tests.support.two_node_train import supports_replicas
 
 pytestmark = pytest.mark.slow  # three torchrun jobs on two namespaces, a SeaweedFS server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "support" / "two_node_train.py"
+
+
+needs_replicas = pytest.mark.skipif(
+    not supports_replicas(), reason="peer replicas of node-local parts (Level(replicas=)) are not in this shardkeep"
+)
 
 
 def _require_namespaces() -> None:
@@ -48,27 +65,32 @@ def _require_namespaces() -> None:
 
 
 class Cluster:
-    """The harness, its S3 server and bucket, and each torchrun job's outcome per rank."""
+    """The harness, its S3 server, and each torchrun job's outcome per rank. A ``variant`` is
+    one scenario: its own directory on every node's disk and its own bucket."""
 
     def __init__(self, nodes: netns.TwoNodes, server: s3server.S3Server, work: Path) -> None:
         self.nodes, self.server, self.work = nodes, server, work
-        self.bucket = server.new_bucket("two-nodes")
+        self.buckets: dict[str, str] = {}
         self.out = work / "out"
         self.out.mkdir()
         self.timings: dict[str, float] = {}
         self.results: dict[str, list[dict[str, Any]]] = {}
 
-    def train(self, tag: str, *, last_step: int, nodes: tuple[int, ...]) -> list[dict[str, Any]]:
+    def train(
+        self, tag: str, variant: str, *, last_step: int, nodes: tuple[int, ...], replicas: int
+    ) -> list[dict[str, Any]]:
+        bucket = self.buckets.setdefault(variant, self.server.new_bucket(variant))
         env = dict(os.environ)
         env.update(self.server.environment)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         script = [
             str(SCRIPT),
-            f"--disk-root={self.nodes.local}/ckpt",
-            f"--s3-url=s3://{self.bucket}/run",
+            f"--disk-root={self.nodes.local}/{variant}",
+            f"--s3-url=s3://{bucket}/run",
             f"--last-step={last_step}",
             f"--results={self.out}",
             f"--tag={tag}",
+            f"--replicas={replicas}",
         ]
         started = time.monotonic()
         runs = self.nodes.torchrun(script, nodes=nodes, env=env)
@@ -80,14 +102,17 @@ class Cluster:
         self.results[tag] = outcomes
         return outcomes
 
-    def persistent_steps(self) -> list[str]:
-        listed = self.server.filesystem().ls(f"{self.bucket}/run", detail=False)
+    def committed(self, node: int, variant: str) -> list[str]:
+        """The committed local steps on ``node``'s disk."""
+        root = self.nodes.disks[node] / variant
+        return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+
+    def data_files(self, node: int, variant: str, step: int) -> set[str]:
+        return {p.name for p in (self.nodes.disks[node] / variant / f"step_{step:08d}").rglob("*.safetensors")}
+
+    def persistent_steps(self, variant: str) -> list[str]:
+        listed = self.server.filesystem().ls(f"{self.buckets[variant]}/run", detail=False)
         return sorted(Path(p).name for p in listed if Path(p).name.startswith("step_"))
-
-
-def _committed(disk: Path) -> list[str]:
-    root = disk / "ckpt"
-    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +125,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     ):
         cluster = Cluster(nodes, server, work)
         yield cluster
-        sys.stderr.write(f"two-node timings (s): {json.dumps({k: round(v, 1) for k, v in cluster.timings.items()})}\n")
+        timings = {tag: round(seconds, 1) for tag, seconds in cluster.timings.items()}
+        sys.stderr.write(f"two-node torchrun jobs, wall seconds: {json.dumps(timings)}\n")
 
 
 def test_two_nodes_train_save_and_resume_at_the_newest_local_step(cluster: Cluster) -> None:
-    first = cluster.train("run1", last_step=11, nodes=(0, 1))
+    first = cluster.train("run1", "plain", last_step=11, nodes=(0, 1), replicas=0)
     assert all(o["restored"] is None and o["world"] == 4 for o in first)
     assert sorted({o["node"] for o in first}) == [0, 1]
-    for disk in cluster.nodes.disks:
-        assert _committed(disk) == ["step_00000008", "step_00000010"]
+    for node in (0, 1):
+        assert cluster.committed(node, "plain") == ["step_00000008", "step_00000010"]
     # each disk holds only its own node's data files
-    data = [{p.name for p in (disk / "ckpt" / "step_00000010").rglob("*.safetensors")} for disk in cluster.nodes.disks]
+    data = [cluster.data_files(node, "plain", 10) for node in (0, 1)]
     assert data[0] and data[1] and not data[0] & data[1]
-    assert cluster.persistent_steps() == ["step_00000004", "step_00000008"]
+    assert cluster.persistent_steps("plain") == ["step_00000004", "step_00000008"]
 
-    second = cluster.train("run2", last_step=14, nodes=(0, 1))
+    second = cluster.train("run2", "plain", last_step=14, nodes=(0, 1), replicas=0)
     for outcome in second:
         restored = outcome["restored"]
         assert restored["step"] == 10 and restored["state_step"] == 10, restored
@@ -127,9 +153,9 @@ def test_two_nodes_train_save_and_resume_at_the_newest_local_step(cluster: Clust
     # the resumed run's step 11 is the first run's, bit for bit
     assert second[0]["losses"]["11"] == first[0]["losses"]["11"]
     assert second[0]["digests"]["11"] == first[0]["digests"]["11"]
-    for disk in cluster.nodes.disks:
-        assert _committed(disk) == ["step_00000012", "step_00000014"]
-    assert cluster.persistent_steps() == ["step_00000004", "step_00000008", "step_00000012"]
+    for node in (0, 1):
+        assert cluster.committed(node, "plain") == ["step_00000012", "step_00000014"]
+    assert cluster.persistent_steps("plain") == ["step_00000004", "step_00000008", "step_00000012"]
 
 
 def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluster) -> None:
@@ -137,7 +163,7 @@ def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluste
     if second is None:
         pytest.fail("the two-node run did not complete (see the test before)")
     cluster.nodes.kill_node(1)
-    third = cluster.train("run3", last_step=13, nodes=(0,))
+    third = cluster.train("run3", "plain", last_step=13, nodes=(0,), replicas=0)
     for outcome in third:
         assert outcome["world"] == 2
         restored = outcome["restored"]
@@ -148,6 +174,55 @@ def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluste
         assert "persistent" in restored["levels_read"], restored
     assert third[0]["digests"]["13"] == second[0]["digests"]["13"]
     assert math.isclose(third[0]["losses"]["13"], second[0]["losses"]["13"], rel_tol=1e-6)
+
+
+def _replicas_of(cluster: Cluster, node: int, step: int) -> dict[str, list[str]]:
+    part = cluster.nodes.disks[node] / "replicated" / f"step_{step:08d}" / "node-part.json"
+    return dict(json.loads(part.read_text()).get("replicas") or {})
+
+
+@needs_replicas
+def test_a_replaced_node_resumes_from_the_replica_on_its_peer(cluster: Cluster) -> None:
+    """With replicas=1 each node's part of each local step is also on the other node. Node 1 is
+    lost with its disk and replaced by a fresh node: the job resumes at the newest local step,
+    node 1's files coming from node 0 over the bridge; nothing is read from S3."""
+    first = cluster.train("rep1", "replicated", last_step=15, nodes=(0, 1), replicas=1)
+    for node in (0, 1):
+        assert cluster.committed(node, "replicated") == ["step_00000012", "step_00000014"]
+        # step 14 is protected: each node's part lists its replica of the other node's files
+        assert sorted(_replicas_of(cluster, node, 14)) == [str(1 - node)], node
+    both = [cluster.data_files(node, "replicated", 14) for node in (0, 1)]
+    assert both[0] == both[1], "each node holds its own part and the other's replica"
+    cluster.nodes.kill_node(1)
+    shutil.rmtree(cluster.nodes.disks[1] / "replicated")  # the node is gone with its disk
+
+    second = cluster.train("rep2", "replicated", last_step=15, nodes=(0, 1), replicas=1)
+    for outcome in second:
+        restored = outcome["restored"]
+        assert restored["step"] == 14, restored
+        assert restored["levels_read"] == ["local"], "nothing read from the persistent level"
+        assert {source for _, _, source in restored["healed"]} == {"local@node0"}, restored
+        assert restored["digest"] == first[0]["digests"]["14"]
+    assert second[0]["losses"]["15"] == first[0]["losses"]["15"]
+    assert second[0]["digests"]["15"] == first[0]["digests"]["15"]
+
+
+@needs_replicas
+def test_one_node_resumes_at_the_newest_local_step_from_its_replicas(cluster: Cluster) -> None:
+    """Node 1 gone for good: 2 ranks on node 0 resume at step 14 from node 0's disk alone (its
+    own part and node 1's replica), resharded from 4 ranks to 2, with nothing read from S3."""
+    first = cluster.results.get("rep1")
+    if first is None:
+        pytest.fail("the replicated two-node run did not complete (see the test before)")
+    cluster.nodes.kill_node(1)
+    third = cluster.train("rep3", "replicated", last_step=15, nodes=(0,), replicas=0)
+    for outcome in third:
+        restored = outcome["restored"]
+        assert restored["step"] == 14 and restored["levels_read"] == ["local"], restored
+        assert restored["healed"] == [] and restored["refused"] == [], restored
+        assert restored["digest"] == first[0]["digests"]["14"]
+    assert third[0]["digests"]["15"] == first[0]["digests"]["15"]
+    assert math.isclose(third[0]["losses"]["15"], first[0]["losses"]["15"], rel_tol=1e-6)
 
 
 def test_each_node_sees_its_own_disk_and_only_the_harness_addresses(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 depends only on the weights and the step, and a :class:`shardkeep.MultiLevelManager` with a
 node-local level on the node's own disk and a persistent level on S3 (drained).
 
-    torchrun ... two_node_train.py --disk-root DIR --s3-url s3://bucket/run --last-step N --results DIR --tag NAME
+    torchrun ... two_node_train.py --disk-root DIR --s3-url s3://bucket/run --last-step N --results DIR --tag NAME [--replicas K]
 
 It restores the newest step any level can complete (none: starts at step 1), trains up to
 ``--last-step``, saves when a level is due, and writes ``<results>/<tag>-rank<r>.json``: the
@@ -16,7 +16,9 @@ the standard AWS variables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -65,12 +67,20 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return hasher.hexdigest()
 
 
-def levels(local: str, persistent: str) -> list[sk.Level]:
+def supports_replicas() -> bool:
+    """Whether this shardkeep has peer replicas of node-local parts (``Level(replicas=)``)."""
+    return "replicas" in {f.name for f in dataclasses.fields(sk.Level)}
+
+
+def levels(local: str, persistent: str, replicas: int | None) -> list[sk.Level]:
     s3 = {
         "key": os.environ["AWS_ACCESS_KEY_ID"],
         "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
         "client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]},
     }
+    extra: dict[str, Any] = {}
+    if replicas is not None and (replicas > 0 or supports_replicas()):
+        extra["replicas"] = replicas  # a TypeError where replicas are not supported and asked for
     return [
         sk.Level(
             "local",
@@ -78,6 +88,7 @@ def levels(local: str, persistent: str) -> list[sk.Level]:
             node_local=True,
             save_policy=sk.SavePolicy(every_steps=2),
             retention=sk.RetentionPolicy(keep_last=2, keep_best=0),
+            **extra,
         ),
         sk.Level(
             "persistent",
@@ -94,9 +105,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model, optimizer = build(mesh, seed=0)
-    # Steps take milliseconds here: a save whose drain is due waits for the drain before it
-    # (drain_wait) so that every due step is persisted and the steps kept do not depend on timing.
-    manager = sk.MultiLevelManager(levels(args.disk_root, args.s3_url), drain_wait=120, timeout=120)
+    # Steps take milliseconds here: a save waits for the drain (and the replication) still in
+    # flight before it, so that every due step is persisted (and replicated) and the steps kept
+    # do not depend on timing.
+    waits: dict[str, Any] = {"drain_wait": 120}
+    if "replicate_wait" in inspect.signature(sk.MultiLevelManager).parameters:
+        waits["replicate_wait"] = 120
+    manager = sk.MultiLevelManager(levels(args.disk_root, args.s3_url, args.replicas), timeout=120, **waits)
     started = time.monotonic()
     fresh_model, fresh_optimizer = build(mesh, seed=123)  # other weights: the restore replaces them
     state = {"model": fresh_model, "optim": fresh_optimizer, "step": 0}
@@ -138,6 +153,7 @@ def main() -> None:
     parser.add_argument("--last-step", type=int, required=True)
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--tag", required=True)
+    parser.add_argument("--replicas", type=int, default=None, help="the local level's replicas (default: its own)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:
