@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,11 +75,22 @@ class Cluster:
         self.out = work / "out"
         self.out.mkdir()
         self.timings: dict[str, float] = {}
+        self.started: dict[str, float] = {}
         self.results: dict[str, list[dict[str, Any]]] = {}
 
-    def train(
-        self, tag: str, variant: str, *, last_step: int, nodes: tuple[int, ...], replicas: int
-    ) -> list[dict[str, Any]]:
+    def start(
+        self,
+        tag: str,
+        variant: str,
+        *,
+        last_step: int,
+        nodes: tuple[int, ...],
+        replicas: int,
+        step_seconds: float = 0,
+        timeout: float = 120,
+    ) -> list[netns.NodeRun]:
+        """Start the training script on ``nodes`` (2 ranks each), the local level on each node's
+        disk under ``variant``, the persistent level in the variant's bucket."""
         bucket = self.buckets.setdefault(variant, self.server.new_bucket(variant))
         env = dict(os.environ)
         env.update(self.server.environment)
@@ -91,28 +103,59 @@ class Cluster:
             f"--results={self.out}",
             f"--tag={tag}",
             f"--replicas={replicas}",
+            f"--step-seconds={step_seconds}",
+            f"--timeout={timeout}",
         ]
-        started = time.monotonic()
-        runs = self.nodes.torchrun(script, nodes=nodes, env=env)
-        self.timings[tag] = time.monotonic() - started
-        logs = "\n".join(f"--- node {run.node} ---\n{run.output()[-4000:]}" for run in runs)
-        assert all(run.process.returncode == 0 for run in runs), logs
+        self.started[tag] = time.monotonic()
+        return self.nodes.start_torchrun(script, nodes=nodes, env=env)
+
+    def finish(self, tag: str, runs: list[netns.NodeRun]) -> list[dict[str, Any]]:
+        """Wait for the job; every launcher must succeed; each rank's outcome, in rank order."""
+        self.nodes.wait(runs)
+        self.timings[tag] = time.monotonic() - self.started[tag]
+        assert all(run.process.returncode == 0 for run in runs), logs_of(runs)
         outcomes = [json.loads(path.read_text()) for path in sorted(self.out.glob(f"{tag}-rank*.json"))]
-        assert [o["rank"] for o in outcomes] == list(range(2 * len(nodes))), logs
+        assert [o["rank"] for o in outcomes] == list(range(2 * len(runs))), logs_of(runs)
         self.results[tag] = outcomes
         return outcomes
+
+    def train(
+        self, tag: str, variant: str, *, last_step: int, nodes: tuple[int, ...], replicas: int
+    ) -> list[dict[str, Any]]:
+        runs = self.start(tag, variant, last_step=last_step, nodes=nodes, replicas=replicas)
+        return self.finish(tag, runs)
+
+    def trace(self, tag: str) -> dict[int, dict[str, Any]]:
+        """What rank 0 of job ``tag`` trained, step by step (written as it went)."""
+        lines = (self.out / f"{tag}-trace.jsonl").read_text().splitlines()
+        return {record["step"]: record for record in map(json.loads, lines)}
 
     def committed(self, node: int, variant: str) -> list[str]:
         """The committed local steps on ``node``'s disk."""
         root = self.nodes.disks[node] / variant
-        return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+        if not root.is_dir():
+            return []
+        names = [p.name for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)]
+        return sorted(name for name in names if (root / name / "manifest.json").is_file())
 
     def data_files(self, node: int, variant: str, step: int) -> set[str]:
         return {p.name for p in (self.nodes.disks[node] / variant / f"step_{step:08d}").rglob("*.safetensors")}
 
     def persistent_steps(self, variant: str) -> list[str]:
-        listed = self.server.filesystem().ls(f"{self.buckets[variant]}/run", detail=False)
-        return sorted(Path(p).name for p in listed if Path(p).name.startswith("step_"))
+        """The committed steps of the persistent level (a manifest; not a drain cut off)."""
+        filesystem = self.server.filesystem()
+        listed = filesystem.ls(f"{self.buckets[variant]}/run", detail=False)
+        return sorted(
+            Path(p).name for p in listed if Path(p).name.startswith("step_") and filesystem.exists(f"{p}/manifest.json")
+        )
+
+
+def logs_of(runs: list[netns.NodeRun]) -> str:
+    return "\n".join(f"--- node {run.node} ---\n{run.output()[-4000:]}" for run in runs)
+
+
+def _step(name: str) -> int:
+    return int(name.split("_")[1])
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +217,41 @@ def test_one_node_resumes_from_its_disk_and_the_persistent_level(cluster: Cluste
         assert "persistent" in restored["levels_read"], restored
     assert third[0]["digests"]["13"] == second[0]["digests"]["13"]
     assert math.isclose(third[0]["losses"]["13"], second[0]["losses"]["13"], rel_tol=1e-6)
+
+
+def test_a_node_killed_mid_run_and_replaced_falls_back_to_the_newest_persisted_step(cluster: Cluster) -> None:
+    """``kill -9`` of every process of node 1 while the job trains, and its disk wiped: node 0's
+    workers fail (their peer is gone) and the job ends. Relaunched with a fresh node 1 and no
+    replicas, the newer local steps lack node 1's part: each is refused, naming the file and the
+    node, and the job resumes at the newest persisted step with the state it had there."""
+    # a short collective deadline: a survivor blocked in a collective with a dead peer fails then
+    runs = cluster.start("kill1", "killed", last_step=400, nodes=(0, 1), replicas=0, step_seconds=0.05, timeout=20)
+    deadline = time.monotonic() + 180
+    while not any(_step(name) >= 12 for name in cluster.committed(0, "killed")):
+        assert time.monotonic() < deadline and all(run.process.poll() is None for run in runs), logs_of(runs)
+        time.sleep(0.1)
+    killed = time.monotonic()
+    cluster.nodes.kill_node(1)
+    shutil.rmtree(cluster.nodes.disks[1] / "killed")
+    cluster.nodes.wait(runs, timeout=150)
+    cluster.timings["kill1: node 0 ended after the kill"] = time.monotonic() - killed
+    assert runs[0].process.returncode != 0, "node 0's workers fail when node 1 dies"
+    assert not list(cluster.out.glob("kill1-rank*.json")), "the killed job never finished"
+    trained = cluster.trace("kill1")
+    local = [_step(name) for name in cluster.committed(0, "killed")]
+    persisted = max(_step(name) for name in cluster.persistent_steps("killed"))
+    lost = [step for step in local if step > persisted]
+
+    resumed = cluster.train("kill2", "killed", last_step=max(local) + 1, nodes=(0, 1), replicas=0)
+    for outcome in resumed:
+        restored = outcome["restored"]
+        assert restored["step"] == persisted, (restored, local, persisted)
+        assert restored["digest"] == trained[persisted]["digest"], "the state the killed job had at that step"
+        for step in lost:
+            reasons = [reason for s, _, level, reason in restored["refused"] if s == str(step) and level == "local"]
+            assert any("missing on node 1" in reason for reason in reasons), (step, restored["refused"])
+    assert resumed[0]["digests"][str(persisted + 1)] == trained[persisted + 1]["digest"]
+    assert resumed[0]["losses"][str(persisted + 1)] == trained[persisted + 1]["loss"]
 
 
 def _replicas_of(cluster: Cluster, node: int, step: int) -> dict[str, list[str]]:

@@ -350,9 +350,22 @@ class TwoNodes:
         env: Mapping[str, str] | None = None,
         timeout: float = 240.0,
     ) -> list[NodeRun]:
-        """Run ``torchrun --nnodes len(nodes) --nproc-per-node ...`` on each of ``nodes`` with
-        the c10d rendezvous on the first node's address, and wait for every launcher (each one
-        killed at ``timeout``: a :class:`NetnsError` with every node's log tail)."""
+        """Run ``torchrun --nnodes len(nodes) --nproc-per-node ...`` on each of ``nodes`` (see
+        :meth:`start_torchrun`) and wait for every launcher (:meth:`wait`)."""
+        runs = self.start_torchrun(script, nodes=nodes, nproc_per_node=nproc_per_node, env=env)
+        return self.wait(runs, timeout=timeout)
+
+    def start_torchrun(
+        self,
+        script: Sequence[str],
+        *,
+        nodes: Sequence[int] = (0, 1),
+        nproc_per_node: int = 2,
+        env: Mapping[str, str] | None = None,
+    ) -> list[NodeRun]:
+        """Start one ``torchrun`` launcher on each of ``nodes``: the c10d rendezvous on the
+        first node's address (its launcher hosts the store), ``--local-addr`` the node's address,
+        gloo on ``lan0``, no restarts."""
         environment = dict(env or os.environ)
         environment.update(
             {"GLOO_SOCKET_IFNAME": NODE_IFNAME, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -376,16 +389,21 @@ class TwoNodes:
                 *script,
             ]
             runs.append(self.start(node, launcher, env=environment))
+        return runs
+
+    def wait(self, runs: Sequence[NodeRun], *, timeout: float = 240.0) -> list[NodeRun]:
+        """Wait for every run; at ``timeout`` kill every process of their nodes and raise a
+        :class:`NetnsError` with every node's log tail."""
         deadline = time.monotonic() + timeout
         for run in runs:
             try:
                 run.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                for node in nodes:
+                for node in sorted({r.node for r in runs}):
                     _kill_namespace(self.namespace(node))
                 tails = "\n".join(f"--- node {r.node} ---\n{r.output()[-3000:]}" for r in runs)
                 raise NetnsError(f"torchrun did not finish within {timeout:.0f} s:\n{tails}") from None
-        return runs
+        return list(runs)
 
     def kill_node(self, node: int) -> None:
         """``kill -9`` every process of ``node`` (its disk stays as it is)."""

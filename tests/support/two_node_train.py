@@ -9,7 +9,8 @@ It restores the newest step any level can complete (none: starts at step 1), tra
 ``--last-step``, saves when a level is due, and writes ``<results>/<tag>-rank<r>.json``: the
 restored step and its report, every step's loss and state digest (the blake2b of every full
 tensor of the model and the optimizer, in order: the same bytes whatever the world size, since
-every update is elementwise), and each save's result. The S3 server and its credentials come from
+every update is elementwise), and each save's result. Rank 0 also appends each step's loss and
+digest to ``<results>/<tag>-trace.jsonl`` as it goes, for a run that is killed. The S3 server and its credentials come from
 the standard AWS variables.
 """
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     waits: dict[str, Any] = {"drain_wait": 120}
     if "replicate_wait" in inspect.signature(sk.MultiLevelManager).parameters:
         waits["replicate_wait"] = 120
-    manager = sk.MultiLevelManager(levels(args.disk_root, args.s3_url, args.replicas), timeout=120, **waits)
+    manager = sk.MultiLevelManager(levels(args.disk_root, args.s3_url, args.replicas), timeout=args.timeout, **waits)
     started = time.monotonic()
     fresh_model, fresh_optimizer = build(mesh, seed=123)  # other weights: the restore replaces them
     state = {"model": fresh_model, "optim": fresh_optimizer, "step": 0}
@@ -135,9 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "digest": digest(model, optimizer),
         }
     losses, digests, saves = {}, {}, {}
+    trace = args.results / f"{args.tag}-trace.jsonl"
     for step in range(first, args.last_step + 1):
         loss = train_step(model, optimizer, step)
         losses[step], digests[step] = loss, digest(model, optimizer)
+        if rank == 0:  # as it goes: a run killed midway leaves what it trained
+            with open(trace, "a") as lines:
+                lines.write(json.dumps({"step": step, "loss": loss, "digest": digests[step]}) + "\n")
+        time.sleep(args.step_seconds)
         if manager.should_save(step):
             result = manager.save({"model": model, "optim": optimizer, "step": step}, step=step, metrics={"loss": loss})
             saves[step] = {"committed": result.committed, "draining": result.draining, "skipped": result.skipped}
@@ -153,6 +159,8 @@ def main() -> None:
     parser.add_argument("--last-step", type=int, required=True)
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--tag", required=True)
+    parser.add_argument("--timeout", type=float, default=120.0, help="the manager's collective deadline (s)")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep after each step (a slower run)")
     parser.add_argument("--replicas", type=int, default=None, help="the local level's replicas (default: its own)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
