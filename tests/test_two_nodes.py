@@ -13,6 +13,11 @@ the local level and drains every 4 to S3. Without replicas (``replicas=0``):
    disk, node 1's from the persistent copy of the same step, resharded from 4 ranks to 2;
    its states are the same bytes as run 2's.
 
+Node loss mid-run, without replicas: every process of node 1 gets ``kill -9`` while the job
+trains and its disk is wiped; node 0's workers fail; relaunched with a fresh node 1, the local
+steps newer than the newest persisted one are refused (node 1's files named) and the job resumes
+at the newest persisted step with the state the killed job had there.
+
 With ``replicas=1`` (skipped where this shardkeep has no peer replicas):
 
 4. 2 nodes train to 15 (local 12, 14, each protected: its part on both nodes); node 1 is

@@ -1,6 +1,6 @@
 """Two "nodes" on one Linux host: two network namespaces joined by a bridge, each with its own
-private "local disk", for running ``torchrun --nnodes 2`` for real (docs/levels.md "Two real
-nodes"; the recipe is /work/shared/LEVELS.md §5).
+private "local disk", for running ``torchrun --nnodes 2`` for real (docs/levels.md, "Two real
+nodes").
 
 :func:`two_nodes` builds, per run:
 
@@ -14,10 +14,20 @@ nodes"; the recipe is /work/shared/LEVELS.md §5).
   on ``<work>/local`` (the same path on every node: the node's "local disk") and covering
   ``<work>/disks`` with an empty tmpfs (the other node's disk cannot be seen).
 
+Once built, each node must reach the host address and the other node over TCP
+(:meth:`TwoNodes.check_reachable`; a firewall dropping bridged traffic fails here, named).
+:meth:`TwoNodes.torchrun` runs one launcher per node: the c10d rendezvous on node 0's address
+(its launcher hosts the store), ``--local-addr`` the node's address (the namespaces share the
+host name, which resolves to 127.0.0.1), ``GLOO_SOCKET_IFNAME=lan0`` and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a replaced node would deadlock on the next
+rendezvous otherwise).
+
 Nothing binds outside these addresses or 127.0.0.1: inside a namespace the only interfaces are
-``lo`` and ``lan0``. Cleanup (on success, on failure, on ``KeyboardInterrupt``) kills every
+``lo`` and ``lan0``. Cleanup (on success, on failure, on ``KeyboardInterrupt``, on SIGTERM,
+which raises :class:`Terminated` on the main thread while the nodes are up) kills every
 process of each namespace (``kill -9`` of ``ip netns pids``, then waits until they are gone),
-deletes the namespaces, the veths and the bridge; the mounts die with their mount namespaces.
+deletes the namespaces, the veths and the bridge, with SIGINT and SIGTERM held until it ends;
+the mounts die with their mount namespaces.
 A run cut off before its cleanup (the pytest process killed) is swept by the next run: names
 carry the creating process's id, and objects of a dead process are removed.
 
@@ -50,6 +60,7 @@ __all__ = ["NODE_IFNAME", "NetnsError", "NodeRun", "Terminated", "TwoNodes", "le
 NODE_IFNAME = "lan0"
 #: The rendezvous port on node 0's address (free: the namespace is new).
 RDZV_PORT = 29400
+_CHECK_PORT = 29399  # check_reachable's listeners, away from the rendezvous port
 _PREFIX = "skn"  # names: skn<pid><letter>; interface names stay <= 15 characters
 _NAME = re.compile(rf"^{_PREFIX}(\d+)([a-z])(?:br|h\d|c\d|-n\d)$")
 _counter = itertools.count()
@@ -290,10 +301,10 @@ class TwoNodes:
             host.listen(8)
             port = host.getsockname()[1]
             listeners = [
-                self.start(node, [sys.executable, "-c", _LISTEN, self.addresses[node], str(RDZV_PORT)])
+                self.start(node, [sys.executable, "-c", _LISTEN, self.addresses[node], str(_CHECK_PORT)])
                 for node in range(self.node_count)
             ]
-            targets = [(self.host_address, port)] + [(address, RDZV_PORT) for address in self.addresses]
+            targets = [(self.host_address, port)] + [(address, _CHECK_PORT) for address in self.addresses]
             dialers = []
             for node in range(self.node_count):
                 wanted = [f"{a}:{p}" for a, p in targets if a != self.addresses[node]]
