@@ -20,22 +20,10 @@ import torch
 
 import shardkeep as sk
 from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.states import full_rows, row_sharded
 
-ROWS = 24
-
-
-def _full(step: int) -> torch.Tensor:
-    return torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4) + 1000 * step
-
-
-def _state(step: int, *, zeros: bool = False) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    full = torch.zeros(ROWS, 4) if zeros else _full(step)
-    return {"weights": distribute_tensor(full, mesh, [Shard(0)]), "step": 0 if zeros else step}
+_full = full_rows
+_state = row_sharded
 
 
 def _levels(

@@ -32,9 +32,7 @@ from shardkeep.levels.replicas import plan_replicas
 from shardkeep.levels.status import level_copies
 from shardkeep.manifest import FileRecord
 from tests.support.distributed_harness import results_or_raise, run_ranks
-
-ROWS = 24
-
+from tests.support.states import full_rows, row_sharded
 
 # -- placement and configuration ------------------------------------------------------------------
 
@@ -141,18 +139,8 @@ def test_the_plan_sends_each_file_from_its_writer_to_one_rank_of_each_holder_in_
 # -- on gloo ranks --------------------------------------------------------------------------------
 
 
-def _full(step: int) -> torch.Tensor:
-    return torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4) + 1000 * step
-
-
-def _state(step: int, *, zeros: bool = False) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    full = torch.zeros(ROWS, 4) if zeros else _full(step)
-    return {"weights": distribute_tensor(full, mesh, [Shard(0)]), "step": 0 if zeros else step}
+_full = full_rows
+_state = row_sharded
 
 
 def _node_of(per_node: int, rank: int) -> int:

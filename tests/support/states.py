@@ -45,3 +45,24 @@ def assert_same_tree(found: Any, expected: Any, where: str = "") -> None:
             assert_same_tree(a, b, f"{where}[{index}]")
     else:
         assert found == expected, (where, found, expected)
+
+
+#: Rows of :func:`row_sharded`'s tensor (divisible by 1, 2, 3, 4 and 6 ranks).
+ROWS = 24
+
+
+def full_rows(step: int) -> torch.Tensor:
+    """The whole ``[ROWS, 4]`` tensor a run saves at ``step`` (its values name the step)."""
+    return torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4) + 1000 * step
+
+
+def row_sharded(step: int, *, zeros: bool = False) -> dict[str, Any]:
+    """On a rank of an initialized process group: ``full_rows(step)`` (or zeros, as a restore
+    target) sharded by rows over every rank, and the step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.zeros(ROWS, 4) if zeros else full_rows(step)
+    return {"weights": distribute_tensor(full, mesh, [Shard(0)]), "step": 0 if zeros else step}
