@@ -567,3 +567,23 @@ def test_the_retention_after_a_drain_does_not_block_the_caller(tmp_path: Path) -
     manager.close()
     assert _steps(tmp_path / "persistent") == ["step_00000004", "step_00000008", "step_00000012"]
     assert "step_00000000" in pruned
+
+
+def test_a_replica_cut_off_mid_file_is_not_a_damaged_part_and_is_cleaned_up(tmp_path: Path) -> None:
+    import os
+
+    from shardkeep.levels.local_catalog import collect_leftovers
+
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 8, outbox=tmp_path / "out"))
+    part = tmp_path / "node1" / "step_00000008"
+    shards = next(p.parent for p in part.rglob("*.safetensors"))
+    leftover = shards / ".rank_00000_sharded.safetensors.tmp-0123456789ab"  # a killed transfer's file
+    leftover.write_bytes(b"half a file")
+    assert sk.verify(part).ok, sk.verify(part).problems
+    stranger = shards / "not-from-shardkeep.bin"
+    stranger.write_bytes(b"x")
+    assert not sk.verify(part).ok  # anything else is still an extra file
+    stranger.unlink()
+    os.utime(leftover, (1, 1))
+    removed = collect_leftovers(tmp_path / "node1", lease=60)
+    assert any(name.endswith(leftover.name) for name in removed) and not leftover.exists()

@@ -58,6 +58,7 @@ __all__ = [
     "checkpoint_name",
     "index_path",
     "is_staging_name",
+    "is_temporary_sibling",
     "unsafe_path_reason",
     "is_derived_name",
     "is_shortened",
@@ -210,6 +211,17 @@ def is_derived_name(name: str, marker: str) -> bool:
     one shortened with its digest)."""
     head, found, tail = name.rpartition(marker)
     return bool(found) and bool(head) and _ATTEMPT_ID.fullmatch(tail) is not None
+
+
+#: A temporary file written beside its destination before the rename (``.NAME.tmp-<12 hex>``,
+#: by the local durable writes and by files arriving over the process group).
+_TEMPORARY_SIBLING = re.compile(r"\..+" + re.escape(STAGING_MARKER) + r"[0-9a-f]{12}")
+
+
+def is_temporary_sibling(name: str) -> bool:
+    """Whether ``name`` (a file name, no directory) has the shape of a temporary file written
+    beside its destination before the rename: left behind only by a process killed mid-write."""
+    return _TEMPORARY_SIBLING.fullmatch(name) is not None
 
 
 def step_of_name(name: str) -> int | None:

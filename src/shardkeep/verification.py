@@ -51,7 +51,7 @@ from shardkeep.manifest import (
     unsafe_path_reason,
 )
 from shardkeep.manifest.node_part import decode_node_part
-from shardkeep.names import NODE_PART_FILENAME, check_name_length
+from shardkeep.names import NODE_PART_FILENAME, check_name_length, is_temporary_sibling
 from shardkeep.progress import collector_paused
 from shardkeep.storage import (
     ByteStore,
@@ -427,6 +427,10 @@ def file_set_problems(
             problems.append(f"{relative}: is a symlink or special file, not a regular file")
             continue
         found.add(relative)
+        if holds is not None and is_temporary_sibling(relative.rpartition("/")[2]):
+            # A node's part: a replica or heal whose sender or receiver was killed mid-file
+            # left its temporary file; never read, removed by the next save's cleanup.
+            continue
         if complete and relative not in expected and relative not in allowed:
             problems.append(f"{relative}: extra file not listed in the manifest")
     for relative in expected:

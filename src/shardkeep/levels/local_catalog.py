@@ -37,9 +37,11 @@ from shardkeep.names import (
     SIGNATURE_FILENAME,
     STAGING_MARKER,
     is_derived_name,
+    is_temporary_sibling,
     step_of_name,
 )
 from shardkeep.storage import ByteStore, LocalStore
+from shardkeep.storage.localfs import current as local_fs
 from shardkeep.storage.localfs import retire_and_remove
 from shardkeep.verification import CheckpointLocation, file_set_problems, parse_manifest, read_manifest_bytes
 
@@ -218,12 +220,23 @@ def collect_leftovers(
     root: str | os.PathLike[str] | ByteStore, *, lease: float = DEFAULT_LEASE, now: float | None = None
 ) -> list[str]:
     """Remove this node's stale leftovers: staging directories of local saves idle for
-    ``lease`` seconds and half-removed steps (``.deleting-``); the names removed. The
-    staging directory of a save in progress changes while it runs, so a lease longer than
-    any save never removes one."""
+    ``lease`` seconds, half-removed steps (``.deleting-``), and, inside committed steps, the
+    temporary files of replicas or heals whose process was killed mid-file; the names
+    removed. The staging directory of a save in progress changes while it runs, so a lease
+    longer than any save never removes one."""
     store = _store(root)
     try:
         store.list_dir("")
     except ShardkeepError:
         return []
-    return CheckpointRoot(store).collect_leftovers(lease=lease, now=now)
+    removed = CheckpointRoot(store).collect_leftovers(lease=lease, now=now)
+    if isinstance(root, (str, os.PathLike)):
+        base = os.path.abspath(os.fspath(root))
+        fs = local_fs()
+        for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+            if step_of_name(name) is None or not os.path.isdir(os.path.join(base, name)):
+                continue
+            for directory, _, _ in os.walk(os.path.join(base, name)):
+                found = fs.remove_idle(directory, is_temporary_sibling, lease, now=now)
+                removed += [os.path.relpath(os.path.join(directory, each), base) for each in found]
+    return removed
