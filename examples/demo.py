@@ -57,7 +57,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -515,7 +514,7 @@ class Demo:
         print(f"  {nodes.kill_node(1)}, after step {killed_after}")
         nodes.wait(60)
         errors = [line for line in nodes.output().splitlines() if "Error:" in line and "ChildFailed" not in line]
-        stopped = textwrap.shorten(errors[-1], 150) if errors else "no error logged"
+        stopped = first_line(errors[-1]) if errors else "no error logged"
         print(f"  node 0's ranks stopped at their next collective: {stopped}")
         persisted = max(self.persisted(), default=None)
         disk = nodes.disk(1)
