@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -502,17 +503,17 @@ class Demo:
         print(f"  levels: local (each node's own disk, {nodes.local}) every {LOCAL_EVERY} steps with 1 peer replica; "
               f"persistent ({self.levels / 'persistent'}) every {PERSIST_EVERY} steps, drained from the local level")  # fmt: skip
         self.levels.mkdir(exist_ok=True)
-        nodes.start(self.levels_argv(nodes), run=1)
+        nodes.start([*self.levels_argv(nodes), "--pause-at", str(KILL_AFTER)], run=1)
         reached = self.wait_for(nodes, "step", 1, KILL_AFTER)
         if reached is None:
             nodes.wait(30)
             return self.check("node_loss", False, f"the first multi-level run never reached step {KILL_AFTER}")
+        print(f"  {nodes.kill_node(1)}, after step {reached['step']}")
+        nodes.wait(60)
         killed_after = max(e["step"] for e in self.level_events("step", 1))
         saves = self.level_events("save", 1)
         local = max((e["step"] for e in saves if "local" in e["committed"]), default=None)
         protected = saves[-1]["protected"] if saves else None
-        print(f"  {nodes.kill_node(1)}, after step {killed_after}")
-        nodes.wait(60)
         errors = [line for line in nodes.output().splitlines() if "Error:" in line and "ChildFailed" not in line]
         stopped = first_line(errors[-1]) if errors else "no error logged"
         print(f"  node 0's ranks stopped at their next collective: {stopped}")
@@ -528,10 +529,12 @@ class Demo:
         resume = self.wait_for(nodes, "resume", 2, 0, timeout=120) or {}
         healed = resume.get("healed", [])
         peers = sorted({source for _, _, source in healed})
+        own = [name for _, name, _ in healed if "rank_00002" in name or "rank_00003" in name]  # node 1 wrote them
         print(f"  restarted with a fresh node 1: resumed at step {resume.get('step')} from {resume.get('levels_read')}, "
               f"in {resume.get('seconds', 0):.2f} s; {len(healed)} files of node 1 came from {peers}:")  # fmt: skip
         for rank, name, source in healed:
-            print(f"    rank {rank}: {name} <- {source}")
+            whose = "node 1's own file: a replica" if name in own else "a file only node 0 writes"
+            print(f"    rank {rank}: {name} <- {source} ({whose})")
         lost_multi = killed_after - resume["step"] if resume else None
         lost_single = killed_after - persisted if persisted is not None else killed_after
         print(f"  steps lost: {lost_multi} (trained up to {killed_after}, resumed at {resume.get('step')}); a single "
@@ -544,7 +547,7 @@ class Demo:
         }  # fmt: skip
         return self.check(
             "node_loss",
-            bool(resume) and resume["step"] == local and bool(healed) and peers == ["local@node0"]
+            bool(resume) and resume["step"] == local and len(own) >= 2 and peers == ["local@node0"]
             and resume["levels_read"] == ["local"] and lost_multi is not None and lost_multi < lost_single,
             f"node 1 lost with its disk: resumed at the newest local step {local} from node 0's replicas; "
             f"{lost_multi} step(s) lost against {lost_single} with the persistent level alone",
@@ -565,7 +568,10 @@ class Demo:
         nodes.wait(60)
         codes = sorted((e["rank"], e["code"]) for e in self.level_events("exit", 2))
         said = [line[line.index("preemption:") :] for line in nodes.output().splitlines() if "preemption:" in line]
-        for line in dict.fromkeys(said):  # once each (several ranks of a node say the same)
+        shown = {}  # once each: the ranks of a node say the same, their timings aside
+        for line in said:
+            shown.setdefault(re.sub(r"[\d.]+ s\b", "", line), line)
+        for line in shown.values():
             print(f"    {line}")
         emergency = max(e["step"] for e in self.level_events("step", 2))
         saved = (nodes.disk(0) / f"step_{emergency:08d}" / "manifest.json").exists()
@@ -643,7 +649,7 @@ class Demo:
 # -- the multi-level run: 2 nodes x 2 ranks ----------------------------------------------------
 LEVELS_STEPS = 32  # the multi-level run trains steps 1..LEVELS_STEPS
 LOCAL_EVERY, PERSIST_EVERY = 2, 10
-KILL_AFTER = 17  # kill node 1 once rank 0 logged this step (local step 16, persistent step 10)
+KILL_AFTER = 17  # kill node 1 while the ranks pause after this step (local step 16, persistent step 10)
 PREEMPT_AFTER = 25  # SIGTERM every rank once the resumed run logged this step
 
 
@@ -739,7 +745,7 @@ Nodes = SimulatedNodes | NamespaceNodes
 @contextlib.contextmanager
 def two_nodes(workdir: Path, wanted: str) -> Iterator[Nodes]:
     """Real namespaces when they can be made here (root) and ``wanted`` allows, else simulated."""
-    why = "--nodes simulated"
+    why = "chosen with --nodes simulated"
     if wanted != "simulated":
         sys.path.insert(0, str(REPO))
         from tests.support import netns
@@ -752,7 +758,7 @@ def two_nodes(workdir: Path, wanted: str) -> Iterator[Nodes]:
         if wanted == "netns":
             raise SystemExit(f"--nodes netns: network namespaces cannot be made here: {why}")
     nodes = SimulatedNodes(workdir / "nodes")
-    nodes.kind += f"; no network namespaces: {why}"
+    nodes.kind += f"; {why if wanted == 'simulated' else f'no network namespaces here: {why}'}"
     yield nodes
 
 

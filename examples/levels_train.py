@@ -119,6 +119,8 @@ def train(args: argparse.Namespace) -> None:
         time.sleep(args.step_seconds)
         if rank == 0:
             log(args.root, event="step", step=step, loss=float(value) / world, world_size=world)
+        if step == args.pause_at:
+            time.sleep(args.pause_seconds)  # a window for the demo's kill -9, whatever the machine's load
         if levels.should_save(step):  # True at the step the ranks agree they are preempted
             result = levels.save(state, step=step, metrics={"loss": float(value) / world})
             replication = levels.replication
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--local-every", type=int, default=2)
     parser.add_argument("--persist-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.1, help="sleep per step")
+    parser.add_argument("--pause-at", type=int, default=None, help="sleep --pause-seconds after this step")
+    parser.add_argument("--pause-seconds", type=float, default=2.0)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     train(args)

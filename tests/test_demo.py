@@ -148,6 +148,8 @@ def test_a_lost_node_resumes_from_the_replicas_at_the_newest_local_step(demo: De
     assert loss["newest_persisted_step"] == 10 and loss["levels_read"] == ["local"]
     assert {source for _, _, source in loss["healed"]} == {"local@node0"}
     assert {int(rank) for rank, _, _ in loss["healed"]} == {2, 3}  # node 1's ranks
+    # node 1's own files, written by ranks 2 and 3, came back from node 0's replicas
+    assert {"rank_00002", "rank_00003"} <= {name.split("/")[-1][:10] for _, name, _ in loss["healed"]}
     assert loss["steps_lost"] == loss["killed_after_step"] - 16
     assert loss["steps_lost_single_level"] == loss["killed_after_step"] - 10
     assert "PASS  node 1 lost with its disk: resumed at the newest local step 16 from node 0's replicas" in out
