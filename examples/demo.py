@@ -617,6 +617,22 @@ class Demo:
         self.summary.update(levels_plot=str(picture), levels_plot_events=[[e.step, e.label] for e in events])
         return picture.read_bytes().startswith(b"\x89PNG") and drawn.events == 3
 
+    def on_two_nodes(self) -> list[bool]:
+        """Steps 9 and 10; a failure of the nodes themselves (the namespaces could not be built,
+        a run that hangs) fails the step it happened in, with the error."""
+        results: list[bool] = []
+        try:
+            with two_nodes(self.workdir, self.args.nodes) as nodes:
+                results.append(self.node_loss(nodes))
+                if results[-1]:
+                    results.append(self.preemption(nodes))
+                else:
+                    nodes.wait(30)
+        except Exception as exc:
+            name = "preemption" if "node_loss" in self.summary["checks"] else "node_loss"
+            results.append(self.check(name, False, f"{type(exc).__name__}: {first_line(exc)}"))
+        return results
+
     def run(self) -> int:
         steps = [self.train_and_kill, self.half_written_save_is_invisible, self.resume_on_three,
                  self.reads_per_rank, self.loss_continues, self.hot_tier_inference, self.cli,
@@ -628,12 +644,7 @@ class Demo:
                 break  # later steps need this one
         if len(results) == len(steps):
             steps += [self.node_loss, self.preemption]  # type: ignore[list-item]
-            with two_nodes(self.workdir, self.args.nodes) as nodes:
-                results.append(self.node_loss(nodes))
-                if results[-1]:
-                    results.append(self.preemption(nodes))
-                else:
-                    nodes.wait(30)
+            results += self.on_two_nodes()
         elapsed = time.monotonic() - self.started
         self.summary.update(ok=all(results) and len(results) == len(steps), seconds=round(elapsed, 1))
         (self.workdir / "demo_summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
