@@ -3,6 +3,7 @@ killed in the middle of a save, resumed on a different number of ranks, inspecte
 recovered.
 
     python examples/demo.py [--workdir NEW_DIR] [--steps 60] [--every 10] [--kill-at 40] [--s3]
+                            [--nodes auto|netns|simulated]
 
 1. Train on 2 ranks (``examples/train_moe.py``: FSDP2 on gloo, async checkpoints with a hot and
    a cold tier) and kill -9 rank 1 in the middle of the async save of step ``--kill-at``: its
@@ -26,6 +27,17 @@ recovered.
    ``CheckpointManager.restore`` falls back to the previous checkpoint. Draw the run (what
    ``shardkeep ls --plot`` draws, through ``shardkeep.report.plot_root``) with the kill and the
    resume marked.
+9. Two levels on 2 nodes x 2 ranks (``examples/levels_train.py``): a ``MultiLevelManager`` saves
+   each node's local disk every 2 steps with 1 peer replica and drains to a persistent directory
+   every 10 steps. The nodes are two network namespaces running ``torchrun --nnodes 2
+   --nproc-per-node 2`` (``tests/support/netns.py``) where they can be made (root), else 4
+   forked gloo ranks as 2 simulated nodes with separate local roots; the demo says which. After
+   step 17, kill -9 every rank of node 1 and delete its local disk; restart with a fresh node 1:
+   the run resumes at the newest local step (16), node 1's files healed from node 0's replicas,
+   where the persistent level alone would resume at step 10.
+10. Send SIGTERM to every rank after step 25: the ranks agree, take an emergency save on the
+   local level and exit 75; the restart resumes from that step and trains to the end. Draw the
+   persistent level's saves with the node loss, the resume and the preemption marked.
 
 Each step prints what it found and a PASS/FAIL line; the summary also goes to
 ``WORKDIR/demo_summary.json``. Exit status 0 only if every check passed. Every run works in a
@@ -40,6 +52,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +69,7 @@ from train_moe import (
     ModelArgs,
     MoETransformer,
     first_line,
+    free_port,
     loss_of,
     spawn_ranks,
     supervise,
@@ -65,6 +80,7 @@ import shardkeep as sk
 from shardkeep.report import PlotEvent, plot_root
 
 REPO = Path(__file__).resolve().parent.parent
+LEVELS_TRAIN = Path(__file__).resolve().parent / "levels_train.py"
 #: How long the resumed run leaves an untouched staging directory alone before removing it as a
 #: crashed save's (the library's default is an hour; the demo cannot wait that long).
 STAGING_LEASE = 2.0
@@ -85,6 +101,7 @@ class Demo:
         self.summary: dict[str, Any] = {"checks": {}}
         self.started = time.monotonic()
         self.staging: str | None = None  # the killed save's staging directory
+        self.levels = self.workdir / "levels"  # the multi-level run's log and persistent level
 
     # -- helpers ------------------------------------------------------------------------------
     def heading(self, text: str) -> None:
@@ -456,6 +473,166 @@ class Demo:
         )
         return fell_back and plotted
 
+    # -- steps 9 and 10: two levels on two nodes --------------------------------------------------
+    def level_events(self, kind: str, run: int) -> list[dict[str, Any]]:
+        path = self.levels / "levels_log.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []
+        return [r for r in map(json.loads, lines) if r["event"] == kind and r["run"] == str(run)]
+
+    def wait_for(self, nodes: Nodes, kind: str, run: int, step: int, timeout: float = 180) -> dict[str, Any] | None:
+        """The first event ``kind`` of ``run`` at ``step`` or later; ``None`` if the run ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.level_events(kind, run) if e.get("step", 0) >= step]
+            if found or not nodes.running():
+                return found[0] if found else None
+            time.sleep(0.02)
+        return None
+
+    def levels_argv(self, nodes: Nodes) -> list[str]:
+        return ["--root", str(self.levels), "--local-root", nodes.local, "--steps", str(LEVELS_STEPS),
+                "--local-every", str(LOCAL_EVERY), "--persist-every", str(PERSIST_EVERY)]  # fmt: skip
+
+    def persisted(self) -> list[int]:
+        root = self.levels / "persistent"
+        return sorted(e.step for e in sk.CheckpointManager(root, read_only=True).list()) if root.is_dir() else []
+
+    def node_loss(self, nodes: Nodes) -> bool:
+        self.heading("9. Two levels on 2 nodes x 2 ranks: kill -9 one node, wipe its disk, resume from its replicas")
+        print(f"  nodes: {nodes.kind}")
+        print(f"  levels: local (each node's own disk, {nodes.local}) every {LOCAL_EVERY} steps with 1 peer replica; "
+              f"persistent ({self.levels / 'persistent'}) every {PERSIST_EVERY} steps, drained from the local level")  # fmt: skip
+        self.levels.mkdir(exist_ok=True)
+        nodes.start([*self.levels_argv(nodes), "--pause-at", str(KILL_AFTER)], run=1)
+        reached = self.wait_for(nodes, "step", 1, KILL_AFTER)
+        if reached is None:
+            nodes.wait(30)
+            return self.check("node_loss", False, f"the first multi-level run never reached step {KILL_AFTER}")
+        print(f"  {nodes.kill_node(1)}, after step {reached['step']}")
+        nodes.wait(60)
+        killed_after = max(e["step"] for e in self.level_events("step", 1))
+        saves = self.level_events("save", 1)
+        local = max((e["step"] for e in saves if "local" in e["committed"]), default=None)
+        protected = saves[-1]["protected"] if saves else None
+        errors = [line for line in nodes.output().splitlines() if "Error:" in line and "ChildFailed" not in line]
+        stopped = first_line(errors[-1]) if errors else "no error logged"
+        print(f"  node 0's ranks stopped at their next collective: {stopped}")
+        persisted = max(self.persisted(), default=None)
+        disk = nodes.disk(1)
+        held = sorted(p.name for p in disk.iterdir()) if disk.is_dir() else []
+        shutil.rmtree(disk, ignore_errors=True)
+        disk.mkdir(parents=True)
+        print(f"  node 1's local disk deleted ({', '.join(held)}) and replaced by an empty one")
+        print(f"  before the kill: newest local step {local} (replication settled up to {protected}); newest persisted "
+              f"step {persisted}")  # fmt: skip
+        nodes.start(self.levels_argv(nodes), run=2)
+        resume = self.wait_for(nodes, "resume", 2, 0, timeout=120) or {}
+        healed = resume.get("healed", [])
+        peers = sorted({source for _, _, source in healed})
+        own = [name for _, name, _ in healed if "rank_00002" in name or "rank_00003" in name]  # node 1 wrote them
+        print(f"  restarted with a fresh node 1: resumed at step {resume.get('step')} from {resume.get('levels_read')}, "
+              f"in {resume.get('seconds', 0):.2f} s; {len(healed)} files of node 1 came from {peers}:")  # fmt: skip
+        for rank, name, source in healed:
+            whose = "node 1's own file: a replica" if name in own else "a file only node 0 writes"
+            print(f"    rank {rank}: {name} <- {source} ({whose})")
+        lost_multi = killed_after - resume["step"] if resume else None
+        lost_single = killed_after - persisted if persisted is not None else killed_after
+        print(f"  steps lost: {lost_multi} (trained up to {killed_after}, resumed at {resume.get('step')}); a single "
+              f"persistent level every {PERSIST_EVERY} steps would have resumed at {persisted} and lost {lost_single}")  # fmt: skip
+        self.summary["node_loss"] = {
+            "nodes": "netns" if isinstance(nodes, NamespaceNodes) else "simulated",
+            "killed_after_step": killed_after, "newest_local_step": local, "newest_persisted_step": persisted,
+            "resume_step": resume.get("step"), "healed": healed, "levels_read": resume.get("levels_read"),
+            "steps_lost": lost_multi, "steps_lost_single_level": lost_single,
+        }  # fmt: skip
+        return self.check(
+            "node_loss",
+            bool(resume) and resume["step"] == local and len(own) >= 2 and peers == ["local@node0"]
+            and resume["levels_read"] == ["local"] and lost_multi is not None and lost_multi < lost_single,
+            f"node 1 lost with its disk: resumed at the newest local step {local} from node 0's replicas; "
+            f"{lost_multi} step(s) lost against {lost_single} with the persistent level alone",
+        )  # fmt: skip
+
+    def preemption(self, nodes: Nodes) -> bool:
+        self.heading("10. Preempt the run with SIGTERM: the emergency save, exit 75, and the resume")
+        if self.wait_for(nodes, "step", 2, PREEMPT_AFTER) is None:
+            nodes.wait(30)
+            return self.check("preemption", False, f"the resumed run never reached step {PREEMPT_AFTER}")
+        pids = {e["rank"]: e["pid"] for e in self.level_events("start", 2)}
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        signaled = max(e["step"] for e in self.level_events("step", 2))
+        print(f"  SIGTERM sent to every rank (pids {[pids[r] for r in sorted(pids)]}) at step {signaled}, as a "
+              "scheduler does")  # fmt: skip
+        nodes.wait(60)
+        codes = sorted((e["rank"], e["code"]) for e in self.level_events("exit", 2))
+        said = [line[line.index("preemption:") :] for line in nodes.output().splitlines() if "preemption:" in line]
+        shown = {}  # once each: the ranks of a node say the same, their timings aside
+        for line in said:
+            shown.setdefault(re.sub(r"[\d.]+ s\b", "", line), line)
+        for line in shown.values():
+            print(f"    {line}")
+        emergency = max(e["step"] for e in self.level_events("step", 2))
+        saved = (nodes.disk(0) / f"step_{emergency:08d}" / "manifest.json").exists()
+        print(f"  exit codes {[code for _, code in codes]}; the last step trained: {emergency}; emergency checkpoint "
+              f"step_{emergency:08d} on node 0's local disk: {'present' if saved else 'missing'}")  # fmt: skip
+        started = time.monotonic()
+        nodes.start(self.levels_argv(nodes), run=3)
+        nodes.wait(240)
+        resume = next(iter(self.level_events("resume", 3)), {})
+        after = [e["step"] for e in self.level_events("step", 3)]
+        finished = sorted(e["code"] for e in self.level_events("exit", 3))
+        print(f"  restarted: resumed at step {resume.get('step')} from {resume.get('levels_read')}, trained steps "
+              f"{after[0] if after else '-'}..{after[-1] if after else '-'}, exit codes {finished} "
+              f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+        self.summary["preemption"] = {
+            "signaled_at_step": signaled, "exit_codes": [code for _, code in codes], "emergency_step": emergency,
+            "resume_step": resume.get("step"), "resumed_steps": [after[0], after[-1]] if after else [],
+            "exit_codes_after": finished,
+        }  # fmt: skip
+        preempted = self.check(
+            "preemption",
+            [code for _, code in codes] == [75] * 4 and saved and resume.get("step") == emergency
+            and after == list(range(emergency + 1, LEVELS_STEPS + 1)) and finished == [0] * 4,
+            f"every rank exited 75 after the emergency save of step {emergency}; the restart resumed there (0 steps "
+            f"lost) and trained to step {LEVELS_STEPS}",
+        )  # fmt: skip
+        return self.levels_plot() and preempted
+
+    def levels_plot(self) -> bool:
+        node_loss = self.summary.get("node_loss", {})
+        emergency = self.summary["preemption"]["emergency_step"]
+        events = [
+            PlotEvent(node_loss.get("killed_after_step", 0), "kill -9 of node 1,\nits disk wiped", "#c44e52"),
+            PlotEvent(node_loss.get("resume_step", 0), "resumed from\nnode 0's replicas", "#2a7f3f"),
+            PlotEvent(emergency, f"SIGTERM: emergency\nsave of step {emergency}, exit 75", "#dd8452"),
+        ]
+        manager = sk.CheckpointManager(self.levels / "persistent", metric="loss", read_only=True)
+        entries = manager.list()
+        run = next((entry.run_id for entry in reversed(entries) if entry.run_id), None)
+        picture = self.workdir / "levels.png"
+        drawn = plot_root(entries, manager.policy, run, picture, title=f"{manager.root}   run {run}", events=events)
+        print(f"  plot {picture}: the persistent level's saves, the node loss, the resume and the preemption marked")
+        self.summary.update(levels_plot=str(picture), levels_plot_events=[[e.step, e.label] for e in events])
+        return picture.read_bytes().startswith(b"\x89PNG") and drawn.events == 3
+
+    def on_two_nodes(self) -> list[bool]:
+        """Steps 9 and 10; a failure of the nodes themselves (the namespaces could not be built,
+        a run that hangs) fails the step it happened in, with the error."""
+        results: list[bool] = []
+        try:
+            with two_nodes(self.workdir, self.args.nodes) as nodes:
+                results.append(self.node_loss(nodes))
+                if results[-1]:
+                    results.append(self.preemption(nodes))
+                else:
+                    nodes.wait(30)
+        except Exception as exc:
+            name = "preemption" if "node_loss" in self.summary["checks"] else "node_loss"
+            results.append(self.check(name, False, f"{type(exc).__name__}: {first_line(exc)}"))
+        return results
+
     def run(self) -> int:
         steps = [self.train_and_kill, self.half_written_save_is_invisible, self.resume_on_three,
                  self.reads_per_rank, self.loss_continues, self.hot_tier_inference, self.cli,
@@ -465,6 +642,9 @@ class Demo:
             results.append(step())
             if not results[-1] and step in (self.train_and_kill, self.resume_on_three):
                 break  # later steps need this one
+        if len(results) == len(steps):
+            steps += [self.node_loss, self.preemption]  # type: ignore[list-item]
+            results += self.on_two_nodes()
         elapsed = time.monotonic() - self.started
         self.summary.update(ok=all(results) and len(results) == len(steps), seconds=round(elapsed, 1))
         (self.workdir / "demo_summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
@@ -472,8 +652,125 @@ class Demo:
         for name, check in self.summary["checks"].items():
             print(f"  {'PASS' if check['ok'] else 'FAIL'}  {name:<9} {check['detail']}")
         print(f"  {'all checks passed' if self.summary['ok'] else 'SOME CHECKS FAILED'} in {elapsed:.0f} s; "
-              f"files in {self.workdir}; the plot: {self.summary.get('plot', 'not drawn')}")  # fmt: skip
+              f"files in {self.workdir}; the plots: {self.summary.get('plot', 'not drawn')}, "
+              f"{self.summary.get('levels_plot', 'not drawn')}")  # fmt: skip
         return 0 if self.summary["ok"] else 1
+
+
+# -- the multi-level run: 2 nodes x 2 ranks ----------------------------------------------------
+LEVELS_STEPS = 32  # the multi-level run trains steps 1..LEVELS_STEPS
+LOCAL_EVERY, PERSIST_EVERY = 2, 10
+KILL_AFTER = 17  # kill node 1 while the ranks pause after this step (local step 16, persistent step 10)
+PREEMPT_AFTER = 25  # SIGTERM every rank once the resumed run logged this step
+
+
+class SimulatedNodes:
+    """Two "nodes" of 2 forked gloo ranks each on 127.0.0.1 (``SHARDKEEP_NODE`` = rank // 2),
+    each with its own local disk directory ``WORK/disks/node<i>``."""
+
+    kind = "simulated nodes (4 forked gloo ranks as 2 nodes of 2, separate local roots)"
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.local = str(work / "disks" / "node{node}")
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def output(self) -> str:
+        """What rank 0 of the current run printed."""
+        return self.logs[0].read_text(errors="replace") if self.logs else ""
+
+    def disk(self, node: int) -> Path:
+        return self.work / "disks" / f"node{node}"
+
+    def start(self, argv: list[str], run: int) -> None:
+        port = free_port()
+        self.processes = []
+        for rank in range(4):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % 2), WORLD_SIZE="4", LEVELS_RUN=str(run))
+            env.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", SHARDKEEP_NODE=str(rank // 2)
+            )
+            log = self.work / "logs" / f"run{run}-rank{rank}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "wb") as out:
+                command = [sys.executable, str(LEVELS_TRAIN), *argv]
+                self.processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
+        self.logs = [self.work / "logs" / f"run{run}-rank{rank}.log" for rank in range(4)]
+
+    def running(self) -> bool:
+        return any(process.poll() is None for process in self.processes)
+
+    def kill_node(self, node: int) -> str:
+        victims = self.processes[2 * node : 2 * node + 2]
+        for process in victims:
+            os.kill(process.pid, signal.SIGKILL)
+        return f"kill -9 of ranks {2 * node} and {2 * node + 1} (pids {[p.pid for p in victims]})"
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class NamespaceNodes:
+    """Two real nodes: network namespaces joined by a bridge, each with its own private local
+    disk (``tests/support/netns.py``); ``torchrun --nnodes 2 --nproc-per-node 2`` on them."""
+
+    kind = "real network namespaces (torchrun --nnodes 2 --nproc-per-node 2, c10d over a bridge)"
+
+    def __init__(self, harness: Any) -> None:
+        self.harness = harness
+        self.local = str(harness.local)
+        self.runs: list[Any] = []
+
+    def output(self) -> str:
+        """What node 0's torchrun and ranks of the current run printed."""
+        return str(self.runs[0].output()) if self.runs else ""
+
+    def disk(self, node: int) -> Path:
+        return Path(self.harness.disks[node])
+
+    def start(self, argv: list[str], run: int) -> None:
+        env = {**os.environ, "LEVELS_RUN": str(run)}
+        self.runs = self.harness.start_torchrun([str(LEVELS_TRAIN), *argv], env=env)
+
+    def running(self) -> bool:
+        return any(run.process.poll() is None for run in self.runs)
+
+    def kill_node(self, node: int) -> str:
+        self.harness.kill_node(node)
+        return f"kill -9 of every process of node {node} (its torchrun and ranks {2 * node}, {2 * node + 1})"
+
+    def wait(self, timeout: float) -> None:
+        self.harness.wait(self.runs, timeout=timeout)
+
+
+Nodes = SimulatedNodes | NamespaceNodes
+
+
+@contextlib.contextmanager
+def two_nodes(workdir: Path, wanted: str) -> Iterator[Nodes]:
+    """Real namespaces when they can be made here (root) and ``wanted`` allows, else simulated."""
+    why = "chosen with --nodes simulated"
+    if wanted != "simulated":
+        sys.path.insert(0, str(REPO))
+        from tests.support import netns
+
+        why = netns.probe() or ""
+        if not why:
+            with netns.two_nodes(workdir / "nodes") as harness:
+                yield NamespaceNodes(harness)
+            return
+        if wanted == "netns":
+            raise SystemExit(f"--nodes netns: network namespaces cannot be made here: {why}")
+    nodes = SimulatedNodes(workdir / "nodes")
+    nodes.kind += f"; {why if wanted == 'simulated' else f'no network namespaces here: {why}'}"
+    yield nodes
 
 
 @contextlib.contextmanager
@@ -504,6 +801,12 @@ def main() -> int:
     )
     parser.add_argument("--step-delay", type=float, default=0.02, help="sleep per training step")
     parser.add_argument("--s3", action="store_true", help="the cold tier on a local S3 server (SeaweedFS)")
+    parser.add_argument(
+        "--nodes",
+        choices=["auto", "netns", "simulated"],
+        default="auto",
+        help="the multi-level run's 2 nodes: network namespaces (root), simulated (forked ranks), or the first that works",
+    )
     args = parser.parse_args()
     if args.kill_at % args.every or not args.every < args.kill_at <= args.steps:
         parser.error(

@@ -1,7 +1,10 @@
 """The README's main-job command (`make demo` = examples/demo.py), run small: a 2-rank MoE run
 killed with SIGKILL in the middle of an async save, resumed on 3 ranks (with each rank's reads
 measured), loaded from the hot tier only, inspected, corrupted and restored from the previous
-checkpoint. Checks what it prints and what it writes."""
+checkpoint; then a two-level run on 2 nodes x 2 ranks (network namespaces as root, else
+simulated nodes) that loses a node with its disk and resumes from the peer replicas, and is
+preempted with SIGTERM and resumes from the emergency save. Checks what it prints and what it
+writes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 
 import shardkeep as sk
+from tests.support.netns import probe
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the subprocess timeouts below fire first
@@ -39,7 +43,7 @@ def test_the_killed_run_resumes_on_three_ranks_from_the_newest_verified_checkpoi
     workdir, out, summary = demo
     assert summary["ok"] is True and all(check["ok"] for check in summary["checks"].values())
     assert list(summary["checks"]) == ["kill", "invisible", "resume", "cleanup", "reads", "loss", "hot_tier", "cli",
-                                       "fallback", "plot"]  # fmt: skip
+                                       "fallback", "plot", "node_loss", "preemption"]  # fmt: skip
     # Rank 1 was killed inside the save of step 30: the resume is from the save before it.
     assert summary["killed_save_step"] == 30 and summary["killed_after_step"] >= 30
     assert summary["newest_before_restart"] == summary["resume_step"] == 20
@@ -130,6 +134,42 @@ def test_verify_catches_the_flipped_byte_and_restore_falls_back(demo: Demo) -> N
     assert Path(summary["plot"]).read_bytes().startswith(PNG_SIGNATURE)
     assert "saves blocked training" in out and "the kill and the resume marked" in out
     assert [step for step, _ in summary["plot_events"]] == [30, 20]
+
+
+def test_a_lost_node_resumes_from_the_replicas_at_the_newest_local_step(demo: Demo) -> None:
+    _, out, summary = demo
+    loss = summary["node_loss"]
+    expected = "netns" if probe() is None else "simulated"
+    assert loss["nodes"] == expected  # where namespaces can be made, they are used: a failure is not hidden
+    marker = "real network namespaces" if expected == "netns" else "simulated nodes"
+    assert f"  nodes: {marker}" in out
+    # Killed after step 17: the newest local step is 16, the newest persisted 10.
+    assert loss["killed_after_step"] >= 17 and loss["newest_local_step"] == loss["resume_step"] == 16
+    assert loss["newest_persisted_step"] == 10 and loss["levels_read"] == ["local"]
+    assert {source for _, _, source in loss["healed"]} == {"local@node0"}
+    assert {int(rank) for rank, _, _ in loss["healed"]} == {2, 3}  # node 1's ranks
+    # node 1's own files, written by ranks 2 and 3, came back from node 0's replicas
+    assert {"rank_00002", "rank_00003"} <= {name.split("/")[-1][:10] for _, name, _ in loss["healed"]}
+    assert loss["steps_lost"] == loss["killed_after_step"] - 16
+    assert loss["steps_lost_single_level"] == loss["killed_after_step"] - 10
+    assert "PASS  node 1 lost with its disk: resumed at the newest local step 16 from node 0's replicas" in out
+
+
+def test_sigterm_takes_an_emergency_save_and_the_restart_resumes_from_it(demo: Demo) -> None:
+    workdir, out, summary = demo
+    preemption = summary["preemption"]
+    assert preemption["exit_codes"] == [75, 75, 75, 75] and preemption["exit_codes_after"] == [0, 0, 0, 0]
+    emergency = preemption["emergency_step"]
+    assert emergency >= preemption["signaled_at_step"] >= 25
+    assert preemption["resume_step"] == emergency and preemption["resumed_steps"] == [emergency + 1, 32]
+    assert f"preemption: emergency checkpoint step_{emergency:08d} committed on level 'local'" in out
+    assert Path(summary["levels_plot"]).read_bytes().startswith(PNG_SIGNATURE)
+    marks = [step for step, _ in summary["levels_plot_events"]]
+    assert marks == [summary["node_loss"]["killed_after_step"], 16, emergency]
+    # The persistent level is an ordinary checkpoint root; every copy verifies.
+    persistent = workdir / "levels" / "persistent"
+    names = sorted(p.name for p in persistent.iterdir() if p.name.startswith("step_") and ".tmp-" not in p.name)
+    assert names and all(sk.verify(persistent / name).ok for name in names)
 
 
 def test_the_workdir_must_be_new_or_empty(tmp_path: Path) -> None:
