@@ -587,3 +587,13 @@ def test_a_replica_cut_off_mid_file_is_not_a_damaged_part_and_is_cleaned_up(tmp_
     os.utime(leftover, (1, 1))
     removed = collect_leftovers(tmp_path / "node1", lease=60)
     assert any(name.endswith(leftover.name) for name in removed) and not leftover.exists()
+
+
+def test_a_drained_manifest_records_the_persistent_levels_retention(tmp_path: Path) -> None:
+    manager = _single(str(tmp_path))
+    manager.save({"w": torch.ones(4)}, step=0)
+    manager.close()
+    record = sk.read_manifest(tmp_path / "persistent" / "step_00000000").run
+    assert record is not None and record.retention is not None
+    # `shardkeep prune` on the persistent root reads this: the persistent level's keep_last=3
+    assert (record.retention.keep_last, record.retention.keep_best) == (3, 0)

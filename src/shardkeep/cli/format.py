@@ -49,13 +49,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _period(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def _seconds(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value <= 0:
@@ -128,7 +121,7 @@ def policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--keep-period",
-        type=_period,
+        type=_positive_int,
         metavar="K",
         help="also keep every checkpoint whose step is a multiple of K (manifests do not record it: default off)",
     )

@@ -401,7 +401,11 @@ class MultiLevelManager:
         name = checkpoint_name(step)
         root = self._local_root(coordinator)
         nodes = self._node_map(coordinator)
-        policy = level.retention
+        # The manifest is drained byte for byte: it records the policy of the level it will be
+        # pruned under by `shardkeep prune` (the first drain level's), not the local level's,
+        # which the manager applies itself.
+        drained = [shared.level.retention for shared in self._shared.values() if shared.level.source == "drain"]
+        policy = drained[0] if drained and drained[0] is not None else level.retention
         run = RunInfo(
             run_id=self._run_id or "",
             retention=RetentionRecord(
