@@ -213,12 +213,23 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
 
 
 KILLED_SAVER = """
-import sys, json, torch, shardkeep as sk
-url, options = sys.argv[1], json.loads(sys.argv[2])
+import asyncio, sys, json, fsspec.asyn, torch, s3fs, shardkeep as sk
+url, options, moment = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # ~100 MB in 10 files, multipart uploads
+# The save is real; only its pace is held. Once the chosen moment is reached (the first part of a
+# multipart upload sent, or the first object complete), this process says so and holds that S3
+# call until the test kills it, so the kill lands at that moment even on a loaded machine.
+marker = {"first upload in progress": "upload_part", "first object complete": "complete_multipart_upload"}[moment]
+original = s3fs.S3FileSystem._call_s3
+async def paced(self, method, *args, **kwargs):
+    result = await original(self, method, *args, **kwargs)
+    if method == marker:
+        print("reached", flush=True)
+        await asyncio.sleep(3600)
+    return result
+s3fs.S3FileSystem._call_s3 = paced
+s3fs.S3FileSystem.call_s3 = fsspec.asyn.sync_wrapper(paced)
 print("saving", flush=True)
-# One writer: after the first object completes, nine more are still to come, so the kill lands
-# mid-save even on a loaded machine.
 sk.save(state, url, options=sk.WriteOptions(storage_options=options, file_size_target=10 * 2**20, io_threads=1))
 print("committed", flush=True)
 """
@@ -233,7 +244,7 @@ def test_kill_9_during_an_s3_save_leaves_no_committed_checkpoint(
     script = tmp_path / "saver.py"
     script.write_text(KILLED_SAVER)
     process = subprocess.Popen(
-        [sys.executable, str(script), url, json.dumps(options)],
+        [sys.executable, str(script), url, json.dumps(options), moment],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(REPO / "src")},
@@ -242,14 +253,11 @@ def test_kill_9_during_an_s3_save_leaves_no_committed_checkpoint(
     assert process.stdout.readline().strip() == b"saving"
     bucket = root.removeprefix("s3://").split("/")[0]
     fs = s3_server.filesystem()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if moment == "first upload in progress":
-            if fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads"):
-                break
-        elif [key for key in _objects(s3_server, root) if "/attempt-" in key]:
-            break
-        time.sleep(0.02)
+    reached = process.stdout.readline().strip()
+    if reached != b"reached":
+        process.kill()
+        _, errors = process.communicate(timeout=30)
+        pytest.fail(f"the saver never reached {moment!r}: {reached!r} {errors.decode()[-2000:]}")
     os.kill(process.pid, signal.SIGKILL)
     output, _ = process.communicate(timeout=30)
     assert b"committed" not in output, "the save finished before the kill; use a larger state"
@@ -264,6 +272,8 @@ def test_kill_9_during_an_s3_save_leaves_no_committed_checkpoint(
     assert manager.latest() is None
     if moment == "first upload in progress":
         assert in_flight, "the killed save left an unfinished multipart upload"
+    else:
+        assert [key for key in _objects(s3_server, root) if "/attempt-" in key]
     catalog.collect_leftovers(lease=0)  # removes the attempt's objects and aborts its uploads
     assert _objects(s3_server, root) == []
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
