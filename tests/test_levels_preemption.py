@@ -33,6 +33,7 @@ import shardkeep as sk
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.io import WriteControl, stop_writes_on
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, PreemptionHandler
+from shardkeep.levels.status import level_copies
 from tests.support.distributed_harness import free_port, results_or_raise, run_ranks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -278,17 +279,22 @@ def _signal_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 manager.save(_state(float(step)), step=step, metrics={"loss": 1.0})
     except SystemExit as exited:
         assert handler.outcome is not None
-        return {"code": exited.code, "saved": handler.outcome.saved, "step": handler.outcome.step}
+        outcome = handler.outcome
+        return {"code": exited.code, "saved": outcome.saved, "step": outcome.step, "replicas": outcome.replicas}
     finally:
         handler.uninstall()
     return {"code": None}
 
 
 def test_a_signal_on_one_rank_is_agreed_by_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """... and the emergency checkpoint gets its peer replicas within the grace period, so it
+    survives the loss of either node."""
     outcomes = results_or_raise(run_ranks(4, _signal_one_rank, str(tmp_path), outbox=tmp_path / "out"))
-    assert outcomes == [{"code": EXIT_PREEMPTED, "saved": "step_00000003", "step": 3}] * 4
+    protected = "step 3 is protected (every part has its replicas)"
+    assert outcomes == [{"code": EXIT_PREEMPTED, "saved": "step_00000003", "step": 3, "replicas": protected}] * 4
     for node in (0, 1):
         assert sk.verify(tmp_path / f"node{node}" / "step_00000003").ok
+        assert level_copies("local", str(tmp_path / f"node{node}"))[-1].state == "protected"
     assert sorted(p.name for p in (tmp_path / "node1").iterdir()) == ["step_00000000", "step_00000003"]
 
 

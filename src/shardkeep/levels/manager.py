@@ -689,7 +689,8 @@ class MultiLevelManager:
         coordinator: Coordinator,
     ) -> None:
         """Settle the drains, save once to the fastest level (no drain started, no metric
-        required), exit: :meth:`PreemptionHandler.run_emergency`."""
+        required), wait for its peer replicas within the grace period left, exit:
+        :meth:`PreemptionHandler.run_emergency`."""
         assert self._preemption is not None
         step = decision.step
         fastest = self.local or self.levels[0]
@@ -719,7 +720,20 @@ class MultiLevelManager:
                 raise ShardkeepError(result.skipped.get(fastest.name, f"step {step} was not saved"))
             return result.committed[fastest.name]
 
-        self._preemption.run_emergency(decision, level=fastest.name, settle=settle, save=save, coordinator=coordinator)
+        def protect(seconds: float) -> str:
+            replication = self._replication
+            if replication is None or step not in replication.inflight:
+                return ""
+            self._settle_replicas(coordinator, wait=seconds)
+            if step in replication.inflight:
+                return f"step {step} is not protected: its replication was still in flight after {seconds:.1f} s"
+            if replication.protected == step:
+                return f"step {step} is protected (every part has its replicas)"
+            return f"step {step} is not protected: its replication failed (see the warning above)"
+
+        self._preemption.run_emergency(
+            decision, level=fastest.name, settle=settle, save=save, coordinator=coordinator, protect=protect
+        )
 
     # -- listing -------------------------------------------------------------------------------
     def status(self, *, verify: bool = False) -> dict[str, list[LevelCopy]]:

@@ -22,7 +22,9 @@ parts, in the order they run:
    get at most ``drain_seconds`` (default: half of what is left of ``grace_seconds``), then the
    ones still copying are abandoned (nothing committed; their staging removed); the state is
    saved once to the fastest level, inside :func:`~shardkeep.io.stop_writes_on` the repeat event;
-   then :class:`SystemExit` with ``exit_code`` (the save committed) or ``aborted_exit_code`` (no
+   its peer replicas get what is left of the grace period (less :data:`EXIT_MARGIN_SECONDS`), so
+   that the emergency checkpoint survives the loss of its node when time allows; then
+   :class:`SystemExit` with ``exit_code`` (the save committed) or ``aborted_exit_code`` (no
    emergency checkpoint: a repeat signal aborted it, or it failed).
 5. **A repeat signal** during the emergency save stops its writes at the next buffer on that
    rank (and a node-local save refuses to publish), so the save fails on every rank together and
@@ -48,6 +50,7 @@ from shardkeep.io import ABANDONED, stop_writes_on
 
 __all__ = [
     "DEBOUNCE_SECONDS",
+    "EXIT_MARGIN_SECONDS",
     "EXIT_PREEMPTED",
     "EXIT_PREEMPTED_ABORTED",
     "Preemption",
@@ -66,6 +69,9 @@ EXIT_PREEMPTED_ABORTED = 76
 #: A signal this soon after the first one is the same preemption delivered twice (torchrun's
 #: forward and the scheduler's own), not a repeat.
 DEBOUNCE_SECONDS = 1.0
+#: The part of the grace period kept for the exit itself (a barrier, the process group's
+#: teardown) when the emergency save waits for its peer replicas.
+EXIT_MARGIN_SECONDS = 2.0
 
 #: Which handler owns each signal in this process (one handler per signal).
 _installed: dict[int, PreemptionHandler] = {}
@@ -92,7 +98,7 @@ class Preemption:
 class PreemptionOutcome:
     """What the emergency did, as the exit reports it: the step, the level saved to and the
     checkpoint's name (``None`` when nothing was saved, with ``reason``), the drains waited for
-    or abandoned, the seconds it took, and the exit code."""
+    or abandoned, what became of its peer replicas, the seconds it took, and the exit code."""
 
     step: int
     level: str
@@ -101,6 +107,7 @@ class PreemptionOutcome:
     seconds: float
     reason: str = ""
     drains: list[str] = field(default_factory=list)
+    replicas: str = ""
 
 
 def _signal_number(value: int | signal.Signals) -> signal.Signals:
@@ -280,11 +287,13 @@ class PreemptionHandler:
         settle: Callable[[float], list[str]],
         save: Callable[[], str],
         coordinator: Coordinator,
+        protect: Callable[[float], str] | None = None,
     ) -> NoReturn:
         """Settle the drains (``settle(seconds)``: wait at most that long, abandon the rest,
         return what happened to each), save once to ``level`` (``save()``: the committed name;
         raises a :class:`~shardkeep.errors.ShardkeepError` when it did not commit), wait for
-        every rank at one barrier (the ranks leave together, so none tears its process group
+        its peer replicas (``protect(seconds)``: at most what is left of the grace period less
+        :data:`EXIT_MARGIN_SECONDS`; what became of them), wait for every rank at one barrier (the ranks leave together, so none tears its process group
         down under a peer still in a collective), then raise :class:`SystemExit`. Every rank
         calls it with the same decision."""
         started = self._clock()
@@ -311,6 +320,8 @@ class PreemptionHandler:
                 with stop_writes_on(self.repeat):
                     outcome.saved = save()
                 outcome.exit_code = self.exit_code
+                if protect is not None:
+                    outcome.replicas = self._protect(protect, decision, started)
         except ShardkeepError as exc:
             if self.repeat.is_set() or ABANDONED in str(exc):
                 outcome.reason = f"aborted by a second {decision.signal_name} (on this rank or another): {exc}"
@@ -325,8 +336,19 @@ class PreemptionHandler:
             logger.warning("preemption: not every rank reached the exit: %s", exc)
         raise SystemExit(outcome.exit_code)
 
+    def _protect(self, protect: Callable[[float], str], decision: Preemption, started: float) -> str:
+        """Wait for the emergency checkpoint's peer replicas within the grace period left; what
+        became of them (the checkpoint is committed whatever the answer)."""
+        spent = decision.seconds_since_signal + (self._clock() - started)
+        seconds = max(0.0, self.grace_seconds - spent - EXIT_MARGIN_SECONDS)
+        try:
+            return protect(0.0 if self.repeat.is_set() else seconds)
+        except ShardkeepError as exc:
+            return f"not waited for: {type(exc).__name__}: {exc}"
+
     def _log(self, outcome: PreemptionOutcome) -> None:
         drains = f"; drains: {'; '.join(outcome.drains)}" if outcome.drains else ""
+        drains += f"; replicas: {outcome.replicas}" if outcome.replicas else ""
         signals = f"{self.received} signal(s) received, {self.duplicates} duplicate(s) ignored"
         if outcome.saved is not None:
             logger.warning(

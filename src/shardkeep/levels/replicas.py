@@ -102,7 +102,11 @@ def plan_replicas(
     this node's directory of the step (where this rank reads and writes)."""
     node = nodes.node_of[rank]
     per_sender: dict[int, list[tuple[FileRecord, int]]] = {}
-    received: dict[int, list[str]] = {}
+    # Every node this node holds replicas of, even one with no data file (its part is then
+    # protected by nothing to copy): the recorded replicas name each source.
+    received: dict[int, list[str]] = {
+        source: [] for source in range(nodes.node_count) if node in replica_holders(level, source, nodes.node_count)
+    }
     for record in sorted(records, key=lambda r: r.path):
         source = nodes.node_of[record.rank]
         sources = nodes.ranks_of(source)
