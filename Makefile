@@ -25,7 +25,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Every check, set up from nothing: lint, types and the whole suite (7–21 minutes on 2 cores,
 # depending on load).

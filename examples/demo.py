@@ -642,7 +642,7 @@ class Demo:
             results.append(step())
             if not results[-1] and step in (self.train_and_kill, self.resume_on_three):
                 break  # later steps need this one
-        if len(results) == len(steps):
+        if len(results) == len(steps) and not self.args.no_levels:
             steps += [self.node_loss, self.preemption]  # type: ignore[list-item]
             results += self.on_two_nodes()
         elapsed = time.monotonic() - self.started
@@ -806,6 +806,11 @@ def main() -> int:
         choices=["auto", "netns", "simulated"],
         default="auto",
         help="the multi-level run's 2 nodes: network namespaces (root), simulated (forked ranks), or the first that works",
+    )
+    parser.add_argument(
+        "--no-levels",
+        action="store_true",
+        help="skip steps 9 and 10 (two levels on two nodes: node loss and preemption)",
     )
     args = parser.parse_args()
     if args.kill_at % args.every or not args.every < args.kill_at <= args.steps:
