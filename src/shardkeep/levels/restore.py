@@ -6,12 +6,22 @@ where each file came from and why each step was refused.
 
 1. **Listing.** Each node's leader lists its node-local parts (``step_<N>`` directories with
    their manifest's identity, :func:`~shardkeep.levels.parts.manifest_identity`, and
-   ``node-part.json``); the coordinator lists each shared (persistent) level. A level that
-   cannot be read is recorded as unreachable with the reason, and the others are used. One
-   all-gather; the candidates are the ``(step, manifest identity)`` pairs of every copy, newest
-   step first (for one step: the identity a shared level holds first, then the one most nodes
-   hold). A node part whose ``manifest_digest`` differs from the candidate's identity is
-   another attempt of that step and is never read.
+   ``node-part.json``); meanwhile the coordinator lists each shared (persistent) level's names
+   only (one listing, no manifest read) on a thread. A level that cannot be read is recorded as
+   unreachable with the reason, and the others are used. One all-gather; the candidates are the
+   ``(step, manifest identity)`` pairs of every copy, newest step first (for one step: the
+   identity a shared level holds first, then the one most nodes hold). A node part whose
+   ``manifest_digest`` differs from the candidate's identity is another attempt of that step
+   and is never read.
+
+   The node-local candidates at least as new as the newest step any shared level names are
+   tried first, from node-local copies and peers alone. Only when none of them completes (or
+   there is none) does the coordinator list the shared levels fully (reading each step's
+   manifest), and then every candidate is tried in order, a node-local one again only if a
+   shared level holds its step. So a restore never resumes at an older step than the newest
+   one some level can complete, and a shared level is read only when it holds a step at least
+   as new, or the node-local level cannot complete its newest step
+   (``RestoreReport.not_consulted`` names the shared levels not read).
 2. **Metadata.** A node whose local level has no part of the step gets one rebuilt in a
    staging directory (``step_<N>.tmp-<manifest digest>``): the manifest, its signature and
    every rank index, copied from a shared copy of the same identity or sent by a node holding
@@ -54,6 +64,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,7 +134,9 @@ class RestoreReport:
     a shared level's name or ``"<level>@node<N>"`` for a peer node's copy. ``refused``:
     ``(step, rank, level, reason)`` for each copy of a newer step (or of this one) that could
     not be used. ``levels_read``: the levels any byte was read from. ``unreachable``: the
-    levels that could not be listed, with the reason. ``run_id``: the run that saved the step
+    levels that could not be listed, with the reason. ``not_consulted``: the shared levels whose
+    copies were not read (only their step names were listed: none newer than the node-local
+    step restored), with the reason. ``run_id``: the run that saved the step
     (``None`` when its manifest records none); ``metrics``: its recorded metrics."""
 
     step: int
@@ -132,6 +145,7 @@ class RestoreReport:
     refused: list[tuple[int, int, str, str]] = field(default_factory=list)
     levels_read: list[str] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
+    not_consulted: dict[str, str] = field(default_factory=dict)
     run_id: str | None = None
     metrics: dict[str, float | None] = field(default_factory=dict)
 
@@ -179,23 +193,40 @@ def restore_best(
     if len(nodes.node_of) != coordinator.world_size:
         raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
     settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
-    copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
+    copies, unreachable, unusable, named = _gather_copies(levels, coordinator, nodes, settings)
+    newest_named = max((step for step in named.values() if step is not None), default=None)
     refused: list[tuple[int, int, str, str]] = []
+    tried: set[tuple[int, str]] = set()
+    # The node-local copies first: a step at least as new as every step a shared level names.
     for step, identity in _candidates(copies):
-        attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
-        outcome = attempt.run(into)
-        refused.extend(attempt.refused)
-        if outcome is None and coordinator.is_coordinator:
-            reasons = sorted({f"{level}: {reason}" for _, _, level, reason in attempt.refused})
-            logger.warning(
-                "restore: step %d is lost: no copy completes it (%s); trying an older step",
-                step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
-            )  # fmt: skip
+        if newest_named is not None and step < newest_named:
+            break
+        tried.add((step, identity))
+        outcome = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
         if outcome is not None:
             state, report = outcome
-            report.refused = refused
-            report.unreachable = unreachable
+            report.refused, report.unreachable = refused, unreachable
+            report.not_consulted = _not_consulted(named, step, coordinator.is_coordinator)
             return state, report
+        if coordinator.is_coordinator and (newest_named is None or step > newest_named):
+            _log_lost(step, refused)
+    if newest_named is not None:
+        listed, failed = _gather_shared(levels, coordinator, settings, named)
+        copies = copies + listed
+        unreachable = {**unreachable, **failed}
+    shared_steps = {copy.step for copy in copies if copy.node is None}
+    for step, identity in _candidates(copies):
+        if (step, identity) in tried:
+            if step not in shared_steps:
+                continue  # refused above, and no shared level holds this step
+            refused[:] = [entry for entry in refused if entry[0] != step]  # tried again, with the shared copies
+        outcome = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
+        if outcome is not None:
+            state, report = outcome
+            report.refused, report.unreachable = refused, unreachable
+            return state, report
+        if coordinator.is_coordinator:
+            _log_lost(step, refused)
     text = "; ".join(f"step {step}, rank {rank}, level {level}: {reason}" for step, rank, level, reason in refused)
     where = ", ".join(f"{name} unreachable ({why})" for name, why in unreachable.items())
     raise NoCompleteStepError(
@@ -204,44 +235,128 @@ def restore_best(
     )
 
 
+def _attempt(
+    levels: Sequence[LevelView],
+    coordinator: Coordinator,
+    nodes: NodeLayout,
+    settings: _Settings,
+    copies: list[StepCopy],
+    step: int,
+    identity: str,
+    unusable: set[tuple[str, int]],
+    refused: list[tuple[int, int, str, str]],
+    into: Any,
+) -> tuple[Any, RestoreReport] | None:
+    """Try one candidate (collective); its refusals are added to ``refused``."""
+    attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
+    outcome = attempt.run(into)
+    refused.extend(entry for entry in attempt.refused if entry not in refused)
+    return outcome
+
+
+def _log_lost(step: int, refused: list[tuple[int, int, str, str]]) -> None:
+    reasons = sorted({f"{level}: {reason}" for refused_step, _, level, reason in refused if refused_step == step})
+    logger.warning(
+        "restore: step %d is lost: no copy completes it (%s); trying an older step",
+        step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
+    )  # fmt: skip
+
+
+def _not_consulted(named: Mapping[str, int | None], restored: int, coordinator: bool) -> dict[str, str]:
+    """The shared levels whose copies a restore of node-local step ``restored`` did not read:
+    only their step names were listed, and none is newer."""
+    found: dict[str, str] = {}
+    for name, newest in named.items():
+        holds = "no step" if newest is None else f"step {newest} at the newest"
+        found[name] = f"not read: its listing names {holds}, and step {restored} was complete on the node-local level"
+        if coordinator:
+            logger.info("restore: level %s was not read (%s)", name, found[name])
+    return found
+
+
 # -- listing ----------------------------------------------------------------------------------
 
 
 def _gather_copies(
     levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
-) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
-    """Every copy of every step on every level, the unreachable levels with the reasons, and
-    the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
+) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]], dict[str, int | None]]:
+    """Every copy of every step on every node-local level, the unreachable levels with the
+    reasons, the ``(node-local level, node)`` pairs that could not be read, and per reachable
+    shared level the newest step its listing names (one all-gather). The coordinator lists the
+    shared levels' names (one listing each, no manifest read) on a thread while its node's
+    parts are listed."""
     node = nodes.node_of[coordinator.rank]
     leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
+    shared = [view for view in levels if not view.node_local and view.root is not None]
     mine: list[StepCopy] = []
     unreachable: dict[str, str] = {}
-    for view in levels:
-        if view.node_local and leader and view.root is None:
-            unreachable[view.name] = f"node {node}: no local root"
-        elif view.node_local and leader and view.root is not None:
-            try:
-                mine.extend(_list_node_parts(view, node, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                unreachable[view.name] = f"node {node}: {exc}"
-        elif not view.node_local and coordinator.is_coordinator and view.root is not None:
-            try:
-                mine.extend(_list_shared(view, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                unreachable[view.name] = str(exc)
-    gathered = coordinator.all_gather((mine, unreachable), label="listing the levels' copies")
-    copies = [copy for listed, _ in gathered for copy in listed]
+    named: dict[str, int | None] = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-listing") as pool:
+        names = pool.submit(_newest_named, shared) if coordinator.is_coordinator and shared else None
+        for view in levels:
+            if view.node_local and leader and view.root is None:
+                unreachable[view.name] = f"node {node}: no local root"
+            elif view.node_local and leader and view.root is not None:
+                try:
+                    mine.extend(_list_node_parts(view, node, settings.limits))
+                except (OSError, ShardkeepError) as exc:
+                    unreachable[view.name] = f"node {node}: {exc}"
+        if names is not None:
+            named, failed = names.result()
+            unreachable.update(failed)
+    gathered = coordinator.all_gather((mine, unreachable, named), label="listing the levels' copies")
+    copies = [copy for listed, _, _ in gathered for copy in listed]
     merged: dict[str, str] = {}
     unusable: set[tuple[str, int]] = set()
     local = {view.name for view in levels if view.node_local}
-    for rank, (_, found) in enumerate(gathered):
+    for rank, (_, found, _) in enumerate(gathered):
         for name, why in found.items():
             merged[name] = f"{merged[name]}; {why}" if name in merged else why
             if name in local:
                 unusable.add((name, nodes.node_of[rank]))
     for name, why in merged.items():
         logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged, unusable
+    return copies, merged, unusable, gathered[0][2]
+
+
+def _newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dict[str, str]]:
+    """Per shared level, the newest step a name in its root says (``None``: none), from one
+    listing without reading a manifest; and the levels that could not be listed."""
+    named: dict[str, int | None] = {}
+    failed: dict[str, str] = {}
+    for view in views:
+        try:
+            entries = _shared_store(view).list_dir("")
+        except (OSError, ShardkeepError) as exc:
+            failed[view.name] = str(exc)
+            continue
+        steps = [step for step in (step_of_name(name) for name, _ in entries) if step is not None]
+        named[view.name] = max(steps, default=None)
+    return named, failed
+
+
+def _gather_shared(
+    levels: Sequence[LevelView], coordinator: Coordinator, settings: _Settings, named: Mapping[str, int | None]
+) -> tuple[list[StepCopy], dict[str, str]]:
+    """The copies on the shared levels ``named`` (listed by the coordinator, with their
+    manifests read), and those that could not be listed, on every rank."""
+
+    def listing() -> tuple[list[StepCopy], dict[str, str]]:
+        found: list[StepCopy] = []
+        failed: dict[str, str] = {}
+        for view in levels:
+            if view.node_local or view.root is None or view.name not in named:
+                continue
+            try:
+                found.extend(_list_shared(view, settings.limits))
+            except (OSError, ShardkeepError) as exc:
+                failed[view.name] = str(exc)
+        return found, failed
+
+    copies, failed = coordinator.on_coordinator("listing the shared levels' copies", listing)
+    for name, why in failed.items():
+        logger.warning("restore: level %s is unreachable: %s", name, why)
+    return copies, failed
 
 
 def _signature_of(store: ByteStore, name: str) -> tuple[int, str] | None:
