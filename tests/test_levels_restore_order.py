@@ -72,7 +72,12 @@ class _Events:
             seen.append("fill")
             return real_fill(job, *args, **kwargs)
 
+        import shardkeep.levels.config as config_module
+
+        # the manager opens (and probes) the persistent level's store once and a restore lists
+        # through it; a store a restore opens itself counts too
         monkeypatch.setattr(restore_module, "LocalStore", CountingStore)
+        monkeypatch.setattr(config_module, "open_store", lambda root, options=None: CountingStore(str(root)))
         monkeypatch.setattr(manager_module, "recover_drains", recover)
         monkeypatch.setattr(LoadJob, "fill", fill)
 
@@ -92,6 +97,8 @@ def test_a_complete_local_step_is_restored_without_reading_the_persistent_level(
     events = _Events(monkeypatch, tmp_path / "persistent")
     state = {"w": torch.zeros(64)}
     restarted = sk.MultiLevelManager(_levels(tmp_path))
+    assert events.seen == ["list_dir"]  # the manager's probe of the level
+    events.seen.clear()
     restored = restarted.restore(into=state)
     assert restored is not None and restored.step == 1 and torch.equal(state["w"], torch.full((64,), 1.0))
     # one listing of the names, no manifest read, no drain clean-up before the state is loaded

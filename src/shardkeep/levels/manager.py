@@ -55,6 +55,7 @@ from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
+    from shardkeep.storage import ByteStore
 
 __all__ = ["LevelsRestored", "LevelsSaveResult", "MultiLevelManager"]
 
@@ -98,6 +99,7 @@ class _Shared:
         self.drain_due = False
         #: On the coordinator: the level's retention after a drain committed, running.
         self.pruning: threading.Thread | None = None
+        self.probed: ByteStore | None = None
 
     def prune_later(self, coordinator: Coordinator) -> None:
         """Apply the level's retention on a background thread of the coordinator (a prune is
@@ -206,7 +208,7 @@ class MultiLevelManager:
         for level in self.levels:
             if level.node_local:
                 continue
-            probe_level(level)
+            probe = probe_level(level)
             policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=_keep_every_step)
             manager = CheckpointManager(
                 level.root_of(),
@@ -229,6 +231,7 @@ class MultiLevelManager:
             )
             manager.policy = policy
             self._shared[level.name] = _Shared(level, manager)
+            self._shared[level.name].probed = probe  # opened and listed: a restore lists through it
 
     def __repr__(self) -> str:
         return f"MultiLevelManager({[level.name for level in self.levels]!r}, run_id={self._run_id!r})"
@@ -835,7 +838,8 @@ class MultiLevelManager:
             if level.node_local:
                 views.append(LevelView(level.name, self._local_root(coordinator), node_local=True))
             else:
-                views.append(LevelView(level.name, level.root_of(), storage_options=level.storage_options))
+                store = self._shared[level.name].probed
+                views.append(LevelView(level.name, level.root_of(), storage_options=level.storage_options, store=store))
         return views
 
     def _recover(self, coordinator: Coordinator) -> None:

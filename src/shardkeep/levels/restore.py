@@ -6,21 +6,23 @@ where each file came from and why each step was refused.
 
 1. **Listing.** Each node's leader lists its node-local parts (``step_<N>`` directories with
    their manifest's identity, :func:`~shardkeep.levels.parts.manifest_identity`, and
-   ``node-part.json``); meanwhile the coordinator lists each shared (persistent) level's names
-   only (one listing, no manifest read) on a thread. A level that cannot be read is recorded as
-   unreachable with the reason, and the others are used. One all-gather; the candidates are the
-   ``(step, manifest identity)`` pairs of every copy, newest step first (for one step: the
-   identity a shared level holds first, then the one most nodes hold). A node part whose
-   ``manifest_digest`` differs from the candidate's identity is another attempt of that step
-   and is never read.
+   ``node-part.json``); one all-gather. Meanwhile the coordinator lists each shared
+   (persistent) level's names only (one listing, no manifest read) on a thread. A level that
+   cannot be read is recorded as unreachable with the reason, and the others are used. The
+   candidates are the ``(step, manifest identity)`` pairs of every copy, newest step first
+   (for one step: the identity a shared level holds first, then the one most nodes hold). A
+   node part whose ``manifest_digest`` differs from the candidate's identity is another
+   attempt of that step and is never read.
 
-   The node-local candidates at least as new as the newest step any shared level names are
-   tried first, from node-local copies and peers alone. Only when none of them completes (or
-   there is none) does the coordinator list the shared levels fully (reading each step's
-   manifest), and then every candidate is tried in order, a node-local one again only if a
-   shared level holds its step. So a restore never resumes at an older step than the newest
-   one some level can complete, and a shared level is read only when it holds a step at least
-   as new, or the node-local level cannot complete its newest step
+   The node-local candidates are tried first, from node-local copies and peers alone. Before
+   one is filled into the state, and after one fails, every rank learns the newest step the
+   shared levels name (one broadcast); a node-local step is loaded only if no shared level
+   names a newer one, and older node-local candidates are tried only while they are at least
+   as new. Otherwise the coordinator lists the shared levels fully (reading each step's
+   manifest), and every candidate is tried in order, a node-local one again only if a shared
+   level holds its step. So a restore never resumes at an older step than the newest one some
+   level can complete, and a shared level is read only when it names a step at least as new
+   as the node-local ones, or the node-local level cannot complete its newest step
    (``RestoreReport.not_consulted`` names the shared levels not read).
 2. **Metadata.** A node whose local level has no part of the step gets one rebuilt in a
    staging directory (``step_<N>.tmp-<manifest digest>``): the manifest, its signature and
@@ -63,8 +65,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,12 +112,14 @@ _MAX_SIGNATURE_BYTES = 1 << 16
 class LevelView:
     """One level as a restore sees it from this rank: its ``name``; ``root``, this node's local
     root for a ``node_local`` level, else the shared root (a path or URL); ``None`` when this
-    node has no root for it."""
+    node has no root for it. ``store``: a shared level's store already open on ``root``, to
+    list and read it through (else one is opened)."""
 
     name: str
     root: str | None
     node_local: bool = False
     storage_options: Mapping[str, Any] | None = None
+    store: ByteStore | None = None
 
 
 class NodeLayout(Protocol):
@@ -193,34 +197,46 @@ def restore_best(
     if len(nodes.node_of) != coordinator.world_size:
         raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
     settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
-    copies, unreachable, unusable, named = _gather_copies(levels, coordinator, nodes, settings)
-    newest_named = max((step for step in named.values() if step is not None), default=None)
-    refused: list[tuple[int, int, str, str]] = []
-    tried: set[tuple[int, str]] = set()
-    # The node-local copies first: a step at least as new as every step a shared level names.
-    for step, identity in _candidates(copies):
-        if newest_named is not None and step < newest_named:
-            break
-        tried.add((step, identity))
-        outcome = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
-        if outcome is not None:
-            state, report = outcome
-            report.refused, report.unreachable = refused, unreachable
-            report.not_consulted = _not_consulted(named, step, coordinator.is_coordinator)
-            return state, report
-        if coordinator.is_coordinator and (newest_named is None or step > newest_named):
-            _log_lost(step, refused)
-    if newest_named is not None:
-        listed, failed = _gather_shared(levels, coordinator, settings, named)
-        copies = copies + listed
-        unreachable = {**unreachable, **failed}
+    shared = [view for view in levels if not view.node_local and view.root is not None]
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-listing") as pool:
+        # The coordinator lists the shared levels' names on a thread while the node-local
+        # candidates are gathered and tried; the answer is waited for before a fill, or when
+        # a node-local candidate fails.
+        listing = pool.submit(_newest_named, shared) if coordinator.is_coordinator and shared else None
+        names = _SharedNames(listing, bool(shared))
+        copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
+        refused: list[tuple[int, int, str, str]] = []
+        tried: set[tuple[int, str]] = set()
+        for step, identity in _candidates(copies):
+            newest = names.newest(coordinator, unreachable) if tried else None
+            if newest is not None and step < newest:
+                break
+            outcome, gated = _attempt(
+                levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into,
+                gate=lambda step: names.allows(step, coordinator, unreachable),
+            )  # fmt: skip
+            if gated:
+                break  # a shared level names a newer step: list it
+            tried.add((step, identity))
+            if outcome is not None:
+                state, report = outcome
+                report.refused, report.unreachable = refused, unreachable
+                report.not_consulted = _not_consulted(names.named, step, coordinator.is_coordinator)
+                return state, report
+            newest = names.newest(coordinator, unreachable)
+            if coordinator.is_coordinator and (newest is None or step > newest):
+                _log_lost(step, refused)
+        if names.newest(coordinator, unreachable) is not None:
+            listed, failed = _gather_shared(levels, coordinator, settings, names.named)
+            copies = copies + listed
+            unreachable.update(failed)
     shared_steps = {copy.step for copy in copies if copy.node is None}
     for step, identity in _candidates(copies):
         if (step, identity) in tried:
             if step not in shared_steps:
                 continue  # refused above, and no shared level holds this step
             refused[:] = [entry for entry in refused if entry[0] != step]  # tried again, with the shared copies
-        outcome = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
+        outcome, _ = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
         if outcome is not None:
             state, report = outcome
             report.refused, report.unreachable = refused, unreachable
@@ -235,6 +251,34 @@ def restore_best(
     )
 
 
+class _SharedNames:
+    """The newest step each shared level's listing names, listed by the coordinator on a thread
+    and learned by every rank on first use (one broadcast, at the same point on every rank)."""
+
+    def __init__(self, listing: Future[tuple[dict[str, int | None], dict[str, str]]] | None, any_shared: bool) -> None:
+        self.listing = listing
+        self.any_shared = any_shared
+        self.named: dict[str, int | None] = {}
+        self.known = not any_shared
+
+    def newest(self, coordinator: Coordinator, unreachable: dict[str, str]) -> int | None:
+        """The newest step any shared level names (collective on first use); a level that could
+        not be listed is added to ``unreachable``."""
+        if not self.known:
+            mine = self.listing.result() if self.listing is not None else ({}, {})
+            self.named, failed = coordinator.broadcast(mine, label="the shared levels' newest steps")
+            self.known = True
+            for name, why in failed.items():
+                logger.warning("restore: level %s is unreachable: %s", name, why)
+                unreachable[name] = f"{unreachable[name]}; {why}" if name in unreachable else why
+        return max((step for step in self.named.values() if step is not None), default=None)
+
+    def allows(self, step: int, coordinator: Coordinator, unreachable: dict[str, str]) -> bool:
+        """Whether node-local step ``step`` may be loaded: no shared level names a newer one."""
+        newest = self.newest(coordinator, unreachable)
+        return newest is None or newest <= step
+
+
 def _attempt(
     levels: Sequence[LevelView],
     coordinator: Coordinator,
@@ -246,12 +290,14 @@ def _attempt(
     unusable: set[tuple[str, int]],
     refused: list[tuple[int, int, str, str]],
     into: Any,
-) -> tuple[Any, RestoreReport] | None:
-    """Try one candidate (collective); its refusals are added to ``refused``."""
+    gate: Callable[[int], bool] | None = None,
+) -> tuple[tuple[Any, RestoreReport] | None, bool]:
+    """Try one candidate (collective); its refusals are added to ``refused``. Returns the
+    outcome, and whether ``gate`` (asked, collectively, before the state is filled) stopped it."""
     attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
-    outcome = attempt.run(into)
+    outcome = attempt.run(into, gate)
     refused.extend(entry for entry in attempt.refused if entry not in refused)
-    return outcome
+    return outcome, attempt.gated
 
 
 def _log_lost(step: int, refused: list[tuple[int, int, str, str]]) -> None:
@@ -279,44 +325,32 @@ def _not_consulted(named: Mapping[str, int | None], restored: int, coordinator: 
 
 def _gather_copies(
     levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
-) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]], dict[str, int | None]]:
+) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
     """Every copy of every step on every node-local level, the unreachable levels with the
-    reasons, the ``(node-local level, node)`` pairs that could not be read, and per reachable
-    shared level the newest step its listing names (one all-gather). The coordinator lists the
-    shared levels' names (one listing each, no manifest read) on a thread while its node's
-    parts are listed."""
+    reasons, and the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
     node = nodes.node_of[coordinator.rank]
     leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
-    shared = [view for view in levels if not view.node_local and view.root is not None]
     mine: list[StepCopy] = []
     unreachable: dict[str, str] = {}
-    named: dict[str, int | None] = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-listing") as pool:
-        names = pool.submit(_newest_named, shared) if coordinator.is_coordinator and shared else None
-        for view in levels:
-            if view.node_local and leader and view.root is None:
-                unreachable[view.name] = f"node {node}: no local root"
-            elif view.node_local and leader and view.root is not None:
-                try:
-                    mine.extend(_list_node_parts(view, node, settings.limits))
-                except (OSError, ShardkeepError) as exc:
-                    unreachable[view.name] = f"node {node}: {exc}"
-        if names is not None:
-            named, failed = names.result()
-            unreachable.update(failed)
-    gathered = coordinator.all_gather((mine, unreachable, named), label="listing the levels' copies")
-    copies = [copy for listed, _, _ in gathered for copy in listed]
+    for view in levels:
+        if view.node_local and leader and view.root is None:
+            unreachable[view.name] = f"node {node}: no local root"
+        elif view.node_local and leader and view.root is not None:
+            try:
+                mine.extend(_list_node_parts(view, node, settings.limits))
+            except (OSError, ShardkeepError) as exc:
+                unreachable[view.name] = f"node {node}: {exc}"
+    gathered = coordinator.all_gather((mine, unreachable), label="listing the node-local copies")
+    copies = [copy for listed, _ in gathered for copy in listed]
     merged: dict[str, str] = {}
     unusable: set[tuple[str, int]] = set()
-    local = {view.name for view in levels if view.node_local}
-    for rank, (_, found, _) in enumerate(gathered):
+    for rank, (_, found) in enumerate(gathered):
         for name, why in found.items():
             merged[name] = f"{merged[name]}; {why}" if name in merged else why
-            if name in local:
-                unusable.add((name, nodes.node_of[rank]))
+            unusable.add((name, nodes.node_of[rank]))
     for name, why in merged.items():
         logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged, unusable, gathered[0][2]
+    return copies, merged, unusable
 
 
 def _newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dict[str, str]]:
@@ -410,6 +444,8 @@ def _list_node_parts(view: LevelView, node: int, limits: ManifestLimits | None) 
 
 
 def _shared_store(view: LevelView) -> ByteStore:
+    if view.store is not None:
+        return view.store
     assert view.root is not None
     local = local_path(view.root)
     if local is not None:
@@ -482,6 +518,8 @@ class _StepAttempt:
         self.node_ranks = [r for r, n in enumerate(self.node_of) if n == self.node]
         self.leader = self.rank == self.node_ranks[0]
         self.refused: list[tuple[int, int, str, str]] = []
+        #: Whether the gate of :meth:`run` stopped this attempt before the fill.
+        self.gated = False
         self.views = {view.name: view for view in levels}
         home = next((view for view in levels if view.node_local), None)
         self.home = home
@@ -543,7 +581,7 @@ class _StepAttempt:
                 self.refuse(rank, level, reason)
         return None
 
-    def run(self, into: Any) -> tuple[Any, RestoreReport] | None:
+    def run(self, into: Any, gate: Callable[[int], bool] | None = None) -> tuple[Any, RestoreReport] | None:
         self._refuse_foreign_parts()
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
@@ -559,6 +597,9 @@ class _StepAttempt:
                 self.agree("reading", self._phase(self.read)) is not None
                 and self.agree("committing healed parts", self._phase(lambda: self.finalize(healed))) is not None
             ):
+                if gate is not None and not gate(self.step):
+                    self.gated = True  # not refused: the healed part stays, a newer step is looked for
+                    return None
                 return self._loaded(healed)
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
