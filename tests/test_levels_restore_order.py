@@ -37,6 +37,7 @@ class _Events:
     and the fill of the state."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, persistent: Path) -> None:
+        import shardkeep.levels.copies as copies_module
         import shardkeep.levels.manager as manager_module
         import shardkeep.levels.restore as restore_module
         from shardkeep.loading import LoadJob
@@ -76,6 +77,7 @@ class _Events:
 
         # the manager opens (and probes) the persistent level's store once and a restore lists
         # through it; a store a restore opens itself counts too
+        monkeypatch.setattr(copies_module, "LocalStore", CountingStore)
         monkeypatch.setattr(restore_module, "LocalStore", CountingStore)
         monkeypatch.setattr(config_module, "open_store", lambda root, options=None: CountingStore(str(root)))
         monkeypatch.setattr(manager_module, "recover_drains", recover)

@@ -66,7 +66,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,6 +76,16 @@ from shardkeep.errors import ManifestError, NoCompleteStepError, ShardkeepError
 from shardkeep.indexes import read_small
 from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes, digests_equal
 from shardkeep.io import check_shard
+from shardkeep.levels.copies import (
+    LevelView,
+    SharedNames,
+    StepCopy,
+    candidates,
+    gather_copies,
+    gather_shared,
+    newest_named,
+    shared_store,
+)
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
 from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, copy_file, run_exchange
 from shardkeep.loading import LoadJob
@@ -88,38 +98,19 @@ from shardkeep.names import (
     STAGING_MARKER,
     checkpoint_name,
     sibling_name,
-    step_of_name,
 )
-from shardkeep.storage import ByteStore, LocalStore, local_path, open_store
+from shardkeep.storage import ByteStore, LocalStore
 from shardkeep.storage.localfs import current as local_fs
 from shardkeep.verification import (
     CheckpointLocation,
     authenticate,
     parse_manifest,
     read_checked_manifest,
-    read_manifest_bytes,
 )
 
 __all__ = ["LevelView", "NodeLayout", "RestoreReport", "StepCopy", "restore_best"]
 
 logger = logging.getLogger("shardkeep")
-
-#: Bytes a signature file may have.
-_MAX_SIGNATURE_BYTES = 1 << 16
-
-
-@dataclass(frozen=True)
-class LevelView:
-    """One level as a restore sees it from this rank: its ``name``; ``root``, this node's local
-    root for a ``node_local`` level, else the shared root (a path or URL); ``None`` when this
-    node has no root for it. ``store``: a shared level's store already open on ``root``, to
-    list and read it through (else one is opened)."""
-
-    name: str
-    root: str | None
-    node_local: bool = False
-    storage_options: Mapping[str, Any] | None = None
-    store: ByteStore | None = None
 
 
 class NodeLayout(Protocol):
@@ -155,24 +146,6 @@ class RestoreReport:
 
 
 @dataclass(frozen=True)
-class StepCopy:
-    """One copy of a step found by the listing: on a shared level (``node`` is ``None``) or one
-    node's part on a node-local level. ``problem`` is set when the part cannot serve its own
-    manifest (no readable ``node-part.json``, or one recording another manifest)."""
-
-    level: str
-    node: int | None
-    name: str
-    step: int
-    identity: str
-    manifest_size: int
-    signature: tuple[int, str] | None = None
-    attempt: str | None = None
-    run_id: str | None = None
-    problem: str | None = None
-
-
-@dataclass(frozen=True)
 class _Settings:
     signatures: SignaturePolicy
     limits: ManifestLimits | None
@@ -202,12 +175,12 @@ def restore_best(
         # The coordinator lists the shared levels' names on a thread while the node-local
         # candidates are gathered and tried; the answer is waited for before a fill, or when
         # a node-local candidate fails.
-        listing = pool.submit(_newest_named, shared) if coordinator.is_coordinator and shared else None
-        names = _SharedNames(listing, bool(shared))
-        copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
+        listing = pool.submit(newest_named, shared) if coordinator.is_coordinator and shared else None
+        names = SharedNames(listing, bool(shared))
+        copies, unreachable, unusable = gather_copies(levels, coordinator, nodes, settings.limits)
         refused: list[tuple[int, int, str, str]] = []
         tried: set[tuple[int, str]] = set()
-        for step, identity in _candidates(copies):
+        for step, identity in candidates(copies):
             newest = names.newest(coordinator, unreachable) if tried else None
             if newest is not None and step < newest:
                 break
@@ -227,11 +200,11 @@ def restore_best(
             if coordinator.is_coordinator and (newest is None or step > newest):
                 _log_lost(step, refused)
         if names.newest(coordinator, unreachable) is not None:
-            listed, failed = _gather_shared(levels, coordinator, settings, names.named)
+            listed, failed = gather_shared(levels, coordinator, settings.limits, names.named)
             copies = copies + listed
             unreachable.update(failed)
     shared_steps = {copy.step for copy in copies if copy.node is None}
-    for step, identity in _candidates(copies):
+    for step, identity in candidates(copies):
         if (step, identity) in tried:
             if step not in shared_steps:
                 continue  # refused above, and no shared level holds this step
@@ -249,34 +222,6 @@ def restore_best(
         "no step can be completed from any level" + (f" ({where})" if where else "") + (f": {text}" if text else ""),
         refused,
     )
-
-
-class _SharedNames:
-    """The newest step each shared level's listing names, listed by the coordinator on a thread
-    and learned by every rank on first use (one broadcast, at the same point on every rank)."""
-
-    def __init__(self, listing: Future[tuple[dict[str, int | None], dict[str, str]]] | None, any_shared: bool) -> None:
-        self.listing = listing
-        self.any_shared = any_shared
-        self.named: dict[str, int | None] = {}
-        self.known = not any_shared
-
-    def newest(self, coordinator: Coordinator, unreachable: dict[str, str]) -> int | None:
-        """The newest step any shared level names (collective on first use); a level that could
-        not be listed is added to ``unreachable``."""
-        if not self.known:
-            mine = self.listing.result() if self.listing is not None else ({}, {})
-            self.named, failed = coordinator.broadcast(mine, label="the shared levels' newest steps")
-            self.known = True
-            for name, why in failed.items():
-                logger.warning("restore: level %s is unreachable: %s", name, why)
-                unreachable[name] = f"{unreachable[name]}; {why}" if name in unreachable else why
-        return max((step for step in self.named.values() if step is not None), default=None)
-
-    def allows(self, step: int, coordinator: Coordinator, unreachable: dict[str, str]) -> bool:
-        """Whether node-local step ``step`` may be loaded: no shared level names a newer one."""
-        newest = self.newest(coordinator, unreachable)
-        return newest is None or newest <= step
 
 
 def _attempt(
@@ -318,171 +263,6 @@ def _not_consulted(named: Mapping[str, int | None], restored: int, coordinator: 
         if coordinator:
             logger.info("restore: level %s was not read (%s)", name, found[name])
     return found
-
-
-# -- listing ----------------------------------------------------------------------------------
-
-
-def _gather_copies(
-    levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
-) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
-    """Every copy of every step on every node-local level, the unreachable levels with the
-    reasons, and the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
-    node = nodes.node_of[coordinator.rank]
-    leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
-    mine: list[StepCopy] = []
-    unreachable: dict[str, str] = {}
-    for view in levels:
-        if view.node_local and leader and view.root is None:
-            unreachable[view.name] = f"node {node}: no local root"
-        elif view.node_local and leader and view.root is not None:
-            try:
-                mine.extend(_list_node_parts(view, node, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                unreachable[view.name] = f"node {node}: {exc}"
-    gathered = coordinator.all_gather((mine, unreachable), label="listing the node-local copies")
-    copies = [copy for listed, _ in gathered for copy in listed]
-    merged: dict[str, str] = {}
-    unusable: set[tuple[str, int]] = set()
-    for rank, (_, found) in enumerate(gathered):
-        for name, why in found.items():
-            merged[name] = f"{merged[name]}; {why}" if name in merged else why
-            unusable.add((name, nodes.node_of[rank]))
-    for name, why in merged.items():
-        logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged, unusable
-
-
-def _newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dict[str, str]]:
-    """Per shared level, the newest step a name in its root says (``None``: none), from one
-    listing without reading a manifest; and the levels that could not be listed."""
-    named: dict[str, int | None] = {}
-    failed: dict[str, str] = {}
-    for view in views:
-        try:
-            entries = _shared_store(view).list_dir("")
-        except (OSError, ShardkeepError) as exc:
-            failed[view.name] = str(exc)
-            continue
-        steps = [step for step in (step_of_name(name) for name, _ in entries) if step is not None]
-        named[view.name] = max(steps, default=None)
-    return named, failed
-
-
-def _gather_shared(
-    levels: Sequence[LevelView], coordinator: Coordinator, settings: _Settings, named: Mapping[str, int | None]
-) -> tuple[list[StepCopy], dict[str, str]]:
-    """The copies on the shared levels ``named`` (listed by the coordinator, with their
-    manifests read), and those that could not be listed, on every rank."""
-
-    def listing() -> tuple[list[StepCopy], dict[str, str]]:
-        found: list[StepCopy] = []
-        failed: dict[str, str] = {}
-        for view in levels:
-            if view.node_local or view.root is None or view.name not in named:
-                continue
-            try:
-                found.extend(_list_shared(view, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                failed[view.name] = str(exc)
-        return found, failed
-
-    copies, failed = coordinator.on_coordinator("listing the shared levels' copies", listing)
-    for name, why in failed.items():
-        logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, failed
-
-
-def _signature_of(store: ByteStore, name: str) -> tuple[int, str] | None:
-    path = f"{name}/{SIGNATURE_FILENAME}"
-    if store.stat(path) is None:
-        return None
-    handle = store.open_read(path)
-    try:
-        if handle.size > _MAX_SIGNATURE_BYTES:
-            raise ShardkeepError(f"{path}: {handle.size} bytes is too large for a signature")
-        data = memoryview(bytearray(handle.size))
-        handle.read_into(0, data)
-    finally:
-        handle.close()
-    return handle.size, digest_bytes("blake3", data)
-
-
-def _list_node_parts(view: LevelView, node: int, limits: ManifestLimits | None) -> list[StepCopy]:
-    assert view.root is not None
-    if not os.path.isdir(view.root):
-        if os.path.lexists(view.root):
-            raise ShardkeepError(f"{view.root} is not a directory")
-        return []  # an empty (wiped or new) node: no parts
-    store = LocalStore(view.root)
-    found: list[StepCopy] = []
-    for name in sorted(os.listdir(view.root)):
-        step = step_of_name(name)
-        if step is None or not os.path.isdir(os.path.join(view.root, name)):
-            continue
-        try:
-            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
-        except ShardkeepError as exc:
-            logger.warning("restore: %s/%s is not usable: %s", view.root, name, exc)
-            continue
-        identity = manifest_identity(sealed)
-        problem, part = None, None
-        try:
-            with open(os.path.join(view.root, name, NODE_PART_FILENAME), "rb") as file:
-                part = decode_node_part(file.read(1 << 24), where=f"{view.root}/{name}")
-        except (OSError, ShardkeepError) as exc:
-            problem = f"no readable {NODE_PART_FILENAME} ({exc})"
-        if part is not None and part.manifest_digest != identity:
-            problem = f"{NODE_PART_FILENAME} records manifest {part.manifest_digest}, the manifest is {identity}"
-        found.append(
-            StepCopy(
-                view.name, node, name, step, identity, len(sealed), _signature_of(store, name),
-                part.attempt if part else None, part.run_id if part else None, problem,
-            )
-        )  # fmt: skip
-    return found
-
-
-def _shared_store(view: LevelView) -> ByteStore:
-    if view.store is not None:
-        return view.store
-    assert view.root is not None
-    local = local_path(view.root)
-    if local is not None:
-        if not os.path.isdir(local):
-            raise ShardkeepError(f"{view.root} is not a directory")
-        return LocalStore(local)
-    return open_store(view.root, view.storage_options)
-
-
-def _list_shared(view: LevelView, limits: ManifestLimits | None) -> list[StepCopy]:
-    store = _shared_store(view)
-    found: list[StepCopy] = []
-    for name, _ in store.list_dir(""):
-        step = step_of_name(name)
-        if step is None:
-            continue
-        try:
-            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
-        except ShardkeepError:
-            continue  # not committed (a drain in flight, leftovers): not a copy
-        found.append(
-            StepCopy(view.name, None, name, step, manifest_identity(sealed), len(sealed), _signature_of(store, name))
-        )
-    return found
-
-
-def _candidates(copies: list[StepCopy]) -> list[tuple[int, str]]:
-    """``(step, identity)`` pairs to try, best first."""
-    score: dict[tuple[int, str], tuple[int, int]] = {}
-    for copy in copies:
-        shared, parts = score.get((copy.step, copy.identity), (0, 0))
-        if copy.node is None:
-            shared = 1
-        elif copy.problem is None:
-            parts += 1
-        score[(copy.step, copy.identity)] = (shared, parts)
-    return sorted(score, key=lambda key: (-key[0], -score[key][0], -score[key][1], key[1]))
 
 
 # -- one step ---------------------------------------------------------------------------------
@@ -722,7 +502,7 @@ class _StepAttempt:
     def _store(self, level: str) -> ByteStore:
         """A shared level's store, opened once."""
         if level not in self.stores:
-            self.stores[level] = _shared_store(self.views[level])
+            self.stores[level] = shared_store(self.views[level])
         return self.stores[level]
 
     def _locate(self) -> None:
