@@ -26,8 +26,11 @@ Peer replicas (``--replica-mb``): 4 gloo ranks on 2 simulated nodes save one ste
 node-local level with one replica per node part and drain it; the replication traffic is the
 bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks with both
 levels (node 1's part from node 0's replicas), with the local level alone, and from the
-persistent level alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
-replicas gives how long a save blocks while the previous step replicates.
+persistent level alone (target: replicas <= 1/3 of the time), interleaved ``--replica-reps``
+times (median and range of the per-repetition ratios); the report names the levels the
+restore with both levels did not read. A run of 6 back-to-back local saves with 1 and 0
+replicas gives how long a save blocks while the previous step replicates. ``--replicas-only``
+runs this part alone.
 
 Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
 drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
@@ -37,6 +40,7 @@ docs/performance.md, "Two levels against one"::
     .venv/bin/python bench/levels.py                     # 3 repetitions, S3 persistent level
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
     .venv/bin/python bench/levels.py --persistent dir --quick
+    .venv/bin/python bench/levels.py --replica-mb 64 --replicas-only --replica-reps 7
 """
 
 from __future__ import annotations

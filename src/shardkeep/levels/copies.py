@@ -144,8 +144,8 @@ def newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dic
     for view in views:
         try:
             entries = shared_store(view).list_dir("")
-        except (OSError, ShardkeepError) as exc:
-            failed[view.name] = str(exc)
+        except Exception as exc:  # on a thread: any error makes the level unreachable, named
+            failed[view.name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShardkeepError) else str(exc)
             continue
         steps = [step for step in (step_of_name(name) for name, _ in entries) if step is not None]
         named[view.name] = max(steps, default=None)
