@@ -182,3 +182,58 @@ def test_node_loss_with_replicas_does_not_read_the_persistent_level(tmp_path: Pa
     results = results_or_raise(run_ranks(4, _restore, str(tmp_path), outbox=tmp_path / "out2"))
     assert all(r["step"] == 4 and r["healed"] == ["local@node0"] for r in results), results
     assert all(set(r["not"]) == {"persistent"} for r in results), results
+
+
+@pytest.mark.slow
+def test_on_s3_a_complete_local_step_is_restored_with_one_listing_of_the_bucket(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardkeep.levels.config as config_module
+    import shardkeep.levels.manager as manager_module
+    from shardkeep.loading import LoadJob
+    from shardkeep.storage import FsspecStore
+
+    root, options = s3_root
+    levels = [
+        sk.Level("local", str(tmp_path / "node{node}"), node_local=True, replicas=0),
+        sk.Level("persistent", root, source="drain", storage_options=options),
+    ]
+    manager = sk.MultiLevelManager(levels)
+    manager.save({"w": torch.full((64,), 5.0)}, step=5, levels=["local", "persistent"])
+    manager.wait_for_drains()
+    manager.close()
+    seen: list[str] = []
+
+    class CountingStore(FsspecStore):
+        def list_dir(self, path: str = "") -> Any:
+            seen.append("list_dir")
+            return super().list_dir(path)
+
+        def stat(self, path: str) -> Any:
+            seen.append("stat")
+            return super().stat(path)
+
+        def open_read(self, path: str) -> Any:
+            seen.append("open_read")
+            return super().open_read(path)
+
+    real_recover, real_fill = manager_module.recover_drains, LoadJob.fill
+    real_open = config_module.open_store
+
+    def open_store(url: Any, opts: Any = None) -> Any:
+        return CountingStore(str(url), opts) if str(url).startswith("s3://") else real_open(url, opts)
+
+    monkeypatch.setattr(config_module, "open_store", open_store)
+    monkeypatch.setattr(
+        manager_module, "recover_drains", lambda *a, **k: seen.append("recover") or real_recover(*a, **k)
+    )
+    monkeypatch.setattr(LoadJob, "fill", lambda job, *a, **k: seen.append("fill") or real_fill(job, *a, **k))
+    restarted = sk.MultiLevelManager(levels)
+    seen.clear()  # the manager's probe of the bucket
+    state = {"w": torch.zeros(64)}
+    restored = restarted.restore(into=state)
+    assert restored is not None and restored.step == 5 and torch.equal(state["w"], torch.full((64,), 5.0))
+    assert seen[: seen.index("fill")] == ["list_dir"], seen
+    assert set(restored.report.not_consulted) == {"persistent"} and restored.report.unreachable == {}
+    restarted.close()
+    assert "recover" in seen[seen.index("fill") :]
