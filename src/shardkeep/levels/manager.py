@@ -767,7 +767,8 @@ class MultiLevelManager:
     def restore(self, into: Any = None) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
         (see docs/levels.md); ``None`` when no level holds any step. A drain in flight is
-        waited for first. Collective.
+        waited for first; the clean-up of drains a crash cut off starts after the load.
+        Collective.
 
         With a :class:`~shardkeep.training.TrainingCheckpoint` as ``into``, as
         :meth:`CheckpointManager.restore <shardkeep.manager.CheckpointManager.restore>` does: its
