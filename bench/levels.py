@@ -26,8 +26,11 @@ Peer replicas (``--replica-mb``): 4 gloo ranks on 2 simulated nodes save one ste
 node-local level with one replica per node part and drain it; the replication traffic is the
 bytes sent; node 1's local disk is then wiped and the same step restored with 4 ranks with both
 levels (node 1's part from node 0's replicas), with the local level alone, and from the
-persistent level alone (target: replicas <= 1/3 of the time). A run of 6 back-to-back local saves with 1 and 0
-replicas gives how long a save blocks while the previous step replicates.
+persistent level alone (target: replicas <= 1/3 of the time), interleaved ``--replica-reps``
+times (median and range of the per-repetition ratios); the report names the levels the
+restore with both levels did not read. A run of 6 back-to-back local saves with 1 and 0
+replicas gives how long a save blocks while the previous step replicates. ``--replicas-only``
+runs this part alone.
 
 Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
 drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
@@ -37,6 +40,7 @@ docs/performance.md, "Two levels against one"::
     .venv/bin/python bench/levels.py                     # 3 repetitions, S3 persistent level
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
     .venv/bin/python bench/levels.py --persistent dir --quick
+    .venv/bin/python bench/levels.py --replica-mb 64 --replicas-only --replica-reps 7
 """
 
 from __future__ import annotations
@@ -292,6 +296,7 @@ def _replica_restore(
     from shardkeep.distributed.coordinator import Coordinator
 
     Coordinator(None, timeout=300)  # the checkpoint process group, created before the clock starts
+    touch_memory(int(mb * 2**20))  # this rank's reads land in touched memory
     dist.barrier()
     started = time.perf_counter()
     restored = manager.restore(into=into)
@@ -300,7 +305,9 @@ def _replica_restore(
     assert restored is not None and restored.step == 0
     expected = _replica_state(mb, 0)["weights"].to_local()
     assert torch.equal(into["weights"].to_local(), expected)
-    return {"seconds": seconds, "healed_from": sorted({source for _, _, source in restored.report.healed})}
+    report = restored.report
+    healed = sorted({source for _, _, source in report.healed})
+    return {"seconds": seconds, "healed_from": healed, "not_consulted": sorted(report.not_consulted)}
 
 
 def _replica_blocking(rank: int, world: int, local: str, replicas: int, saves: int, mb: float) -> dict[str, Any]:
@@ -329,17 +336,34 @@ def replica_recovery(
     saved = results_or_raise(
         run_ranks(4, _replica_save, local, persistent, options, mb, outbox=workdir / "r-save", timeout=600)
     )
-    shutil.rmtree(Path(local) / "node1")  # the node is replaced: its local disk is empty
-    from_replicas = results_or_raise(
-        run_ranks(4, _replica_restore, local, persistent, options, mb, outbox=workdir / "r-local", timeout=600)
-    )
-    shutil.rmtree(Path(local) / "node1")  # the same loss again, restored by the local level alone
-    local_only = results_or_raise(
-        run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / "r-local-only", timeout=600)
-    )
-    from_persistent = results_or_raise(
-        run_ranks(4, _replica_restore, "", persistent, options, mb, outbox=workdir / "r-persistent", timeout=600)
-    )
+    ratios: list[float] = []
+    both: list[float] = []
+    alone: list[float] = []
+    persistent_only: list[float] = []
+    for rep in range(args.replica_reps):  # interleaved: both levels, local level alone, persistent alone
+        shutil.rmtree(Path(local) / "node1")  # the node is replaced: its local disk is empty
+        from_replicas = results_or_raise(
+            run_ranks(
+                4, _replica_restore, local, persistent, options, mb, outbox=workdir / f"r-local{rep}", timeout=600
+            )
+        )
+        shutil.rmtree(Path(local) / "node1")  # the same loss again, restored by the local level alone
+        local_only = results_or_raise(
+            run_ranks(4, _replica_restore, local, None, None, mb, outbox=workdir / f"r-local-only{rep}", timeout=600)
+        )
+        from_persistent = results_or_raise(
+            run_ranks(
+                4, _replica_restore, "", persistent, options, mb, outbox=workdir / f"r-persistent{rep}", timeout=600
+            )
+        )
+        both.append(max(result["seconds"] for result in from_replicas))
+        alone.append(max(result["seconds"] for result in local_only))
+        persistent_only.append(max(result["seconds"] for result in from_persistent))
+        ratios.append(both[-1] / max(persistent_only[-1], 1e-9))
+        print(
+            f"  replicas rep {rep}: both levels {both[-1]:.3f} s, local level alone {alone[-1]:.3f} s, "
+            f"persistent level alone {persistent_only[-1]:.3f} s: {ratios[-1]:.2f}x  load {os.getloadavg()[0]:.1f}"
+        )
     blocking = {}
     for replicas in (0, 1):
         runs = results_or_raise(
@@ -356,17 +380,20 @@ def replica_recovery(
         )
         per_save = [max(run["blocked"][index] for run in runs) for index in range(6)]
         blocking[f"replicas={replicas}"] = {"median_seconds": median(per_save[1:]), "max_seconds": max(per_save[1:])}
-    replicas_seconds = max(result["seconds"] for result in from_replicas)
-    persistent_seconds = max(result["seconds"] for result in from_persistent)
     return {
         "checkpoint_mib": mb,
         "replication_bytes_per_save": sum(result["bytes_sent"] for result in saved),
         "replication_seconds": max(result["seconds"] for result in saved),
         "healed_from": from_replicas[0]["healed_from"],
-        "recovery_from_replicas_seconds": round(replicas_seconds, 3),
-        "recovery_local_level_only_seconds": round(max(result["seconds"] for result in local_only), 3),
-        "recovery_from_persistent_seconds": round(persistent_seconds, 3),
-        "ratio": round(replicas_seconds / max(persistent_seconds, 1e-9), 3),
+        "persistent_not_consulted": from_replicas[0]["not_consulted"],
+        "recovery_from_replicas_seconds": round(median(both), 3),
+        "recovery_from_replicas_runs": [round(x, 3) for x in both],
+        "recovery_local_level_only_seconds": round(median(alone), 3),
+        "recovery_local_level_only_runs": [round(x, 3) for x in alone],
+        "recovery_from_persistent_seconds": round(median(persistent_only), 3),
+        "recovery_from_persistent_runs": [round(x, 3) for x in persistent_only],
+        "ratio": round(median(ratios), 3),
+        "ratio_runs": [round(x, 3) for x in ratios],
         "save_blocking": blocking,
     }
 
@@ -492,15 +519,20 @@ def report(summary: dict[str, Any]) -> None:
         f"peak RSS +{drain['peak_rss_above_start_mib']:.1f} MiB over {drain['rss_before_mib']:.0f} MiB before it "
         f"(high-water mark reset before the drain: {drain['high_water_mark_reset']})"
     )
-    replicas = summary["replicas"]
+
+
+def report_replicas(replicas: dict[str, Any]) -> None:
     blocking = replicas["save_blocking"]
+    ratios = replicas["ratio_runs"]
     print(
         f"replicas ({replicas['checkpoint_mib']:.0f} MiB step, 4 ranks on 2 nodes, 1 replica): "
         f"{replicas['replication_bytes_per_save'] / 2**20:.1f} MiB sent per save in {replicas['replication_seconds']:.2f} s; "
-        f"recovery after a node loss from replicas {replicas['recovery_from_replicas_seconds']:.2f} s, from the "
-        f"persistent level {replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x (target <= 0.33; "
-        f"{replicas['recovery_local_level_only_seconds']:.2f} s with the local level alone, no listing of the persistent "
-        "level); "
+        f"recovery after a node loss (median of {len(ratios)}) with both levels configured (from the replicas) "
+        f"{replicas['recovery_from_replicas_seconds']:.2f} s, from the persistent level "
+        f"{replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x, per run "
+        f"{fmt_range(ratios, lambda r: f'{r:.2f}x')} (target <= 0.33); "
+        f"{replicas['recovery_local_level_only_seconds']:.2f} s with the local level alone; levels not read: "
+        f"{replicas['persistent_not_consulted']}; "
         f"a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
         f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
     )
@@ -518,6 +550,8 @@ def main() -> None:
     parser.add_argument("--drain-mb", type=float, default=512.0)
     parser.add_argument("--budget-mb", type=float, default=64.0)
     parser.add_argument("--replica-mb", type=float, default=256.0, help="MiB of the step replicated and recovered")
+    parser.add_argument("--replica-reps", type=int, default=1, help="repetitions of the recoveries from replicas")
+    parser.add_argument("--replicas-only", action="store_true", help="only the peer-replica figures")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 repetition, 200 steps, 16 MiB, drain 128 MiB")
     parser.add_argument("--json", default=None)
@@ -532,12 +566,19 @@ def main() -> None:
         workdir = Path(tmp)
         local_base = Path(tempfile.mkdtemp(prefix="sk-levels-", dir=args.local)) if args.local else workdir / "local"
         try:
-            results = run_reps(args, local_base, workdir)
+            if args.replicas_only:
+                with persistent_root(args.persistent, workdir) as (root_of, storage_options):
+                    summary = {
+                        "replicas": replica_recovery(args, workdir, local_base, root_of("replicas"), storage_options)
+                    }
+            else:
+                summary = summarize(run_reps(args, local_base, workdir))
         finally:
             if args.local:
                 shutil.rmtree(local_base, ignore_errors=True)
-    summary = summarize(results)
-    report(summary)
+    if not args.replicas_only:
+        report(summary)
+    report_replicas(summary["replicas"])
     print(f"load at the end {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -154,16 +154,18 @@ def test_a_flipped_local_file_heals_from_the_persistent_copy_of_the_same_step(tm
 
 
 def test_a_damaged_rank_index_heals_from_the_persistent_copy(tmp_path: Path) -> None:
+    # rank 2 needs its index: the node-local step alone cannot be loaded, so the persistent
+    # copy of the same step is listed and heals it
     saved = save_step(tmp_path, 5, seed=14)
     setup = two_nodes(tmp_path, saved)
-    index = Path(setup.node_roots[1], saved.name, "index", "rank_00001.json")
+    index = Path(setup.node_roots[1], saved.name, "index", "rank_00002.json")
     index.write_bytes(index.read_bytes().replace(b"rank", b"RANK", 1))
     report = the_report(restore(tmp_path, 4, setup, "index"))
-    assert report.step == 5 and report.source[2] == "local"
-    assert (2, "index/rank_00001.json", "persistent") in report.healed
-    assert index.read_bytes() == (saved / "index" / "rank_00001.json").read_bytes()
+    assert report.step == 5 and report.source[2] == "local" and report.not_consulted == {}
+    assert (2, "index/rank_00002.json", "persistent") in report.healed
+    assert index.read_bytes() == (saved / "index" / "rank_00002.json").read_bytes()
     part = json.loads((Path(setup.node_roots[1], saved.name, NODE_PART_FILENAME)).read_bytes())
-    assert "index/rank_00001.json" not in part["healed"]  # every node holds every index by design
+    assert "index/rank_00002.json" not in part["healed"]  # every node holds every index by design
 
 
 def test_a_persistent_copy_of_another_attempt_heals_only_files_with_the_same_digest(tmp_path: Path) -> None:

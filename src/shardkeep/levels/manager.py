@@ -55,6 +55,7 @@ from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
+    from shardkeep.storage import ByteStore
 
 __all__ = ["LevelsRestored", "LevelsSaveResult", "MultiLevelManager"]
 
@@ -98,6 +99,7 @@ class _Shared:
         self.drain_due = False
         #: On the coordinator: the level's retention after a drain committed, running.
         self.pruning: threading.Thread | None = None
+        self.probed: ByteStore | None = None
 
     def prune_later(self, coordinator: Coordinator) -> None:
         """Apply the level's retention on a background thread of the coordinator (a prune is
@@ -122,6 +124,15 @@ class _Shared:
         if self.pruning is not None:
             self.pruning.join()
             self.pruning = None
+
+
+@dataclass
+class _Recovery:
+    """The clean-up of drains a crash cut off, started after a restore: the coordinator's
+    thread, and per drain level the local steps to drain again."""
+
+    thread: threading.Thread | None = None
+    again: dict[str, list[str]] = field(default_factory=dict)
 
 
 class MultiLevelManager:
@@ -191,12 +202,13 @@ class MultiLevelManager:
         )
         self._shared: dict[str, _Shared] = {}
         self._preemption: PreemptionHandler | None = None
+        self._recovery: _Recovery | None = None
         #: The newest step this process committed on the fastest level (an emergency save skips it).
         self._fastest_step: int | None = None
         for level in self.levels:
             if level.node_local:
                 continue
-            probe_level(level)
+            probe = probe_level(level)
             policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=_keep_every_step)
             manager = CheckpointManager(
                 level.root_of(),
@@ -219,6 +231,7 @@ class MultiLevelManager:
             )
             manager.policy = policy
             self._shared[level.name] = _Shared(level, manager)
+            self._shared[level.name].probed = probe  # opened and listed: a restore lists through it
 
     def __repr__(self) -> str:
         return f"MultiLevelManager({[level.name for level in self.levels]!r}, run_id={self._run_id!r})"
@@ -301,6 +314,7 @@ class MultiLevelManager:
             if preempted is not None:
                 self._emergency(preempted, payload, metrics, coordinator)
             result = LevelsSaveResult(step=step)
+            self._settle_recovery(coordinator)
             self._settle_drains(coordinator, result, wait=0.0)
             self._settle_replicas(coordinator, wait=0.0)
             if levels is None:
@@ -581,6 +595,7 @@ class MultiLevelManager:
         ``timeout`` seconds each); collective."""
         with self._lock:
             coordinator = self._coordinator()
+            self._settle_recovery(coordinator)
             result = LevelsSaveResult(step=step)
             if self.local is not None:
                 result.committed[self.local.name] = checkpoint_name(step)
@@ -599,6 +614,7 @@ class MultiLevelManager:
         that follows a committed drain; collective."""
         with self._lock:
             result = LevelsSaveResult(step=-1)
+            self._settle_recovery(self._coordinator())
             self._settle_drains(self._coordinator(), result, wait=float("inf") if timeout is None else timeout)
             for shared in self._shared.values():
                 shared.join_prune()
@@ -629,6 +645,7 @@ class MultiLevelManager:
                 coordinator = self._coordinator()
                 root = self._local_root(coordinator) if self._nodes is not None else None
                 self._replication.close(root, coordinator, self._nodes, wait=wait, timeout=timeout)
+            self._settle_recovery(self._coordinator(), resume=wait)
             if wait:
                 self.wait_for_drains(timeout)
             for shared in self._shared.values():
@@ -764,7 +781,8 @@ class MultiLevelManager:
     def restore(self, into: Any = None) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
         (see docs/levels.md); ``None`` when no level holds any step. A drain in flight is
-        waited for first. Collective.
+        waited for first; the clean-up of drains a crash cut off starts after the load.
+        Collective.
 
         With a :class:`~shardkeep.training.TrainingCheckpoint` as ``into``, as
         :meth:`CheckpointManager.restore <shardkeep.manager.CheckpointManager.restore>` does: its
@@ -777,10 +795,10 @@ class MultiLevelManager:
             # A drain still in flight is finished first: recovery must not take its staging
             # for a crash's leftovers.
             self._settle_drains(coordinator, LevelsSaveResult(step=-1), wait=math.inf)
+            self._settle_recovery(coordinator)
             for shared in self._shared.values():
                 shared.join_prune()
             views = self._views(coordinator)
-            again = self._recover(coordinator)
             training = isinstance(into, TrainingCheckpoint)
             target = into.load_target() if training else into
             try:
@@ -789,11 +807,10 @@ class MultiLevelManager:
                 if exc.refusals:
                     raise
                 return None  # no level holds any step: a fresh run
-            finally:
-                self._resume_drains(again, coordinator)
             if self._run_id is None and report.run_id:
                 self._adopt_run_id(report.run_id)
             self._retire_newer_local_steps(report.step, coordinator)
+            self._recover(coordinator)
             state = _training_state(into, state)
             for shared in self._shared.values():
                 if shared.schedule is not None:
@@ -836,33 +853,47 @@ class MultiLevelManager:
             if level.node_local:
                 views.append(LevelView(level.name, self._local_root(coordinator), node_local=True))
             else:
-                views.append(LevelView(level.name, level.root_of(), storage_options=level.storage_options))
+                store = self._shared[level.name].probed
+                views.append(LevelView(level.name, level.root_of(), storage_options=level.storage_options, store=store))
         return views
 
-    def _recover(self, coordinator: Coordinator) -> dict[str, list[str]]:
-        """Clean up what drains cut off by a crash left on the shared levels (the coordinator,
-        from its node's committed local steps); returns, per drain level, the local steps
-        whose drain was cut off and that are not persisted (to drain again)."""
+    def _recover(self, coordinator: Coordinator) -> None:
+        """Start cleaning up what drains cut off by a crash left on the shared levels: the
+        coordinator, on a thread, from its node's committed local steps, after the restore (off
+        its critical path). :meth:`_settle_recovery` drains again, per drain level, the newest
+        local step whose drain was cut off and that is not persisted; every save, drain, wait
+        and close settles it before any drain starts."""
         drained = [shared for shared in self._shared.values() if shared.level.source == "drain"]
         if not drained or self.local is None:
-            return {}
-        root = self._local_root(coordinator)
+            return
+        recovery = self._recovery = _Recovery()
+        if not coordinator.is_coordinator:
+            return
+        names = [found.name for found in scan(self._local_root(coordinator)) if found.state == "committed"]
 
-        def recover() -> dict[str, list[str]]:
-            names = [found.name for found in scan(root) if found.state == "committed"]
-            again: dict[str, list[str]] = {}
+        def recover() -> None:
             for shared in drained:
                 try:
-                    recovery = recover_drains(
-                        shared.level.root_of(), names, storage_options=shared.level.storage_options
-                    )
-                except ShardkeepError as exc:
+                    found = recover_drains(shared.level.root_of(), names, storage_options=shared.level.storage_options)
+                except Exception as exc:  # logged: the leftovers stay until the next restore
                     logger.warning("level %r: cannot clean up interrupted drains: %s", shared.level.name, exc)
                     continue
-                again[shared.level.name] = list(recovery.redrain)
-            return again
+                recovery.again[shared.level.name] = list(found.redrain)
 
-        return coordinator.on_coordinator("clean up interrupted drains", recover)
+        recovery.thread = threading.Thread(target=recover, name="shardkeep-recovery", daemon=True)
+        recovery.thread.start()
+
+    def _settle_recovery(self, coordinator: Coordinator, *, resume: bool = True) -> None:
+        """Wait for the clean-up :meth:`_recover` started, then (``resume``) drain again what a
+        crash cut off (collective)."""
+        recovery, self._recovery = self._recovery, None
+        if recovery is None:
+            return
+        if recovery.thread is not None:
+            recovery.thread.join()
+        again = coordinator.broadcast(recovery.again, label="interrupted drains to resume")
+        if resume:
+            self._resume_drains(again, coordinator)
 
     def _resume_drains(self, again: dict[str, list[str]], coordinator: Coordinator) -> None:
         """Drain again the newest local step whose drain a crash cut off (collective)."""

@@ -6,12 +6,24 @@ where each file came from and why each step was refused.
 
 1. **Listing.** Each node's leader lists its node-local parts (``step_<N>`` directories with
    their manifest's identity, :func:`~shardkeep.levels.parts.manifest_identity`, and
-   ``node-part.json``); the coordinator lists each shared (persistent) level. A level that
-   cannot be read is recorded as unreachable with the reason, and the others are used. One
-   all-gather; the candidates are the ``(step, manifest identity)`` pairs of every copy, newest
-   step first (for one step: the identity a shared level holds first, then the one most nodes
-   hold). A node part whose ``manifest_digest`` differs from the candidate's identity is
-   another attempt of that step and is never read.
+   ``node-part.json``); one all-gather. Meanwhile the coordinator lists each shared
+   (persistent) level's names only (one listing, no manifest read) on a thread. A level that
+   cannot be read is recorded as unreachable with the reason, and the others are used. The
+   candidates are the ``(step, manifest identity)`` pairs of every copy, newest step first
+   (for one step: the identity a shared level holds first, then the one most nodes hold). A
+   node part whose ``manifest_digest`` differs from the candidate's identity is another
+   attempt of that step and is never read.
+
+   The node-local candidates are tried first, from node-local copies and peers alone. Before
+   one is filled into the state, and after one fails, every rank learns the newest step the
+   shared levels name (one broadcast); a node-local step is loaded only if no shared level
+   names a newer one, and older node-local candidates are tried only while they are at least
+   as new. Otherwise the coordinator lists the shared levels fully (reading each step's
+   manifest), and every candidate is tried in order, a node-local one again only if a shared
+   level holds its step. So a restore never resumes at an older step than the newest one some
+   level can complete, and a shared level is read only when it names a step at least as new
+   as the node-local ones, or the node-local level cannot complete its newest step
+   (``RestoreReport.not_consulted`` names the shared levels not read).
 2. **Metadata.** A node whose local level has no part of the step gets one rebuilt in a
    staging directory (``step_<N>.tmp-<manifest digest>``): the manifest, its signature and
    every rank index, copied from a shared copy of the same identity or sent by a node holding
@@ -53,7 +65,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,6 +76,16 @@ from shardkeep.errors import ManifestError, NoCompleteStepError, ShardkeepError
 from shardkeep.indexes import read_small
 from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes, digests_equal
 from shardkeep.io import check_shard
+from shardkeep.levels.copies import (
+    LevelView,
+    SharedNames,
+    StepCopy,
+    candidates,
+    gather_copies,
+    gather_shared,
+    newest_named,
+    shared_store,
+)
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
 from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, copy_file, run_exchange
 from shardkeep.loading import LoadJob
@@ -75,36 +98,19 @@ from shardkeep.names import (
     STAGING_MARKER,
     checkpoint_name,
     sibling_name,
-    step_of_name,
 )
-from shardkeep.storage import ByteStore, LocalStore, local_path, open_store
+from shardkeep.storage import ByteStore, LocalStore
 from shardkeep.storage.localfs import current as local_fs
 from shardkeep.verification import (
     CheckpointLocation,
     authenticate,
     parse_manifest,
     read_checked_manifest,
-    read_manifest_bytes,
 )
 
 __all__ = ["LevelView", "NodeLayout", "RestoreReport", "StepCopy", "restore_best"]
 
 logger = logging.getLogger("shardkeep")
-
-#: Bytes a signature file may have.
-_MAX_SIGNATURE_BYTES = 1 << 16
-
-
-@dataclass(frozen=True)
-class LevelView:
-    """One level as a restore sees it from this rank: its ``name``; ``root``, this node's local
-    root for a ``node_local`` level, else the shared root (a path or URL); ``None`` when this
-    node has no root for it."""
-
-    name: str
-    root: str | None
-    node_local: bool = False
-    storage_options: Mapping[str, Any] | None = None
 
 
 class NodeLayout(Protocol):
@@ -123,7 +129,9 @@ class RestoreReport:
     a shared level's name or ``"<level>@node<N>"`` for a peer node's copy. ``refused``:
     ``(step, rank, level, reason)`` for each copy of a newer step (or of this one) that could
     not be used. ``levels_read``: the levels any byte was read from. ``unreachable``: the
-    levels that could not be listed, with the reason. ``run_id``: the run that saved the step
+    levels that could not be listed, with the reason. ``not_consulted``: the shared levels whose
+    copies were not read (only their step names were listed: none newer than the node-local
+    step restored), with the reason. ``run_id``: the run that saved the step
     (``None`` when its manifest records none); ``metrics``: its recorded metrics."""
 
     step: int
@@ -132,26 +140,9 @@ class RestoreReport:
     refused: list[tuple[int, int, str, str]] = field(default_factory=list)
     levels_read: list[str] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
+    not_consulted: dict[str, str] = field(default_factory=dict)
     run_id: str | None = None
     metrics: dict[str, float | None] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StepCopy:
-    """One copy of a step found by the listing: on a shared level (``node`` is ``None``) or one
-    node's part on a node-local level. ``problem`` is set when the part cannot serve its own
-    manifest (no readable ``node-part.json``, or one recording another manifest)."""
-
-    level: str
-    node: int | None
-    name: str
-    step: int
-    identity: str
-    manifest_size: int
-    signature: tuple[int, str] | None = None
-    attempt: str | None = None
-    run_id: str | None = None
-    problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,23 +170,52 @@ def restore_best(
     if len(nodes.node_of) != coordinator.world_size:
         raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
     settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
-    copies, unreachable, unusable = _gather_copies(levels, coordinator, nodes, settings)
-    refused: list[tuple[int, int, str, str]] = []
-    for step, identity in _candidates(copies):
-        attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
-        outcome = attempt.run(into)
-        refused.extend(attempt.refused)
-        if outcome is None and coordinator.is_coordinator:
-            reasons = sorted({f"{level}: {reason}" for _, _, level, reason in attempt.refused})
-            logger.warning(
-                "restore: step %d is lost: no copy completes it (%s); trying an older step",
-                step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
+    shared = [view for view in levels if not view.node_local and view.root is not None]
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-listing") as pool:
+        # The coordinator lists the shared levels' names on a thread while the node-local
+        # candidates are gathered and tried; the answer is waited for before a fill, or when
+        # a node-local candidate fails.
+        listing = pool.submit(newest_named, shared) if coordinator.is_coordinator and shared else None
+        names = SharedNames(listing, bool(shared))
+        copies, unreachable, unusable = gather_copies(levels, coordinator, nodes, settings.limits)
+        refused: list[tuple[int, int, str, str]] = []
+        tried: set[tuple[int, str]] = set()
+        for step, identity in candidates(copies):
+            newest = names.newest(coordinator, unreachable) if tried else None
+            if newest is not None and step < newest:
+                break
+            outcome, gated = _attempt(
+                levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into,
+                gate=lambda step: names.allows(step, coordinator, unreachable),
             )  # fmt: skip
+            if gated:
+                break  # a shared level names a newer step: list it
+            tried.add((step, identity))
+            if outcome is not None:
+                state, report = outcome
+                report.refused, report.unreachable = refused, unreachable
+                report.not_consulted = _not_consulted(names.named, step, coordinator.is_coordinator)
+                return state, report
+            newest = names.newest(coordinator, unreachable)
+            if coordinator.is_coordinator and (newest is None or step > newest):
+                _log_lost(step, refused)
+        if names.newest(coordinator, unreachable) is not None:
+            listed, failed = gather_shared(levels, coordinator, settings.limits, names.named)
+            copies = copies + listed
+            unreachable.update(failed)
+    shared_steps = {copy.step for copy in copies if copy.node is None}
+    for step, identity in candidates(copies):
+        if (step, identity) in tried:
+            if step not in shared_steps:
+                continue  # refused above, and no shared level holds this step
+            refused[:] = [entry for entry in refused if entry[0] != step]  # tried again, with the shared copies
+        outcome, _ = _attempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into)
         if outcome is not None:
             state, report = outcome
-            report.refused = refused
-            report.unreachable = unreachable
+            report.refused, report.unreachable = refused, unreachable
             return state, report
+        if coordinator.is_coordinator:
+            _log_lost(step, refused)
     text = "; ".join(f"step {step}, rank {rank}, level {level}: {reason}" for step, rank, level, reason in refused)
     where = ", ".join(f"{name} unreachable ({why})" for name, why in unreachable.items())
     raise NoCompleteStepError(
@@ -204,134 +224,45 @@ def restore_best(
     )
 
 
-# -- listing ----------------------------------------------------------------------------------
+def _attempt(
+    levels: Sequence[LevelView],
+    coordinator: Coordinator,
+    nodes: NodeLayout,
+    settings: _Settings,
+    copies: list[StepCopy],
+    step: int,
+    identity: str,
+    unusable: set[tuple[str, int]],
+    refused: list[tuple[int, int, str, str]],
+    into: Any,
+    gate: Callable[[int], bool] | None = None,
+) -> tuple[tuple[Any, RestoreReport] | None, bool]:
+    """Try one candidate (collective); its refusals are added to ``refused``. Returns the
+    outcome, and whether ``gate`` (asked, collectively, before the state is filled) stopped it."""
+    attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
+    outcome = attempt.run(into, gate)
+    refused.extend(entry for entry in attempt.refused if entry not in refused)
+    return outcome, attempt.gated
 
 
-def _gather_copies(
-    levels: Sequence[LevelView], coordinator: Coordinator, nodes: NodeLayout, settings: _Settings
-) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
-    """Every copy of every step on every level, the unreachable levels with the reasons, and
-    the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
-    node = nodes.node_of[coordinator.rank]
-    leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
-    mine: list[StepCopy] = []
-    unreachable: dict[str, str] = {}
-    for view in levels:
-        if view.node_local and leader and view.root is None:
-            unreachable[view.name] = f"node {node}: no local root"
-        elif view.node_local and leader and view.root is not None:
-            try:
-                mine.extend(_list_node_parts(view, node, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                unreachable[view.name] = f"node {node}: {exc}"
-        elif not view.node_local and coordinator.is_coordinator and view.root is not None:
-            try:
-                mine.extend(_list_shared(view, settings.limits))
-            except (OSError, ShardkeepError) as exc:
-                unreachable[view.name] = str(exc)
-    gathered = coordinator.all_gather((mine, unreachable), label="listing the levels' copies")
-    copies = [copy for listed, _ in gathered for copy in listed]
-    merged: dict[str, str] = {}
-    unusable: set[tuple[str, int]] = set()
-    local = {view.name for view in levels if view.node_local}
-    for rank, (_, found) in enumerate(gathered):
-        for name, why in found.items():
-            merged[name] = f"{merged[name]}; {why}" if name in merged else why
-            if name in local:
-                unusable.add((name, nodes.node_of[rank]))
-    for name, why in merged.items():
-        logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged, unusable
+def _log_lost(step: int, refused: list[tuple[int, int, str, str]]) -> None:
+    reasons = sorted({f"{level}: {reason}" for refused_step, _, level, reason in refused if refused_step == step})
+    logger.warning(
+        "restore: step %d is lost: no copy completes it (%s); trying an older step",
+        step, "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else ""),
+    )  # fmt: skip
 
 
-def _signature_of(store: ByteStore, name: str) -> tuple[int, str] | None:
-    path = f"{name}/{SIGNATURE_FILENAME}"
-    if store.stat(path) is None:
-        return None
-    handle = store.open_read(path)
-    try:
-        if handle.size > _MAX_SIGNATURE_BYTES:
-            raise ShardkeepError(f"{path}: {handle.size} bytes is too large for a signature")
-        data = memoryview(bytearray(handle.size))
-        handle.read_into(0, data)
-    finally:
-        handle.close()
-    return handle.size, digest_bytes("blake3", data)
-
-
-def _list_node_parts(view: LevelView, node: int, limits: ManifestLimits | None) -> list[StepCopy]:
-    assert view.root is not None
-    if not os.path.isdir(view.root):
-        if os.path.lexists(view.root):
-            raise ShardkeepError(f"{view.root} is not a directory")
-        return []  # an empty (wiped or new) node: no parts
-    store = LocalStore(view.root)
-    found: list[StepCopy] = []
-    for name in sorted(os.listdir(view.root)):
-        step = step_of_name(name)
-        if step is None or not os.path.isdir(os.path.join(view.root, name)):
-            continue
-        try:
-            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
-        except ShardkeepError as exc:
-            logger.warning("restore: %s/%s is not usable: %s", view.root, name, exc)
-            continue
-        identity = manifest_identity(sealed)
-        problem, part = None, None
-        try:
-            with open(os.path.join(view.root, name, NODE_PART_FILENAME), "rb") as file:
-                part = decode_node_part(file.read(1 << 24), where=f"{view.root}/{name}")
-        except (OSError, ShardkeepError) as exc:
-            problem = f"no readable {NODE_PART_FILENAME} ({exc})"
-        if part is not None and part.manifest_digest != identity:
-            problem = f"{NODE_PART_FILENAME} records manifest {part.manifest_digest}, the manifest is {identity}"
-        found.append(
-            StepCopy(
-                view.name, node, name, step, identity, len(sealed), _signature_of(store, name),
-                part.attempt if part else None, part.run_id if part else None, problem,
-            )
-        )  # fmt: skip
+def _not_consulted(named: Mapping[str, int | None], restored: int, coordinator: bool) -> dict[str, str]:
+    """The shared levels whose copies a restore of node-local step ``restored`` did not read:
+    only their step names were listed, and none is newer."""
+    found: dict[str, str] = {}
+    for name, newest in named.items():
+        holds = "no step" if newest is None else f"step {newest} at the newest"
+        found[name] = f"not read: its listing names {holds}, and step {restored} was complete on the node-local level"
+        if coordinator:
+            logger.info("restore: level %s was not read (%s)", name, found[name])
     return found
-
-
-def _shared_store(view: LevelView) -> ByteStore:
-    assert view.root is not None
-    local = local_path(view.root)
-    if local is not None:
-        if not os.path.isdir(local):
-            raise ShardkeepError(f"{view.root} is not a directory")
-        return LocalStore(local)
-    return open_store(view.root, view.storage_options)
-
-
-def _list_shared(view: LevelView, limits: ManifestLimits | None) -> list[StepCopy]:
-    store = _shared_store(view)
-    found: list[StepCopy] = []
-    for name, _ in store.list_dir(""):
-        step = step_of_name(name)
-        if step is None:
-            continue
-        try:
-            sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
-        except ShardkeepError:
-            continue  # not committed (a drain in flight, leftovers): not a copy
-        found.append(
-            StepCopy(view.name, None, name, step, manifest_identity(sealed), len(sealed), _signature_of(store, name))
-        )
-    return found
-
-
-def _candidates(copies: list[StepCopy]) -> list[tuple[int, str]]:
-    """``(step, identity)`` pairs to try, best first."""
-    score: dict[tuple[int, str], tuple[int, int]] = {}
-    for copy in copies:
-        shared, parts = score.get((copy.step, copy.identity), (0, 0))
-        if copy.node is None:
-            shared = 1
-        elif copy.problem is None:
-            parts += 1
-        score[(copy.step, copy.identity)] = (shared, parts)
-    return sorted(score, key=lambda key: (-key[0], -score[key][0], -score[key][1], key[1]))
 
 
 # -- one step ---------------------------------------------------------------------------------
@@ -367,6 +298,8 @@ class _StepAttempt:
         self.node_ranks = [r for r, n in enumerate(self.node_of) if n == self.node]
         self.leader = self.rank == self.node_ranks[0]
         self.refused: list[tuple[int, int, str, str]] = []
+        #: Whether the gate of :meth:`run` stopped this attempt before the fill.
+        self.gated = False
         self.views = {view.name: view for view in levels}
         home = next((view for view in levels if view.node_local), None)
         self.home = home
@@ -428,7 +361,7 @@ class _StepAttempt:
                 self.refuse(rank, level, reason)
         return None
 
-    def run(self, into: Any) -> tuple[Any, RestoreReport] | None:
+    def run(self, into: Any, gate: Callable[[int], bool] | None = None) -> tuple[Any, RestoreReport] | None:
         self._refuse_foreign_parts()
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
@@ -444,6 +377,9 @@ class _StepAttempt:
                 self.agree("reading", self._phase(self.read)) is not None
                 and self.agree("committing healed parts", self._phase(lambda: self.finalize(healed))) is not None
             ):
+                if gate is not None and not gate(self.step):
+                    self.gated = True  # not refused: the healed part stays, a newer step is looked for
+                    return None
                 return self._loaded(healed)
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
@@ -566,7 +502,7 @@ class _StepAttempt:
     def _store(self, level: str) -> ByteStore:
         """A shared level's store, opened once."""
         if level not in self.stores:
-            self.stores[level] = _shared_store(self.views[level])
+            self.stores[level] = shared_store(self.views[level])
         return self.stores[level]
 
     def _locate(self) -> None:
