@@ -60,11 +60,13 @@ def _state(step: int, rank: int, floats: int) -> dict[str, Any]:
     return {"step": step, "blob": {f"r{rank}": torch.full((floats,), float(step))}}
 
 
-def _run_until_killed(rank: int, world_size: int, tmp: str, replicas: int, floats: int) -> dict[str, Any]:
-    """Save steps 0..2; the last rank then dies (SIGKILL) with step 2's drain (and replication)
-    just started; the survivors go on to step 3 and meet the error."""
+def _run_until_killed(
+    rank: int, world_size: int, tmp: str, replicas: int, floats: int, victim: int | None = None
+) -> dict[str, Any]:
+    """Save steps 0..2; ``victim`` (the last rank by default) then dies (SIGKILL) with step 2's
+    drain (and replication) just started; the survivors go on to step 3 and meet the error."""
     manager = sk.MultiLevelManager(_levels(tmp, replicas=replicas), node_of=_node_of, timeout=TIMEOUT)
-    victim = world_size - 1
+    victim = world_size - 1 if victim is None else victim
     for step in range(3):
         if manager.should_save(step):
             result = manager.save(_state(step, rank, floats), step=step)
@@ -111,8 +113,10 @@ def _restore(rank: int, world_size: int, tmp: str, replicas: int, floats: int) -
     return {"step": restored.step, "values": sorted({float(tensor[0]) for tensor in blob.values()}), "keys": len(blob)}
 
 
-def _check_survivors(outcomes: dict[int, tuple[str, Any]], world_size: int, label: str) -> None:
-    victim = world_size - 1
+def _check_survivors(
+    outcomes: dict[int, tuple[str, Any]], world_size: int, label: str, victim: int | None = None
+) -> None:
+    victim = world_size - 1 if victim is None else victim
     assert victim not in outcomes
     survivors = results_or_raise(outcomes)
     assert len(survivors) == world_size - 1
@@ -122,8 +126,11 @@ def _check_survivors(outcomes: dict[int, tuple[str, Any]], world_size: int, labe
         assert label in found["label"], found
         assert found["message"].startswith(("should_save(3)", "save(step=3)")), found
         node = victim // 2 if world_size == 4 else victim
-        assert f"rank {victim} (node {node}) did not answer a roll call" in found["message"], found
-        assert list(found["failures"]) == [victim], found
+        if victim == 0:  # it hosts the store (init_method tcp://): the roll call cannot be made
+            assert "the ranks lost are unknown" in found["message"] and found["failures"] == {}, found
+        else:
+            assert f"rank {victim} (node {node}) did not answer a roll call" in found["message"], found
+            assert list(found["failures"]) == [victim], found
         # Sticky: the next call refuses at once, without a collective, and close() does not wait.
         assert found["again_type"] == "GroupBrokenError" and "refused without a collective" in found["again"], found
         assert found["again_seconds"] < 1.0 and found["close_seconds"] < 5.0, found
@@ -217,3 +224,22 @@ def test_a_drain_abandoned_without_a_collective_removes_its_staging(tmp_path: Pa
     assert state is not None and state.state == "failed" and "process group broke" in str(state.error)
     assert [entry.name for entry in (tmp_path / "persistent").iterdir() if ".tmp-" in entry.name] == []
     manager.close()
+
+
+def test_the_rank_that_hosts_the_store_killed_while_a_drain_is_in_flight(tmp_path: Path) -> None:
+    """Rank 0 hosts the job's store here: the survivor that is not its ring neighbour learns of
+    the break from the store going silent; nobody can tell which rank was lost."""
+    floats = 4 << 20
+    outcomes = run_ranks(
+        4,
+        _run_until_killed,
+        str(tmp_path),
+        0,
+        floats,
+        0,
+        outbox=tmp_path / "out",
+        timeout=150,
+        allow_unfinished=frozenset({0}),
+    )
+    _check_survivors(outcomes, 4, "draining step_00000002", victim=0)
+    _check_restores(tmp_path, 4, 0, floats)

@@ -13,8 +13,9 @@ its deadline) raises :class:`GroupBrokenError`. gloo tells only the dead rank's 
 a collective at once; a rank waiting on live peers would wait for the whole deadline. So the
 first rank that sees the group break posts it in the job's key-value store, and every rank
 waiting in a collective of that group on a gloo group looks there every :data:`BROKEN_POLL`
-seconds and raises the same error within about that long. :func:`roll_call` then
-names the ranks that no longer answer.
+seconds and raises the same error within about that long (a store that stops answering
+there means its host is gone: the group is broken too). :func:`roll_call` then names the ranks
+that no longer answer.
 
 By default checkpoint traffic uses a dedicated gloo group created once per default group and
 timeout, so it never interleaves with the user's own collectives (which may run on NCCL).
@@ -257,8 +258,9 @@ class Coordinator:
             self._forget_group()
             report = exc.report
             raise GroupBrokenError(
-                f"{label}: the process group broke: rank {report.get('rank')} saw it in "
-                f"{report.get('label')!r}: {report.get('error')}",
+                f"{label}: the process group broke: rank {report.get('rank')} saw it"
+                + (f" in {report['label']!r}" if report.get("label") else "")
+                + f": {report.get('error')}",
                 label=label,
                 seen_by=int(report.get("rank", -1)),
                 rank=self.rank,
@@ -315,9 +317,11 @@ class Coordinator:
                 continue
             try:
                 posted = store.get(key) if store.check([key]) else None
-            except Exception:  # the store is gone too: gloo's own deadline still ends the wait
-                store = None
-                continue
+            except Exception as exc:  # the store answered before: its host (a rank, or the agent) is gone
+                text = _transport_text(exc)
+                raise _BrokenElsewhere(
+                    {"rank": self.rank, "label": "", "error": f"the job's store stopped answering: {text}"}
+                ) from exc
             if posted is not None:
                 raise _BrokenElsewhere(json.loads(posted))
         work.wait()
