@@ -258,9 +258,10 @@ class Coordinator:
             self._forget_group()
             report = exc.report
             raise GroupBrokenError(
-                f"{label}: the process group broke: rank {report.get('rank')} saw it"
+                f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke "
+                f"(rank {report.get('rank')} saw it"
                 + (f" in {report['label']!r}" if report.get("label") else "")
-                + f": {report.get('error')}",
+                + f": {report.get('error')})",
                 label=label,
                 seen_by=int(report.get("rank", -1)),
                 rank=self.rank,

@@ -681,7 +681,8 @@ class MultiLevelManager:
             root = self._local_root(coordinator) if self._nodes is not None else None
             self._replication.close(root, coordinator, self._nodes, wait=wait, timeout=timeout)
         if wait:
-            self.wait_for_drains(timeout)
+            limit = float("inf") if timeout is None else timeout
+            self._settle_drains(self._coordinator(), LevelsSaveResult(step=-1), wait=limit)
         for shared in self._shared.values():
             if shared.drain is not None:
                 shared.drain.abandon()
