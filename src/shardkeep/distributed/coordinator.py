@@ -270,15 +270,17 @@ class Coordinator:
             ) from None
         except Exception as exc:  # gloo reports timeouts and dead peers as RuntimeError
             self._forget_group()
-            self._post_broken(label, exc)
+            made = getattr(self, "group", None) is not None  # not while the group is being created
+            if made:
+                self._post_broken(label, exc)
             raise GroupBrokenError(
                 f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke: "
                 f"{_transport_text(exc)}",
                 label=label,
-                seen_by=self.rank,
-                rank=self.rank,
-                world_size=self.world_size,
-                key=self._broken_key(),
+                seen_by=self.rank if made else -1,
+                rank=self.rank if made else -1,
+                world_size=self.world_size if made else 0,
+                key=self._broken_key() if made else "",
             ) from exc
 
     # -- a broken group, told through the store ------------------------------------------------
