@@ -539,7 +539,7 @@ def test_a_rank_dying_during_a_drain_leaves_no_checkpoint_and_a_redrain_commits(
     outcomes = run_ranks(
         2, _drain_where_a_rank_dies, str(base), True, outbox=tmp_path / "crash", allow_unfinished=frozenset({1})
     )
-    assert outcomes[0] == ("ok", {"state": "raised", "error": "CoordinationError"}), outcomes[0]
+    assert outcomes[0] == ("ok", {"state": "raised", "error": "GroupBrokenError"}), outcomes[0]
     assert 1 not in outcomes or outcomes[1][0] == "error"
     assert not (base / "persistent" / NAME).exists()
     before = {node: snapshot(base / f"node{node}") for node in (0, 1)}

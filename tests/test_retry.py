@@ -586,7 +586,7 @@ def test_a_rank_that_dies_is_not_retried(tmp_path: Path) -> None:
     )
     kind, result = outcomes[0]
     assert kind == "ok", result
-    assert result["error"] == "CoordinationError" and result["failures"] == {}, result
+    assert result["error"] == "GroupBrokenError" and result["failures"] == {}, result
     assert result["retries"] == []
     assert committed(root) == []
 

@@ -8,6 +8,15 @@ outcome, and if any rank failed raises the same :class:`~shardkeep.errors.Coordi
 on every rank, naming each failed rank and its message. Every collective has a deadline (the
 group's timeout): a dead or hung rank produces an error, never a hang.
 
+A group that breaks (a peer's process died and closed its connections, or a collective missed
+its deadline) raises :class:`GroupBrokenError`. gloo tells only the dead rank's direct peers in
+a collective at once; a rank waiting on live peers would wait for the whole deadline. So the
+first rank that sees the group break posts it in the job's key-value store, and every rank
+waiting in a collective of that group on a gloo group looks there every :data:`BROKEN_POLL`
+seconds and raises the same error within about that long (a store that stops answering
+there means its host is gone: the group is broken too). :func:`roll_call` then names the ranks
+that no longer answer.
+
 By default checkpoint traffic uses a dedicated gloo group created once per default group and
 timeout, so it never interleaves with the user's own collectives (which may run on NCCL).
 Collectives are only ever called from the thread that called ``save``/``load``; background
@@ -23,9 +32,11 @@ import contextlib
 import datetime as _dt
 import json
 import pickle
+import re
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import xxhash
@@ -33,7 +44,17 @@ import xxhash
 from shardkeep.config import LOCAL
 from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
-__all__ = ["DEFAULT_TIMEOUT", "LOCAL", "MAX_REPORT_BYTES", "Coordinator", "RankFailure"]
+__all__ = [
+    "BROKEN_POLL",
+    "DEFAULT_TIMEOUT",
+    "LOCAL",
+    "MAX_REPORT_BYTES",
+    "Coordinator",
+    "GroupBrokenError",
+    "RankFailure",
+    "group_broken",
+    "roll_call",
+]
 
 T = TypeVar("T")
 
@@ -41,8 +62,109 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 300.0
 
 
+#: Seconds between two looks, while waiting in a collective, for another rank's report that the
+#: group broke (one small store read each).
+BROKEN_POLL = 0.25
+
 _groups: dict[tuple[int, float], Any] = {}
 _groups_lock = threading.RLock()
+
+
+class GroupBrokenError(CoordinationError):
+    """The process group itself failed in the collective ``label``: a peer's process died (its
+    connections closed), or a rank missed the deadline. No rank reported an error of its own
+    (``failures`` is empty, so no retry votes on it); the group cannot be used again. ``seen_by``:
+    the rank that saw it first (this one, or another that posted it in the store)."""
+
+    def __init__(
+        self,
+        message: str,
+        failures: dict[int, str] | None = None,
+        *,
+        label: str = "",
+        seen_by: int = -1,
+        rank: int = -1,
+        world_size: int = 0,
+        key: str = "",
+    ) -> None:
+        super().__init__(message, failures)
+        self.label = label
+        self.seen_by = seen_by
+        #: This rank and the group's size, and the group's key in the store (for :func:`roll_call`).
+        self.rank = rank
+        self.world_size = world_size
+        self.key = key
+
+    @classmethod
+    def reported(cls, message: str, details: Mapping[str, object] | None = None) -> GroupBrokenError:
+        error = cls(message)
+        error.__dict__.update(details or {})
+        return error
+
+
+def group_broken(error: BaseException) -> GroupBrokenError | None:
+    """The :class:`GroupBrokenError` behind ``error`` (itself, or in its chain of causes and
+    contexts), or ``None``: whether a failure was the group breaking rather than a rank's
+    reported error."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        found = pending.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, GroupBrokenError):
+            return found
+        pending += [found.__cause__, found.__context__]
+    return None
+
+
+def roll_call(error: GroupBrokenError, grace: float) -> list[int] | None:
+    """After ``error``: the ranks of its group that do not answer within ``grace`` seconds
+    (every rank that survived and calls it answers: a store write, then a wait for the others),
+    or ``None`` when the store cannot tell (it is gone: its host may be the rank lost). When the
+    store goes away during the wait, the ranks not heard from until then. Not a
+    collective, and it never touches the broken group."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    if error.world_size <= 1 or not error.key:
+        return None
+    prefix = error.key.replace("/broken/", "/alive/")
+    keys = [f"{prefix}/{rank}" for rank in range(error.world_size)]
+    heard: list[int] | None = None  # None until the store answered once
+    deadline = time.monotonic() + grace
+    try:
+        store.set(keys[error.rank], "1")
+        while True:
+            heard = [rank for rank, key in enumerate(keys) if (heard and rank in heard) or store.check([key])]
+            if len(heard) == error.world_size or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    except Exception:  # the store went away (a survivor that hosts it may have exited): what was seen
+        if heard is None:
+            return None
+    return [rank for rank in range(error.world_size) if rank not in heard]
+
+
+def _transport_text(exc: BaseException) -> str:
+    """The first line of a transport error, without gloo's source location and advice
+    ("[.../pair.cc:553] Connection closed by peer [10.0.0.2]:41234. This is typically ...")."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", text)
+    return text.partition(". This is typically")[0]
+
+
+class _BrokenElsewhere(Exception):
+    """Another rank posted that the group broke (raised out of a wait, turned into a
+    :class:`GroupBrokenError` by ``Coordinator._collective``)."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report.get("error", ""))
+        self.report = report
 
 
 class RankFailure:
@@ -132,12 +254,80 @@ class Coordinator:
             return run()
         except ShardkeepError:
             raise
+        except _BrokenElsewhere as exc:
+            self._forget_group()
+            report = exc.report
+            raise GroupBrokenError(
+                f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke "
+                f"(rank {report.get('rank')} saw it"
+                + (f" in {report['label']!r}" if report.get("label") else "")
+                + f": {report.get('error')})",
+                label=label,
+                seen_by=int(report.get("rank", -1)),
+                rank=self.rank,
+                world_size=self.world_size,
+                key=self._broken_key(),
+            ) from None
         except Exception as exc:  # gloo reports timeouts and dead peers as RuntimeError
             self._forget_group()
-            raise CoordinationError(
-                f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke: {exc}",
-                {},
+            made = getattr(self, "group", None) is not None  # not while the group is being created
+            if made:
+                self._post_broken(label, exc)
+            raise GroupBrokenError(
+                f"{label}: a rank did not respond within the {self.timeout:.0f} s deadline or the group broke: "
+                f"{_transport_text(exc)}",
+                label=label,
+                seen_by=self.rank if made else -1,
+                rank=self.rank if made else -1,
+                world_size=self.world_size if made else 0,
+                key=self._broken_key() if made else "",
             ) from exc
+
+    # -- a broken group, told through the store ------------------------------------------------
+    def _store(self) -> Any:
+        """The job's key-value store (the default group's), or ``None``."""
+        try:
+            from torch.distributed import distributed_c10d
+
+            return distributed_c10d._get_default_store()
+        except Exception:
+            return None
+
+    def _broken_key(self) -> str:
+        name = getattr(self.group, "group_name", None) or "default"
+        return f"shardkeep/broken/{name}"
+
+    def _post_broken(self, label: str, exc: BaseException) -> None:
+        """Post in the store that this group broke (best effort: the store may be gone too)."""
+        store = self._store()
+        if store is None:
+            return
+        report = json.dumps({"rank": self.rank, "label": label, "error": _transport_text(exc)[:500]})
+        with contextlib.suppress(Exception):
+            if not store.check([self._broken_key()]):
+                store.set(self._broken_key(), report)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for the async collective ``work`` (its errors raised as they are); raise
+        ``_BrokenElsewhere`` once another rank posted that the group broke. The store is read
+        every :data:`BROKEN_POLL` seconds while waiting, never on the fast path."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        store = self._store()
+        key = self._broken_key()
+        while not done.wait(BROKEN_POLL):
+            if store is None:
+                continue
+            try:
+                posted = store.get(key) if store.check([key]) else None
+            except Exception as exc:  # the store answered before: its host (a rank, or the agent) is gone
+                text = _transport_text(exc)
+                raise _BrokenElsewhere(
+                    {"rank": self.rank, "label": "", "error": f"the job's store stopped answering: {text}"}
+                ) from exc
+            if posted is not None:
+                raise _BrokenElsewhere(json.loads(posted))
+        work.wait()
 
     def all_gather(self, value: T, *, label: str = "all_gather") -> list[T]:
         """Every rank's ``value``, in rank order, on every rank.
@@ -168,7 +358,9 @@ class Coordinator:
         if fits:
             slot[4 : 4 + len(payload)] = payload
         slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._dist.all_gather(slots, torch.frombuffer(slot, dtype=torch.uint8), group=self.group)
+        self._wait(
+            self._dist.all_gather(slots, torch.frombuffer(slot, dtype=torch.uint8), group=self.group, async_op=True)
+        )
         received = [slot_tensor.numpy().tobytes() for slot_tensor in slots]
         sizes = [int.from_bytes(raw[:4], "little") for raw in received]
         if _TOO_LARGE in sizes:
@@ -186,7 +378,15 @@ class Coordinator:
         import torch
 
         tensor = torch.tensor([float(value) for value in values], dtype=torch.float64)
-        self._collective(label, lambda: self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group))
+        if self._dist.get_backend(self.group) == "gloo":
+            self._collective(
+                label,
+                lambda: self._wait(
+                    self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
+                ),
+            )
+        else:
+            self._collective(label, lambda: self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.group))
         return [float(value) for value in tensor.tolist()]
 
     def broadcast(self, value: T | None, *, label: str = "broadcast", source: int = 0) -> T:
@@ -196,9 +396,37 @@ class Coordinator:
             assert value is not None
             return value
         box: list[Any] = [value if self.rank == source else None]
-        source = self._dist.get_global_rank(self.group, source) if self.group is not None else source
-        self._collective(label, lambda: self._dist.broadcast_object_list(box, src=source, group=self.group))
+        root = self._dist.get_global_rank(self.group, source) if self.group is not None else source
+        if self._dist.get_backend(self.group) == "gloo":
+            return self._collective(label, lambda: self._broadcast_slots(value, root, self.rank == source))
+        self._collective(label, lambda: self._dist.broadcast_object_list(box, src=root, group=self.group))
         return box[0]  # type: ignore[no-any-return]  # the coordinator's value, typed T
+
+    def _broadcast_slots(self, value: T | None, root: int, sending: bool) -> T:
+        """:meth:`broadcast` on gloo: one broadcast of a :data:`_SLOT`-byte slot (a 4-byte
+        length, the pickled value), and for a larger value one more of exactly its bytes; each
+        waited for through :meth:`_wait`, so that a broken group ends it at once."""
+        import torch
+
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if sending else b""
+        slot = bytearray(_SLOT)
+        if sending:
+            fits = len(payload) <= _SLOT - 4
+            slot[:4] = (len(payload) if fits else _TOO_LARGE).to_bytes(4, "little")
+            if fits:
+                slot[4 : 4 + len(payload)] = payload
+            else:
+                slot[4:12] = len(payload).to_bytes(8, "little")
+        head = torch.frombuffer(slot, dtype=torch.uint8)
+        self._wait(self._dist.broadcast(head, src=root, group=self.group, async_op=True))
+        raw = head.numpy().tobytes()
+        size = int.from_bytes(raw[:4], "little")
+        if size != _TOO_LARGE:
+            return pickle.loads(raw[4 : 4 + size])  # type: ignore[no-any-return]  # the source's value, typed T
+        body = bytearray(payload) if sending else bytearray(int.from_bytes(raw[4:12], "little"))
+        tensor = torch.frombuffer(body, dtype=torch.uint8)
+        self._wait(self._dist.broadcast(tensor, src=root, group=self.group, async_op=True))
+        return pickle.loads(tensor.numpy().tobytes())  # type: ignore[no-any-return]  # the source's value, typed T
 
     def barrier(self, *, label: str = "barrier") -> None:
         """Wait until every rank arrives, or fail at the deadline naming the missing ranks."""
@@ -254,10 +482,12 @@ class Coordinator:
         announcements = (
             [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)] if self.is_coordinator else None
         )
-        dist.gather(announced, announcements, dst=destination, group=self.group)
+        self._wait(dist.gather(announced, announcements, dst=destination, group=self.group, async_op=True))
         if not self.is_coordinator:
             if 0 < size <= MAX_REPORT_BYTES:
                 message = bytearray(payload[:size].ljust(size, b"\0"))
+                # A send (and a receive) has no future on gloo, and waits on its one peer: a
+                # dead coordinator fails it at once.
                 dist.send(torch.frombuffer(message, dtype=torch.uint8), dst=destination, group=self.group)
             return None
         assert announcements is not None

@@ -21,7 +21,9 @@ the caller's thread, never on the copying thread):
    rank's state is gathered; when every rank is done, the coordinator commits; when a rank
    failed, every rank stops its thread and the coordinator aborts. :meth:`Drain.wait` waits
    (bounded) for the local copy, then polls once; :meth:`Drain.abandon` (collective) stops and
-   aborts.
+   aborts; :meth:`Drain.abandon_locally` does so without a collective, once the process group
+   broke (a peer died): the collectives above then raise
+   :class:`~shardkeep.distributed.coordinator.GroupBrokenError`, and a drain cannot end together.
 3. After a restart, the coordinator calls :func:`recover_drains` before draining again.
 
 Where the files go on the persistent level: on a store that renames, into the commit's
@@ -616,6 +618,19 @@ class Drain:
         """Stop this rank's copying threads at their next block (not collective; for a drain
         whose collectives failed, e.g. a peer died, so that no thread outlives it)."""
         self._stop_thread()
+
+    def abandon_locally(self) -> None:
+        """Abandon the drain without a collective (its process group broke): stop this rank's
+        copying threads; on the coordinator, remove what the drain wrote, once its own threads
+        stopped (a survivor still copying may write a file after that: :func:`recover_drains`
+        removes it at the next start). Nothing is committed."""
+        if self._final is not None and self._final.state == "committed":
+            return
+        seconds = self._stop_thread()
+        if self.coordinator.is_coordinator:
+            self._abort_quietly()
+        error = DrainError(f"draining {self.name} was abandoned: the process group broke; nothing was committed")
+        self._final = DrainState(self.name, "failed", self._report()[2], seconds, error)
 
     def state(self) -> DrainState | None:
         """The drain's last agreed state (``None`` while running): local, no collective."""

@@ -16,26 +16,31 @@ It composes the parts of :mod:`shardkeep.levels`:
 
 Every public method is collective: every rank calls it, in the same order. Collectives run on
 the caller's thread only; a drain's background threads copy bytes and never take part in one.
+A process group that breaks (a peer died) ends the call with a
+:class:`~shardkeep.distributed.coordinator.GroupBrokenError`, and every later call at once
+(:mod:`~shardkeep.levels.group_loss`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from shardkeep.cadence import SaveSchedule
 from shardkeep.catalog import DEFAULT_LEASE
 from shardkeep.config import WriteOptions
-from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
+from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator, group_broken
 from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
 from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
 from shardkeep.levels.drain import Drain, recover_drains
+from shardkeep.levels.group_loss import GroupLoss
 from shardkeep.levels.local_catalog import LocalStep, collect_leftovers, read_part, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
 from shardkeep.levels.nodes import NodeMap, node_map
@@ -186,6 +191,7 @@ class MultiLevelManager:
         self._nodes: NodeMap | None = None
         self._run_id = run_id
         self._lock = threading.RLock()
+        self._loss = GroupLoss()
         self.local: Level | None = next((level for level in self.levels if level.node_local), None)
         self._replication = (
             Replication(self.local, process_group=process_group, timeout=timeout, replicate_wait=float(replicate_wait))
@@ -240,6 +246,30 @@ class MultiLevelManager:
     def _coordinator(self) -> Coordinator:
         return Coordinator(self.process_group, timeout=self.timeout)
 
+    @contextlib.contextmanager
+    def _guard(self, call: str) -> Iterator[None]:
+        """Run a public call: refused at once when the process group broke earlier; when it
+        breaks now, the drains and the replication are abandoned without a collective and the
+        call raises :class:`~shardkeep.distributed.coordinator.GroupBrokenError`."""
+        self._loss.check(call)
+        try:
+            yield
+        except ShardkeepError as exc:
+            broken = group_broken(exc)
+            if broken is None or self._loss.error is not None:  # not broken, or told already
+                raise
+            self._abandon_in_flight()
+            raise self._loss.record(call, broken, self._nodes.node_of if self._nodes else None) from exc
+
+    def _abandon_in_flight(self) -> None:
+        """Stop the drains and the replication in flight without a collective (the group broke)."""
+        for shared in self._shared.values():
+            if shared.drain is not None:
+                shared.drain.abandon_locally()
+                shared.drain = None
+        if self._replication is not None:
+            self._replication.abandon()
+
     def _node_map(self, coordinator: Coordinator) -> NodeMap:
         if self._nodes is None:
             nodes = node_map(coordinator, self._node_of)
@@ -269,11 +299,12 @@ class MultiLevelManager:
         replication is in flight it is also the safe point that settles it (one all-gather). With
         :meth:`handle_preemption`, also ``True`` once the ranks agree they are preempted: the
         ``save`` that follows is the emergency save."""
-        coordinator = self._coordinator()
-        self._settle_replicas(coordinator, wait=0.0)
-        if self._preempted_at(step, coordinator) is not None:
-            return True
-        return bool(self._due(step, coordinator))
+        with self._lock, self._guard(f"should_save({step})"):
+            coordinator = self._coordinator()
+            self._settle_replicas(coordinator, wait=0.0)
+            if self._preempted_at(step, coordinator) is not None:
+                return True
+            return bool(self._due(step, coordinator))
 
     def _due(self, step: int, coordinator: Coordinator) -> list[str]:
         schedules: list[tuple[str, SaveSchedule | None]] = []
@@ -308,7 +339,7 @@ class MultiLevelManager:
         payload = state.to_state() if isinstance(state, TrainingCheckpoint) else state
         if not isinstance(payload, Mapping):
             raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
-        with self._lock:
+        with self._lock, self._guard(f"save(step={step})"):
             coordinator = self._coordinator()
             preempted = self._preempted_at(step, coordinator)
             if preempted is not None:
@@ -396,7 +427,7 @@ class MultiLevelManager:
             shared.manager.adopt_run_id(run_id)
 
     def _fail(self, level: Level, what: str, exc: BaseException, result: LevelsSaveResult) -> None:
-        if level.required:
+        if level.required or group_broken(exc) is not None:  # a broken group ends the call
             raise exc
         reason = f"{type(exc).__name__}: {exc}"
         logger.warning("level %r: %s failed and is skipped: %s", level.name, what, reason)
@@ -495,6 +526,8 @@ class MultiLevelManager:
         try:  # every rank learns of a failure on any node: none leaves save() alone
             coordinator.step(f"apply the retention of {self.local.name!r}", remove)
         except ShardkeepError as exc:
+            if group_broken(exc) is not None:
+                raise
             logger.warning("level %r: retention failed (the save committed): %s", self.local.name, exc)
         return bool(doomed)
 
@@ -593,7 +626,7 @@ class MultiLevelManager:
     def drain(self, step: int, *, timeout: float | None = None) -> LevelsSaveResult:
         """Drain local step ``step`` to every drain level now and wait for it (at most
         ``timeout`` seconds each); collective."""
-        with self._lock:
+        with self._lock, self._guard(f"drain({step})"):
             coordinator = self._coordinator()
             self._settle_recovery(coordinator)
             result = LevelsSaveResult(step=step)
@@ -612,7 +645,7 @@ class MultiLevelManager:
     def wait_for_drains(self, timeout: float | None = None) -> LevelsSaveResult:
         """Wait (at most ``timeout`` seconds) for every drain in flight, and for the retention
         that follows a committed drain; collective."""
-        with self._lock:
+        with self._lock, self._guard("wait_for_drains()"):
             result = LevelsSaveResult(step=-1)
             self._settle_recovery(self._coordinator())
             self._settle_drains(self._coordinator(), result, wait=float("inf") if timeout is None else timeout)
@@ -631,7 +664,7 @@ class MultiLevelManager:
     def wait_for_replicas(self, timeout: float | None = None) -> int | None:
         """Wait (at most ``timeout`` seconds on each rank) for the peer replication in flight and
         settle it (collective); the newest protected step this manager saw, or ``None``."""
-        with self._lock:
+        with self._lock, self._guard("wait_for_replicas()"):
             self._settle_replicas(self._coordinator(), wait=timeout)
             return self._replication.protected if self._replication is not None else None
 
@@ -639,25 +672,38 @@ class MultiLevelManager:
         """Finish (``wait``, bounded by ``timeout``) or abandon the drains and the peer
         replication in flight; an abandoned drain leaves nothing committed, and its staging is
         removed; an abandoned replication leaves the step unprotected. The preemption signals go
-        back to their previous handlers (on the main thread)."""
+        back to their previous handlers (on the main thread). Once the process group broke, it
+        abandons them without a collective (the coordinator removes the drains' staging) and
+        returns at once; when it breaks during ``close``, it raises after that."""
         with self._lock:
-            if self._replication is not None:
-                coordinator = self._coordinator()
-                root = self._local_root(coordinator) if self._nodes is not None else None
-                self._replication.close(root, coordinator, self._nodes, wait=wait, timeout=timeout)
-            self._settle_recovery(self._coordinator(), resume=wait)
-            if wait:
-                self.wait_for_drains(timeout)
-            for shared in self._shared.values():
-                if shared.drain is not None:
-                    shared.drain.abandon()
-                    shared.drain = None
-                shared.join_prune()
-            handler = self._preemption
-            main = threading.current_thread() is threading.main_thread()
-            if handler is not None and handler.emergency_started is None and main:
-                handler.uninstall()  # the signals go back to their previous handlers
-                self._preemption = None
+            try:
+                if self._loss.error is None:
+                    with self._guard("close()"):
+                        self._close_in_flight(wait=wait, timeout=timeout)
+            finally:
+                self._abandon_in_flight()
+                for shared in self._shared.values():
+                    shared.join_prune()
+                handler = self._preemption
+                main = threading.current_thread() is threading.main_thread()
+                if handler is not None and handler.emergency_started is None and main:
+                    handler.uninstall()  # the signals go back to their previous handlers
+                    self._preemption = None
+
+    def _close_in_flight(self, *, wait: bool, timeout: float | None) -> None:
+        """:meth:`close`'s collective part: settle or abandon the replication and the drains."""
+        if self._replication is not None:
+            coordinator = self._coordinator()
+            root = self._local_root(coordinator) if self._nodes is not None else None
+            self._replication.close(root, coordinator, self._nodes, wait=wait, timeout=timeout)
+        self._settle_recovery(self._coordinator(), resume=wait)
+        if wait:
+            limit = float("inf") if timeout is None else timeout
+            self._settle_drains(self._coordinator(), LevelsSaveResult(step=-1), wait=limit)
+        for shared in self._shared.values():
+            if shared.drain is not None:
+                shared.drain.abandon()
+                shared.drain = None
 
     # -- preemption (see shardkeep.levels.preemption) -------------------------------------------
     def handle_preemption(
@@ -690,7 +736,8 @@ class MultiLevelManager:
         """Whether the ranks agree they are preempted at ``step`` (collective: one all-reduce
         per step, cached; call it every step when ``should_save`` is not). When ``True``, the
         next :meth:`save` is the emergency save and exits."""
-        return self._preempted_at(step, self._coordinator()) is not None
+        with self._lock, self._guard(f"preempted({step})"):
+            return self._preempted_at(step, self._coordinator()) is not None
 
     def _preempted_at(self, step: int, coordinator: Coordinator) -> Preemption | None:
         handler = self._preemption
@@ -790,7 +837,7 @@ class MultiLevelManager:
         best_val_loss, data_position, rng) are taken from the checkpoint (``model_args`` and
         ``config`` stay the caller's), and with ``track_rng`` the RNG states the checkpoint holds
         are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
-        with self._lock:
+        with self._lock, self._guard("restore()"):
             coordinator = self._coordinator()
             # A drain still in flight is finished first: recovery must not take its staging
             # for a crash's leftovers.

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.coordinator import Coordinator, group_broken
 from shardkeep.errors import ShardkeepError
 from shardkeep.indexes import expand_all
 from shardkeep.levels.config import Level, replica_holders
@@ -381,6 +381,8 @@ class Replication:
                     lambda: made.append(new_replication_group(self.process_group, self.timeout)),
                 )
             except ShardkeepError as exc:  # every rank gets the same error: none replicates
+                if group_broken(exc) is not None:
+                    raise  # the job's group broke, not just the replication's
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 logger.warning(
                     "level %r: no peer replicas (the replication group cannot be created: %s)",
@@ -471,6 +473,17 @@ class Replication:
     def pinned(self) -> set[int]:
         """Steps local retention must keep: those whose replication is in flight."""
         return set(self.inflight)
+
+    def abandon(self) -> None:
+        """Stop replicating without a collective (the process group broke): the thread is told
+        to stop and not waited for beyond a moment (it may sit in a collective of its own group
+        until that group's deadline; a daemon thread); the steps in flight stay unprotected, and
+        a replica half received stays a temporary file, removed with the local level's leftovers."""
+        if self.replicator is not None:
+            self.replicator.stop()
+            self.replicator.join(0.1)
+            self.replicator = None
+        self.inflight.clear()
 
     def close(
         self, root: str | None, coordinator: Coordinator, nodes: NodeMap | None, *, wait: bool, timeout: float | None
