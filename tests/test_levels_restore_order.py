@@ -38,8 +38,8 @@ class _Events:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, persistent: Path) -> None:
         import shardkeep.levels.copies as copies_module
-        import shardkeep.levels.manager as manager_module
         import shardkeep.levels.restore as restore_module
+        import shardkeep.levels.shared_level as shared_level_module
         from shardkeep.loading import LoadJob
 
         self.seen: list[str] = []
@@ -63,7 +63,7 @@ class _Events:
                 self._note("open_read")
                 return super().open_read(path)
 
-        real_recover, real_fill = manager_module.recover_drains, LoadJob.fill
+        real_recover, real_fill = shared_level_module.recover_drains, LoadJob.fill
 
         def recover(*args: Any, **kwargs: Any) -> Any:
             seen.append("recover_drains")
@@ -80,7 +80,7 @@ class _Events:
         monkeypatch.setattr(copies_module, "LocalStore", CountingStore)
         monkeypatch.setattr(restore_module, "LocalStore", CountingStore)
         monkeypatch.setattr(config_module, "open_store", lambda root, options=None: CountingStore(str(root)))
-        monkeypatch.setattr(manager_module, "recover_drains", recover)
+        monkeypatch.setattr(shared_level_module, "recover_drains", recover)
         monkeypatch.setattr(LoadJob, "fill", fill)
 
     def before_fill(self) -> list[str]:
@@ -189,7 +189,7 @@ def test_on_s3_a_complete_local_step_is_restored_with_one_listing_of_the_bucket(
     tmp_path: Path, s3_root: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import shardkeep.levels.config as config_module
-    import shardkeep.levels.manager as manager_module
+    import shardkeep.levels.shared_level as shared_level_module
     from shardkeep.loading import LoadJob
     from shardkeep.storage import FsspecStore
 
@@ -217,7 +217,7 @@ def test_on_s3_a_complete_local_step_is_restored_with_one_listing_of_the_bucket(
             seen.append("open_read")
             return super().open_read(path)
 
-    real_recover, real_fill = manager_module.recover_drains, LoadJob.fill
+    real_recover, real_fill = shared_level_module.recover_drains, LoadJob.fill
     real_open = config_module.open_store
 
     def open_store(url: Any, opts: Any = None) -> Any:
@@ -225,7 +225,7 @@ def test_on_s3_a_complete_local_step_is_restored_with_one_listing_of_the_bucket(
 
     monkeypatch.setattr(config_module, "open_store", open_store)
     monkeypatch.setattr(
-        manager_module, "recover_drains", lambda *a, **k: seen.append("recover") or real_recover(*a, **k)
+        shared_level_module, "recover_drains", lambda *a, **k: seen.append("recover") or real_recover(*a, **k)
     )
     monkeypatch.setattr(LoadJob, "fill", lambda job, *a, **k: seen.append("fill") or real_fill(job, *a, **k))
     restarted = sk.MultiLevelManager(levels)

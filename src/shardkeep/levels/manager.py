@@ -39,28 +39,34 @@ from shardkeep.config import WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator, group_broken
 from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
 from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
-from shardkeep.levels.drain import Drain, recover_drains
+from shardkeep.levels.drain import Drain
 from shardkeep.levels.group_loss import GroupLoss
-from shardkeep.levels.local_catalog import LocalStep, collect_leftovers, read_part, remove_step, scan
+from shardkeep.levels.local_catalog import collect_leftovers, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
 from shardkeep.levels.nodes import NodeMap, node_map
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, Preemption, PreemptionHandler
 from shardkeep.levels.replicas import Replication
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
+from shardkeep.levels.shared_level import (
+    DrainRecovery,
+    SharedLevel,
+    keep_every_step,
+    local_step_info,
+    training_state,
+)
 from shardkeep.levels.status import LevelCopy, level_copies
 from shardkeep.manager import CheckpointManager
 from shardkeep.manager_setup import manager_groups, new_run_id
 from shardkeep.manifest import RetentionRecord, RunInfo
 from shardkeep.names import checkpoint_name, step_of_checkpoint
 from shardkeep.options import ManifestFields
-from shardkeep.retention import CheckpointInfo, RetentionPolicy, decide
+from shardkeep.retention import RetentionPolicy, decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
-from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
+from shardkeep.training import TrainingCheckpoint
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
-    from shardkeep.storage import ByteStore
 
 __all__ = ["LevelsRestored", "LevelsSaveResult", "MultiLevelManager"]
 
@@ -89,55 +95,6 @@ class LevelsRestored:
     step: int
     state: Any
     report: RestoreReport
-
-
-class _Shared:
-    """A shared level: its configuration, its manager and schedule, and its drain in flight."""
-
-    def __init__(self, level: Level, manager: CheckpointManager) -> None:
-        self.level = level
-        self.manager = manager
-        self.schedule = SaveSchedule(level.save_policy) if level.save_policy is not None else None
-        self.drain: Drain | None = None
-        self.drain_step: int | None = None
-        #: Due while no local step committed since: the next one is drained.
-        self.drain_due = False
-        #: On the coordinator: the level's retention after a drain committed, running.
-        self.pruning: threading.Thread | None = None
-        self.probed: ByteStore | None = None
-
-    def prune_later(self, coordinator: Coordinator) -> None:
-        """Apply the level's retention on a background thread of the coordinator (a prune is
-        the coordinator's alone, without a collective), so that a committed drain does not
-        block training on listing, verifying and deleting; see :meth:`join_prune`."""
-        self.join_prune()
-        if not coordinator.is_coordinator:
-            return
-
-        def prune() -> None:
-            try:
-                self.manager.prune()
-            except Exception as exc:  # logged: retention runs again after the next drain
-                logger.warning("level %r: retention after a drain failed: %s", self.level.name, exc)
-
-        self.pruning = threading.Thread(target=prune, name=f"shardkeep-retention-{self.level.name}", daemon=True)
-        self.pruning.start()
-
-    def join_prune(self) -> None:
-        """Wait for the retention started by :meth:`prune_later` (before the level's next
-        drain, a restore, a listing and close)."""
-        if self.pruning is not None:
-            self.pruning.join()
-            self.pruning = None
-
-
-@dataclass
-class _Recovery:
-    """The clean-up of drains a crash cut off, started after a restore: the coordinator's
-    thread, and per drain level the local steps to drain again."""
-
-    thread: threading.Thread | None = None
-    again: dict[str, list[str]] = field(default_factory=dict)
 
 
 class MultiLevelManager:
@@ -206,16 +163,16 @@ class MultiLevelManager:
         self._settings = SaveSettings.of(
             manager_groups({}, self.options, None, False, fields), signer=signer, process_group=process_group
         )
-        self._shared: dict[str, _Shared] = {}
+        self._shared: dict[str, SharedLevel] = {}
         self._preemption: PreemptionHandler | None = None
-        self._recovery: _Recovery | None = None
+        self._recovery: DrainRecovery | None = None
         #: The newest step this process committed on the fastest level (an emergency save skips it).
         self._fastest_step: int | None = None
         for level in self.levels:
             if level.node_local:
                 continue
             probe = probe_level(level)
-            policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=_keep_every_step)
+            policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=keep_every_step)
             manager = CheckpointManager(
                 level.root_of(),
                 keep_last=policy.keep_last,
@@ -236,7 +193,7 @@ class MultiLevelManager:
                 verify_newest=level.source == "save",
             )
             manager.policy = policy
-            self._shared[level.name] = _Shared(level, manager)
+            self._shared[level.name] = SharedLevel(level, manager)
             self._shared[level.name].probed = probe  # opened and listed: a restore lists through it
 
     def __repr__(self) -> str:
@@ -510,7 +467,7 @@ class MultiLevelManager:
             steps = [found for found in scan(root) if found.state == "committed"]
             protected = [found.step for found in steps if found.part is not None and found.part.replicas]
             pinned.update(protected[-1:])  # the newest protected step, until a newer one is
-            infos = [_info(root, found, policy.metric) for found in steps]
+            infos = [local_step_info(root, found, policy.metric) for found in steps]
             decision = decide(infos, policy)
             return [found.name for found in steps if found.name not in decision.keep and found.step not in pinned]
 
@@ -533,7 +490,7 @@ class MultiLevelManager:
 
     def _save_shared(
         self,
-        shared: _Shared,
+        shared: SharedLevel,
         payload: Mapping[str, Any],
         step: int,
         metrics: Mapping[str, Any] | None,
@@ -549,7 +506,7 @@ class MultiLevelManager:
             shared.schedule.saved(step)
 
     # -- draining ------------------------------------------------------------------------------
-    def _start_drain(self, shared: _Shared, step: int, coordinator: Coordinator, result: LevelsSaveResult) -> None:
+    def _start_drain(self, shared: SharedLevel, step: int, coordinator: Coordinator, result: LevelsSaveResult) -> None:
         level = shared.level
         if self.local is None or result.committed.get(self.local.name) != checkpoint_name(step):
             result.skipped[level.name] = f"step {step} was not committed on the local level: nothing to drain"
@@ -578,7 +535,7 @@ class MultiLevelManager:
             shared.schedule.saved(step)
         result.draining[level.name] = checkpoint_name(step)
 
-    def _new_drain(self, shared: _Shared, step: int, coordinator: Coordinator) -> Drain:
+    def _new_drain(self, shared: SharedLevel, step: int, coordinator: Coordinator) -> Drain:
         nodes = self._node_map(coordinator)
         return Drain(
             self._local_root(coordinator),
@@ -596,7 +553,7 @@ class MultiLevelManager:
             if shared.drain is not None:
                 self._settle(shared, coordinator, result, wait=wait)
 
-    def _settle(self, shared: _Shared, coordinator: Coordinator, result: LevelsSaveResult, *, wait: float) -> None:
+    def _settle(self, shared: SharedLevel, coordinator: Coordinator, result: LevelsSaveResult, *, wait: float) -> None:
         """Poll the drain in flight (collective); on its commit apply the level's retention, on
         its failure log it; either way the level has no drain in flight afterwards."""
         drain = shared.drain
@@ -858,7 +815,7 @@ class MultiLevelManager:
                 self._adopt_run_id(report.run_id)
             self._retire_newer_local_steps(report.step, coordinator)
             self._recover(coordinator)
-            state = _training_state(into, state)
+            state = training_state(into, state)
             for shared in self._shared.values():
                 if shared.schedule is not None:
                     shared.schedule.saved(report.step)
@@ -913,22 +870,10 @@ class MultiLevelManager:
         drained = [shared for shared in self._shared.values() if shared.level.source == "drain"]
         if not drained or self.local is None:
             return
-        recovery = self._recovery = _Recovery()
-        if not coordinator.is_coordinator:
-            return
-        names = [found.name for found in scan(self._local_root(coordinator)) if found.state == "committed"]
-
-        def recover() -> None:
-            for shared in drained:
-                try:
-                    found = recover_drains(shared.level.root_of(), names, storage_options=shared.level.storage_options)
-                except Exception as exc:  # logged: the leftovers stay until the next restore
-                    logger.warning("level %r: cannot clean up interrupted drains: %s", shared.level.name, exc)
-                    continue
-                recovery.again[shared.level.name] = list(found.redrain)
-
-        recovery.thread = threading.Thread(target=recover, name="shardkeep-recovery", daemon=True)
-        recovery.thread.start()
+        self._recovery = DrainRecovery()
+        if coordinator.is_coordinator:
+            names = [found.name for found in scan(self._local_root(coordinator)) if found.state == "committed"]
+            self._recovery.start([shared.level for shared in drained], names)
 
     def _settle_recovery(self, coordinator: Coordinator, *, resume: bool = True) -> None:
         """Wait for the clean-up :meth:`_recover` started, then (``resume``) drain again what a
@@ -936,8 +881,7 @@ class MultiLevelManager:
         recovery, self._recovery = self._recovery, None
         if recovery is None:
             return
-        if recovery.thread is not None:
-            recovery.thread.join()
+        recovery.join()
         again = coordinator.broadcast(recovery.again, label="interrupted drains to resume")
         if resume:
             self._resume_drains(again, coordinator)
@@ -959,36 +903,3 @@ class MultiLevelManager:
                 self._fail(shared.level, f"the resumed drain of step {step}", exc, result)
                 continue
             shared.drain_step = step
-
-
-def _keep_every_step(checkpoint: CheckpointInfo) -> bool:
-    """The retention of a level given ``retention=None``: every step is kept."""
-    return True
-
-
-def _training_state(into: Any, loaded: Any) -> Any:
-    """The restored state as the caller wants it: ``into`` (a TrainingCheckpoint) updated from
-    what was loaded into its target, with its RNG states put back; a loaded TrainingCheckpoint
-    state as one; anything else as loaded."""
-    if isinstance(into, TrainingCheckpoint):
-        into.update_from({key: value for key, value in loaded.items() if key not in ("model_args", "config")})
-        if into.track_rng and into.rng is not None and "rng" in loaded:
-            TrainingCheckpoint.restore_rng(into.rng)
-        return into
-    if into is None and isinstance(loaded, Mapping) and loaded.get("schema") == TRAINING_CHECKPOINT_SCHEMA:
-        return TrainingCheckpoint.from_state(loaded)
-    return loaded
-
-
-def _info(root: str, found: LocalStep, metric: str) -> CheckpointInfo:
-    """What retention needs of one committed local step (from its manifest)."""
-    _, manifest, _ = read_part(root, found.name)
-    value = (manifest.metrics or {}).get(metric)
-    created = manifest.created_at
-    return CheckpointInfo(
-        name=found.name,
-        step=found.step,
-        metric=float(value) if isinstance(value, (int, float)) else None,
-        verified=True,
-        created=created.timestamp() if hasattr(created, "timestamp") else None,
-    )
