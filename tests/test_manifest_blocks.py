@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import blake3
 import msgspec
 import pytest
+import torch
 import xxhash
 
 import shardkeep as sk
@@ -92,7 +94,7 @@ def test_the_format_constants() -> None:
 
 
 def test_writers_still_write_1_3(tmp_path: Path) -> None:
-    sk.save({"w": __import__("torch").ones(3)}, tmp_path / "c")
+    sk.save({"w": torch.ones(3)}, tmp_path / "c")
     raw = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
     assert raw["metadata_version"] == "1.3"
     record = raw["files"][0]
@@ -280,7 +282,7 @@ def test_each_invalid_new_field_is_an_error_naming_where_and_the_value(name: str
     mutate(manifest)
     errors, _ = results(manifest)
     assert errors, name
-    assert any(__import__("re").search(message, error) for error in errors), errors
+    assert any(re.search(message, error) for error in errors), errors
 
 
 def test_a_compressed_file_with_blocks_names_both_problems() -> None:
@@ -495,16 +497,27 @@ def test_block_digests_by_hand() -> None:
 
 
 def test_block_digests_of_a_known_value() -> None:
-    """Fixed values, so that a change of library or of definition shows."""
+    """Literal digests of ``b"abc"`` (one block), so that a change of library or definition shows:
+    xxh3-128 as its canonical big-endian bytes, then blake3 (the published test value)."""
+    xxh3_abc = "06b05ab6733a618578af5f94892f3950"
+    blake3_abc = "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
+    assert block_digests(b"abc", 16 * KIB, "blake3").hex() == xxh3_abc + blake3_abc
+    assert block_digests(b"abcabc", 3, None).hex() == xxh3_abc * 2
     data = b"shardkeep" * 4000  # 36,000 bytes: blocks of 16,384, 16,384 and 3,232
     digests = block_digests(data, 16 * KIB, "blake3")
     assert len(digests) == 3 * 48
-    assert digests[:16] == xxhash.xxh3_128(data[: 16 * KIB]).digest()
-    assert digests[16:48] == blake3.blake3(data[: 16 * KIB]).digest()
-    assert digests[96 + 16 :] == blake3.blake3(data[32 * KIB :]).digest()
+    assert digests[96:112] == xxhash.xxh3_128(data[32 * KIB :]).digest()
+    assert digests[112:] == blake3.blake3(data[32 * KIB :]).digest()
 
 
 @pytest.mark.parametrize(("size", "strong"), [(0, "blake3"), (-1, None), (16, "xxh3-128"), (16, "md5")])
 def test_block_digests_refuse_bad_arguments(size: int, strong: str | None) -> None:
     with pytest.raises(sk.ShardkeepError):
         block_digests(b"abc", size, strong)
+
+
+def test_block_size_is_an_option_not_a_flat_keyword(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="block_size"):
+        sk.save({"w": torch.ones(2)}, tmp_path / "a", block_size=0)  # type: ignore[call-arg]
+    sk.save({"w": torch.ones(2)}, tmp_path / "b", options=WriteOptions(block_size=0))
+    assert sk.load(tmp_path / "b")["w"].tolist() == [1.0, 1.0]

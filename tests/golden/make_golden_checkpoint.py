@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import shardkeep as sk
+
 # The versions saves write (what the golden directories are named after).
 from shardkeep.manifest import WRITTEN_INDEXED_VERSION as INDEXED_VERSION
 from shardkeep.manifest import WRITTEN_METADATA_VERSION as METADATA_VERSION
