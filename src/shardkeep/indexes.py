@@ -175,11 +175,13 @@ def read_index(
     limits: ManifestLimits | None = None,
     layouts: _Layouts | None = None,
 ) -> list[FileRecord]:
-    """The file records of one rank index, checked: size and digest against ``record``, strict
-    decoding, the records and entries as :func:`~shardkeep.manifest.validate_manifest` checks
-    them, and every chunk against the grid (this rank's chunks, all of them, nothing else).
-    Raises :class:`IntegrityError` for bytes that do not match and :class:`ManifestError` for
-    content that is wrong."""
+    """The file records of one rank index, checked: size and digest against ``record``, its
+    version (that of the root; a newer major is a :class:`ManifestVersionError`), decoding
+    (strict and canonical up to this reader's minor, strict JSON with unknown fields ignored for
+    a newer minor), the records and entries as :func:`~shardkeep.manifest.validate_manifest`
+    checks them, and every chunk against the grid (this rank's chunks, all of them, nothing
+    else). Raises :class:`IntegrityError` for bytes that do not match and
+    :class:`ManifestError` for content that is wrong."""
     limits = limits or ManifestLimits()
     where = f"{name}/{record.path}"
     data = read_small(store, where, limits.max_bytes, ManifestError)
