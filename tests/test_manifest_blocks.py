@@ -403,6 +403,18 @@ def test_a_newer_minor_index_that_is_not_strict_json_is_refused(tmp_path: Path) 
         sk.load(checkpoint)
 
 
+def test_a_newer_minor_index_with_a_surrogate_escape_is_refused(tmp_path: Path) -> None:
+    checkpoint = _golden_v2(tmp_path)
+
+    def rewrite(raw: dict[str, Any]) -> None:
+        raw["metadata_version"] = "2.2"
+        raw["files"][0]["path"] += "\ud800"  # json.dumps writes the escape
+
+    _rewrite_index(checkpoint, "2.2", rewrite)
+    with pytest.raises(ManifestError, match=r"rank_00000\.json: invalid rank index.*surrogate"):
+        sk.load(checkpoint)
+
+
 def test_a_newer_major_index_is_a_version_error(tmp_path: Path) -> None:
     checkpoint = _golden_v2(tmp_path)
     _rewrite_index(checkpoint, INDEXED_VERSION, _versioned("3.0", new_top=1))

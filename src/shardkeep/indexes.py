@@ -249,9 +249,11 @@ def _decode_newer_index(source: Any, where: str, limits: ManifestLimits) -> Rank
         raise ManifestError(f"{where}: invalid rank index: not a JSON object")
     known = {name: value for name, value in raw.items() if name in _INDEX_FIELDS}
     try:
-        return msgspec.convert(known, RankIndex, strict=True)
-    except msgspec.ValidationError as exc:
+        index = msgspec.convert(known, RankIndex, strict=True)
+        _INDEX_ENCODER.encode(index)  # refuses text that is not plain UTF-8 (a surrogate escape)
+    except (msgspec.ValidationError, msgspec.EncodeError, UnicodeEncodeError) as exc:
         raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    return index
 
 
 _INDEX_FIELDS = frozenset(field.encode_name for field in msgspec.structs.fields(RankIndex))
