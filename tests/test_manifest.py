@@ -19,8 +19,9 @@ from shardkeep.config import ManifestLimits
 from shardkeep.integrity import digest_bytes, seal_manifest, unseal_manifest
 from shardkeep.manifest import (
     INDEXED_VERSION,
-    METADATA_VERSION,
     SEAL_FIELD,
+    WRITTEN_INDEXED_VERSION,
+    WRITTEN_METADATA_VERSION,
     ContainerEntry,
     FileRecord,
     IndexedManifest,
@@ -135,7 +136,7 @@ def test_full_manifest_round_trips_and_validates() -> None:
 
 def test_encoding_is_snake_case_json_with_type_field() -> None:
     raw = json.loads(encode_manifest(full_manifest()))
-    assert raw["metadata_version"] == METADATA_VERSION
+    assert raw["metadata_version"] == WRITTEN_METADATA_VERSION
     tensor = raw["files"][1]["tensors"][1]
     assert tensor["type"] == "expert" and tensor["expert_key"] == [2, 0, 1]
     assert {
@@ -259,7 +260,7 @@ def test_state_besides_the_fields_is_never_encoded() -> None:
 def test_newer_major_version_is_refused_naming_both_versions() -> None:
     raw = json.loads(encode_manifest(full_manifest()))
     raw["metadata_version"] = "3.0"
-    with pytest.raises(sk.ManifestVersionError, match=r"3\.0.*2\.0") as info:
+    with pytest.raises(sk.ManifestVersionError, match=r"3\.0.*2\.1") as info:
         decode_manifest(json.dumps(raw).encode())
     assert info.value.found == "3.0" and info.value.supported == INDEXED_VERSION
     assert isinstance(info.value, sk.ManifestError)
@@ -618,7 +619,7 @@ def test_golden_v2_0_checkpoint_reads_verifies_and_loads_on_one_process(tmp_path
     shutil.copytree(GOLDEN / "v2.0", root)
     checkpoint = root / "step_00000042"
     raw = json.loads((checkpoint / "manifest.json").read_bytes())
-    assert raw["metadata_version"] == INDEXED_VERSION == "2.0"
+    assert raw["metadata_version"] == WRITTEN_INDEXED_VERSION == "2.0"
     assert raw["meshes"] == [{"shape": [2]}] and raw["indexes"]["ranks"] == [0, 1]
     assert {t["key"]: t["placements"] for t in raw["sharded"]} == {
         "model.col": ["S1"],

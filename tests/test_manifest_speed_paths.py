@@ -16,6 +16,7 @@ import shardkeep as sk
 from shardkeep.config import ManifestLimits
 from shardkeep.manifest import (
     DTYPE_ITEMSIZE,
+    Compression,
     ContainerEntry,
     FileRecord,
     Manifest,
@@ -32,6 +33,8 @@ from shardkeep.manifest.validate_columns import TensorTable, tensors_pass
 
 BLAKE3 = "blake3:" + "ab" * 32
 XXH3 = "xxh3-128:" + "cd" * 16
+BLOCK = 16 * 1024
+ZSTD = Compression(codec="zstd", level=3, stored_size=10)
 
 
 def both_ways(manifest: Manifest, limits: ManifestLimits | None = None) -> tuple[ValidationResult, ValidationResult]:
@@ -102,6 +105,8 @@ def tensor_entries(draw: Any, offset: int) -> TensorEntry:
                 "chunk_rank",
                 "numpy_chunk",
                 "huge_global",
+                "blocks",
+                "bad_blocks",
             ]
         )
     )
@@ -139,6 +144,10 @@ def tensor_entries(draw: Any, offset: int) -> TensorEntry:
         entry.digest = draw(st.sampled_from(["md5:00", BLAKE3.upper(), BLAKE3 + "\n" + BLAKE3, "blake3:"]))
     elif problem == "empty_digest":
         entry.digest = ""
+    elif problem == "blocks":  # valid in a file of 16 KiB blocks, an error in one without blocks
+        entry.blocks = b"\1" * (-(-entry.nbytes // BLOCK) * draw(st.sampled_from([16, 48])))
+    elif problem == "bad_blocks":
+        entry.blocks = b"\1" * draw(st.sampled_from([1, 15, 32, 47, 49, 96]))
     elif problem in ("expert", "expert_keyed"):
         entry.kind = "expert"
         entry.expert_key = [1, 0, 1] if problem == "expert_keyed" else None
@@ -177,7 +186,13 @@ def manifests(draw: Any) -> Manifest:
             tensors.reverse()  # listed out of byte order
         files.append(
             FileRecord(
-                path=f"shards/rank_{file_index:05d}.safetensors", rank=0, size=offset, digest=BLAKE3, tensors=tensors
+                path=f"shards/rank_{file_index:05d}.safetensors",
+                rank=0,
+                size=offset,
+                digest=BLAKE3,
+                tensors=tensors,
+                block_size=draw(st.sampled_from([0, BLOCK, BLOCK, 3])),
+                compression=draw(st.sampled_from([None, None, None, ZSTD])),
             )
         )
     structure: list[ContainerEntry] = []
@@ -346,6 +361,7 @@ def clean_manifest() -> Manifest:
             global_shape=[16, 16],
             global_offset=[8 * rank, 0],
             digest=XXH3,
+            blocks=b"\1" * 48,
         )
 
     first = [
@@ -369,8 +385,8 @@ def clean_manifest() -> Manifest:
     return Manifest(
         sharding=Sharding(shard_count=2),
         files=[
-            FileRecord(path="a", rank=0, size=1024, digest=BLAKE3, tensors=first),
-            FileRecord(path="b", rank=0, size=1024, digest=BLAKE3, tensors=second),
+            FileRecord(path="a", rank=0, size=1024, digest=BLAKE3, tensors=first, block_size=BLOCK, fast_digest=XXH3),
+            FileRecord(path="b", rank=0, size=1024, digest=BLAKE3, tensors=second, block_size=BLOCK),
         ],
         structure=[ContainerEntry(path=path) for path in ([], ["m"], ["m", "l"], ["o"], ["o", "state"], ["x"])]
         + [
@@ -385,6 +401,14 @@ def _set(index: int, file: int = 0, **fields: Any) -> Any:
     def mutate(manifest: Manifest) -> None:
         for name, value in fields.items():
             setattr(manifest.files[file].tensors[index], name, value)
+
+    return mutate
+
+
+def _record(**fields: Any) -> Any:
+    def mutate(manifest: Manifest) -> None:
+        for name, value in fields.items():
+            setattr(manifest.files[0], name, value)
 
     return mutate
 
@@ -434,6 +458,15 @@ ONE_PROBLEM = {
     "negative-dimensions": _set(0, shape=[-2, -3]),  # their product matches nbytes
     "ndim": _set(1, shape=[1] * 65),
     "dtype": _set(1, dtype="F64X"),
+    "blocks-fast-only": _set(5, blocks=b"\1" * 16),
+    "blocks-length": _set(5, blocks=b"\1" * 47),
+    "blocks-two": _set(5, blocks=b"\1" * 96),
+    "blocks-on-whole": _set(0, blocks=b"\1" * 16),
+    "blocks-on-empty": _set(2, blocks=b"\1" * 16),
+    "blocks-no-block-size": _record(block_size=0),
+    "blocks-odd-block-size": _record(block_size=3 * 1024),
+    "blocks-compressed": _record(compression=ZSTD),
+    "fast-digest": _record(fast_digest=BLAKE3),
 }
 
 
@@ -443,6 +476,7 @@ def test_each_problem_alone_is_found_as_entry_by_entry(name: str) -> None:
     ONE_PROBLEM[name](manifest)
     fast, slow = both_ways(manifest)
     assert (fast.errors, fast.warnings) == (slow.errors, slow.warnings)
-    assert (fast.errors or fast.warnings) if name != "clean" else not (fast.errors or fast.warnings), fast
-    if name == "clean":
+    clean = name in ("clean", "blocks-fast-only", "blocks-on-whole")
+    assert not (fast.errors or fast.warnings) if clean else (fast.errors or fast.warnings), fast
+    if clean:
         assert column_checks_pass(manifest)

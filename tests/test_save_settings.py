@@ -44,6 +44,7 @@ NON_DEFAULT_WRITE = sk.WriteOptions(
     compression_level=5,
     progress=True,
     storage_options={"anon": True},
+    block_size=0,
 )
 
 

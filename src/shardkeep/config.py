@@ -12,11 +12,13 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from shardkeep.errors import ConfigError
 
 __all__ = [
+    "BLOCK_SIZES",
+    "LOAD_DIGESTS",
     "LOCAL",
     "DIGEST_ALGORITHMS",
     "LoadOptions",
@@ -36,6 +38,14 @@ LOCAL: Final = "local"
 
 #: Digest algorithms that can be recorded in a manifest. The first is the default.
 DIGEST_ALGORITHMS: tuple[str, ...] = ("blake3", "xxh3-128", "sha256")
+
+#: The block sizes a data file's block digests may use (``WriteOptions.block_size``, the
+#: manifest's ``FileRecord.block_size``): the powers of two from 16 KiB to 16 MiB.
+BLOCK_SIZES: tuple[int, ...] = tuple(1 << exponent for exponent in range(14, 25))
+
+#: The digests a load may check (``LoadOptions.digest``): ``"fast"`` (xxh3-128) or
+#: ``"cryptographic"`` (the save's algorithm).
+LOAD_DIGESTS: tuple[str, ...] = ("fast", "cryptographic")
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -145,6 +155,13 @@ class WriteOptions:
     to 22) compresses each data file. ``progress`` draws a progress bar (``save`` only).
     ``storage_options`` go to fsspec when the path is a URL (credentials, endpoint; the AWS
     environment variables are used otherwise).
+
+    ``block_size`` is the bytes per block of the block digests that let a load read and check
+    part of a chunk (:data:`BLOCK_SIZES`): ``None`` lets each rank choose from its chunks, a size
+    forces it, and ``0`` writes no block digests and no fast digests (a checkpoint that readers
+    of format 2.0/1.3 read). A compressed file is read whole and has no blocks, so a size is
+    refused with ``compression``. The option is checked here; saves do not write block digests
+    yet, so today every value writes what ``0`` does.
     """
 
     digest: str = "blake3"
@@ -155,6 +172,7 @@ class WriteOptions:
     compression_level: int = 3
     progress: bool = False
     storage_options: Mapping[str, Any] | None = None
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in (None, "zstd"):
@@ -180,6 +198,21 @@ class WriteOptions:
             raise ConfigError(
                 f"option storage_options={self.storage_options!r} must be a mapping of fsspec options or None"
             )
+        self._check_block_size()
+
+    def _check_block_size(self) -> None:
+        size = self.block_size
+        valid = size is None or (isinstance(size, int) and (size == 0 or size in BLOCK_SIZES))
+        if isinstance(size, bool) or not valid:
+            raise ConfigError(
+                f"option block_size={size!r} must be None (chosen per rank), 0 (no block digests) or a power of "
+                f"two from {BLOCK_SIZES[0]} (16 KiB) to {BLOCK_SIZES[-1]} (16 MiB)"
+            )
+        if size and self.compression is not None:
+            raise ConfigError(
+                f"option block_size={size!r} cannot be used with compression={self.compression!r}: a compressed "
+                "file is read whole and has no block digests (use block_size=None or 0)"
+            )
 
 
 #: The name :class:`WriteOptions` had before the other option groups existed; the same class.
@@ -192,11 +225,29 @@ class LoadOptions:
 
     ``verify`` checks the file set, every size and every digest while reading; ``mmap`` maps
     files into memory instead of copying them, so tensors share the page cache.
+
+    ``digest`` chooses which recorded digest a verifying load checks (:data:`LOAD_DIGESTS`):
+    ``"fast"``, the xxh3-128 digests, which detect accidental damage; ``"cryptographic"``, the
+    save's own algorithm (blake3 by default), which also binds the bytes to a signature;
+    ``None``, cryptographic when the load checks a signature and fast otherwise. A checkpoint
+    without fast digests (format 2.0/1.3) is checked with the digest it records. The option is
+    checked here; loads do not act on it yet, so today every value checks what they always
+    did (the recorded digest of every byte read).
     """
 
     verify: bool = True
     mmap: bool = True
     io_threads: int = 2
+    digest: Literal["fast", "cryptographic"] | None = None
 
     def __post_init__(self) -> None:
         _require_positive_int("io_threads", self.io_threads)
+        if self.digest is not None and (not isinstance(self.digest, str) or self.digest not in LOAD_DIGESTS):
+            raise ConfigError(
+                f"option digest={self.digest!r} must be None (cryptographic under a signature, else fast), "
+                "'fast' or 'cryptographic'"
+            )
+        if self.digest == "cryptographic" and not self.verify:
+            raise ConfigError(
+                "option digest='cryptographic' checks digests, which verify=False skips: pass verify=True"
+            )

@@ -18,18 +18,21 @@ This module does not import torch.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
+from typing import Any
 
 import msgspec
 
 from shardkeep.config import ManifestLimits
-from shardkeep.errors import IntegrityError, ManifestError, ShardkeepError
+from shardkeep.errors import IntegrityError, ManifestError, ManifestVersionError, ShardkeepError
 from shardkeep.integrity import digest_bytes, digests_equal
 from shardkeep.manifest import (
     INDEX_FORMAT,
     INDEXED_VERSION,
+    WRITTEN_INDEXED_VERSION,
     FileRecord,
     IndexedManifest,
     IndexRecord,
@@ -37,7 +40,9 @@ from shardkeep.manifest import (
     RankIndex,
     ShardedTensor,
     Sharding,
+    parse_json_strict,
     parse_placements,
+    parse_version,
     validate_manifest,
 )
 from shardkeep.progress import collector_paused
@@ -82,7 +87,7 @@ def read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepErr
 
 def encode_index(rank: int, files: list[FileRecord]) -> bytes:
     """The bytes of the index of ``rank``, listing ``files`` with their chunk entries."""
-    index = RankIndex(format=INDEX_FORMAT, metadata_version=INDEXED_VERSION, rank=rank, files=files)
+    index = RankIndex(format=INDEX_FORMAT, metadata_version=WRITTEN_INDEXED_VERSION, rank=rank, files=files)
     return _INDEX_ENCODER.encode(index) + b"\n"
 
 
@@ -170,11 +175,13 @@ def read_index(
     limits: ManifestLimits | None = None,
     layouts: _Layouts | None = None,
 ) -> list[FileRecord]:
-    """The file records of one rank index, checked: size and digest against ``record``, strict
-    decoding, the records and entries as :func:`~shardkeep.manifest.validate_manifest` checks
-    them, and every chunk against the grid (this rank's chunks, all of them, nothing else).
-    Raises :class:`IntegrityError` for bytes that do not match and :class:`ManifestError` for
-    content that is wrong."""
+    """The file records of one rank index, checked: size and digest against ``record``, its
+    version (that of the root; a newer major is a :class:`ManifestVersionError`), decoding
+    (strict and canonical up to this reader's minor, strict JSON with unknown fields ignored for
+    a newer minor), the records and entries as :func:`~shardkeep.manifest.validate_manifest`
+    checks them, and every chunk against the grid (this rank's chunks, all of them, nothing
+    else). Raises :class:`IntegrityError` for bytes that do not match and
+    :class:`ManifestError` for content that is wrong."""
     limits = limits or ManifestLimits()
     where = f"{name}/{record.path}"
     data = read_small(store, where, limits.max_bytes, ManifestError)
@@ -183,18 +190,73 @@ def read_index(
     algorithm = record.digest.partition(":")[0]
     if not digests_equal(record.digest, digest_bytes(algorithm, data)):
         raise IntegrityError(f"{where}: digest mismatch (the index was changed or damaged)", [where])
-    try:
-        index = _INDEX_DECODER.decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
-    if _INDEX_ENCODER.encode(index) + b"\n" != data:
-        # Exactly as a save writes it: no unknown field at any depth, nothing spelled otherwise.
-        raise ManifestError(f"{where}: invalid rank index: not in the canonical encoding (an unknown field?)")
+    index = _decode_index(data, where, manifest, limits)
     problems = _index_problems(index, record, manifest, limits, layouts or _Layouts(manifest))
     if problems:
         more = f"; ... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
         raise ManifestError(f"{where}: invalid rank index: " + "; ".join(problems[:20]) + more)
     return index.files
+
+
+_INDEX_START = re.compile(rb'\{"format":"' + INDEX_FORMAT.encode() + rb'","metadata_version":"(\d{1,6}\.\d{1,6})"')
+
+
+def _decode_index(data: bytes, where: str, manifest: IndexedManifest, limits: ManifestLimits) -> RankIndex:
+    """The index in ``data``, decoded by its version: a newer major is refused
+    (:class:`ManifestVersionError`); an index of this reader's minor or an older one must be
+    exactly as a save writes it (no unknown field at any depth, nothing spelled otherwise);
+    one of a newer minor is parsed strictly and its unknown fields ignored. Its version must be
+    its root's."""
+    match = _INDEX_START.match(data)
+    raw: Any = None
+    try:
+        if match is not None:
+            version: object = match.group(1).decode()
+        else:  # not as a save writes it; the version decides which error to give
+            raw = parse_json_strict(data, limits)
+            version = raw.get("metadata_version") if isinstance(raw, dict) else None
+        major, minor = parse_version(version)
+    except ManifestError as exc:
+        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    assert isinstance(version, str)  # parse_version accepted it
+    own_major, own_minor = parse_version(INDEXED_VERSION)
+    if major != own_major:
+        raise ManifestVersionError(version, INDEXED_VERSION)
+    if parse_version(manifest.metadata_version) != (major, minor):
+        raise ManifestError(
+            f"{where}: invalid rank index: its version {version} is not its root manifest's "
+            f"{manifest.metadata_version} (the index and the root come from different saves or writers)"
+        )
+    if minor > own_minor:
+        return _decode_newer_index(data if raw is None else raw, where, limits)
+    try:
+        index = _INDEX_DECODER.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    if _INDEX_ENCODER.encode(index) + b"\n" != data:
+        raise ManifestError(f"{where}: invalid rank index: not in the canonical encoding (an unknown field?)")
+    return index
+
+
+def _decode_newer_index(source: Any, where: str, limits: ManifestLimits) -> RankIndex:
+    """An index of a newer minor version: strict JSON (no duplicate key, NaN or bad UTF-8)
+    converted to the schema, with the members this reader does not know left out."""
+    try:
+        raw = parse_json_strict(source, limits) if isinstance(source, bytes) else source
+    except ManifestError as exc:
+        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: invalid rank index: not a JSON object")
+    known = {name: value for name, value in raw.items() if name in _INDEX_FIELDS}
+    try:
+        index = msgspec.convert(known, RankIndex, strict=True)
+        _INDEX_ENCODER.encode(index)  # refuses text that is not plain UTF-8 (a surrogate escape)
+    except (msgspec.ValidationError, msgspec.EncodeError, UnicodeEncodeError) as exc:
+        raise ManifestError(f"{where}: invalid rank index: {exc}") from exc
+    return index
+
+
+_INDEX_FIELDS = frozenset(field.encode_name for field in msgspec.structs.fields(RankIndex))
 
 
 def _index_problems(

@@ -59,6 +59,7 @@ __all__ = [
     "Digester",
     "SignaturePolicy",
     "SignatureStatus",
+    "block_digests",
     "check_signature",
     "check_signed_digests",
     "file_kind",
@@ -124,6 +125,32 @@ def digest_bytes(algorithm: str, data: bytes | memoryview) -> str:
     digester = new_digester(algorithm)
     digester.update(data)
     return format_digest(algorithm, digester.hexdigest())
+
+
+#: The strong algorithms a block may record (32-byte digests).
+_STRONG_BLOCK_ALGORITHMS = ("blake3", "sha256")
+
+
+def block_digests(view: bytes | bytearray | memoryview, block_size: int, strong: str | None) -> bytes:
+    """The ``blocks`` value of a tensor entry whose bytes are ``view``: for each block of
+    ``block_size`` bytes counted from the first byte (the last one shorter), the 16-byte
+    xxh3-128 digest of the block and then, unless ``strong`` is ``None``, its 32-byte
+    ``strong`` digest (``"blake3"`` or ``"sha256"``). Empty bytes have no block. This is the
+    definition that writers' streaming digests and readers' checks must equal."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size={block_size!r} must be a positive integer")
+    if strong is not None and strong not in _STRONG_BLOCK_ALGORITHMS:
+        raise UnsupportedValueError(f"a block's strong digest is blake3 or sha256, not {strong!r}")
+    data = memoryview(view).cast("B")
+    parts: list[bytes] = []
+    for start in range(0, len(data), block_size):
+        block = data[start : start + block_size]
+        parts.append(xxhash.xxh3_128(block).digest())
+        if strong == "blake3":
+            parts.append(blake3.blake3(block).digest())
+        elif strong == "sha256":
+            parts.append(hashlib.sha256(block).digest())
+    return b"".join(parts)
 
 
 def digests_equal(expected: str, actual: str) -> bool:

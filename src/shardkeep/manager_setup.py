@@ -14,7 +14,7 @@ from typing import Any
 from shardkeep.config import WriteOptions
 from shardkeep.errors import ConfigError, StorageError
 from shardkeep.manifest import RUN_ID_PATTERN, Tier
-from shardkeep.options import Incremental, ManifestFields, Regrouped, TierPlan, regroup
+from shardkeep.options import LEGACY_KEYWORDS, Incremental, ManifestFields, Regrouped, TierPlan, regroup
 from shardkeep.saving import SaveSettings
 from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, local_path, localfs, open_store
 
@@ -24,7 +24,7 @@ __all__ = ["MANAGER_LEGACY", "check_manager_arguments", "local_root", "manager_g
 #: The old keyword spellings ``CheckpointManager(**save_options)`` still accepts (the per-save
 #: ones, such as ``step`` or ``metrics``, the manager sets itself).
 MANAGER_LEGACY = (
-    *(f.name for f in dataclasses.fields(WriteOptions) if f.name != "progress"),
+    *(f.name for f in dataclasses.fields(WriteOptions) if f.name in LEGACY_KEYWORDS and f.name != "progress"),
     "placement",
     "trust_versions",
     *(f.name for f in dataclasses.fields(ManifestFields) if f.name != "metrics"),

@@ -171,8 +171,11 @@ class LoadSelection:
 # The keyword spellings of the previous release
 # --------------------------------------------------------------------------------------------
 
+#: Write options newer than the flat keywords: given through ``options=`` only.
+_WITHOUT_KEYWORD = ("block_size",)
+
 _GROUP_OF: dict[str, tuple[str, type[Any]]] = {
-    **{f.name: ("options", WriteOptions) for f in fields(WriteOptions)},
+    **{f.name: ("options", WriteOptions) for f in fields(WriteOptions) if f.name not in _WITHOUT_KEYWORD},
     "placement": ("tiers", TierPlan),
     "trust_versions": ("incremental", Incremental),
     **{f.name: ("fields", ManifestFields) for f in fields(ManifestFields)},

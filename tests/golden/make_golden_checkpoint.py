@@ -34,7 +34,10 @@ from pathlib import Path
 import torch
 
 import shardkeep as sk
-from shardkeep.manifest import INDEXED_VERSION, METADATA_VERSION
+
+# The versions saves write (what the golden directories are named after).
+from shardkeep.manifest import WRITTEN_INDEXED_VERSION as INDEXED_VERSION
+from shardkeep.manifest import WRITTEN_METADATA_VERSION as METADATA_VERSION
 
 
 def golden_state() -> dict:

@@ -1,5 +1,5 @@
 """The manifest's schema: the msgspec structs of a checkpoint's record, the format's constants
-(versions, dtype sizes, limits of format 2.0) and the rules a value of the schema must meet
+(versions, dtype sizes, block sizes, limits of format 2.x) and the rules a value of the schema must meet
 (a shape's extent, a digest's form, a key and its path).
 
 The manifest is versioned data (``metadata_version`` is ``"MAJOR.MINOR"``): a struct's fields
@@ -20,13 +20,16 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-from shardkeep.config import ManifestLimits
+from shardkeep.config import BLOCK_SIZES, ManifestLimits
 from shardkeep.errors import ManifestError
 from shardkeep.names import index_path
 
 __all__ = [
+    "BLOCK_SIZES",
     "DIGEST_HEX_LENGTH",
     "DTYPE_ITEMSIZE",
+    "FAST_BLOCK_DIGEST_BYTES",
+    "FAST_DIGEST",
     "FORMAT_NAME",
     "INDEXED_VERSION",
     "INDEX_FORMAT",
@@ -37,8 +40,12 @@ __all__ = [
     "METADATA_VERSION",
     "RUN_ID_PATTERN",
     "SEAL_FIELD",
+    "STRONG_BLOCK_DIGEST_BYTES",
+    "WRITTEN_INDEXED_VERSION",
+    "WRITTEN_METADATA_VERSION",
     "Compression",
     "ContainerEntry",
+    "EntryFamily",
     "FileRecord",
     "HistoryPoint",
     "IndexRecord",
@@ -55,6 +62,7 @@ __all__ = [
     "Sharding",
     "StateSection",
     "TensorEntry",
+    "TensorFamily",
     "Tier",
     "Training",
     "Transient",
@@ -71,10 +79,25 @@ __all__ = [
 ]
 
 FORMAT_NAME = "shardkeep"
-METADATA_VERSION = "1.3"
-#: The version of a manifest that describes regularly sharded tensors once, with rank indexes
-#: (:class:`IndexedManifest`); saves without such tensors still write :data:`METADATA_VERSION`.
-INDEXED_VERSION = "2.0"
+#: The newest 1.x version this schema describes (1.3 plus ``fast_digest``, ``block_size`` and
+#: ``blocks``): a reader decodes a manifest of this minor or an older one with every field known.
+METADATA_VERSION = "1.4"
+#: The newest version of a manifest that describes regularly sharded tensors once, with rank
+#: indexes (:class:`IndexedManifest`), that this schema describes (2.0 plus the fields of 1.4
+#: and the families). A rank index records the version of its root.
+INDEXED_VERSION = "2.1"
+#: The versions saves write. The write path fills none of the 2.1/1.4 fields yet, so it stamps
+#: the versions those manifests are: a save without sharded tensors writes
+#: :data:`WRITTEN_METADATA_VERSION`, a sharded one :data:`WRITTEN_INDEXED_VERSION` (root and
+#: indexes).
+WRITTEN_METADATA_VERSION = "1.3"
+WRITTEN_INDEXED_VERSION = "2.0"
+#: The algorithm of ``FileRecord.fast_digest`` and of the first digest of each block.
+FAST_DIGEST = "xxh3-128"
+#: Bytes of each digest in ``TensorEntry.blocks``: the fast one (xxh3-128), and the strong one
+#: (blake3 or sha256) when the block records it.
+FAST_BLOCK_DIGEST_BYTES = 16
+STRONG_BLOCK_DIGEST_BYTES = 32
 INDEX_FORMAT = "shardkeep-index"
 #: The most ranks a format 2.0 mesh may have (its rank list is built when an index is read).
 MAX_MESH_RANKS = 1 << 20
@@ -180,6 +203,12 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     ``nbytes`` the stored size. ``global_shape``/``global_offset`` are set when the entry is a
     chunk of a tensor sharded across ranks; a chunk also has its own ``digest``, so a rank that
     needs only some chunks of a file can read and verify just those byte ranges.
+
+    ``blocks`` (1.4/2.1) holds the digests of the entry's blocks: block ``j`` is the bytes
+    ``[offset + j*B, min(offset + nbytes, offset + (j+1)*B))``, ``B`` the file record's
+    ``block_size``, and its digests are 16 bytes of xxh3-128 and then, unless the block is
+    "fast-only", 32 bytes of the manifest's ``digest_algorithm``
+    (:func:`shardkeep.integrity.block_digests` is the definition). Empty: no blocks.
     """
 
     key: str
@@ -195,6 +224,53 @@ class TensorEntry(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     array_type: Literal["torch", "numpy"] = "torch"
     order: int = 0
     digest: str | None = None
+    blocks: bytes = b""
+
+
+class TensorFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Regularly sharded tensors (format 2.1) that differ only in the integers of their keys,
+    described once: ``IndexedManifest.families``.
+
+    ``key`` is a template (``"model.layers.{0}.experts.{1}.w1"``; ``{{`` and ``}}`` are literal
+    braces) and ``path`` one template per component; a component exactly ``"{k}"`` whose
+    position is in ``int_parts`` is the integer itself. ``indices`` gives each placeholder's
+    ``[start, stop, step]``; the instances are the cartesian product, row-major. An instance's
+    ``order`` is ``order + sum(order_steps[k] * (i_k - start_k) / step_k)``; ``expert_key``'s
+    templates resolve as ``path``'s. The other fields are those of :class:`ShardedTensor`."""
+
+    key: str
+    path: list[str | int]
+    int_parts: list[int] = msgspec.field(default_factory=list)
+    indices: list[list[int]]
+    dtype: str
+    global_shape: list[int]
+    mesh: int
+    placements: list[str]
+    kind: Literal["dense", "expert"] = "dense"
+    expert_key: list[int | str] | None = None
+    order: int = 0
+    order_steps: list[int] = msgspec.field(default_factory=list)
+
+
+class EntryFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Whole tensors of one data file (format 2.1) that differ only in the integers of their
+    keys, described once: ``FileRecord.families`` (an optimizer's ``step`` scalars, say).
+
+    ``key``, ``path``, ``int_parts``, ``indices``, ``order`` and ``order_steps`` are as in
+    :class:`TensorFamily`; every instance has ``dtype``, ``shape`` and ``nbytes``, and its byte
+    offset is ``offset + sum(offset_steps[k] * (i_k - start_k) / step_k)``."""
+
+    key: str
+    path: list[str | int]
+    int_parts: list[int] = msgspec.field(default_factory=list)
+    indices: list[list[int]]
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    offset: int
+    offset_steps: list[int] = msgspec.field(default_factory=list)
+    order: int = 0
+    order_steps: list[int] = msgspec.field(default_factory=list)
 
 
 class Compression(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -214,6 +290,11 @@ class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     owner is ``ref`` when set (an incremental save referencing an unchanged file of an earlier
     checkpoint in the same root) or this checkpoint. ``version`` counts the file's content
     changes across incremental saves; the file's safetensors header records it too.
+
+    Added in 1.4/2.1: ``fast_digest``, the xxh3-128 digest of the same bytes as ``digest``
+    (absent when ``digest`` is itself xxh3-128); ``block_size``, the bytes per block of the
+    entries' ``blocks`` (0: none; always 0 for a compressed file, which is read whole); and
+    ``families`` (2.1 roots only), whole-tensor entries described once.
     """
 
     path: str
@@ -225,6 +306,9 @@ class FileRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     ref: str | None = None
     tensors: list[TensorEntry] = msgspec.field(default_factory=list)
     compression: Compression | None = None
+    fast_digest: str | None = None
+    block_size: int = 0
+    families: list[EntryFamily] = msgspec.field(default_factory=list)
 
     @property
     def stored_size(self) -> int:
@@ -330,7 +414,7 @@ class Manifest(msgspec.Struct, kw_only=True, dict=True):
     #: Fields of a newer minor version that the decoder kept (never encoded again).
     unknown_fields = Transient[dict[str, Any]](dict)
 
-    metadata_version: str = METADATA_VERSION
+    metadata_version: str = WRITTEN_METADATA_VERSION
     format: str = FORMAT_NAME
     model_id: str | None = None
     created_at: _dt.datetime = msgspec.field(default_factory=_utc_now)
@@ -479,6 +563,10 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
     meshes: list[Mesh] = msgspec.field(default_factory=list)
     sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
     indexes: IndexTable | None = None
+    #: Described tensors that differ only in the integers of their keys (2.1). Unset, and so
+    #: not encoded, when there are none: this struct encodes every field that is set, and a 2.0
+    #: manifest has no such member. ``manifest.families or []`` reads it as a list.
+    families: list[TensorFamily] | msgspec.UnsetType = msgspec.UNSET
 
     def index_records(self) -> list[IndexRecord]:
         """The rank indexes, one record each (built once)."""

@@ -29,9 +29,13 @@ from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
 from shardkeep.manifest.format2 import check_indexed
 from shardkeep.manifest.schema import (
+    BLOCK_SIZES,
     DTYPE_ITEMSIZE,
+    FAST_BLOCK_DIGEST_BYTES,
+    FAST_DIGEST,
     MAX_HISTORY,
     RUN_ID_PATTERN,
+    STRONG_BLOCK_DIGEST_BYTES,
     FileRecord,
     IndexedManifest,
     Manifest,
@@ -127,6 +131,7 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
         tier_names = _check_tiers(manifest, result.add_error)
         tensor_keys = _check_files(manifest, table, tier_names, limits, result, columns=columns)
         if isinstance(manifest, IndexedManifest):
+            _check_families(manifest, result.add_error)
             offsets = map(operator.attrgetter("global_offset"), table.entries)
             chunk_keys = set(compress(table.keys, map(operator.is_not, offsets, repeat(None))))
             tensor_keys = tensor_keys | check_indexed(
@@ -252,6 +257,30 @@ def _check_file_record(
             err(f"{where} has {problem}")
         elif algorithm != manifest.digest_algorithm:
             result.add_warning(f"{where} uses digest {algorithm}, not the manifest's {manifest.digest_algorithm}")
+    if record.fast_digest is not None or record.block_size or record.families:
+        _check_blocks_and_fast_digest(record, where, err)
+
+
+def _check_blocks_and_fast_digest(record: FileRecord, where: str, err: Callable[[str], None]) -> None:
+    """A file's 1.4/2.1 fields: ``fast_digest`` (an xxh3-128 digest), ``block_size`` (0, or one
+    of :data:`BLOCK_SIZES` when the file is not compressed) and ``families`` (which this reader
+    cannot expand: refused, so that no tensor of a family goes unseen)."""
+    fast = record.fast_digest
+    if fast is not None:
+        problem = digest_problem(fast) if isinstance(fast, str) else "not a string"
+        if problem or fast.partition(":")[0] != FAST_DIGEST:
+            err(
+                f"{where} has fast_digest {fast!r}: it must be an {FAST_DIGEST} digest ({problem or 'another algorithm'})"
+            )
+    size = record.block_size
+    if size and size not in BLOCK_SIZES:
+        err(
+            f"{where} has block_size {size!r}: it must be 0 or a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}"
+        )
+    elif size and record.compression is not None:
+        err(f"{where} has block_size {size} but is compressed: a compressed file is read whole and has no blocks")
+    for family in record.families:
+        err(f"{where} lists the entry family {family.key!r}, which this version of shardkeep cannot expand")
 
 
 def check_file_tensors(
@@ -418,6 +447,8 @@ def check_tensor(
         problem = digest_problem(entry.digest)
         if problem:
             err(f"has {problem}")
+    if entry.blocks:
+        _check_blocks(entry, record, err)
     if entry.kind == "expert" and entry.expert_key is None:
         result.add_warning(f"tensor {key!r} in {where}: expert tensor without an expert_key")
     if entry.global_shape is None and entry.global_offset is None:
@@ -432,3 +463,34 @@ def check_tensor(
         err(f"global_shape {short_shape(entry.global_shape)}: {shape_problem(entry.global_shape, itemsize or 1)}")
     elif any(o < 0 or o + s > g for o, s, g in zip(entry.global_offset, shape, entry.global_shape, strict=True)):
         err(f"chunk at {entry.global_offset} of shape {shape} lies outside {entry.global_shape}")
+
+
+def _check_blocks(entry: TensorEntry, record: FileRecord, err: Callable[[str], None]) -> None:
+    """An entry's ``blocks``: its file is not compressed and has a block size ``B``, and the
+    value holds ``ceil(nbytes / B)`` digests of 16 bytes (fast) or 48 (fast and strong)."""
+    held = len(entry.blocks)
+    if record.compression is not None:
+        err(f"has {held} bytes of blocks but its file is compressed (a compressed file has no blocks)")
+        return
+    size = record.block_size
+    if size <= 0:
+        err(f"has {held} bytes of blocks but its file's block_size is {size}")
+        return
+    if entry.nbytes < 0:
+        return  # reported above
+    count = -(-entry.nbytes // size)
+    if held not in (count * FAST_BLOCK_DIGEST_BYTES, count * _FULL_BLOCK_DIGEST_BYTES):
+        err(
+            f"blocks hold {held} bytes; its {count} blocks of {size} bytes need {count * FAST_BLOCK_DIGEST_BYTES} "
+            f"(fast digests) or {count * _FULL_BLOCK_DIGEST_BYTES} (fast and strong)"
+        )
+
+
+_FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
+
+
+def _check_families(manifest: IndexedManifest, err: Callable[[str], None]) -> None:
+    """Described tensor families (2.1), which this reader cannot expand: refused, so that no
+    tensor of a family goes unseen."""
+    for family in manifest.families or []:
+        err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")

@@ -21,7 +21,9 @@ from typing import Any
 from shardkeep.config import ManifestLimits
 from shardkeep.manifest.schema import (
     DTYPE_ITEMSIZE,
+    FAST_BLOCK_DIGEST_BYTES,
     MAX_TENSOR_BYTES,
+    STRONG_BLOCK_DIGEST_BYTES,
     FileRecord,
     IndexedManifest,
     KeyPath,
@@ -46,6 +48,7 @@ _GLOBAL_SHAPE = operator.attrgetter("global_shape")
 _GLOBAL_OFFSET = operator.attrgetter("global_offset")
 _ARRAY_TYPE = operator.attrgetter("array_type")
 _DIGEST = operator.attrgetter("digest")
+_BLOCKS = operator.attrgetter("blocks")
 _SIZE = operator.attrgetter("size")
 _PARENT = operator.itemgetter(slice(None, -1))
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
@@ -99,6 +102,8 @@ def _columns_pass(files: list[FileRecord], table: TensorTable, limits: ManifestL
     if nbytes is None:
         return False
     ranges = _ranges_within_files(files, table, nbytes)
+    if ranges is None or not _blocks_pass(files, table, nbytes):
+        return False
     del nbytes
     return (
         ranges is not None
@@ -187,6 +192,28 @@ def _ranges_within_files(files: list[FileRecord], table: TensorTable, nbytes: An
     if not (ends <= numpy.repeat(sizes, table.counts)).all():
         return None
     return offsets, ends
+
+
+def _blocks_pass(files: list[FileRecord], table: TensorTable, nbytes: Any) -> bool:
+    """Every entry's ``blocks`` is empty, or its file is uncompressed with a positive
+    ``block_size`` ``B`` and the value holds ``ceil(nbytes / B)`` digests of 16 or 48 bytes."""
+    import numpy
+
+    held = numpy.fromiter(map(len, map(_BLOCKS, table.entries)), numpy.int64, len(table.entries))
+    if not held.any():
+        return True
+    sizes = [0 if record.compression is not None else record.block_size for record in files]
+    block_sizes = _int64_array(sizes)
+    if block_sizes is None:
+        return False
+    block_sizes = numpy.repeat(block_sizes, table.counts)
+    with_blocks = held > 0
+    if (block_sizes[with_blocks] <= 0).any():
+        return False
+    counts = -(-nbytes[with_blocks] // block_sizes[with_blocks])
+    lengths = held[with_blocks]
+    full = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
+    return bool(((lengths == counts * FAST_BLOCK_DIGEST_BYTES) | (lengths == counts * full)).all())
 
 
 def _digests_pass(entries: list[TensorEntry]) -> bool:

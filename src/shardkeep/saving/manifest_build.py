@@ -20,7 +20,7 @@ from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manif
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
     DTYPE_ITEMSIZE,
-    INDEXED_VERSION,
+    WRITTEN_INDEXED_VERSION,
     ContainerEntry,
     FileRecord,
     IndexedManifest,
@@ -293,7 +293,7 @@ def indexed_manifest(
             f"but those tensors hold {expected} bytes"
         )
     base = {name: getattr(manifest, name) for name in Manifest.__struct_fields__}
-    base["metadata_version"] = INDEXED_VERSION
+    base["metadata_version"] = WRITTEN_INDEXED_VERSION
     return IndexedManifest(
         **base,
         meshes=meshes,

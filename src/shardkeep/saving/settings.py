@@ -44,6 +44,7 @@ class SaveSettings:
     compression_level: int = WriteOptions.compression_level
     progress: bool = False
     storage_options: Mapping[str, Any] | None = None
+    block_size: int | None = None
     # What the manifest records (ManifestFields, and the step).
     model_id: str | None = None
     step: int | None = None
@@ -79,6 +80,7 @@ class SaveSettings:
             compression_level=self.compression_level,
             progress=self.progress,
             storage_options=self.storage_options,
+            block_size=self.block_size,
         )
         object.__setattr__(self, "io", io)
 
