@@ -150,9 +150,14 @@ def run_exchange(
     receives: Sequence[FileReceive | tuple[int, str | os.PathLike[str], FileRecord]],
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    pairs: Sequence[tuple[int, int]] | None = None,
 ) -> Exchange:
-    """:func:`exchange_files` without raising: every rank's outcome as an :class:`Exchange`."""
-    import torch
+    """:func:`exchange_files` without raising: every rank's outcome as an :class:`Exchange`.
+
+    ``pairs``: the ``(sender, receiver)`` ranks that have traffic, when every rank knows the
+    same plan (then the all-gather of who sends to whom is skipped). A rank named as a sender
+    sends its stream to that receiver even with no file in it; a send outside the plan is an
+    error."""
     import torch.distributed as dist
 
     if block_bytes <= 0:
@@ -173,15 +178,7 @@ def run_exchange(
     itself.finish_missing(itself.sent)
     if world == 1:
         return exchange
-    row = torch.zeros(world, dtype=torch.uint8)
-    for send in outgoing:
-        if send.peer != rank:
-            row[send.peer] = 1
-    rows = [torch.zeros(world, dtype=torch.uint8) for _ in range(world)]
-    try:
-        dist.all_gather(rows, row, group=group)
-    except RuntimeError as exc:
-        raise CoordinationError(f"gathering who sends files to whom failed: {exc}", {}) from exc
+    rows = _traffic(group, rank, world, outgoing, pairs)
     senders_of_mine = {peer for peer in range(world) if peer != rank and rows[peer][rank]}
     for distance in range(1, world):
         to_peer, from_peer = (rank + distance) % world, (rank - distance) % world
@@ -193,6 +190,34 @@ def run_exchange(
         if stream is None:
             _Receiver(from_peer, expected, exchange, block_bytes).finish_missing(sent=set())
     return exchange
+
+
+def _traffic(
+    group: Any, rank: int, world: int, outgoing: list[FileSend], pairs: Sequence[tuple[int, int]] | None
+) -> list[list[int]]:
+    """``rows[sender][receiver]``: whether that pair has traffic, from ``pairs`` or gathered."""
+    import torch
+    import torch.distributed as dist
+
+    if pairs is not None:
+        rows = [[0] * world for _ in range(world)]
+        for sender, receiver in pairs:
+            if sender != receiver:
+                rows[sender][receiver] = 1
+        for send in outgoing:
+            if send.peer != rank and not rows[rank][send.peer]:
+                raise ShardkeepError(f"rank {rank} sends to rank {send.peer}, which the exchange's plan leaves out")
+        return rows
+    row = torch.zeros(world, dtype=torch.uint8)
+    for send in outgoing:
+        if send.peer != rank:
+            row[send.peer] = 1
+    gathered = [torch.zeros(world, dtype=torch.uint8) for _ in range(world)]
+    try:
+        dist.all_gather(gathered, row, group=group)
+    except RuntimeError as exc:
+        raise CoordinationError(f"gathering who sends files to whom failed: {exc}", {}) from exc
+    return [[int(flag) for flag in each.tolist()] for each in gathered]
 
 
 def _run_round(group: Any, to_peer: int, from_peer: int, messages: Iterator[Any], stream: _Receiver | None) -> None:
@@ -417,6 +442,7 @@ class _Receiver:
         self.pending_size = 0
         self.current: _Incoming | None = None
         self.sent: set[str] = set()
+        self.block: Any = None
 
     def next_buffer(self) -> Any:
         import torch
@@ -429,7 +455,12 @@ class _Receiver:
             return torch.zeros(self.path_length, dtype=torch.uint8)
         if self.state == "data":
             assert self.current is not None
-            return torch.zeros(min(self.block_bytes, self.current.size - self.current.received), dtype=torch.uint8)
+            length = min(self.block_bytes, self.current.size - self.current.received)
+            if self.block is None or len(self.block) < length:
+                # One block per stream, received into again and again: its bytes are written
+                # and digested before the next block is asked for.
+                self.block = torch.empty(min(self.block_bytes, max(length, self.current.size)), dtype=torch.uint8)
+            return self.block[:length]
         if self.state == "trailer":
             return torch.zeros(1, dtype=torch.int64)
         return None
