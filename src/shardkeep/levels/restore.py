@@ -16,7 +16,8 @@ where each file came from and why each step was refused.
 
    The node-local candidates are tried first, from node-local copies and peers alone. Before
    one is filled into the state, and after one fails, every rank learns the newest step the
-   shared levels name (one broadcast); a node-local step is loaded only if no shared level
+   shared levels name (the coordinator's listing rides on the last agreement before the fill;
+   after a failure, one broadcast); a node-local step is loaded only if no shared level
    names a newer one, and older node-local candidates are tried only while they are at least
    as new. Otherwise the coordinator lists the shared levels fully (reading each step's
    manifest), and every candidate is tried in order, a node-local one again only if a shared
@@ -37,7 +38,8 @@ where each file came from and why each step was refused.
    index) and checks each in its node's directory (present, digest). A file missing or
    damaged there comes, in this order, from: a peer node holding it, in its own part or as a
    replica (sent over the process group; a copy refused on arrival is asked of the next node
-   holding the file, in node order), then the shared copy of the same step (when its record
+   holding the file, in node order; the plan of each exchange is known to every rank, so it
+   gathers nothing more), then the shared copy of the same step (when its record
    has the same digest). Each
    arrives checked and is written atomically with identical bytes; the node part records it
    in ``healed``. One rank of a node fetches each file the node lacks.
