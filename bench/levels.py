@@ -29,8 +29,8 @@ levels (node 1's part from node 0's replicas), with the local level alone, and f
 persistent level alone (target: replicas <= 1/3 of the time), interleaved ``--replica-reps``
 times (median and range of the per-repetition ratios); the report names the levels the
 restore with both levels did not read. A run of 6 back-to-back local saves with 1 and 0
-replicas gives how long a save blocks while the previous step replicates. ``--replicas-only``
-runs this part alone.
+replicas gives how long a save blocks while the previous step replicates (``--skip-blocking``
+leaves it out). ``--replicas-only`` runs this part alone.
 
 Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
 drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
@@ -41,6 +41,7 @@ docs/performance.md, "Two levels against one"::
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
     .venv/bin/python bench/levels.py --persistent dir --quick
     .venv/bin/python bench/levels.py --replica-mb 64 --replicas-only --replica-reps 7
+    .venv/bin/python bench/levels.py --replica-mb 256 --replicas-only --replica-reps 3 --skip-blocking
 """
 
 from __future__ import annotations
