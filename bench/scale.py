@@ -62,7 +62,13 @@ Constructed, because the real code needs a process group, DTensors or tensor byt
 * on load, ``wanted_regions`` needs DTensors in ``into``: its loop is rerun with each key's region
   taken from the target placements (``local_region``'s arithmetic), swapped in for
   ``loading.wanted_regions`` while ``LoadJob.select`` runs;
-* MoE only: the coordinator's state tree is the union of every rank's (see ``moe``).
+* MoE and 405b-3d: the coordinator's state tree is the union of every rank's (see ``moe``).
+
+Workloads (``--workloads``): ``dense-70b`` (FSDP2), ``tp-fsdp-70b`` (TP 8 x FSDP2), ``moe``
+(60 layers x 64 experts, one tensor per expert weight, EP 8), ``moe-stacked`` (the same experts
+stacked into one ``[E, ...]`` tensor per layer and weight, EP x FSDP2 on a 2-D mesh, as
+torchtitan keeps them), ``405b-3d`` (Llama-3-405B, TP 8 x PP 16 x FSDP2: 16,384 ranks give
+dp_shard = 128), and ``wide`` (many small whole tensors on one rank).
 
 Measured per workload and R (medians with min-max over ``--reps``; each point in a fresh
 subprocess): chunk entries, files, sealed manifest bytes, metadata bytes sent per rank and
@@ -78,6 +84,7 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --workloads dense-70b --ranks 1024
     .venv/bin/python bench/scale.py --json scale.json            # 8 ... 4096 ranks, wide 100k
     .venv/bin/python bench/scale.py --full                       # also wide 1M on disk
+    .venv/bin/python bench/scale.py --workloads 405b-3d --ranks 1024,16384 --reps 1
 
 :class:`CurrentFormat` measures whatever the imported shardkeep writes: format 2.0 for the
 DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
@@ -504,6 +511,81 @@ def moe(world: int) -> Workload:
     return _adamw(params, name="moe", world=world, meshes=meshes, state_keys="fqn")
 
 
+LLAMA3_405B = {"layers": 126, "hidden": 16384, "intermediate": 53248, "heads": 128, "kv_heads": 8, "vocab": 128256}
+
+
+def llama_405b_3d(world: int) -> Workload:
+    """Llama-3-405B + AdamW under TP x PP x FSDP2, torchtitan's 3-D layout: a (pp, dp_shard, tp)
+    mesh with TP = 8 and PP = 16 (each as large as ``world`` allows), pp outermost. The 126
+    layers are split over the stages as evenly as possible (the first stages take the extra
+    layers); the first stage also holds the embedding, the last the final norm and output.
+    Each stage's tensors live on that stage's (dp_shard, tp) sub-mesh, placed as
+    ``tp-fsdp-70b`` places them. Ranks of different stages hold different layers, so their
+    state trees differ (as under expert parallelism): optimizer state is keyed by FQN."""
+    tp = min(8, world)
+    pp = max(1, min(16, world // tp))
+    dp = max(1, world // (tp * pp))
+    world = pp * dp * tp
+    meshes = [Mesh((dp, tp), tuple(range(stage * dp * tp, (stage + 1) * dp * tp))) for stage in range(pp)]
+    strided: Placement = _StridedShard(0, split_factor=tp) if tp > 1 else Shard(0)
+    styles: dict[str, tuple[Placement, ...]] = {
+        "colwise": (strided, Shard(0)),
+        "embedding": (strided, Shard(0)),
+        "rowwise": (Shard(0), Shard(1)),
+        "norm": (Shard(0), Replicate()),
+    }
+    layers = LLAMA3_405B["layers"]
+    per_stage = [layers // pp + (1 if stage < layers % pp else 0) for stage in range(pp)]
+    first_layer = [sum(per_stage[:stage]) for stage in range(pp)]
+
+    def stage_of(fqn: str) -> int:
+        if fqn.startswith("tok_embeddings."):
+            return 0
+        if not fqn.startswith("layers."):
+            return pp - 1  # norm, output
+        layer = int(fqn.split(".")[1])
+        return max(stage for stage in range(pp) if first_layer[stage] <= layer)
+
+    params = [(fqn, shape, stage_of(fqn), styles[style]) for fqn, shape, style in _llama(**LLAMA3_405B)]
+    return _adamw(params, name="405b-3d", world=world, meshes=meshes, state_keys="fqn")
+
+
+def moe_stacked(world: int) -> Workload:
+    """The ``moe`` model with each layer's experts stacked, as torchtitan keeps them: three
+    ``[experts, ...]`` tensors per layer (``moe.experts.w1``, ``w2``, ``w3``) on a (dp, ep)
+    mesh over all ranks, ``Shard(0)`` (the expert dimension) on EP and ``Shard(1)`` on dp
+    (FSDP2 shards the next dimension when the first is taken). The rest as in ``moe``. Every
+    rank holds a chunk of every tensor, so optimizer state is keyed by parameter index."""
+    cfg = MOE
+    ep = min(8, world)
+    dp = world // ep
+    world = dp * ep
+    meshes = [Mesh((world,), tuple(range(world))), Mesh((dp, ep), tuple(range(world)))]
+    hidden, kv = cfg["hidden"], cfg["kv_heads"] * (cfg["hidden"] // cfg["heads"])
+    inter, experts = cfg["expert_intermediate"], cfg["experts"]
+    fsdp = (Shard(0),)
+    stacked = (Shard(1), Shard(0))
+    params: list[tuple[str, tuple[int, ...], int, tuple[Placement, ...] | None]] = [
+        ("tok_embeddings.weight", (cfg["vocab"], hidden), 0, fsdp)
+    ]
+    for layer in range(cfg["layers"]):
+        p = f"layers.{layer}."
+        params += [
+            (p + "attention.wq.weight", (hidden, hidden), 0, fsdp),
+            (p + "attention.wk.weight", (kv, hidden), 0, fsdp),
+            (p + "attention.wv.weight", (kv, hidden), 0, fsdp),
+            (p + "attention.wo.weight", (hidden, hidden), 0, fsdp),
+            (p + "moe.router.gate.weight", (experts, hidden), 0, fsdp),
+            (p + "moe.experts.w1", (experts, inter, hidden), 1, stacked),
+            (p + "moe.experts.w2", (experts, hidden, inter), 1, stacked),
+            (p + "moe.experts.w3", (experts, inter, hidden), 1, stacked),
+            (p + "attention_norm.weight", (hidden,), 0, fsdp),
+            (p + "ffn_norm.weight", (hidden,), 0, fsdp),
+        ]
+    params += [("norm.weight", (hidden,), 0, fsdp), ("output.weight", (cfg["vocab"], hidden), 0, fsdp)]
+    return _adamw(params, name="moe-stacked", world=world, meshes=meshes, state_keys="index")
+
+
 def wide(count: int) -> Workload:
     """``count`` small whole tensors (64 x fp32) on one rank."""
     tensors = [
@@ -520,7 +602,13 @@ def wide(count: int) -> Workload:
     return Workload(f"wide-{count // 1000}k", 1, tensors, [Mesh((1,), (0,))])
 
 
-WORKLOADS: dict[str, Callable[[int], Workload]] = {"dense-70b": dense_70b, "tp-fsdp-70b": tp_fsdp_70b, "moe": moe}
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "dense-70b": dense_70b,
+    "tp-fsdp-70b": tp_fsdp_70b,
+    "moe": moe,
+    "moe-stacked": moe_stacked,
+    "405b-3d": llama_405b_3d,
+}
 
 
 # ---------------------------------------------------------------------------------------------
