@@ -155,6 +155,12 @@ class _Settings:
     block_bytes: int
     io_threads: int
 
+    @property
+    def fast(self) -> bool:
+        """Whether data files are checked with their fast digest (where the manifest records
+        one): as a load does, unless a public key asks for the cryptographic digests."""
+        return self.signatures.public_key is None
+
 
 def restore_best(
     levels: Sequence[LevelView],
@@ -793,8 +799,9 @@ class _StepAttempt:
                         reasons.append((copy.level, f"{record.path}: step {self.step} there is another attempt"))
                         continue
                 copy_file(
-                    (store, f"{copy.name}/{record.path}"), destination, record, block_bytes=self.settings.block_bytes
-                )
+                    (store, f"{copy.name}/{record.path}"), destination, record,
+                    block_bytes=self.settings.block_bytes, fast=self.settings.fast,
+                )  # fmt: skip
             except (OSError, ShardkeepError) as exc:
                 reasons.append((copy.level, f"{record.path}: {exc}"))
                 continue
@@ -855,8 +862,9 @@ class _StepAttempt:
             if rank == self.rank and self.directory is not None:
                 receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
         exchange = run_exchange(
-            self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes, pairs=sorted(pairs)
-        )
+            self.coordinator.group, sends, receives,
+            block_bytes=self.settings.block_bytes, pairs=sorted(pairs), fast=self.settings.fast,
+        )  # fmt: skip
         home = self.home.name if self.home is not None else "?"
         received: list[str] = []
         for receive in receives:
