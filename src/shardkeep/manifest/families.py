@@ -1,0 +1,495 @@
+"""Tensor families (format 2.1): detection, expansion, lookup by key and validation.
+
+A family describes tensors whose keys differ only in some of their integers once, as a key
+template (``"layers.{0}.experts.{1}.w1"``; ``{{`` and ``}}`` are literal braces), one template
+per path component, and per placeholder a range ``[start, stop, step]``; its instances are the
+cartesian product of the ranges, row-major. Only the maximal digit runs of a key written in
+canonical decimal (no leading zero, below 2**31) can become placeholders, and a placeholder is
+never next to a digit or another placeholder, so every instance key maps back to one index
+tuple: detection then expansion is the identity, and :class:`FamilyIndex` finds a key without
+expanding anything. Anything detection cannot represent exactly stays a singleton.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .schema import KeyPath, ShardedTensor, TensorFamily
+
+__all__ = [
+    "FamilyIndex",
+    "detect_tensor_families",
+    "expand_tensor_family",
+    "family_problems",
+    "family_size",
+    "instance_count",
+]
+
+#: Integers at or above this never become placeholders (and no range may reach past it).
+INDEX_LIMIT = 2**31
+#: Orders of instances stay below this.
+ORDER_LIMIT = 2**63
+
+_RUNS = re.compile(r"(\d+)")
+_TOKEN = re.compile(r"\{\{|\}\}|\{(\d+)\}|[{}]|[^{}]+")
+
+
+class _NoFamily(Exception):
+    """A group whose members one family cannot describe exactly."""
+
+
+def _canonical(digits: str) -> bool:
+    return (digits == "0" or not digits.startswith("0")) and int(digits) < INDEX_LIMIT
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+# -- templates ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A parsed template: ``texts`` (the non-digit text between digit runs, one more than
+    ``runs``) and ``runs`` (each a literal digit string or a placeholder number)."""
+
+    texts: tuple[str, ...]
+    runs: tuple[str | int, ...]
+
+    def render(self, values: Sequence[int]) -> str:
+        out = [self.texts[0]]
+        for run, text in zip(self.runs, self.texts[1:], strict=True):
+            out.append(str(values[run]) if isinstance(run, int) else run)
+            out.append(text)
+        return "".join(out)
+
+
+def _parse(template: str) -> _Template:
+    """The template's digit-run form; ``ValueError`` for a bad brace, or for a placeholder
+    next to a digit or another placeholder (its instances would not parse back)."""
+    pieces: list[str | int] = []
+    pos = 0
+    for match in _TOKEN.finditer(template):
+        if match.start() != pos:
+            raise ValueError(f"bad template {template!r}")
+        pos = match.end()
+        token = match.group(0)
+        if match.group(1) is not None:
+            if not _canonical(match.group(1)):
+                raise ValueError(f"bad placeholder in template {template!r}")
+            pieces.append(int(match.group(1)))
+        elif token in ("{", "}"):
+            raise ValueError(f"unmatched brace in template {template!r}")
+        else:
+            pieces.append(token[0] if token in ("{{", "}}") else token)
+    if pos != len(template):
+        raise ValueError(f"bad template {template!r}")
+    texts: list[str] = [""]
+    runs: list[str | int] = []
+    for piece in pieces:
+        if isinstance(piece, int):
+            if texts[-1] == "" and runs:
+                raise ValueError(f"placeholder next to a digit or placeholder in {template!r}")
+            runs.append(piece)
+            texts.append("")
+            continue
+        for i, part in enumerate(_RUNS.split(piece)):
+            if i % 2 == 0:
+                texts[-1] += part
+            elif texts[-1] == "" and runs:
+                raise ValueError(f"placeholder next to a digit or placeholder in {template!r}")
+            else:
+                runs.append(part)
+                texts.append("")
+    return _Template(tuple(texts), tuple(runs))
+
+
+def _split_key(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    parts = _RUNS.split(key)
+    return tuple(parts[0::2]), tuple(parts[1::2])
+
+
+# -- expansion ---------------------------------------------------------------------------------
+
+
+def _axes(family: TensorFamily) -> list[range]:
+    return [range(start, stop, step) for start, stop, step in family.indices]
+
+
+def instance_count(indices: Sequence[Sequence[int]]) -> int:
+    """How many instances a family with these ranges has (no instance is built)."""
+    count = 1
+    for start, stop, step in indices:
+        count *= len(range(start, stop, step))
+    return count
+
+
+def _resolve_path(family: TensorFamily, parsed: list[_Template | int], values: Sequence[int]) -> KeyPath:
+    path: KeyPath = []
+    for position, part in enumerate(parsed):
+        if isinstance(part, int):
+            path.append(part)
+        elif position in family.int_parts:
+            path.append(values[part.runs[0]] if isinstance(part.runs[0], int) else int(part.runs[0]))
+        else:
+            path.append(part.render(values))
+    return path
+
+
+def _instance(
+    family: TensorFamily, values: Sequence[int], key: _Template, path: list[_Template | int]
+) -> ShardedTensor:
+    order = family.order
+    for step_k, value, (start, _stop, step) in zip(family.order_steps, values, family.indices, strict=False):
+        order += step_k * ((value - start) // step)
+    expert = None
+    if family.expert_key is not None:
+        expert = [values[int(e[1:-1])] if isinstance(e, str) else e for e in family.expert_key]
+    return ShardedTensor(
+        key=key.render(values),
+        path=_resolve_path(family, path, values),
+        dtype=family.dtype,
+        global_shape=list(family.global_shape),
+        mesh=family.mesh,
+        placements=list(family.placements),
+        kind=family.kind,
+        expert_key=expert,
+        order=order,
+    )
+
+
+def _parsed_path(family: TensorFamily) -> list[_Template | int]:
+    return [part if isinstance(part, int) else _parse(part) for part in family.path]
+
+
+def expand_tensor_family(family: TensorFamily) -> Iterator[ShardedTensor]:
+    """The instances of a validated family, row-major."""
+    key, path = _parse(family.key), _parsed_path(family)
+    for values in itertools.product(*_axes(family)):
+        yield _instance(family, values, key, path)
+
+
+# -- lookup ------------------------------------------------------------------------------------
+
+
+class FamilyIndex:
+    """Finds the instance of a key among validated families in constant time per family
+    sharing the key's non-digit skeleton: the digits are parsed and the ranges checked."""
+
+    def __init__(self, families: Sequence[TensorFamily]) -> None:
+        self._by_skeleton: dict[tuple[str, ...], list[tuple[TensorFamily, _Template, list[_Template | int]]]] = {}
+        for family in families:
+            key = _parse(family.key)
+            self._by_skeleton.setdefault(key.texts, []).append((family, key, _parsed_path(family)))
+
+    def find(self, key: str) -> ShardedTensor | None:
+        texts, digits = _split_key(key)
+        for family, template, path in self._by_skeleton.get(texts, ()):
+            values = _match(family, template, digits)
+            if values is not None:
+                return _instance(family, values, template, path)
+        return None
+
+
+def _match(family: TensorFamily, template: _Template, digits: tuple[str, ...]) -> list[int] | None:
+    values = [0] * len(family.indices)
+    for run, text in zip(template.runs, digits, strict=True):
+        if isinstance(run, str):
+            if run != text:
+                return None
+            continue
+        if not _canonical(text):
+            return None
+        value = int(text)
+        start, stop, step = family.indices[run]
+        if not (start <= value < stop and (value - start) % step == 0):
+            return None
+        values[run] = value
+    return values
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def family_size(family: TensorFamily, limit: int) -> int:
+    """The instance count, or ``limit + 1`` as soon as it exceeds ``limit`` (checked range by
+    range, so a hostile product never becomes a huge integer)."""
+    count = 1
+    for start, stop, step in family.indices:
+        count *= max(0, len(range(start, stop, step)))
+        if count > limit:
+            return limit + 1
+    return count
+
+
+def family_problems(family: TensorFamily, max_tensors: int) -> list[str]:
+    """What makes a family invalid, checked without building an instance: ranges, templates,
+    placeholders, integer path parts, expert keys, orders, and the instance count against
+    ``max_tensors``."""
+    where = f"tensor family {family.key!r}"
+    n = len(family.indices)
+    for bounds in family.indices:
+        if len(bounds) != 3:
+            return [f"{where}: each index range is [start, stop, step]"]
+        start, stop, step = bounds
+        if not (0 <= start < stop <= INDEX_LIMIT and step >= 1):
+            return [f"{where}: index range {bounds} is empty or out of bounds"]
+    if family_size(family, max_tensors) > max_tensors:
+        return [f"{where}: more instances than the limit of {max_tensors}"]
+    if n == 0:
+        return [f"{where}: a family has at least one index range"]
+    try:
+        key = _parse(family.key)
+        path = _parsed_path(family)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    problems: list[str] = []
+    placeholders = [run for run in key.runs if isinstance(run, int)]
+    if sorted(placeholders) != list(range(n)):
+        problems.append(f"{where}: the key must hold each placeholder 0..{n - 1} exactly once")
+    for part in path:
+        if isinstance(part, _Template) and any(isinstance(r, int) and r >= n for r in part.runs):
+            problems.append(f"{where}: a path placeholder has no index range")
+    for position in family.int_parts:
+        lone = path[position] if 0 <= position < len(path) else None
+        if not (isinstance(lone, _Template) and lone.texts == ("", "") and isinstance(lone.runs[0], int)):
+            problems.append(f"{where}: integer path part {position} is not a lone placeholder")
+    if len(set(family.int_parts)) != len(family.int_parts):
+        problems.append(f"{where}: repeated integer path part")
+    for entry in family.expert_key or []:
+        if isinstance(entry, str) and not (re.fullmatch(r"\{(0|[1-9]\d{0,8})\}", entry) and int(entry[1:-1]) < n):
+            problems.append(f"{where}: bad expert key entry {entry!r}")
+    if len(family.order_steps) not in (0, n):
+        problems.append(f"{where}: order_steps must have one step per index range")
+    low = high = family.order
+    for step_k, (start, stop, step) in zip(family.order_steps, family.indices, strict=False):
+        span = step_k * (len(range(start, stop, step)) - 1)
+        low, high = low + min(0, span), high + max(0, span)
+    if low < 0 or high >= ORDER_LIMIT:
+        problems.append(f"{where}: instance orders leave [0, 2**63)")
+    return problems
+
+
+# -- detection ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    tensor: ShardedTensor
+    digits: list[int]  # the key's placeholder-eligible digit runs
+
+
+def _skeleton(tensor: ShardedTensor) -> tuple[object, ...] | None:
+    """The grouping key: the key with canonical digit runs replaced, path likewise, and the
+    fixed fields. ``None`` when the key has nothing to vary."""
+    texts, runs = _split_key(tensor.key)
+    if not any(_canonical(r) for r in runs):
+        return None
+    key_shape = tuple(None if _canonical(r) else r for r in runs)
+    path_shape = tuple(("int",) if isinstance(p, int) else ("str", _split_key(p)[0]) for p in tensor.path)
+    return (
+        texts,
+        key_shape,
+        path_shape,
+        tensor.dtype,
+        tuple(tensor.global_shape),
+        tensor.mesh,
+        tuple(tensor.placements),
+        tensor.kind,
+        None if tensor.expert_key is None else len(tensor.expert_key),
+    )
+
+
+def detect_tensor_families(
+    tensors: Sequence[ShardedTensor],
+) -> tuple[list[TensorFamily], list[ShardedTensor]]:
+    """Split ``tensors`` into families (at least 2 instances each) and singletons, so that
+    expanding the families gives back exactly the family members, keys, paths, orders and
+    expert keys included. Groups that are not a product of arithmetic ranges with affine
+    orders are split on their first varying integer and tried again."""
+    groups: dict[tuple[object, ...], list[_Item]] = {}
+    singles: list[ShardedTensor] = []
+    seen: set[str] = set()
+    duplicates: set[str] = set()
+    for tensor in tensors:
+        (duplicates if tensor.key in seen else seen).add(tensor.key)
+    for tensor in tensors:
+        skeleton = None if tensor.key in duplicates else _skeleton(tensor)
+        if skeleton is None:
+            singles.append(tensor)
+            continue
+        digits = [int(r) for r in _split_key(tensor.key)[1] if _canonical(r)]
+        groups.setdefault(skeleton, []).append(_Item(tensor, digits))
+    families: list[TensorFamily] = []
+    for items in groups.values():
+        _detect_group(items, families, singles)
+    return families, singles
+
+
+def _detect_group(items: list[_Item], families: list[TensorFamily], singles: list[ShardedTensor]) -> None:
+    if len(items) < 2:
+        singles.extend(item.tensor for item in items)
+        return
+    family = _family_of(items)
+    if family is not None:
+        families.append(family)
+        return
+    width = len(items[0].digits)
+    varying = [k for k in range(width) if len({item.digits[k] for item in items}) > 1]
+    if not varying:
+        singles.extend(item.tensor for item in items)
+        return
+    split: dict[int, list[_Item]] = {}
+    for item in items:
+        split.setdefault(item.digits[varying[0]], []).append(item)
+    if len(split) == 1:  # cannot happen with a varying position; kept for termination
+        singles.extend(item.tensor for item in items)
+        return
+    for part in split.values():
+        _detect_group(part, families, singles)
+
+
+def _ranges(items: list[_Item], varying: list[int]) -> list[list[int]] | None:
+    ranges: list[list[int]] = []
+    for k in varying:
+        values = sorted({item.digits[k] for item in items})
+        step = values[1] - values[0]
+        if any(b - a != step for a, b in itertools.pairwise(values)):
+            return None
+        ranges.append([values[0], values[-1] + 1, step])
+    if instance_count(ranges) != len(items):
+        return None
+    if len({tuple(item.digits[k] for k in varying) for item in items}) != len(items):
+        return None
+    return ranges
+
+
+def _family_of(items: list[_Item]) -> TensorFamily | None:
+    """The family of a group with one skeleton, or ``None`` when it is not one."""
+    first = items[0]
+    width = len(first.digits)
+    varying = [k for k in range(width) if len({item.digits[k] for item in items}) > 1]
+    if not varying:
+        return None
+    ranges = _ranges(items, varying)
+    if ranges is None:
+        return None
+    slot = {k: i for i, k in enumerate(varying)}
+    key = _template_of(first.tensor.key, first.digits, slot)
+    try:
+        path_templates, int_parts = _path_templates(items, slot)
+        expert = _expert_template(items, slot)
+    except _NoFamily:
+        return None
+    order_steps = _affine(items, varying, ranges, lambda t: t.order)
+    if order_steps is None:
+        return None
+    base = min(items, key=lambda item: [item.digits[k] for k in varying]).tensor
+    tensor = first.tensor
+    return TensorFamily(
+        key=key,
+        path=path_templates,
+        int_parts=int_parts,
+        indices=ranges,
+        dtype=tensor.dtype,
+        global_shape=list(tensor.global_shape),
+        mesh=tensor.mesh,
+        placements=list(tensor.placements),
+        kind=tensor.kind,
+        expert_key=expert,
+        order=base.order,
+        order_steps=order_steps if any(order_steps) else [],
+    )
+
+
+def _template_of(text: str, digits: list[int], slot: dict[int, int]) -> str:
+    """``text`` with its varying canonical digit runs turned into placeholders, the rest
+    escaped literally."""
+    texts, runs = _split_key(text)
+    out = [_escape(texts[0])]
+    k = 0
+    for run, after in zip(runs, texts[1:], strict=True):
+        if _canonical(run):
+            out.append(f"{{{slot[k]}}}" if k in slot else run)
+            k += 1
+        else:
+            out.append(run)
+        out.append(_escape(after))
+    return "".join(out)
+
+
+def _binding(values: list[int], items: list[_Item], slot: dict[int, int]) -> int | None:
+    """How a path or expert-key integer relates to the key: the placeholder it always equals,
+    or ``None`` when it is constant; :class:`_NoFamily` when neither."""
+    if len(set(values)) == 1:
+        return None
+    for k, placeholder in slot.items():
+        if all(v == item.digits[k] for v, item in zip(values, items, strict=True)):
+            return placeholder
+    raise _NoFamily
+
+
+def _path_templates(items: list[_Item], slot: dict[int, int]) -> tuple[list[str | int], list[int]]:
+    templates: list[str | int] = []
+    int_parts: list[int] = []
+    for position, part in enumerate(items[0].tensor.path):
+        if isinstance(part, int):
+            values = [int(item.tensor.path[position]) for item in items]
+            bound = _binding(values, items, slot)
+            if bound is None:
+                templates.append(part)
+            else:
+                templates.append(f"{{{bound}}}")
+                int_parts.append(position)
+            continue
+        texts = _split_key(part)[0]
+        out = [_escape(texts[0])]
+        for r, after in enumerate(texts[1:]):
+            column = [_split_key(str(item.tensor.path[position]))[1][r] for item in items]
+            if len(set(column)) == 1:
+                out.append(column[0])
+            elif all(_canonical(c) for c in column):
+                bound = _binding([int(c) for c in column], items, slot)
+                if bound is None:
+                    raise _NoFamily
+                out.append(f"{{{bound}}}")
+            else:
+                raise _NoFamily
+            out.append(_escape(after))
+        templates.append("".join(out))
+    return templates, int_parts
+
+
+def _expert_template(items: list[_Item], slot: dict[int, int]) -> list[int | str] | None:
+    first = items[0].tensor.expert_key
+    if first is None:
+        return None
+    out: list[int | str] = []
+    for position, value in enumerate(first):
+        column = [item.tensor.expert_key[position] for item in items]  # type: ignore[index]
+        bound = _binding(column, items, slot)
+        out.append(value if bound is None else f"{{{bound}}}")
+    return out
+
+
+def _affine(
+    items: list[_Item], varying: list[int], ranges: list[list[int]], field: Callable[[ShardedTensor], int]
+) -> list[int] | None:
+    """Per-placeholder steps making ``field`` affine in the range positions, or ``None``."""
+    by_pos = {
+        tuple((item.digits[k] - r[0]) // r[2] for k, r in zip(varying, ranges, strict=True)): item for item in items
+    }
+    origin = (0,) * len(varying)
+    base = field(by_pos[origin].tensor)
+    steps: list[int] = []
+    for axis in range(len(varying)):
+        unit = tuple(1 if a == axis else 0 for a in range(len(varying)))
+        steps.append(field(by_pos[unit].tensor) - base if unit in by_pos else 0)
+    for position, item in by_pos.items():
+        if field(item.tensor) != base + sum(s * p for s, p in zip(steps, position, strict=True)):
+            return None
+    return steps

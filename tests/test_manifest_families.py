@@ -1,0 +1,187 @@
+"""Tensor families (format 2.1): detection then expansion is the identity, lookup by key agrees
+with a dict of the expanded keys, and validation refuses malformed or huge families."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardkeep.manifest.families import (
+    FamilyIndex,
+    detect_tensor_families,
+    expand_tensor_family,
+    family_problems,
+)
+from shardkeep.manifest.schema import ShardedTensor, TensorFamily
+
+
+def _tensor(key: str, path: list[str | int], order: int = 0, expert: list[int] | None = None) -> ShardedTensor:
+    return ShardedTensor(
+        key=key,
+        path=path,
+        dtype="float32",
+        global_shape=[8, 4],
+        mesh=0,
+        placements=["S0"],
+        kind="expert" if expert is not None else "dense",
+        expert_key=expert,
+        order=order,
+    )
+
+
+def _roundtrip(tensors: list[ShardedTensor]) -> tuple[list[TensorFamily], list[ShardedTensor]]:
+    families, singles = detect_tensor_families(tensors)
+    for family in families:
+        assert family_problems(family, 10**6) == []
+        # a family survives its own encoding
+        assert msgspec.json.decode(msgspec.json.encode(family), type=TensorFamily) == family
+    expanded = [t for f in families for t in expand_tensor_family(f)] + singles
+    key = lambda t: t.key  # noqa: E731
+    assert sorted(expanded, key=key) == sorted(tensors, key=key)
+    index = FamilyIndex(families)
+    members = {t.key: t for f in families for t in expand_tensor_family(f)}
+    for tensor in tensors:
+        assert index.find(tensor.key) == members.get(tensor.key)
+    return families, singles
+
+
+def test_moe_tree_becomes_one_family() -> None:
+    tensors = [
+        _tensor(
+            f"model.layers.{layer}.mlp.experts.{e}.w{w}",
+            ["model", "layers", str(layer), "mlp", "experts", str(e), f"w{w}"],
+            order=1000 * layer + 10 * e + w,
+            expert=[1, layer, e],
+        )
+        for layer in range(6)
+        for e in range(8)
+        for w in (1, 2, 3)
+    ]
+    tensors.append(_tensor("model.embed.weight", ["model", "embed", "weight"]))
+    families, singles = _roundtrip(tensors)
+    assert len(families) == 1 and [t.key for t in singles] == ["model.embed.weight"]
+    assert families[0].key == "model.layers.{0}.mlp.experts.{1}.w{2}"
+    assert families[0].order_steps == [1000, 10, 1]
+    assert families[0].expert_key == [1, "{0}", "{1}"]
+
+
+def test_integer_optimizer_ids_are_integer_path_parts() -> None:
+    tensors = [_tensor(f"optim.state.{i}.exp_avg", ["optim", "state", i, "exp_avg"], order=i) for i in range(0, 40, 2)]
+    families, singles = _roundtrip(tensors)
+    assert singles == [] and families[0].int_parts == [2] and families[0].path[2] == "{0}"
+
+
+def test_hostile_keys_round_trip_or_stay_single() -> None:
+    tensors = [
+        _tensor("layers.01.w", ["layers", "01", "w"]),
+        _tensor("layers.02.w", ["layers", "02", "w"]),
+        _tensor("a{0}.1.b}", ["a{0}", "1"]),
+        _tensor("a{0}.2.b}", ["a{0}", "2"]),
+        _tensor("x12y", ["x12y"]),
+        _tensor("x13y", ["x13y"]),
+        _tensor("big.4294967296", ["big", "4294967296"]),
+        _tensor("big.4294967297", ["big", "4294967297"]),
+        _tensor("odd.1", ["odd", "1"]),
+        _tensor("odd.2", ["odd", "2"]),
+        _tensor("odd.4", ["odd", "4"]),
+    ]
+    families, singles = _roundtrip(tensors)
+    assert {t.key for t in singles} >= {"layers.01.w", "layers.02.w", "big.4294967296", "big.4294967297"}
+    assert any(f.key == "a{{0}}.{0}.b}}" for f in families)
+
+
+def test_find_rejects_near_misses() -> None:
+    families, _ = detect_tensor_families([_tensor(f"l.{i}.w", ["l", str(i), "w"]) for i in range(0, 10, 3)])
+    index = FamilyIndex(families)
+    assert index.find("l.3.w") is not None
+    for key in ("l.4.w", "l.03.w", "l.12.w", "l.3.v", "l.3", "x"):
+        assert index.find(key) is None
+
+
+_SEGMENT = st.sampled_from(["a", "b.", ".", "{", "}", "{{", "x{0}", "_", "0", "01", "7"])
+
+
+@st.composite
+def _key_sets(draw: st.DrawFn) -> list[ShardedTensor]:
+    prefix = draw(st.lists(_SEGMENT, max_size=3).map("".join))
+    middle = draw(st.lists(_SEGMENT, min_size=1, max_size=2).map("".join))
+    suffix = draw(st.lists(_SEGMENT, max_size=3).map("".join))
+    starts = draw(st.tuples(st.integers(0, 12), st.integers(0, 12)))
+    steps = draw(st.tuples(st.integers(1, 3), st.integers(1, 3)))
+    counts = draw(st.tuples(st.integers(1, 4), st.integers(1, 4)))
+    affine = draw(st.booleans())
+    int_path = draw(st.booleans())
+    drop = draw(st.sets(st.integers(0, 15), max_size=3))
+    out: dict[str, ShardedTensor] = {}
+    n = 0
+    for i in range(starts[0], starts[0] + steps[0] * counts[0], steps[0]):
+        for j in range(starts[1], starts[1] + steps[1] * counts[1], steps[1]):
+            n += 1
+            if n in drop:
+                continue
+            key = f"{prefix}{i}{middle}{j}{suffix}"
+            path: list[str | int] = [prefix or "p", i if int_path else str(i), f"{middle}{j}{suffix}"]
+            order = 5 + 3 * i + j if affine else draw(st.integers(0, 50))
+            out[key] = _tensor(key, path, order=order)
+    extra = draw(st.lists(st.tuples(_SEGMENT, st.integers(0, 120)), max_size=4))
+    for segment, value in extra:
+        key = f"{prefix}{value}{segment}"
+        out.setdefault(key, _tensor(key, [key]))
+    return list(out.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(_key_sets())
+def test_detect_then_expand_is_the_identity(tensors: list[ShardedTensor]) -> None:
+    _roundtrip(tensors)
+
+
+def _family(**changes: object) -> TensorFamily:
+    fields: dict[str, object] = {
+        "key": "l.{0}.e.{1}",
+        "path": ["l", "{0}", "e", "{1}"],
+        "indices": [[0, 4, 1], [0, 8, 2]],
+        "dtype": "float32",
+        "global_shape": [4],
+        "mesh": 0,
+        "placements": ["S0"],
+    }
+    fields.update(changes)
+    return TensorFamily(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"indices": [[0, 2**31, 1], [0, 2**31, 1]]}, "more instances"),
+        ({"indices": [[0, 0, 1], [0, 8, 2]]}, "empty"),
+        ({"indices": [[0, 4, 0], [0, 8, 2]]}, "empty"),
+        ({"indices": [[0, 4], [0, 8, 2]]}, "[start, stop, step]"),
+        ({"key": "l.{0}{1}"}, "next to a digit"),
+        ({"key": "l.{0}7.e.{1}"}, "next to a digit"),
+        ({"key": "l.{0}.e.{0}"}, "exactly once"),
+        ({"key": "l.{0}.e"}, "exactly once"),
+        ({"key": "l.{0.e.{1}"}, "template"),
+        ({"key": "l.{00}.e.{1}"}, "placeholder"),
+        ({"path": ["l", "{2}"]}, "no index range"),
+        ({"int_parts": [0]}, "lone placeholder"),
+        ({"expert_key": [1, "{5}"]}, "expert key"),
+        ({"order_steps": [1]}, "one step per"),
+        ({"order": 2**63 - 2, "order_steps": [1, 1]}, "2**63"),
+        ({"order": 0, "order_steps": [-1, 0]}, "2**63"),
+    ],
+)
+def test_validation_refuses(changes: dict[str, object], message: str) -> None:
+    problems = family_problems(_family(**changes), 10**6)
+    assert any(message in p for p in problems), problems
+
+
+def test_valid_family_expands_row_major() -> None:
+    family = _family(int_parts=[1], order=3, order_steps=[10, 1])
+    assert family_problems(family, 16) == []
+    assert family_problems(family, 15) != []
+    keys = [(t.key, t.path, t.order) for t in expand_tensor_family(family)]
+    assert keys[:2] == [("l.0.e.0", ["l", 0, "e", "0"], 3), ("l.0.e.2", ["l", 0, "e", "2"], 4)]
+    assert len(keys) == 16
