@@ -77,8 +77,8 @@ def test_hostile_keys_round_trip_or_stay_single() -> None:
     tensors = [
         _tensor("layers.01.w", ["layers", "01", "w"]),
         _tensor("layers.02.w", ["layers", "02", "w"]),
-        _tensor("a{0}.1.b}", ["a{0}", "1"]),
-        _tensor("a{0}.2.b}", ["a{0}", "2"]),
+        _tensor("a{0}.1.b}", ["a{0}", "1", "b}"]),
+        _tensor("a{0}.2.b}", ["a{0}", "2", "b}"]),
         _tensor("x12y", ["x12y"]),
         _tensor("x13y", ["x13y"]),
         _tensor("big.4294967296", ["big", "4294967296"]),
@@ -121,14 +121,15 @@ def _key_sets(draw: st.DrawFn) -> list[ShardedTensor]:
             n += 1
             if n in drop:
                 continue
-            key = f"{prefix}{i}{middle}{j}{suffix}"
             path: list[str | int] = [prefix or "p", i if int_path else str(i), f"{middle}{j}{suffix}"]
+            key = ".".join(map(str, path))
             order = 5 + 3 * i + j if affine else draw(st.integers(0, 50))
             out[key] = _tensor(key, path, order=order)
     extra = draw(st.lists(st.tuples(_SEGMENT, st.integers(0, 120)), max_size=4))
     for segment, value in extra:
-        key = f"{prefix}{value}{segment}"
-        out.setdefault(key, _tensor(key, [key]))
+        extra_path: list[str | int] = [prefix or "p", value, segment]
+        key = ".".join(map(str, extra_path))
+        out.setdefault(key, _tensor(key, extra_path))
     return list(out.values())
 
 
@@ -166,6 +167,7 @@ def _family(**changes: object) -> TensorFamily:
         ({"key": "l.{0.e.{1}"}, "template"),
         ({"key": "l.{00}.e.{1}"}, "placeholder"),
         ({"path": ["l", "{2}"]}, "no index range"),
+        ({"path": ["l", "{0}", "e", "{1}", "x"]}, "joined with dots"),
         ({"int_parts": [0]}, "lone placeholder"),
         ({"expert_key": [1, "{5}"]}, "expert key"),
         ({"order_steps": [1]}, "one step per"),
@@ -185,3 +187,86 @@ def test_valid_family_expands_row_major() -> None:
     keys = [(t.key, t.path, t.order) for t in expand_tensor_family(family)]
     assert keys[:2] == [("l.0.e.0", ["l", 0, "e", "0"], 3), ("l.0.e.2", ["l", 0, "e", "2"], 4)]
     assert len(keys) == 16
+
+
+def _brute_overlap(a: TensorFamily, b: TensorFamily) -> bool:
+    return bool({t.key for t in expand_tensor_family(a)} & {t.key for t in expand_tensor_family(b)})
+
+
+_RANGE = st.tuples(st.integers(0, 30), st.integers(1, 12), st.integers(1, 7)).map(lambda t: [t[0], t[0] + t[1], t[2]])
+
+
+@settings(max_examples=300, deadline=None)
+@given(_RANGE, _RANGE, _RANGE, _RANGE, st.sampled_from(["l.{0}.e.{1}", "l.{0}.e.3", "l.4.e.{1}"]))
+def test_overlap_agrees_with_expansion(r1: list[int], r2: list[int], r3: list[int], r4: list[int], other: str) -> None:
+    from shardkeep.manifest.families import families_overlap
+
+    a = _family(indices=[r1, r2])
+    n = other.count("{")
+    key = other.replace("{1}", "{0}") if n == 1 and "{1}" in other else other
+    b = _family(key=key, path=key.split("."), indices=[r3, r4][:n])
+    assert family_problems(b, 10**6) == []
+    assert families_overlap(a, b) == _brute_overlap(a, b)
+
+
+def test_family_set_refuses_collisions_and_huge_totals() -> None:
+    from shardkeep.manifest.families import family_set_problems, instances_within
+
+    a = _family()
+    assert family_set_problems([a], ["l.0.e.1", "other"], 10**6) == []
+    assert any("listed again" in p for p in family_set_problems([a], ["l.3.e.6"], 10**6))
+    b = _family(indices=[[3, 9, 1], [6, 7, 1]])
+    assert any("share an instance key" in p for p in family_set_problems([a, b], [], 10**6))
+    c = _family(indices=[[4, 9, 1], [0, 8, 2]])
+    assert family_set_problems([a, c], [], 10**6) == []
+    assert instances_within([a, c], 50) == 36 and instances_within([a, c], 30) == 31
+    huge = _family(indices=[[0, 2**31, 1], [0, 2**31, 1]])
+    assert instances_within([huge], 10**6) == 10**6 + 1
+
+
+def _indexed(families: list[TensorFamily], sharded: list[ShardedTensor] | None = None) -> object:
+    from shardkeep.manifest import IndexedManifest
+    from shardkeep.manifest.schema import INDEXED_VERSION, Mesh, Sharding
+
+    return IndexedManifest(
+        metadata_version=INDEXED_VERSION,
+        meshes=[Mesh(shape=[1])],
+        families=families,
+        sharded=sharded or [],
+        sharding=Sharding(shard_count=1),
+    )
+
+
+def _errors(manifest: object) -> list[str]:
+    from shardkeep.manifest import validate_entries_one_by_one, validate_manifest
+
+    fast, slow = validate_manifest(manifest), validate_entries_one_by_one(manifest)  # type: ignore[arg-type]
+    assert fast.errors == slow.errors
+    return fast.errors
+
+
+def test_manifest_validation_checks_families_then_refuses_them_until_readers_expand() -> None:
+    errors = _errors(_indexed([_family()]))
+    assert errors == ["the tensor family 'l.{0}.e.{1}' cannot be expanded by this version of shardkeep"]
+    clash = _tensor("l.2.e.4", ["l", "2", "e", "4"])
+    errors = _errors(_indexed([_family()], [clash]))
+    assert any("listed again" in e for e in errors) and not any("cannot be expanded" in e for e in errors)
+    errors = _errors(_indexed([_family(), _family(indices=[[3, 5, 1], [4, 5, 1]])]))
+    assert any("share an instance key" in e for e in errors)
+    errors = _errors(_indexed([_family(key="l.{0}{1}")]))
+    assert any("next to a digit" in e for e in errors)
+
+
+def test_family_instances_count_toward_max_tensors_on_decode() -> None:
+    from shardkeep.config import ManifestLimits
+    from shardkeep.errors import ManifestError
+    from shardkeep.integrity import seal_manifest
+    from shardkeep.manifest import decode_manifest, encode_manifest
+
+    data = seal_manifest(encode_manifest(_indexed([_family()])), "blake3")  # type: ignore[arg-type]
+    assert decode_manifest(data, limits=ManifestLimits(max_tensors=16)).families == [_family()]  # type: ignore[union-attr]
+    with pytest.raises(ManifestError, match="over the limit"):
+        decode_manifest(data, limits=ManifestLimits(max_tensors=15))
+    huge = seal_manifest(encode_manifest(_indexed([_family(indices=[[0, 2**31, 1]] * 2)])), "blake3")  # type: ignore[arg-type]
+    with pytest.raises(ManifestError, match="over the limit"):
+        decode_manifest(huge)

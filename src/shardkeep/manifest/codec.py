@@ -24,6 +24,7 @@ import msgspec.inspect
 
 from shardkeep.config import ManifestLimits
 from shardkeep.errors import ManifestError, ManifestVersionError, ShardkeepError
+from shardkeep.manifest.families import instances_within
 from shardkeep.manifest.schema import (
     FORMAT_NAME,
     INDEXED_VERSION,
@@ -288,13 +289,18 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
     return manifest
 
 
+#: Family instances are counted up to here (past any limit), so a hostile product stays small.
+_COUNT_CAP = 2**62
+
+
 def _counts(manifest: Manifest) -> tuple[int, int]:
     """(files, tensor entries) that the limits bound: a format 2.0 manifest's rank indexes
-    count as files, and its described tensors as entries."""
+    count as files, and its described tensors, every instance of a tensor family (counted, not
+    built) included, as entries."""
     files, tensors = len(manifest.files), sum(len(record.tensors) for record in manifest.files)
     if isinstance(manifest, IndexedManifest):
         files += len(manifest.indexes.ranks) if manifest.indexes is not None else 0
-        tensors += len(manifest.sharded)
+        tensors += len(manifest.sharded) + instances_within(manifest.families or [], _COUNT_CAP)
     return files, tensors
 
 

@@ -13,20 +13,29 @@ expanding anything. Anything detection cannot represent exactly stays a singleto
 from __future__ import annotations
 
 import itertools
+import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .schema import KeyPath, ShardedTensor, TensorFamily
 
 __all__ = [
+    "READERS_EXPAND_FAMILIES",
     "FamilyIndex",
     "detect_tensor_families",
     "expand_tensor_family",
+    "families_overlap",
     "family_problems",
+    "family_set_problems",
     "family_size",
     "instance_count",
+    "instances_within",
 ]
+
+#: Whether the reading side (indexes, loading, regions) resolves keys against families. Until
+#: it does, validation refuses even valid families, so that no instance goes unseen.
+READERS_EXPAND_FAMILIES = False
 
 #: Integers at or above this never become placeholders (and no range may reach past it).
 INDEX_LIMIT = 2**31
@@ -226,6 +235,11 @@ def family_size(family: TensorFamily, limit: int) -> int:
     return count
 
 
+def _joins(family: TensorFamily) -> bool:
+    """Whether every instance's key is its path joined with dots (checked on the templates)."""
+    return family.key == ".".join(_escape(str(part)) if isinstance(part, int) else part for part in family.path)
+
+
 def family_problems(family: TensorFamily, max_tensors: int) -> list[str]:
     """What makes a family invalid, checked without building an instance: ranges, templates,
     placeholders, integer path parts, expert keys, orders, and the instance count against
@@ -248,6 +262,8 @@ def family_problems(family: TensorFamily, max_tensors: int) -> list[str]:
     except ValueError as exc:
         return [f"{where}: {exc}"]
     problems: list[str] = []
+    if not _joins(family):
+        problems.append(f"{where}: key template not equal to its path templates joined with dots")
     placeholders = [run for run in key.runs if isinstance(run, int)]
     if sorted(placeholders) != list(range(n)):
         problems.append(f"{where}: the key must hold each placeholder 0..{n - 1} exactly once")
@@ -390,7 +406,7 @@ def _family_of(items: list[_Item]) -> TensorFamily | None:
         return None
     base = min(items, key=lambda item: [item.digits[k] for k in varying]).tensor
     tensor = first.tensor
-    return TensorFamily(
+    family = TensorFamily(
         key=key,
         path=path_templates,
         int_parts=int_parts,
@@ -404,6 +420,7 @@ def _family_of(items: list[_Item]) -> TensorFamily | None:
         order=base.order,
         order_steps=order_steps if any(order_steps) else [],
     )
+    return family if _joins(family) else None
 
 
 def _template_of(text: str, digits: list[int], slot: dict[int, int]) -> str:
@@ -493,3 +510,82 @@ def _affine(
         if field(item.tensor) != base + sum(s * p for s, p in zip(steps, position, strict=True)):
             return None
     return steps
+
+
+# -- validation of a set of families -----------------------------------------------------------
+
+#: Families sharing one key skeleton are compared pairwise; more than this many is refused.
+MAX_FAMILIES_PER_SKELETON = 1024
+
+
+def instances_within(families: Sequence[TensorFamily], limit: int) -> int:
+    """The instances of ``families`` together, or ``limit + 1`` once past ``limit``; nothing
+    is built, so a hostile product costs nothing (the count behind ``max_tensors``)."""
+    total = 0
+    for family in families:
+        total += family_size(family, limit)
+        if total > limit:
+            return limit + 1
+    return total
+
+
+def _progressions_meet(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether ``range(*a)`` and ``range(*b)`` share an integer (exact arithmetic)."""
+    (start_a, stop_a, step_a), (start_b, stop_b, step_b) = a, b
+    g = math.gcd(step_a, step_b)
+    if (start_b - start_a) % g:
+        return False
+    modulus = step_b // g
+    k = ((start_b - start_a) // g * pow(step_a // g, -1, modulus)) % modulus if modulus > 1 else 0
+    first, period = start_a + step_a * k, step_a * modulus
+    low = max(start_a, start_b)
+    if first < low:
+        first += -(-(low - first) // period) * period
+    return first < min(stop_a, stop_b)
+
+
+def _run_meets(run_a: str | int, run_b: str | int, fa: TensorFamily, fb: TensorFamily) -> bool:
+    if isinstance(run_a, str) and isinstance(run_b, str):
+        return run_a == run_b
+    if isinstance(run_a, str) or isinstance(run_b, str):
+        literal, run, family = (run_a, run_b, fb) if isinstance(run_a, str) else (run_b, run_a, fa)
+        assert isinstance(literal, str) and isinstance(run, int)
+        return _canonical(literal) and int(literal) in range(*family.indices[run])
+    return _progressions_meet(fa.indices[run_a], fb.indices[run_b])
+
+
+def families_overlap(a: TensorFamily, b: TensorFamily) -> bool:
+    """Whether two valid families share an instance key (no instance is built)."""
+    ta, tb = _parse(a.key), _parse(b.key)
+    if ta.texts != tb.texts:
+        return False
+    return all(_run_meets(ra, rb, a, b) for ra, rb in zip(ta.runs, tb.runs, strict=True))
+
+
+def family_set_problems(families: Sequence[TensorFamily], other_keys: Iterable[str], max_tensors: int) -> list[str]:
+    """Every family valid (:func:`family_problems`), no two sharing an instance key, and no key
+    of ``other_keys`` (entries, described singletons) an instance of a family. Checked without
+    expanding a family; the cost is the families, the keys and the pairs of families that share
+    a key skeleton."""
+    problems: list[str] = []
+    for family in families:
+        problems += family_problems(family, max_tensors)
+    if problems:
+        return problems
+    buckets: dict[tuple[str, ...], list[TensorFamily]] = {}
+    for family in families:
+        buckets.setdefault(_parse(family.key).texts, []).append(family)
+    for bucket in buckets.values():
+        if len(bucket) > MAX_FAMILIES_PER_SKELETON:
+            return [
+                f"{len(bucket)} tensor families share the key shape of {bucket[0].key!r}, over {MAX_FAMILIES_PER_SKELETON}"
+            ]
+        for i, first in enumerate(bucket):
+            for second in bucket[i + 1 :]:
+                if families_overlap(first, second):
+                    problems.append(f"tensor families {first.key!r} and {second.key!r} share an instance key")
+    index = FamilyIndex(families)
+    for key in other_keys:
+        if index.find(key) is not None:
+            problems.append(f"duplicate key {key[:80]!r} (an instance of a tensor family and listed again)")
+    return problems

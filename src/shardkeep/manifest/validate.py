@@ -27,6 +27,7 @@ from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
 from shardkeep.errors import ManifestError
 from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
+from shardkeep.manifest.families import READERS_EXPAND_FAMILIES, family_set_problems
 from shardkeep.manifest.format2 import check_indexed
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
@@ -131,12 +132,12 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
         tier_names = _check_tiers(manifest, result.add_error)
         tensor_keys = _check_files(manifest, table, tier_names, limits, result, columns=columns)
         if isinstance(manifest, IndexedManifest):
-            _check_families(manifest, result.add_error)
             offsets = map(operator.attrgetter("global_offset"), table.entries)
             chunk_keys = set(compress(table.keys, map(operator.is_not, offsets, repeat(None))))
             tensor_keys = tensor_keys | check_indexed(
                 manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning
             )
+            _check_families(manifest, tensor_keys, limits, result.add_error)
         _check_parents(manifest, table, result.add_error, columns=columns)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -489,8 +490,21 @@ def _check_blocks(entry: TensorEntry, record: FileRecord, err: Callable[[str], N
 _FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
 
 
-def _check_families(manifest: IndexedManifest, err: Callable[[str], None]) -> None:
-    """Described tensor families (2.1), which this reader cannot expand: refused, so that no
-    tensor of a family goes unseen."""
-    for family in manifest.families or []:
-        err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")
+def _check_families(
+    manifest: IndexedManifest, keys: set[str], limits: ManifestLimits, err: Callable[[str], None]
+) -> None:
+    """Described tensor families (2.1), checked without expanding one
+    (:func:`~shardkeep.manifest.families.family_set_problems`): templates, ranges, instance
+    counts, no two families sharing a key and no entry or described tensor of ``keys`` an
+    instance. Valid families are still refused while :data:`~shardkeep.manifest.families.
+    READERS_EXPAND_FAMILIES` is false (the reading side does not resolve them yet), so that no
+    instance goes unseen."""
+    families = manifest.families or []
+    if not families:
+        return
+    problems = family_set_problems(families, keys, limits.max_tensors)
+    for problem in problems:
+        err(problem)
+    if not problems and not READERS_EXPAND_FAMILIES:
+        for family in families:
+            err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")
