@@ -137,7 +137,11 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
             tensor_keys = tensor_keys | check_indexed(
                 manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning
             )
-            _check_families(manifest, tensor_keys, limits, result.add_error)
+            # A view expanded from the indexes lists the chunks of family instances as entries.
+            listed = (
+                tensor_keys if manifest.complete is None else (tensor_keys - chunk_keys) | _described_keys(manifest)
+            )
+            _check_families(manifest, listed, limits, result.add_error)
         _check_parents(manifest, table, result.add_error, columns=columns)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -488,6 +492,11 @@ def _check_blocks(entry: TensorEntry, record: FileRecord, err: Callable[[str], N
 
 
 _FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
+
+
+def _described_keys(manifest: IndexedManifest) -> set[str]:
+    """The keys of the root's described (singleton) sharded tensors."""
+    return {tensor.key for tensor in manifest.sharded}
 
 
 def _check_families(
