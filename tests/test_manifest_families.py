@@ -21,7 +21,7 @@ def _tensor(key: str, path: list[str | int], order: int = 0, expert: list[int] |
     return ShardedTensor(
         key=key,
         path=path,
-        dtype="float32",
+        dtype="F32",
         global_shape=[8, 4],
         mesh=0,
         placements=["S0"],
@@ -144,7 +144,7 @@ def _family(**changes: object) -> TensorFamily:
         "key": "l.{0}.e.{1}",
         "path": ["l", "{0}", "e", "{1}"],
         "indices": [[0, 4, 1], [0, 8, 2]],
-        "dtype": "float32",
+        "dtype": "F32",
         "global_shape": [4],
         "mesh": 0,
         "placements": ["S0"],
@@ -255,6 +255,11 @@ def test_manifest_validation_checks_families_then_refuses_them_until_readers_exp
     assert any("share an instance key" in e for e in errors)
     errors = _errors(_indexed([_family(key="l.{0}{1}")]))
     assert any("next to a digit" in e for e in errors)
+    errors = _errors(_indexed([_family(dtype="F99", placements=["S7"], mesh=0)]))
+    assert any("unknown dtype" in e for e in errors) and any("placements" in e for e in errors), errors
+    assert not any("cannot be expanded" in e for e in errors)
+    errors = _errors(_indexed([_family(mesh=3)]))
+    assert any("mesh 3" in e for e in errors), errors
 
 
 def test_family_instances_count_toward_max_tensors_on_decode() -> None:

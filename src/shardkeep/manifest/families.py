@@ -31,6 +31,7 @@ __all__ = [
     "family_size",
     "instance_count",
     "instances_within",
+    "last_instance",
 ]
 
 #: Whether the reading side (indexes, loading, regions) resolves keys against families. Until
@@ -173,6 +174,13 @@ def _instance(
 
 def _parsed_path(family: TensorFamily) -> list[_Template | int]:
     return [part if isinstance(part, int) else _parse(part) for part in family.path]
+
+
+def last_instance(family: TensorFamily) -> ShardedTensor:
+    """The instance at the end of every range of a valid family: its integers are the largest,
+    so its key and path are the longest; the other fields every instance shares."""
+    values = [start + step * (len(range(start, stop, step)) - 1) for start, stop, step in family.indices]
+    return _instance(family, values, _parse(family.key), _parsed_path(family))
 
 
 def expand_tensor_family(family: TensorFamily) -> Iterator[ShardedTensor]:

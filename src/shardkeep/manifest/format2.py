@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 
 from shardkeep.config import ManifestLimits
+from shardkeep.manifest.families import last_instance
 from shardkeep.manifest.schema import (
     DIGEST_HEX_LENGTH,
     DTYPE_ITEMSIZE,
@@ -28,7 +29,7 @@ from shardkeep.manifest.schema import (
 )
 from shardkeep.names import INDEX_DIRECTORY, unsafe_path_reason
 
-__all__ = ["check_index_table", "check_indexed"]
+__all__ = ["check_family_instances", "check_index_table", "check_indexed"]
 
 _LOWER_HEX = re.compile(r"[0-9a-f]+")
 
@@ -98,6 +99,22 @@ def _check_meshes(manifest: IndexedManifest, limits: ManifestLimits, err: Report
         > 4 * MAX_MESH_RANKS
     ):
         err(f"the meshes have more than {4 * MAX_MESH_RANKS} ranks in all")
+
+
+def check_family_instances(manifest: IndexedManifest, limits: ManifestLimits, err: Report, warn: Report) -> None:
+    """Each tensor family's fields checked as a described tensor's are, on the instance with the
+    longest key (:func:`~shardkeep.manifest.families.last_instance`): key and path limits,
+    dtype, global shape, mesh and placements. The families must be valid already
+    (:func:`~shardkeep.manifest.families.family_set_problems`)."""
+    for family in manifest.families or []:
+        prefix = f"tensor family {family.key[:80]!r}, instance "
+        _check_sharded(
+            manifest,
+            last_instance(family),
+            limits,
+            lambda m, p=prefix: err(p + m),  # type: ignore[misc]
+            lambda m, p=prefix: warn(p + m),  # type: ignore[misc]
+        )
 
 
 def _check_sharded(

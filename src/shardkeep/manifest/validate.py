@@ -28,7 +28,7 @@ from shardkeep.errors import ManifestError
 from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
 from shardkeep.manifest.families import READERS_EXPAND_FAMILIES, family_set_problems
-from shardkeep.manifest.format2 import check_indexed
+from shardkeep.manifest.format2 import check_family_instances, check_indexed
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
     DTYPE_ITEMSIZE,
@@ -141,7 +141,7 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
             listed = (
                 tensor_keys if manifest.complete is None else (tensor_keys - chunk_keys) | _described_keys(manifest)
             )
-            _check_families(manifest, listed, limits, result.add_error)
+            _check_families(manifest, listed, limits, result.add_error, result.add_warning)
         _check_parents(manifest, table, result.add_error, columns=columns)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -500,7 +500,11 @@ def _described_keys(manifest: IndexedManifest) -> set[str]:
 
 
 def _check_families(
-    manifest: IndexedManifest, keys: set[str], limits: ManifestLimits, err: Callable[[str], None]
+    manifest: IndexedManifest,
+    keys: set[str],
+    limits: ManifestLimits,
+    err: Callable[[str], None],
+    warn: Callable[[str], None],
 ) -> None:
     """Described tensor families (2.1), checked without expanding one
     (:func:`~shardkeep.manifest.families.family_set_problems`): templates, ranges, instance
@@ -512,6 +516,8 @@ def _check_families(
     if not families:
         return
     problems = family_set_problems(families, keys, limits.max_tensors)
+    if not problems:
+        check_family_instances(manifest, limits, problems.append, warn)
     for problem in problems:
         err(problem)
     if not problems and not READERS_EXPAND_FAMILIES:
