@@ -29,8 +29,8 @@ levels (node 1's part from node 0's replicas), with the local level alone, and f
 persistent level alone (target: replicas <= 1/3 of the time), interleaved ``--replica-reps``
 times (median and range of the per-repetition ratios); the report names the levels the
 restore with both levels did not read. A run of 6 back-to-back local saves with 1 and 0
-replicas gives how long a save blocks while the previous step replicates. ``--replicas-only``
-runs this part alone.
+replicas gives how long a save blocks while the previous step replicates (``--skip-blocking``
+leaves it out). ``--replicas-only`` runs this part alone.
 
 Last, the drain's memory: a ``--drain-mb`` MiB local step (written by another process) is
 drained in a fresh process under a ``--budget-mb`` byte budget, and its peak RSS (``VmHWM``,
@@ -41,6 +41,7 @@ docs/performance.md, "Two levels against one"::
     .venv/bin/python bench/levels.py --reps 5 --json levels.json
     .venv/bin/python bench/levels.py --persistent dir --quick
     .venv/bin/python bench/levels.py --replica-mb 64 --replicas-only --replica-reps 7
+    .venv/bin/python bench/levels.py --replica-mb 256 --replicas-only --replica-reps 3 --skip-blocking
 """
 
 from __future__ import annotations
@@ -365,7 +366,7 @@ def replica_recovery(
             f"persistent level alone {persistent_only[-1]:.3f} s: {ratios[-1]:.2f}x  load {os.getloadavg()[0]:.1f}"
         )
     blocking = {}
-    for replicas in (0, 1):
+    for replicas in (0, 1) if not args.skip_blocking else ():
         runs = results_or_raise(
             run_ranks(
                 4,
@@ -532,9 +533,13 @@ def report_replicas(replicas: dict[str, Any]) -> None:
         f"{replicas['recovery_from_persistent_seconds']:.2f} s: {replicas['ratio']:.2f}x, per run "
         f"{fmt_range(ratios, lambda r: f'{r:.2f}x')} (target <= 0.33); "
         f"{replicas['recovery_local_level_only_seconds']:.2f} s with the local level alone; levels not read: "
-        f"{replicas['persistent_not_consulted']}; "
-        f"a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
-        f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
+        f"{replicas['persistent_not_consulted']}"
+        + (
+            f"; a save blocks {blocking['replicas=1']['median_seconds']:.3f} s with replication, "
+            f"{blocking['replicas=0']['median_seconds']:.3f} s without (median)"
+            if blocking
+            else ""
+        )
     )
 
 
@@ -552,6 +557,7 @@ def main() -> None:
     parser.add_argument("--replica-mb", type=float, default=256.0, help="MiB of the step replicated and recovered")
     parser.add_argument("--replica-reps", type=int, default=1, help="repetitions of the recoveries from replicas")
     parser.add_argument("--replicas-only", action="store_true", help="only the peer-replica figures")
+    parser.add_argument("--skip-blocking", action="store_true", help="leave out how long a save blocks with replicas")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 repetition, 200 steps, 16 MiB, drain 128 MiB")
     parser.add_argument("--json", default=None)

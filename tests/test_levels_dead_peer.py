@@ -165,36 +165,26 @@ def test_a_rank_killed_between_saves_ends_the_next_call_at_once(tmp_path: Path) 
     _check_restores(tmp_path, 2, 0, 1024)
 
 
-def test_a_rank_killed_while_a_drain_is_in_flight(tmp_path: Path) -> None:
-    floats = 4 << 20  # 16 MiB a rank: the drain is still copying when the rank dies
+@pytest.mark.parametrize(
+    ("in_flight", "collective"),
+    [(0, "draining step_00000002"), (1, "settle the replicas")],
+    ids=["a drain", "replication"],
+)
+def test_a_rank_killed_while_work_is_in_flight(tmp_path: Path, in_flight: int, collective: str) -> None:
+    """``in_flight`` 0: a drain is still copying when the rank dies; 1: a peer replication."""
+    floats = 4 << 20  # 16 MiB a rank: the work is still running when the rank dies
     outcomes = run_ranks(
         4,
         _run_until_killed,
         str(tmp_path),
-        0,
+        in_flight,
         floats,
         outbox=tmp_path / "out",
         timeout=150,
         allow_unfinished=frozenset({3}),
     )
-    _check_survivors(outcomes, 4, "draining step_00000002")
-    _check_restores(tmp_path, 4, 0, floats)
-
-
-def test_a_rank_killed_while_replication_is_in_flight(tmp_path: Path) -> None:
-    floats = 4 << 20
-    outcomes = run_ranks(
-        4,
-        _run_until_killed,
-        str(tmp_path),
-        1,
-        floats,
-        outbox=tmp_path / "out",
-        timeout=150,
-        allow_unfinished=frozenset({3}),
-    )
-    _check_survivors(outcomes, 4, "settle the replicas")
-    _check_restores(tmp_path, 4, 1, floats)
+    _check_survivors(outcomes, 4, collective)
+    _check_restores(tmp_path, 4, in_flight, floats)
 
 
 def test_a_broken_group_is_kept_and_refuses_every_later_call() -> None:

@@ -172,3 +172,45 @@ def test_every_rank_sending_to_every_other_completes(tmp_path: Path) -> None:
         assert written == sorted(
             f"{peer}-{rank}-{index}" for peer in range(4) for index in range(2 if peer != rank else 1)
         )
+
+
+def _planned(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 0 sends two multi-block files to rank 2 (one damaged in its last block) with the plan
+    given, so no rank gathers who sends to whom; rank 1 is planned to send to rank 0 and has
+    nothing: its stream is empty."""
+    good, bad = payload("good", 9 * 1024 + 5), payload("bad", 9 * 1024 + 5)
+    sends, receives = [], []
+    if rank == 0:
+        Path(root, "good").write_bytes(good)
+        Path(root, "bad").write_bytes(bad[:-1] + b"\x00")
+        sends = [FileSend(2, str(Path(root, n)), record(n, d)) for n, d in [("good", good), ("bad", bad)]]
+    if rank == 2:
+        receives = [FileReceive(0, str(Path(root, "in", n)), record(n, d)) for n, d in [("good", good), ("bad", bad)]]
+    exchange = run_exchange(None, sends, receives, block_bytes=1024, pairs=[(0, 2), (1, 0)])
+    return {"written": [Path(p).name for p in exchange.written], "refused": exchange.refused}
+
+
+def test_a_known_plan_skips_the_gather_and_still_refuses_a_damaged_file(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(3, _planned, str(tmp_path), outbox=tmp_path / "out"))
+    assert results[2]["written"] == ["good"]
+    assert [(path, source) for path, source, _ in results[2]["refused"]] == [("bad", 0)]
+    assert "digest mismatch" in results[2]["refused"][0][2]
+    assert results[0]["written"] == [] and results[0]["refused"] == []
+    assert (tmp_path / "in" / "good").read_bytes() == payload("good", 9 * 1024 + 5)
+    assert not (tmp_path / "in" / "bad").exists()
+    assert [p.name for p in tmp_path.rglob("*") if ".tmp-" in p.name] == []
+
+
+def _outside_plan(rank: int, world_size: int, root: str) -> str:
+    Path(root, f"f{rank}").write_bytes(b"x")
+    sends = [FileSend(1, str(Path(root, f"f{rank}")), record("f", b"x"))] if rank == 0 else []
+    try:
+        run_exchange(None, sends, [], pairs=[])
+    except Exception as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_send_outside_the_plan_is_an_error(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(2, _outside_plan, str(tmp_path), outbox=tmp_path / "out"))
+    assert "plan leaves out" in results[0] and results[1] == ""

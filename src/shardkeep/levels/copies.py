@@ -92,13 +92,31 @@ class SharedNames:
         """The newest step any shared level names (collective on first use); a level that could
         not be listed is added to ``unreachable``."""
         if not self.known:
-            mine = self.listing.result() if self.listing is not None else ({}, {})
-            self.named, failed = coordinator.broadcast(mine, label="the shared levels' newest steps")
-            self.known = True
-            for name, why in failed.items():
-                logger.warning("restore: level %s is unreachable: %s", name, why)
-                unreachable[name] = f"{unreachable[name]}; {why}" if name in unreachable else why
+            self.learn(
+                coordinator.broadcast(self.offer(coordinator), label="the shared levels' newest steps"), unreachable
+            )
         return max((step for step in self.named.values() if step is not None), default=None)
+
+    def offer(self, coordinator: Coordinator) -> tuple[dict[str, int | None], dict[str, str]] | None:
+        """The coordinator's listing (waited for) while no rank knows it, to carry to every rank
+        in a collective that runs anyway; ``None`` elsewhere and once known."""
+        if self.known or not coordinator.is_coordinator:
+            return None
+        return self.listing.result() if self.listing is not None else ({}, {})
+
+    def learn(
+        self, listing: tuple[dict[str, int | None], dict[str, str]] | None, unreachable: dict[str, str] | None
+    ) -> None:
+        """Take the coordinator's :meth:`offer` (``None``: nothing offered, nothing learned); a
+        level that could not be listed is added to ``unreachable``."""
+        if self.known or listing is None:
+            return
+        self.named, failed = listing
+        self.known = True
+        for name, why in failed.items():
+            logger.warning("restore: level %s is unreachable: %s", name, why)
+            if unreachable is not None:
+                unreachable[name] = f"{unreachable[name]}; {why}" if name in unreachable else why
 
     def allows(self, step: int, coordinator: Coordinator, unreachable: dict[str, str]) -> bool:
         """Whether node-local step ``step`` may be loaded: no shared level names a newer one."""

@@ -16,7 +16,8 @@ where each file came from and why each step was refused.
 
    The node-local candidates are tried first, from node-local copies and peers alone. Before
    one is filled into the state, and after one fails, every rank learns the newest step the
-   shared levels name (one broadcast); a node-local step is loaded only if no shared level
+   shared levels name (the coordinator's listing rides on the last agreement before the fill;
+   after a failure, one broadcast); a node-local step is loaded only if no shared level
    names a newer one, and older node-local candidates are tried only while they are at least
    as new. Otherwise the coordinator lists the shared levels fully (reading each step's
    manifest), and every candidate is tried in order, a node-local one again only if a shared
@@ -37,7 +38,8 @@ where each file came from and why each step was refused.
    index) and checks each in its node's directory (present, digest). A file missing or
    damaged there comes, in this order, from: a peer node holding it, in its own part or as a
    replica (sent over the process group; a copy refused on arrival is asked of the next node
-   holding the file, in node order), then the shared copy of the same step (when its record
+   holding the file, in node order; the plan of each exchange is known to every rank, so it
+   gathers nothing more), then the shared copy of the same step (when its record
    has the same digest). Each
    arrives checked and is written atomically with identical bytes; the node part records it
    in ``healed``. One rank of a node fetches each file the node lacks.
@@ -186,7 +188,7 @@ def restore_best(
                 break
             outcome, gated = _attempt(
                 levels, coordinator, nodes, settings, copies, step, identity, unusable, refused, into,
-                gate=lambda step: names.allows(step, coordinator, unreachable),
+                gate=lambda step: names.allows(step, coordinator, unreachable), names=names, unreachable=unreachable,
             )  # fmt: skip
             if gated:
                 break  # a shared level names a newer step: list it
@@ -236,11 +238,15 @@ def _attempt(
     refused: list[tuple[int, int, str, str]],
     into: Any,
     gate: Callable[[int], bool] | None = None,
+    names: SharedNames | None = None,
+    unreachable: dict[str, str] | None = None,
 ) -> tuple[tuple[Any, RestoreReport] | None, bool]:
     """Try one candidate (collective); its refusals are added to ``refused``. Returns the
-    outcome, and whether ``gate`` (asked, collectively, before the state is filled) stopped it."""
+    outcome, and whether ``gate`` (asked, collectively, before the state is filled) stopped it.
+    ``names``, not yet known: learned with the last agreement before the fill (no collective
+    of its own), failures added to ``unreachable``."""
     attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
-    outcome = attempt.run(into, gate)
+    outcome = attempt.run(into, gate, names, unreachable)
     refused.extend(entry for entry in attempt.refused if entry not in refused)
     return outcome, attempt.gated
 
@@ -361,7 +367,13 @@ class _StepAttempt:
                 self.refuse(rank, level, reason)
         return None
 
-    def run(self, into: Any, gate: Callable[[int], bool] | None = None) -> tuple[Any, RestoreReport] | None:
+    def run(
+        self,
+        into: Any,
+        gate: Callable[[int], bool] | None = None,
+        names: SharedNames | None = None,
+        unreachable: dict[str, str] | None = None,
+    ) -> tuple[Any, RestoreReport] | None:
         self._refuse_foreign_parts()
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
@@ -373,14 +385,19 @@ class _StepAttempt:
                 gathered = None
         if gathered is not None:
             healed = [(rank, file, source) for rank, each in enumerate(gathered) for file, source in each.payload[0]]
-            if (
-                self.agree("reading", self._phase(self.read)) is not None
-                and self.agree("committing healed parts", self._phase(lambda: self.finalize(healed))) is not None
-            ):
+            sources = self.agree("reading", self._phase(self.read))
+            committed = None
+            if sources is not None:
+                # The coordinator's outcome carries the shared levels' listing (the gate's answer).
+                offer = names.offer(self.coordinator) if names is not None else None
+                committed = self.agree("committing healed parts", self._phase(lambda: self.finalize(healed), offer))
+            if sources is not None and committed is not None:
+                if names is not None:
+                    names.learn(committed[0].payload, unreachable)
                 if gate is not None and not gate(self.step):
                     self.gated = True  # not refused: the healed part stays, a newer step is looked for
                     return None
-                return self._loaded(healed)
+                return self._loaded(healed, [each.payload for each in sources])
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
@@ -400,9 +417,8 @@ class _StepAttempt:
                     refused = True
         return refused
 
-    def _loaded(self, healed: list[tuple[int, str, str]]) -> tuple[Any, RestoreReport]:
+    def _loaded(self, healed: list[tuple[int, str, str]], sources: list[str]) -> tuple[Any, RestoreReport]:
         assert self.job is not None
-        sources = self.coordinator.all_gather(self.source_level, label="restore: each rank's level")
         report = RestoreReport(self.step, dict(enumerate(sources)), healed)
         report.levels_read = sorted({*sources, *(source.partition("@")[0] for _, _, source in healed)})
         manifest = self.job.manifest
@@ -421,14 +437,17 @@ class _StepAttempt:
             reason = copy.problem or f"another attempt of this step (manifest {copy.identity})"
             self.refuse(self.node_of.index(node), copy.level, f"node {node}'s part is not used: {reason}")
 
-    def _phase(self, work: Any) -> _Outcome:
+    def _phase(self, work: Any, payload: Any = None) -> _Outcome:
         """Run this rank's local ``work`` (never a collective): any error becomes this rank's
-        reason to refuse the step, so that the ranks still agree instead of waiting on it."""
+        reason to refuse the step, so that the ranks still agree instead of waiting on it. The
+        outcome's payload: what ``work`` returned, else ``payload``."""
         try:
             result = work()
         except Exception as exc:
-            return _Outcome([(self.source_level or self._level_name(), f"{type(exc).__name__}: {exc}")])
-        return result if isinstance(result, _Outcome) else _Outcome(payload=result)
+            return _Outcome([(self.source_level or self._level_name(), f"{type(exc).__name__}: {exc}")], payload)
+        if isinstance(result, _Outcome):
+            return result
+        return _Outcome(payload=payload if result is None else result)
 
     def _level_name(self) -> str:
         if self.mode[self.node] in ("local", "rebuild") and self.home is not None:
@@ -575,7 +594,8 @@ class _StepAttempt:
                 records = self._metadata_records(manifest)
                 chosen = records[head:] if with_indexes else records[:head]
                 receives = [FileReceive(sender, os.path.join(self.directory, r.path), r) for r in chosen]
-            run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
+            pairs = [(sender, receiver) for receiver in receivers.values()]
+            run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes, pairs=pairs)
 
     def _parse(self, location: CheckpointLocation) -> Manifest:
         """The manifest at ``location`` (a committed directory or a rebuild's staging), checked
@@ -662,8 +682,9 @@ class _StepAttempt:
         for turn in range(turns):
             written = self._from_peers(pending, holders, turn, healed, peer_reasons)
             received.update(written)
-            done = self.coordinator.all_gather(written, label=f"restore step {self.step}: files sent by peers")
-            pending = [(rank, path, size) for rank, path, size in pending if path not in done[rank]]
+            if turn + 1 < turns:  # who still lacks what, for the next turn's holders
+                done = self.coordinator.all_gather(written, label=f"restore step {self.step}: files sent by peers")
+                pending = [(rank, path, size) for rank, path, size in pending if path not in done[rank]]
         failed: dict[str, list[tuple[str, str]]] = {}
         home = self.home.name if self.home is not None else "?"
         for path, _ in still:
@@ -741,18 +762,22 @@ class _StepAttempt:
         to ``healed`` and the refusals to ``reasons``."""
         sends: list[FileSend] = []
         receives: list[FileReceive] = []
+        pairs: set[tuple[int, int]] = set()
         for count, (rank, path, size) in enumerate(pending):
             servers = sorted(node for node in holders.get(path, []) if node != self.node_of[rank])
             if turn >= len(servers):
                 continue
             ranks = [r for r, n in enumerate(self.node_of) if n == servers[turn]]
             server = ranks[count % len(ranks)]
+            pairs.add((server, rank))
             if server == self.rank and self.directory is not None:
                 record = FileRecord(path=path, rank=0, size=size, digest=None)
                 sends.append(FileSend(rank, os.path.join(self.directory, path), record))
             if rank == self.rank and self.directory is not None:
                 receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
-        exchange = run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes)
+        exchange = run_exchange(
+            self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes, pairs=sorted(pairs)
+        )
         home = self.home.name if self.home is not None else "?"
         received: list[str] = []
         for receive in receives:
@@ -767,11 +792,12 @@ class _StepAttempt:
         return received
 
     # -- phases: reading, committing, loading ---------------------------------------------------
-    def read(self) -> None:
+    def read(self) -> str:
         """Read this rank's files (verified when read from a shared copy; the local ones were
-        checked or arrived checked)."""
+        checked or arrived checked); the level they were read from."""
         assert self.job is not None
         self.job.read()
+        return self.source_level
 
     def finalize(self, healed: list[tuple[int, str, str]]) -> None:
         """The node leader records the node's healed files in its part, or renames a rebuilt

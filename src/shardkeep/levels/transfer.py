@@ -19,7 +19,8 @@ in round ``d`` rank ``r`` sends to ``r + d`` and receives from ``r - d`` (mod ``
 message each way at a time (``isend`` and ``irecv`` posted together, then both awaited). Each
 rank's incoming stream in a round is exactly its sender's outgoing stream, so every posted send
 meets its receive and no cycle of waits can form. Every wait draws on the group's timeout: a
-dead peer is an error, never a hang. Memory per rank: two blocks.
+dead peer is an error, never a hang. Memory per rank: three blocks (one sent; two received
+into in turn, the bytes of one written and digested on a thread while the next arrives).
 
 On arrival a file is written to a temporary sibling (``.NAME.tmp-<id>``), its digest computed
 while it streams in (over the decompressed bytes for a compressed file, as the manifest
@@ -38,6 +39,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -150,9 +152,14 @@ def run_exchange(
     receives: Sequence[FileReceive | tuple[int, str | os.PathLike[str], FileRecord]],
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    pairs: Sequence[tuple[int, int]] | None = None,
 ) -> Exchange:
-    """:func:`exchange_files` without raising: every rank's outcome as an :class:`Exchange`."""
-    import torch
+    """:func:`exchange_files` without raising: every rank's outcome as an :class:`Exchange`.
+
+    ``pairs``: the ``(sender, receiver)`` ranks that have traffic, when every rank knows the
+    same plan (then the all-gather of who sends to whom is skipped). A rank named as a sender
+    sends its stream to that receiver even with no file in it; a send outside the plan is an
+    error."""
     import torch.distributed as dist
 
     if block_bytes <= 0:
@@ -173,15 +180,7 @@ def run_exchange(
     itself.finish_missing(itself.sent)
     if world == 1:
         return exchange
-    row = torch.zeros(world, dtype=torch.uint8)
-    for send in outgoing:
-        if send.peer != rank:
-            row[send.peer] = 1
-    rows = [torch.zeros(world, dtype=torch.uint8) for _ in range(world)]
-    try:
-        dist.all_gather(rows, row, group=group)
-    except RuntimeError as exc:
-        raise CoordinationError(f"gathering who sends files to whom failed: {exc}", {}) from exc
+    rows = _traffic(group, rank, world, outgoing, pairs)
     senders_of_mine = {peer for peer in range(world) if peer != rank and rows[peer][rank]}
     for distance in range(1, world):
         to_peer, from_peer = (rank + distance) % world, (rank - distance) % world
@@ -189,10 +188,42 @@ def run_exchange(
         expected = [r for r in incoming if r.peer == from_peer]
         messages = _outgoing_messages(to_send, block_bytes) if rows[rank][to_peer] else iter(())
         stream = _Receiver(from_peer, expected, exchange, block_bytes) if from_peer in senders_of_mine else None
-        _run_round(group, to_peer, from_peer, messages, stream)
+        try:
+            _run_round(group, to_peer, from_peer, messages, stream)
+        finally:
+            if stream is not None:
+                stream.close()
         if stream is None:
             _Receiver(from_peer, expected, exchange, block_bytes).finish_missing(sent=set())
     return exchange
+
+
+def _traffic(
+    group: Any, rank: int, world: int, outgoing: list[FileSend], pairs: Sequence[tuple[int, int]] | None
+) -> list[list[int]]:
+    """``rows[sender][receiver]``: whether that pair has traffic, from ``pairs`` or gathered."""
+    import torch
+    import torch.distributed as dist
+
+    if pairs is not None:
+        rows = [[0] * world for _ in range(world)]
+        for sender, receiver in pairs:
+            if sender != receiver:
+                rows[sender][receiver] = 1
+        for send in outgoing:
+            if send.peer != rank and not rows[rank][send.peer]:
+                raise ShardkeepError(f"rank {rank} sends to rank {send.peer}, which the exchange's plan leaves out")
+        return rows
+    row = torch.zeros(world, dtype=torch.uint8)
+    for send in outgoing:
+        if send.peer != rank:
+            row[send.peer] = 1
+    gathered = [torch.zeros(world, dtype=torch.uint8) for _ in range(world)]
+    try:
+        dist.all_gather(gathered, row, group=group)
+    except RuntimeError as exc:
+        raise CoordinationError(f"gathering who sends files to whom failed: {exc}", {}) from exc
+    return [[int(flag) for flag in each.tolist()] for each in gathered]
 
 
 def _run_round(group: Any, to_peer: int, from_peer: int, messages: Iterator[Any], stream: _Receiver | None) -> None:
@@ -417,6 +448,13 @@ class _Receiver:
         self.pending_size = 0
         self.current: _Incoming | None = None
         self.sent: set[str] = set()
+        #: Bytes of the current file received from the wire (written and digested behind).
+        self.arrived = 0
+        #: The two blocks received into in turn, each with the write of its bytes in flight.
+        self.blocks: list[Any] = [None, None]
+        self.writes: list[Future[None] | None] = [None, None]
+        self.turn = 0
+        self.writer: ThreadPoolExecutor | None = None
 
     def next_buffer(self) -> Any:
         import torch
@@ -429,7 +467,18 @@ class _Receiver:
             return torch.zeros(self.path_length, dtype=torch.uint8)
         if self.state == "data":
             assert self.current is not None
-            return torch.zeros(min(self.block_bytes, self.current.size - self.current.received), dtype=torch.uint8)
+            length = min(self.block_bytes, self.current.size - self.arrived)
+            turn = self.turn
+            write = self.writes[turn]
+            if write is not None:
+                write.result()  # this block's previous bytes are written: it may be received into
+                self.writes[turn] = None
+            block = self.blocks[turn]
+            if block is None or len(block) < length:
+                block = self.blocks[turn] = torch.empty(
+                    min(self.block_bytes, max(length, self.current.size)), dtype=torch.uint8
+                )
+            return block[:length]
         if self.state == "trailer":
             return torch.zeros(1, dtype=torch.int64)
         return None
@@ -445,20 +494,46 @@ class _Receiver:
             path = bytes(buffer.numpy()).decode(errors="replace")
             self.sent.add(path)
             self.current = _Incoming(path, self.pending_size, self.expected.get(path))
+            self.arrived = 0
             self.state = "data" if self.pending_size else "trailer"
         elif self.state == "data":
             assert self.current is not None
-            self._take(memoryview(buffer.numpy()).cast("B"))
-            if self.current.received >= self.current.size:
+            self.arrived += len(buffer)
+            # Written and digested on the stream's writer thread, in order, while the next block
+            # comes in (into the other block).
+            if self.writer is None:
+                self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-receive")
+            data = memoryview(buffer.numpy()).cast("B")
+            self.writes[self.turn] = self.writer.submit(self._take, data)
+            self.turn = 1 - self.turn
+            if self.arrived >= self.current.size:
                 self.state = "trailer"
         elif self.state == "trailer":
+            self.settle()
             self._finish(int(buffer[0]))
             self._next_file()
+
+    def settle(self) -> None:
+        """Wait for the writes in flight (a write's own failure is recorded by :meth:`_take`)."""
+        for turn, write in enumerate(self.writes):
+            if write is not None:
+                write.result()
+                self.writes[turn] = None
+
+    def close(self) -> None:
+        """Settle the writes in flight and stop the writer thread."""
+        try:
+            self.settle()
+        finally:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)
+                self.writer = None
 
     def _next_file(self) -> None:
         assert self.remaining_files is not None
         if self.remaining_files == 0:
             self.state = "done"
+            self.close()
             self.finish_missing(self.sent)
         else:
             self.remaining_files -= 1
