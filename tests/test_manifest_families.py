@@ -226,11 +226,12 @@ def test_family_set_refuses_collisions_and_huge_totals() -> None:
 
 def _indexed(families: list[TensorFamily], sharded: list[ShardedTensor] | None = None) -> object:
     from shardkeep.manifest import IndexedManifest
-    from shardkeep.manifest.schema import INDEXED_VERSION, Mesh, Sharding
+    from shardkeep.manifest.schema import INDEXED_VERSION, IndexTable, Mesh, Sharding
 
     return IndexedManifest(
         metadata_version=INDEXED_VERSION,
         meshes=[Mesh(shape=[1])],
+        indexes=IndexTable(algorithm="blake3", ranks=[0], sizes=[10], digests=["0" * 64]),
         families=families,
         sharded=sharded or [],
         sharding=Sharding(shard_count=1),
@@ -245,21 +246,46 @@ def _errors(manifest: object) -> list[str]:
     return fast.errors
 
 
-def test_manifest_validation_checks_families_then_refuses_them_until_readers_expand() -> None:
-    errors = _errors(_indexed([_family()]))
-    assert errors == ["the tensor family 'l.{0}.e.{1}' cannot be expanded by this version of shardkeep"]
+def test_manifest_validation_checks_families_without_expanding_them() -> None:
+    from shardkeep.manifest.schema import ContainerEntry, ValueEntry
+
+    assert _errors(_indexed([_family()])) == []
     clash = _tensor("l.2.e.4", ["l", "2", "e", "4"])
     errors = _errors(_indexed([_family()], [clash]))
-    assert any("listed again" in e for e in errors) and not any("cannot be expanded" in e for e in errors)
+    assert any("listed again" in e for e in errors), errors
+    manifest = _indexed([_family()])
+    manifest.values = [ValueEntry(key="l.3.e.6", path=["l", "3", "e", "6"], value=1)]  # type: ignore[attr-defined]
+    assert any("listed again" in e for e in _errors(manifest))
     errors = _errors(_indexed([_family(), _family(indices=[[3, 5, 1], [4, 5, 1]])]))
     assert any("share an instance key" in e for e in errors)
     errors = _errors(_indexed([_family(key="l.{0}{1}")]))
     assert any("next to a digit" in e for e in errors)
     errors = _errors(_indexed([_family(dtype="F99", placements=["S7"], mesh=0)]))
     assert any("unknown dtype" in e for e in errors) and any("placements" in e for e in errors), errors
-    assert not any("cannot be expanded" in e for e in errors)
     errors = _errors(_indexed([_family(mesh=3)]))
     assert any("mesh 3" in e for e in errors), errors
+    # When structure lists containers, every instance's parent must be one.
+    manifest = _indexed([_family()])
+    parents = [["l", str(i), "e"] for i in range(4)]
+    manifest.structure = [
+        ContainerEntry(path=[]),
+        ContainerEntry(path=["l"]),
+        *(ContainerEntry(path=p) for p in [*[["l", str(i)] for i in range(4)], *parents]),
+    ]  # type: ignore[attr-defined]
+    assert _errors(manifest) == []
+    manifest.structure = manifest.structure[:-1]  # type: ignore[attr-defined]
+    errors = _errors(manifest)
+    assert any("instance parent(s) are not containers" in e and "'l.3.e'" in e for e in errors), errors
+
+
+def test_family_parents_are_built_over_the_placeholders_they_use() -> None:
+    from shardkeep.manifest.families import family_parents
+
+    family = _family(key="l.{0}.e.{1}.w", path=["l", "{0}", "e", "{1}", "w"])
+    assert family_parents(family) == {("l", str(i), "e", str(j)) for i in range(4) for j in range(0, 8, 2)}
+    assert family_parents(_family()) == {("l", str(i), "e") for i in range(4)}
+    ints = _family(key="s.{0}.x", path=["s", "{0}", "x"], int_parts=[1], indices=[[0, 6, 3]])
+    assert family_parents(ints) == {("s", 0), ("s", 3)}
 
 
 def test_family_instances_count_toward_max_tensors_on_decode() -> None:

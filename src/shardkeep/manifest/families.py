@@ -26,6 +26,7 @@ __all__ = [
     "detect_tensor_families",
     "expand_tensor_family",
     "families_overlap",
+    "family_parents",
     "family_problems",
     "family_set_problems",
     "family_size",
@@ -36,7 +37,7 @@ __all__ = [
 
 #: Whether the reading side (indexes, loading, regions) resolves keys against families. Until
 #: it does, validation refuses even valid families, so that no instance goes unseen.
-READERS_EXPAND_FAMILIES = False
+READERS_EXPAND_FAMILIES = True
 
 #: Integers at or above this never become placeholders (and no range may reach past it).
 INDEX_LIMIT = 2**31
@@ -188,6 +189,21 @@ def expand_tensor_family(family: TensorFamily) -> Iterator[ShardedTensor]:
     key, path = _parse(family.key), _parsed_path(family)
     for values in itertools.product(*_axes(family)):
         yield _instance(family, values, key, path)
+
+
+def family_parents(family: TensorFamily) -> set[tuple[str | int, ...]]:
+    """The distinct parent paths (the path without its last component) of a valid family's
+    instances, built over the ranges of the placeholders the parent uses only."""
+    parsed = _parsed_path(family)[:-1]
+    used = sorted({run for part in parsed if isinstance(part, _Template) for run in part.runs if isinstance(run, int)})
+    axes = _axes(family)
+    values = [axis[0] for axis in axes]
+    parents: set[tuple[str | int, ...]] = set()
+    for chosen in itertools.product(*(axes[k] for k in used)):
+        for k, value in zip(used, chosen, strict=True):
+            values[k] = value
+        parents.add(tuple(_resolve_path(family, parsed, values)))
+    return parents
 
 
 # -- lookup ------------------------------------------------------------------------------------

@@ -559,6 +559,8 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
     #: Whether this view lists the files of every rank index; ``None``: not a view.
     complete = Transient[bool | None](lambda: None)
     _index_record_cache = Transient[list[IndexRecord] | None](lambda: None)
+    _described_cache = Transient[list[ShardedTensor] | None](lambda: None)
+    _find_cache = Transient[tuple[dict[str, ShardedTensor], Any] | None](lambda: None)
 
     meshes: list[Mesh] = msgspec.field(default_factory=list)
     sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
@@ -574,6 +576,40 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
         if found is None:
             found = self._index_record_cache = self.indexes.records() if self.indexes is not None else []
         return found
+
+    def described(self) -> list[ShardedTensor]:
+        """Every described sharded tensor: ``sharded``, then each family's instances, row-major
+        (built once per manifest object; ``sharded`` itself when there is no family). What
+        readers resolve keys against; the manifest must be valid."""
+        if not self.families:
+            return self.sharded
+        found = self._described_cache
+        if found is None:
+            from shardkeep.manifest.families import expand_tensor_family
+
+            found = [*self.sharded, *chain.from_iterable(map(expand_tensor_family, self.families))]
+            self._described_cache = found
+        return found
+
+    def find(self, key: str) -> ShardedTensor | None:
+        """The described sharded tensor ``key``, a singleton or a family instance, or ``None``;
+        no family is expanded (the key's integers are parsed and the ranges checked)."""
+        lookup = self._find_cache
+        if lookup is None:
+            from shardkeep.manifest.families import FamilyIndex
+
+            lookup = self._find_cache = (
+                {tensor.key: tensor for tensor in self.sharded},
+                FamilyIndex(self.families or []),
+            )
+        singles, families = lookup
+        found = singles.get(key)
+        return found if found is not None else families.find(key)
+
+    def share_described(self, view: IndexedManifest) -> None:
+        """Give ``view`` (a copy of this manifest with other files) the instances already built."""
+        view._described_cache = self._described_cache
+        view._find_cache = self._find_cache
 
 
 _PLACEMENT = re.compile(r"R|S(\d{1,3})(?:/([1-9]\d{0,5}))?")

@@ -27,8 +27,8 @@ from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
 from shardkeep.errors import ManifestError
 from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
-from shardkeep.manifest.families import READERS_EXPAND_FAMILIES, family_set_problems
-from shardkeep.manifest.format2 import check_family_instances, check_indexed
+from shardkeep.manifest.families import READERS_EXPAND_FAMILIES, family_parents, family_set_problems
+from shardkeep.manifest.format2 import check_indexed
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
     DTYPE_ITEMSIZE,
@@ -42,6 +42,7 @@ from shardkeep.manifest.schema import (
     Manifest,
     SaveTiming,
     TensorEntry,
+    TensorFamily,
     digest_problem,
     has_chunks,
     key_for_path,
@@ -134,14 +135,14 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
         if isinstance(manifest, IndexedManifest):
             offsets = map(operator.attrgetter("global_offset"), table.entries)
             chunk_keys = set(compress(table.keys, map(operator.is_not, offsets, repeat(None))))
-            tensor_keys = tensor_keys | check_indexed(
-                manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning
-            )
             # A view expanded from the indexes lists the chunks of family instances as entries.
-            listed = (
-                tensor_keys if manifest.complete is None else (tensor_keys - chunk_keys) | _described_keys(manifest)
+            listed = (tensor_keys if manifest.complete is None else tensor_keys - chunk_keys) | _described_keys(
+                manifest
             )
-            _check_families(manifest, listed, limits, result.add_error, result.add_warning)
+            families = _check_families(manifest, listed, limits, result.add_error)
+            tensor_keys = tensor_keys | check_indexed(
+                manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning, families
+            )
         _check_parents(manifest, table, result.add_error, columns=columns)
         _check_values(manifest, tensor_keys, limits, result.add_error)
         _validate_run(manifest, limits, result)
@@ -495,31 +496,39 @@ _FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
 
 
 def _described_keys(manifest: IndexedManifest) -> set[str]:
-    """The keys of the root's described (singleton) sharded tensors."""
-    return {tensor.key for tensor in manifest.sharded}
+    """The keys of the root's described (singleton) sharded tensors and of its values."""
+    return {tensor.key for tensor in manifest.sharded} | {value.key for value in manifest.values}
 
 
 def _check_families(
-    manifest: IndexedManifest,
-    keys: set[str],
-    limits: ManifestLimits,
-    err: Callable[[str], None],
-    warn: Callable[[str], None],
-) -> None:
+    manifest: IndexedManifest, keys: set[str], limits: ManifestLimits, err: Callable[[str], None]
+) -> list[TensorFamily]:
     """Described tensor families (2.1), checked without expanding one
     (:func:`~shardkeep.manifest.families.family_set_problems`): templates, ranges, instance
-    counts, no two families sharing a key and no entry or described tensor of ``keys`` an
-    instance. Valid families are still refused while :data:`~shardkeep.manifest.families.
-    READERS_EXPAND_FAMILIES` is false (the reading side does not resolve them yet), so that no
-    instance goes unseen."""
+    counts, no two families sharing a key, and no entry, described tensor or value of ``keys``
+    an instance; then, when ``structure`` lists containers, every instance's parent is one
+    (built per distinct parent). Returns the families when all of that holds (each is then
+    checked as a described tensor by :func:`~shardkeep.manifest.format2.check_indexed`), else
+    ``[]``. Valid families are refused while :data:`~shardkeep.manifest.families.
+    READERS_EXPAND_FAMILIES` is false, so that no instance goes unseen."""
     families = manifest.families or []
     if not families:
-        return
+        return []
     problems = family_set_problems(families, keys, limits.max_tensors)
-    if not problems:
-        check_family_instances(manifest, limits, problems.append, warn)
+    if not problems and manifest.structure:
+        containers = {tuple(container.path) for container in manifest.structure}
+        for family in families:
+            orphans = family_parents(family) - containers
+            if orphans:
+                problems.append(
+                    f"tensor family {family.key[:80]!r}: {len(orphans)} instance parent(s) are not containers in "
+                    f"structure, e.g. {key_for_path(list(min(orphans, key=repr)))!r}"
+                )
     for problem in problems:
         err(problem)
-    if not problems and not READERS_EXPAND_FAMILIES:
+    if problems:
+        return []
+    if not READERS_EXPAND_FAMILIES:
         for family in families:
             err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")
+    return families
