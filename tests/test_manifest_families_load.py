@@ -25,13 +25,13 @@ from tests.support.distributed_harness import results_or_raise, run_ranks
 LAYERS, EXPERTS, PARAMS = 3, 4, 5
 
 
-def _full() -> dict[str, torch.Tensor]:
+def _full(layers: int = LAYERS, experts: int = EXPERTS) -> dict[str, torch.Tensor]:
     """Every tensor of the state by key: experts (row- and column-split), an embedding, a
     replicated norm, optimizer moments under integer ids, and plain (whole) tensors."""
     out: dict[str, torch.Tensor] = {}
     seed = 0
-    for layer in range(LAYERS):
-        for expert in range(EXPERTS):
+    for layer in range(layers):
+        for expert in range(experts):
             seed += 1
             out[f"model.layers.{layer}.experts.{expert}.w1"] = (
                 torch.arange(24, dtype=torch.float32).reshape(6, 4) + seed
@@ -58,14 +58,16 @@ def _placement(key: str) -> str | None:
     return None  # a plain tensor every rank holds
 
 
-def _state(world_size: int, fill: bool = True, keep: Any = None) -> dict[str, Any]:
+def _state(
+    world_size: int, fill: bool = True, keep: Any = None, size: tuple[int, int] = (LAYERS, EXPERTS)
+) -> dict[str, Any]:
     """The nested state on a 1-D mesh of ``world_size`` ranks (``keep(key)``: which tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     state: dict[str, Any] = {}
-    for key, value in _full().items():
+    for key, value in _full(*size).items():
         if keep is not None and not keep(key):
             continue
         value = value if fill else torch.zeros_like(value)
@@ -223,3 +225,65 @@ def test_inspect_shows_each_family_once_with_its_count(tmp_path: Path) -> None:
     document = json.loads(out.getvalue())
     assert document["summary"]["sharded_tensors"] == 2 * LAYERS * EXPERTS + LAYERS + PARAMS + 1
     assert {f["key"]: f["instances"] for f in document["summary"]["tensor_families"]}["model.layers.{0}.norm"] == 3
+
+
+def _save_moe(rank: int, world_size: int, path: str, families: bool) -> list[str]:
+    """A 4-layer x 8-expert save as a 2.1 writer makes it, with families on or off."""
+    import shardkeep.indexes
+    import shardkeep.saving.manifest_build as build
+
+    # The writers of this version still stamp 2.0 (no family); a 2.1 save, root and indexes:
+    shardkeep.indexes.WRITTEN_INDEXED_VERSION = build.WRITTEN_INDEXED_VERSION = INDEXED_VERSION  # type: ignore[misc]
+    build.WRITE_FAMILIES = families
+    manifest = sk.save(_state(world_size, size=(4, 8)), path, step=9)
+    assert isinstance(manifest, IndexedManifest)
+    return sorted(tensor.key for tensor in manifest.described())
+
+
+def test_a_save_describes_families_and_loads_as_a_save_without(tmp_path: Path) -> None:
+    on, off = tmp_path / "on", tmp_path / "off"
+    keys_on = results_or_raise(run_ranks(2, _save_moe, str(on), True, outbox=tmp_path / "s_on"))[0]
+    keys_off = results_or_raise(run_ranks(2, _save_moe, str(off), False, outbox=tmp_path / "s_off"))[0]
+    assert keys_on == keys_off and len(keys_on) == 2 * 4 * 8 + 4 + PARAMS + 1
+    raw_on = json.loads((on / "manifest.json").read_bytes())
+    raw_off = json.loads((off / "manifest.json").read_bytes())
+    assert raw_on["metadata_version"] == raw_off["metadata_version"] == INDEXED_VERSION
+    assert "families" not in raw_off and len(raw_off["sharded"]) == len(keys_off)
+    assert [f["key"] for f in raw_on["families"]] == [
+        "model.layers.{0}.experts.{1}.w1",
+        "model.layers.{0}.experts.{1}.w2",
+        "model.layers.{0}.norm",
+        "optim.state.{0}.exp_avg",
+    ]
+    assert [t["key"] for t in raw_on["sharded"]] == ["model.embed"]
+    assert (on / "manifest.json").stat().st_size < (off / "manifest.json").stat().st_size / 3
+    # The indexes are the same but for the files' digests (the data is the same bytes).
+    for rank in (0, 1):
+        index_on = msgspec.json.decode((on / index_path(rank)).read_bytes(), type=RankIndex)
+        index_off = msgspec.json.decode((off / index_path(rank)).read_bytes(), type=RankIndex)
+        assert [[e.key for e in f.tensors] for f in index_on.files] == [
+            [e.key for e in f.tensors] for f in index_off.files
+        ]
+    manifest_on, manifest_off = sk.read_manifest(on), sk.read_manifest(off)
+    assert isinstance(manifest_on, IndexedManifest) and isinstance(manifest_off, IndexedManifest)
+    key = lambda t: t.key  # noqa: E731
+    assert sorted(manifest_on.described(), key=key) == sorted(manifest_off.described(), key=key)
+    assert sk.verify(on).ok
+    assert _same(_flat(sk.load(on)), _flat(sk.load(off)))
+    select = sk.LoadSelection(sections={"optim"})
+    assert _same(_flat(sk.load(on, select=select)), _flat(sk.load(off, select=select)))
+
+
+def test_families_are_written_only_into_roots_of_the_version_that_has_them() -> None:
+    from shardkeep.manifest import WRITTEN_INDEXED_VERSION
+    from shardkeep.saving.manifest_build import families_of
+
+    tensors = [
+        ShardedTensor(key=f"l.{i}.w", path=["l", str(i), "w"], dtype="F32", global_shape=[4], mesh=0, placements=["S0"])
+        for i in range(3)
+    ]
+    families, singles = families_of(tensors, INDEXED_VERSION)
+    assert [f.key for f in families] == ["l.{0}.w"] and singles == []
+    assert families_of(tensors, "2.0") == ([], tensors)  # WriteOptions(block_size=0) writes 2.0: no family
+    if WRITTEN_INDEXED_VERSION != INDEXED_VERSION:
+        assert families_of(tensors, WRITTEN_INDEXED_VERSION) == ([], tensors)

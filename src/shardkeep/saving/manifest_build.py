@@ -20,6 +20,7 @@ from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manif
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
     DTYPE_ITEMSIZE,
+    INDEXED_VERSION,
     WRITTEN_INDEXED_VERSION,
     ContainerEntry,
     FileRecord,
@@ -31,6 +32,7 @@ from shardkeep.manifest import (
     ShardedTensor,
     Sharding,
     StateSection,
+    TensorFamily,
     Tier,
     Training,
     ValueEntry,
@@ -38,6 +40,7 @@ from shardkeep.manifest import (
     has_chunks,
     validate_manifest,
 )
+from shardkeep.manifest.families import detect_tensor_families
 from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.saving.wire import Descriptions, RankReport, merged_descriptions
 from shardkeep.tensors.coverage import coverage_problems
@@ -54,6 +57,7 @@ __all__ = [
     "Sections",
     "commit_manifest",
     "describe_sharded",
+    "families_of",
     "indexed_manifest",
     "merged_structure",
     "metric_values",
@@ -294,7 +298,8 @@ def indexed_manifest(
         )
     base = {name: getattr(manifest, name) for name in Manifest.__struct_fields__}
     base["metadata_version"] = WRITTEN_INDEXED_VERSION
-    return IndexedManifest(
+    families, sharded = families_of(sharded, base["metadata_version"])
+    indexed = IndexedManifest(
         **base,
         meshes=meshes,
         sharded=sharded,
@@ -303,6 +308,30 @@ def indexed_manifest(
             refs=sorted({ref for report in reports for ref in report.refs}),
         ),
     )
+    if families:
+        indexed.families = families
+    return indexed
+
+
+#: Whether sharded saves describe tensors that differ only in the integers of their keys as
+#: tensor families (:func:`families_of`); only roots of :data:`INDEXED_VERSION` hold them.
+WRITE_FAMILIES = True
+
+
+def families_of(
+    sharded: list[ShardedTensor], version: str = INDEXED_VERSION
+) -> tuple[list[TensorFamily], list[ShardedTensor]]:
+    """The tensor families (format 2.1) and the remaining singletons of a root of ``version``
+    describing ``sharded``: detected (:func:`~shardkeep.manifest.families.detect_tensor_families`,
+    their instances are exactly those tensors) when ``version`` is :data:`INDEXED_VERSION` (a
+    save that writes 2.0, ``WriteOptions(block_size=0)``, gets none) and :data:`WRITE_FAMILIES`
+    is on; else no family and ``sharded`` itself. Singletons stay in key order."""
+    if not WRITE_FAMILIES or version != INDEXED_VERSION or len(sharded) < 2:
+        return [], sharded
+    families, singles = detect_tensor_families(sharded)
+    families.sort(key=lambda family: family.key)
+    singles.sort(key=lambda tensor: tensor.key)
+    return families, singles
 
 
 def merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
