@@ -1259,7 +1259,26 @@ class CurrentFormat:
         return LoadPlan(opened, entries, sealed_size + metadata, data)
 
 
-FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat}
+class FamiliesFormat(CurrentFormat):
+    """:class:`CurrentFormat` with sharded saves stamped ``INDEXED_VERSION`` (2.1), root and
+    indexes, so that the coordinator describes the sharded tensors as tensor families
+    (``saving.manifest_build.families_of``): what a 2.1 writer writes, on a shardkeep whose
+    writers still stamp 2.0. Where ``WRITTEN_INDEXED_VERSION`` is already 2.1 it is ``current``."""
+
+    name = "families"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardkeep import indexes
+        from shardkeep.manifest import INDEXED_VERSION
+        from shardkeep.saving import manifest_build
+
+        if not hasattr(manifest_build, "families_of"):
+            raise SystemExit("--format families needs a shardkeep that writes tensor families")
+        indexes.WRITTEN_INDEXED_VERSION = manifest_build.WRITTEN_INDEXED_VERSION = INDEXED_VERSION  # type: ignore[attr-defined]
+
+
+FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat, "families": FamiliesFormat}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from shardkeep.manifest.families import (
     expand_tensor_family,
     family_problems,
 )
-from shardkeep.manifest.schema import ShardedTensor, TensorFamily
+from shardkeep.manifest.schema import ShardedTensor, TensorEntry, TensorFamily
 
 
 def _tensor(key: str, path: list[str | int], order: int = 0, expert: list[int] | None = None) -> ShardedTensor:
@@ -301,3 +301,85 @@ def test_family_instances_count_toward_max_tensors_on_decode() -> None:
     huge = seal_manifest(encode_manifest(_indexed([_family(indices=[[0, 2**31, 1]] * 2)])), "blake3")  # type: ignore[arg-type]
     with pytest.raises(ManifestError, match="over the limit"):
         decode_manifest(huge)
+
+
+def _entry(key: str, path: list[str | int], offset: int, order: int, expert: list[int] | None = None) -> TensorEntry:
+    return TensorEntry(
+        key=key,
+        path=path,
+        dtype="F32",
+        shape=[],
+        offset=offset,
+        nbytes=4,
+        order=order,
+        kind="expert" if expert is not None else "dense",
+        expert_key=expert,
+    )
+
+
+def test_entry_families_round_trip_offsets_orders_and_expert_keys() -> None:
+    from shardkeep.manifest.families import detect_entry_families, expand_entry_family
+
+    entries = [_entry(f"optim.state.{i}.step", ["optim", "state", i, "step"], 100 + 8 * i, 7 + 3 * i) for i in range(6)]
+    entries += [
+        _entry(
+            f"o.l.{layer}.experts.{e}.step",
+            ["o", "l", str(layer), "experts", str(e), "step"],
+            1000 + 32 * layer + 8 * e,
+            50 + 4 * e + 100 * layer,
+            [1, layer, e],
+        )
+        for layer in range(3)
+        for e in range(4)
+    ]
+    entries += [_entry(f"x.{i}.s", ["x", str(i), "s"], 2000 + 4 * i, 1) for i in (0, 1, 2, 5)]  # no range: singles
+    entries.append(_entry("lone", ["lone"], 0, 0))
+    entries.append(msgspec.structs.replace(entries[0], key="d.0", path=["d", "0"], digest="blake3:" + "0" * 64))
+    entries.append(msgspec.structs.replace(entries[0], key="d.1", path=["d", "1"], digest="blake3:" + "0" * 64))
+    families, singles = detect_entry_families(entries)
+    expanded = [e for f in families for e in expand_entry_family(f)] + singles
+    assert sorted(expanded, key=lambda e: e.key) == sorted(entries, key=lambda e: e.key)
+    assert sorted(f.key for f in families) == ["o.l.{0}.experts.{1}.step", "optim.state.{0}.step"]
+    moe = next(f for f in families if f.key.startswith("o."))
+    assert moe.offset_steps == [32, 8] and moe.expert_key == [1, "{0}", "{1}"] and moe.kind == "expert"
+    assert {e.key for e in singles} == {"x.0.s", "x.1.s", "x.2.s", "x.5.s", "lone", "d.0", "d.1"}  # digests: never
+
+
+def test_decoding_expands_entry_families_and_refuses_bad_ones() -> None:
+    from shardkeep.config import ManifestLimits
+    from shardkeep.errors import ManifestError
+    from shardkeep.integrity import seal_manifest
+    from shardkeep.manifest import FileRecord, decode_manifest, encode_manifest
+    from shardkeep.manifest.schema import EntryFamily
+
+    family = EntryFamily(
+        key="s.{0}.step",
+        path=["s", "{0}", "step"],
+        int_parts=[1],
+        indices=[[0, 4, 1]],
+        dtype="F32",
+        shape=[],
+        nbytes=4,
+        offset=16,
+        offset_steps=[8],
+        order=3,
+        order_steps=[2],
+    )
+    lone = _entry("s.x", ["s", "x"], 8, 1)
+    manifest = _indexed([])
+    manifest.files = [FileRecord(path="a.safetensors", rank=0, size=64, digest=None, tensors=[lone], families=[family])]  # type: ignore[attr-defined]
+    decoded = decode_manifest(seal_manifest(encode_manifest(manifest), "blake3"))  # type: ignore[arg-type]
+    record = decoded.files[0]
+    assert record.families == []
+    assert [(e.key, e.path, e.offset, e.order) for e in record.tensors] == [
+        ("s.x", ["s", "x"], 8, 1),
+        *((f"s.{i}.step", ["s", i, "step"], 16 + 8 * i, 3 + 2 * i) for i in range(4)),
+    ]
+    with pytest.raises(ManifestError, match="over the limit"):
+        decode_manifest(seal_manifest(encode_manifest(manifest), "blake3"), limits=ManifestLimits(max_tensors=4))  # type: ignore[arg-type]
+    manifest.files[0].families = [msgspec.structs.replace(family, offset_steps=[-8])]  # type: ignore[attr-defined]
+    with pytest.raises(ManifestError, match="byte offsets"):
+        decode_manifest(seal_manifest(encode_manifest(manifest), "blake3"))  # type: ignore[arg-type]
+    manifest.files[0].families = [msgspec.structs.replace(family, key="s.{0}{0}.step")]  # type: ignore[attr-defined]
+    with pytest.raises(ManifestError, match=r"a\.safetensors"):
+        decode_manifest(seal_manifest(encode_manifest(manifest), "blake3"))  # type: ignore[arg-type]

@@ -256,6 +256,11 @@ def test_a_save_describes_families_and_loads_as_a_save_without(tmp_path: Path) -
         "optim.state.{0}.exp_avg",
     ]
     assert [t["key"] for t in raw_on["sharded"]] == ["model.embed"]
+    # The optimizer's step scalars, whole tensors of root files: entry families where a file
+    # holds a run of them, the same entries once decoded.
+    entry_families = [f["key"] for record in raw_on["files"] for f in record.get("families", [])]
+    assert entry_families and set(entry_families) == {"optim.state.{0}.step"}, raw_on["files"]
+    assert all("families" not in record for record in raw_off["files"])
     assert (on / "manifest.json").stat().st_size < (off / "manifest.json").stat().st_size / 3
     # The indexes are the same but for the files' digests (the data is the same bytes).
     for rank in (0, 1):
@@ -268,6 +273,9 @@ def test_a_save_describes_families_and_loads_as_a_save_without(tmp_path: Path) -
     assert isinstance(manifest_on, IndexedManifest) and isinstance(manifest_off, IndexedManifest)
     key = lambda t: t.key  # noqa: E731
     assert sorted(manifest_on.described(), key=key) == sorted(manifest_off.described(), key=key)
+    assert [(r.path, r.tensors) for r in manifest_on.files if not r.path.endswith("_sharded.safetensors")] == [
+        (r.path, r.tensors) for r in manifest_off.files if not r.path.endswith("_sharded.safetensors")
+    ]
     assert sk.verify(on).ok
     assert _same(_flat(sk.load(on)), _flat(sk.load(off)))
     select = sk.LoadSelection(sections={"optim"})

@@ -17,13 +17,18 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .schema import KeyPath, ShardedTensor, TensorFamily
+from .schema import EntryFamily, FileRecord, KeyPath, ShardedTensor, TensorEntry, TensorFamily
 
 __all__ = [
     "READERS_EXPAND_FAMILIES",
     "FamilyIndex",
+    "detect_entry_families",
     "detect_tensor_families",
+    "entry_family_problems",
+    "expand_entry_families",
+    "expand_entry_family",
     "expand_tensor_family",
     "families_overlap",
     "family_parents",
@@ -127,7 +132,7 @@ def _split_key(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 # -- expansion ---------------------------------------------------------------------------------
 
 
-def _axes(family: TensorFamily) -> list[range]:
+def _axes(family: TensorFamily | EntryFamily) -> list[range]:
     return [range(start, stop, step) for start, stop, step in family.indices]
 
 
@@ -139,7 +144,7 @@ def instance_count(indices: Sequence[Sequence[int]]) -> int:
     return count
 
 
-def _resolve_path(family: TensorFamily, parsed: list[_Template | int], values: Sequence[int]) -> KeyPath:
+def _resolve_path(family: TensorFamily | EntryFamily, parsed: list[_Template | int], values: Sequence[int]) -> KeyPath:
     path: KeyPath = []
     for position, part in enumerate(parsed):
         if isinstance(part, int):
@@ -151,15 +156,24 @@ def _resolve_path(family: TensorFamily, parsed: list[_Template | int], values: S
     return path
 
 
+def _affine_at(base: int, steps: Sequence[int], values: Sequence[int], indices: Sequence[Sequence[int]]) -> int:
+    """``base + sum(steps[k] * (values[k] - start_k) / step_k)``: an instance's order or offset."""
+    for step_k, value, (start, _stop, step) in zip(steps, values, indices, strict=False):
+        base += step_k * ((value - start) // step)
+    return base
+
+
+def _expert_at(family: TensorFamily | EntryFamily, values: Sequence[int]) -> list[int] | None:
+    if family.expert_key is None:
+        return None
+    return [values[int(e[1:-1])] if isinstance(e, str) else e for e in family.expert_key]
+
+
 def _instance(
     family: TensorFamily, values: Sequence[int], key: _Template, path: list[_Template | int]
 ) -> ShardedTensor:
-    order = family.order
-    for step_k, value, (start, _stop, step) in zip(family.order_steps, values, family.indices, strict=False):
-        order += step_k * ((value - start) // step)
-    expert = None
-    if family.expert_key is not None:
-        expert = [values[int(e[1:-1])] if isinstance(e, str) else e for e in family.expert_key]
+    order = _affine_at(family.order, family.order_steps, values, family.indices)
+    expert = _expert_at(family, values)
     return ShardedTensor(
         key=key.render(values),
         path=_resolve_path(family, path, values),
@@ -173,7 +187,7 @@ def _instance(
     )
 
 
-def _parsed_path(family: TensorFamily) -> list[_Template | int]:
+def _parsed_path(family: TensorFamily | EntryFamily) -> list[_Template | int]:
     return [part if isinstance(part, int) else _parse(part) for part in family.path]
 
 
@@ -189,6 +203,51 @@ def expand_tensor_family(family: TensorFamily) -> Iterator[ShardedTensor]:
     key, path = _parse(family.key), _parsed_path(family)
     for values in itertools.product(*_axes(family)):
         yield _instance(family, values, key, path)
+
+
+def expand_entry_family(family: EntryFamily) -> Iterator[TensorEntry]:
+    """The whole-tensor entries of a validated entry family, row-major."""
+    key, path = _parse(family.key), _parsed_path(family)
+    for values in itertools.product(*_axes(family)):
+        yield TensorEntry(
+            key=key.render(values),
+            path=_resolve_path(family, path, values),
+            dtype=family.dtype,
+            shape=list(family.shape),
+            offset=_affine_at(family.offset, family.offset_steps, values, family.indices),
+            nbytes=family.nbytes,
+            kind=family.kind,
+            expert_key=_expert_at(family, values),
+            order=_affine_at(family.order, family.order_steps, values, family.indices),
+        )
+
+
+def entry_family_problems(family: EntryFamily, max_tensors: int) -> list[str]:
+    """What makes an entry family invalid, checked without building an instance: as
+    :func:`family_problems`, and the byte offsets (one step per range, every instance's offset
+    in ``[0, 2**63)``, ``nbytes`` not negative). The instances' dtype, shape and byte ranges
+    are checked as entries once expanded."""
+    problems = family_problems(family, max_tensors)
+    if problems:
+        return problems
+    where = f"entry family {family.key!r}"
+    if len(family.offset_steps) not in (0, len(family.indices)):
+        problems.append(f"{where}: offset_steps must have one step per index range")
+    low = high = family.offset
+    for step_k, (start, stop, step) in zip(family.offset_steps, family.indices, strict=False):
+        span = step_k * (len(range(start, stop, step)) - 1)
+        low, high = low + min(0, span), high + max(0, span)
+    if low < 0 or high >= ORDER_LIMIT or family.nbytes < 0:
+        problems.append(f"{where}: instance byte offsets leave [0, 2**63)")
+    return problems
+
+
+def expand_entry_families(record: FileRecord) -> None:
+    """Put the instances of ``record``'s entry families (valid: :func:`entry_family_problems`)
+    among its ``tensors``, all in byte-offset order (stable), and clear ``families``."""
+    instances = [entry for family in record.families for entry in expand_entry_family(family)]
+    record.tensors = sorted([*record.tensors, *instances], key=lambda entry: entry.offset)
+    record.families = []
 
 
 def family_parents(family: TensorFamily) -> set[tuple[str | int, ...]]:
@@ -248,7 +307,7 @@ def _match(family: TensorFamily, template: _Template, digits: tuple[str, ...]) -
 # -- validation --------------------------------------------------------------------------------
 
 
-def family_size(family: TensorFamily, limit: int) -> int:
+def family_size(family: TensorFamily | EntryFamily, limit: int) -> int:
     """The instance count, or ``limit + 1`` as soon as it exceeds ``limit`` (checked range by
     range, so a hostile product never becomes a huge integer)."""
     count = 1
@@ -259,12 +318,12 @@ def family_size(family: TensorFamily, limit: int) -> int:
     return count
 
 
-def _joins(family: TensorFamily) -> bool:
+def _joins(family: TensorFamily | EntryFamily) -> bool:
     """Whether every instance's key is its path joined with dots (checked on the templates)."""
     return family.key == ".".join(_escape(str(part)) if isinstance(part, int) else part for part in family.path)
 
 
-def family_problems(family: TensorFamily, max_tensors: int) -> list[str]:
+def family_problems(family: TensorFamily | EntryFamily, max_tensors: int) -> list[str]:
     """What makes a family invalid, checked without building an instance: ranges, templates,
     placeholders, integer path parts, expert keys, orders, and the instance count against
     ``max_tensors``."""
@@ -317,31 +376,75 @@ def family_problems(family: TensorFamily, max_tensors: int) -> list[str]:
 # -- detection ---------------------------------------------------------------------------------
 
 
+#: What detection groups: a described tensor, or a whole-tensor entry of one file.
+_Member = ShardedTensor | TensorEntry
+
+
 @dataclass
 class _Item:
-    tensor: ShardedTensor
+    tensor: Any  # a ShardedTensor or a TensorEntry (the fields both have are used)
     digits: list[int]  # the key's placeholder-eligible digit runs
 
 
-def _skeleton(tensor: ShardedTensor) -> tuple[object, ...] | None:
-    """The grouping key: the key with canonical digit runs replaced, path likewise, and the
-    fixed fields. ``None`` when the key has nothing to vary."""
-    texts, runs = _split_key(tensor.key)
+def _key_skeleton(member: _Member) -> tuple[object, ...] | None:
+    """The key with canonical digit runs replaced, the path likewise, and the expert-key
+    length; ``None`` when the key has nothing to vary."""
+    texts, runs = _split_key(member.key)
     if not any(_canonical(r) for r in runs):
         return None
     key_shape = tuple(None if _canonical(r) else r for r in runs)
-    path_shape = tuple(("int",) if isinstance(p, int) else ("str", _split_key(p)[0]) for p in tensor.path)
-    return (
-        texts,
-        key_shape,
-        path_shape,
-        tensor.dtype,
-        tuple(tensor.global_shape),
-        tensor.mesh,
-        tuple(tensor.placements),
-        tensor.kind,
-        None if tensor.expert_key is None else len(tensor.expert_key),
-    )
+    path_shape = tuple(("int",) if isinstance(p, int) else ("str", _split_key(p)[0]) for p in member.path)
+    return (texts, key_shape, path_shape, member.kind, None if member.expert_key is None else len(member.expert_key))
+
+
+def _skeleton(tensor: ShardedTensor) -> tuple[object, ...] | None:
+    """The grouping key of a described tensor: its key skeleton and the fixed fields."""
+    key = _key_skeleton(tensor)
+    if key is None:
+        return None
+    return (*key, tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements))
+
+
+def _entry_skeleton(entry: TensorEntry) -> tuple[object, ...] | None:
+    """The grouping key of a whole-tensor entry: its key skeleton and the fixed fields; ``None``
+    for an entry a family cannot describe (a chunk, one with its own digest or blocks, a numpy
+    array)."""
+    if (
+        entry.global_shape is not None
+        or entry.global_offset is not None
+        or entry.digest is not None
+        or entry.blocks
+        or entry.array_type != "torch"
+    ):
+        return None
+    key = _key_skeleton(entry)
+    if key is None:
+        return None
+    return (*key, entry.dtype, tuple(entry.shape), entry.nbytes)
+
+
+def _detect(
+    members: Sequence[_Member],
+    skeleton: Callable[[Any], tuple[object, ...] | None],
+    build: Callable[[list[_Item]], Any],
+) -> tuple[list[Any], list[Any]]:
+    groups: dict[tuple[object, ...], list[_Item]] = {}
+    singles: list[Any] = []
+    seen: set[str] = set()
+    duplicates: set[str] = set()
+    for member in members:
+        (duplicates if member.key in seen else seen).add(member.key)
+    for member in members:
+        grouping = None if member.key in duplicates else skeleton(member)
+        if grouping is None:
+            singles.append(member)
+            continue
+        digits = [int(r) for r in _split_key(member.key)[1] if _canonical(r)]
+        groups.setdefault(grouping, []).append(_Item(member, digits))
+    families: list[Any] = []
+    for items in groups.values():
+        _detect_group(items, families, singles, build)
+    return families, singles
 
 
 def detect_tensor_families(
@@ -351,30 +454,23 @@ def detect_tensor_families(
     expanding the families gives back exactly the family members, keys, paths, orders and
     expert keys included. Groups that are not a product of arithmetic ranges with affine
     orders are split on their first varying integer and tried again."""
-    groups: dict[tuple[object, ...], list[_Item]] = {}
-    singles: list[ShardedTensor] = []
-    seen: set[str] = set()
-    duplicates: set[str] = set()
-    for tensor in tensors:
-        (duplicates if tensor.key in seen else seen).add(tensor.key)
-    for tensor in tensors:
-        skeleton = None if tensor.key in duplicates else _skeleton(tensor)
-        if skeleton is None:
-            singles.append(tensor)
-            continue
-        digits = [int(r) for r in _split_key(tensor.key)[1] if _canonical(r)]
-        groups.setdefault(skeleton, []).append(_Item(tensor, digits))
-    families: list[TensorFamily] = []
-    for items in groups.values():
-        _detect_group(items, families, singles)
-    return families, singles
+    return _detect(tensors, _skeleton, _family_of)
 
 
-def _detect_group(items: list[_Item], families: list[TensorFamily], singles: list[ShardedTensor]) -> None:
+def detect_entry_families(entries: Sequence[TensorEntry]) -> tuple[list[EntryFamily], list[TensorEntry]]:
+    """Split the entries of one file into entry families (whole tensors whose keys differ only
+    in integers, with affine orders and byte offsets) and the entries left as they are;
+    expanding the families gives back exactly the family members."""
+    return _detect(entries, _entry_skeleton, _entry_family_of)
+
+
+def _detect_group(
+    items: list[_Item], families: list[Any], singles: list[Any], build: Callable[[list[_Item]], Any]
+) -> None:
     if len(items) < 2:
         singles.extend(item.tensor for item in items)
         return
-    family = _family_of(items)
+    family = build(items)
     if family is not None:
         families.append(family)
         return
@@ -390,7 +486,7 @@ def _detect_group(items: list[_Item], families: list[TensorFamily], singles: lis
         singles.extend(item.tensor for item in items)
         return
     for part in split.values():
-        _detect_group(part, families, singles)
+        _detect_group(part, families, singles, build)
 
 
 def _ranges(items: list[_Item], varying: list[int]) -> list[list[int]] | None:
@@ -408,8 +504,23 @@ def _ranges(items: list[_Item], varying: list[int]) -> list[list[int]] | None:
     return ranges
 
 
-def _family_of(items: list[_Item]) -> TensorFamily | None:
-    """The family of a group with one skeleton, or ``None`` when it is not one."""
+@dataclass
+class _Shape:
+    """What a family of a group is, whatever its kind: templates, ranges and affine orders."""
+
+    key: str
+    path: list[str | int]
+    int_parts: list[int]
+    indices: list[list[int]]
+    expert_key: list[int | str] | None
+    order: int
+    order_steps: list[int]
+    varying: list[int]
+    first: Any
+
+
+def _shape_of(items: list[_Item]) -> _Shape | None:
+    """The family shape of a group with one skeleton, or ``None`` when it is not one."""
     first = items[0]
     width = len(first.digits)
     varying = [k for k in range(width) if len({item.digits[k] for item in items}) > 1]
@@ -429,22 +540,67 @@ def _family_of(items: list[_Item]) -> TensorFamily | None:
     if order_steps is None:
         return None
     base = min(items, key=lambda item: [item.digits[k] for k in varying]).tensor
-    tensor = first.tensor
-    family = TensorFamily(
-        key=key,
-        path=path_templates,
-        int_parts=int_parts,
-        indices=ranges,
+    shape = _Shape(
+        key,
+        path_templates,
+        int_parts,
+        ranges,
+        expert,
+        base.order,
+        order_steps if any(order_steps) else [],
+        varying,
+        base,
+    )
+    joined = ".".join(_escape(str(p)) if isinstance(p, int) else p for p in shape.path)
+    return shape if joined == shape.key else None
+
+
+def _family_of(items: list[_Item]) -> TensorFamily | None:
+    """The tensor family of a group of described tensors, or ``None``."""
+    shape = _shape_of(items)
+    if shape is None:
+        return None
+    tensor = shape.first
+    return TensorFamily(
+        key=shape.key,
+        path=shape.path,
+        int_parts=shape.int_parts,
+        indices=shape.indices,
         dtype=tensor.dtype,
         global_shape=list(tensor.global_shape),
         mesh=tensor.mesh,
         placements=list(tensor.placements),
         kind=tensor.kind,
-        expert_key=expert,
-        order=base.order,
-        order_steps=order_steps if any(order_steps) else [],
+        expert_key=shape.expert_key,
+        order=shape.order,
+        order_steps=shape.order_steps,
     )
-    return family if _joins(family) else None
+
+
+def _entry_family_of(items: list[_Item]) -> EntryFamily | None:
+    """The entry family of a group of whole-tensor entries of one file, or ``None``."""
+    shape = _shape_of(items)
+    if shape is None:
+        return None
+    offset_steps = _affine(items, shape.varying, shape.indices, lambda e: e.offset)
+    if offset_steps is None:
+        return None
+    entry = shape.first
+    return EntryFamily(
+        key=shape.key,
+        path=shape.path,
+        int_parts=shape.int_parts,
+        indices=shape.indices,
+        dtype=entry.dtype,
+        shape=list(entry.shape),
+        nbytes=entry.nbytes,
+        offset=entry.offset,
+        offset_steps=offset_steps if any(offset_steps) else [],
+        kind=entry.kind,
+        expert_key=shape.expert_key,
+        order=shape.order,
+        order_steps=shape.order_steps,
+    )
 
 
 def _template_of(text: str, digits: list[int], slot: dict[int, int]) -> str:
@@ -511,14 +667,14 @@ def _expert_template(items: list[_Item], slot: dict[int, int]) -> list[int | str
         return None
     out: list[int | str] = []
     for position, value in enumerate(first):
-        column = [item.tensor.expert_key[position] for item in items]  # type: ignore[index]
+        column = [item.tensor.expert_key[position] for item in items]
         bound = _binding(column, items, slot)
         out.append(value if bound is None else f"{{{bound}}}")
     return out
 
 
 def _affine(
-    items: list[_Item], varying: list[int], ranges: list[list[int]], field: Callable[[ShardedTensor], int]
+    items: list[_Item], varying: list[int], ranges: list[list[int]], field: Callable[[Any], int]
 ) -> list[int] | None:
     """Per-placeholder steps making ``field`` affine in the range positions, or ``None``."""
     by_pos = {
@@ -542,7 +698,7 @@ def _affine(
 MAX_FAMILIES_PER_SKELETON = 1024
 
 
-def instances_within(families: Sequence[TensorFamily], limit: int) -> int:
+def instances_within(families: Sequence[TensorFamily | EntryFamily], limit: int) -> int:
     """The instances of ``families`` together, or ``limit + 1`` once past ``limit``; nothing
     is built, so a hostile product costs nothing (the count behind ``max_tensors``)."""
     total = 0

@@ -257,8 +257,11 @@ class EntryFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     keys, described once: ``FileRecord.families`` (an optimizer's ``step`` scalars, say).
 
     ``key``, ``path``, ``int_parts``, ``indices``, ``order`` and ``order_steps`` are as in
-    :class:`TensorFamily`; every instance has ``dtype``, ``shape`` and ``nbytes``, and its byte
-    offset is ``offset + sum(offset_steps[k] * (i_k - start_k) / step_k)``."""
+    :class:`TensorFamily`; every instance has ``dtype``, ``shape``, ``nbytes``, ``kind`` and
+    ``expert_key`` (templates resolved as in :class:`TensorFamily`), and its byte offset is
+    ``offset + sum(offset_steps[k] * (i_k - start_k) / step_k)``. An instance is a whole-tensor
+    :class:`TensorEntry` with no digest and no blocks. A reader expands the families of a record
+    into its ``tensors`` when it decodes the manifest, in byte-offset order."""
 
     key: str
     path: list[str | int]
@@ -271,6 +274,8 @@ class EntryFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     offset_steps: list[int] = msgspec.field(default_factory=list)
     order: int = 0
     order_steps: list[int] = msgspec.field(default_factory=list)
+    kind: Literal["dense", "expert"] = "dense"
+    expert_key: list[int | str] | None = None
 
 
 class Compression(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

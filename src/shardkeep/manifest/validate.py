@@ -269,8 +269,9 @@ def _check_file_record(
 
 def _check_blocks_and_fast_digest(record: FileRecord, where: str, err: Callable[[str], None]) -> None:
     """A file's 1.4/2.1 fields: ``fast_digest`` (an xxh3-128 digest), ``block_size`` (0, or one
-    of :data:`BLOCK_SIZES` when the file is not compressed) and ``families`` (which this reader
-    cannot expand: refused, so that no tensor of a family goes unseen)."""
+    of :data:`BLOCK_SIZES` when the file is not compressed) and ``families`` (which
+    :func:`~shardkeep.manifest.decode_manifest` expands into ``tensors``: one left in a manifest
+    is refused, so that no tensor of a family goes unseen)."""
     fast = record.fast_digest
     if fast is not None:
         problem = digest_problem(fast) if isinstance(fast, str) else "not a string"
@@ -286,7 +287,7 @@ def _check_blocks_and_fast_digest(record: FileRecord, where: str, err: Callable[
     elif size and record.compression is not None:
         err(f"{where} has block_size {size} but is compressed: a compressed file is read whole and has no blocks")
     for family in record.families:
-        err(f"{where} lists the entry family {family.key!r}, which this version of shardkeep cannot expand")
+        err(f"{where} lists the entry family {family.key!r}, not expanded (decoding a manifest expands them)")
 
 
 def check_file_tensors(

@@ -5,6 +5,7 @@ and :func:`commit_manifest`, which checks, seals, signs and commits it."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from shardkeep.manifest import (
     INDEXED_VERSION,
     WRITTEN_INDEXED_VERSION,
     ContainerEntry,
+    EntryFamily,
     FileRecord,
     IndexedManifest,
     IndexTable,
@@ -40,7 +42,7 @@ from shardkeep.manifest import (
     has_chunks,
     validate_manifest,
 )
-from shardkeep.manifest.families import detect_tensor_families
+from shardkeep.manifest.families import detect_entry_families, detect_tensor_families
 from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.saving.wire import Descriptions, RankReport, merged_descriptions
 from shardkeep.tensors.coverage import coverage_problems
@@ -69,6 +71,7 @@ __all__ = [
     "step_of",
     "training_fields",
     "warn_if_over_read_limits",
+    "with_entry_families",
 ]
 
 logger = logging.getLogger("shardkeep")
@@ -334,6 +337,31 @@ def families_of(
     return families, singles
 
 
+def with_entry_families(manifest: Manifest) -> Manifest:
+    """What a root of :data:`INDEXED_VERSION` records of ``manifest`` (with
+    :data:`WRITE_FAMILIES`): each file's whole tensors that differ only in the integers of their
+    keys, with affine orders and byte offsets, as entry families
+    (:func:`~shardkeep.manifest.families.detect_entry_families`); a copy, ``manifest`` is left
+    as it is. Only a file whose entries are in strictly increasing byte order is rewritten,
+    since a reader puts the instances back in that order. Else ``manifest`` itself."""
+    if not WRITE_FAMILIES or not isinstance(manifest, IndexedManifest) or manifest.metadata_version != INDEXED_VERSION:
+        return manifest
+    files: list[FileRecord] = []
+    changed = False
+    for record in manifest.files:
+        offsets = [entry.offset for entry in record.tensors]
+        families: list[EntryFamily] = []
+        if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
+            families, singles = detect_entry_families(record.tensors)
+        if families:
+            changed = True
+            families.sort(key=lambda family: family.offset)
+            singles.sort(key=lambda entry: entry.offset)
+            record = msgspec.structs.replace(record, tensors=singles, families=families)
+        files.append(record)
+    return msgspec.structs.replace(manifest, files=files) if changed else manifest
+
+
 def merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
     """The coordinator's containers plus those only other ranks hold (expert-parallel ranks
     hold different experts); ranks that disagree about a container's kind are refused."""
@@ -403,7 +431,7 @@ def commit_manifest(
         raise CommitRefusedError(f"cannot commit {location}: " + "; ".join(problems[:5]))
     for path in data_files:
         commit.add_data_file(path)
-    sealed = seal_manifest(encode_manifest(manifest), manifest.digest_algorithm)
+    sealed = seal_manifest(encode_manifest(with_entry_families(manifest)), manifest.digest_algorithm)
     warn_if_over_read_limits(location, sealed, manifest)
     signature = sign_manifest(sealed, private_key, manifest) if private_key is not None else None
     commit.commit(sealed, signature)
