@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import torch
 
 import shardkeep as sk
@@ -280,6 +281,21 @@ def test_a_save_describes_families_and_loads_as_a_save_without(tmp_path: Path) -
     assert _same(_flat(sk.load(on)), _flat(sk.load(off)))
     select = sk.LoadSelection(sections={"optim"})
     assert _same(_flat(sk.load(on, select=select)), _flat(sk.load(off, select=select)))
+    # A reader that does not know families (their members ignored as unknown fields) never
+    # loads a partial state: a file's header lists the family's tensors, the indexes chunks of
+    # tensors it does not see described.
+    old_reader = tmp_path / "old_reader"
+    shutil.copytree(on, old_reader)
+    raw = dict(raw_on)
+    raw.pop("manifest_digest")
+    raw["files"] = [{k: v for k, v in record.items() if k != "families"} for record in raw["files"]]
+    (old_reader / "manifest.json").write_bytes(seal_manifest(msgspec.json.encode(raw), raw["digest_algorithm"]))
+    with pytest.raises(sk.IntegrityError, match="header lists"):
+        sk.load(old_reader, select=sk.LoadSelection(sections={"optim"}))
+    raw.pop("families")
+    (old_reader / "manifest.json").write_bytes(seal_manifest(msgspec.json.encode(raw), raw["digest_algorithm"]))
+    with pytest.raises(sk.ManifestError, match="not a sharded tensor the manifest describes"):
+        sk.load(old_reader)
 
 
 def test_families_are_written_only_into_roots_of_the_version_that_has_them() -> None:
