@@ -12,6 +12,7 @@ expanding anything. Anything detection cannot represent exactly stays a singleto
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -57,6 +58,7 @@ class _NoFamily(Exception):
     """A group whose members one family cannot describe exactly."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _canonical(digits: str) -> bool:
     return (digits == "0" or not digits.startswith("0")) and int(digits) < INDEX_LIMIT
 
@@ -124,6 +126,7 @@ def _parse(template: str) -> _Template:
     return _Template(tuple(texts), tuple(runs))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _split_key(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     parts = _RUNS.split(key)
     return tuple(parts[0::2]), tuple(parts[1::2])
@@ -386,27 +389,44 @@ class _Item:
     digits: list[int]  # the key's placeholder-eligible digit runs
 
 
-def _key_skeleton(member: _Member) -> tuple[object, ...] | None:
-    """The key with canonical digit runs replaced, the path likewise, and the expert-key
-    length; ``None`` when the key has nothing to vary."""
+def _key_skeleton(member: _Member) -> tuple[tuple[object, ...], list[int]] | None:
+    """The key with canonical digit runs masked, the path likewise, and the expert-key length;
+    with the key's canonical integers. ``None`` when the key has nothing to vary."""
     texts, runs = _split_key(member.key)
-    if not any(_canonical(r) for r in runs):
+    values = list(map(_run_value, runs))
+    digits = [value for value in values if value is not None]
+    if not digits:
         return None
-    key_shape = tuple(None if _canonical(r) else r for r in runs)
-    path_shape = tuple(("int",) if isinstance(p, int) else ("str", _split_key(p)[0]) for p in member.path)
-    return (texts, key_shape, path_shape, member.kind, None if member.expert_key is None else len(member.expert_key))
+    key_shape = tuple(None if value is not None else run for run, value in zip(runs, values, strict=True))
+    path_shape = tuple(map(_component_shape, member.path))
+    expert = None if member.expert_key is None else len(member.expert_key)
+    return (texts, key_shape, path_shape, member.kind, expert), digits
 
 
-def _skeleton(tensor: ShardedTensor) -> tuple[object, ...] | None:
-    """The grouping key of a described tensor: its key skeleton and the fixed fields."""
-    key = _key_skeleton(tensor)
-    if key is None:
+@functools.lru_cache(maxsize=1 << 16)
+def _run_value(run: str) -> int | None:
+    """The integer of a digit run that can become a placeholder, else ``None``."""
+    return int(run) if _canonical(run) else None
+
+
+@functools.lru_cache(maxsize=1 << 16, typed=True)
+def _component_shape(part: str | int) -> tuple[object, ...]:
+    return ("int",) if isinstance(part, int) else ("str", _split_key(part)[0])
+
+
+def _skeleton(tensor: ShardedTensor) -> tuple[tuple[object, ...], list[int]] | None:
+    """The grouping key of a described tensor (its key skeleton and the fixed fields), and its
+    key's integers."""
+    found = _key_skeleton(tensor)
+    if found is None:
         return None
-    return (*key, tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements))
+    key, digits = found
+    return (*key, tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements)), digits
 
 
-def _entry_skeleton(entry: TensorEntry) -> tuple[object, ...] | None:
-    """The grouping key of a whole-tensor entry: its key skeleton and the fixed fields; ``None``
+def _entry_skeleton(entry: TensorEntry) -> tuple[tuple[object, ...], list[int]] | None:
+    """The grouping key of a whole-tensor entry (its key skeleton and the fixed fields) and its
+    key's integers; ``None``
     for an entry a family cannot describe (a chunk, one with its own digest or blocks, a numpy
     array)."""
     if (
@@ -417,15 +437,16 @@ def _entry_skeleton(entry: TensorEntry) -> tuple[object, ...] | None:
         or entry.array_type != "torch"
     ):
         return None
-    key = _key_skeleton(entry)
-    if key is None:
+    found = _key_skeleton(entry)
+    if found is None:
         return None
-    return (*key, entry.dtype, tuple(entry.shape), entry.nbytes)
+    key, digits = found
+    return (*key, entry.dtype, tuple(entry.shape), entry.nbytes), digits
 
 
 def _detect(
     members: Sequence[_Member],
-    skeleton: Callable[[Any], tuple[object, ...] | None],
+    skeleton: Callable[[Any], tuple[tuple[object, ...], list[int]] | None],
     build: Callable[[list[_Item]], Any],
 ) -> tuple[list[Any], list[Any]]:
     groups: dict[tuple[object, ...], list[_Item]] = {}
@@ -435,12 +456,11 @@ def _detect(
     for member in members:
         (duplicates if member.key in seen else seen).add(member.key)
     for member in members:
-        grouping = None if member.key in duplicates else skeleton(member)
-        if grouping is None:
+        found = None if member.key in duplicates else skeleton(member)
+        if found is None:
             singles.append(member)
             continue
-        digits = [int(r) for r in _split_key(member.key)[1] if _canonical(r)]
-        groups.setdefault(grouping, []).append(_Item(member, digits))
+        groups.setdefault(found[0], []).append(_Item(member, found[1]))
     families: list[Any] = []
     for items in groups.values():
         _detect_group(items, families, singles, build)
