@@ -8,6 +8,10 @@ canonical decimal (no leading zero, below 2**31) can become placeholders, and a 
 never next to a digit or another placeholder, so every instance key maps back to one index
 tuple: detection then expansion is the identity, and :class:`FamilyIndex` finds a key without
 expanding anything. Anything detection cannot represent exactly stays a singleton.
+
+Entry families (:class:`~shardkeep.manifest.schema.EntryFamily`) are the same for the whole
+tensors of one data file, with an affine byte offset besides the affine order; a decoded
+manifest has them expanded into their file's entries (:func:`expand_entry_families`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ __all__ = [
     "last_instance",
 ]
 
-#: Whether the reading side (indexes, loading, regions) resolves keys against families. Until
-#: it does, validation refuses even valid families, so that no instance goes unseen.
+#: Whether the reading side (indexes, loading, regions) resolves keys against families
+#: (``IndexedManifest.described()``/``find()``). Off, validation refuses even valid families,
+#: so that no instance goes unseen.
 READERS_EXPAND_FAMILIES = True
 
 #: Integers at or above this never become placeholders (and no range may reach past it).
