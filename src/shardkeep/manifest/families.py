@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ def _escape(text: str) -> str:
 # -- templates ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Template:
     """A parsed template: ``texts`` (the non-digit text between digit runs, one more than
     ``runs``) and ``runs`` (each a literal digit string or a placeholder number)."""
@@ -83,14 +84,24 @@ class _Template:
     texts: tuple[str, ...]
     runs: tuple[str | int, ...]
 
-    def render(self, values: Sequence[int]) -> str:
-        out = [self.texts[0]]
+    @functools.cached_property
+    def _format(self) -> str:
+        """The template as a :meth:`str.format` string of the placeholders' values."""
+        out = [_format_escape(self.texts[0])]
         for run, text in zip(self.runs, self.texts[1:], strict=True):
-            out.append(str(values[run]) if isinstance(run, int) else run)
-            out.append(text)
+            out.append(f"{{{run}}}" if isinstance(run, int) else run)
+            out.append(_format_escape(text))
         return "".join(out)
 
+    def render(self, values: Sequence[int]) -> str:
+        return self._format.format(*values)
 
+
+def _format_escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+@functools.lru_cache(maxsize=4096)
 def _parse(template: str) -> _Template:
     """The template's digit-run form; ``ValueError`` for a bad brace, or for a placeholder
     next to a digit or another placeholder (its instances would not parse back)."""
@@ -397,15 +408,23 @@ class _Item:
 def _key_skeleton(member: _Member) -> tuple[tuple[object, ...], list[int]] | None:
     """The key with canonical digit runs masked, the path likewise, and the expert-key length;
     with the key's canonical integers. ``None`` when the key has nothing to vary."""
-    texts, runs = _split_key(member.key)
+    parts = _RUNS.split(member.key)  # not memoized: keys are unique
+    runs = parts[1::2]
     values = list(map(_run_value, runs))
     digits = [value for value in values if value is not None]
     if not digits:
         return None
-    key_shape = tuple(None if value is not None else run for run, value in zip(runs, values, strict=True))
+    texts = tuple(parts[0::2])
+    key_shape = tuple(map(_masked, runs))
     path_shape = tuple(map(_component_shape, member.path))
     expert = None if member.expert_key is None else len(member.expert_key)
     return (texts, key_shape, path_shape, member.kind, expert), digits
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _masked(run: str) -> str | None:
+    """A digit run as a key skeleton has it: ``None`` where it can become a placeholder."""
+    return None if _canonical(run) else run
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -514,17 +533,17 @@ def _detect_group(
         _detect_group(part, families, singles, build)
 
 
-def _ranges(items: list[_Item], varying: list[int]) -> list[list[int]] | None:
+def _ranges(columns: list[tuple[int, ...]], varying: list[int], count: int) -> list[list[int]] | None:
     ranges: list[list[int]] = []
     for k in varying:
-        values = sorted({item.digits[k] for item in items})
+        values = sorted(set(columns[k]))
         step = values[1] - values[0]
         if any(b - a != step for a, b in itertools.pairwise(values)):
             return None
         ranges.append([values[0], values[-1] + 1, step])
-    if instance_count(ranges) != len(items):
+    if instance_count(ranges) != count:
         return None
-    if len({tuple(item.digits[k] for k in varying) for item in items}) != len(items):
+    if len(set(zip(*(columns[k] for k in varying), strict=True))) != count:
         return None
     return ranges
 
@@ -542,29 +561,33 @@ class _Shape:
     order_steps: list[int]
     varying: list[int]
     first: Any
+    positions: list[tuple[int, ...]]  # per placeholder, each member's position in its range
 
 
 def _shape_of(items: list[_Item]) -> _Shape | None:
-    """The family shape of a group with one skeleton, or ``None`` when it is not one."""
+    """The family shape of a group with one skeleton, or ``None`` when it is not one. The
+    checks run a column (one digit position over the group) at a time."""
     first = items[0]
-    width = len(first.digits)
-    varying = [k for k in range(width) if len({item.digits[k] for item in items}) > 1]
+    columns = list(zip(*(item.digits for item in items), strict=True))
+    varying = [k for k, column in enumerate(columns) if len(set(column)) > 1]
     if not varying:
         return None
-    ranges = _ranges(items, varying)
+    ranges = _ranges(columns, varying, len(items))
     if ranges is None:
         return None
     slot = {k: i for i, k in enumerate(varying)}
     key = _template_of(first.tensor.key, first.digits, slot)
     try:
-        path_templates, int_parts = _path_templates(items, slot)
-        expert = _expert_template(items, slot)
+        path_templates, int_parts = _path_templates(items, slot, columns)
+        expert = _expert_template(items, slot, columns)
     except _NoFamily:
         return None
-    order_steps = _affine(items, varying, ranges, lambda t: t.order)
-    if order_steps is None:
+    positions = [tuple((d - r[0]) // r[2] for d in columns[k]) for k, r in zip(varying, ranges, strict=True)]
+    found = _affine(items, positions, "order")
+    if found is None:
         return None
-    base = min(items, key=lambda item: [item.digits[k] for k in varying]).tensor
+    order_steps, origin = found
+    base = items[origin].tensor
     shape = _Shape(
         key,
         path_templates,
@@ -575,6 +598,7 @@ def _shape_of(items: list[_Item]) -> _Shape | None:
         order_steps if any(order_steps) else [],
         varying,
         base,
+        positions,
     )
     joined = ".".join(_escape(str(p)) if isinstance(p, int) else p for p in shape.path)
     return shape if joined == shape.key else None
@@ -607,9 +631,10 @@ def _entry_family_of(items: list[_Item]) -> EntryFamily | None:
     shape = _shape_of(items)
     if shape is None:
         return None
-    offset_steps = _affine(items, shape.varying, shape.indices, lambda e: e.offset)
-    if offset_steps is None:
+    found = _affine(items, shape.positions, "offset")
+    if found is None:
         return None
+    offset_steps = found[0]
     entry = shape.first
     return EntryFamily(
         key=shape.key,
@@ -644,24 +669,28 @@ def _template_of(text: str, digits: list[int], slot: dict[int, int]) -> str:
     return "".join(out)
 
 
-def _binding(values: list[int], items: list[_Item], slot: dict[int, int]) -> int | None:
+def _binding(values: Sequence[int], slot: dict[int, int], columns: list[tuple[int, ...]]) -> int | None:
     """How a path or expert-key integer relates to the key: the placeholder it always equals,
     or ``None`` when it is constant; :class:`_NoFamily` when neither."""
+    values = tuple(values)
     if len(set(values)) == 1:
         return None
     for k, placeholder in slot.items():
-        if all(v == item.digits[k] for v, item in zip(values, items, strict=True)):
+        if values == columns[k]:
             return placeholder
     raise _NoFamily
 
 
-def _path_templates(items: list[_Item], slot: dict[int, int]) -> tuple[list[str | int], list[int]]:
+def _path_templates(
+    items: list[_Item], slot: dict[int, int], columns: list[tuple[int, ...]]
+) -> tuple[list[str | int], list[int]]:
     templates: list[str | int] = []
     int_parts: list[int] = []
+    paths = [item.tensor.path for item in items]
     for position, part in enumerate(items[0].tensor.path):
+        component = [path[position] for path in paths]
         if isinstance(part, int):
-            values = [int(item.tensor.path[position]) for item in items]
-            bound = _binding(values, items, slot)
+            bound = _binding(list(map(int, component)), slot, columns)
             if bound is None:
                 templates.append(part)
             else:
@@ -670,12 +699,13 @@ def _path_templates(items: list[_Item], slot: dict[int, int]) -> tuple[list[str 
             continue
         texts = _split_key(part)[0]
         out = [_escape(texts[0])]
+        runs = [_split_key(str(value))[1] for value in component] if len(texts) > 1 else []
         for r, after in enumerate(texts[1:]):
-            column = [_split_key(str(item.tensor.path[position]))[1][r] for item in items]
+            column = [found[r] for found in runs]
             if len(set(column)) == 1:
                 out.append(column[0])
-            elif all(_canonical(c) for c in column):
-                bound = _binding([int(c) for c in column], items, slot)
+            elif all(map(_canonical, column)):
+                bound = _binding(list(map(int, column)), slot, columns)
                 if bound is None:
                     raise _NoFamily
                 out.append(f"{{{bound}}}")
@@ -686,35 +716,38 @@ def _path_templates(items: list[_Item], slot: dict[int, int]) -> tuple[list[str 
     return templates, int_parts
 
 
-def _expert_template(items: list[_Item], slot: dict[int, int]) -> list[int | str] | None:
+def _expert_template(
+    items: list[_Item], slot: dict[int, int], columns: list[tuple[int, ...]]
+) -> list[int | str] | None:
     first = items[0].tensor.expert_key
     if first is None:
         return None
     out: list[int | str] = []
     for position, value in enumerate(first):
         column = [item.tensor.expert_key[position] for item in items]
-        bound = _binding(column, items, slot)
+        bound = _binding(column, slot, columns)
         out.append(value if bound is None else f"{{{bound}}}")
     return out
 
 
-def _affine(
-    items: list[_Item], varying: list[int], ranges: list[list[int]], field: Callable[[Any], int]
-) -> list[int] | None:
-    """Per-placeholder steps making ``field`` affine in the range positions, or ``None``."""
-    by_pos = {
-        tuple((item.digits[k] - r[0]) // r[2] for k, r in zip(varying, ranges, strict=True)): item for item in items
-    }
-    origin = (0,) * len(varying)
-    base = field(by_pos[origin].tensor)
+def _affine(items: list[_Item], positions: list[tuple[int, ...]], field: str) -> tuple[list[int], int] | None:
+    """Per-placeholder steps making the members' ``field`` affine in their range positions
+    (``positions``: per placeholder, each member's), and the index of the member at the origin;
+    ``None`` when it is not affine. Decided a column at a time."""
+    values = list(map(operator.attrgetter(field), (item.tensor for item in items)))
+    index = dict(zip(zip(*positions, strict=True), range(len(items)), strict=True))
+    width = len(positions)
+    origin = index[(0,) * width]
+    base = values[origin]
     steps: list[int] = []
-    for axis in range(len(varying)):
-        unit = tuple(1 if a == axis else 0 for a in range(len(varying)))
-        steps.append(field(by_pos[unit].tensor) - base if unit in by_pos else 0)
-    for position, item in by_pos.items():
-        if field(item.tensor) != base + sum(s * p for s, p in zip(steps, position, strict=True)):
-            return None
-    return steps
+    for axis in range(width):
+        unit = index.get(tuple(1 if a == axis else 0 for a in range(width)))
+        steps.append(values[unit] - base if unit is not None else 0)
+    predicted = [base] * len(items)
+    for step, column in zip(steps, positions, strict=True):
+        if step:
+            predicted = list(map(operator.add, predicted, map(step.__mul__, column)))
+    return (steps, origin) if predicted == values else None
 
 
 # -- validation of a set of families -----------------------------------------------------------
