@@ -1006,7 +1006,10 @@ def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[
     ``into`` replaced by the region its placements give (``local_region``'s arithmetic)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
     described: list[Any] = [entry for _, entry in manifest.iter_tensors()]
-    described += getattr(manifest, "sharded", [])  # format 2.0
+    if hasattr(manifest, "described"):  # format 2.1: tensor families' instances too
+        described += manifest.described()
+    else:
+        described += getattr(manifest, "sharded", [])  # format 2.0
     for entry in described:
         if entry.global_shape is None or entry.key in regions:
             continue
@@ -1329,6 +1332,10 @@ def run_point(workload_name: str, world: int, reps: int, format_name: str, touch
     root = msgspec.json.decode(sealed)  # what the manifest lists (format 2.0: the root alone)
     out["version"] = root["metadata_version"]
     out["entries"] = sum(len(record.get("tensors", [])) for record in root["files"]) + len(root.get("sharded", []))
+    # Format 2.1: every instance of a tensor or entry family counts, as it does for the limits.
+    families = [*root.get("families", []), *(f for record in root["files"] for f in record.get("families", []))]
+    out["entries"] += sum(math.prod(len(range(*bounds)) for bounds in family["indices"]) for family in families)
+    out["families"] = len(families)
     out["files"] = len(root["files"]) + len((root.get("indexes") or {}).get("ranks", []))
     out["manifest_bytes"] = len(sealed)
     out["over_read_limits"] = len(sealed) > ManifestLimits().max_bytes or out["entries"] > ManifestLimits().max_tensors
