@@ -83,7 +83,10 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
 DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
 listed one by one, as in 1.x), 1.3 for the wide one. Another format class with the same methods
 (``save``, ``build_manifest``, ``read``, ``plan_load``) registered in ``FORMATS`` plugs into
-``--format``.
+``--format``. ``--format families`` (:class:`FamiliesFormat`) stamps sharded saves 2.1, so the
+coordinator writes tensor and entry families (what a 2.1 writer writes):
+
+    PYTHONPATH=$PWD/src .venv/bin/python bench/scale.py --src worktree --workloads moe --ranks 64 --reps 3 --format families
 """
 
 from __future__ import annotations

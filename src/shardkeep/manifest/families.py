@@ -38,6 +38,7 @@ __all__ = [
     "expand_tensor_family",
     "families_overlap",
     "family_parents",
+    "parents_signature",
     "family_problems",
     "family_set_problems",
     "family_size",
@@ -269,11 +270,24 @@ def expand_entry_families(record: FileRecord) -> None:
     record.families = []
 
 
+def _parent_placeholders(parsed: list[_Template | int]) -> list[int]:
+    return sorted({run for part in parsed if isinstance(part, _Template) for run in part.runs if isinstance(run, int)})
+
+
+def parents_signature(family: TensorFamily) -> tuple[object, ...]:
+    """What :func:`family_parents` depends on: families with equal signatures (the weights of
+    one expert, say) have the same parents."""
+    parents = family.path[:-1]
+    used = _parent_placeholders(_parsed_path(family)[:-1])
+    ints = tuple(p for p in family.int_parts if p < len(parents))
+    return (tuple(parents), ints, tuple((k, tuple(family.indices[k])) for k in used))
+
+
 def family_parents(family: TensorFamily) -> set[tuple[str | int, ...]]:
     """The distinct parent paths (the path without its last component) of a valid family's
     instances, built over the ranges of the placeholders the parent uses only."""
     parsed = _parsed_path(family)[:-1]
-    used = sorted({run for part in parsed if isinstance(part, _Template) for run in part.runs if isinstance(run, int)})
+    used = _parent_placeholders(parsed)
     axes = _axes(family)
     values = [axis[0] for axis in axes]
     parents: set[tuple[str | int, ...]] = set()

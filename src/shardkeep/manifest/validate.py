@@ -27,7 +27,12 @@ from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
 from shardkeep.errors import ManifestError
 from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
-from shardkeep.manifest.families import READERS_EXPAND_FAMILIES, family_parents, family_set_problems
+from shardkeep.manifest.families import (
+    READERS_EXPAND_FAMILIES,
+    family_parents,
+    family_set_problems,
+    parents_signature,
+)
 from shardkeep.manifest.format2 import check_indexed
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
@@ -518,7 +523,12 @@ def _check_families(
     problems = family_set_problems(families, keys, limits.max_tensors)
     if not problems and manifest.structure:
         containers = {tuple(container.path) for container in manifest.structure}
+        checked: set[tuple[object, ...]] = set()
         for family in families:
+            signature = parents_signature(family)
+            if signature in checked:
+                continue  # the same parents as a family checked already
+            checked.add(signature)
             orphans = family_parents(family) - containers
             if orphans:
                 problems.append(
