@@ -413,7 +413,7 @@ def family_problems(family: TensorFamily | EntryFamily, max_tensors: int) -> lis
 _Member = ShardedTensor | TensorEntry
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     tensor: Any  # a ShardedTensor or a TensorEntry (the fields both have are used)
     digits: list[int]  # the key's placeholder-eligible digit runs
@@ -702,6 +702,9 @@ def _path_templates(
     int_parts: list[int] = []
     paths = [item.tensor.path for item in items]
     for position, part in enumerate(items[0].tensor.path):
+        if not isinstance(part, int) and len(_split_key(part)[0]) == 1:
+            templates.append(_escape(part))  # no digit: the same text in every member (the skeleton)
+            continue
         component = [path[position] for path in paths]
         if isinstance(part, int):
             bound = _binding(list(map(int, component)), slot, columns)
