@@ -90,7 +90,10 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
 DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
 listed one by one, as in 1.x), 1.3 for the wide one. Another format class with the same methods
 (``save``, ``build_manifest``, ``read``, ``plan_load``) registered in ``FORMATS`` plugs into
-``--format``.
+``--format``. ``--format families`` (:class:`FamiliesFormat`) stamps sharded saves 2.1, so the
+coordinator writes tensor and entry families (what a 2.1 writer writes):
+
+    PYTHONPATH=$PWD/src .venv/bin/python bench/scale.py --src worktree --workloads moe --ranks 64 --reps 3 --format families
 """
 
 from __future__ import annotations
@@ -1094,7 +1097,10 @@ def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[
     ``into`` replaced by the region its placements give (``local_region``'s arithmetic)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
     described: list[Any] = [entry for _, entry in manifest.iter_tensors()]
-    described += getattr(manifest, "sharded", [])  # format 2.0
+    if hasattr(manifest, "described"):  # format 2.1: tensor families' instances too
+        described += manifest.described()
+    else:
+        described += getattr(manifest, "sharded", [])  # format 2.0
     for entry in described:
         if entry.global_shape is None or entry.key in regions:
             continue
@@ -1347,7 +1353,26 @@ class CurrentFormat:
         return LoadPlan(opened, entries, sealed_size + metadata, data)
 
 
-FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat}
+class FamiliesFormat(CurrentFormat):
+    """:class:`CurrentFormat` with sharded saves stamped ``INDEXED_VERSION`` (2.1), root and
+    indexes, so that the coordinator describes the sharded tensors as tensor families
+    (``saving.manifest_build.families_of``): what a 2.1 writer writes, on a shardkeep whose
+    writers still stamp 2.0. Where ``WRITTEN_INDEXED_VERSION`` is already 2.1 it is ``current``."""
+
+    name = "families"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardkeep import indexes
+        from shardkeep.manifest import INDEXED_VERSION
+        from shardkeep.saving import manifest_build
+
+        if not hasattr(manifest_build, "families_of"):
+            raise SystemExit("--format families needs a shardkeep that writes tensor families")
+        indexes.WRITTEN_INDEXED_VERSION = manifest_build.WRITTEN_INDEXED_VERSION = INDEXED_VERSION  # type: ignore[attr-defined]
+
+
+FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat, "families": FamiliesFormat}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1398,6 +1423,10 @@ def run_point(workload_name: str, world: int, reps: int, format_name: str, touch
     root = msgspec.json.decode(sealed)  # what the manifest lists (format 2.0: the root alone)
     out["version"] = root["metadata_version"]
     out["entries"] = sum(len(record.get("tensors", [])) for record in root["files"]) + len(root.get("sharded", []))
+    # Format 2.1: every instance of a tensor or entry family counts, as it does for the limits.
+    families = [*root.get("families", []), *(f for record in root["files"] for f in record.get("families", []))]
+    out["entries"] += sum(math.prod(len(range(*bounds)) for bounds in family["indices"]) for family in families)
+    out["families"] = len(families)
     out["files"] = len(root["files"]) + len((root.get("indexes") or {}).get("ranks", []))
     out["manifest_bytes"] = len(sealed)
     out["over_read_limits"] = len(sealed) > ManifestLimits().max_bytes or out["entries"] > ManifestLimits().max_tensors
