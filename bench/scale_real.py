@@ -22,11 +22,15 @@ real ranks save in seconds) and each N:
 Compared per collective step (label and primitive): how often it ran, the largest payload any
 rank sent and the sum over ranks (pickled), real against simulated. A count that differs, or a
 load that runs a collective (``LoadJob`` runs none: each rank reads the root and the indexes it
-needs on its own, so the simulator predicts none), is a failure: the exit status is 1.
+needs on its own, so the simulator predicts none), is a failure: the exit status is 1. So is a
+load plan that differs: for every rank, the data files its real ``sk.load`` opened and the rank
+index bytes it read, against ``CurrentFormat.plan_load`` for that rank of the same world.
 
-Bytes are expected to differ slightly: the simulator records a fake digest (``FAKE_DIGEST``)
-where the real save computes one, and names its checkpoint inside a memory store where the real
-one has a staging directory on disk.
+Bytes could differ where a payload holds what the simulator makes up: its digests
+(``FAKE_DIGEST``, as long as a real blake3 digest) and its checkpoint's place (a name in a
+memory store, where the real one is a directory on disk; the payloads carry only relative
+names). A ratio more than :data:`BYTES_TOLERANCE` from 1 is marked ``!`` (at 16 and 32 ranks
+every step's bytes were identical: docs/performance.md).
 
     .venv/bin/python bench/scale.py --real 4 --workloads tiny-dense
     .venv/bin/python bench/scale.py --real 16,32 --json real.json
@@ -60,6 +64,7 @@ from tests.support.distributed_harness import results_or_raise, run_ranks  # noq
 import shardkeep as sk  # noqa: E402  (the one scale.py imported: already in sys.modules)
 from common import fmt_bytes, table  # noqa: E402
 from shardkeep.distributed.coordinator import Coordinator  # noqa: E402
+from shardkeep.storage import ForwardingStore, LocalStore  # noqa: E402
 
 DEFAULT_WORKLOADS = ("tiny-dense", "tiny-tp-fsdp", "tiny-moe-stacked")
 #: The Coordinator methods recorded on real ranks: the simulator's four primitives, and the
@@ -114,6 +119,27 @@ def recording(records: list[Record]) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(Coordinator, name, original)
+
+
+class OpenedFiles(ForwardingStore):
+    """A store that notes every file opened for reading, with its size."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.opened: dict[str, int] = {}
+
+    def open_read(self, path: str) -> Any:
+        handle = self.inner.open_read(path)
+        self.opened[path] = handle.size
+        return handle
+
+    def plan(self) -> dict[str, int]:
+        """The rank indexes (files, bytes) and the data files this rank opened."""
+        indexes = {path: size for path, size in self.opened.items() if "/index/" in path}
+        data = [
+            path for path in self.opened if path not in indexes and not path.rpartition("/")[2].startswith("manifest")
+        ]
+        return {"index_files": len(indexes), "index_bytes": sum(indexes.values()), "data_files": len(data)}
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -173,14 +199,15 @@ def _on_rank(rank: int, world: int, name: str, directory: str) -> dict[str, Any]
     expected = [leaf.clone() for leaf in build_state(workload, rank, meshes, filled=True)[1]]
     target, local = build_state(workload, rank, meshes, filled=False)
     loaded: list[Record] = []
+    store = OpenedFiles(LocalStore(directory))
     started = time.perf_counter()
     with recording(loaded):
-        sk.load(path, into=target)
+        sk.load("step_00000001", into=target, storage=store)
     load_s = time.perf_counter() - started
     wrong = [workload.tensors[i].key for i, (a, b) in enumerate(zip(local, expected, strict=True)) if not a.equal(b)]
     if wrong:
         raise AssertionError(f"rank {rank}: {len(wrong)} tensors did not load back, e.g. {wrong[:3]}")
-    return {"save": saved, "load": loaded, "save_s": save_s, "load_s": load_s}
+    return {"save": saved, "load": loaded, "plan": store.plan(), "save_s": save_s, "load_s": load_s}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +290,39 @@ def compare(real: list[dict[str, Any]], simulated: list[dict[str, Any]]) -> dict
     }
 
 
+def simulated_plans(fmt: Any, save: Any, workload: Any) -> list[dict[str, int]]:
+    """The simulator's load plan of every rank of the same world: the data files it opens and
+    the bytes of the rank indexes it reads (``CurrentFormat.plan_load``)."""
+    sealed = fmt.build_manifest(save)
+    parsed = fmt.read(sealed)
+    plans = []
+    for rank in range(workload.world):
+        plan = fmt.plan_load(parsed, workload, rank, save, len(sealed))
+        plans.append(
+            {"index_bytes": int(getattr(save.location.store, "index_bytes", 0)), "data_files": plan.files_opened}
+        )
+    return plans
+
+
+def compare_plans(real: list[dict[str, int]], simulated: list[dict[str, int]]) -> dict[str, Any]:
+    """Per rank: the data files opened and the index bytes read, real against simulated."""
+    differing = [
+        rank
+        for rank, (a, b) in enumerate(zip(real, simulated, strict=True))
+        if (a["data_files"], a["index_bytes"]) != (b["data_files"], b["index_bytes"])
+    ]
+    summary: dict[str, Any] = {"agree": not differing, "differing_ranks": differing}
+    for side, plans in (("real", real), ("simulated", simulated)):
+        summary[side] = {
+            "data_files_max": max(p["data_files"] for p in plans),
+            "data_files_sum": sum(p["data_files"] for p in plans),
+            "index_bytes_max": max(p["index_bytes"] for p in plans),
+            "index_bytes_sum": sum(p["index_bytes"] for p in plans),
+        }
+    summary["real"]["index_files_max"] = max(p.get("index_files", 0) for p in real)
+    return summary
+
+
 def run_point(name: str, world: int, timeout: float) -> dict[str, Any]:
     """One workload at ``world`` real ranks, and the simulator's prediction for it."""
     workload = HOST.WORKLOADS[name](world)
@@ -280,21 +340,27 @@ def run_point(name: str, world: int, timeout: float) -> dict[str, Any]:
     save_steps, problems = real_steps([result["save"] for result in results])
     load_steps, load_problems = real_steps([result["load"] for result in results])
     started = time.perf_counter()
-    simulated = HOST.CurrentFormat().save(workload)
+    fmt = HOST.CurrentFormat()
+    simulated = fmt.save(workload)
     simulate_s = time.perf_counter() - started
     comparison = compare(save_steps, simulated.traffic["steps"])
+    plans = compare_plans([result["plan"] for result in results], simulated_plans(fmt, simulated, workload))
     return {
         "workload": name,
         "world": world,
         "tensors": len(workload.tensors),
         "save": comparison,
-        "load": {"real_collectives": len(load_steps), "predicted": 0, "steps": load_steps},
+        "load": {"real_collectives": len(load_steps), "predicted": 0, "steps": load_steps, "plans": plans},
         "problems": problems + load_problems,
         "real_save_s": max(result["save_s"] for result in results),
         "real_load_s": max(result["load_s"] for result in results),
         "real_wall_s": real_s,
         "simulate_s": simulate_s,
-        "ok": comparison["counts_agree"] and comparison["order_agrees"] and not load_steps and not problems,
+        "ok": comparison["counts_agree"]
+        and comparison["order_agrees"]
+        and not load_steps
+        and not problems
+        and plans["agree"],
     }
 
 
@@ -341,6 +407,14 @@ def report(point: dict[str, Any]) -> str:
         f"load (sk.load into the same layout, values checked): {load['real_collectives']} collectives on the real "
         f"ranks, {load['predicted']} predicted (LoadJob runs none)"
     )
+    plans = load["plans"]
+    a, b = plans["real"], plans["simulated"]
+    out.append(
+        f"load plan per rank, real / simulated: data files opened max {a['data_files_max']} / {b['data_files_max']}, "
+        f"sum {a['data_files_sum']} / {b['data_files_sum']}; rank-index bytes read max {fmt_bytes(a['index_bytes_max'])}"
+        f" / {fmt_bytes(b['index_bytes_max'])}, sum {fmt_bytes(a['index_bytes_sum'])} / {fmt_bytes(b['index_bytes_sum'])}"
+        + ("" if plans["agree"] else f"  PLAN MISMATCH on ranks {plans['differing_ranks'][:8]}")
+    )
     out.append(
         f"real: save {point['real_save_s']:.2f} s, load {point['real_load_s']:.2f} s (slowest rank), "
         f"{point['real_wall_s']:.0f} s with process start; simulated save {point['simulate_s']:.2f} s"
@@ -348,7 +422,11 @@ def report(point: dict[str, Any]) -> str:
     if not save["order_agrees"]:
         out.append("ORDER MISMATCH: the real ranks ran the collective steps in another order than the simulator")
     out += [f"PROBLEM: {text}" for text in point["problems"]]
-    out.append("counts agree" if point["ok"] else "COUNTS DIFFER: the simulator does not predict the real protocol")
+    out.append(
+        "counts and load plans agree"
+        if point["ok"]
+        else "DIFFERENT: the simulator does not predict what the real ranks do (counts, order or load plan)"
+    )
     return "\n".join(out)
 
 
@@ -372,7 +450,7 @@ def run(args: argparse.Namespace, host: ModuleType) -> int:
             print(report(point), flush=True)
     failed = [f"{p['workload']}@{p['world']}" for p in points if not p["ok"]]
     print(f"\nload average at end: {host.load_average()}")
-    print("all counts agree" if not failed else f"COUNTS DIFFER in {', '.join(failed)}")
+    print("all counts and load plans agree" if not failed else f"DIFFERENT in {', '.join(failed)}")
     if args.json:
         with open(args.json, "w") as handle:
             import json
