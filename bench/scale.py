@@ -85,6 +85,12 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --json scale.json            # 8 ... 4096 ranks, wide 100k
     .venv/bin/python bench/scale.py --full                       # also wide 1M on disk
     .venv/bin/python bench/scale.py --workloads 405b-3d --ranks 1024,16384 --reps 1
+    .venv/bin/python bench/scale.py --real 16,32 --json real.json  # real gloo ranks against the simulator
+
+``--real N[,M]`` (``bench/scale_real.py``) saves and loads the ``tiny-*`` workloads (the layouts
+of ``dense-70b``, ``tp-fsdp-70b`` and ``moe-stacked`` with a 2-layer model of hidden size 64) on
+N real gloo processes and compares each collective step's count and bytes with what this
+simulator predicts for the same workload at N; it exits 1 if a count differs.
 
 :class:`CurrentFormat` measures whatever the imported shardkeep writes: format 2.0 for the
 DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
@@ -430,14 +436,14 @@ def _llama(
 LLAMA_70B = {"layers": 80, "hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256}
 
 
-def dense_70b(world: int) -> Workload:
+def dense_70b(world: int, *, config: dict[str, int] = LLAMA_70B, name: str = "dense-70b") -> Workload:
     """Llama-70B + AdamW under FSDP2: every parameter ``Shard(0)`` over all ``world`` ranks."""
     mesh = Mesh((world,), tuple(range(world)))
-    params = [(fqn, shape, 0, (Shard(0),)) for fqn, shape, _ in _llama(**LLAMA_70B)]
-    return _adamw(params, name="dense-70b", world=world, meshes=[mesh], state_keys="index")
+    params = [(fqn, shape, 0, (Shard(0),)) for fqn, shape, _ in _llama(**config)]
+    return _adamw(params, name=name, world=world, meshes=[mesh], state_keys="index")
 
 
-def tp_fsdp_70b(world: int) -> Workload:
+def tp_fsdp_70b(world: int, *, config: dict[str, int] = LLAMA_70B, name: str = "tp-fsdp-70b") -> Workload:
     """Llama-70B + AdamW under TP x FSDP2 on a 2-D mesh (dp_shard, tp), TP = 8 (or ``world``
     if smaller), as torchtitan places it: column-parallel (wq, wk, wv, w1, w3, output) and the
     row-parallel embedding ``Shard(0)`` on TP, row-parallel wo/w2 ``Shard(1)``, norms replicated
@@ -453,8 +459,8 @@ def tp_fsdp_70b(world: int) -> Workload:
         "rowwise": (Shard(0), Shard(1)),
         "norm": (Shard(0), Replicate()),
     }
-    params = [(fqn, shape, 0, styles[style]) for fqn, shape, style in _llama(**LLAMA_70B)]
-    return _adamw(params, name="tp-fsdp-70b", world=dp * tp, meshes=[mesh], state_keys="index")
+    params = [(fqn, shape, 0, styles[style]) for fqn, shape, style in _llama(**config)]
+    return _adamw(params, name=name, world=dp * tp, meshes=[mesh], state_keys="index")
 
 
 MOE = {
@@ -553,13 +559,13 @@ def llama_405b_3d(world: int) -> Workload:
     return _adamw(params, name="405b-3d", world=world, meshes=meshes, state_keys="fqn")
 
 
-def moe_stacked(world: int) -> Workload:
+def moe_stacked(world: int, *, config: dict[str, int] = MOE, name: str = "moe-stacked") -> Workload:
     """The ``moe`` model with each layer's experts stacked, as torchtitan keeps them: three
     ``[experts, ...]`` tensors per layer (``moe.experts.w1``, ``w2``, ``w3``) on a (dp, ep)
     mesh over all ranks, ``Shard(0)`` (the expert dimension) on EP and ``Shard(1)`` on dp
     (FSDP2 shards the next dimension when the first is taken). The rest as in ``moe``. Every
     rank holds a chunk of every tensor, so optimizer state is keyed by parameter index."""
-    cfg = MOE
+    cfg = config
     ep = min(8, world)
     dp = world // ep
     world = dp * ep
@@ -586,7 +592,7 @@ def moe_stacked(world: int) -> Workload:
             (p + "ffn_norm.weight", (hidden,), 0, fsdp),
         ]
     params += [("norm.weight", (hidden,), 0, fsdp), ("output.weight", (cfg["vocab"], hidden), 0, fsdp)]
-    return _adamw(params, name="moe-stacked", world=world, meshes=meshes, state_keys="index")
+    return _adamw(params, name=name, world=world, meshes=meshes, state_keys="index")
 
 
 def wide(count: int) -> Workload:
@@ -605,13 +611,31 @@ def wide(count: int) -> Workload:
     return Workload(f"wide-{count // 1000}k", 1, tensors, [Mesh((1,), (0,))])
 
 
+#: The tiny shapes of the ``tiny-*`` workloads, the same layouts at a size real ranks can save
+#: (``--real``): a 2-layer Llama of hidden size 64, and a 2-layer MoE of 8 experts.
+TINY_LLAMA = {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256}
+TINY_MOE = {
+    "layers": 2,
+    "experts": 8,
+    "hidden": 64,
+    "expert_intermediate": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 256,
+}
+
 WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "dense-70b": dense_70b,
     "tp-fsdp-70b": tp_fsdp_70b,
     "moe": moe,
     "moe-stacked": moe_stacked,
     "405b-3d": llama_405b_3d,
+    "tiny-dense": lambda world: dense_70b(world, config=TINY_LLAMA, name="tiny-dense"),
+    "tiny-tp-fsdp": lambda world: tp_fsdp_70b(world, config=TINY_LLAMA, name="tiny-tp-fsdp"),
+    "tiny-moe-stacked": lambda world: moe_stacked(world, config=TINY_MOE, name="tiny-moe-stacked"),
 }
+#: Run by default (the ``tiny-*`` ones are for ``--real``, or named in ``--workloads``).
+DEFAULT_WORKLOADS = [name for name in WORKLOADS if not name.startswith("tiny-")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1755,6 +1779,13 @@ def main() -> None:
     parser.add_argument("--format", default="current", choices=sorted(FORMATS))
     parser.add_argument("--src", default="head", help="which shardkeep: head (default), worktree, or a git revision")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument(
+        "--real",
+        default=None,
+        help="comma-separated N: save and load on N real gloo processes and compare the collectives with the "
+        "simulator's (bench/scale_real.py; default workloads tiny-dense,tiny-tp-fsdp,tiny-moe-stacked)",
+    )
+    parser.add_argument("--real-timeout", type=float, default=1200.0, help="seconds a --real point may take")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--src-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1768,6 +1799,10 @@ def main() -> None:
             result = run_point(spec["workload"], spec["world"], spec["reps"], spec["format"], spec["touch_mib"])
         print(json.dumps(result))
         return
+    if args.real is not None:
+        import scale_real  # bench/ is the script's directory
+
+        sys.exit(scale_real.run(args, sys.modules[__name__]))
     run_parent(args, parser)
 
 
@@ -1775,7 +1810,7 @@ def run_parent(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     ranks = (
         [int(r) for r in args.ranks.split(",")] if args.ranks else list(QUICK_RANKS if args.quick else DEFAULT_RANKS)
     )
-    names = args.workloads.split(",") if args.workloads else [*WORKLOADS, "wide"]
+    names = args.workloads.split(",") if args.workloads else [*DEFAULT_WORKLOADS, "wide"]
     reps = args.reps or (1 if args.quick else 3)
     if args.max_entries is None:
         args.max_entries = 1_000_000 if args.quick else 3_000_000
