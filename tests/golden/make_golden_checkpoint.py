@@ -106,6 +106,58 @@ def make_v2(out: Path) -> None:
     print(out, INDEXED_VERSION)
 
 
+#: Bytes per block of the format 2.1 golden (forced, so that small tensors get several blocks).
+GOLDEN_BLOCK_SIZE = 16 << 10
+
+
+def golden_v21_values() -> dict:
+    """The values of the format 2.1 golden state, whole: the 2.0 golden's, plus ``model.big``
+    (96 KiB: 3 blocks of 16 KiB per chunk on 2 ranks), four experts ``experts.<i>.w`` sharded
+    alike (one tensor family) and four ``optim.state.<i>.step`` scalars (one entry family)."""
+    values = golden_v2_values()
+    values["model"]["big"] = (torch.arange(64 * 384, dtype=torch.float32) % 1000).reshape(64, 384) / 8
+    values["experts"] = {f"experts.{i}.w": torch.full((4, 2), float(i)) + torch.arange(8).reshape(4, 2) for i in range(4)}
+    values["optim"] = {"state": {i: {"step": torch.tensor(float(10 + i))} for i in range(4)}}
+    return values
+
+
+def golden_v21_state(world_size: int) -> dict:
+    """The format 2.1 golden state as each rank holds it (a process group must be initialized)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = golden_v21_values()
+    placements = {"w": Shard(0), "col": Shard(1), "rep": Replicate(), "uneven": Shard(0), "big": Shard(0)}
+    for key, placement in placements.items():
+        state["model"][key] = distribute_tensor(state["model"][key], mesh, [placement])
+    for key, value in state["experts"].items():
+        state["experts"][key] = distribute_tensor(value, mesh, [Shard(0)])
+    return state
+
+
+def _save_v21(rank: int, world_size: int, out: str) -> str:
+    options = sk.WriteOptions(block_size=GOLDEN_BLOCK_SIZE)
+    manager = sk.CheckpointManager(out, keep_last=1, keep_best=0, run_id="golden-run", options=options)
+    manager.save(golden_v21_state(world_size), step=42, metrics={"val_loss": 0.25})
+    return sk.read_manifest(Path(out) / "step_00000042").metadata_version
+
+
+def make_v21(out: Path) -> None:
+    """``v2.1/step_00000042``, saved by 2 forked gloo ranks with 16 KiB blocks."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    from tests.support.distributed_harness import results_or_raise, run_ranks
+
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as outbox:
+        versions = results_or_raise(run_ranks(2, _save_v21, str(out), outbox=Path(outbox)))
+    assert versions == [INDEXED_VERSION, INDEXED_VERSION], versions
+    (out / "last").unlink(missing_ok=True)
+    print(out, INDEXED_VERSION)
+
+
 #: The dtypes stored under a carrier dtype in the safetensors header (the manifest records the
 #: true one), with the golden tensor of each: ``golden_dtype_bytes(width, count)`` viewed as it.
 GOLDEN_CARRIED_DTYPES = {
@@ -143,6 +195,9 @@ def main() -> None:
         return
     if "--v2" in sys.argv:
         make_v2(Path(sys.argv[1]) / f"v{INDEXED_VERSION}")
+        return
+    if "--v2.1" in sys.argv:
+        make_v21(Path(sys.argv[1]) / f"v{INDEXED_VERSION}")
         return
     if "--ledger" in sys.argv:
         make_ledger(Path(sys.argv[1]) / "ledger-v1")
