@@ -254,12 +254,17 @@ def test_an_incremental_save_over_a_2_0_base_gets_2_1_digests(tmp_path: Path) ->
 # -- chunks, on real gloo ranks ---------------------------------------------------------------------
 
 
+def _rows() -> torch.Tensor:
+    """2 MiB: a chunk of 1 MiB on each of 2 ranks, hashed on the hash pool as it is written."""
+    return torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)
+
+
 def _sharded_state(world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
-    rows = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+    rows = _rows()
     cols = torch.arange(8 * 3000, dtype=torch.float32).reshape(8, 3000)
     return {"rows": distribute_tensor(rows, mesh, [Shard(0)]), "cols": distribute_tensor(cols, mesh, [Shard(1)])}
 
@@ -285,14 +290,15 @@ def test_chunks_of_a_sharded_save_have_strong_blocks_and_no_digest(tmp_path: Pat
     records = _indexed_records(path)
     assert records
     for record in records:
-        assert record.block_size == 16 * KIB  # 128 KiB chunks: the 16 KiB floor, or forced
+        # Forced, or the rule: a byte-weighted median chunk of 1 MiB gets 1 MiB / 32 blocks.
+        assert record.block_size == (block_size or 32 * KIB)
         assert all(entry.blocks and entry.digest is None for entry in record.tensors)
         _check_record(path, record)
     root = msgspec.json.decode((path / "manifest.json").read_bytes())
     assert root["metadata_version"] == "2.1"
     assert sk.verify(path).ok
     loaded = sk.load(path)
-    assert torch.equal(loaded["rows"], torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024))
+    assert torch.equal(loaded["rows"], _rows())
 
 
 def test_a_partial_read_checks_a_chunk_by_its_blocks(tmp_path: Path) -> None:
