@@ -230,16 +230,28 @@ def test_a_signed_save_has_strong_blocks_and_verifies(tmp_path: Path) -> None:
     assert torch.equal(sk.load(tmp_path / "c", public_key=tmp_path / "key.pub")["w"], state["w"])
 
 
-def test_an_incremental_save_over_a_2_0_base_gets_2_1_digests(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize("base_block_size", [0, 16 * KIB, 32 * KIB])
+def test_an_incremental_save_references_files_with_this_save_s_digests(
+    tmp_path: Path, base_block_size: int, trust: bool
+) -> None:
+    """Over a 1.3 base (no fast or block digests), a 1.4 base with the same block size (copied)
+    or another one (computed again); with version proofs or by hashing."""
     state = {
         "model": {"layers": {"0": {"experts": {"1": {"w": torch.randn(40_000)}}}}},
         "other": torch.randn(50_000),
     }
-    sk.save(state, tmp_path / "step_1", incremental=True, options=WriteOptions(block_size=0))
+    options = WriteOptions(block_size=base_block_size)
+    sk.save(state, tmp_path / "step_1", incremental=sk.Incremental(trust_versions=trust), options=options)
     base = sk.read_manifest(tmp_path / "step_1")
-    assert base.metadata_version == "1.3"
+    assert base.metadata_version == ("1.4" if base_block_size else "1.3")
     state["other"] = torch.randn(50_000)
-    sk.save(state, tmp_path / "step_2", incremental="step_1", options=WriteOptions(block_size=16 * KIB))
+    sk.save(
+        state,
+        tmp_path / "step_2",
+        incremental=sk.Incremental(base="step_1", trust_versions=trust),
+        options=WriteOptions(block_size=16 * KIB),
+    )
     manifest = sk.read_manifest(tmp_path / "step_2")
     referenced = [record for record in manifest.files if record.ref == "step_1"]
     assert referenced, [record.path for record in manifest.files]

@@ -133,8 +133,12 @@ class IncrementalLayout:
                 known = KNOWN.digest(key, header, arrays) if versions is not None else None
                 if known is not None and known.partition(":")[0] != algorithm:
                     known = None  # recorded under another digest algorithm
-                computed = None if known else digest_of(header, group, algorithm, **self._extra(record))
-                digest = known or computed.digest  # type: ignore[union-attr]
+                computed: FileDigests | None = None
+                if known:
+                    digest = known
+                else:
+                    computed = digest_of(header, group, algorithm, block_size=record.block_size, fast=self.fast)
+                    digest = computed.digest
                 if versions is not None:
                     KNOWN.record(key, header, versions, digest)
                 if digest == earlier.digest and self._base_file_present(earlier, tier):
@@ -149,10 +153,6 @@ class IncrementalLayout:
         if self.trust_versions:
             self.proofs[id(record)] = VersionProof(key, header, versions)
         return header
-
-    def _extra(self, record: FileRecord) -> dict[str, Any]:
-        """The keywords of :func:`~shardkeep.io.digest_of` for ``record``'s fast and block digests."""
-        return {"block_size": record.block_size, "fast": self.fast}
 
     def _fill_digests(
         self,
@@ -174,7 +174,7 @@ class IncrementalLayout:
                 entry.blocks = old.blocks
             return
         if computed is None:
-            computed = digest_of(header, group, self.digest, **self._extra(record))
+            computed = digest_of(header, group, self.digest, block_size=record.block_size, fast=self.fast)
         record.fast_digest = computed.fast_digest
         for entry, blocks in zip(record.tensors, computed.blocks, strict=True):
             entry.blocks = blocks
