@@ -226,18 +226,31 @@ class _Sink:
         self.size += len(view)
 
 
+#: A buffer hashed twice (the file's digest and its blocks') is fed to both a slice of this
+#: size at a time, so the second digest reads the slice from the cache, not from memory.
+_CACHED_SLICE = 1 * MiB
+
+
 def _hash_strong(digester: DualDigester, blocks: BlockDigester | None, view: memoryview) -> None:
     """The strong pass over one buffer: the file's strong digest and the blocks' strong ones."""
-    digester.update_strong(view)
-    if blocks is not None:
-        blocks.update_strong(view)
+    if blocks is None or not blocks.strong:
+        digester.update_strong(view)
+        return
+    for start in range(0, len(view), _CACHED_SLICE):
+        piece = view[start : start + _CACHED_SLICE]
+        digester.update_strong(piece)
+        blocks.update_strong(piece)
 
 
 def _hash_fast(digester: DualDigester, blocks: BlockDigester | None, view: memoryview) -> None:
     """The fast pass over one buffer: the file's xxh3-128 digest and the blocks' xxh3-128 ones."""
-    digester.update_fast(view)
-    if blocks is not None:
-        blocks.update_fast(view)
+    if blocks is None:
+        digester.update_fast(view)
+        return
+    for start in range(0, len(view), _CACHED_SLICE):
+        piece = view[start : start + _CACHED_SLICE]
+        digester.update_fast(piece)
+        blocks.update_fast(piece)
 
 
 class _CompressingWriter:
