@@ -62,7 +62,13 @@ Constructed, because the real code needs a process group, DTensors or tensor byt
 * on load, ``wanted_regions`` needs DTensors in ``into``: its loop is rerun with each key's region
   taken from the target placements (``local_region``'s arithmetic), swapped in for
   ``loading.wanted_regions`` while ``LoadJob.select`` runs;
-* MoE only: the coordinator's state tree is the union of every rank's (see ``moe``).
+* MoE and 405b-3d: the coordinator's state tree is the union of every rank's (see ``moe``).
+
+Workloads (``--workloads``): ``dense-70b`` (FSDP2), ``tp-fsdp-70b`` (TP 8 x FSDP2), ``moe``
+(60 layers x 64 experts, one tensor per expert weight, EP 8), ``moe-stacked`` (the same experts
+stacked into one ``[E, ...]`` tensor per layer and weight, EP x FSDP2 on a 2-D mesh, as
+torchtitan keeps them), ``405b-3d`` (Llama-3-405B, TP 8 x PP 16 x FSDP2: 16,384 ranks give
+dp_shard = 128), and ``wide`` (many small whole tensors on one rank).
 
 Measured per workload and R (medians with min-max over ``--reps``; each point in a fresh
 subprocess): chunk entries, files, sealed manifest bytes, metadata bytes sent per rank and
@@ -78,12 +84,22 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --workloads dense-70b --ranks 1024
     .venv/bin/python bench/scale.py --json scale.json            # 8 ... 4096 ranks, wide 100k
     .venv/bin/python bench/scale.py --full                       # also wide 1M on disk
+    .venv/bin/python bench/scale.py --workloads 405b-3d --ranks 1024,16384 --reps 1
+    .venv/bin/python bench/scale.py --real 16,32 --json real.json  # real gloo ranks against the simulator
+
+``--real N[,M]`` (``bench/scale_real.py``) saves and loads the ``tiny-*`` workloads (the layouts
+of ``dense-70b``, ``tp-fsdp-70b`` and ``moe-stacked`` with a 2-layer model of hidden size 64) on
+N real gloo processes and compares each collective step's count and bytes with what this
+simulator predicts for the same workload at N; it exits 1 if a count differs.
 
 :class:`CurrentFormat` measures whatever the imported shardkeep writes: format 2.0 for the
 DTensor workloads (regular placements; the TP x FSDP workload's ``_StridedShard`` chunks are
 listed one by one, as in 1.x), 1.3 for the wide one. Another format class with the same methods
 (``save``, ``build_manifest``, ``read``, ``plan_load``) registered in ``FORMATS`` plugs into
-``--format``.
+``--format``. ``--format families`` (:class:`FamiliesFormat`) stamps sharded saves 2.1, so the
+coordinator writes tensor and entry families (what a 2.1 writer writes):
+
+    PYTHONPATH=$PWD/src .venv/bin/python bench/scale.py --src worktree --workloads moe --ranks 64 --reps 3 --format families
 """
 
 from __future__ import annotations
@@ -420,14 +436,14 @@ def _llama(
 LLAMA_70B = {"layers": 80, "hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256}
 
 
-def dense_70b(world: int) -> Workload:
+def dense_70b(world: int, *, config: dict[str, int] = LLAMA_70B, name: str = "dense-70b") -> Workload:
     """Llama-70B + AdamW under FSDP2: every parameter ``Shard(0)`` over all ``world`` ranks."""
     mesh = Mesh((world,), tuple(range(world)))
-    params = [(fqn, shape, 0, (Shard(0),)) for fqn, shape, _ in _llama(**LLAMA_70B)]
-    return _adamw(params, name="dense-70b", world=world, meshes=[mesh], state_keys="index")
+    params = [(fqn, shape, 0, (Shard(0),)) for fqn, shape, _ in _llama(**config)]
+    return _adamw(params, name=name, world=world, meshes=[mesh], state_keys="index")
 
 
-def tp_fsdp_70b(world: int) -> Workload:
+def tp_fsdp_70b(world: int, *, config: dict[str, int] = LLAMA_70B, name: str = "tp-fsdp-70b") -> Workload:
     """Llama-70B + AdamW under TP x FSDP2 on a 2-D mesh (dp_shard, tp), TP = 8 (or ``world``
     if smaller), as torchtitan places it: column-parallel (wq, wk, wv, w1, w3, output) and the
     row-parallel embedding ``Shard(0)`` on TP, row-parallel wo/w2 ``Shard(1)``, norms replicated
@@ -443,8 +459,8 @@ def tp_fsdp_70b(world: int) -> Workload:
         "rowwise": (Shard(0), Shard(1)),
         "norm": (Shard(0), Replicate()),
     }
-    params = [(fqn, shape, 0, styles[style]) for fqn, shape, style in _llama(**LLAMA_70B)]
-    return _adamw(params, name="tp-fsdp-70b", world=dp * tp, meshes=[mesh], state_keys="index")
+    params = [(fqn, shape, 0, styles[style]) for fqn, shape, style in _llama(**config)]
+    return _adamw(params, name=name, world=dp * tp, meshes=[mesh], state_keys="index")
 
 
 MOE = {
@@ -504,6 +520,81 @@ def moe(world: int) -> Workload:
     return _adamw(params, name="moe", world=world, meshes=meshes, state_keys="fqn")
 
 
+LLAMA3_405B = {"layers": 126, "hidden": 16384, "intermediate": 53248, "heads": 128, "kv_heads": 8, "vocab": 128256}
+
+
+def llama_405b_3d(world: int) -> Workload:
+    """Llama-3-405B + AdamW under TP x PP x FSDP2, torchtitan's 3-D layout: a (pp, dp_shard, tp)
+    mesh with TP = 8 and PP = 16 (each as large as ``world`` allows), pp outermost. The 126
+    layers are split over the stages as evenly as possible (the first stages take the extra
+    layers); the first stage also holds the embedding, the last the final norm and output.
+    Each stage's tensors live on that stage's (dp_shard, tp) sub-mesh, placed as
+    ``tp-fsdp-70b`` places them. Ranks of different stages hold different layers, so their
+    state trees differ (as under expert parallelism): optimizer state is keyed by FQN."""
+    tp = min(8, world)
+    pp = max(1, min(16, world // tp))
+    dp = max(1, world // (tp * pp))
+    world = pp * dp * tp
+    meshes = [Mesh((dp, tp), tuple(range(stage * dp * tp, (stage + 1) * dp * tp))) for stage in range(pp)]
+    strided: Placement = _StridedShard(0, split_factor=tp) if tp > 1 else Shard(0)
+    styles: dict[str, tuple[Placement, ...]] = {
+        "colwise": (strided, Shard(0)),
+        "embedding": (strided, Shard(0)),
+        "rowwise": (Shard(0), Shard(1)),
+        "norm": (Shard(0), Replicate()),
+    }
+    layers = LLAMA3_405B["layers"]
+    per_stage = [layers // pp + (1 if stage < layers % pp else 0) for stage in range(pp)]
+    first_layer = [sum(per_stage[:stage]) for stage in range(pp)]
+
+    def stage_of(fqn: str) -> int:
+        if fqn.startswith("tok_embeddings."):
+            return 0
+        if not fqn.startswith("layers."):
+            return pp - 1  # norm, output
+        layer = int(fqn.split(".")[1])
+        return max(stage for stage in range(pp) if first_layer[stage] <= layer)
+
+    params = [(fqn, shape, stage_of(fqn), styles[style]) for fqn, shape, style in _llama(**LLAMA3_405B)]
+    return _adamw(params, name="405b-3d", world=world, meshes=meshes, state_keys="fqn")
+
+
+def moe_stacked(world: int, *, config: dict[str, int] = MOE, name: str = "moe-stacked") -> Workload:
+    """The ``moe`` model with each layer's experts stacked, as torchtitan keeps them: three
+    ``[experts, ...]`` tensors per layer (``moe.experts.w1``, ``w2``, ``w3``) on a (dp, ep)
+    mesh over all ranks, ``Shard(0)`` (the expert dimension) on EP and ``Shard(1)`` on dp
+    (FSDP2 shards the next dimension when the first is taken). The rest as in ``moe``. Every
+    rank holds a chunk of every tensor, so optimizer state is keyed by parameter index."""
+    cfg = config
+    ep = min(8, world)
+    dp = world // ep
+    world = dp * ep
+    meshes = [Mesh((world,), tuple(range(world))), Mesh((dp, ep), tuple(range(world)))]
+    hidden, kv = cfg["hidden"], cfg["kv_heads"] * (cfg["hidden"] // cfg["heads"])
+    inter, experts = cfg["expert_intermediate"], cfg["experts"]
+    fsdp = (Shard(0),)
+    stacked = (Shard(1), Shard(0))
+    params: list[tuple[str, tuple[int, ...], int, tuple[Placement, ...] | None]] = [
+        ("tok_embeddings.weight", (cfg["vocab"], hidden), 0, fsdp)
+    ]
+    for layer in range(cfg["layers"]):
+        p = f"layers.{layer}."
+        params += [
+            (p + "attention.wq.weight", (hidden, hidden), 0, fsdp),
+            (p + "attention.wk.weight", (kv, hidden), 0, fsdp),
+            (p + "attention.wv.weight", (kv, hidden), 0, fsdp),
+            (p + "attention.wo.weight", (hidden, hidden), 0, fsdp),
+            (p + "moe.router.gate.weight", (experts, hidden), 0, fsdp),
+            (p + "moe.experts.w1", (experts, inter, hidden), 1, stacked),
+            (p + "moe.experts.w2", (experts, hidden, inter), 1, stacked),
+            (p + "moe.experts.w3", (experts, inter, hidden), 1, stacked),
+            (p + "attention_norm.weight", (hidden,), 0, fsdp),
+            (p + "ffn_norm.weight", (hidden,), 0, fsdp),
+        ]
+    params += [("norm.weight", (hidden,), 0, fsdp), ("output.weight", (cfg["vocab"], hidden), 0, fsdp)]
+    return _adamw(params, name=name, world=world, meshes=meshes, state_keys="index")
+
+
 def wide(count: int) -> Workload:
     """``count`` small whole tensors (64 x fp32) on one rank."""
     tensors = [
@@ -520,7 +611,31 @@ def wide(count: int) -> Workload:
     return Workload(f"wide-{count // 1000}k", 1, tensors, [Mesh((1,), (0,))])
 
 
-WORKLOADS: dict[str, Callable[[int], Workload]] = {"dense-70b": dense_70b, "tp-fsdp-70b": tp_fsdp_70b, "moe": moe}
+#: The tiny shapes of the ``tiny-*`` workloads, the same layouts at a size real ranks can save
+#: (``--real``): a 2-layer Llama of hidden size 64, and a 2-layer MoE of 8 experts.
+TINY_LLAMA = {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256}
+TINY_MOE = {
+    "layers": 2,
+    "experts": 8,
+    "hidden": 64,
+    "expert_intermediate": 32,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 256,
+}
+
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "dense-70b": dense_70b,
+    "tp-fsdp-70b": tp_fsdp_70b,
+    "moe": moe,
+    "moe-stacked": moe_stacked,
+    "405b-3d": llama_405b_3d,
+    "tiny-dense": lambda world: dense_70b(world, config=TINY_LLAMA, name="tiny-dense"),
+    "tiny-tp-fsdp": lambda world: tp_fsdp_70b(world, config=TINY_LLAMA, name="tiny-tp-fsdp"),
+    "tiny-moe-stacked": lambda world: moe_stacked(world, config=TINY_MOE, name="tiny-moe-stacked"),
+}
+#: Run by default (the ``tiny-*`` ones are for ``--real``, or named in ``--workloads``).
+DEFAULT_WORKLOADS = [name for name in WORKLOADS if not name.startswith("tiny-")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1006,7 +1121,10 @@ def _wanted_regions_from_placements(into: _Regions, manifest: Manifest) -> dict[
     ``into`` replaced by the region its placements give (``local_region``'s arithmetic)."""
     regions: dict[str, tuple[list[int], list[int]]] = {}
     described: list[Any] = [entry for _, entry in manifest.iter_tensors()]
-    described += getattr(manifest, "sharded", [])  # format 2.0
+    if hasattr(manifest, "described"):  # format 2.1: tensor families' instances too
+        described += manifest.described()
+    else:
+        described += getattr(manifest, "sharded", [])  # format 2.0
     for entry in described:
         if entry.global_shape is None or entry.key in regions:
             continue
@@ -1259,7 +1377,26 @@ class CurrentFormat:
         return LoadPlan(opened, entries, sealed_size + metadata, data)
 
 
-FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat}
+class FamiliesFormat(CurrentFormat):
+    """:class:`CurrentFormat` with sharded saves stamped ``INDEXED_VERSION`` (2.1), root and
+    indexes, so that the coordinator describes the sharded tensors as tensor families
+    (``saving.manifest_build.families_of``): what a 2.1 writer writes, on a shardkeep whose
+    writers still stamp 2.0. Where ``WRITTEN_INDEXED_VERSION`` is already 2.1 it is ``current``."""
+
+    name = "families"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardkeep import indexes
+        from shardkeep.manifest import INDEXED_VERSION
+        from shardkeep.saving import manifest_build
+
+        if not hasattr(manifest_build, "families_of"):
+            raise SystemExit("--format families needs a shardkeep that writes tensor families")
+        indexes.WRITTEN_INDEXED_VERSION = manifest_build.WRITTEN_INDEXED_VERSION = INDEXED_VERSION  # type: ignore[attr-defined]
+
+
+FORMATS: dict[str, Callable[[], ManifestFormat]] = {"current": CurrentFormat, "families": FamiliesFormat}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1310,6 +1447,10 @@ def run_point(workload_name: str, world: int, reps: int, format_name: str, touch
     root = msgspec.json.decode(sealed)  # what the manifest lists (format 2.0: the root alone)
     out["version"] = root["metadata_version"]
     out["entries"] = sum(len(record.get("tensors", [])) for record in root["files"]) + len(root.get("sharded", []))
+    # Format 2.1: every instance of a tensor or entry family counts, as it does for the limits.
+    families = [*root.get("families", []), *(f for record in root["files"] for f in record.get("families", []))]
+    out["entries"] += sum(math.prod(len(range(*bounds)) for bounds in family["indices"]) for family in families)
+    out["families"] = len(families)
     out["files"] = len(root["files"]) + len((root.get("indexes") or {}).get("ranks", []))
     out["manifest_bytes"] = len(sealed)
     out["over_read_limits"] = len(sealed) > ManifestLimits().max_bytes or out["entries"] > ManifestLimits().max_tensors
@@ -1638,6 +1779,13 @@ def main() -> None:
     parser.add_argument("--format", default="current", choices=sorted(FORMATS))
     parser.add_argument("--src", default="head", help="which shardkeep: head (default), worktree, or a git revision")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument(
+        "--real",
+        default=None,
+        help="comma-separated N: save and load on N real gloo processes and compare the collectives with the "
+        "simulator's (bench/scale_real.py; default workloads tiny-dense,tiny-tp-fsdp,tiny-moe-stacked)",
+    )
+    parser.add_argument("--real-timeout", type=float, default=1200.0, help="seconds a --real point may take")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--src-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1651,6 +1799,10 @@ def main() -> None:
             result = run_point(spec["workload"], spec["world"], spec["reps"], spec["format"], spec["touch_mib"])
         print(json.dumps(result))
         return
+    if args.real is not None:
+        import scale_real  # bench/ is the script's directory
+
+        sys.exit(scale_real.run(args, sys.modules[__name__]))
     run_parent(args, parser)
 
 
@@ -1658,7 +1810,7 @@ def run_parent(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     ranks = (
         [int(r) for r in args.ranks.split(",")] if args.ranks else list(QUICK_RANKS if args.quick else DEFAULT_RANKS)
     )
-    names = args.workloads.split(",") if args.workloads else [*WORKLOADS, "wide"]
+    names = args.workloads.split(",") if args.workloads else [*DEFAULT_WORKLOADS, "wide"]
     reps = args.reps or (1 if args.quick else 3)
     if args.max_entries is None:
         args.max_entries = 1_000_000 if args.quick else 3_000_000

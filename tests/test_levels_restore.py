@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 ROWS = 12
 RANK2_FILE = "shards/rank_00002_sharded.safetensors"
+RANK0_FILE = "shards/rank_00000_sharded.safetensors"
 
 
 def full_state(seed: int) -> dict[str, Any]:
@@ -219,6 +220,26 @@ def test_a_wiped_node_is_rebuilt_from_a_peer_without_a_persistent_copy(tmp_path:
     assert (2, RANK2_FILE, "local@node0") in report.healed
     assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
     assert report.levels_read == ["local"]
+
+
+def test_a_missing_file_and_a_flipped_one_heal_from_peers_in_one_restore(tmp_path: Path) -> None:
+    # node 1 lacks rank 2's file (fetched while the present files' digests are checked); node
+    # 0's copy of rank 0's file is the right size but flipped (found by that check, healed in
+    # a second round from node 1, which holds a copy)
+    saved = save_step(tmp_path, 5, seed=23)
+    everything = [str(p.relative_to(saved)) for p in (saved / "shards").iterdir()]
+    setup = two_nodes(tmp_path, saved, persistent=False, also=lambda node: everything)
+    Path(setup.node_roots[1], saved.name, RANK2_FILE).unlink()
+    flipped = Path(setup.node_roots[0], saved.name, RANK0_FILE)
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    report = the_report(restore(tmp_path, 4, setup, "two-rounds"))
+    assert report.step == 5 and report.refused == []
+    assert (2, RANK2_FILE, "local@node0") in report.healed
+    assert (0, RANK0_FILE, "local@node1") in report.healed
+    assert flipped.read_bytes() == (saved / RANK0_FILE).read_bytes()
+    assert Path(setup.node_roots[1], saved.name, RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
 
 
 def test_a_peer_copy_refused_on_arrival_is_asked_of_the_next_node(tmp_path: Path) -> None:

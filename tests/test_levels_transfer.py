@@ -12,7 +12,14 @@ import zstandard
 
 from shardkeep.errors import IntegrityError
 from shardkeep.integrity import digest_bytes
-from shardkeep.levels.transfer import FileReceive, FileSend, copy_file, exchange_files, run_exchange
+from shardkeep.levels.transfer import (
+    FileReceive,
+    FileSend,
+    arrival_digest,
+    copy_file,
+    exchange_files,
+    run_exchange,
+)
 from shardkeep.manifest import FileRecord
 from shardkeep.manifest.schema import Compression
 from tests.support.distributed_harness import results_or_raise, run_ranks
@@ -152,6 +159,38 @@ def test_a_compressed_file_is_checked_against_its_uncompressed_digest(tmp_path: 
     assert os.listdir(tmp_path / "c") == []
 
 
+def test_fast_checks_the_fast_digest_and_the_default_the_recorded_digest(tmp_path: Path) -> None:
+    data = payload("fast", 200_000)
+    (tmp_path / "f").write_bytes(data)
+    wrong_strong = FileRecord(
+        path="f",
+        rank=0,
+        size=len(data),
+        digest=digest_bytes("blake3", data[:-1] + b"!"),
+        fast_digest=digest_bytes("xxh3-128", data),
+    )
+    wrong_fast = FileRecord(
+        path="f",
+        rank=0,
+        size=len(data),
+        digest=digest_bytes("blake3", data),
+        fast_digest=digest_bytes("xxh3-128", data[:-1] + b"!"),
+    )
+    assert arrival_digest(wrong_strong, True) == wrong_strong.fast_digest
+    assert arrival_digest(wrong_strong, False) == wrong_strong.digest
+    copy_file(str(tmp_path / "f"), tmp_path / "a" / "f", wrong_strong, block_bytes=4096, fast=True)
+    assert (tmp_path / "a" / "f").read_bytes() == data
+    with pytest.raises(IntegrityError, match="digest mismatch on arrival"):
+        copy_file(str(tmp_path / "f"), tmp_path / "b" / "f", wrong_strong, block_bytes=4096)
+    with pytest.raises(IntegrityError, match="digest mismatch on arrival"):
+        copy_file(str(tmp_path / "f"), tmp_path / "c" / "f", wrong_fast, block_bytes=4096, fast=True)
+    # A record without a fast digest (format 2.0) is checked by its digest either way.
+    plain = record("f", data[:-1] + b"!")
+    with pytest.raises(IntegrityError, match="digest mismatch on arrival"):
+        copy_file(str(tmp_path / "f"), tmp_path / "d" / "f", plain, fast=True)
+    assert not any((tmp_path / name / "f").exists() for name in "bcd")
+
+
 def _all_to_all(rank: int, world_size: int, root: str) -> list[str]:
     """Every rank sends two files to every other rank (and one to itself)."""
     sends, receives = [], []
@@ -202,13 +241,19 @@ def test_a_known_plan_skips_the_gather_and_still_refuses_a_damaged_file(tmp_path
 
 
 def _outside_plan(rank: int, world_size: int, root: str) -> str:
+    import torch.distributed as dist
+
     Path(root, f"f{rank}").write_bytes(b"x")
     sends = [FileSend(1, str(Path(root, f"f{rank}")), record("f", b"x"))] if rank == 0 else []
+    said = ""
     try:
         run_exchange(None, sends, [], pairs=[])
     except Exception as exc:
-        return str(exc)
-    return ""
+        said = str(exc)
+    # No traffic at all: without a collective, rank 1 could exit while rank 0's gloo mesh is
+    # still connecting.
+    dist.barrier()
+    return said
 
 
 def test_a_send_outside_the_plan_is_an_error(tmp_path: Path) -> None:

@@ -104,18 +104,25 @@ class _Layouts:
 
     def __init__(self, manifest: IndexedManifest) -> None:
         self.manifest = manifest
-        self.tensors: dict[str, ShardedTensor] = {tensor.key: tensor for tensor in manifest.sharded}
+        described = manifest.described()
+        self.tensors: dict[str, ShardedTensor] = {tensor.key: tensor for tensor in described}
         self.grids: dict[str, Grid] = {}
         self._coordinates: dict[int, dict[int, tuple[int, ...]]] = {}
         self._ranks: dict[int, list[int]] = {}
         #: The described keys on each mesh (a rank writes chunks only of its meshes' tensors).
         self.by_mesh: dict[int, list[str]] = {}
-        for tensor in manifest.sharded:
+        # One grid per (shape, mesh, placements): the instances of a family share theirs.
+        shared: dict[tuple[object, ...], Grid] = {}
+        for tensor in described:
             self.by_mesh.setdefault(tensor.mesh, []).append(tensor.key)
-            mesh = manifest.meshes[tensor.mesh]
-            dims = parse_placements(tensor.placements, len(tensor.global_shape))
-            assert dims is not None  # validate_manifest checked it
-            self.grids[tensor.key] = Grid.of(tuple(tensor.global_shape), tuple(mesh.shape), dims)
+            signature = (*tensor.global_shape, None, tensor.mesh, *tensor.placements)
+            grid = shared.get(signature)
+            if grid is None:
+                mesh = manifest.meshes[tensor.mesh]
+                dims = parse_placements(tensor.placements, len(tensor.global_shape))
+                assert dims is not None  # validate_manifest checked it
+                grid = shared[signature] = Grid.of(tuple(tensor.global_shape), tuple(mesh.shape), dims)
+            self.grids[tensor.key] = grid
 
     def coordinates(self, mesh: int) -> dict[int, tuple[int, ...]]:
         """Rank -> its coordinate in mesh ``mesh``."""
@@ -420,6 +427,7 @@ def merged(name: str, manifest: IndexedManifest, parts: list[list[FileRecord]], 
             files.append(record)
     files.sort(key=lambda record: record.path)
     view = msgspec.structs.replace(manifest, files=files)
+    manifest.share_described(view)
     view.complete = complete
     if complete:
         # Every index is in: the chunks must tile every tensor (an index record missing from
@@ -436,7 +444,7 @@ def merged(name: str, manifest: IndexedManifest, parts: list[list[FileRecord]], 
 
 def _described_without_chunks(view: IndexedManifest) -> list[str]:
     found = {entry.key for _, entry in view.iter_tensors() if entry.global_offset is not None}
-    return sorted(tensor.key for tensor in view.sharded if tensor.key not in found)
+    return sorted(tensor.key for tensor in view.described() if tensor.key not in found)
 
 
 def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: ManifestLimits | None = None) -> Manifest:

@@ -82,7 +82,7 @@ class LoadJob:
             # Format 2.0: the regions first, then only the rank indexes holding chunks of them.
             self.wanted = wanted_regions(into, manifest) if into is not None else {}
             if self.held is not None:
-                self.unheld = [tensor for tensor in manifest.sharded if tensor.key not in self.held]
+                self.unheld = [tensor for tensor in manifest.described() if tensor.key not in self.held]
             manifest = expand(
                 location.store,
                 location.name,
@@ -245,7 +245,7 @@ def held_keys(into: Any, manifest: Manifest) -> set[str]:
     seen: set[str] = set()
     described: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
     if isinstance(manifest, IndexedManifest):
-        described += manifest.sharded
+        described += manifest.described()
     for entry in described:
         if entry.key in seen:
             continue
@@ -256,12 +256,12 @@ def held_keys(into: Any, manifest: Manifest) -> set[str]:
 
 
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:
-    """How ``manifest`` describes sharded tensor ``key``: a chunk entry, or (format 2.0) its
-    description."""
+    """How ``manifest`` describes sharded tensor ``key``: a chunk entry, or (format 2.x) its
+    description (a family instance included)."""
     if isinstance(manifest, IndexedManifest):
-        for tensor in manifest.sharded:
-            if tensor.key == key:
-                return tensor
+        tensor = manifest.find(key)
+        if tensor is not None:
+            return tensor
     return next(entry for _, entry in manifest.iter_tensors() if entry.key == key)
 
 

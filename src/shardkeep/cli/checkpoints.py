@@ -127,9 +127,11 @@ def _print_inspect(
     )
     if isinstance(manifest, IndexedManifest):
         w(
-            f"format 2.0   {info['sharded_tensors']} sharded tensor(s) described once, "
+            f"format 2.x   {info['sharded_tensors']} sharded tensor(s) described once, "
             f"{info['rank_indexes']} rank index(es) (index/rank_NNNNN.json)\n"
         )
+        for family in info["tensor_families"]:
+            w(f"  family     {family['key']}  {family['instances']} instance(s)\n")
     w(f"digest       {manifest.digest_algorithm}\n")
     for tier in manifest.tiers:
         w(

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from shardkeep.config import ManifestLimits
@@ -14,7 +14,8 @@ from shardkeep.errors import (
     ConfigError,
     import_needing_torch,
 )
-from shardkeep.manifest import IndexedManifest, Manifest
+from shardkeep.manifest import IndexedManifest, Manifest, TensorFamily
+from shardkeep.manifest.families import instances_within
 
 
 def human_bytes(count: float) -> str:
@@ -135,16 +136,25 @@ def policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", metavar="RUN_ID", help="the run whose checkpoints count (default: the root's owner)")
 
 
+def instance_total(families: Sequence[TensorFamily]) -> int:
+    """The instances of some (valid) tensor families, counted without building one."""
+    return instances_within(families, 1 << 62)
+
+
 def summary(manifest: Manifest) -> dict[str, Any]:
-    """A machine-readable summary of a manifest's contents."""
+    """A machine-readable summary of a manifest's contents: ``sharded_tensors`` counts every
+    described tensor, each instance of a tensor family included; ``tensor_families`` lists each
+    family once (its key template and instance count)."""
     by_dtype: Counter[str] = Counter()
     bytes_by_dtype: Counter[str] = Counter()
     for _, entry in manifest.iter_tensors():
         by_dtype[entry.dtype] += 1
         bytes_by_dtype[entry.dtype] += entry.nbytes
     indexed = manifest if isinstance(manifest, IndexedManifest) else None
+    families = (indexed.families or []) if indexed is not None else []
     return {
-        "sharded_tensors": len(indexed.sharded) if indexed is not None else 0,
+        "sharded_tensors": len(indexed.sharded) + instance_total(families) if indexed is not None else 0,
+        "tensor_families": [{"key": family.key, "instances": instance_total([family])} for family in families],
         "rank_indexes": len(indexed.index_records()) if indexed is not None else 0,
         "tensor_count": sum(len(record.tensors) for record in manifest.files),
         "tensor_bytes": manifest.total_tensor_bytes,

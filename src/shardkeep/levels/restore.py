@@ -35,8 +35,9 @@ where each file came from and why each step was refused.
    identity and step.
 3. **Files.** Each rank selects the files it needs with the load machinery
    (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
-   index) and checks each in its node's directory (present, digest). A file missing or
-   damaged there comes, in this order, from: a peer node holding it, in its own part or as a
+   index) and checks each in its node's directory: present at its size at once, its digest on
+   a thread while the missing files are fetched; a file damaged there is healed in a second
+   round of fetching. A file missing or damaged there comes, in this order, from: a peer node holding it, in its own part or as a
    replica (sent over the process group; a copy refused on arrival is asked of the next node
    holding the file, in node order; the plan of each exchange is known to every rank, so it
    gathers nothing more), then the shared copy of the same step (when its record
@@ -68,7 +69,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,6 +154,12 @@ class _Settings:
     limits: ManifestLimits | None
     block_bytes: int
     io_threads: int
+
+    @property
+    def fast(self) -> bool:
+        """Whether data files are checked with their fast digest (where the manifest records
+        one): as a load does, unless a public key asks for the cryptographic digests."""
+        return self.signatures.public_key is None
 
 
 def restore_best(
@@ -339,6 +346,9 @@ class _StepAttempt:
         #: Rank indexes this (leader) rank replaced, with their source.
         self.healed_metadata: list[tuple[str, str]] = []
         self.stores: dict[str, ByteStore] = {}
+        #: The digest check of the present local files, running while the missing ones arrive.
+        self._checker: ThreadPoolExecutor | None = None
+        self._checking: Future[dict[str, str]] | None = None
 
     def _mode_of(self, node: int) -> str:
         """``local`` (the node holds the part), ``rebuild`` (its local level has nothing of the
@@ -375,16 +385,31 @@ class _StepAttempt:
         unreachable: dict[str, str] | None = None,
     ) -> tuple[Any, RestoreReport] | None:
         self._refuse_foreign_parts()
+        try:
+            return self._run(into, gate, names, unreachable)
+        finally:
+            self._stop_checking()
+
+    def _run(
+        self,
+        into: Any,
+        gate: Callable[[int], bool] | None,
+        names: SharedNames | None,
+        unreachable: dict[str, str] | None,
+    ) -> tuple[Any, RestoreReport] | None:
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
             gathered = self.agree("checking the files", self._phase(lambda: self.check(into)))
+        healed: list[tuple[int, str, str]] = []
         if gathered is not None:
-            lacking = [each.payload for each in gathered]
-            gathered = self.agree("fetching the files", self.fetch(lacking))
-            if gathered is not None and self._refuse_unhealed(lacking, gathered):
-                gathered = None
+            gathered = self._fetch_round("fetching the files", [each.payload for each in gathered], healed, first=True)
+        if gathered is not None and any(each.payload[2] for each in gathered):
+            # A local file present at its size failed its digest (found while the missing files
+            # were fetched): every node heals its damaged files in a second round.
+            gathered = self._fetch_round(
+                "fetching the damaged files", [each.payload[2] for each in gathered], healed, first=False
+            )
         if gathered is not None:
-            healed = [(rank, file, source) for rank, each in enumerate(gathered) for file, source in each.payload[0]]
             sources = self.agree("reading", self._phase(self.read))
             committed = None
             if sources is not None:
@@ -401,6 +426,27 @@ class _StepAttempt:
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
+
+    def _fetch_round(
+        self, label: str, lacking: list[list[tuple[str, int]]], healed: list[tuple[int, str, str]], *, first: bool
+    ) -> list[_Outcome] | None:
+        """Fetch what each rank lacks (collective), then agree; ``healed`` gains what arrived.
+        Each outcome's payload ends with the files this rank's digest check found damaged
+        meanwhile (empty after the first round)."""
+        fetched = self.fetch(lacking, with_metadata=first)
+        try:
+            damaged = self.damaged()
+        except Exception as exc:  # the check itself failed: this rank refuses the step
+            fetched.reasons.append((self._level_name(), f"checking the local files: {type(exc).__name__}: {exc}"))
+            damaged = []
+        gathered = self.agree(label, _Outcome(fetched.reasons, (*fetched.payload, damaged)))
+        if gathered is not None and self._refuse_unhealed(lacking, gathered):
+            return None
+        if gathered is not None:
+            healed.extend(
+                (rank, file, source) for rank, each in enumerate(gathered) for file, source in each.payload[0]
+            )
+        return gathered
 
     def _refuse_unhealed(self, lacking: list[list[tuple[str, int]]], fetched: list[_Outcome]) -> bool:
         """Refuse the step for every rank that lacks a file its node could not heal (with the
@@ -636,20 +682,59 @@ class _StepAttempt:
         if shared:
             return []  # read, and verified, by the load
         lacking: list[tuple[str, int]] = []
+        present: list[FileRecord] = []
         for path, record in sorted(self.needed.items()):
-            store, where = job.resolver(record)
-            if self.directory is not None and not os.path.lexists(os.path.join(self.directory, path)):
-                self.local_problems[path] = "missing"
-                lacking.append((path, record.stored_size))
-                continue
-            _, problems = check_shard(store, where, record, verify=True, keep=False)
-            if problems:
-                self.local_problems[path] = problems[0].removeprefix(f"{path}: ")
-                lacking.append((path, record.stored_size))
+            if self.directory is not None:
+                try:
+                    size = os.stat(os.path.join(self.directory, path), follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    self.local_problems[path] = "missing"
+                    lacking.append((path, record.stored_size))
+                    continue
+                except OSError:
+                    size = None  # the full check below says why
+                if size is not None and size != record.stored_size:
+                    self.local_problems[path] = f"size is {size} bytes, manifest says {record.stored_size}"
+                    lacking.append((path, record.stored_size))
+                    continue
+            present.append(record)
+        if present:
+            # Digests are checked on a thread while the missing files are fetched.
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-check")
+            self._checking = self._checker.submit(self._check_present, job, present)
         return lacking
 
+    @staticmethod
+    def _check_present(job: LoadJob, records: list[FileRecord]) -> dict[str, str]:
+        """Check the digests of the local files present at their size: the problems by path."""
+        problems: dict[str, str] = {}
+        for record in records:
+            try:
+                store, where = job.resolver(record)
+                _, found = check_shard(store, where, record, verify=True, keep=False)
+            except (OSError, ShardkeepError) as exc:
+                found = [f"{record.path}: {exc}"]
+            if found:
+                problems[record.path] = found[0].removeprefix(f"{record.path}: ")
+        return problems
+
+    def damaged(self) -> list[tuple[str, int]]:
+        """Wait for the digest check :meth:`check` started: the present files that failed it,
+        as ``(path, stored size)`` (their reasons go to ``local_problems``)."""
+        if self._checking is None:
+            return []
+        problems = self._checking.result()
+        self._checking = None
+        self.local_problems.update(problems)
+        return [(path, self.needed[path].stored_size) for path in sorted(problems)]
+
+    def _stop_checking(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
+            self._checker, self._checking = None, None
+
     # -- phase: fetching what a node lacks ------------------------------------------------------
-    def fetch(self, lacking: list[list[tuple[str, int]]]) -> _Outcome:
+    def fetch(self, lacking: list[list[tuple[str, int]]], *, with_metadata: bool = True) -> _Outcome:
         """Heal what this node lacks: each file by the node's lowest rank lacking it, from a
         peer node holding it (its own part or a replica), else from a shared copy. Collective
         (one all-gather and the peers' exchanges on every rank, whatever happens here). The
@@ -664,7 +749,7 @@ class _StepAttempt:
                     claimed.add(key)
                     if rank == self.rank:
                         mine[path] = size
-        healed: list[tuple[str, str]] = list(self.healed_metadata)
+        healed: list[tuple[str, str]] = list(self.healed_metadata) if with_metadata else []
         still = sorted(mine.items())
         offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
         everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
@@ -714,8 +799,9 @@ class _StepAttempt:
                         reasons.append((copy.level, f"{record.path}: step {self.step} there is another attempt"))
                         continue
                 copy_file(
-                    (store, f"{copy.name}/{record.path}"), destination, record, block_bytes=self.settings.block_bytes
-                )
+                    (store, f"{copy.name}/{record.path}"), destination, record,
+                    block_bytes=self.settings.block_bytes, fast=self.settings.fast,
+                )  # fmt: skip
             except (OSError, ShardkeepError) as exc:
                 reasons.append((copy.level, f"{record.path}: {exc}"))
                 continue
@@ -776,8 +862,9 @@ class _StepAttempt:
             if rank == self.rank and self.directory is not None:
                 receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
         exchange = run_exchange(
-            self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes, pairs=sorted(pairs)
-        )
+            self.coordinator.group, sends, receives,
+            block_bytes=self.settings.block_bytes, pairs=sorted(pairs), fast=self.settings.fast,
+        )  # fmt: skip
         home = self.home.name if self.home is not None else "?"
         received: list[str] = []
         for receive in receives:

@@ -24,7 +24,8 @@ into in turn, the bytes of one written and digested on a thread while the next a
 
 On arrival a file is written to a temporary sibling (``.NAME.tmp-<id>``), its digest computed
 while it streams in (over the decompressed bytes for a compressed file, as the manifest
-records it) and compared with the record's; only a file whose size and digest match is
+records it) and compared with the record's (its fast digest, xxh3-128, when the caller asks for
+``fast`` and the record has one: see docs/trust.md); only a file whose size and digest match is
 fsynced and renamed onto its destination (the directory fsynced). A mismatch leaves the
 destination as it was; :func:`exchange_files` raises
 :class:`~shardkeep.errors.IntegrityError` naming the file, the source rank and the destination
@@ -55,6 +56,7 @@ __all__ = [
     "Exchange",
     "FileReceive",
     "FileSend",
+    "arrival_digest",
     "copy_file",
     "exchange_files",
     "run_exchange",
@@ -119,23 +121,32 @@ def exchange_files(
     sends: Sequence[FileSend | tuple[int, Source, FileRecord]],
     receives: Sequence[FileReceive | tuple[int, str | os.PathLike[str], FileRecord]],
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    *,
+    fast: bool = False,
 ) -> list[str]:
     """Send and receive files between the ranks of ``group`` (a ``torch.distributed`` process
     group; ``None``: the default group). Collective. Returns the destinations written; raises as
-    :meth:`Exchange.raise_for_problems` says once every rank's traffic is over."""
-    exchange = run_exchange(group, sends, receives, block_bytes=block_bytes)
+    :meth:`Exchange.raise_for_problems` says once every rank's traffic is over. ``fast``: check
+    each file with its record's fast digest where it has one (:func:`arrival_digest`)."""
+    exchange = run_exchange(group, sends, receives, block_bytes=block_bytes, fast=fast)
     exchange.raise_for_problems()
     return exchange.written
 
 
 def copy_file(
-    source: Source, destination: str | os.PathLike[str], record: FileRecord, *, block_bytes: int = DEFAULT_BLOCK_BYTES
+    source: Source,
+    destination: str | os.PathLike[str],
+    record: FileRecord,
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    fast: bool = False,
 ) -> None:
     """Copy one file on this rank (no collective) through the checks of an exchange: streamed in
-    blocks, size and digest compared with ``record``, written atomically; raises as
-    :meth:`Exchange.raise_for_problems` says (the destination untouched)."""
+    blocks, size and digest compared with ``record`` (its fast digest with ``fast``, where it
+    has one), written atomically; raises as :meth:`Exchange.raise_for_problems` says (the
+    destination untouched)."""
     exchange = Exchange(0)
-    itself = _Receiver(0, [FileReceive(0, destination, record)], exchange, block_bytes)
+    itself = _Receiver(0, [FileReceive(0, destination, record)], exchange, block_bytes, fast=fast)
     itself.copy_local(FileSend(0, source, record))
     itself.finish_missing(itself.sent)
     where = f"{source[0].root}/{source[1]}" if isinstance(source, tuple) else os.fspath(source)
@@ -153,13 +164,15 @@ def run_exchange(
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     pairs: Sequence[tuple[int, int]] | None = None,
+    fast: bool = False,
 ) -> Exchange:
     """:func:`exchange_files` without raising: every rank's outcome as an :class:`Exchange`.
 
     ``pairs``: the ``(sender, receiver)`` ranks that have traffic, when every rank knows the
     same plan (then the all-gather of who sends to whom is skipped). A rank named as a sender
     sends its stream to that receiver even with no file in it; a send outside the plan is an
-    error."""
+    error. ``fast``: check each arriving file with its record's fast digest where it has one
+    (:func:`arrival_digest`)."""
     import torch.distributed as dist
 
     if block_bytes <= 0:
@@ -173,7 +186,7 @@ def run_exchange(
         if not 0 <= send.peer < world:
             raise ShardkeepError(f"rank {send.peer} is not a rank of the group (world size {world})")
     # Sends to oneself: copies through the same checks, no traffic.
-    itself = _Receiver(rank, [r for r in incoming if r.peer == rank], exchange, block_bytes)
+    itself = _Receiver(rank, [r for r in incoming if r.peer == rank], exchange, block_bytes, fast=fast)
     for send in outgoing:
         if send.peer == rank:
             itself.copy_local(send)
@@ -187,14 +200,16 @@ def run_exchange(
         to_send = [s for s in outgoing if s.peer == to_peer] if rows[rank][to_peer] else []
         expected = [r for r in incoming if r.peer == from_peer]
         messages = _outgoing_messages(to_send, block_bytes) if rows[rank][to_peer] else iter(())
-        stream = _Receiver(from_peer, expected, exchange, block_bytes) if from_peer in senders_of_mine else None
+        stream = (
+            _Receiver(from_peer, expected, exchange, block_bytes, fast=fast) if from_peer in senders_of_mine else None
+        )
         try:
             _run_round(group, to_peer, from_peer, messages, stream)
         finally:
             if stream is not None:
                 stream.close()
         if stream is None:
-            _Receiver(from_peer, expected, exchange, block_bytes).finish_missing(sent=set())
+            _Receiver(from_peer, expected, exchange, block_bytes, fast=fast).finish_missing(sent=set())
     return exchange
 
 
@@ -318,7 +333,7 @@ class _Reader:
 class _Incoming:
     """One file arriving: its temporary sibling, digest and byte counts."""
 
-    def __init__(self, path: str, size: int, expected: FileReceive | None) -> None:
+    def __init__(self, path: str, size: int, expected: FileReceive | None, fast: bool) -> None:
         self.path = path
         self.size = size
         self.expected = expected
@@ -329,16 +344,18 @@ class _Incoming:
         self.digester: Digester | None = None
         self.inflated: Any = None
         self.inflated_bytes = 0
+        self.digest: str | None = None
         if expected is None:
             self.problem = "not asked for"
             return
         record = expected.record
+        self.digest = arrival_digest(record, fast)
         if size != record.stored_size:
             self.problem = f"size is {size} bytes, manifest says {record.stored_size}"
-        elif not record.digest:
+        elif not self.digest:
             self.problem = "has no digest, so it cannot be verified"
         else:
-            self.digester = new_digester(record.digest.partition(":")[0])
+            self.digester = new_digester(self.digest.partition(":")[0])
             if record.compression is not None:
                 self.inflated = _inflater(self)
 
@@ -397,7 +414,7 @@ class _Incoming:
     def _check(self) -> None:
         assert self.expected is not None and self.digester is not None
         record = self.expected.record
-        assert record.digest is not None
+        assert self.digest is not None
         if self.inflated is not None:
             try:
                 self.inflated.flush()
@@ -407,9 +424,17 @@ class _Incoming:
             if self.inflated_bytes != record.size:
                 self.problem = f"decompresses to {self.inflated_bytes} bytes, manifest says {record.size}"
                 return
-        actual = format_digest(record.digest.partition(":")[0], self.digester.hexdigest())
-        if not digests_equal(record.digest, actual):
+        actual = format_digest(self.digest.partition(":")[0], self.digester.hexdigest())
+        if not digests_equal(self.digest, actual):
             self.problem = "digest mismatch on arrival"
+
+
+def arrival_digest(record: FileRecord, fast: bool) -> str | None:
+    """The digest a file arriving for ``record`` is checked against: its fast digest
+    (xxh3-128, of the same bytes) with ``fast`` when the record has one, else its digest."""
+    if fast and record.fast_digest:
+        return record.fast_digest
+    return record.digest
 
 
 def _inflater(incoming: _Incoming) -> Any:
@@ -437,8 +462,11 @@ class _Receiver:
     """The incoming stream from one peer: which buffer to receive next, and what to do with
     it (see the module docstring for the order of messages)."""
 
-    def __init__(self, peer: int, expected: list[FileReceive], exchange: Exchange, block_bytes: int) -> None:
+    def __init__(
+        self, peer: int, expected: list[FileReceive], exchange: Exchange, block_bytes: int, *, fast: bool = False
+    ) -> None:
         self.peer = peer
+        self.fast = fast
         self.expected = {receive.record.path: receive for receive in expected}
         self.exchange = exchange
         self.block_bytes = block_bytes
@@ -493,7 +521,7 @@ class _Receiver:
         elif self.state == "path":
             path = bytes(buffer.numpy()).decode(errors="replace")
             self.sent.add(path)
-            self.current = _Incoming(path, self.pending_size, self.expected.get(path))
+            self.current = _Incoming(path, self.pending_size, self.expected.get(path), self.fast)
             self.arrived = 0
             self.state = "data" if self.pending_size else "trailer"
         elif self.state == "data":
@@ -576,10 +604,10 @@ class _Receiver:
         try:
             reader = _Reader.open(send.source)
         except (OSError, ShardkeepError):
-            self.current = _Incoming(path, 0, self.expected.get(path))
+            self.current = _Incoming(path, 0, self.expected.get(path), self.fast)
             self._finish(_UNREADABLE)
             return
-        self.current = _Incoming(path, reader.size, self.expected.get(path))
+        self.current = _Incoming(path, reader.size, self.expected.get(path), self.fast)
         status, offset = _OK, 0
         block = memoryview(bytearray(min(self.block_bytes, reader.size)))
         try:

@@ -24,6 +24,7 @@ import msgspec.inspect
 
 from shardkeep.config import ManifestLimits
 from shardkeep.errors import ManifestError, ManifestVersionError, ShardkeepError
+from shardkeep.manifest.families import entry_family_problems, expand_entry_families, instances_within
 from shardkeep.manifest.schema import (
     FORMAT_NAME,
     INDEXED_VERSION,
@@ -288,13 +289,19 @@ def _decode_canonical(data: bytes, limits: ManifestLimits) -> Manifest | None:
     return manifest
 
 
+#: Family instances are counted up to here (past any limit), so a hostile product stays small.
+_COUNT_CAP = 2**62
+
+
 def _counts(manifest: Manifest) -> tuple[int, int]:
     """(files, tensor entries) that the limits bound: a format 2.0 manifest's rank indexes
-    count as files, and its described tensors as entries."""
+    count as files, and its described tensors, every instance of a tensor family (counted, not
+    built) included, as entries."""
     files, tensors = len(manifest.files), sum(len(record.tensors) for record in manifest.files)
+    tensors += instances_within([family for record in manifest.files for family in record.families], _COUNT_CAP)
     if isinstance(manifest, IndexedManifest):
         files += len(manifest.indexes.ranks) if manifest.indexes is not None else 0
-        tensors += len(manifest.sharded)
+        tensors += len(manifest.sharded) + instances_within(manifest.families or [], _COUNT_CAP)
     return files, tensors
 
 
@@ -319,7 +326,7 @@ def _decode(data: bytes, limits: ManifestLimits) -> Manifest:
         raise ManifestError("manifest JSON contains a \\uD800-\\uDFFF surrogate escape; text must be plain UTF-8")
     fast = _decode_canonical(data, limits)
     if fast is not None:
-        return fast
+        return _with_entry_families_expanded(fast, limits)
     raw = parse_json_strict(data, limits)
     if not isinstance(raw, dict):
         raise ManifestError("manifest JSON must be an object")
@@ -353,4 +360,21 @@ def _decode(data: bytes, limits: ManifestLimits) -> Manifest:
         raise ManifestError("manifest does not match the schema: created_at is missing")
     if unknown:
         manifest.unknown_fields = unknown
+    return _with_entry_families_expanded(manifest, limits)
+
+
+def _with_entry_families_expanded(manifest: Manifest, limits: ManifestLimits) -> Manifest:
+    """``manifest`` with the entry families (2.1) of its files expanded into their entries
+    (:func:`~shardkeep.manifest.families.expand_entry_families`), after each family is checked
+    and every instance counted toward ``max_tensors``; a bad family is a :class:`ManifestError`."""
+    if not any(record.families for record in manifest.files):
+        return manifest
+    _check_counts(*_counts(manifest), limits)
+    for record in manifest.files:
+        for family in record.families:
+            problems = entry_family_problems(family, limits.max_tensors)
+            if problems:
+                raise ManifestError(f"file {record.path[:80]!r}: " + "; ".join(problems[:5]))
+        if record.families:
+            expand_entry_families(record)
     return manifest

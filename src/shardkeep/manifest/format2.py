@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from shardkeep.config import ManifestLimits
+from shardkeep.manifest.families import last_instance
 from shardkeep.manifest.schema import (
     DIGEST_HEX_LENGTH,
     DTYPE_ITEMSIZE,
@@ -21,6 +22,7 @@ from shardkeep.manifest.schema import (
     IndexTable,
     Manifest,
     ShardedTensor,
+    TensorFamily,
     parse_placements,
     path_problem,
     shape_problem,
@@ -43,12 +45,17 @@ def check_indexed(
     limits: ManifestLimits,
     err: Report,
     warn: Report,
+    families: Sequence[TensorFamily] = (),
 ) -> set[str]:
-    """Format 2.0: the meshes, the described tensors (keys unique and not listed as entries,
+    """Format 2.x: the meshes, the described tensors (keys unique and not listed as entries,
     valid dtypes, shapes and placements) and the rank indexes (one per rank, in range, with
     well-formed digests). ``tensor_keys`` are the keys of the tensor entries, ``chunk_keys``
-    those of chunk entries. Reports errors to ``err`` and warnings to ``warn``; returns the
-    described keys."""
+    those of chunk entries. ``families`` are the manifest's tensor families once their set is
+    valid (:func:`~shardkeep.manifest.families.family_set_problems`): each is checked as a
+    described tensor on the instance with the longest key
+    (:func:`~shardkeep.manifest.families.last_instance`), since its instances share every other
+    field. Reports errors to ``err`` and warnings to ``warn``; returns the described keys of
+    ``sharded`` (family instances are not listed)."""
     _check_meshes(manifest, limits, err)
     described: set[str] = set()
     strided_grids: set[tuple[object, ...]] = set()
@@ -64,14 +71,26 @@ def check_indexed(
         if grid is not None and grid[0] not in strided_grids:
             strided_grids.add(grid[0])
             strided_work += grid[1]
+    for family in families:
+        prefix = f"tensor family {family.key[:80]!r}, instance "
+        grid = _check_sharded(
+            manifest,
+            last_instance(family),
+            limits,
+            lambda m, p=prefix: err(p + m),  # type: ignore[misc]
+            lambda m, p=prefix: warn(p + m),  # type: ignore[misc]
+        )
+        if grid is not None and grid[0] not in strided_grids:
+            strided_grids.add(grid[0])
+            strided_work += grid[1]
     if manifest.indexes is not None:
         check_index_table(manifest, manifest.indexes, err)
     if strided_work > 4 * MAX_STRIDED_WORK:
         err(f"the strided grids take more than {4 * MAX_STRIDED_WORK} steps to work out in all")
     has_indexes = manifest.indexes is not None and bool(manifest.indexes.ranks)
-    if described and not has_indexes:
+    if (described or manifest.families) and not has_indexes:
         err("the manifest describes sharded tensors but lists no rank index")
-    if has_indexes and not described:
+    if has_indexes and not (described or manifest.families):
         err("the manifest lists rank indexes but describes no sharded tensor")
     return described
 

@@ -262,8 +262,11 @@ class EntryFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     keys, described once: ``FileRecord.families`` (an optimizer's ``step`` scalars, say).
 
     ``key``, ``path``, ``int_parts``, ``indices``, ``order`` and ``order_steps`` are as in
-    :class:`TensorFamily`; every instance has ``dtype``, ``shape`` and ``nbytes``, and its byte
-    offset is ``offset + sum(offset_steps[k] * (i_k - start_k) / step_k)``."""
+    :class:`TensorFamily`; every instance has ``dtype``, ``shape``, ``nbytes``, ``kind`` and
+    ``expert_key`` (templates resolved as in :class:`TensorFamily`), and its byte offset is
+    ``offset + sum(offset_steps[k] * (i_k - start_k) / step_k)``. An instance is a whole-tensor
+    :class:`TensorEntry` with no digest and no blocks. A reader expands the families of a record
+    into its ``tensors`` when it decodes the manifest, in byte-offset order."""
 
     key: str
     path: list[str | int]
@@ -276,6 +279,8 @@ class EntryFamily(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     offset_steps: list[int] = msgspec.field(default_factory=list)
     order: int = 0
     order_steps: list[int] = msgspec.field(default_factory=list)
+    kind: Literal["dense", "expert"] = "dense"
+    expert_key: list[int | str] | None = None
 
 
 class Compression(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -564,6 +569,8 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
     #: Whether this view lists the files of every rank index; ``None``: not a view.
     complete = Transient[bool | None](lambda: None)
     _index_record_cache = Transient[list[IndexRecord] | None](lambda: None)
+    _described_cache = Transient[list[ShardedTensor] | None](lambda: None)
+    _find_cache = Transient[tuple[dict[str, ShardedTensor], Any] | None](lambda: None)
 
     meshes: list[Mesh] = msgspec.field(default_factory=list)
     sharded: list[ShardedTensor] = msgspec.field(default_factory=list)
@@ -579,6 +586,40 @@ class IndexedManifest(Manifest, kw_only=True, dict=True):
         if found is None:
             found = self._index_record_cache = self.indexes.records() if self.indexes is not None else []
         return found
+
+    def described(self) -> list[ShardedTensor]:
+        """Every described sharded tensor: ``sharded``, then each family's instances, row-major
+        (built once per manifest object; ``sharded`` itself when there is no family). What
+        readers resolve keys against; the manifest must be valid."""
+        if not self.families:
+            return self.sharded
+        found = self._described_cache
+        if found is None:
+            from shardkeep.manifest.families import expand_tensor_family
+
+            found = [*self.sharded, *chain.from_iterable(map(expand_tensor_family, self.families))]
+            self._described_cache = found
+        return found
+
+    def find(self, key: str) -> ShardedTensor | None:
+        """The described sharded tensor ``key``, a singleton or a family instance, or ``None``;
+        no family is expanded (the key's integers are parsed and the ranges checked)."""
+        lookup = self._find_cache
+        if lookup is None:
+            from shardkeep.manifest.families import FamilyIndex
+
+            lookup = self._find_cache = (
+                {tensor.key: tensor for tensor in self.sharded},
+                FamilyIndex(self.families or []),
+            )
+        singles, families = lookup
+        found = singles.get(key)
+        return found if found is not None else families.find(key)
+
+    def share_described(self, view: IndexedManifest) -> None:
+        """Give ``view`` (a copy of this manifest with other files) the instances already built."""
+        view._described_cache = self._described_cache
+        view._find_cache = self._find_cache
 
 
 _PLACEMENT = re.compile(r"R|S(\d{1,3})(?:/([1-9]\d{0,5}))?")

@@ -27,6 +27,12 @@ from shardkeep.config import DIGEST_ALGORITHMS, ManifestLimits
 from shardkeep.errors import ManifestError
 from shardkeep.manifest.codec import parse_version
 from shardkeep.manifest.coverage import coverage_problems
+from shardkeep.manifest.families import (
+    READERS_EXPAND_FAMILIES,
+    family_parents,
+    family_set_problems,
+    parents_signature,
+)
 from shardkeep.manifest.format2 import check_indexed
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
@@ -41,6 +47,7 @@ from shardkeep.manifest.schema import (
     Manifest,
     SaveTiming,
     TensorEntry,
+    TensorFamily,
     digest_problem,
     has_chunks,
     key_for_path,
@@ -131,11 +138,15 @@ def _validate(manifest: Manifest, limits: ManifestLimits, *, columns: bool) -> V
         tier_names = _check_tiers(manifest, result.add_error)
         tensor_keys = _check_files(manifest, table, tier_names, limits, result, columns=columns)
         if isinstance(manifest, IndexedManifest):
-            _check_families(manifest, result.add_error)
             offsets = map(operator.attrgetter("global_offset"), table.entries)
             chunk_keys = set(compress(table.keys, map(operator.is_not, offsets, repeat(None))))
+            # A view expanded from the indexes lists the chunks of family instances as entries.
+            listed = (tensor_keys if manifest.complete is None else tensor_keys - chunk_keys) | _described_keys(
+                manifest
+            )
+            families = _check_families(manifest, listed, limits, result.add_error)
             tensor_keys = tensor_keys | check_indexed(
-                manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning
+                manifest, tensor_keys, chunk_keys, limits, result.add_error, result.add_warning, families
             )
         _check_parents(manifest, table, result.add_error, columns=columns)
         _check_values(manifest, tensor_keys, limits, result.add_error)
@@ -263,8 +274,9 @@ def _check_file_record(
 
 def _check_blocks_and_fast_digest(record: FileRecord, where: str, err: Callable[[str], None]) -> None:
     """A file's 1.4/2.1 fields: ``fast_digest`` (an xxh3-128 digest), ``block_size`` (0, or one
-    of :data:`BLOCK_SIZES` when the file is not compressed) and ``families`` (which this reader
-    cannot expand: refused, so that no tensor of a family goes unseen)."""
+    of :data:`BLOCK_SIZES` when the file is not compressed) and ``families`` (which
+    :func:`~shardkeep.manifest.decode_manifest` expands into ``tensors``: one left in a manifest
+    is refused, so that no tensor of a family goes unseen)."""
     fast = record.fast_digest
     if fast is not None:
         problem = digest_problem(fast) if isinstance(fast, str) else "not a string"
@@ -280,7 +292,7 @@ def _check_blocks_and_fast_digest(record: FileRecord, where: str, err: Callable[
     elif size and record.compression is not None:
         err(f"{where} has block_size {size} but is compressed: a compressed file is read whole and has no blocks")
     for family in record.families:
-        err(f"{where} lists the entry family {family.key!r}, which this version of shardkeep cannot expand")
+        err(f"{where} lists the entry family {family.key!r}, not expanded (decoding a manifest expands them)")
 
 
 def check_file_tensors(
@@ -489,8 +501,45 @@ def _check_blocks(entry: TensorEntry, record: FileRecord, err: Callable[[str], N
 _FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
 
 
-def _check_families(manifest: IndexedManifest, err: Callable[[str], None]) -> None:
-    """Described tensor families (2.1), which this reader cannot expand: refused, so that no
-    tensor of a family goes unseen."""
-    for family in manifest.families or []:
-        err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")
+def _described_keys(manifest: IndexedManifest) -> set[str]:
+    """The keys of the root's described (singleton) sharded tensors and of its values."""
+    return {tensor.key for tensor in manifest.sharded} | {value.key for value in manifest.values}
+
+
+def _check_families(
+    manifest: IndexedManifest, keys: set[str], limits: ManifestLimits, err: Callable[[str], None]
+) -> list[TensorFamily]:
+    """Described tensor families (2.1), checked without expanding one
+    (:func:`~shardkeep.manifest.families.family_set_problems`): templates, ranges, instance
+    counts, no two families sharing a key, and no entry, described tensor or value of ``keys``
+    an instance; then, when ``structure`` lists containers, every instance's parent is one
+    (built per distinct parent). Returns the families when all of that holds (each is then
+    checked as a described tensor by :func:`~shardkeep.manifest.format2.check_indexed`), else
+    ``[]``. Valid families are refused while :data:`~shardkeep.manifest.families.
+    READERS_EXPAND_FAMILIES` is false, so that no instance goes unseen."""
+    families = manifest.families or []
+    if not families:
+        return []
+    problems = family_set_problems(families, keys, limits.max_tensors)
+    if not problems and manifest.structure:
+        containers = {tuple(container.path) for container in manifest.structure}
+        checked: set[tuple[object, ...]] = set()
+        for family in families:
+            signature = parents_signature(family)
+            if signature in checked:
+                continue  # the same parents as a family checked already
+            checked.add(signature)
+            orphans = family_parents(family) - containers
+            if orphans:
+                problems.append(
+                    f"tensor family {family.key[:80]!r}: {len(orphans)} instance parent(s) are not containers in "
+                    f"structure, e.g. {key_for_path(list(min(orphans, key=repr)))!r}"
+                )
+    for problem in problems:
+        err(problem)
+    if problems:
+        return []
+    if not READERS_EXPAND_FAMILIES:
+        for family in families:
+            err(f"the tensor family {family.key!r} cannot be expanded by this version of shardkeep")
+    return families

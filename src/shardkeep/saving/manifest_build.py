@@ -5,6 +5,7 @@ and :func:`commit_manifest`, which checks, seals, signs and commits it."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -22,9 +23,11 @@ from shardkeep.manifest import (
     COMPATIBLE_INDEXED_VERSION,
     COMPATIBLE_METADATA_VERSION,
     DTYPE_ITEMSIZE,
+    INDEXED_VERSION,
     WRITTEN_INDEXED_VERSION,
     WRITTEN_METADATA_VERSION,
     ContainerEntry,
+    EntryFamily,
     FileRecord,
     IndexedManifest,
     IndexTable,
@@ -34,6 +37,7 @@ from shardkeep.manifest import (
     ShardedTensor,
     Sharding,
     StateSection,
+    TensorFamily,
     Tier,
     Training,
     ValueEntry,
@@ -41,6 +45,7 @@ from shardkeep.manifest import (
     has_chunks,
     validate_manifest,
 )
+from shardkeep.manifest.families import detect_entry_families, detect_tensor_families
 from shardkeep.names import MAX_STEP, step_of_name
 from shardkeep.saving.wire import Descriptions, RankReport, merged_descriptions
 from shardkeep.tensors.coverage import coverage_problems
@@ -57,6 +62,7 @@ __all__ = [
     "Sections",
     "commit_manifest",
     "describe_sharded",
+    "families_of",
     "indexed_manifest",
     "indexed_version",
     "merged_structure",
@@ -70,6 +76,7 @@ __all__ = [
     "step_of",
     "training_fields",
     "warn_if_over_read_limits",
+    "with_entry_families",
 ]
 
 logger = logging.getLogger("shardkeep")
@@ -314,7 +321,8 @@ def indexed_manifest(
     base = {name: getattr(manifest, name) for name in Manifest.__struct_fields__}
     compatible = manifest.metadata_version == COMPATIBLE_METADATA_VERSION
     base["metadata_version"] = COMPATIBLE_INDEXED_VERSION if compatible else WRITTEN_INDEXED_VERSION
-    return IndexedManifest(
+    families, sharded = families_of(sharded, base["metadata_version"])
+    indexed = IndexedManifest(
         **base,
         meshes=meshes,
         sharded=sharded,
@@ -323,6 +331,55 @@ def indexed_manifest(
             refs=sorted({ref for report in reports for ref in report.refs}),
         ),
     )
+    if families:
+        indexed.families = families
+    return indexed
+
+
+#: Whether sharded saves describe tensors that differ only in the integers of their keys as
+#: tensor families (:func:`families_of`); only roots of :data:`INDEXED_VERSION` hold them.
+WRITE_FAMILIES = True
+
+
+def families_of(
+    sharded: list[ShardedTensor], version: str = INDEXED_VERSION
+) -> tuple[list[TensorFamily], list[ShardedTensor]]:
+    """The tensor families (format 2.1) and the remaining singletons of a root of ``version``
+    describing ``sharded``: detected (:func:`~shardkeep.manifest.families.detect_tensor_families`,
+    their instances are exactly those tensors) when ``version`` is :data:`INDEXED_VERSION` (a
+    save that writes 2.0, ``WriteOptions(block_size=0)``, gets none) and :data:`WRITE_FAMILIES`
+    is on; else no family and ``sharded`` itself. Singletons stay in key order."""
+    if not WRITE_FAMILIES or version != INDEXED_VERSION or len(sharded) < 2:
+        return [], sharded
+    families, singles = detect_tensor_families(sharded)
+    families.sort(key=lambda family: family.key)
+    singles.sort(key=lambda tensor: tensor.key)
+    return families, singles
+
+
+def with_entry_families(manifest: Manifest) -> Manifest:
+    """What a root of :data:`INDEXED_VERSION` records of ``manifest`` (with
+    :data:`WRITE_FAMILIES`): each file's whole tensors that differ only in the integers of their
+    keys, with affine orders and byte offsets, as entry families
+    (:func:`~shardkeep.manifest.families.detect_entry_families`); a copy, ``manifest`` is left
+    as it is. Only a file whose entries are in strictly increasing byte order is rewritten,
+    since a reader puts the instances back in that order. Else ``manifest`` itself."""
+    if not WRITE_FAMILIES or not isinstance(manifest, IndexedManifest) or manifest.metadata_version != INDEXED_VERSION:
+        return manifest
+    files: list[FileRecord] = []
+    changed = False
+    for record in manifest.files:
+        offsets = [entry.offset for entry in record.tensors]
+        families: list[EntryFamily] = []
+        if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
+            families, singles = detect_entry_families(record.tensors)
+        if families:
+            changed = True
+            families.sort(key=lambda family: family.offset)
+            singles.sort(key=lambda entry: entry.offset)
+            record = msgspec.structs.replace(record, tensors=singles, families=families)
+        files.append(record)
+    return msgspec.structs.replace(manifest, files=files) if changed else manifest
 
 
 def merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
@@ -394,7 +451,7 @@ def commit_manifest(
         raise CommitRefusedError(f"cannot commit {location}: " + "; ".join(problems[:5]))
     for path in data_files:
         commit.add_data_file(path)
-    sealed = seal_manifest(encode_manifest(manifest), manifest.digest_algorithm)
+    sealed = seal_manifest(encode_manifest(with_entry_families(manifest)), manifest.digest_algorithm)
     warn_if_over_read_limits(location, sealed, manifest)
     signature = sign_manifest(sealed, private_key, manifest) if private_key is not None else None
     commit.commit(sealed, signature)

@@ -112,7 +112,7 @@ def wanted_regions(into: Any, manifest: Manifest) -> dict[str, tuple[list[int], 
     targets = TargetResolver(into)
     sharded: list[TensorEntry | ShardedTensor] = [entry for _, entry in manifest.iter_tensors()]
     if isinstance(manifest, IndexedManifest):
-        sharded += manifest.sharded  # format 2.0: described once, whether or not a chunk is listed
+        sharded += manifest.described()  # format 2.x: described once, whether or not a chunk is listed
     for entry in sharded:
         if entry.global_shape is None or entry.key in regions:
             continue
