@@ -158,6 +158,18 @@ def test_a_forced_block_size_gives_every_larger_whole_tensor_blocks(tmp_path: Pa
     assert all(torch.equal(loaded[key], value) for key, value in state.items())
 
 
+def test_tensors_written_in_pieces_get_the_same_blocks(tmp_path: Path) -> None:
+    """Non-contiguous tensors have no host address: the writer copies them piece by piece (small
+    ones, and ones over 1 MiB whose pieces are hashed on the hash pool)."""
+    state = {"small": torch.randn(300, 200).t(), "large": torch.randn(1000, 600).t()}
+    sk.save(state, tmp_path / "c", options=WriteOptions(block_size=16 * KIB))
+    (record,) = sk.read_manifest(tmp_path / "c").files
+    assert all(entry.blocks for entry in record.tensors)
+    _check_record(tmp_path / "c", record)
+    loaded = sk.load(tmp_path / "c")
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
 def test_a_compressed_file_has_no_blocks_and_a_fast_digest_of_its_uncompressed_bytes(tmp_path: Path) -> None:
     state = {"w": torch.zeros(50 * MIB // 4)}
     sk.save(state, tmp_path / "c", options=WriteOptions(compression="zstd"))
