@@ -76,7 +76,7 @@ def _save_sharded(rank: int, world_size: int, path: str) -> str:
 def test_verify_reports_a_missing_rank_index_as_a_problem(tmp_path: Path) -> None:
     path = tmp_path / "step_00000001"
     versions = results_or_raise(run_ranks(2, _save_sharded, str(path), outbox=tmp_path / "outbox"))
-    assert set(versions) == {"2.0"}
+    assert set(versions) == {"2.1"}
     (path / "index" / "rank_00001.json").unlink()
     code, out, err = run("verify", str(path))
     assert code == 1, (out, err)

@@ -125,17 +125,17 @@ def test_fsdp2_save_on_two_ranks_loads_on_one_process_and_on_three_ranks(
     report = sk.verify(path)
     assert report.ok, report.problems
     manifest = _manifest(path)
-    assert manifest["metadata_version"] == "1.3" and manifest["world_size"] == 2
+    assert manifest["metadata_version"] == "1.4" and manifest["world_size"] == 2
     entries = {}
     for record in manifest["files"]:
         assert record["path"].startswith("shards/rank_0000") and record["digest"].startswith("blake3:")
         for entry in record["tensors"]:
             entries.setdefault(entry["key"], []).append(entry)
-    # Each FSDP2 parameter and its AdamW moments: one chunk per rank, with its own digest.
+    # Each FSDP2 parameter and its AdamW moments: one chunk per rank, with its own block digests.
     for key in ("model.2.weight", "optim.state.2.weight.exp_avg", "optim.state.2.bias.exp_avg_sq"):
         chunks = sorted(entries[key], key=lambda entry: entry["global_offset"])
         assert [chunk["global_offset"][0] for chunk in chunks] == [0, 3], key
-        assert all(chunk["global_shape"][0] == 5 and chunk["digest"] for chunk in chunks), key
+        assert all(chunk["global_shape"][0] == 5 and chunk["blocks"] for chunk in chunks), key
     # DCP's non-tensor items (param_groups, the extra values) are all JSON-able: they are the
     # manifest's JSON values, and no opaque (pickled) bytes are left; nested paths are kept too.
     recorded = manifest["custom_fields"]["dcp"]

@@ -141,7 +141,7 @@ def test_dtensor_state_reshards_across_world_sizes(tmp_path: Path, saved_on: int
     path = str(tmp_path / "ckpt")
     saved = results_or_raise(run_ranks(saved_on, _save_sharded, path, outbox=tmp_path / "save"))
     assert saved[0]["strategy"] == "dtensor"
-    assert saved[0]["version"] == "2.0"  # regularly sharded: described once, chunks in rank indexes
+    assert saved[0]["version"] == "2.1"  # regularly sharded: described once, chunks in rank indexes
     weight_chunks = [chunk for chunk in saved[0]["chunks"] if chunk[0] == "model.weight"]
     assert len(weight_chunks) == saved_on  # one chunk per rank, with its global offset
     assert sk.verify(path).ok

@@ -89,7 +89,7 @@ def _load(rank: int, world_size: int, path: str) -> dict[str, Any]:
 def test_sharded_tensors_are_described_once_and_chunks_live_in_rank_indexes(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     saved = results_or_raise(run_ranks(4, _save, path, outbox=tmp_path / "save"))[0]
-    assert saved["type"] == "IndexedManifest" and saved["version"] == "2.0"
+    assert saved["type"] == "IndexedManifest" and saved["version"] == "2.1"
     assert saved["sharded"] == ["model.col", "model.empty", "model.rep", "model.uneven", "model.w"]
     assert saved["listed"] == ["model.bias"]  # only the whole tensor is listed in the root
     root = json.loads((Path(path) / "manifest.json").read_bytes())
@@ -235,7 +235,7 @@ def _save_uneven_trees(rank: int, world_size: int, path: str) -> str:
 
 def test_ranks_with_different_trees_still_describe_each_sharded_tensor_once(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
-    assert results_or_raise(run_ranks(3, _save_uneven_trees, path, outbox=tmp_path / "save")) == ["2.0"] * 3
+    assert results_or_raise(run_ranks(3, _save_uneven_trees, path, outbox=tmp_path / "save")) == ["2.1"] * 3
     root = json.loads((Path(path) / "manifest.json").read_bytes())
     assert sorted(t["key"] for t in root["sharded"]) == [
         "model.col",
@@ -263,7 +263,7 @@ def test_async_saves_write_format_2(tmp_path: Path) -> None:
     every rank's index to return it."""
     path = str(tmp_path / "ckpt")
     results = results_or_raise(run_ranks(2, _async_save, path, outbox=tmp_path / "save"))
-    assert results[0] == results[1] == ("2.0", ["shards/rank_00000.safetensors"])
+    assert results[0] == results[1] == ("2.1", ["shards/rank_00000.safetensors"])
     assert sk.verify(path).ok
     loaded = sk.load(path)
     for key, value in _full().items():
@@ -313,7 +313,7 @@ def _incremental(rank: int, world_size: int, root: str) -> list[str]:
 def test_incremental_saves_reference_unchanged_chunk_files(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     referenced = results_or_raise(run_ranks(2, _incremental, root, outbox=tmp_path / "out"))[0]
-    assert referenced[-1] == "2.0"
+    assert referenced[-1] == "2.1"
     assert referenced[:-1] == ["shards/rank_00000_sharded.safetensors", "shards/rank_00001_sharded.safetensors"]
     assert sk.verify(f"{root}/step_00000002").ok
     loaded = sk.load(f"{root}/step_00000002")
@@ -421,7 +421,7 @@ def test_indexed_chunk_files_on_a_tier_location_load_and_verify(tmp_path: Path) 
     """The index lives with the manifest; the chunk files it lists may be on another tier's
     location, and are found there (and a load of the hot tier alone needs none of them)."""
     root = str(tmp_path)
-    assert results_or_raise(run_ranks(2, _save_on_tiers, root, outbox=tmp_path / "save")) == ["2.0", "2.0"]
+    assert results_or_raise(run_ranks(2, _save_on_tiers, root, outbox=tmp_path / "save")) == ["2.1", "2.1"]
     path = f"{root}/main/step_00000001"
     assert sorted(p.name for p in (tmp_path / "cold").rglob("*_sharded*.safetensors"))
     assert sk.verify(path).ok

@@ -34,6 +34,7 @@ class _Source:
         self._buffer = bytearray(data or b"\0")  # kept alive: the writer reads its address
         self.nbytes = len(data)
         self.wants_digest = wants_digest
+        self.wants_blocks = False
         self._in_host = in_host
         self._fail_after = fail_after
 

@@ -135,7 +135,7 @@ def test_a_local_save_commits_on_every_node_with_one_manifest_and_each_nodes_own
     base = tmp_path / "local"
     results = results_or_raise(run_ranks(4, _save, str(base), kind, outbox=tmp_path / "out"))
     assert all("error" not in result for result in results), results
-    assert {result["version"] for result in results} == ({"2.0"} if kind == "sharded" else {results[0]["version"]})
+    assert {result["version"] for result in results} == ({"2.1"} if kind == "sharded" else {results[0]["version"]})
     step_dirs = [_root_of(str(base), node) / STEP for node in range(2)]
     sealed = [(directory / MANIFEST_FILENAME).read_bytes() for directory in step_dirs]
     assert sealed[0] == sealed[1]

@@ -18,9 +18,9 @@ import shardkeep as sk
 from shardkeep.config import ManifestLimits
 from shardkeep.integrity import digest_bytes, seal_manifest, unseal_manifest
 from shardkeep.manifest import (
+    COMPATIBLE_INDEXED_VERSION,
     INDEXED_VERSION,
     SEAL_FIELD,
-    WRITTEN_INDEXED_VERSION,
     WRITTEN_METADATA_VERSION,
     ContainerEntry,
     FileRecord,
@@ -619,7 +619,7 @@ def test_golden_v2_0_checkpoint_reads_verifies_and_loads_on_one_process(tmp_path
     shutil.copytree(GOLDEN / "v2.0", root)
     checkpoint = root / "step_00000042"
     raw = json.loads((checkpoint / "manifest.json").read_bytes())
-    assert raw["metadata_version"] == WRITTEN_INDEXED_VERSION == "2.0"
+    assert raw["metadata_version"] == COMPATIBLE_INDEXED_VERSION == "2.0"
     assert raw["meshes"] == [{"shape": [2]}] and raw["indexes"]["ranks"] == [0, 1]
     assert {t["key"]: t["placements"] for t in raw["sharded"]} == {
         "model.col": ["S1"],

@@ -25,6 +25,8 @@ from shardkeep.config import BLOCK_SIZES, LoadOptions, WriteOptions
 from shardkeep.errors import ConfigError, ManifestError, ManifestVersionError
 from shardkeep.integrity import block_digests, digest_bytes, seal_manifest
 from shardkeep.manifest import (
+    COMPATIBLE_INDEXED_VERSION,
+    COMPATIBLE_METADATA_VERSION,
     FAST_DIGEST,
     INDEXED_VERSION,
     METADATA_VERSION,
@@ -88,19 +90,27 @@ def results(manifest: Manifest) -> tuple[list[str], list[str]]:
 
 def test_the_format_constants() -> None:
     assert (METADATA_VERSION, INDEXED_VERSION) == ("1.4", "2.1")
-    assert (WRITTEN_METADATA_VERSION, WRITTEN_INDEXED_VERSION) == ("1.3", "2.0")
+    assert (WRITTEN_METADATA_VERSION, WRITTEN_INDEXED_VERSION) == ("1.4", "2.1")
+    assert (COMPATIBLE_METADATA_VERSION, COMPATIBLE_INDEXED_VERSION) == ("1.3", "2.0")
     assert FAST_DIGEST == "xxh3-128"
     assert tuple(1 << n for n in range(14, 25)) == BLOCK_SIZES
     assert BLOCK_SIZES[0] == 16 * KIB and BLOCK_SIZES[-1] == 16 * KIB * KIB
 
 
-def test_writers_still_write_1_3(tmp_path: Path) -> None:
-    sk.save({"w": torch.ones(3)}, tmp_path / "c")
+def test_block_size_0_writes_1_3(tmp_path: Path) -> None:
+    sk.save({"w": torch.ones(3)}, tmp_path / "c", options=WriteOptions(block_size=0))
     raw = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
     assert raw["metadata_version"] == "1.3"
     record = raw["files"][0]
     assert {"fast_digest", "block_size", "families"}.isdisjoint(record)
     assert all("blocks" not in entry for entry in record["tensors"])
+
+
+def test_writers_write_1_4(tmp_path: Path) -> None:
+    sk.save({"w": torch.ones(3)}, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    assert raw["metadata_version"] == "1.4"
+    assert raw["files"][0]["fast_digest"].startswith("xxh3-128:")
 
 
 # -- encoding and decoding ----------------------------------------------------------------------------

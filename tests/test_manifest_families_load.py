@@ -87,7 +87,9 @@ def _state(
 
 
 def _save(rank: int, world_size: int, path: str) -> str:
-    return sk.save(_state(world_size), path, step=5).metadata_version
+    """A format 2.0 save (``block_size=0``: no families), which :func:`with_families` turns into
+    2.1 by hand."""
+    return sk.save(_state(world_size), path, step=5, options=sk.WriteOptions(block_size=0)).metadata_version
 
 
 def with_families(source: Path, dest: Path) -> IndexedManifest:

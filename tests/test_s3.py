@@ -199,7 +199,7 @@ def test_two_ranks_write_one_checkpoint_to_s3(s3_root: tuple[str, dict[str, Any]
     url = f"{root}/step_00000003"
     results = results_or_raise(run_ranks(2, _save_two_ranks_to_s3, url, options, outbox=tmp_path / "out"))
     assert results[0]["ranks"] == [0, 1]  # both ranks wrote files
-    assert results[0]["version"] == "2.0"
+    assert results[0]["version"] == "2.1"
     root_manifest = sk.read_manifest(url, storage_options=options)
     assert isinstance(root_manifest, IndexedManifest) and root_manifest.complete
     table = root_manifest.indexes
@@ -343,7 +343,7 @@ def test_leftover_collection_keeps_an_attempt_that_holds_only_rank_indexes(
     root, options = s3_root
     url = f"{root}/step_00000001"
     outcome = run_ranks(2, _save_chunks_on_a_cold_tier, url, f"{root}_cold", options, outbox=tmp_path / "out")
-    assert results_or_raise(outcome) == ["2.0", "2.0"]
+    assert results_or_raise(outcome) == ["2.1", "2.1"]
     catalog = CheckpointRoot(FsspecStore(root, options), display=root)
     assert catalog.collect_leftovers(lease=0) == []
     assert sk.verify(url, storage_options=options).ok

@@ -157,11 +157,11 @@ class WriteOptions:
     environment variables are used otherwise).
 
     ``block_size`` is the bytes per block of the block digests that let a load read and check
-    part of a chunk (:data:`BLOCK_SIZES`): ``None`` lets each rank choose from its chunks, a size
-    forces it, and ``0`` writes no block digests and no fast digests (a checkpoint that readers
-    of format 2.0/1.3 read). A compressed file is read whole and has no blocks, so a size is
-    refused with ``compression``. The option is checked here; saves do not write block digests
-    yet, so today every value writes what ``0`` does.
+    part of a chunk (:data:`BLOCK_SIZES`): ``None`` lets each rank choose from its chunks (and
+    gives files of whole tensors 16 MiB blocks, so only larger tensors have blocks), a size
+    forces it for every file, and ``0`` writes no block digests and no fast digests (a format
+    2.0/1.3 checkpoint, which older readers read). A compressed file is read whole and has no
+    blocks, so a size is refused with ``compression``.
     """
 
     digest: str = "blake3"

@@ -85,9 +85,10 @@ def read_small(store: ByteStore, path: str, limit: int, error: type[ShardkeepErr
     return bytes(buffer)
 
 
-def encode_index(rank: int, files: list[FileRecord]) -> bytes:
-    """The bytes of the index of ``rank``, listing ``files`` with their chunk entries."""
-    index = RankIndex(format=INDEX_FORMAT, metadata_version=WRITTEN_INDEXED_VERSION, rank=rank, files=files)
+def encode_index(rank: int, files: list[FileRecord], version: str = WRITTEN_INDEXED_VERSION) -> bytes:
+    """The bytes of the index of ``rank`` (of the root's ``version``), listing ``files`` with their
+    chunk entries."""
+    index = RankIndex(format=INDEX_FORMAT, metadata_version=version, rank=rank, files=files)
     return _INDEX_ENCODER.encode(index) + b"\n"
 
 

@@ -30,8 +30,9 @@ import hmac
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import blake3
 import msgspec
@@ -46,7 +47,7 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import SEAL_FIELD, Manifest
+from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, FAST_DIGEST, SEAL_FIELD, FileRecord, Manifest, TensorEntry
 from shardkeep.storage import localfs
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CRYPTOGRAPHIC_DIGESTS",
+    "BlockDigester",
+    "DualDigester",
     "PASSPHRASE_ENV",
     "SIGNATURE_DOMAIN",
     "Digester",
@@ -151,6 +154,129 @@ def block_digests(view: bytes | bytearray | memoryview, block_size: int, strong:
         elif strong == "sha256":
             parts.append(hashlib.sha256(block).digest())
     return b"".join(parts)
+
+
+def _one_shot(algorithm: str) -> Callable[[memoryview], bytes]:
+    """The raw digest of one buffer, for a block algorithm (xxh3-128, blake3 or sha256)."""
+    if algorithm == FAST_DIGEST:
+        return xxhash.xxh3_128_digest
+    if algorithm == "blake3":
+        return lambda view: blake3.blake3(view).digest()
+    if algorithm == "sha256":
+        return lambda view: hashlib.sha256(view).digest()
+    raise UnsupportedValueError(f"a block's strong digest is blake3 or sha256, not {algorithm!r}")
+
+
+class _BlockStream:
+    """The raw digests, in one algorithm, of consecutive ``block_size``-byte blocks of a stream
+    given in pieces of any size."""
+
+    __slots__ = ("_algorithm", "_block_size", "_filled", "_one", "_partial", "parts")
+
+    def __init__(self, algorithm: str, block_size: int) -> None:
+        self._algorithm = algorithm
+        self._block_size = block_size
+        self._one = _one_shot(algorithm)
+        self._partial: Any = None  # the digester of the block begun by an earlier piece
+        self._filled = 0
+        #: One digest per finished block.
+        self.parts: list[bytes] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        size, block, position = len(view), self._block_size, 0
+        if self._partial is not None:
+            position = min(block - self._filled, size)
+            self._partial.update(view[:position])
+            self._filled += position
+            if self._filled == block:
+                self.parts.append(self._partial.digest())
+                self._partial, self._filled = None, 0
+        one, parts = self._one, self.parts
+        while size - position >= block:
+            parts.append(one(view[position : position + block]))
+            position += block
+        if position < size:
+            self._partial = new_digester(self._algorithm)
+            self._partial.update(view[position:])
+            self._filled = size - position
+
+    def finish(self) -> list[bytes]:
+        """Every block's digest, the last (shorter) block's included."""
+        if self._partial is not None:
+            self.parts.append(self._partial.digest())
+            self._partial, self._filled = None, 0
+        return self.parts
+
+
+class BlockDigester:
+    """The ``blocks`` value of one tensor entry, streamed: equal to :func:`block_digests` of the
+    pieces joined, whatever their sizes. :meth:`update_fast` and :meth:`update_strong` feed
+    the two digests separately (each in order), so two threads can hash one buffer at once."""
+
+    __slots__ = ("_fast", "_strong")
+
+    def __init__(self, block_size: int, strong: str | None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size={block_size!r} must be a positive integer")
+        if strong is not None and strong not in _STRONG_BLOCK_ALGORITHMS:
+            raise UnsupportedValueError(f"a block's strong digest is blake3 or sha256, not {strong!r}")
+        self._fast = _BlockStream(FAST_DIGEST, block_size)
+        self._strong = _BlockStream(strong, block_size) if strong is not None else None
+
+    @property
+    def strong(self) -> bool:
+        """Whether each block records a strong digest too."""
+        return self._strong is not None
+
+    def update_fast(self, data: bytes | bytearray | memoryview) -> None:
+        self._fast.update(data)
+
+    def update_strong(self, data: bytes | bytearray | memoryview) -> None:
+        if self._strong is not None:
+            self._strong.update(data)
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self.update_fast(data)
+        self.update_strong(data)
+
+    def digest(self) -> bytes:
+        """The blocks' digests: per block, 16 bytes of xxh3-128, then the strong digest if any."""
+        fast = self._fast.finish()
+        if self._strong is None:
+            return b"".join(fast)
+        strong = self._strong.finish()
+        return b"".join(part for pair in zip(fast, strong, strict=True) for part in pair)
+
+
+class DualDigester:
+    """A file's two digests, streamed: ``strong`` in the save's algorithm and, unless that is
+    already xxh3-128 or ``fast`` is false, ``fast`` in xxh3-128 (``FileRecord.fast_digest``).
+    :meth:`update_strong` and :meth:`update_fast` feed them separately."""
+
+    __slots__ = ("_algorithm", "fast", "strong")
+
+    def __init__(self, algorithm: str, *, fast: bool = True) -> None:
+        self._algorithm = algorithm
+        self.strong = new_digester(algorithm)
+        self.fast = new_digester(FAST_DIGEST) if fast and algorithm != FAST_DIGEST else None
+
+    def update_strong(self, data: bytes | memoryview) -> None:
+        self.strong.update(data)
+
+    def update_fast(self, data: bytes | memoryview) -> None:
+        if self.fast is not None:
+            self.fast.update(data)
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.strong.update(data)
+        if self.fast is not None:
+            self.fast.update(data)
+
+    def digests(self) -> tuple[str, str | None]:
+        """(the formatted strong digest, the formatted fast one or ``None``)."""
+        fast = None if self.fast is None else format_digest(FAST_DIGEST, self.fast.hexdigest())
+        return format_digest(self._algorithm, self.strong.hexdigest()), fast
 
 
 def digests_equal(expected: str, actual: str) -> bool:
@@ -387,7 +513,11 @@ def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
         return digest is not None and digest.partition(":")[0] not in CRYPTOGRAPHIC_DIGESTS
 
     found = [record.path for record in manifest.files if record.digest is None or weak(record.digest)]
-    found += [f"{record.path}:{entry.key}" for record, entry in manifest.iter_tensors() if weak(entry.digest)]
+    found += [
+        f"{record.path}:{entry.key}"
+        for record, entry in manifest.iter_tensors()
+        if weak(entry.digest) or (entry.global_offset is not None and _fast_only_blocks(record, entry))
+    ]
     table = getattr(manifest, "indexes", None)  # format 2.0: the rank indexes' digests
     if table is not None and table.ranks and table.algorithm not in CRYPTOGRAPHIC_DIGESTS:
         found.append("indexes")
@@ -395,6 +525,15 @@ def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
     if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:
         found.append(SEAL_FIELD)
     return found
+
+
+def _fast_only_blocks(record: FileRecord, entry: TensorEntry) -> bool:
+    """Whether ``entry`` has blocks with no strong digest (16 bytes each): a ranged read of such
+    a chunk could be checked only with xxh3-128, which a signature cannot vouch for."""
+    if not entry.blocks or record.block_size <= 0:
+        return False
+    count = -(-entry.nbytes // record.block_size)
+    return count > 0 and len(entry.blocks) == count * FAST_BLOCK_DIGEST_BYTES
 
 
 def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey, manifest: Manifest) -> bytes:

@@ -12,20 +12,36 @@ This module does not import torch: tensors reach it as :class:`TensorSource` obj
 from __future__ import annotations
 
 import ctypes
+import hmac
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import zstandard
 
 from shardkeep.errors import IntegrityError, ShardkeepError, StorageError, UnsupportedValueError
-from shardkeep.integrity import Digester, digests_equal, format_digest, new_digester
-from shardkeep.manifest import Compression, FileRecord
+from shardkeep.integrity import (
+    BlockDigester,
+    Digester,
+    DualDigester,
+    block_digests,
+    digests_equal,
+    format_digest,
+    new_digester,
+)
+from shardkeep.manifest import (
+    FAST_BLOCK_DIGEST_BYTES,
+    FAST_DIGEST,
+    STRONG_BLOCK_DIGEST_BYTES,
+    Compression,
+    FileRecord,
+    TensorEntry,
+)
 from shardkeep.progress import collector_paused
 from shardkeep.storage.base import ByteStore, ReadHandle, WriteHandle
 from shardkeep.tensors.shardfile import (
@@ -39,6 +55,7 @@ from shardkeep.tensors.shardfile import (
 
 __all__ = [
     "ByteBudget",
+    "FileDigests",
     "ShardPlan",
     "TensorSource",
     "WriteControl",
@@ -64,12 +81,16 @@ class TensorSource(Protocol):
     ``address`` is the address of the tensor's bytes when they are already contiguous in host
     memory (``None`` otherwise); ``pieces`` yields contiguous byte views of at most ``max_bytes``
     each (one row may be larger), in order. The source keeps its tensor alive. With
-    ``wants_digest``, the tensor gets a digest of its own (chunks, which a loading rank may read
-    without reading the rest of their file).
+    ``wants_digest``, the tensor's bytes get a strong digest of their own (chunks, which a
+    loading rank may read without reading the rest of their file). With ``wants_blocks``, and
+    when its file record has a ``block_size``, the tensor gets block digests
+    (``TensorEntry.blocks``): with a strong digest per block when it ``wants_digest`` (these
+    replace the entry's own digest), fast-only otherwise.
     """
 
     nbytes: int
     wants_digest: bool
+    wants_blocks: bool
 
     @property
     def address(self) -> int | None: ...
@@ -153,12 +174,14 @@ class WriteControl:
 
 class _Sink:
     """Writes buffers to a handle while other threads digest the same buffers: the file's
-    digest, and for a chunk that may be read on its own, the chunk's digest too."""
+    digests (strong, and fast unless the save writes none), and for a tensor that may be read
+    on its own, its digest or its blocks' digests too. A large buffer is hashed by two tasks on
+    the hash pool, one for the strong digests and one for the fast ones."""
 
     def __init__(
         self,
         handle: WriteHandle,
-        digester: Digester,
+        digester: DualDigester,
         hash_pool: ThreadPoolExecutor,
         control: WriteControl | None = None,
         path: str = "",
@@ -170,7 +193,9 @@ class _Sink:
         self._path = path
         self.size = 0
 
-    def put(self, view: memoryview, entry_digester: Digester | None = None) -> None:
+    def put(
+        self, view: memoryview, entry_digester: Digester | None = None, blocks: BlockDigester | None = None
+    ) -> None:
         if len(view) == 0:
             return
         control = self._control
@@ -178,21 +203,54 @@ class _Sink:
             if control.stopped():
                 raise StorageError(f"{self._path}: {ABANDONED} before this file was complete")
             control.progressed = time.monotonic()
+        digester = self._digester
         if len(view) >= MiB:
-            pending = [self._hash_pool.submit(self._digester.update, view)]
+            submit = self._hash_pool.submit
+            pending: list[Future[object]] = [submit(_hash_strong, digester, blocks, view)]
+            if digester.fast is not None or blocks is not None:
+                pending.append(submit(_hash_fast, digester, blocks, view))
             if entry_digester is not None:
-                pending.append(self._hash_pool.submit(entry_digester.update, view))
+                pending.append(submit(entry_digester.update, view))
             try:
                 self._handle.write(view)
             finally:
                 for future in pending:
                     future.result()
         else:
-            self._digester.update(view)
+            digester.update(view)
+            if blocks is not None:
+                blocks.update(view)
             if entry_digester is not None:
                 entry_digester.update(view)
             self._handle.write(view)
         self.size += len(view)
+
+
+#: A buffer hashed twice (the file's digest and its blocks') is fed to both a slice of this
+#: size at a time, so the second digest reads the slice from the cache, not from memory.
+_CACHED_SLICE = 1 * MiB
+
+
+def _hash_strong(digester: DualDigester, blocks: BlockDigester | None, view: memoryview) -> None:
+    """The strong pass over one buffer: the file's strong digest and the blocks' strong ones."""
+    if blocks is None or not blocks.strong:
+        digester.update_strong(view)
+        return
+    for start in range(0, len(view), _CACHED_SLICE):
+        piece = view[start : start + _CACHED_SLICE]
+        digester.update_strong(piece)
+        blocks.update_strong(piece)
+
+
+def _hash_fast(digester: DualDigester, blocks: BlockDigester | None, view: memoryview) -> None:
+    """The fast pass over one buffer: the file's xxh3-128 digest and the blocks' xxh3-128 ones."""
+    if blocks is None:
+        digester.update_fast(view)
+        return
+    for start in range(0, len(view), _CACHED_SLICE):
+        piece = view[start : start + _CACHED_SLICE]
+        digester.update_fast(piece)
+        blocks.update_fast(piece)
 
 
 class _CompressingWriter:
@@ -238,6 +296,8 @@ class _WriteSettings:
     algorithm: str
     budget: ByteBudget
     hash_pool: ThreadPoolExecutor
+    #: Whether files get a ``fast_digest`` (not with ``block_size=0``, which writes 2.0/1.3).
+    fast: bool
     on_bytes: Callable[[int], None] | None
     compression_level: int | None
     coalesce_bytes: int
@@ -256,7 +316,7 @@ class _SmallTensorBuffer:
     written in a single call when the next tensor would not fit, or by :meth:`flush`.
 
     The buffer is taken from the budget when first needed and given back by :meth:`release`.
-    A tensor with a digest of its own is hashed from its copy in the buffer."""
+    A tensor with a digest (or block digests) of its own is hashed from its copy in the buffer."""
 
     __slots__ = ("_address", "_budget", "_buffer", "_filled", "_sink", "size")
 
@@ -268,7 +328,7 @@ class _SmallTensorBuffer:
         self._address = 0
         self._filled = 0
 
-    def add(self, address: int, nbytes: int, entry_digester: Digester | None) -> None:
+    def add(self, address: int, nbytes: int, entry_digester: Digester | None, blocks: BlockDigester | None) -> None:
         """Copy ``nbytes`` (at most ``size``) from ``address`` into the buffer."""
         buffer = self._buffer
         if buffer is None:
@@ -282,6 +342,8 @@ class _SmallTensorBuffer:
         _memmove(self._address + filled, address, nbytes)
         if entry_digester is not None:
             entry_digester.update(memoryview(buffer)[filled : filled + nbytes])
+        if blocks is not None:
+            blocks.update(memoryview(buffer)[filled : filled + nbytes])
         self._filled = filled + nbytes
 
     def flush(self) -> None:
@@ -299,16 +361,23 @@ class _SmallTensorBuffer:
             self._budget.release(self.size)
 
 
-def _write_in_place(sink: _Sink, address: int, nbytes: int, entry_digester: Digester | None) -> None:
+def _write_in_place(
+    sink: _Sink, address: int, nbytes: int, entry_digester: Digester | None, blocks: BlockDigester | None
+) -> None:
     """Copy strategy for a large contiguous tensor in host memory: written (and hashed)
     straight from the tensor's own bytes, with no copy and nothing taken from the budget."""
     if nbytes:
         view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-        sink.put(view, entry_digester)
+        sink.put(view, entry_digester, blocks)
 
 
 def _write_in_pieces(
-    sink: _Sink, source: TensorSource, budget: ByteBudget, piece_bytes: int, entry_digester: Digester | None
+    sink: _Sink,
+    source: TensorSource,
+    budget: ByteBudget,
+    piece_bytes: int,
+    entry_digester: Digester | None,
+    blocks: BlockDigester | None,
 ) -> None:
     """Copy strategy for a tensor with no host address (on a device, or not contiguous): the
     source copies it to host memory one piece of at most ``piece_bytes`` at a time, each piece
@@ -320,7 +389,7 @@ def _write_in_pieces(
             piece = next(pieces, None)
             if piece is None:
                 break
-            sink.put(piece, entry_digester)
+            sink.put(piece, entry_digester, blocks)
             del piece
         finally:
             budget.release(piece_bytes)
@@ -328,24 +397,33 @@ def _write_in_pieces(
 
 def _write_sources(sink: _Sink, plan: ShardPlan, settings: _WriteSettings) -> None:
     """Write every tensor of ``plan`` after its header, each by the copy strategy that fits it,
-    in order; record the digest of each tensor that wants one of its own."""
+    in order; record the block digests of each tensor that wants them (in a file with a
+    ``block_size``), else the digest of each tensor that wants one of its own."""
     small = _SmallTensorBuffer(sink, settings.budget, settings.coalesce_bytes)
     # Locals, not attribute lookups: this loop runs once per tensor (20,000 small ones, say).
     algorithm, on_bytes, add_small = settings.algorithm, settings.on_bytes, small.add
+    block_size, strong = plan.record.block_size, _strong_block_algorithm(algorithm)
     small_limit = min(SMALL_TENSOR_BYTES, small.size)
     try:
         for index, source in enumerate(plan.sources):
             address, nbytes = source.address, source.nbytes
-            entry_digester = new_digester(algorithm) if source.wants_digest else None
+            entry_digester: Digester | None = None
+            blocks: BlockDigester | None = None
+            if block_size and source.wants_blocks:
+                blocks = BlockDigester(block_size, strong if source.wants_digest else None)
+            elif source.wants_digest:
+                entry_digester = new_digester(algorithm)
             if address is not None and nbytes <= small_limit:
-                add_small(address, nbytes, entry_digester)
+                add_small(address, nbytes, entry_digester, blocks)
             else:
                 small.flush()
                 if address is not None:
-                    _write_in_place(sink, address, nbytes, entry_digester)
+                    _write_in_place(sink, address, nbytes, entry_digester, blocks)
                 else:
-                    _write_in_pieces(sink, source, settings.budget, settings.piece_bytes, entry_digester)
-            if entry_digester is not None:
+                    _write_in_pieces(sink, source, settings.budget, settings.piece_bytes, entry_digester, blocks)
+            if blocks is not None:
+                plan.record.tensors[index].blocks = blocks.digest()
+            elif entry_digester is not None:
                 plan.record.tensors[index].digest = format_digest(algorithm, entry_digester.hexdigest())
             if on_bytes:
                 on_bytes(nbytes)
@@ -354,11 +432,19 @@ def _write_sources(sink: _Sink, plan: ShardPlan, settings: _WriteSettings) -> No
         small.release()
 
 
+def _strong_block_algorithm(algorithm: str) -> str | None:
+    """The strong digest of a save's blocks: its own algorithm, none for an xxh3-128 save."""
+    return None if algorithm == FAST_DIGEST else algorithm
+
+
 def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> FileRecord:
     """Write one planned file (zstd-compressed with ``settings.compression_level``), digesting
     its bytes as they are written, and commit it; on any failure the file is aborted. Returns
-    its record with the digest (and compression) filled in."""
-    digester = new_digester(settings.algorithm)
+    its record with the digests (and compression) filled in: a compressed file gets no blocks,
+    and its digests are of the uncompressed bytes."""
+    if settings.compression_level is not None:
+        plan.record.block_size = 0
+    digester = DualDigester(settings.algorithm, fast=settings.fast)
     handle: WriteHandle = (plan.store or store).open_write(plan.path)
     compressing: _CompressingWriter | None = None
     if settings.compression_level is not None:
@@ -375,7 +461,7 @@ def _write_one(store: ByteStore, plan: ShardPlan, settings: _WriteSettings) -> F
     except BaseException:
         handle.abort()
         raise
-    plan.record.digest = format_digest(settings.algorithm, digester.hexdigest())
+    plan.record.digest, plan.record.fast_digest = digester.digests()
     if compressing is not None:
         assert settings.compression_level is not None
         plan.record.compression = Compression(
@@ -415,9 +501,11 @@ def write_shards(
     on_bytes: Callable[[int], None] | None = None,
     compression_level: int | None = None,
     control: WriteControl | None = None,
+    fast: bool = True,
 ) -> list[FileRecord]:
     """Write every planned file (at most ``io_threads`` at once), fsync each, and return their
-    records with digests filled in. The first failure is raised after all writers stop.
+    records with digests filled in: the strong ``digest``, with ``fast`` the ``fast_digest``
+    too, and the block digests of the tensors that want them in files with a ``block_size``. The first failure is raised after all writers stop.
     With ``compression_level``, each file is zstd-compressed at that level as it is written.
     ``control`` records each buffer written; once it is cancelled, the next buffer any writer
     would write raises a :class:`~shardkeep.errors.StorageError` instead (each file is aborted).
@@ -440,6 +528,7 @@ def write_shards(
             algorithm=algorithm,
             budget=budget,
             hash_pool=hash_pool,
+            fast=fast,
             on_bytes=on_bytes,
             compression_level=compression_level,
             coalesce_bytes=coalesce_bytes,
@@ -460,23 +549,60 @@ def write_shards(
     return records
 
 
-def digest_of(header: bytes, sources: Sequence[TensorSource], algorithm: str, piece_bytes: int = 8 * MiB) -> str:
-    """The digest the planned file (``header`` then every source's bytes) would have, computed
-    without writing it: an incremental save compares it with the previous checkpoint's."""
-    digester = new_digester(algorithm)
+class FileDigests(NamedTuple):
+    """What :func:`digest_of` computes for a planned file: its ``digest``, its ``fast_digest``
+    (``None`` unless asked for) and, per source, its ``blocks`` value (``b""`` for none)."""
+
+    digest: str
+    fast_digest: str | None
+    blocks: list[bytes]
+
+
+def digest_of(
+    header: bytes,
+    sources: Sequence[TensorSource],
+    algorithm: str,
+    piece_bytes: int = 8 * MiB,
+    *,
+    block_size: int = 0,
+    fast: bool = False,
+) -> FileDigests:
+    """The digests the planned file (``header`` then every source's bytes) would have, computed
+    without writing it, as :func:`write_shards` would record them (``block_size`` the file
+    record's, ``fast`` whether files get a ``fast_digest``): an incremental save compares the
+    digest with the previous checkpoint's, and takes the others for the record that references
+    that file."""
+    digester = DualDigester(algorithm, fast=fast)
     digester.update(memoryview(header))
+    strong = _strong_block_algorithm(algorithm)
+    blocks: list[bytes] = []
     for source in sources:
-        address = source.address
-        if address is not None:
-            if source.nbytes:
-                view = memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B")
-                for start in range(0, len(view), _HASH_SLICE):
-                    digester.update(view[start : start + _HASH_SLICE])
-        else:
-            for piece in source.pieces(piece_bytes):
-                digester.update(piece)
-                del piece
-    return format_digest(algorithm, digester.hexdigest())
+        entry = (
+            BlockDigester(block_size, strong if source.wants_digest else None)
+            if block_size and source.wants_blocks
+            else None
+        )
+        for view in _source_views(source, piece_bytes):
+            digester.update(view)
+            if entry is not None:
+                entry.update(view)
+        blocks.append(entry.digest() if entry is not None else b"")
+    digest, fast_digest = digester.digests()
+    return FileDigests(digest, fast_digest, blocks)
+
+
+def _source_views(source: TensorSource, piece_bytes: int) -> Iterator[memoryview]:
+    """A source's bytes in views of at most :data:`_HASH_SLICE` (or ``piece_bytes``) bytes."""
+    address = source.address
+    if address is not None:
+        if source.nbytes:
+            view = memoryview((ctypes.c_ubyte * source.nbytes).from_address(address)).cast("B")
+            for start in range(0, len(view), _HASH_SLICE):
+                yield view[start : start + _HASH_SLICE]
+    else:
+        for piece in source.pieces(piece_bytes):
+            yield piece
+            del piece
 
 
 # --------------------------------------------------------------------------------------------
@@ -814,7 +940,7 @@ def _check_shard_once(
             keep
             and needed is not None
             and len(needed) < len(record.tensors)
-            and all(record.tensors[index].digest for index in needed)
+            and all(_checkable_alone(record, record.tensors[index]) for index in needed)
         ):
             data: memoryview | None = _check_needed_entries(
                 handle, record, needed, problems, verify=verify, use_mmap=use_mmap, on_bytes=on_bytes
@@ -831,6 +957,26 @@ def _check_shard_once(
         handle.close()
 
 
+def _checkable_alone(record: FileRecord, entry: TensorEntry) -> bool:
+    """Whether a partial read can check ``entry`` by itself: by its own digest, or by its blocks
+    when they hold a strong digest each (or the save's digest is xxh3-128, so the blocks are as
+    strong as the file's digest)."""
+    if entry.digest:
+        return True
+    if not entry.blocks or record.block_size <= 0 or not record.digest:
+        return False
+    return _blocks_strong(record, entry) is not None or record.digest.partition(":")[0] == FAST_DIGEST
+
+
+def _blocks_strong(record: FileRecord, entry: TensorEntry) -> str | None:
+    """The strong algorithm of ``entry``'s blocks (the file digest's), or ``None`` when they are
+    fast-only."""
+    count = -(-entry.nbytes // record.block_size) if record.block_size > 0 else 0
+    if record.digest and count and len(entry.blocks) == count * (FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES):
+        return record.digest.partition(":")[0]
+    return None
+
+
 def _check_needed_entries(
     handle: ReadHandle,
     record: FileRecord,
@@ -841,16 +987,22 @@ def _check_needed_entries(
     use_mmap: bool,
     on_bytes: Callable[[int], None] | None,
 ) -> memoryview:
-    """Read only the header and the ``needed`` entries (each of which has a digest of its own),
-    verify each entry's digest with ``verify``, and check the header. Problems are appended to
-    ``problems`` as they are found (so that an I/O error later still reports them)."""
+    """Read only the header and the ``needed`` entries (each of which has a digest of its own, or
+    block digests), verify each entry's digest (or all its blocks) with ``verify``, and check the
+    header. Problems are appended to ``problems`` as they are found (so that an I/O error later
+    still reports them)."""
     data = _read_ranges(handle, record, needed, use_mmap)
     if verify:
         for index in needed:
             entry = record.tensors[index]
-            assert entry.digest is not None
-            actual = _digest_view(entry.digest.partition(":")[0], data[entry.offset : entry.offset + entry.nbytes])
-            if not digests_equal(entry.digest, actual):
+            view = data[entry.offset : entry.offset + entry.nbytes]
+            if entry.digest is not None:
+                intact = digests_equal(entry.digest, _digest_view(entry.digest.partition(":")[0], view))
+            else:
+                intact = hmac.compare_digest(
+                    entry.blocks, block_digests(view, record.block_size, _blocks_strong(record, entry))
+                )
+            if not intact:
                 problems.append(f"{record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
         if on_bytes:
             on_bytes(sum(record.tensors[index].nbytes for index in needed))

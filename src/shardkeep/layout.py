@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from shardkeep.config import BLOCK_SIZES
 from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.errors import UnsupportedValueError
 from shardkeep.manifest import (
@@ -34,7 +35,16 @@ from shardkeep.tensors.grid import Grid
 from shardkeep.tensors.keys import EXPERT_KEY, LAYER_KEY
 from shardkeep.tensors.shardfile import build_header
 
-__all__ = ["PlannedItem", "file_header", "plan_files"]
+__all__ = ["WHOLE_TENSOR_BLOCK_SIZE", "PlannedItem", "assign_blocks", "chunk_block_size", "file_header", "plan_files"]
+
+#: The block size of files of whole tensors: a whole tensor larger than this gets fast-only
+#: block digests, a smaller one only its file's digests.
+WHOLE_TENSOR_BLOCK_SIZE = BLOCK_SIZES[-1]
+#: The most blocks :func:`chunk_block_size` gives one rank's chunks (about 2 MiB of base64 in its
+#: index).
+_MAX_RANK_BLOCKS = 32768
+#: A chunk of the byte-weighted median size gets about this many blocks.
+_BLOCKS_PER_CHUNK = 32
 
 
 class PlannedItem:
@@ -55,6 +65,7 @@ class PlannedItem:
         "nbytes",
         "replica",
         "shape",
+        "wants_blocks",
         "wants_digest",
     )
 
@@ -82,6 +93,8 @@ class PlannedItem:
                 )
         self.array = value
         self.wants_digest = chunk is not None
+        #: Whether the tensor gets block digests (:func:`assign_blocks` decides).
+        self.wants_blocks = False
         self.dtype, self.shape, self.nbytes, self.itemsize, self.array_type, self.address = describe_array(
             leaf.key, value
         )
@@ -105,6 +118,45 @@ class PlannedItem:
 
 
 _PLAIN_ARRAYS = (torch.Tensor, np.ndarray)
+
+
+def _pow2_floor(value: int) -> int:
+    return 1 << (value.bit_length() - 1) if value > 0 else 0
+
+
+def _pow2_ceil(value: int) -> int:
+    return 1 << (value - 1).bit_length() if value > 1 else 1
+
+
+def chunk_block_size(sizes: list[int]) -> int:
+    """The block size of one rank's chunk files, from the sizes of its chunks ``sizes``:
+    ``clamp(pow2floor(c_w / 32), max(16 KiB, pow2ceil(total / 32768)), 16 MiB)``, ``c_w`` the
+    byte-weighted median chunk size and ``total`` their sum. So a chunk of the median size has
+    about 32 blocks (a partial read wastes under 1/32 of it at each open end) and the rank at
+    most about 32K blocks; 0 when there are no chunk bytes."""
+    total = sum(sizes)
+    if total <= 0:
+        return 0
+    half, seen, median = total / 2, 0, 0
+    for size in sorted(sizes):
+        seen += size
+        if seen >= half:
+            median = size
+            break
+    floor = max(BLOCK_SIZES[0], _pow2_ceil(-(-total // _MAX_RANK_BLOCKS)))
+    return min(max(_pow2_floor(median // _BLOCKS_PER_CHUNK), floor), BLOCK_SIZES[-1])
+
+
+def assign_blocks(record: FileRecord, group: list[PlannedItem], block_size: int) -> None:
+    """The block policy of one file: every non-empty chunk (an item that ``wants_digest``) gets
+    block digests, which replace its own digest; a whole tensor gets (fast-only) ones when it is
+    larger than ``block_size``. ``record.block_size`` is ``block_size`` when some item has
+    blocks, else 0 (and 0 always with ``block_size`` 0: no blocks at all)."""
+    any_blocks = False
+    for item in group:
+        item.wants_blocks = block_size > 0 and item.nbytes > 0 and (item.wants_digest or item.nbytes > block_size)
+        any_blocks |= item.wants_blocks
+    record.block_size = block_size if any_blocks else 0
 
 
 def _check_on_grid(

@@ -7,12 +7,14 @@ staging directory that the coordinator opens in ``prepare_global_plan`` (its nam
 rank in its plan's ``storage_data``), with a digest computed while writing and every file
 fsynced (:func:`shardkeep.io.write_shards`); in ``finish`` the coordinator writes the manifest
 last, optionally signs it, and commits (:class:`~shardkeep.distributed.commit.CheckpointCommit`).
-The result is an ordinary 1.x checkpoint (``metadata_version`` 1.3) that ``shardkeep verify`` and
+The result is an ordinary 1.x checkpoint (``metadata_version`` 1.4, or 1.3 with
+``WriteOptions(block_size=0)``) that ``shardkeep verify`` and
 ``sk.load`` read:
 
 - a whole tensor (DCP ``TENSOR`` item) is one tensor entry;
 - a chunk of a sharded tensor (DCP ``SHARD`` item: a DTensor's local shard) is a chunk entry
-  with ``global_shape``, ``global_offset`` and a digest of its own, in
+  with ``global_shape``, ``global_offset`` and block digests of its own (a digest of its own
+  with ``block_size=0``), in
   ``shards/rank_NNNNN_chunks.safetensors``;
 - a non-tensor value (DCP ``BYTE_IO`` item: bytes that DCP's planner made with ``torch.save``
   from a local object) is decoded with the restricted unpickler (``weights_only=True``) and,
@@ -73,7 +75,14 @@ from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
 from shardkeep.integrity import SignaturePolicy, load_private_key
 from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
-from shardkeep.layout import PlannedItem, file_header, plan_files
+from shardkeep.layout import (
+    WHOLE_TENSOR_BLOCK_SIZE,
+    PlannedItem,
+    assign_blocks,
+    chunk_block_size,
+    file_header,
+    plan_files,
+)
 from shardkeep.manifest import ContainerEntry, FileRecord, Manifest, Tier, ValueEntry, key_for_path
 from shardkeep.options import ManifestFields, regroup
 from shardkeep.saving.job import ensure_directory
@@ -81,6 +90,7 @@ from shardkeep.saving.manifest_build import (
     DEFAULT_TIER,
     RecordedFields,
     commit_manifest,
+    metadata_version,
     new_manifest,
     plain_json_mapping,
     precision_of,
@@ -309,9 +319,11 @@ class ShardkeepWriter(StorageWriter):
                 items.append(stored)
         records: list[FileRecord] = []
         where: dict[int, str] = {}
+        chunk_block, whole_block = _block_sizes(self.options, items)
         for record, group in plan_files(
             items, rank=self.rank, target=self.options.file_size_target, tier=_TIER.name, tier_id=_TIER.tier_id
         ):
+            assign_blocks(record, group, chunk_block if any(item.wants_digest for item in group) else whole_block)
             header = file_header(record, group, _TIER.tier_id)
             record.path, store, store_path = commit.place(record.path)
             shard_plans.append(ShardPlan(path=store_path, header=header, sources=group, record=record, store=store))
@@ -323,6 +335,7 @@ class ShardkeepWriter(StorageWriter):
             algorithm=self.options.digest,
             budget=ByteBudget(self.options.byte_budget),
             io_threads=self.options.io_threads,
+            fast=self.options.block_size != 0,
         )
         results = [
             WriteResult(
@@ -464,6 +477,7 @@ class ShardkeepWriter(StorageWriter):
             tiers=[_TIER],
             structure=containers,
             values=values,
+            version=metadata_version(self.options.block_size),
         )
 
 
@@ -542,6 +556,16 @@ def _planned(item: WriteItem, data: Any) -> PlannedItem | None:
         planned.wants_digest = True
         return planned
     return PlannedItem(TensorLeaf(key, (key,), tensor, 0))
+
+
+def _block_sizes(options: WriteOptions, items: list[PlannedItem]) -> tuple[int, int]:
+    """The block sizes of this rank's chunk files and of its files of whole tensors (as a
+    :func:`~shardkeep.save` decides them)."""
+    if options.block_size == 0 or options.compression:
+        return 0, 0
+    if options.block_size is not None:
+        return options.block_size, options.block_size
+    return chunk_block_size([item.nbytes for item in items if item.wants_digest]), WHOLE_TENSOR_BLOCK_SIZE
 
 
 def _json_paths(planner_data: Any) -> dict[str, tuple[str | int, ...]]:

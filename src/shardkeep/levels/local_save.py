@@ -71,6 +71,7 @@ from shardkeep.manifest import FileRecord, IndexRecord, Manifest, index_path
 from shardkeep.names import NODE_PART_FILENAME, STAGING_MARKER, check_name_length
 from shardkeep.progress import collector_paused
 from shardkeep.saving.job import SaveJob, ensure_directory
+from shardkeep.saving.manifest_build import indexed_version
 from shardkeep.saving.settings import SaveSettings
 from shardkeep.saving.wire import RankReport, encode_report
 from shardkeep.storage import LocalStore, adapt_store, local_path, write_new
@@ -210,7 +211,7 @@ class NodeLocalSaveJob(SaveJob):
     def _write_index(self, files: list[FileRecord]) -> IndexRecord:
         assert self.commit is not None
         rank = self.coordinator.rank
-        data = encode_index(rank, files)
+        data = encode_index(rank, files, indexed_version(self.options.block_size))
         recorded, store, where = self.commit.place(index_path(rank))
         write_new(store, where, data)
         self.index_bytes[recorded] = data

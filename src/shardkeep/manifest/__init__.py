@@ -28,6 +28,8 @@ from shardkeep.manifest.codec import (
 from shardkeep.manifest.coverage import coverage_problems
 from shardkeep.manifest.schema import (
     BLOCK_SIZES,
+    COMPATIBLE_INDEXED_VERSION,
+    COMPATIBLE_METADATA_VERSION,
     DIGEST_HEX_LENGTH,
     DTYPE_ITEMSIZE,
     FAST_BLOCK_DIGEST_BYTES,
@@ -119,6 +121,8 @@ __all__ = [
     "STRONG_BLOCK_DIGEST_BYTES",
     "TIER_URL_SCHEMES",
     "WRITTEN_INDEXED_VERSION",
+    "COMPATIBLE_INDEXED_VERSION",
+    "COMPATIBLE_METADATA_VERSION",
     "WRITTEN_METADATA_VERSION",
     "Compression",
     "ContainerEntry",

@@ -42,6 +42,8 @@ __all__ = [
     "SEAL_FIELD",
     "STRONG_BLOCK_DIGEST_BYTES",
     "WRITTEN_INDEXED_VERSION",
+    "COMPATIBLE_INDEXED_VERSION",
+    "COMPATIBLE_METADATA_VERSION",
     "WRITTEN_METADATA_VERSION",
     "Compression",
     "ContainerEntry",
@@ -86,12 +88,15 @@ METADATA_VERSION = "1.4"
 #: indexes (:class:`IndexedManifest`), that this schema describes (2.0 plus the fields of 1.4
 #: and the families). A rank index records the version of its root.
 INDEXED_VERSION = "2.1"
-#: The versions saves write. The write path fills none of the 2.1/1.4 fields yet, so it stamps
-#: the versions those manifests are: a save without sharded tensors writes
+#: The versions saves write: a save without sharded tensors writes
 #: :data:`WRITTEN_METADATA_VERSION`, a sharded one :data:`WRITTEN_INDEXED_VERSION` (root and
 #: indexes).
-WRITTEN_METADATA_VERSION = "1.3"
-WRITTEN_INDEXED_VERSION = "2.0"
+WRITTEN_METADATA_VERSION = "1.4"
+WRITTEN_INDEXED_VERSION = "2.1"
+#: The versions a save with ``WriteOptions(block_size=0)`` writes (no ``fast_digest``, no
+#: blocks, no families): what readers of 1.3 and 2.0 read.
+COMPATIBLE_METADATA_VERSION = "1.3"
+COMPATIBLE_INDEXED_VERSION = "2.0"
 #: The algorithm of ``FileRecord.fast_digest`` and of the first digest of each block.
 FAST_DIGEST = "xxh3-128"
 #: Bytes of each digest in ``TensorEntry.blocks``: the fast one (xxh3-128), and the strong one

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from shardkeep.distributed.commit import ATTEMPT_PREFIX
 from shardkeep.errors import UnsupportedValueError
 from shardkeep.indexes import expand
-from shardkeep.io import ShardPlan, digest_of
+from shardkeep.io import FileDigests, ShardPlan, digest_of
 from shardkeep.layout import PlannedItem, file_header
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, Tier
 from shardkeep.storage import ByteStore
@@ -86,12 +86,15 @@ class IncrementalLayout:
         tier_stores: Mapping[str, ByteStore],
         *,
         digest: str,
+        fast: bool = True,
         base: CheckpointLocation | None,
         trust_versions: bool,
     ) -> None:
         self.store = store
         self.tier_stores = tier_stores
         self.digest = digest
+        #: Whether files get a ``fast_digest`` (and blocks where their record has a ``block_size``).
+        self.fast = fast
         self.base = base
         #: Prove files unchanged by version counters (:mod:`shardkeep.versions`) where possible.
         self.trust_versions = trust_versions
@@ -115,7 +118,9 @@ class IncrementalLayout:
 
     def lay_out(self, record: FileRecord, group: list[PlannedItem], tier: Tier) -> bytes | None:
         """Lay out one file; return its header, or ``None`` when the file equals the base
-        checkpoint's file of the same name (which ``record`` then references)."""
+        checkpoint's file of the same name (which ``record`` then references, with the fast and
+        block digests this save would have written: copied from the base's record when it has
+        them for the same block size, else computed from the tensors)."""
         earlier = self.previous.get((tier.name, record.path))
         key = (self.tier_stores.get(tier.name, self.store).root, tier.name, record.path)
         arrays = [item.array for item in group] if self.trust_versions else []
@@ -128,7 +133,12 @@ class IncrementalLayout:
                 known = KNOWN.digest(key, header, arrays) if versions is not None else None
                 if known is not None and known.partition(":")[0] != algorithm:
                     known = None  # recorded under another digest algorithm
-                digest = known or digest_of(header, group, algorithm)
+                computed: FileDigests | None = None
+                if known:
+                    digest = known
+                else:
+                    computed = digest_of(header, group, algorithm, block_size=record.block_size, fast=self.fast)
+                    digest = computed.digest
                 if versions is not None:
                     KNOWN.record(key, header, versions, digest)
                 if digest == earlier.digest and self._base_file_present(earlier, tier):
@@ -136,12 +146,38 @@ class IncrementalLayout:
                     record.ref = earlier.ref or self.base.name
                     record.path = earlier.path
                     record.digest = earlier.digest
+                    self._fill_digests(record, earlier, header, group, computed)
                     return None
             record.version = earlier.version + 1
         header = file_header(record, group, tier.tier_id)
         if self.trust_versions:
             self.proofs[id(record)] = VersionProof(key, header, versions)
         return header
+
+    def _fill_digests(
+        self,
+        record: FileRecord,
+        earlier: FileRecord,
+        header: bytes,
+        group: list[PlannedItem],
+        computed: FileDigests | None,
+    ) -> None:
+        """Give ``record`` (referencing ``earlier``, the same bytes) the fast and block digests this
+        save writes: ``computed`` (or the base's, when it recorded them for the same block size,
+        or computed now)."""
+        same_blocks = earlier.block_size == record.block_size and all(
+            bool(old.blocks) == item.wants_blocks for old, item in zip(earlier.tensors, group, strict=True)
+        )
+        if computed is None and same_blocks and (earlier.fast_digest is not None or not self.fast):
+            record.fast_digest = earlier.fast_digest
+            for entry, old in zip(record.tensors, earlier.tensors, strict=True):
+                entry.blocks = old.blocks
+            return
+        if computed is None:
+            computed = digest_of(header, group, self.digest, block_size=record.block_size, fast=self.fast)
+        record.fast_digest = computed.fast_digest
+        for entry, blocks in zip(record.tensors, computed.blocks, strict=True):
+            entry.blocks = blocks
 
     def record_written(self, plans: list[ShardPlan]) -> None:
         """After the files of ``plans`` were written: record each proved file's digest."""

@@ -38,7 +38,7 @@ from shardkeep.errors import StorageError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
 from shardkeep.io import ByteBudget, ShardPlan, WriteControl, write_shards
-from shardkeep.layout import PlannedItem, plan_files
+from shardkeep.layout import WHOLE_TENSOR_BLOCK_SIZE, PlannedItem, assign_blocks, chunk_block_size, plan_files
 from shardkeep.manifest import (
     FileRecord,
     IndexedManifest,
@@ -58,7 +58,9 @@ from shardkeep.saving.manifest_build import (
     commit_manifest,
     describe_sharded,
     indexed_manifest,
+    indexed_version,
     merged_structure,
+    metadata_version,
     metric_values,
     new_manifest,
     plain_json_mapping,
@@ -191,6 +193,7 @@ class SaveJob:
             location.store,
             self.tier_stores,
             digest=options.digest,
+            fast=options.block_size != 0,
             base=_checked_base(settings, location),
             trust_versions=settings.trust_versions,
         )
@@ -250,6 +253,7 @@ class SaveJob:
             on_bytes=on_bytes,
             compression_level=self.options.compression_level if self.options.compression else None,
             control=self.control,
+            fast=self.options.block_size != 0,
         )
 
     # -- prepare -------------------------------------------------------------------------------
@@ -400,6 +404,7 @@ class SaveJob:
             if section != "model":
                 sections[item.leaf.key] = section
         laid_out: list[LaidOut] = []
+        chunk_block, whole_block = self._block_sizes(planned_here)
         with collector_paused():
             by_tier: dict[str, list[PlannedItem]] = {}
             for item in planned_here:
@@ -417,8 +422,22 @@ class SaveJob:
                     per_expert=self.settings.incremental is not False,
                 )
                 for record, group in groups:
+                    chunks = any(item.wants_digest for item in group)
+                    assign_blocks(record, group, chunk_block if chunks else whole_block)
                     laid_out.append(LaidOut(record, group, tier, self.incremental.lay_out(record, group, tier)))
         return laid_out
+
+    def _block_sizes(self, planned_here: list[PlannedItem]) -> tuple[int, int]:
+        """The block sizes of this rank's chunk files and of its files of whole tensors: those of
+        ``WriteOptions.block_size`` when it is given (0: no blocks, and none for compressed
+        files), else :func:`~shardkeep.layout.chunk_block_size` of this rank's chunks and
+        :data:`~shardkeep.layout.WHOLE_TENSOR_BLOCK_SIZE`."""
+        forced = self.options.block_size
+        if forced == 0 or self.options.compression:
+            return 0, 0
+        if forced is not None:
+            return forced, forced
+        return chunk_block_size([item.nbytes for item in planned_here if item.wants_digest]), WHOLE_TENSOR_BLOCK_SIZE
 
     def _place_files(self, laid_out: list[LaidOut]) -> None:
         """Put each laid-out file in the open staging directory (or its tier's location): only
@@ -459,6 +478,7 @@ class SaveJob:
                 tiers=self.tiers,
                 structure=self.flat.containers,
                 values=self.flat.values,
+                version=metadata_version(self.options.block_size),
             )
 
     # -- write ---------------------------------------------------------------------------------
@@ -521,7 +541,7 @@ class SaveJob:
         """Write this rank's index (durably, like a data file) and return its record."""
         assert self.commit is not None
         rank = self.coordinator.rank
-        data = encode_index(rank, files)
+        data = encode_index(rank, files, indexed_version(self.options.block_size))
         recorded, store, where = self.commit.place(index_path(rank))
         write_new(store, where, data)
         return IndexRecord(rank=rank, path=recorded, size=len(data), digest=digest_bytes(self.options.digest, data))

@@ -20,9 +20,12 @@ from shardkeep.errors import CommitRefusedError, UnsupportedValueError
 from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manifest
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
+    COMPATIBLE_INDEXED_VERSION,
+    COMPATIBLE_METADATA_VERSION,
     DTYPE_ITEMSIZE,
     INDEXED_VERSION,
     WRITTEN_INDEXED_VERSION,
+    WRITTEN_METADATA_VERSION,
     ContainerEntry,
     EntryFamily,
     FileRecord,
@@ -61,7 +64,9 @@ __all__ = [
     "describe_sharded",
     "families_of",
     "indexed_manifest",
+    "indexed_version",
     "merged_structure",
+    "metadata_version",
     "metric_values",
     "new_manifest",
     "plain_json_mapping",
@@ -120,6 +125,18 @@ def state_sections(state: Mapping[str, Any], keys: list[str]) -> Sections:
     return Sections(optim, router, training)
 
 
+def metadata_version(block_size: int | None) -> str:
+    """The version a save without sharded tensors writes with ``WriteOptions.block_size``: 1.3
+    with ``block_size=0`` (no fast digests, no blocks), else 1.4."""
+    return COMPATIBLE_METADATA_VERSION if block_size == 0 else WRITTEN_METADATA_VERSION
+
+
+def indexed_version(block_size: int | None) -> str:
+    """The version a sharded save writes (root and indexes) with ``WriteOptions.block_size``: 2.0
+    with ``block_size=0``, else 2.1."""
+    return COMPATIBLE_INDEXED_VERSION if block_size == 0 else WRITTEN_INDEXED_VERSION
+
+
 class RecordedFields(NamedTuple):
     """What the caller asks a manifest to record, beside what the save itself knows."""
 
@@ -146,12 +163,14 @@ def new_manifest(
     tiers: list[Tier],
     structure: list[ContainerEntry],
     values: list[ValueEntry],
+    version: str = WRITTEN_METADATA_VERSION,
 ) -> Manifest:
     """A format 1.x manifest of ``records`` (the coordinator merges every rank's records into
     it; format 2.0 is built from it by :func:`indexed_manifest`). The sharding strategy, unless
     given, is ``dtensor`` with chunks, ``replicated`` on several ranks, else ``none``."""
     strategy = fields.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
+        metadata_version=version,
         model_id=fields.model_id,
         step=fields.step,
         epoch=fields.epoch,
@@ -300,7 +319,8 @@ def indexed_manifest(
             f"but those tensors hold {expected} bytes"
         )
     base = {name: getattr(manifest, name) for name in Manifest.__struct_fields__}
-    base["metadata_version"] = WRITTEN_INDEXED_VERSION
+    compatible = manifest.metadata_version == COMPATIBLE_METADATA_VERSION
+    base["metadata_version"] = COMPATIBLE_INDEXED_VERSION if compatible else WRITTEN_INDEXED_VERSION
     families, sharded = families_of(sharded, base["metadata_version"])
     indexed = IndexedManifest(
         **base,
