@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import shutil
@@ -560,7 +561,7 @@ def test_an_invalid_manifest_message_is_bounded(tmp_path: Path, reseal: Callable
     assert "more problems" in str(caught.value) and len(str(caught.value)) < 5000
 
 
-@pytest.mark.parametrize("version", ["1.1", "1.2", "1.3"])
+@pytest.mark.parametrize("version", ["1.1", "1.2", "1.3", "1.4"])
 def test_golden_checkpoints_of_every_format_version_read_verify_load_and_restore(tmp_path: Path, version: str) -> None:
     """Checkpoints written by the shardkeep of each format version (tests/golden/make_golden_checkpoint.py):
     a managed save of a module, its AdamW state, a bf16 expert tensor and JSON values."""
@@ -706,6 +707,115 @@ def test_golden_v2_0_checkpoint_loads_into_dtensors_on_two_ranks(tmp_path: Path)
             assert _exactly(result["locals"][key], value), (rank, key)
         for key, value in expected.items():
             assert _exactly(result["whole"][key], value), (rank, key)
+
+
+def _load_golden_v2_held(rank: int, world_size: int, path: str) -> list[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = {
+        "w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]),
+        "uneven": distribute_tensor(torch.zeros(3, 2), mesh, [Shard(0)]),
+    }
+    sk.load(path, into={"model": model}, select=sk.LoadSelection(extra="ignore"))
+    return [model["w"].full_tensor().clone(), model["uneven"].full_tensor().clone()]
+
+
+def test_an_extra_ignore_load_fills_a_key_whose_region_on_a_rank_is_empty(tmp_path: Path) -> None:
+    # On 3 ranks, rank 2 holds no row of model.w (4 rows: 2, 2, 0) but reads rank 1's file for
+    # model.uneven; that file's chunk of model.w is skipped, and model.w is still not "absent".
+    from tests.support.distributed_harness import results_or_raise, run_ranks
+
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v2.0", root)
+    results = results_or_raise(run_ranks(3, _load_golden_v2_held, str(root / "step_00000042"), outbox=tmp_path / "o"))
+    expected = _golden_v2_values()
+    for w, uneven in results:
+        assert _exactly(w, expected["w"]) and _exactly(uneven, expected["uneven"])
+
+
+def _golden_v21_values() -> dict[str, Any]:
+    """What tests/golden/make_golden_checkpoint.py --v2.1 saved (constants here, not read back)."""
+    model = _golden_v2_values()
+    model["big"] = (torch.arange(64 * 384, dtype=torch.float32) % 1000).reshape(64, 384) / 8
+    model["table"] = torch.arange(16384, dtype=torch.float32) / 16
+    experts = {f"experts.{i}.w": torch.full((4, 2), float(i)) + torch.arange(8).reshape(4, 2) for i in range(4)}
+    return {"model": model, "experts": experts, "steps": [torch.tensor(float(10 + i)) for i in range(4)]}
+
+
+def test_golden_v2_1_checkpoint_records_blocks_fast_digests_and_families(tmp_path: Path) -> None:
+    """The format 2.1 checkpoint written by a 2-rank gloo save with 16 KiB blocks
+    (tests/golden/make_golden_checkpoint.py --v2.1): every data file has a fast digest, chunks
+    have strong+fast blocks instead of a digest of their own, a whole tensor over one block
+    has fast-only blocks, four experts are one tensor family and four optimizer ``step``
+    scalars one entry family. Read, verified and loaded on one process from a copy."""
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v2.1", root)
+    checkpoint = root / "step_00000042"
+    raw = json.loads((checkpoint / "manifest.json").read_bytes())
+    assert raw["metadata_version"] == "2.1" and raw["indexes"]["ranks"] == [0, 1]
+    assert [f["key"] for f in raw["families"]] == ["experts.experts.{0}.w"]
+    assert raw["families"][0]["indices"] == [[0, 4, 1]]
+    optim = next(f for f in raw["files"] if f["path"].endswith("_optim.safetensors"))
+    assert [f["key"] for f in optim["families"]] == ["optim.state.{0}.step"] and "tensors" not in optim
+    table = next(t for f in raw["files"] for t in f.get("tensors", []) if t["key"] == "model.table")
+    assert len(base64.b64decode(table["blocks"])) == 4 * 16  # 64 KiB in 16 KiB blocks, xxh3-128 each
+    index = json.loads((checkpoint / "index" / "rank_00000.json").read_bytes())
+    assert index["metadata_version"] == "2.1"
+    sharded = index["files"][0]
+    assert sharded["block_size"] == 16384 and sharded["fast_digest"].startswith("xxh3-128:")
+    big = next(t for t in sharded["tensors"] if t["key"] == "model.big")
+    assert "digest" not in big and len(base64.b64decode(big["blocks"])) == 3 * 48  # 48 KiB chunk
+    manifest = sk.read_manifest(checkpoint)
+    assert manifest.metadata_version == "2.1" and manifest.step == 42 and manifest.world_size == 2
+    assert all(record.fast_digest for record in manifest.files)
+    report = sk.verify(checkpoint)
+    assert report.ok, report.problems
+    loaded = sk.load(checkpoint)
+    expected = _golden_v21_values()
+    assert set(loaded["model"]) == set(expected["model"])
+    for key, value in expected["model"].items():
+        assert _exactly(loaded["model"][key], value), key
+    assert set(loaded["experts"]) == set(expected["experts"])
+    for key, value in expected["experts"].items():
+        assert _exactly(loaded["experts"][key], value), key
+    assert [loaded["optim"]["state"][i]["step"].item() for i in range(4)] == [10.0, 11.0, 12.0, 13.0]
+    assert loaded["step"] == 42 and loaded["config"] == {"name": "golden", "lr": 0.01}
+    restored = sk.CheckpointManager(root, keep_last=1, keep_best=0, read_only=True).restore()
+    assert restored.step == 42 and _exactly(restored.state["model"]["big"], expected["model"]["big"])
+
+
+def _load_golden_v21_resharded(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    values = _golden_v21_values()
+    target: dict[str, Any] = {
+        "model": {"big": distribute_tensor(torch.zeros(64, 384), mesh, [Shard(0)])},
+        "experts": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in values["experts"].items()},
+    }
+    sk.load(path, into=target, select=sk.LoadSelection(extra="ignore"))
+    return {
+        "big": target["model"]["big"].full_tensor().clone(),
+        "experts": {k: v.full_tensor().clone() for k, v in target["experts"].items()},
+    }
+
+
+def test_golden_v2_1_checkpoint_loads_resharded_onto_three_ranks(tmp_path: Path) -> None:
+    from tests.support.distributed_harness import results_or_raise, run_ranks
+
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN / "v2.1", root)
+    results = results_or_raise(
+        run_ranks(3, _load_golden_v21_resharded, str(root / "step_00000042"), outbox=tmp_path / "out")
+    )
+    expected = _golden_v21_values()
+    for result in results:
+        assert _exactly(result["big"], expected["model"]["big"])
+        for key, value in expected["experts"].items():
+            assert _exactly(result["experts"][key], value), key
 
 
 #: What tests/golden/make_golden_checkpoint.py --dtypes saved: (dtype, width in bytes, count).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from shardkeep.async_saving import AsyncSaver, SaveHandle
 from shardkeep.config import LoadOptions, ManifestLimits, WriteOptions
@@ -208,6 +208,7 @@ def load(
     tier_locations: TierLocations | None = None,
     public_key: PublicKey | None = None,
     require_signature: bool | None = None,
+    digest: Literal["fast", "cryptographic"] | None = None,
     **legacy: Any,
 ) -> Any:
     """Load the checkpoint at ``path`` (a local path or a URL such as ``s3://bucket/p/step_1``).
@@ -232,8 +233,21 @@ def load(
     is then checked against the signed digests, the signature covers the data. An unsigned
     checkpoint is refused unless ``require_signature=False``. Raises
     :class:`~shardkeep.errors.SignatureError` otherwise.
+
+    ``digest``: which recorded digests a verifying load checks (docs/trust.md). ``None`` (the
+    default): the cryptographic ones under ``public_key``, else the fast ones (xxh3-128, which
+    detect accidental damage) where the checkpoint records them (format 2.1/1.4);
+    ``"cryptographic"`` asks for the save's own algorithm without a key. ``"fast"`` with
+    ``public_key`` is a :class:`~shardkeep.errors.ConfigError`.
     """
-    options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads)
+    if digest == "fast" and public_key is not None:
+        raise ConfigError(
+            "digest='fast' with public_key=: the signature covers the data only through the cryptographic "
+            "digests; use digest=None or 'cryptographic'"
+        )
+    if digest is None and verify:
+        digest = "cryptographic" if public_key is not None else "fast"
+    options = LoadOptions(verify=verify, mmap=mmap, io_threads=io_threads, digest=digest)
     chosen = reselect("load", legacy, select)
     extra, lazy = chosen.extra, chosen.lazy
     if extra == "ignore" and into is None:

@@ -230,9 +230,8 @@ class LoadOptions:
     ``"fast"``, the xxh3-128 digests, which detect accidental damage; ``"cryptographic"``, the
     save's own algorithm (blake3 by default), which also binds the bytes to a signature;
     ``None``, cryptographic when the load checks a signature and fast otherwise. A checkpoint
-    without fast digests (format 2.0/1.3) is checked with the digest it records. The option is
-    checked here; loads do not act on it yet, so today every value checks what they always
-    did (the recorded digest of every byte read).
+    without fast digests (format 2.0/1.3) is checked with the digest it records. ``load()``
+    resolves ``None`` before building these options (docs/trust.md).
     """
 
     verify: bool = True

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import zstandard
 
@@ -55,6 +55,7 @@ from shardkeep.tensors.shardfile import (
 
 __all__ = [
     "ByteBudget",
+    "DigestChoice",
     "FileDigests",
     "ShardPlan",
     "TensorSource",
@@ -613,21 +614,25 @@ def _source_views(source: TensorSource, piece_bytes: int) -> Iterator[memoryview
 class _EntryDigests:
     """The digests of a file's entries that carry one of their own (the chunks of sharded
     tensors), computed from pieces of the file fed in order of offset, so that a whole-file check
-    also proves each chunk digest a partial read would later trust."""
+    also proves each chunk digest a partial read would later trust. With ``blocks``, the block
+    digests of the entries that have them are checked too (both halves), as ``verify`` does."""
 
-    def __init__(self, record: FileRecord) -> None:
+    def __init__(self, record: FileRecord, *, blocks: bool = False) -> None:
         self._record = record
         self._waiting = sorted(
             (entry.offset, entry.offset + entry.nbytes, index)
             for index, entry in enumerate(record.tensors)
-            if entry.digest
+            if entry.digest or (blocks and entry.blocks and record.block_size > 0)
         )
         self._next = 0
         self._open: list[tuple[int, int, int]] = []
-        self._digesters = {
-            index: new_digester(record.tensors[index].digest.partition(":")[0])  # type: ignore[union-attr]
-            for _, _, index in self._waiting
-        }
+        self._digesters: dict[int, Digester | BlockDigester] = {}
+        for _, _, index in self._waiting:
+            entry = record.tensors[index]
+            if entry.digest:
+                self._digesters[index] = new_digester(entry.digest.partition(":")[0])
+            else:
+                self._digesters[index] = BlockDigester(record.block_size, _blocks_strong(record, entry))
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
@@ -648,35 +653,83 @@ class _EntryDigests:
         self._open = still_open
 
     def problems(self) -> list[str]:
-        """One problem per entry whose bytes do not give its recorded digest."""
+        """One problem per entry whose bytes do not give its recorded digest (or blocks)."""
         found = []
         for _, _, index in self._waiting:
             entry = self._record.tensors[index]
-            algorithm = entry.digest.partition(":")[0]  # type: ignore[union-attr]
-            if not digests_equal(entry.digest, format_digest(algorithm, self._digesters[index].hexdigest())):  # type: ignore[arg-type]
+            digester = self._digesters[index]
+            if isinstance(digester, BlockDigester):
+                intact = hmac.compare_digest(entry.blocks, digester.digest())
+            else:
+                algorithm = entry.digest.partition(":")[0]  # type: ignore[union-attr]
+                intact = digests_equal(entry.digest, format_digest(algorithm, digester.hexdigest()))  # type: ignore[arg-type]
+            if not intact:
                 found.append(f"{self._record.path}: tensor {entry.key!r} fails its digest (file is corrupt)")
         return found
+
+
+#: Which recorded digests a check compares (:func:`check_shard`): ``"fast"`` the file's
+#: xxh3-128 digest (and the blocks' fast halves) where recorded, ``"strong"`` the save's own
+#: digest, ``"all"`` both, with every block (what ``verify`` checks).
+DigestChoice = Literal["fast", "strong", "all"]
+
+
+def _file_digests(record: FileRecord, choice: DigestChoice) -> list[str]:
+    """The file digests ``choice`` compares for ``record`` (its only one, for a file without a
+    fast digest)."""
+    if not record.digest:
+        return []
+    if choice == "fast" and record.fast_digest:
+        return [record.fast_digest]
+    if choice == "all" and record.fast_digest:
+        return [record.digest, record.fast_digest]
+    return [record.digest]
+
+
+def _entries_for(record: FileRecord, choice: DigestChoice) -> _EntryDigests:
+    """The entry digests a whole-file check proves on the way: the chunks' own digests (format
+    2.0), unless only the fast digest is checked and the file has one; with ``"all"``, every
+    entry's blocks too."""
+    if choice == "fast" and record.fast_digest:
+        return _EntryDigests(FileRecord(path=record.path, rank=record.rank, size=record.size, digest=None))
+    return _EntryDigests(record, blocks=choice == "all")
+
+
+def _compare_files(record: FileRecord, expected: list[str], actual: list[str], problems: list[str]) -> None:
+    if not all(digests_equal(want, got) for want, got in zip(expected, actual, strict=True)):
+        problems.append(f"{record.path}: digest mismatch (file is corrupt)")
 
 
 def _digest_view(algorithm: str, view: memoryview, entries: _EntryDigests | None = None) -> str:
     """The digest of ``view``, hashed on every core where the algorithm allows it and the view
     is large enough to gain from it (a small chunk pays more for the threads than it saves);
     ``entries`` are fed the same slices on the way."""
-    digester = new_digester(algorithm, parallel=len(view) >= _PARALLEL_HASH_BYTES)
+    return _digests_view([algorithm], view, entries)[0]
+
+
+def _digests_view(algorithms: Sequence[str], view: memoryview, entries: _EntryDigests | None = None) -> list[str]:
+    """:func:`_digest_view` for several algorithms in one pass over ``view``."""
+    digesters = [new_digester(algorithm, parallel=len(view) >= _PARALLEL_HASH_BYTES) for algorithm in algorithms]
     for start in range(0, len(view), _HASH_SLICE):
-        digester.update(view[start : start + _HASH_SLICE])
+        piece = view[start : start + _HASH_SLICE]
+        for digester in digesters:
+            digester.update(piece)
         if entries:
-            entries.feed(start, view[start : start + _HASH_SLICE])
-    return format_digest(algorithm, digester.hexdigest())
+            entries.feed(start, piece)
+    return [format_digest(algorithm, d.hexdigest()) for algorithm, d in zip(algorithms, digesters, strict=True)]
 
 
 def _stream_digest(
-    handle: ReadHandle, algorithm: str, on_bytes: Callable[[int], None] | None, entries: _EntryDigests | None = None
-) -> tuple[str, bytes]:
-    """Digest a file by streaming reads through one reused buffer; also return its first bytes.
-    ``entries`` are fed every piece on the way. Each piece is hashed on every core where the
-    algorithm allows it, for files large enough to gain from it."""
-    digester = new_digester(algorithm, parallel=handle.size >= _PARALLEL_HASH_BYTES)
+    handle: ReadHandle,
+    algorithms: Sequence[str],
+    on_bytes: Callable[[int], None] | None,
+    entries: _EntryDigests | None = None,
+) -> tuple[list[str], bytes]:
+    """Digest a file by streaming reads through one reused buffer (one digest per algorithm, in
+    one pass); also return its first bytes. ``entries`` are fed every piece on the way. Each
+    piece is hashed on every core where the algorithm allows it, for files large enough to
+    gain from it."""
+    digesters = [new_digester(algorithm, parallel=handle.size >= _PARALLEL_HASH_BYTES) for algorithm in algorithms]
     buffer = bytearray(min(_HASH_SLICE, max(handle.size, 1)))
     view = memoryview(buffer)
     head = b""
@@ -686,13 +739,14 @@ def _stream_digest(
         handle.read_into(offset, view[:count])
         if offset == 0:
             head = bytes(view[: min(count, 1 << 20)])
-        digester.update(view[:count])
+        for digester in digesters:
+            digester.update(view[:count])
         if entries:
             entries.feed(offset, view[:count])
         offset += count
         if on_bytes:
             on_bytes(count)
-    return format_digest(algorithm, digester.hexdigest()), head
+    return [format_digest(algorithm, d.hexdigest()) for algorithm, d in zip(algorithms, digesters, strict=True)], head
 
 
 class _CopyingReader:
@@ -827,6 +881,7 @@ def _check_compressed(
     verify: bool,
     keep: bool,
     on_bytes: Callable[[int], None] | None,
+    choice: DigestChoice = "strong",
 ) -> tuple[memoryview | None, list[str]]:
     """Decompress a whole file, never beyond the size the manifest declares (a compression bomb
     is refused), then check its digest and header like an uncompressed file."""
@@ -867,9 +922,10 @@ def _check_compressed(
         if not record.digest:
             problems.append(f"{record.path}: has no digest, so it cannot be verified")
         else:
-            entries = _EntryDigests(record)
-            if not digests_equal(record.digest, _digest_view(record.digest.partition(":")[0], data, entries)):
-                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+            expected = _file_digests(record, choice)
+            entries = _entries_for(record, choice)
+            actual = _digests_view([d.partition(":")[0] for d in expected], data, entries)
+            _compare_files(record, expected, actual, problems)
             problems.extend(entries.problems())
         if on_bytes:
             on_bytes(handle.size)
@@ -887,8 +943,13 @@ def check_shard(
     use_mmap: bool = True,
     needed: list[int] | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    digest: DigestChoice = "strong",
 ) -> tuple[memoryview | None, list[str]]:
     """Open a data file and check it against its manifest record.
+
+    ``digest`` (with ``verify``): which recorded digests are compared (:data:`DigestChoice`):
+    ``"fast"`` the xxh3-128 ones where the record has them (the default of a load without a
+    public key), ``"strong"`` the save's own, ``"all"`` both and every block (``verify``).
 
     Returns the file's bytes (when ``keep``: a private memory map, or a copy when ``use_mmap`` is
     false) and every problem found: size, digest, and safetensors header disagreements. With
@@ -904,12 +965,14 @@ def check_shard(
     problem is reported.
     """
     data, problems = _check_shard_once(
-        store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=on_bytes
-    )
+        store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=on_bytes,
+        choice=digest,
+    )  # fmt: skip
     if any(STALE in problem for problem in problems):
         data, problems = _check_shard_once(
-            store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=None
-        )
+            store, path, record, verify=verify, keep=keep, use_mmap=use_mmap, needed=needed, on_bytes=None,
+            choice=digest,
+        )  # fmt: skip
     return data, problems
 
 
@@ -923,6 +986,7 @@ def _check_shard_once(
     use_mmap: bool,
     needed: list[int] | None,
     on_bytes: Callable[[int], None] | None,
+    choice: DigestChoice,
 ) -> tuple[memoryview | None, list[str]]:
     """One reading of the file for :func:`check_shard`: open it, compare its stored size, and
     check it by the reading that fits (compressed, only the needed entries, or the whole file)."""
@@ -935,7 +999,7 @@ def _check_shard_once(
         if handle.size != record.stored_size:
             return None, [f"{record.path}: size is {handle.size} bytes, manifest says {record.stored_size}"]
         if record.compression is not None:
-            return _check_compressed(handle, record, verify=verify, keep=keep, on_bytes=on_bytes)
+            return _check_compressed(handle, record, verify=verify, keep=keep, on_bytes=on_bytes, choice=choice)
         if (
             keep
             and needed is not None
@@ -943,11 +1007,11 @@ def _check_shard_once(
             and all(_checkable_alone(record, record.tensors[index]) for index in needed)
         ):
             data: memoryview | None = _check_needed_entries(
-                handle, record, needed, problems, verify=verify, use_mmap=use_mmap, on_bytes=on_bytes
+                handle, record, needed, problems, verify=verify, use_mmap=use_mmap, on_bytes=on_bytes, choice=choice
             )
         else:
             data = _check_whole_file(
-                handle, record, problems, verify=verify, keep=keep, use_mmap=use_mmap, on_bytes=on_bytes
+                handle, record, problems, verify=verify, keep=keep, use_mmap=use_mmap, on_bytes=on_bytes, choice=choice
             )
         return data, problems
     except ShardkeepError as exc:
@@ -977,6 +1041,14 @@ def _blocks_strong(record: FileRecord, entry: TensorEntry) -> str | None:
     return None
 
 
+def _fast_halves(blocks: bytes, record: FileRecord, entry: TensorEntry) -> bytes:
+    """The xxh3-128 half of each block digest of ``entry`` (all of them when fast-only)."""
+    if _blocks_strong(record, entry) is None:
+        return blocks
+    width = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
+    return b"".join(blocks[start : start + FAST_BLOCK_DIGEST_BYTES] for start in range(0, len(blocks), width))
+
+
 def _check_needed_entries(
     handle: ReadHandle,
     record: FileRecord,
@@ -986,6 +1058,7 @@ def _check_needed_entries(
     verify: bool,
     use_mmap: bool,
     on_bytes: Callable[[int], None] | None,
+    choice: DigestChoice = "strong",
 ) -> memoryview:
     """Read only the header and the ``needed`` entries (each of which has a digest of its own, or
     block digests), verify each entry's digest (or all its blocks) with ``verify``, and check the
@@ -998,6 +1071,10 @@ def _check_needed_entries(
             view = data[entry.offset : entry.offset + entry.nbytes]
             if entry.digest is not None:
                 intact = digests_equal(entry.digest, _digest_view(entry.digest.partition(":")[0], view))
+            elif choice == "fast":
+                intact = hmac.compare_digest(
+                    _fast_halves(entry.blocks, record, entry), block_digests(view, record.block_size, None)
+                )
             else:
                 intact = hmac.compare_digest(
                     entry.blocks, block_digests(view, record.block_size, _blocks_strong(record, entry))
@@ -1019,30 +1096,31 @@ def _check_whole_file(
     keep: bool,
     use_mmap: bool,
     on_bytes: Callable[[int], None] | None,
+    choice: DigestChoice = "strong",
 ) -> memoryview | None:
-    """Check the file's digest (with ``verify``, and in the same pass each chunk's own digest)
-    and header. With ``keep`` the whole file is
+    """Check the file's digests (with ``verify``: those ``choice`` names, and in the same pass
+    each chunk's own digest, or with ``"all"`` its blocks) and header. With ``keep`` the whole file is
     mapped (or read into memory) and returned; without it, it is digested by streaming reads, or
     only its first MiB is read when there is no digest to check. Problems are appended to
     ``problems`` as they are found. Checking the chunk digests too keeps a whole-file reader
     (verify, a full load) from passing a file that a reader of one chunk would refuse."""
     data: memoryview | None = None
+    expected = _file_digests(record, choice)
+    algorithms = [digest.partition(":")[0] for digest in expected]
     if keep:
         data = handle.map() if use_mmap else _read_whole(handle)
         head: bytes | memoryview = data
         if verify and record.digest:
-            entries = _EntryDigests(record)
-            actual = _digest_view(record.digest.partition(":")[0], data, entries)
+            entries = _entries_for(record, choice)
+            actual = _digests_view(algorithms, data, entries)
             if on_bytes:
                 on_bytes(handle.size)
-            if not digests_equal(record.digest, actual):
-                problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+            _compare_files(record, expected, actual, problems)
             problems.extend(entries.problems())
     elif verify and record.digest:
-        entries = _EntryDigests(record)
-        actual, head = _stream_digest(handle, record.digest.partition(":")[0], on_bytes, entries)
-        if not digests_equal(record.digest, actual):
-            problems.append(f"{record.path}: digest mismatch (file is corrupt)")
+        entries = _entries_for(record, choice)
+        actual, head = _stream_digest(handle, algorithms, on_bytes, entries)
+        _compare_files(record, expected, actual, problems)
         problems.extend(entries.problems())
     else:
         head_buffer = memoryview(bytearray(min(handle.size, 1 << 20)))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from shardkeep.errors import IntegrityError
-from shardkeep.io import check_shard
+from shardkeep.io import DigestChoice, check_shard
 from shardkeep.manifest import FileRecord
 from shardkeep.storage.base import ByteStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
@@ -27,8 +27,18 @@ __all__ = ["LazyFile", "LazyTensor"]
 class LazyFile:
     """One data file, read and verified at most once, on first use of any of its tensors."""
 
-    def __init__(self, store: ByteStore, path: str, record: FileRecord, *, verify: bool, describe: str) -> None:
+    def __init__(
+        self,
+        store: ByteStore,
+        path: str,
+        record: FileRecord,
+        *,
+        verify: bool,
+        describe: str,
+        digest: DigestChoice = "strong",
+    ) -> None:
         self.store = store
+        self.digest: DigestChoice = digest
         self.path = path
         self.record = record
         self.verify = verify
@@ -43,7 +53,9 @@ class LazyFile:
     def buffer(self) -> memoryview:
         with self._lock:
             if self._buffer is None:
-                data, problems = check_shard(self.store, self.path, self.record, verify=self.verify, keep=True)
+                data, problems = check_shard(
+                    self.store, self.path, self.record, verify=self.verify, keep=True, digest=self.digest
+                )
                 if problems or data is None:
                     raise IntegrityError(
                         f"lazy load of {self.describe} failed verification: " + "; ".join(problems), problems

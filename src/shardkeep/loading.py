@@ -15,7 +15,7 @@ from shardkeep.errors import (
 )
 from shardkeep.fill import fill_into
 from shardkeep.indexes import expand, needed_ranks
-from shardkeep.io import check_shard
+from shardkeep.io import DigestChoice, check_shard
 from shardkeep.manifest import (
     IndexedManifest,
     Manifest,
@@ -161,6 +161,7 @@ class LoadJob:
                 use_mmap=options.mmap,
                 needed=needed[index],
                 on_bytes=update,
+                digest=checked_digests(options),
             )
             return buffer, self.resolver.annotate(record, found)
 
@@ -208,7 +209,10 @@ class LoadJob:
                         chunks.setdefault(entry.key, []).append((entry, array))
             for key, parts in chunks.items():
                 tensors.append(assemble(parts, wanted.get(key)))
-            self.absent = {key: found for key, found in skipped.items() if key not in loaded_keys}
+            # A key whose region on this rank is empty (fewer rows than ranks) overlaps no
+            # chunk: its chunks in the files read are skipped, yet it is not absent.
+            empty = {key for key in wanted.keys() - chunks.keys() if 0 in wanted[key][1]}
+            self.absent = {key: found for key, found in skipped.items() if key not in loaded_keys | empty}
             for key in wanted.keys() - chunks.keys():
                 if key in self.absent:
                     continue  # on a tier or in a section this partial load leaves out
@@ -218,7 +222,14 @@ class LoadJob:
                 offset, shape = wanted[key]
                 tensors.append((first.path, first.order, Region([], offset, shape, first.global_shape, first.dtype)))
             tensors.extend(
-                _placeholders(manifest, self.absent, self.resolver, lazy=self.lazy, verify=self.options.verify)
+                _placeholders(
+                    manifest,
+                    self.absent,
+                    self.resolver,
+                    lazy=self.lazy,
+                    verify=self.options.verify,
+                    digest=checked_digests(self.options),
+                )
             )
             # Described tensors into= lacks, none of whose chunks this load's indexes list.
             unheld = [tensor for tensor in self.unheld if tensor.key not in self.absent]
@@ -255,6 +266,13 @@ def held_keys(into: Any, manifest: Manifest) -> set[str]:
     return held
 
 
+def checked_digests(options: LoadOptions) -> DigestChoice:
+    """Which recorded digests a load with ``options`` compares: the fast ones for
+    ``digest="fast"``, else the save's own (``None`` is resolved by the caller: the public
+    entry points pass "fast" or "cryptographic")."""
+    return "fast" if options.digest == "fast" else "strong"
+
+
 def _sharded_entry(manifest: Manifest, key: str) -> TensorEntry | ShardedTensor:
     """How ``manifest`` describes sharded tensor ``key``: a chunk entry, or (format 2.x) its
     description (a family instance included)."""
@@ -278,6 +296,7 @@ def _placeholders(
     *,
     lazy: bool,
     verify: bool,
+    digest: DigestChoice,
 ) -> list[tuple[list[str | int], int, Any]]:
     """Leaves for tensors a partial load left out: lazy placeholders, or ``None`` (removed
     again from mappings by :func:`_drop_absent`; kept inside lists so indices stay right)."""
@@ -299,6 +318,7 @@ def _placeholders(
                     manifest.files[index],
                     verify=verify,
                     describe=resolver.describe(manifest.files[index]),
+                    digest=digest,
                 )
             position = next(i for i, e in enumerate(manifest.files[index].tensors) if e is entry)
             result.append((entry.path, entry.order, LazyTensor(files[index], position)))

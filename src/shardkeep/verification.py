@@ -636,7 +636,7 @@ def _verify_data_files(
             store, where = resolver(record)
         except ShardkeepError as exc:
             return [f"{record.path}: {exc}"]
-        _, problems = check_shard(store, where, record, verify=True, keep=False, on_bytes=on_bytes)
+        _, problems = check_shard(store, where, record, verify=True, keep=False, on_bytes=on_bytes, digest="all")
         return resolver.annotate(record, problems)
 
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardkeep-verify") as pool:

@@ -112,11 +112,15 @@ GOLDEN_BLOCK_SIZE = 16 << 10
 
 def golden_v21_values() -> dict:
     """The values of the format 2.1 golden state, whole: the 2.0 golden's, plus ``model.big``
-    (96 KiB: 3 blocks of 16 KiB per chunk on 2 ranks), four experts ``experts.<i>.w`` sharded
+    (96 KiB: 3 blocks of 16 KiB per chunk on 2 ranks), ``model.table`` (a whole 64 KiB tensor:
+    4 fast-only blocks), four experts ``experts.<i>.w`` sharded
     alike (one tensor family) and four ``optim.state.<i>.step`` scalars (one entry family)."""
     values = golden_v2_values()
     values["model"]["big"] = (torch.arange(64 * 384, dtype=torch.float32) % 1000).reshape(64, 384) / 8
-    values["experts"] = {f"experts.{i}.w": torch.full((4, 2), float(i)) + torch.arange(8).reshape(4, 2) for i in range(4)}
+    values["model"]["table"] = torch.arange(16384, dtype=torch.float32) / 16  # whole, 64 KiB: fast-only blocks
+    values["experts"] = {
+        f"experts.{i}.w": torch.full((4, 2), float(i)) + torch.arange(8).reshape(4, 2) for i in range(4)
+    }
     values["optim"] = {"state": {i: {"step": torch.tensor(float(10 + i))} for i in range(4)}}
     return values
 

@@ -73,7 +73,7 @@ def _save(rank: int, world_size: int, path: str, signed: bool) -> str:
 def save(path: Path, *, signed: bool = True, outbox: Path) -> None:
     """Save the checkpoint at ``path`` on 2 forked gloo ranks."""
     versions = results_or_raise(run_ranks(2, _save, str(path), signed, outbox=outbox))
-    assert versions == ["2.0", "2.0"]
+    assert versions == ["2.1", "2.1"]
 
 
 _PRISTINE: dict[str, Path] = {}
@@ -87,7 +87,7 @@ def pristine(factory: pytest.TempPathFactory) -> Path:
         found = base / "pristine"
         save(found, outbox=base / "outbox")
         assert sorted(str(p.relative_to(found)) for p in found.rglob("*") if p.is_file()) == FILES
-        assert sk.read_manifest(found).metadata_version == "2.0"
+        assert sk.read_manifest(found).metadata_version == "2.1"
         _PRISTINE["signed"] = found
     return found
 

@@ -13,6 +13,7 @@ from typing import Any
 import blake3
 import pytest
 import torch
+import xxhash
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import shardkeep as sk
@@ -262,6 +263,8 @@ def test_a_hostile_shard_header_is_refused_even_with_matching_digests(tmp_path: 
         record = raw["files"][0]
         record["size"] = len(rewritten)
         record["digest"] = "blake3:" + blake3.blake3(rewritten).hexdigest()
+        if "fast_digest" in record:
+            record["fast_digest"] = "xxh3-128:" + xxhash.xxh3_128_hexdigest(rewritten)
         for entry in record["tensors"]:
             entry["offset"] += offset_shift
 
@@ -301,6 +304,8 @@ def _forge_shape(checkpoint: Path, key: str, shape: list[int], *, in_manifest: b
         record_ = raw["files"][0]
         record_["size"] = len(rewritten)
         record_["digest"] = "blake3:" + blake3.blake3(rewritten).hexdigest()
+        if "fast_digest" in record_:
+            record_["fast_digest"] = "xxh3-128:" + xxhash.xxh3_128_hexdigest(rewritten)
         for entry in record_["tensors"]:
             entry["offset"] += len(body) - length
             if entry["key"] == key and in_manifest:

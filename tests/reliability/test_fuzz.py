@@ -407,7 +407,16 @@ FORMAT2_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], bool, bool]] = 
     "index: file size 10**400": (_set("index1.files.0.size", 10**400), False, False),
     "index: file digest null": (_set("index1.files.0.digest", None), False, False),
     "index: file digest malformed": (_set("index1.files.0.digest", "blake3:00"), False, False),
-    "index: file digest of other bytes": (_set("index1.files.0.digest", "blake3:" + "0" * 64), False, False),
+    # Both digests: a default load checks the fast one, verify and keyed loads the other
+    # (tests/test_load_digests.py covers each alone).
+    "index: file digests of other bytes": (
+        lambda d: (
+            _set("index1.files.0.digest", "blake3:" + "0" * 64)(d),
+            _set("index1.files.0.fast_digest", "xxh3-128:" + "0" * 32)(d),
+        ),
+        False,
+        False,
+    ),
     "index: file ref ..": (_set("index1.files.0.ref", ".."), False, False),
     "index: file ref to another checkpoint": (_set("index1.files.0.ref", "other"), False, False),
     "index: file tier unknown": (_set("index1.files.0.tier", "cold"), False, False),

@@ -90,8 +90,8 @@ def _violations(disk: Any, returned: bool, config: Config) -> list[str]:
         if not report.ok:
             problems.append(f"{name} looks committed but fails to verify: {report.problems[:2]}")
             continue
-        if config.format2 and sk.read_manifest(name, storage=disk).metadata_version != "2.0":
-            problems.append(f"{name} is not a format 2.0 checkpoint")
+        if config.format2 and sk.read_manifest(name, storage=disk).metadata_version != "2.1":
+            problems.append(f"{name} is not a format 2.1 checkpoint")
         loaded = sk.load(name, storage=disk)
         expected = _state(config, int(name.split("_")[1]))
         if not all(torch.equal(loaded[key], _whole(value)) for key, value in expected.items() if key != "step"):

@@ -71,14 +71,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import ManifestError, NoCompleteStepError, ShardkeepError
 from shardkeep.indexes import read_small
 from shardkeep.integrity import SignaturePolicy, check_signed_digests, digest_bytes, digests_equal
-from shardkeep.io import check_shard
+from shardkeep.io import DigestChoice, check_shard
 from shardkeep.levels.copies import (
     LevelView,
     SharedNames,
@@ -668,7 +668,8 @@ class _StepAttempt:
         assert self.location is not None
         manifest = self._parse(self.location)
         shared = self.mode[self.node] == "shared"
-        options = LoadOptions(verify=shared, io_threads=self.settings.io_threads)
+        digest: Literal["fast", "cryptographic"] = "fast" if self.settings.fast else "cryptographic"
+        options = LoadOptions(verify=shared, io_threads=self.settings.io_threads, digest=digest if shared else None)
         view = self.views.get(self.source_level)
         self.job = job = LoadJob(
             self.location, manifest, options, into=into, tiers=None, sections=None, tier_locations=None,
@@ -701,17 +702,19 @@ class _StepAttempt:
         if present:
             # Digests are checked on a thread while the missing files are fetched.
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-check")
-            self._checking = self._checker.submit(self._check_present, job, present)
+            self._checking = self._checker.submit(self._check_present, job, present, self.settings.fast)
         return lacking
 
     @staticmethod
-    def _check_present(job: LoadJob, records: list[FileRecord]) -> dict[str, str]:
-        """Check the digests of the local files present at their size: the problems by path."""
+    def _check_present(job: LoadJob, records: list[FileRecord], fast: bool) -> dict[str, str]:
+        """Check the digests of the local files present at their size (the fast ones with
+        ``fast``): the problems by path."""
         problems: dict[str, str] = {}
+        chosen: DigestChoice = "fast" if fast else "strong"
         for record in records:
             try:
                 store, where = job.resolver(record)
-                _, found = check_shard(store, where, record, verify=True, keep=False)
+                _, found = check_shard(store, where, record, verify=True, keep=False, digest=chosen)
             except (OSError, ShardkeepError) as exc:
                 found = [f"{record.path}: {exc}"]
             if found:
