@@ -138,7 +138,9 @@ def _check_head(handle: ReadHandle, record: FileRecord, name: str) -> None:
     try:
         length = header_length(prefix, handle.size)
         head = memoryview(bytearray(8 + length))
-        handle.read_into(0, head)
+        head[:8] = prefix
+        if length:
+            handle.read_into(8, head[8:])
         problems = check_header(parse_header(head), record)
     except ShardkeepError as exc:
         problems = [f"{name}: {exc}"]
