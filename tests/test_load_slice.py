@@ -134,6 +134,26 @@ def test_a_column_slice_of_wide_rows_reads_only_the_blocks_of_each_row(saved: Pa
     assert count <= 8 * BLOCK + _header_bytes(saved / path)
 
 
+def test_a_cryptographic_slice_of_fast_only_blocks_reads_the_whole_file(saved: Path) -> None:
+    store = CountingStore(LocalStore(str(saved)))
+    got = sk.load_slice("c", "w", slice(0, 8), storage=store, digest="cryptographic")
+    assert torch.equal(got, W[:8])
+    ((path, count),) = store.data_bytes().items()
+    assert count == (saved / path).stat().st_size  # whole tensors' blocks are fast-only: the file digest
+
+
+def test_a_stale_header_is_reported(tmp_path: Path, saved: Path, reseal: Callable[..., None]) -> None:
+    checkpoint = _fresh(tmp_path, saved)
+
+    def newer(raw: dict[str, Any]) -> None:
+        for record in raw["files"]:
+            record["version"] = record.get("version", 0) + 5
+
+    reseal(checkpoint, newer)
+    with pytest.raises(sk.IntegrityError, match="stale: the file on storage is version 1"):
+        sk.load_slice(checkpoint, "w", slice(0, 8))
+
+
 @pytest.mark.parametrize(
     ("index", "message"),
     [

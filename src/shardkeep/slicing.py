@@ -29,6 +29,7 @@ from shardkeep.storage import StoreOperations
 from shardkeep.tensors.convert import NAME_TO_TORCH
 from shardkeep.tensors.ranges import block_intervals, box_runs, byte_runs
 from shardkeep.tensors.regions import overlap
+from shardkeep.tensors.shardfile import STALE
 from shardkeep.verification import FileResolver, TierLocations, locate, read_checked_manifest
 
 if TYPE_CHECKING:
@@ -192,6 +193,23 @@ def _fill(
 
 
 def _fill_from_file(
+    result: torch.Tensor,
+    record: FileRecord,
+    resolver: FileResolver,
+    parts: list[tuple[int, Box, Box]],
+    choice: DigestChoice,
+) -> None:
+    """Copy ``parts`` (entry position, box in the entry, box in ``result``) from one file. A
+    file whose header is older than the record's (a cache or replica behind) is read once more."""
+    try:
+        _fill_once(result, record, resolver, parts, choice)
+    except IntegrityError as exc:
+        if not any(STALE in problem for problem in exc.problems):
+            raise
+        _fill_once(result, record, resolver, parts, choice)
+
+
+def _fill_once(
     result: torch.Tensor,
     record: FileRecord,
     resolver: FileResolver,
