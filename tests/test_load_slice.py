@@ -295,3 +295,30 @@ def test_a_v2_1_golden_slice_reads_blocks(tmp_path: Path) -> None:
     whole = sk.load(checkpoint)
     assert torch.equal(sk.load_slice(checkpoint, "model.big", slice(8, 16)), whole["model"]["big"][8:16])
     assert torch.equal(sk.load_slice(checkpoint, "model.table", slice(100, 5000)), whole["model"]["table"][100:5000])
+
+
+def _same(a: torch.Tensor, b: Any) -> bool:
+    """Equal dtype, shape and bytes (NaNs and every dtype included)."""
+    b = b if isinstance(b, torch.Tensor) else torch.as_tensor(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("version", ["v1.0", "v1.1", "v1.2", "v1.3", "v1.3-dtypes", "v1.4", "v2.0", "v2.1"])
+def test_every_tensor_of_every_golden_slices_like_its_load(version: str) -> None:
+    checkpoint = GOLDEN / version / "step_00000042"
+    manifest = sk.read_manifest(checkpoint)
+    loaded = sk.load(checkpoint)
+    described = [(entry.key, entry.path) for _, entry in manifest.iter_tensors()]
+    described += [(tensor.key, tensor.path) for tensor in getattr(manifest, "described", list)()]
+    assert described
+    for key, path in dict(described).items():
+        value: Any = loaded
+        for part in path:
+            value = value[part]
+        whole = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        assert _same(sk.load_slice(checkpoint, key), whole), key
+        if whole.dim() and whole.shape[0]:
+            assert _same(sk.load_slice(checkpoint, key, -1), whole[-1]), key
+            assert _same(sk.load_slice(checkpoint, key, slice(1, None)), whole[1:]), key

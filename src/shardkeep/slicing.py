@@ -84,15 +84,18 @@ def load_slice(
         manifest = read_checked_manifest(location, policy, limits, expand=False)
     dtype_name, global_shape = _describe(manifest, key)
     offset, size, kept = _box(key, index, global_shape)
-    dtype = NAME_TO_TORCH[dtype_name]
-    result = torch.empty(size, dtype=dtype)
+    dtype = NAME_TO_TORCH.get(dtype_name)
+    if dtype is None:
+        raise UnsupportedValueError(f"load_slice({key!r}): dtype {dtype_name} is not supported by this torch")
+    # Filled as bytes (one trailing dimension of itemsize): no dtype-specific operator runs.
+    result = torch.empty([*size, dtype.itemsize], dtype=torch.uint8)
     if 0 not in size:
         if isinstance(manifest, IndexedManifest) and manifest.find(key) is not None:
             ranks = needed_ranks(manifest, {key: (offset, size)}, {key})
             manifest = expand(location.store, location.name, manifest, ranks, limits=limits)
         resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
         _fill(result, manifest, resolver, key, (offset, size), choice)
-    return result.reshape([n for n, keep in zip(size, kept, strict=True) if keep])
+    return result.view(dtype).reshape([n for n, keep in zip(size, kept, strict=True) if keep])
 
 
 def _digest_choice(digest: str | None, public_key: object) -> DigestChoice:
@@ -222,8 +225,7 @@ def _fill_once(
         try:
             for position, local, target in parts:
                 entry = record.tensors[position]
-                itemsize = NAME_TO_TORCH[entry.dtype].itemsize
-                intervals = block_intervals(entry.shape, itemsize, *local, record.block_size)
+                intervals = block_intervals(entry.shape, result.shape[-1], *local, record.block_size)
                 pieces = read_blocks(handle, record, entry, intervals, choice, resolver.describe(record))
                 _place(result[_slices(target)], entry, local, pieces)
         finally:
@@ -237,15 +239,14 @@ def _fill_once(
 
 def _place(target: torch.Tensor, entry: TensorEntry, local: Box, pieces: list[Piece]) -> None:
     """Copy the box ``local`` of ``entry`` from ``pieces`` (its bytes that were read) into
-    ``target``."""
-    dtype = NAME_TO_TORCH[entry.dtype]
-    itemsize = dtype.itemsize
+    ``target``, the box's bytes in the result (a trailing dimension of itemsize)."""
+    itemsize = target.shape[-1]
     offset, size = local
-    strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
+    strides = [math.prod(entry.shape[d + 1 :]) * itemsize for d in range(len(entry.shape))]
     first = sum(o * s for o, s in zip(offset, strides, strict=True))
     if len(pieces) == 1:
-        flat = torch.frombuffer(pieces[0].data, dtype=dtype)
-        target.copy_(flat.as_strided(size, strides, first - pieces[0].start // itemsize))
+        flat = torch.frombuffer(pieces[0].data, dtype=torch.uint8)
+        target.copy_(flat.as_strided([*size, itemsize], [*strides, 1], first - pieces[0].start))
         return
     k, _, run = box_runs(entry.shape, itemsize, offset, size)
     rows = itertools.product(*(range(n) for n in size[:k]))
@@ -254,9 +255,9 @@ def _place(target: torch.Tensor, entry: TensorEntry, local: Box, pieces: list[Pi
         while pieces[at].start + len(pieces[at].data) < start + run:
             at += 1
         piece = pieces[at]
-        flat = torch.frombuffer(piece.data, dtype=dtype)
-        begin = (start - piece.start) // itemsize
-        target[row].copy_(flat[begin : begin + run // itemsize].view(size[k:]))
+        begin = start - piece.start
+        flat = torch.frombuffer(piece.data, dtype=torch.uint8)
+        target[row].copy_(flat[begin : begin + run].view([*size[k:], itemsize]))
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
