@@ -14,7 +14,7 @@ import torch
 
 import shardkeep as sk
 from shardkeep.indexes import encode_index
-from shardkeep.integrity import digest_bytes
+from shardkeep.integrity import digest_bytes, generate_key_pair
 from shardkeep.manifest import RankIndex
 from shardkeep.storage import ForwardingStore, LocalStore, ReadHandle
 from tests.support.distributed_harness import results_or_raise, run_ranks
@@ -199,20 +199,35 @@ def test_a_flipped_byte_fails_only_a_slice_that_needs_its_block(tmp_path: Path, 
 # -- sharded tensors: a real 2-rank gloo save ----------------------------------------------------
 
 
-def _save_sharded(rank: int, world_size: int, path: str) -> None:
+def _save_sharded(rank: int, world_size: int, path: str, signer: str | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     state = {"w": distribute_tensor(W, mesh, [Shard(0)]), "c": distribute_tensor(W[:64], mesh, [Shard(1)])}
     sk.save(state, path, step=1, options=sk.WriteOptions(block_size=BLOCK))
+    if signer is not None:
+        sk.save(state, path + "-signed", step=1, options=sk.WriteOptions(block_size=BLOCK), signer=signer)
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sharded")
-    results_or_raise(run_ranks(2, _save_sharded, str(root / "c"), outbox=root / "out"))
+    generate_key_pair(root / "key.pem", root / "key.pub")
+    results_or_raise(run_ranks(2, _save_sharded, str(root / "c"), str(root / "key.pem"), outbox=root / "out"))
     return root
+
+
+def test_a_signed_sharded_slice_reads_only_its_blocks_checked_by_their_strong_halves(sharded: Path) -> None:
+    public = sharded / "key.pub"
+    store = CountingStore(LocalStore(str(sharded)))
+    assert torch.equal(sk.load_slice("c-signed", "w", slice(0, 128), storage=store, public_key=public), W[:128])
+    ((path, count),) = store.data_bytes().items()
+    assert count <= W.nbytes // 8 + BLOCK + _header_bytes(sharded / path)
+    with pytest.raises(sk.ConfigError, match="digest='fast' with public_key"):
+        sk.load_slice(sharded / "c-signed", "w", 0, public_key=public, digest="fast")
+    with pytest.raises(sk.SignatureError):
+        sk.load_slice(sharded / "c", "w", 0, public_key=public)
 
 
 def test_a_slice_of_a_sharded_tensor_reads_only_the_index_and_blocks_it_needs(sharded: Path) -> None:
