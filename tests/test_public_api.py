@@ -84,6 +84,7 @@ EXPECTED_ALL = [
     "iter_batches",
     "load",
     "load_batch",
+    "load_slice",
     "read_manifest",
     "save",
     "save_batch",

@@ -61,7 +61,7 @@ from shardkeep.tiers import PlacementInfo
 from shardkeep.verification import VerifyReport, read_manifest, verify
 
 if TYPE_CHECKING:
-    from shardkeep.api import SaveHandle, async_save, load, save
+    from shardkeep.api import SaveHandle, async_save, load, load_slice, save
     from shardkeep.lazy import LazyTensor
     from shardkeep.ledger.batches import iter_batches, load_batch, save_batch
     from shardkeep.levels.manager import LevelsRestored, LevelsSaveResult, MultiLevelManager
@@ -139,6 +139,7 @@ __all__ = [
     "iter_batches",
     "load",
     "load_batch",
+    "load_slice",
     "read_manifest",
     "save",
     "save_batch",
@@ -146,7 +147,7 @@ __all__ = [
     "verify",
 ]
 
-_LAZY = {name: "shardkeep.api" for name in ("save", "load", "async_save", "SaveHandle")}
+_LAZY = {name: "shardkeep.api" for name in ("save", "load", "load_slice", "async_save", "SaveHandle")}
 _LAZY.update({name: "shardkeep.ledger.batches" for name in ("save_batch", "load_batch", "iter_batches")})
 _LAZY["LazyTensor"] = "shardkeep.lazy"
 _LAZY["TrainingCheckpoint"] = "shardkeep.training"

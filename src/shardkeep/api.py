@@ -39,6 +39,7 @@ from shardkeep.options import (
 )
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveSettings, run_save
+from shardkeep.slicing import load_slice
 from shardkeep.storage import StoreOperations
 from shardkeep.verification import (
     TierLocations,
@@ -51,7 +52,7 @@ from shardkeep.verification import (
 if TYPE_CHECKING:
     from shardkeep.options import Group, PublicKey, Signer
 
-__all__ = ["SaveHandle", "async_save", "load", "read_manifest", "save", "verify"]
+__all__ = ["SaveHandle", "async_save", "load", "load_slice", "read_manifest", "save", "verify"]
 
 
 def save(
