@@ -206,6 +206,7 @@ GiB = 1 << 30
 LIFTED = ManifestLimits(max_bytes=1 << 40, max_files=10**9, max_tensors=10**10)
 #: What ``write_shards`` would record: a well-formed blake3 digest (files and chunks).
 FAKE_DIGEST = "blake3:" + "5e" * 32
+FAKE_FAST_DIGEST = "xxh3-128:" + "5e" * 16
 QUICK_RANKS = (8, 64, 256)
 DEFAULT_RANKS = (8, 64, 256, 1024, 4096)
 
@@ -991,7 +992,7 @@ class SimulatedSaveJob(saving.SaveJob):
         self.tier_of = _memo("SaveJob.place", lambda: (real(self, *arguments), self.tier_of)[1], arguments)
 
     def write_files(self, on_bytes: Any) -> None:
-        _fake_write_shards(None, self.plans)
+        _fake_write_shards(None, self.plans, fast=getattr(self.options, "block_size", 0) != 0)
 
     if hasattr(saving.SaveJob, "_writers"):
 
@@ -1069,15 +1070,25 @@ def _memoized(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _fake_write_shards(store: Any, plans: Sequence[Any], **_: Any) -> list[FileRecord]:
-    """What ``write_shards`` records (file and chunk digests), without writing."""
+def _fake_write_shards(store: Any, plans: Sequence[Any], *, fast: bool = False, **_: Any) -> list[FileRecord]:
+    """What ``write_shards`` records, without writing: the file digest, with ``fast`` (format
+    2.1/1.4 writers) the file's fast digest, and per tensor its block digests (16 bytes of fast
+    digest per block, 32 more of strong digest for a chunk) in a file with a ``block_size``,
+    else a chunk's own digest. Digests are well-formed constants of the real lengths."""
     assert SIMULATION is not None
     for plan in plans:
-        plan.record.digest = FAKE_DIGEST
+        record = plan.record
+        record.digest = FAKE_DIGEST
+        if fast and hasattr(record, "fast_digest"):
+            record.fast_digest = FAKE_FAST_DIGEST
+        block_size = getattr(record, "block_size", 0)
         for index, source in enumerate(plan.sources):
-            if source.wants_digest:
-                plan.record.tensors[index].digest = FAKE_DIGEST
-        SIMULATION.header_bytes[plan.record.path] = len(plan.header)
+            if block_size and getattr(source, "wants_blocks", False):
+                width = 48 if source.wants_digest else 16
+                record.tensors[index].blocks = bytes(-(-source.nbytes // block_size) * width)
+            elif source.wants_digest:
+                record.tensors[index].digest = FAKE_DIGEST
+        SIMULATION.header_bytes[record.path] = len(plan.header)
     return [plan.record for plan in plans]
 
 
