@@ -154,3 +154,10 @@ def test_a_partial_read_compares_the_fast_or_the_strong_halves_of_the_blocks(tmp
     assert any("fails its digest" in problem for problem in problems), problems
     _, problems = check_shard(store, parsed.path, parsed, verify=True, keep=False, digest="fast")
     assert problems == []  # a whole-file fast check compares the file's fast digest only
+
+
+def test_a_cryptographic_load_of_a_checkpoint_without_cryptographic_digests_is_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path / "c", digest="xxh3-128")
+    assert torch.equal(sk.load(path)["w"], STATE["w"])
+    with pytest.raises(sk.IntegrityError, match="records no cryptographic digest"):
+        sk.load(path, digest="cryptographic")

@@ -22,9 +22,10 @@ from shardkeep.config import LoadOptions, ManifestLimits, WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT
 from shardkeep.errors import (
     ConfigError,
+    IntegrityError,
     UnsupportedValueError,
 )
-from shardkeep.integrity import SignaturePolicy
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, SignaturePolicy
 from shardkeep.loading import LoadJob
 from shardkeep.manifest import Manifest, Tier
 from shardkeep.options import (
@@ -264,6 +265,11 @@ def load(
     location = locate(path, storage, storage_options)
     with collector_paused():
         manifest = read_checked_manifest(location, policy, limits, expand=False)
+    if digest == "cryptographic" and manifest.digest_algorithm not in CRYPTOGRAPHIC_DIGESTS:
+        raise IntegrityError(
+            f"{location}: digest='cryptographic', but the checkpoint records no cryptographic digest "
+            f"(it was saved with digest={manifest.digest_algorithm!r})"
+        )
     job = LoadJob(
         location,
         manifest,
