@@ -29,7 +29,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,47 +37,22 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: examples/
+from examples.store_probes import CountingStore as ProbeCountingStore
+
 import shardkeep as sk
 from common import fmt_bytes, fmt_range, table, touch_memory
-from shardkeep.storage import ForwardingStore, LocalStore, ReadHandle
+from shardkeep.storage import LocalStore
 
 MiB = 1 << 20
 
 
-class _Counted:
-    def __init__(self, handle: ReadHandle, count: Callable[[int], None]) -> None:
-        self._handle, self._count, self.size = handle, count, handle.size
+class CountingStore(ProbeCountingStore):
+    """The example's counting store; ``data_bytes``: what was read from data files."""
 
-    def map(self) -> memoryview:
-        self._count(self.size)
-        return self._handle.map()
-
-    def read_into(self, offset: int, buffer: memoryview, /) -> None:
-        self._handle.read_into(offset, buffer)
-        self._count(buffer.nbytes)
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-class CountingStore(ForwardingStore):
-    """Counts the bytes read from data files."""
-
-    def __init__(self, inner: LocalStore) -> None:
-        super().__init__(inner)
-        self.lock = threading.Lock()
-        self.data_bytes = 0
-
-    def open_read(self, path: str) -> ReadHandle:
-        handle = self.inner.open_read(path)
-        if not path.endswith(".safetensors"):
-            return handle
-
-        def count(size: int) -> None:
-            with self.lock:
-                self.data_bytes += size
-
-        return _Counted(handle, count)
+    @property
+    def data_bytes(self) -> int:
+        return sum(n for path, n in self.bytes_read.items() if path.endswith(".safetensors"))
 
 
 def _run(store_root: Path, call: Callable[[CountingStore], Any], reps: int) -> tuple[list[float], int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from examples.store_probes import CountingStore as ProbeCountingStore
 
 import shardkeep as sk
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, generate_key_pair
 from shardkeep.manifest import RankIndex
-from shardkeep.storage import ForwardingStore, LocalStore, ReadHandle
+from shardkeep.storage import LocalStore
 from tests.support.distributed_harness import results_or_raise, run_ranks
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -26,39 +26,8 @@ W = (torch.arange(ROWS * COLS, dtype=torch.float32) % 1013).reshape(ROWS, COLS) 
 WIDE = torch.arange(8 * 8192, dtype=torch.float32).reshape(8, 8192)  # 32 KiB rows: two blocks each
 
 
-class _Counted:
-    def __init__(self, handle: ReadHandle, count: Callable[[int], None]) -> None:
-        self._handle, self._count, self.size = handle, count, handle.size
-
-    def map(self) -> memoryview:
-        self._count(self.size)
-        return self._handle.map()
-
-    def read_into(self, offset: int, buffer: memoryview, /) -> None:
-        self._handle.read_into(offset, buffer)
-        self._count(buffer.nbytes)
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-class CountingStore(ForwardingStore):
-    """Counts the bytes read from each path (``read_into`` exactly, a ``map`` whole)."""
-
-    def __init__(self, inner: LocalStore) -> None:
-        super().__init__(inner)
-        self.lock = threading.Lock()
-        self.bytes_read: dict[str, int] = {}
-
-    def open_read(self, path: str) -> ReadHandle:
-        handle = self.inner.open_read(path)
-        self.bytes_read.setdefault(path, 0)
-
-        def count(size: int) -> None:
-            with self.lock:
-                self.bytes_read[path] += size
-
-        return _Counted(handle, count)
+class CountingStore(ProbeCountingStore):
+    """The example's counting store (``read_into`` counted exactly, a ``map`` whole), per path."""
 
     def data_bytes(self) -> dict[str, int]:
         return {path: n for path, n in self.bytes_read.items() if path.endswith(".safetensors") and n}
