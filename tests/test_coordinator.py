@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 import shardkeep as sk
-from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.coordinator import SLOT_BYTES_MAX, SLOT_BYTES_MIN, Coordinator, slot_bytes
 from tests.support.distributed_harness import results_or_raise, run_ranks
 
 
@@ -22,6 +23,26 @@ def test_without_a_process_group_it_is_a_no_op() -> None:
     assert coordinator.step("work", lambda: 7) == [7]
 
 
+def _largest_fitting(slot: int) -> int:
+    """The length of the bytes value whose pickle fills a slot exactly."""
+    return next(
+        n for n in range(slot) if len(pickle.dumps(b"z" * (n + 1), protocol=pickle.HIGHEST_PROTOCOL)) > slot - 4
+    )
+
+
+#: Around the edge of a three-rank job's slot, and far beyond it.
+_SIZES = (_largest_fitting(slot_bytes(3)), _largest_fitting(slot_bytes(3)) + 1, 3 * slot_bytes(3))
+
+
+def test_slots_shrink_with_the_world_so_an_all_gather_stays_small() -> None:
+    assert slot_bytes(1) == slot_bytes(64) == SLOT_BYTES_MAX
+    assert slot_bytes(1024) == slot_bytes(16384) == SLOT_BYTES_MIN
+    for world in (2, 64, 100, 512, 1024):
+        assert SLOT_BYTES_MIN <= slot_bytes(world) <= SLOT_BYTES_MAX
+        assert slot_bytes(world) * world <= max(256 << 10, SLOT_BYTES_MIN * world)
+    assert len(pickle.dumps(b"z" * _SIZES[0], protocol=pickle.HIGHEST_PROTOCOL)) == slot_bytes(3) - 4
+
+
 def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -31,10 +52,10 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     chosen = coordinator.broadcast(f"from {rank}" if coordinator.is_coordinator else None)
     coordinator.barrier()
     results = coordinator.step("square", lambda: rank * rank)
-    # Small values cross in fixed 256-byte slots (4 bytes of length, then up to 252 of pickle:
-    # b"z" * 237 pickles to exactly 252); one value too large for its slot, on rank 1 only,
-    # sends every rank's value the usual way. Either way all arrive intact.
-    uneven = [coordinator.all_gather(b"z" * n if rank == 1 else bytes([rank]) * 9) for n in (237, 238, 5000)]
+    # Small values cross in fixed slots (4 bytes of length, then the pickle); one value too large
+    # for its slot, on rank 1 only, sends every rank's value the usual way. Either way all
+    # arrive intact.
+    uneven = [coordinator.all_gather(b"z" * n if rank == 1 else bytes([rank]) * 9) for n in _SIZES]
     again = Coordinator(timeout=30)
     return {
         "uneven": uneven,
@@ -52,7 +73,7 @@ def test_collectives_on_three_ranks(tmp_path: Path) -> None:
         assert result["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
         assert result["chosen"] == "from 0"
         assert result["results"] == [0, 1, 4]
-        assert result["uneven"] == [[bytes(9), b"z" * n, bytes([2]) * 9] for n in (237, 238, 5000)]
+        assert result["uneven"] == [[bytes(9), b"z" * n, bytes([2]) * 9] for n in _SIZES]
         assert result["same_group"] is True
         assert result["rank"] == rank
 

@@ -332,7 +332,7 @@ class Coordinator:
     def all_gather(self, value: T, *, label: str = "all_gather") -> list[T]:
         """Every rank's ``value``, in rank order, on every rank.
 
-        On a gloo group, values that pickle to at most :data:`_SLOT` - 4 bytes on every rank
+        On a gloo group, values that pickle to at most :func:`slot_bytes` - 4 bytes on every rank
         (the outcomes of most steps: "ok" and a digest, a staging name, ``None``) cross in one
         collective of fixed-size slots; torch's ``all_gather_object`` takes two (sizes, then
         payloads), and each costs milliseconds that an async save's caller waits for. A
@@ -346,18 +346,19 @@ class Coordinator:
         return gathered
 
     def _all_gather_slots(self, value: T) -> list[T]:
-        """:meth:`all_gather` through one all-gather of :data:`_SLOT`-byte slots (a 4-byte
+        """:meth:`all_gather` through one all-gather of :func:`slot_bytes`-byte slots (a 4-byte
         length, then the pickled value), falling back to ``all_gather_object`` when a value
         does not fit. Pickled, like torch's object collectives: only between one job's ranks."""
         import torch
 
+        size_of_slot = slot_bytes(self.world_size)
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        fits = len(payload) <= _SLOT - 4
-        slot = bytearray(_SLOT)
+        fits = len(payload) <= size_of_slot - 4
+        slot = bytearray(size_of_slot)
         slot[:4] = (len(payload) if fits else _TOO_LARGE).to_bytes(4, "little")
         if fits:
             slot[4 : 4 + len(payload)] = payload
-        slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(self.world_size)]
+        slots = [torch.empty(size_of_slot, dtype=torch.uint8) for _ in range(self.world_size)]
         self._wait(
             self._dist.all_gather(slots, torch.frombuffer(slot, dtype=torch.uint8), group=self.group, async_op=True)
         )
@@ -403,15 +404,16 @@ class Coordinator:
         return box[0]  # type: ignore[no-any-return]  # the coordinator's value, typed T
 
     def _broadcast_slots(self, value: T | None, root: int, sending: bool) -> T:
-        """:meth:`broadcast` on gloo: one broadcast of a :data:`_SLOT`-byte slot (a 4-byte
+        """:meth:`broadcast` on gloo: one broadcast of a :func:`slot_bytes`-byte slot (a 4-byte
         length, the pickled value), and for a larger value one more of exactly its bytes; each
         waited for through :meth:`_wait`, so that a broken group ends it at once."""
         import torch
 
+        size_of_slot = slot_bytes(self.world_size)
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if sending else b""
-        slot = bytearray(_SLOT)
+        slot = bytearray(size_of_slot)
         if sending:
-            fits = len(payload) <= _SLOT - 4
+            fits = len(payload) <= size_of_slot - 4
             slot[:4] = (len(payload) if fits else _TOO_LARGE).to_bytes(4, "little")
             if fits:
                 slot[4 : 4 + len(payload)] = payload
@@ -707,8 +709,19 @@ def _refused(rank: int, why: str) -> tuple[str, RankFailure]:
     return ("error", RankFailure(rank, "CoordinationError", f"rank {rank} {why}"))
 
 
-#: Bytes per rank of the fixed-size all-gather of small values (see ``Coordinator.all_gather``).
-_SLOT = 256
+#: The smallest and largest slot (bytes per rank) of the fixed-size collectives of small values
+#: (see ``Coordinator.all_gather``), and the most bytes one such all-gather may deliver to a
+#: rank while its slots are above the smallest.
+SLOT_BYTES_MIN, SLOT_BYTES_MAX, _SLOTS_TOTAL = 256, 4096, 256 << 10
+
+
+def slot_bytes(world_size: int) -> int:
+    """The slot of the fixed-size collectives on ``world_size`` ranks: 4 KiB up to 64 ranks (the
+    listings and outcomes of a small job fit, one collective each), shrinking so that an
+    all-gather delivers at most 256 KiB, down to 256 bytes from 1,024 ranks on."""
+    return max(SLOT_BYTES_MIN, min(SLOT_BYTES_MAX, _SLOTS_TOTAL // max(1, world_size)))
+
+
 _TOO_LARGE = 0xFFFFFFFF
 
 

@@ -57,7 +57,7 @@ from shardkeep.levels.config import Level, replica_holders
 from shardkeep.levels.local_catalog import read_part
 from shardkeep.levels.nodes import NodeMap
 from shardkeep.levels.parts import decode_node_part, encode_node_part
-from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, run_exchange
+from shardkeep.levels.transfer import WIRE_BLOCK_BYTES, FileReceive, FileSend, run_exchange
 from shardkeep.manifest import FileRecord, IndexedManifest
 from shardkeep.names import NODE_PART_FILENAME
 from shardkeep.storage import LocalStore
@@ -197,7 +197,7 @@ class Replicator:
         nodes: NodeMap,
         rank: int,
         *,
-        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        block_bytes: int = WIRE_BLOCK_BYTES,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         self.group = group

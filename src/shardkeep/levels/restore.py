@@ -90,7 +90,14 @@ from shardkeep.levels.copies import (
     shared_store,
 )
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
-from shardkeep.levels.transfer import DEFAULT_BLOCK_BYTES, FileReceive, FileSend, copy_file, run_exchange
+from shardkeep.levels.transfer import (
+    DEFAULT_BLOCK_BYTES,
+    WIRE_BLOCK_BYTES,
+    FileReceive,
+    FileSend,
+    copy_file,
+    run_exchange,
+)
 from shardkeep.loading import LoadJob
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest
 from shardkeep.names import (
@@ -154,6 +161,12 @@ class _Settings:
     limits: ManifestLimits | None
     block_bytes: int
     io_threads: int
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes per block sent between ranks: at most ``block_bytes``, and small enough to stay
+        in the CPU's cache (:data:`~shardkeep.levels.transfer.WIRE_BLOCK_BYTES`)."""
+        return min(self.block_bytes, WIRE_BLOCK_BYTES)
 
     @property
     def fast(self) -> bool:
@@ -641,7 +654,7 @@ class _StepAttempt:
                 chosen = records[head:] if with_indexes else records[:head]
                 receives = [FileReceive(sender, os.path.join(self.directory, r.path), r) for r in chosen]
             pairs = [(sender, receiver) for receiver in receivers.values()]
-            run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.block_bytes, pairs=pairs)
+            run_exchange(self.coordinator.group, sends, receives, block_bytes=self.settings.wire_bytes, pairs=pairs)
 
     def _parse(self, location: CheckpointLocation) -> Manifest:
         """The manifest at ``location`` (a committed directory or a rebuild's staging), checked
@@ -866,7 +879,7 @@ class _StepAttempt:
                 receives.append(FileReceive(server, os.path.join(self.directory, path), self.needed[path]))
         exchange = run_exchange(
             self.coordinator.group, sends, receives,
-            block_bytes=self.settings.block_bytes, pairs=sorted(pairs), fast=self.settings.fast,
+            block_bytes=self.settings.wire_bytes, pairs=sorted(pairs), fast=self.settings.fast,
         )  # fmt: skip
         home = self.home.name if self.home is not None else "?"
         received: list[str] = []
