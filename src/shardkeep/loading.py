@@ -166,10 +166,12 @@ class LoadJob:
             return buffer, self.resolver.annotate(record, found)
 
         try:
-            with ThreadPoolExecutor(
-                max(1, min(options.io_threads, len(manifest.files) or 1)), thread_name_prefix="shardkeep-read"
-            ) as pool:
-                results = list(pool.map(read_one, range(len(manifest.files))))
+            threads = min(options.io_threads, len(manifest.files))
+            if threads <= 1:  # no pool: starting its thread costs more than reading one file
+                results = [read_one(index) for index in range(len(manifest.files))]
+            else:
+                with ThreadPoolExecutor(threads, thread_name_prefix="shardkeep-read") as pool:
+                    results = list(pool.map(read_one, range(len(manifest.files))))
         finally:
             close()
         for _, file_problems in results:

@@ -639,8 +639,12 @@ def _verify_data_files(
         _, problems = check_shard(store, where, record, verify=True, keep=False, on_bytes=on_bytes, digest="all")
         return resolver.annotate(record, problems)
 
-    with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="shardkeep-verify") as pool:
-        for problems in pool.map(check, selected):
+    if len(selected) <= 1 or io_threads <= 1:  # no pool: starting its thread costs more than one file
+        for problems in map(check, selected):
             report.problems.extend(problems)
+    else:
+        with ThreadPoolExecutor(min(io_threads, len(selected)), thread_name_prefix="shardkeep-verify") as pool:
+            for problems in pool.map(check, selected):
+                report.problems.extend(problems)
     report.files_checked = len(selected)
     report.bytes_checked = sum(manifest.files[index].size for index in selected)
