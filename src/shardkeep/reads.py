@@ -16,19 +16,33 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import bisect
 import hmac
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from shardkeep.errors import IntegrityError, ShardkeepError
-from shardkeep.integrity import block_digests
+from shardkeep.integrity import block_digests, digest_bytes, digests_equal
 from shardkeep.io import DigestChoice, check_shard
 from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, FAST_DIGEST, STRONG_BLOCK_DIGEST_BYTES, FileRecord, TensorEntry
 from shardkeep.storage.base import ByteStore, ReadHandle
-from shardkeep.tensors.ranges import interval_bytes
+from shardkeep.tensors.ranges import block_intervals, interval_bytes
 from shardkeep.tensors.shardfile import check_header, header_length, parse_header
 
-__all__ = ["Piece", "block_width", "read_blocks", "read_entries", "reads_blocks"]
+__all__ = [
+    "MAX_READ",
+    "WHOLE_FILE_SHARE",
+    "Need",
+    "Piece",
+    "block_width",
+    "file_runs",
+    "plan_spans",
+    "read_blocks",
+    "read_entries",
+    "read_needs",
+    "reads_blocks",
+]
 
 _STRONG = ("blake3", "sha256")
 
@@ -87,31 +101,174 @@ def read_blocks(
     if handle.size != record.stored_size:
         raise IntegrityError(f"{name}: size is {handle.size} bytes, manifest says {record.stored_size}")
     _check_head(handle, record, name)
-    width = block_width(record, entry)
-    size = record.block_size
-    strong = record.digest.partition(":")[0] if record.digest else None
-    fast = choice == "fast" or width == FAST_BLOCK_DIGEST_BYTES
     pieces: list[Piece] = []
-    for (j0, j1), (start, end) in zip(intervals, interval_bytes(intervals, entry.nbytes, size), strict=True):
+    for (j0, j1), (start, end) in zip(
+        intervals, interval_bytes(intervals, entry.nbytes, record.block_size), strict=True
+    ):
         if not 0 <= j0 <= j1 or end <= start:
             raise IntegrityError(f"{name}: tensor {entry.key!r} has no blocks {j0}..{j1}")
         data = memoryview(bytearray(end - start))
         handle.read_into(entry.offset + start, data)
-        recorded = entry.blocks[j0 * width : (j1 + 1) * width]
-        if fast:
-            if width != FAST_BLOCK_DIGEST_BYTES:
-                recorded = b"".join(
-                    recorded[at : at + FAST_BLOCK_DIGEST_BYTES] for at in range(0, len(recorded), width)
-                )
-            actual = block_digests(data, size, None)
-        else:
-            actual = block_digests(data, size, strong)
-        if not hmac.compare_digest(recorded, actual):
-            raise IntegrityError(
-                f"{name}: tensor {entry.key!r} fails its digest in blocks {j0}..{j1} (file is corrupt)"
-            )
+        _check_blocks(record, entry, (j0, j1), data, choice, name)
         pieces.append(Piece(start, data))
     return pieces
+
+
+def _check_blocks(
+    record: FileRecord, entry: TensorEntry, interval: tuple[int, int], data: memoryview, choice: DigestChoice, name: str
+) -> None:
+    """Hash the blocks ``interval`` of ``entry`` (their bytes ``data``) once and compare them
+    with the recorded ones (see :func:`read_blocks`)."""
+    j0, j1 = interval
+    width = block_width(record, entry)
+    size = record.block_size
+    recorded = entry.blocks[j0 * width : (j1 + 1) * width]
+    if choice == "fast" or width == FAST_BLOCK_DIGEST_BYTES:
+        if width != FAST_BLOCK_DIGEST_BYTES:
+            recorded = b"".join(recorded[at : at + FAST_BLOCK_DIGEST_BYTES] for at in range(0, len(recorded), width))
+        actual = block_digests(data, size, None)
+    else:
+        actual = block_digests(data, size, record.digest.partition(":")[0] if record.digest else None)
+    if not hmac.compare_digest(recorded, actual):
+        raise IntegrityError(f"{name}: tensor {entry.key!r} fails its digest in blocks {j0}..{j1} (file is corrupt)")
+
+
+class Need(NamedTuple):
+    """An entry a load uses: its position in ``FileRecord.tensors`` and the box of it that is
+    used (``(offset, size)`` in elements, in the entry's own coordinates), or ``None`` for all
+    of it."""
+
+    position: int
+    box: tuple[list[int], list[int]] | None
+
+
+class _Span(NamedTuple):
+    """Bytes ``[start, end)`` of the entry at ``position`` that a ranged read reads, checked by
+    its blocks ``blocks`` (inclusive), or whole by the entry's own digest (``blocks`` None)."""
+
+    position: int
+    start: int
+    end: int
+    blocks: tuple[int, int] | None
+
+
+#: The coverage of a file from which on a ranged read reads the whole file instead.
+WHOLE_FILE_SHARE = 0.95
+#: The most one ``read_into`` of a ranged read asks for.
+MAX_READ = 64 << 20
+
+
+def plan_spans(record: FileRecord, needs: Sequence[Need], choice: DigestChoice | None) -> list[_Span] | None:
+    """The entry byte spans a ranged read of ``needs`` reads (``choice`` None: unchecked), or
+    ``None`` when ``needs`` cannot be read by range: a compressed file, or an entry whose only
+    digest is the whole file's."""
+    if record.compression is not None:
+        return None
+    spans: list[_Span] = []
+    for position, box in needs:
+        entry = record.tensors[position]
+        if not entry.nbytes:
+            continue
+        if block_width(record, entry) and (choice is None or reads_blocks(record, entry, choice)):
+            itemsize = _itemsize(entry)
+            if itemsize is None:
+                return None
+            offset, size = box if box is not None else ([0] * len(entry.shape), list(entry.shape))
+            intervals = block_intervals(entry.shape, itemsize, offset, size, record.block_size)
+            for interval, (start, end) in zip(
+                intervals, interval_bytes(intervals, entry.nbytes, record.block_size), strict=True
+            ):
+                spans.append(_Span(position, start, end, interval))
+        elif entry.digest or choice is None:
+            spans.append(_Span(position, 0, entry.nbytes, None))
+        else:
+            return None
+    return spans
+
+
+def file_runs(record: FileRecord, spans: Sequence[_Span], gap: int) -> list[tuple[int, int]]:
+    """The file byte runs ``[start, end)`` that hold ``spans``: sorted, runs that touch or lie
+    at most ``gap`` bytes apart merged."""
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted(
+        (record.tensors[s.position].offset + s.start, record.tensors[s.position].offset + s.end) for s in spans
+    ):
+        if runs and start <= runs[-1][1] + gap:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def read_needs(
+    store: ByteStore,
+    path: str,
+    record: FileRecord,
+    needs: Sequence[Need],
+    choice: DigestChoice | None,
+    *,
+    where: str | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[int, list[Piece]] | None:
+    """Read and check only the bytes of ``needs`` from the file at ``path``: its header
+    (compared with the record), then the byte runs of the needed blocks (and of needed entries
+    without blocks, whole, checked by their own digest), merged per
+    :func:`file_runs` with the store's ``read_gap``, each run read into its own buffer with
+    ``read_into`` calls of at most :data:`MAX_READ` bytes. Each block is hashed once with the
+    digest ``choice`` names (``None``: nothing is hashed, as ``load(verify=False)``).
+
+    Returns each needed entry's pieces (sorted, entry-relative starts), or ``None`` when the
+    caller should read the whole file instead (:func:`~shardkeep.io.check_shard`): the file is
+    compressed, a needed entry has no digest of its own, or the runs cover at least
+    :data:`WHOLE_FILE_SHARE` of the file. A mismatch raises
+    :class:`~shardkeep.errors.IntegrityError` naming the file and the key."""
+    name = where or record.path
+    spans = plan_spans(record, needs, choice)
+    if spans is None:
+        return None
+    runs = file_runs(record, spans, max(0, int(getattr(store, "read_gap", 0))))
+    if sum(end - start for start, end in runs) >= WHOLE_FILE_SHARE * record.stored_size:
+        return None
+    handle = store.open_read(path)
+    try:
+        if handle.size != record.stored_size:
+            raise IntegrityError(f"{name}: size is {handle.size} bytes, manifest says {record.stored_size}")
+        _check_head(handle, record, name)
+        buffers = [_read_run(handle, start, end, on_bytes) for start, end in runs]
+    finally:
+        handle.close()
+    starts = [start for start, _ in runs]
+    pieces: dict[int, list[Piece]] = {}
+    for span in spans:
+        entry = record.tensors[span.position]
+        at = bisect.bisect_right(starts, entry.offset + span.start) - 1
+        begin = entry.offset + span.start - starts[at]
+        data = buffers[at][begin : begin + span.end - span.start]
+        if choice is not None:
+            if span.blocks is not None:
+                _check_blocks(record, entry, span.blocks, data, choice, name)
+            elif entry.digest and not digests_equal(entry.digest, digest_bytes(entry.digest.partition(":")[0], data)):
+                raise IntegrityError(f"{name}: tensor {entry.key!r} fails its digest (file is corrupt)")
+        pieces.setdefault(span.position, []).append(Piece(span.start, data))
+    return pieces
+
+
+def _read_run(handle: ReadHandle, start: int, end: int, on_bytes: Callable[[int], None] | None) -> memoryview:
+    buffer = memoryview(bytearray(end - start))
+    for at in range(0, end - start, MAX_READ):
+        part = buffer[at : at + MAX_READ]
+        handle.read_into(start + at, part)
+        if on_bytes:
+            on_bytes(len(part))
+    return buffer
+
+
+def _itemsize(entry: TensorEntry) -> int | None:
+    """Bytes per element of ``entry`` (from its shape and size), or ``None`` when they disagree."""
+    count = math.prod(entry.shape)
+    if not count or entry.nbytes % count:
+        return None
+    return entry.nbytes // count
 
 
 def read_entries(
