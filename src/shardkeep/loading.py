@@ -161,7 +161,7 @@ class LoadJob:
                 entries = None if entries is None and len(keep) == len(record.tensors) else keep
             self.needed.append(entries)
             boxes: dict[int, Box] = {}
-            for position in entries or ():
+            for position in range(len(record.tensors)) if entries is None else entries:
                 entry = record.tensors[position]
                 box = needed_box(entry, self.wanted.get(entry.key))
                 if box is not None:

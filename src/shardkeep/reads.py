@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import hmac
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from shardkeep.errors import IntegrityError, ShardkeepError
@@ -36,7 +36,7 @@ __all__ = [
     "Need",
     "Piece",
     "block_width",
-    "file_runs",
+    "merge_runs",
     "plan_spans",
     "read_blocks",
     "read_entries",
@@ -186,18 +186,16 @@ def plan_spans(record: FileRecord, needs: Sequence[Need], choice: DigestChoice |
     return spans
 
 
-def file_runs(record: FileRecord, spans: Sequence[_Span], gap: int) -> list[tuple[int, int]]:
-    """The file byte runs ``[start, end)`` that hold ``spans``: sorted, runs that touch or lie
-    at most ``gap`` bytes apart merged."""
-    runs: list[tuple[int, int]] = []
-    for start, end in sorted(
-        (record.tensors[s.position].offset + s.start, record.tensors[s.position].offset + s.end) for s in spans
-    ):
-        if runs and start <= runs[-1][1] + gap:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+def merge_runs(runs: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Byte runs ``[start, end)`` sorted, with runs that overlap, touch or lie at most ``gap``
+    bytes apart merged into one."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(runs):
+        if merged and start <= merged[-1][1] + gap:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
-            runs.append((start, end))
-    return runs
+            merged.append((start, end))
+    return merged
 
 
 def read_needs(
@@ -213,7 +211,7 @@ def read_needs(
     """Read and check only the bytes of ``needs`` from the file at ``path``: its header
     (compared with the record), then the byte runs of the needed blocks (and of needed entries
     without blocks, whole, checked by their own digest), merged per
-    :func:`file_runs` with the store's ``read_gap``, each run read into its own buffer with
+    :func:`merge_runs` with the store's ``read_gap``, each run read into its own buffer with
     ``read_into`` calls of at most :data:`MAX_READ` bytes. Each block is hashed once with the
     digest ``choice`` names (``None``: nothing is hashed, as ``load(verify=False)``).
 
@@ -226,7 +224,11 @@ def read_needs(
     spans = plan_spans(record, needs, choice)
     if spans is None:
         return None
-    runs = file_runs(record, spans, max(0, int(getattr(store, "read_gap", 0))))
+    offsets = [record.tensors[span.position].offset for span in spans]
+    runs = merge_runs(
+        ((at + span.start, at + span.end) for at, span in zip(offsets, spans, strict=True)),
+        max(0, int(getattr(store, "read_gap", 0))),
+    )
     if sum(end - start for start, end in runs) >= WHOLE_FILE_SHARE * record.stored_size:
         return None
     handle = store.open_read(path)
