@@ -8,6 +8,10 @@ bytes of the save's strong digest unless the blocks are fast-only). :func:`read_
 the header (parsed and compared with the record) and the byte runs of the needed blocks, hashes
 each block with the fast digest (``"fast"``) or the strong one (``"strong"``), and raises
 :class:`~shardkeep.errors.IntegrityError` naming the file and the key on a mismatch.
+:func:`read_needs` does the same for every entry a load needs from one file at once (a
+resharding load, ``extra="ignore"``, a lazy tensor): the byte runs of all their needed blocks
+are merged (:func:`merge_runs`, across gaps up to the store's ``read_gap``) and read once each,
+and a file the runs would cover almost whole is left to the whole-file read.
 :func:`read_entries` is the fallback for entries without blocks (format 2.0/1.x, compressed
 files): the whole entries, or the whole file, checked by :func:`shardkeep.io.check_shard`.
 
