@@ -28,6 +28,7 @@ from tests.support.distributed_harness import results_or_raise, run_ranks
 GOLDEN = Path(__file__).parent / "golden"
 ROWS, COLS = 1024, 256  # fp32: 1 KiB rows, 1 MiB per tensor
 KEYS = [f"t{i}" for i in range(4)]
+WIDE = torch.arange(16 * 16384, dtype=torch.float32).reshape(16, 16384)  # 64 KiB rows: 4 blocks each
 FLIPPED_ROW = 450  # in saved rank 0's chunk (rows 0-511 of 2): needed by loading rank 1 of 3 only
 
 
@@ -54,31 +55,37 @@ def _save(rank: int, world_size: int, root: str) -> None:
     state = {key: distribute_tensor(_tensor(i), mesh, [Shard(0)]) for i, key in enumerate(KEYS)}
     sk.save(state, os.path.join(root, "blocks"), step=1)
     sk.save(state, os.path.join(root, "zero"), step=1, options=sk.WriteOptions(block_size=0))
+    sk.save({"wide": distribute_tensor(WIDE, mesh, [Shard(0)])}, os.path.join(root, "wide"), step=1)
 
 
-Load = tuple[str, list[str], Literal["fast", "cryptographic"] | None]
+def _expected(key: str) -> torch.Tensor:
+    return WIDE if key == "wide" else _tensor(KEYS.index(key))
+
+
+#: (checkpoint name, keys, digest, the dimension of the loading ranks' Shard).
+Load = tuple[str, list[str], Literal["fast", "cryptographic"] | None, int]
 
 
 def _load(rank: int, world_size: int, root: str, loads: dict[str, Load]) -> dict[str, Any]:
-    """Each load of ``loads`` (label: checkpoint name, keys, digest) into Shard(0) DTensors of
-    the keys (``extra="ignore"`` when that is not every key): per label the bytes read per
-    file, this rank's share, and whether the values are right (or the error)."""
+    """Each load of ``loads`` (label: :data:`Load`) into DTensors of the keys (``extra="ignore"``
+    when that is not every key): per label the bytes read per file, this rank's share, and
+    whether the values are right (or the error)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     outcome: dict[str, Any] = {}
-    for label, (name, keys, digest) in loads.items():
-        into = {key: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]) for key in keys}
+    for label, (name, keys, digest, dim) in loads.items():
+        into = {key: distribute_tensor(torch.zeros_like(_expected(key)), mesh, [Shard(dim)]) for key in keys}
         store = CountingStore(LocalStore(root))
-        select = sk.LoadSelection(extra="ignore") if keys != KEYS else None
+        select = sk.LoadSelection(extra="ignore") if set(keys) < set(KEYS) else None
         try:
             sk.load(name, into=into, storage=store, select=select, digest=digest)
         except sk.IntegrityError as exc:
             outcome[label] = {"error": str(exc)}
             continue
         share = sum(into[key].to_local().nbytes for key in keys)
-        right = all(torch.equal(into[key].to_local(), _tensor(KEYS.index(key)).chunk(world_size)[rank]) for key in keys)
+        right = all(torch.equal(into[key].to_local(), _expected(key).chunk(world_size, dim=dim)[rank]) for key in keys)
         outcome[label] = {"read": _data_bytes(store), "share": share, "right": right}
     return outcome
 
@@ -143,10 +150,11 @@ def _run(saved_on: int, factory: pytest.TempPathFactory) -> Run:
         assert sk.read_manifest(root / "zero").metadata_version == "2.0"
         _flip(root, saved_on)
         _change_strong_half(root / "blocks", root / "changed")
-        loads: dict[str, Load] = {name: (name, KEYS, None) for name in ("blocks", "zero", "flipped", "changed")}
-        loads["ignore"] = ("blocks", ["t1"], None)
-        loads["cryptographic"] = ("blocks", KEYS, "cryptographic")
-        loads["changed-cryptographic"] = ("changed", KEYS, "cryptographic")
+        loads: dict[str, Load] = {name: (name, KEYS, None, 0) for name in ("blocks", "zero", "flipped", "changed")}
+        loads["ignore"] = ("blocks", ["t1"], None, 0)
+        loads["cryptographic"] = ("blocks", KEYS, "cryptographic", 0)
+        loads["changed-cryptographic"] = ("changed", KEYS, "cryptographic", 0)
+        loads["columns"] = ("wide", ["wide"], None, 1)
         _RUNS[saved_on] = Run(root, results_or_raise(run_ranks(3, _load, str(root), loads, outbox=root / "load")))
     return _RUNS[saved_on]
 
@@ -219,6 +227,19 @@ def test_a_changed_strong_block_digest_fails_only_a_cryptographic_load(
     assert "'t0'" in run.outcomes[0]["changed-cryptographic"]["error"]  # block 0 of t0: rank 0's rows
     assert all(outcome["changed-cryptographic"]["right"] for outcome in run.outcomes[1:])
     assert not sk.verify(run.root / "changed").ok
+
+
+@pytest.mark.parametrize("saved_on", SAVED_ON)
+def test_a_column_shard_of_wide_rows_reads_the_blocks_of_its_columns(
+    saved_on: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run = _run(saved_on, tmp_path_factory)
+    for rank, outcome in enumerate(run.outcomes):
+        columns = outcome["columns"]
+        assert columns["right"], rank  # pieces of each row copied into place, holes never used
+        read = sum(columns["read"].values()) - _headers(run.root, columns["read"])
+        # A third of each 64 KiB row spans 2 of its 4 blocks (3 for the middle rank's, unaligned).
+        assert read <= (3 if rank == 1 else 2) * 16 * (16 << 10) < WIDE.nbytes, (rank, read)
 
 
 @pytest.mark.parametrize("saved_on", SAVED_ON)
