@@ -1,19 +1,19 @@
-"""The ranged reads of a load: only the digest blocks of an entry that a box needs, each read
-with ``read_into`` (never a whole-file map) and checked against the entry's recorded blocks
-before it is used.
+"""The ranged reads of a load: only the digest blocks of the entries that the needed boxes
+overlap, each read with ``read_into`` (never a whole-file map) and checked against the entry's
+recorded blocks before it is used.
 
 A file of format 2.1/1.4 records, per tensor entry, a digest of each ``block_size`` bytes of
 the entry counted from its first byte (``TensorEntry.blocks``: 16 bytes of xxh3-128, then 32
-bytes of the save's strong digest unless the blocks are fast-only). :func:`read_blocks` reads
-the header (parsed and compared with the record) and the byte runs of the needed blocks, hashes
-each block with the fast digest (``"fast"``) or the strong one (``"strong"``), and raises
-:class:`~shardkeep.errors.IntegrityError` naming the file and the key on a mismatch.
-:func:`read_needs` does the same for every entry a load needs from one file at once (a
-resharding load, ``extra="ignore"``, a lazy tensor): the byte runs of all their needed blocks
-are merged (:func:`merge_runs`, across gaps up to the store's ``read_gap``) and read once each,
-and a file the runs would cover almost whole is left to the whole-file read.
-:func:`read_entries` is the fallback for entries without blocks (format 2.0/1.x, compressed
-files): the whole entries, or the whole file, checked by :func:`shardkeep.io.check_shard`.
+bytes of the save's strong digest unless the blocks are fast-only). :func:`read_needs` takes
+what a load, a lazy tensor or ``load_slice`` needs of one file (:class:`Need`: an entry, and a
+box of it or all of it), plans the byte spans of the blocks those boxes overlap (whole entries
+where an entry has no blocks but a digest of its own, format 2.0 chunks), merges the spans into
+runs (:func:`merge_runs`, across gaps up to the store's ``read_gap``), reads the header (parsed
+and compared with the record) and each run once, hashes each block once with the fast digest
+(``"fast"``) or the strong one (``"strong"``), and raises
+:class:`~shardkeep.errors.IntegrityError` naming the file and the key on a mismatch. A file
+the runs would cover almost whole, or whose needed entries only the file digest covers, is left
+to the whole-file read (:func:`read_entries`, :func:`shardkeep.io.check_shard`).
 
 This module does not import torch.
 """
@@ -44,7 +44,6 @@ __all__ = [
     "block_width",
     "merge_runs",
     "plan_spans",
-    "read_blocks",
     "read_entries",
     "read_needs",
     "reads_blocks",
@@ -74,7 +73,7 @@ def block_width(record: FileRecord, entry: TensorEntry) -> int:
 
 
 def reads_blocks(record: FileRecord, entry: TensorEntry, choice: DigestChoice) -> bool:
-    """Whether :func:`read_blocks` can check ``entry`` with the digests ``choice`` names: any
+    """Whether a ranged read (:func:`read_needs`) can check ``entry`` with the digests ``choice`` names: any
     blocks for ``"fast"``; for ``"strong"``, blocks with a strong half (or a save whose own
     digest is xxh3-128, whose blocks are then as strong as its file digest)."""
     width = block_width(record, entry)
@@ -88,43 +87,13 @@ def reads_blocks(record: FileRecord, entry: TensorEntry, choice: DigestChoice) -
     return algorithm in _STRONG
 
 
-def read_blocks(
-    handle: ReadHandle,
-    record: FileRecord,
-    entry: TensorEntry,
-    intervals: Sequence[tuple[int, int]],
-    choice: DigestChoice,
-    where: str | None = None,
-) -> list[Piece]:
-    """Read and check the blocks ``intervals`` (inclusive ``[j0, j1]``, sorted) of ``entry``:
-    one ``read_into`` per interval into its own buffer, each block hashed once (its fast half
-    for ``"fast"``, its strong half for ``"strong"``/``"all"``, see :func:`reads_blocks`). The
-    header is read and compared with the record first. ``where`` names the file in errors
-    (default: the record's path)."""
-    name = where or record.path
-    if not reads_blocks(record, entry, choice):
-        raise IntegrityError(f"{name}: tensor {entry.key!r} has no block digests a {choice} check can use")
-    if handle.size != record.stored_size:
-        raise IntegrityError(f"{name}: size is {handle.size} bytes, manifest says {record.stored_size}")
-    _check_head(handle, record, name)
-    pieces: list[Piece] = []
-    for (j0, j1), (start, end) in zip(
-        intervals, interval_bytes(intervals, entry.nbytes, record.block_size), strict=True
-    ):
-        if not 0 <= j0 <= j1 or end <= start:
-            raise IntegrityError(f"{name}: tensor {entry.key!r} has no blocks {j0}..{j1}")
-        data = _uninitialized(end - start)
-        handle.read_into(entry.offset + start, data)
-        _check_blocks(record, entry, (j0, j1), data, choice, name)
-        pieces.append(Piece(start, data))
-    return pieces
-
-
 def _check_blocks(
     record: FileRecord, entry: TensorEntry, interval: tuple[int, int], data: memoryview, choice: DigestChoice, name: str
 ) -> None:
     """Hash the blocks ``interval`` of ``entry`` (their bytes ``data``) once and compare them
-    with the recorded ones (see :func:`read_blocks`)."""
+    with the recorded ones: the fast halves for ``"fast"`` (and for fast-only blocks, see
+    :func:`reads_blocks`), else the strong halves. A mismatch raises
+    :class:`~shardkeep.errors.IntegrityError` naming the file (``name``) and the key."""
     j0, j1 = interval
     width = block_width(record, entry)
     size = record.block_size
