@@ -353,3 +353,67 @@ def test_runs_merge_across_gaps_up_to_the_read_gap() -> None:
     assert merge_runs(runs, 500) == [(100, 2600)]
     assert merge_runs(runs, 499) == [(100, 1600), (2100, 2600)]
     assert merge_runs([(0, 10), (5, 8)], 0) == [(0, 10)]
+
+
+class _RecordingStore(LocalStore):
+    """A local store with a chosen ``read_gap`` that records every ``read_into`` of data files."""
+
+    def __init__(self, root: Path, gap: int) -> None:
+        super().__init__(root)
+        self.gap = gap
+        self.reads: list[tuple[int, int]] = []
+
+    @property
+    def read_gap(self) -> int:
+        return self.gap
+
+    def open_read(self, path: str) -> Any:
+        handle = super().open_read(path)
+        if not path.endswith(".safetensors"):
+            return handle
+        reads = self.reads
+
+        class Recorded:
+            size = handle.size
+
+            def read_into(self, offset: int, buffer: memoryview) -> None:
+                reads.append((offset, len(buffer)))
+                handle.read_into(offset, buffer)
+
+            def map(self) -> memoryview:
+                raise AssertionError("a ranged read never maps")
+
+            def close(self) -> None:
+                handle.close()
+
+        return Recorded()
+
+
+@pytest.mark.parametrize(("gap", "max_read"), [(0, None), (1 << 20, None), (0, 4096)])
+def test_runs_closer_than_the_read_gap_are_read_once_and_long_runs_in_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gap: int, max_read: int | None
+) -> None:
+    if max_read is not None:
+        monkeypatch.setattr("shardkeep.reads.MAX_READ", max_read)
+    sk.save({"wide": WIDE}, tmp_path / "c", options=sk.WriteOptions(block_size=BLOCK))
+    store = _RecordingStore(tmp_path, gap)
+    got = sk.load_slice("c", "wide", (slice(0, 8), slice(0, 10)), storage=store)  # block 0 of 8 rows
+    assert torch.equal(got, WIDE[:8, :10])
+    data = [(offset, length) for offset, length in store.reads if offset >= 8]
+    header = data.pop(0)  # the header after its 8-byte length
+    assert header[0] == 8
+    if gap:
+        assert len(data) == 1 and data[0][1] == 7 * 4 * BLOCK + BLOCK  # rows of 4 blocks, through the gaps
+    elif max_read is None:
+        assert len(data) == 8 and all(length == BLOCK for _, length in data)  # one run per row
+    else:
+        assert len(data) == 8 * BLOCK // max_read and all(length == max_read for _, length in data)
+
+
+def test_runs_covering_95_percent_of_a_file_read_it_whole(tmp_path: Path) -> None:
+    sk.save({"wide": WIDE}, tmp_path / "c", options=sk.WriteOptions(block_size=BLOCK))
+    size = next((tmp_path / "c").rglob("*.safetensors")).stat().st_size
+    store = _RecordingStore(tmp_path, 1 << 20)
+    got = sk.load_slice("c", "wide", (slice(None), slice(0, 10)), storage=store)  # 61 of 64 blocks with the gaps
+    assert torch.equal(got, WIDE[:, :10])
+    assert sum(length for _, length in store.reads) >= size
