@@ -16,7 +16,7 @@ from examples.store_probes import CountingStore
 
 import shardkeep as sk
 from shardkeep.indexes import encode_index
-from shardkeep.integrity import digest_bytes
+from shardkeep.integrity import digest_bytes, generate_key_pair
 from shardkeep.lazy import LazyTensor
 from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, RankIndex
 from shardkeep.reads import merge_runs
@@ -56,6 +56,7 @@ def _save(rank: int, world_size: int, root: str) -> None:
     sk.save(state, os.path.join(root, "blocks"), step=1)
     sk.save(state, os.path.join(root, "zero"), step=1, options=sk.WriteOptions(block_size=0))
     sk.save({"wide": distribute_tensor(WIDE, mesh, [Shard(0)])}, os.path.join(root, "wide"), step=1)
+    sk.save(state, os.path.join(root, "signed"), step=1, signer=os.path.join(root, "key.pem"))
 
 
 def _expected(key: str) -> torch.Tensor:
@@ -80,7 +81,8 @@ def _load(rank: int, world_size: int, root: str, loads: dict[str, Load]) -> dict
         store = CountingStore(LocalStore(root))
         select = sk.LoadSelection(extra="ignore") if set(keys) < set(KEYS) else None
         try:
-            sk.load(name, into=into, storage=store, select=select, digest=digest)
+            public_key = os.path.join(root, "key.pub") if name == "signed" else None
+            sk.load(name, into=into, storage=store, select=select, digest=digest, public_key=public_key)
         except sk.IntegrityError as exc:
             outcome[label] = {"error": str(exc)}
             continue
@@ -145,6 +147,7 @@ def _run(saved_on: int, factory: pytest.TempPathFactory) -> Run:
     """Saved on ``saved_on`` ranks and loaded on 3 (once per module)."""
     if saved_on not in _RUNS:
         root = factory.mktemp(f"saved{saved_on}")
+        generate_key_pair(root / "key.pem", root / "key.pub")
         results_or_raise(run_ranks(saved_on, _save, str(root), outbox=root / "out"))
         assert sk.read_manifest(root / "blocks").metadata_version == "2.1"
         assert sk.read_manifest(root / "zero").metadata_version == "2.0"
@@ -155,6 +158,7 @@ def _run(saved_on: int, factory: pytest.TempPathFactory) -> Run:
         loads["cryptographic"] = ("blocks", KEYS, "cryptographic", 0)
         loads["changed-cryptographic"] = ("changed", KEYS, "cryptographic", 0)
         loads["columns"] = ("wide", ["wide"], None, 1)
+        loads["signed"] = ("signed", KEYS, None, 0)
         _RUNS[saved_on] = Run(root, results_or_raise(run_ranks(3, _load, str(root), loads, outbox=root / "load")))
     return _RUNS[saved_on]
 
@@ -214,16 +218,17 @@ def test_a_flipped_byte_fails_only_the_rank_that_needs_its_block(tmp_path_factor
     assert not report.ok and any("rank_00000" in problem for problem in report.problems)
 
 
-def test_a_changed_strong_block_digest_fails_only_a_cryptographic_load(
+def test_cryptographic_and_signed_loads_read_by_range_and_a_changed_strong_digest_fails_only_them(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     run = _run(2, tmp_path_factory)
     for rank, outcome in enumerate(run.outcomes):
         assert outcome["changed"]["right"], rank  # the default load checks the fast halves
-        crypto = outcome["cryptographic"]
-        assert crypto["right"], rank
-        read = sum(crypto["read"].values())
-        assert read <= 1.15 * crypto["share"] + _headers(run.root, crypto["read"]), rank  # strong halves, by range
+        for label in ("cryptographic", "signed"):  # strong halves, by range
+            strong = outcome[label]
+            assert strong["right"], (rank, label)
+            read = sum(strong["read"].values())
+            assert read <= 1.15 * strong["share"] + _headers(run.root, strong["read"]), (rank, label)
     assert "'t0'" in run.outcomes[0]["changed-cryptographic"]["error"]  # block 0 of t0: rank 0's rows
     assert all(outcome["changed-cryptographic"]["right"] for outcome in run.outcomes[1:])
     assert not sk.verify(run.root / "changed").ok
