@@ -3,9 +3,12 @@
 ``load(path, select=LoadSelection(tiers={"hot"}, lazy=True))`` returns a :class:`LazyTensor` for every tensor on
 another tier. Nothing of its file is read until first use: ``materialize()``, ``.tensor``, or
 passing it to any torch function (``torch.matmul(x, lazy)``, ``lazy.sum()`` through
-``__torch_function__``). Then its whole file is read once, checked (size, digest, version,
-safetensors header), and every placeholder of that file shares the result. A damaged file raises
-:class:`~shardkeep.errors.IntegrityError` at that moment, naming the file.
+``__torch_function__``). Then the file's header and the tensor's own bytes are read and checked
+against its block digests (format 2.1/1.4, :func:`shardkeep.reads.read_needs`); a tensor with
+no digest of its own (small whole tensors, format 2.0/1.x, compressed files) reads its whole
+file once, checked (size, digest, version, safetensors header), and every placeholder of that
+file shares the result. A damaged file raises :class:`~shardkeep.errors.IntegrityError` at that
+moment, naming the file.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from typing import Any
 
 import torch
 
-from shardkeep.errors import IntegrityError
+from shardkeep.errors import IntegrityError, ShardkeepError
 from shardkeep.io import DigestChoice, check_shard
 from shardkeep.manifest import FileRecord
+from shardkeep.reads import Need, read_needs
 from shardkeep.storage.base import ByteStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
+from shardkeep.tensors.shardfile import STALE
 
 __all__ = ["LazyFile", "LazyTensor"]
 
@@ -50,6 +55,33 @@ class LazyFile:
     def loaded(self) -> bool:
         return self._buffer is not None
 
+    def entry_bytes(self, index: int) -> tuple[memoryview, int]:
+        """The bytes holding entry ``index`` and where in them it starts: its own bytes, read
+        and checked by its blocks (only them), or the whole file (:meth:`buffer`) when the
+        entry has no digest of its own or the file was already read."""
+        with self._lock:
+            whole = self._buffer
+        entry = self.record.tensors[index]
+        if whole is None:
+            choice: DigestChoice | None = self.digest if self.verify else None
+            for attempt in range(2):
+                try:
+                    pieces = read_needs(self.store, self.path, self.record, [Need(index, None)], choice)
+                except IntegrityError as exc:
+                    if attempt or not any(STALE in problem for problem in exc.problems):
+                        raise IntegrityError(
+                            f"lazy load of {self.describe} failed verification: " + "; ".join(exc.problems),
+                            exc.problems,
+                        ) from exc
+                    continue
+                except ShardkeepError as exc:
+                    raise IntegrityError(f"lazy load of {self.describe} failed: {exc}") from exc
+                if pieces is not None:
+                    found = pieces.get(index)
+                    return (found[0].data, -found[0].start) if found else (memoryview(b""), 0)
+                break
+        return self.buffer(), entry.offset
+
     def buffer(self) -> memoryview:
         with self._lock:
             if self._buffer is None:
@@ -65,7 +97,8 @@ class LazyFile:
 
 
 class LazyTensor:
-    """A tensor of a tier that was not loaded; read and verified on first use."""
+    """A tensor of a tier that was not loaded; read and verified on first use (only its own
+    blocks where it has them, see :meth:`LazyFile.entry_bytes`)."""
 
     __slots__ = ("_file", "_index", "_value")
 
@@ -103,8 +136,9 @@ class LazyTensor:
         """The tensor (or numpy array), reading and verifying its file the first time."""
         if self._value is None:
             entry = self._file.record.tensors[self._index]
+            data, offset = self._file.entry_bytes(self._index)
             self._value = array_from_buffer(
-                self._file.buffer(), entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
+                data, entry.dtype, entry.shape, offset, entry.nbytes, entry.array_type, entry.key
             )
         return self._value
 

@@ -1,5 +1,13 @@
-"""A load job: which files and entries a rank needs, reading and checking them, assembling
-tensors and resharded regions, placeholders for what a partial load leaves out, and the fill.
+"""A load job: which files and entries a rank needs (and which box of each), reading and
+checking them, assembling tensors and resharded regions, placeholders for what a partial load
+leaves out, and the fill.
+
+A file of which a rank needs only a part (a resharding load, ``extra="ignore"``, sections) is
+read by range (:func:`shardkeep.reads.read_needs`): only the digest blocks that hold the
+needed boxes, each checked once, and whole entries where an entry has no blocks but a digest
+of its own (format 2.0 chunks). A file it needs (almost) all of, or whose entries only the
+file's digest covers, is read and checked whole (:func:`shardkeep.io.check_shard`). The choice
+is made per file and entry, never per checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from typing import Any
 from shardkeep.config import LoadOptions, ManifestLimits
 from shardkeep.errors import (
     IntegrityError,
+    ShardkeepError,
     UnsupportedValueError,
 )
 from shardkeep.fill import fill_into
@@ -23,12 +32,23 @@ from shardkeep.manifest import (
     TensorEntry,
 )
 from shardkeep.progress import collector_paused, progress_bar
+from shardkeep.reads import Need, Piece, read_needs
 from shardkeep.tensors.convert import (
     array_from_buffer,
 )
 from shardkeep.tensors.flatten import rebuild_state
 from shardkeep.tensors.keys import section_of
-from shardkeep.tensors.regions import Region, assemble, needed_entries, wanted_regions
+from shardkeep.tensors.regions import (
+    Box,
+    Region,
+    assemble,
+    chunk_part,
+    needed_box,
+    needed_entries,
+    rows_part,
+    wanted_regions,
+)
+from shardkeep.tensors.shardfile import STALE
 from shardkeep.tensors.targets import TargetResolver
 from shardkeep.verification import (
     CheckpointLocation,
@@ -45,8 +65,10 @@ class LoadJob:
     """One load of one checkpoint whose manifest was read and checked, in visible phases:
 
     1. :meth:`select`: which files, and which entries of each, this rank needs (the tiers and
-       sections asked for, and only the chunks that overlap the regions ``into`` holds);
-    2. :meth:`read`: read (memory-map) and check every needed file, in parallel; any problem
+       sections asked for, and only the chunks that overlap the regions ``into`` holds), and
+       of each chunk the box that overlaps (``boxes``);
+    2. :meth:`read`: read and check every needed file, in parallel: by range where only a part
+       of it is needed (the blocks of those boxes), else whole (memory-mapped); any problem
        raises :class:`~shardkeep.errors.IntegrityError` before a tensor is built;
     3. :meth:`assemble`: build the tensors, sharded ones as full tensors or as this rank's
        regions, and placeholders (or nothing) for what a partial load left out;
@@ -101,7 +123,10 @@ class LoadJob:
         self.resolver = FileResolver(location, manifest, tier_locations=tier_locations, storage_options=storage_options)
         self.partial = False
         self.needed: list[list[int] | None] = []
-        self.buffers: list[memoryview | None] = []
+        #: Per file: the box of each needed chunk this rank uses a part of (the others whole).
+        self.boxes: list[dict[int, Box]] = []
+        #: Per file: its bytes (read whole), or the pieces of each needed entry (read by range).
+        self.buffers: list[memoryview | dict[int, list[Piece]] | None] = []
         self.absent: dict[str, tuple[TensorEntry, int]] = {}
 
     def run(self) -> Any:
@@ -135,6 +160,13 @@ class LoadJob:
                 ]
                 entries = None if entries is None and len(keep) == len(record.tensors) else keep
             self.needed.append(entries)
+            boxes: dict[int, Box] = {}
+            for position in range(len(record.tensors)) if entries is None else entries:
+                entry = record.tensors[position]
+                box = needed_box(entry, self.wanted.get(entry.key))
+                if box is not None:
+                    boxes[position] = box
+            self.boxes.append(boxes)
 
     def read(self) -> None:
         manifest, needed, options = self.manifest, self.needed, self.options
@@ -147,11 +179,15 @@ class LoadJob:
             self.progress,
         )
 
-        def read_one(index: int) -> tuple[memoryview | None, list[str]]:
+        def read_one(index: int) -> tuple[memoryview | dict[int, list[Piece]] | None, list[str]]:
             record = manifest.files[index]
             if needed[index] == []:
                 return None, []  # not selected, or nothing in it overlaps what this rank loads
             store, where = self.resolver(record)
+            if needed[index] is not None or self.boxes[index]:
+                pieces, found = self._read_ranges(index, update)
+                if pieces is not None or found:
+                    return pieces, self.resolver.annotate(record, found)
             buffer, found = check_shard(
                 store,
                 where,
@@ -180,11 +216,34 @@ class LoadJob:
             raise IntegrityError(f"checkpoint {self.location} failed verification: " + "; ".join(problems), problems)
         self.buffers = [buffer for buffer, _ in results]
 
+    def _read_ranges(
+        self, index: int, on_bytes: Callable[[int], None] | None
+    ) -> tuple[dict[int, list[Piece]] | None, list[str]]:
+        """File ``index`` read by range (:func:`~shardkeep.reads.read_needs`): its needed
+        entries' pieces, or ``None`` (read it whole), and the problems found. A file whose
+        header is older than the record's (a cache or replica behind) is read once more."""
+        record = self.manifest.files[index]
+        store, where = self.resolver(record)
+        positions = self.needed[index]
+        boxes = self.boxes[index]
+        needs = [Need(p, boxes.get(p)) for p in (range(len(record.tensors)) if positions is None else positions)]
+        choice = checked_digests(self.options) if self.options.verify else None
+        for attempt in range(2):
+            try:
+                return read_needs(store, where, record, needs, choice, on_bytes=on_bytes), []
+            except IntegrityError as exc:
+                if attempt or not any(STALE in problem for problem in exc.problems):
+                    return None, exc.problems
+            except ShardkeepError as exc:
+                return None, [f"{record.path}: {exc}"]
+        raise AssertionError("unreachable")
+
     def assemble(self) -> Any:
         manifest, wanted = self.manifest, self.wanted or {}
         with collector_paused():
             tensors: list[tuple[list[str | int], int, Any]] = []
-            chunks: dict[str, list[tuple[TensorEntry, Any]]] = {}
+            chunks: dict[str, list[tuple[Box, Any]]] = {}
+            descriptions: dict[str, TensorEntry] = {}
             loaded_keys: set[str] = set()
             skipped: dict[str, tuple[TensorEntry, int]] = {}
             for index, (record, buffer, wanted_here) in enumerate(
@@ -202,15 +261,26 @@ class LoadJob:
                     assert buffer is not None
                     entry = record.tensors[position]
                     loaded_keys.add(entry.key)
+                    if isinstance(buffer, dict):
+                        pieces = buffer.get(position, [])
+                        if entry.global_offset is not None and entry.nbytes:
+                            box = self.boxes[index].get(position)
+                            chunks.setdefault(entry.key, []).append(rows_part(entry, box, pieces))
+                            descriptions.setdefault(entry.key, entry)
+                            continue
+                        data, at = (pieces[0].data, -pieces[0].start) if pieces else (memoryview(b""), 0)
+                    else:
+                        data, at = buffer, entry.offset
                     array = array_from_buffer(
-                        buffer, entry.dtype, entry.shape, entry.offset, entry.nbytes, entry.array_type, entry.key
+                        data, entry.dtype, entry.shape, at, entry.nbytes, entry.array_type, entry.key
                     )
                     if entry.global_offset is None:
                         tensors.append((entry.path, entry.order, array))
                     else:
-                        chunks.setdefault(entry.key, []).append((entry, array))
+                        chunks.setdefault(entry.key, []).append(chunk_part(entry, array))
+                        descriptions.setdefault(entry.key, entry)
             for key, parts in chunks.items():
-                tensors.append(assemble(parts, wanted.get(key)))
+                tensors.append(assemble(descriptions[key], parts, wanted.get(key)))
             # A key whose region on this rank is empty (fewer rows than ranks) overlaps no
             # chunk: its chunks in the files read are skipped, yet it is not absent.
             empty = {key for key in wanted.keys() - chunks.keys() if 0 in wanted[key][1]}

@@ -1,5 +1,6 @@
 """``load_slice``: a box of one saved tensor, reading and verifying only the digest blocks that
-hold it (:mod:`shardkeep.reads`), from whichever chunks and files hold it.
+hold it (:func:`shardkeep.reads.read_needs`, one ranged read per file), from whichever chunks
+and files hold it.
 
 The plan is the load's: the manifest is read and checked, a format 2.x checkpoint expands only
 the rank indexes listing chunks that overlap the box (:func:`shardkeep.indexes.needed_ranks`),
@@ -24,10 +25,10 @@ from shardkeep.integrity import SignaturePolicy
 from shardkeep.io import DigestChoice
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, TensorEntry
 from shardkeep.progress import collector_paused
-from shardkeep.reads import Piece, read_blocks, read_entries, reads_blocks
+from shardkeep.reads import Need, Piece, read_entries, read_needs
 from shardkeep.storage import StoreOperations
 from shardkeep.tensors.convert import NAME_TO_TORCH
-from shardkeep.tensors.ranges import block_intervals, box_runs, byte_runs
+from shardkeep.tensors.ranges import box_runs, byte_runs
 from shardkeep.tensors.regions import overlap
 from shardkeep.tensors.shardfile import STALE
 from shardkeep.verification import FileResolver, TierLocations, locate, read_checked_manifest
@@ -220,16 +221,11 @@ def _fill_once(
     choice: DigestChoice,
 ) -> None:
     store, where = resolver(record)
-    if all(reads_blocks(record, record.tensors[position], choice) for position, _, _ in parts):
-        handle = store.open_read(where)
-        try:
-            for position, local, target in parts:
-                entry = record.tensors[position]
-                intervals = block_intervals(entry.shape, result.shape[-1], *local, record.block_size)
-                pieces = read_blocks(handle, record, entry, intervals, choice, resolver.describe(record))
-                _place(result[_slices(target)], entry, local, pieces)
-        finally:
-            handle.close()
+    needs = [Need(position, local) for position, local, _ in parts]
+    read = read_needs(store, where, record, needs, choice, where=resolver.describe(record))
+    if read is not None:
+        for position, local, target in parts:
+            _place(result[_slices(target)], record.tensors[position], local, read.get(position, []))
         return
     data = read_entries(store, where, record, sorted({position for position, _, _ in parts}), choice)
     for position, local, target in parts:

@@ -136,13 +136,14 @@ class StoreOperations(Protocol):
 
 
 class ByteStore(StoreOperations, Protocol):
-    """A store as shardkeep uses it: the operations, and four capabilities a store may lack.
+    """A store as shardkeep uses it: the operations, and five capabilities a store may lack.
     What each capability means for a store that lacks it (the default, in :class:`StoreBase`):
 
     - ``root``: the store's repr;
     - ``atomic_rename``: ``True``;
     - ``remove_file``: ``remove_tree`` of the path;
-    - ``abort_uploads``: nothing to abort.
+    - ``abort_uploads``: nothing to abort;
+    - ``read_gap``: 0 (ranged reads merge only runs that touch).
     """
 
     @property
@@ -159,6 +160,14 @@ class ByteStore(StoreOperations, Protocol):
         rename, and the commit protocol writes every object under its final key, under an
         ``attempt-<id>/`` prefix, the manifest last and create-only
         (:class:`~shardkeep.distributed.commit.ObjectStoreCommit`)."""
+        ...
+
+    @property
+    def read_gap(self) -> int:
+        """The largest gap (bytes) between two byte runs of one file that a ranged read reads
+        through rather than issuing two reads (:mod:`shardkeep.reads`): 0 where a read costs
+        little (local files, memory), about 1 MiB where each request costs tens of ms (object
+        stores). Every gap byte is read and discarded."""
         ...
 
     def remove_file(self, path: str) -> None:
@@ -213,6 +222,10 @@ class StoreBase(abc.ABC):
     def atomic_rename(self) -> bool:
         return True
 
+    @property
+    def read_gap(self) -> int:
+        return 0
+
     def remove_file(self, path: str) -> None:
         self.remove_tree(path)
 
@@ -234,6 +247,7 @@ class ForwardingStore(StoreBase):
         root = getattr(inner, "root", None)
         self._root = repr(inner) if root is None else str(root)
         self._atomic_rename = bool(getattr(inner, "atomic_rename", True))
+        self._read_gap = int(getattr(inner, "read_gap", 0))
         self._remove_file = getattr(inner, "remove_file", None)
         self._abort_uploads = getattr(inner, "abort_uploads", None)
 
@@ -247,6 +261,10 @@ class ForwardingStore(StoreBase):
     @property
     def atomic_rename(self) -> bool:
         return self._atomic_rename
+
+    @property
+    def read_gap(self) -> int:
+        return self._read_gap
 
     def remove_file(self, path: str) -> None:
         if callable(self._remove_file):

@@ -3,21 +3,38 @@ rank holds, and how a full tensor or a rank's region is put together from them.
 
 A chunk of a sharded tensor is a box (global offset, shape) in the global tensor; a rank that
 loads into a DTensor wants the box its local shard covers (:func:`wanted_regions`), reads only
-the entries that overlap it (:func:`needed_entries`), and copies each overlap straight into its
-local shard (:class:`Region`).
+the entries that overlap it (:func:`needed_entries`, and of each the box :func:`needed_box`),
+and copies each overlap straight into its local shard (:class:`Region`). A part is a box of
+the global tensor and an array holding it: a whole chunk, or the rows of a chunk that a ranged
+read covered (:func:`rows_part`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, ShardedTensor, TensorEntry
-from shardkeep.tensors.convert import NAME_TO_TORCH, is_dtensor, local_region
+from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer, is_dtensor, local_region
 from shardkeep.tensors.targets import TargetResolver
 
-__all__ = ["Region", "assemble", "needed_entries", "overlap", "region_slices", "wanted_regions"]
+__all__ = [
+    "Box",
+    "Region",
+    "assemble",
+    "chunk_part",
+    "needed_box",
+    "needed_entries",
+    "overlap",
+    "region_slices",
+    "rows_part",
+    "wanted_regions",
+]
+
+#: ``(offset, shape)`` of a box, in elements.
+Box = tuple[list[int], list[int]]
 
 
 class Region:
@@ -31,7 +48,7 @@ class Region:
 
     def __init__(
         self,
-        parts: list[tuple[TensorEntry, Any]],
+        parts: list[tuple[Box, Any]],
         offset: list[int],
         shape: list[int],
         global_shape: list[int],
@@ -44,13 +61,12 @@ class Region:
         self.dtype = NAME_TO_TORCH[dtype_name]
 
     def copy_into(self, local: torch.Tensor) -> None:
-        for entry, array in self.parts:
-            assert entry.global_offset is not None
-            common = overlap(entry.global_offset, entry.shape, self.offset, self.shape)
+        for (origin, extent), array in self.parts:
+            common = overlap(origin, extent, self.offset, self.shape)
             if common is None:
                 continue
             start, size = common
-            source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, entry.global_offset, size, strict=True))
+            source = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, origin, size, strict=True))
             target = tuple(slice(s - o, s - o + n) for s, o, n in zip(start, self.offset, size, strict=True))
             local[target].copy_(array[source])
 
@@ -61,20 +77,63 @@ class Region:
 
 
 def assemble(
-    parts: list[tuple[TensorEntry, Any]], region: tuple[list[int], list[int]] | None
+    tensor: TensorEntry | ShardedTensor, parts: list[tuple[Box, Any]], region: Box | None
 ) -> tuple[list[str | int], int, Any]:
-    """The full tensor (``region`` None), or a lazy :class:`Region` = (offset, shape) of it,
-    from the chunks that tile it (coverage was checked with the manifest)."""
-    first, sample = parts[0]
-    assert first.global_shape is not None
+    """The full ``tensor`` (``region`` None), or a lazy :class:`Region` = (offset, shape) of
+    it, from ``parts`` that cover it (coverage was checked with the manifest)."""
+    assert tensor.global_shape is not None
     if region is None:
-        full = torch.empty(first.global_shape, dtype=sample.dtype)
-        for entry, array in parts:
-            assert entry.global_offset is not None
-            full[region_slices(entry.global_offset, entry.shape)].copy_(array)
-        return first.path, first.order, full
+        full = torch.empty(tensor.global_shape, dtype=parts[0][1].dtype)
+        for box, array in parts:
+            full[region_slices(*box)].copy_(array)
+        return tensor.path, tensor.order, full
     offset, shape = region
-    return first.path, first.order, Region(parts, offset, shape, first.global_shape, first.dtype)
+    return tensor.path, tensor.order, Region(parts, offset, shape, tensor.global_shape, tensor.dtype)
+
+
+def chunk_part(entry: TensorEntry, array: Any) -> tuple[Box, Any]:
+    """The part a whole chunk ``array`` of ``entry`` gives."""
+    assert entry.global_offset is not None
+    return (list(entry.global_offset), list(entry.shape)), array
+
+
+def needed_box(entry: TensorEntry, region: Box | None) -> Box | None:
+    """The box of chunk ``entry`` (in its own coordinates) that overlaps ``region``, or
+    ``None`` when all of it is needed (no region, a whole tensor, or a region covering it)."""
+    if region is None or entry.global_offset is None:
+        return None
+    common = overlap(entry.global_offset, entry.shape, *region)
+    if common is None or common[1] == list(entry.shape):
+        return None
+    start, size = common
+    return [s - o for s, o in zip(start, entry.global_offset, strict=True)], size
+
+
+def rows_part(entry: TensorEntry, box: Box | None, pieces: Sequence[tuple[int, memoryview]]) -> tuple[Box, Any]:
+    """The part holding ``box`` of chunk ``entry`` (all of it for None) built from ``pieces``,
+    the ``(entry-relative start, bytes)`` a ranged read covered: the rows of the chunk the box
+    spans, viewed without a copy when one piece holds them, else copied piece by piece into a
+    buffer of those rows (bytes between pieces stay unset; the box never reaches them)."""
+    assert entry.global_offset is not None
+    shape = list(entry.shape)
+    first, count = (box[0][0], box[1][0]) if box is not None and shape else (0, shape[0] if shape else 1)
+    row = entry.nbytes // shape[0] if shape and shape[0] else entry.nbytes
+    begin, end = first * row, (first + count) * row
+    rows = [count, *shape[1:]] if shape else []
+    origin = list(entry.global_offset)
+    if shape:
+        origin[0] += first
+    for start, data in pieces:
+        if start <= begin and end <= start + len(data):
+            array = array_from_buffer(data, entry.dtype, rows, begin - start, end - begin, entry.array_type, entry.key)
+            return (origin, rows), array
+    buffer = memoryview(bytearray(end - begin))
+    for start, data in pieces:
+        low, high = max(start, begin), min(start + len(data), end)
+        if high > low:
+            buffer[low - begin : high - begin] = data[low - start : high - start]
+    array = array_from_buffer(buffer, entry.dtype, rows, 0, end - begin, entry.array_type, entry.key)
+    return (origin, rows), array
 
 
 def overlap(
@@ -88,7 +147,7 @@ def overlap(
     return start, [e - s for s, e in zip(start, end, strict=True)]
 
 
-def needed_entries(record: FileRecord, wanted: dict[str, tuple[list[int], list[int]]]) -> list[int] | None:
+def needed_entries(record: FileRecord, wanted: dict[str, Box]) -> list[int] | None:
     """Indices of the entries of ``record`` this load uses, or None for all of them."""
     if not wanted:
         return None
