@@ -83,6 +83,7 @@ def _restore(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         "healed": list(restored.report.healed),
         "refused": list(restored.report.refused),
         "levels_read": list(restored.report.levels_read),
+        "newest_local": restored.report.newest_local_step,
     }
 
 
@@ -116,6 +117,20 @@ def test_restore_resumes_at_the_newest_local_step(tmp_path: Path) -> None:
     results_or_raise(run_ranks(4, _train, str(tmp_path), 6, outbox=tmp_path / "out"))
     restored = results_or_raise(run_ranks(4, _restore, str(tmp_path), outbox=tmp_path / "out2"))
     assert {r["step"] for r in restored} == {6} and all(r["equal"] for r in restored)
+    assert {r["newest_local"] for r in restored} == {6}  # nothing newer to retire
+    assert _steps(tmp_path / "node0") == _steps(tmp_path / "node1") == ["step_00000004", "step_00000006"]
+
+
+def test_local_directories_newer_than_the_restored_step_are_retired_even_unreadable(tmp_path: Path) -> None:
+    results_or_raise(run_ranks(4, _train, str(tmp_path), 6, outbox=tmp_path / "out"))
+    # a save of step 10 cut off on node 1 before its manifest: no copy lists it, yet the
+    # resumed run saves step 10 again, so the directory must go
+    torn = tmp_path / "node1" / "step_00000010"
+    torn.mkdir()
+    (torn / "rank_00002.safetensors").write_bytes(b"torn")
+    restored = results_or_raise(run_ranks(4, _restore, str(tmp_path), outbox=tmp_path / "out2"))
+    assert {r["step"] for r in restored} == {6} and {r["newest_local"] for r in restored} == {10}
+    assert not torn.exists()
 
 
 def test_a_flipped_local_byte_heals_from_the_persistent_copy_of_the_same_step(tmp_path: Path) -> None:
@@ -152,6 +167,9 @@ def test_a_missing_local_part_without_a_persistent_copy_falls_back_and_says_why(
     assert {r["step"] for r in restored} == {4} and all(r["equal"] for r in restored), restored
     refused = [entry for r in restored for entry in r["refused"]]
     assert any(entry[0] == 6 for entry in refused), refused
+    # node 0's part of step 6 cannot be completed: retired, so the resumed run saves step 6 anew
+    assert {r["newest_local"] for r in restored} == {6}
+    assert not (tmp_path / "node0" / "step_00000006").exists()
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -31,6 +31,7 @@ __all__ = [
     "list_node_parts",
     "list_shared",
     "newest_named",
+    "newest_step_directory",
     "shared_store",
     "signature_of",
 ]
@@ -126,32 +127,50 @@ class SharedNames:
 
 def gather_copies(
     levels: Sequence[LevelView], coordinator: Coordinator, nodes: _Nodes, limits: ManifestLimits | None
-) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]]]:
+) -> tuple[list[StepCopy], dict[str, str], set[tuple[str, int]], dict[str, int | None]]:
     """Every copy of every step on every node-local level, the unreachable levels with the
-    reasons, and the ``(node-local level, node)`` pairs that could not be read (one all-gather)."""
+    reasons, the ``(node-local level, node)`` pairs that could not be read, and per node-local
+    level the newest step any node holds a directory of (readable or not; ``-1``: none;
+    ``None``: unknown, a node could not be listed). One all-gather."""
     node = nodes.node_of[coordinator.rank]
     leader = coordinator.rank == min(r for r, n in enumerate(nodes.node_of) if n == node)
     mine: list[StepCopy] = []
     unreachable: dict[str, str] = {}
+    newest: dict[str, int] = {}
     for view in levels:
         if view.node_local and leader and view.root is None:
             unreachable[view.name] = f"node {node}: no local root"
         elif view.node_local and leader and view.root is not None:
             try:
                 mine.extend(list_node_parts(view, node, limits))
+                newest[view.name] = newest_step_directory(view.root)
             except (OSError, ShardkeepError) as exc:
                 unreachable[view.name] = f"node {node}: {exc}"
-    gathered = coordinator.all_gather((mine, unreachable), label="listing the node-local copies")
-    copies = [copy for listed, _ in gathered for copy in listed]
+    gathered = coordinator.all_gather((mine, unreachable, newest), label="listing the node-local copies")
+    copies = [copy for listed, _, _ in gathered for copy in listed]
     merged: dict[str, str] = {}
     unusable: set[tuple[str, int]] = set()
-    for rank, (_, found) in enumerate(gathered):
+    for rank, (_, found, _) in enumerate(gathered):
         for name, why in found.items():
             merged[name] = f"{merged[name]}; {why}" if name in merged else why
             unusable.add((name, nodes.node_of[rank]))
     for name, why in merged.items():
         logger.warning("restore: level %s is unreachable: %s", name, why)
-    return copies, merged, unusable
+    newest_of: dict[str, int | None] = {}
+    for view in levels:
+        if view.node_local:
+            listed = [each[view.name] for _, _, each in gathered if view.name in each]
+            newest_of[view.name] = None if view.name in merged else max(listed, default=-1)
+    return copies, merged, unusable, newest_of
+
+
+def newest_step_directory(root: str) -> int:
+    """The newest step ``root`` holds a directory of (``-1``: none; staging directories are
+    not steps)."""
+    if not os.path.isdir(root):
+        return -1
+    steps = [step_of_name(entry.name) for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
+    return max((step for step in steps if step is not None), default=-1)
 
 
 def newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dict[str, str]]:

@@ -813,7 +813,9 @@ class MultiLevelManager:
                 return None  # no level holds any step: a fresh run
             if self._run_id is None and report.run_id:
                 self._adopt_run_id(report.run_id)
-            self._retire_newer_local_steps(report.step, coordinator)
+            if report.newest_local_step is None or report.newest_local_step > report.step:
+                # (the listing every rank saw names no newer local step: nothing to retire)
+                self._retire_newer_local_steps(report.step, coordinator)
             self._recover(coordinator)
             state = training_state(into, state)
             for shared in self._shared.values():

@@ -142,7 +142,10 @@ class RestoreReport:
     levels that could not be listed, with the reason. ``not_consulted``: the shared levels whose
     copies were not read (only their step names were listed: none newer than the node-local
     step restored), with the reason. ``run_id``: the run that saved the step
-    (``None`` when its manifest records none); ``metrics``: its recorded metrics."""
+    (``None`` when its manifest records none); ``metrics``: its recorded metrics.
+    ``newest_local_step``: the newest step of which any node holds a directory on the first
+    node-local level, as listed (``-1``: none; ``None``: unknown, some node could not be
+    listed, or no node-local level)."""
 
     step: int
     source: dict[int, str] = field(default_factory=dict)
@@ -153,6 +156,7 @@ class RestoreReport:
     not_consulted: dict[str, str] = field(default_factory=dict)
     run_id: str | None = None
     metrics: dict[str, float | None] = field(default_factory=dict)
+    newest_local_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,9 @@ def restore_best(
         # a node-local candidate fails.
         listing = pool.submit(newest_named, shared) if coordinator.is_coordinator and shared else None
         names = SharedNames(listing, bool(shared))
-        copies, unreachable, unusable = gather_copies(levels, coordinator, nodes, settings.limits)
+        copies, unreachable, unusable, newest_dirs = gather_copies(levels, coordinator, nodes, settings.limits)
+        home = next((view.name for view in levels if view.node_local), None)
+        newest_local = newest_dirs.get(home) if home is not None else None
         refused: list[tuple[int, int, str, str]] = []
         tried: set[tuple[int, str]] = set()
         for step, identity in candidates(copies):
@@ -217,6 +223,7 @@ def restore_best(
                 state, report = outcome
                 report.refused, report.unreachable = refused, unreachable
                 report.not_consulted = _not_consulted(names.named, step, coordinator.is_coordinator)
+                report.newest_local_step = newest_local
                 return state, report
             newest = names.newest(coordinator, unreachable)
             if coordinator.is_coordinator and (newest is None or step > newest):
@@ -235,6 +242,7 @@ def restore_best(
         if outcome is not None:
             state, report = outcome
             report.refused, report.unreachable = refused, unreachable
+            report.newest_local_step = newest_local
             return state, report
         if coordinator.is_coordinator:
             _log_lost(step, refused)
