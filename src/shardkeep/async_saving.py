@@ -27,7 +27,6 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.errors import RetentionError, SaveInProgressError
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.io import ABANDONED
 from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveJob, SaveSettings, state_sections
@@ -36,6 +35,7 @@ from shardkeep.verification import (
     locate,
     read_checked_manifest,
 )
+from shardkeep.writes import ABANDONED
 
 logger = logging.getLogger("shardkeep")
 
@@ -313,7 +313,7 @@ def _register_exit_hook() -> None:
     new futures after interpreter shutdown"), and every write goes through a pool. Hooks
     registered with ``threading._register_atexit`` run in reverse order of registration at the
     start of shutdown, and ``concurrent.futures.thread`` registered its hook when it was
-    imported (``shardkeep.io`` imports it), so ours, registered later, runs first.
+    imported (``shardkeep.writes`` imports it), so ours, registered later, runs first.
     ``atexit`` would run too late: after the pools have shut down.
     """
     register = getattr(threading, "_register_atexit", None)

@@ -49,7 +49,7 @@ _BLOCKS_PER_CHUNK = 32
 
 class PlannedItem:
     """One tensor (or DTensor chunk) to write: its description, and a
-    :class:`~shardkeep.io.TensorSource` over its bytes."""
+    :class:`~shardkeep.writes.TensorSource` over its bytes."""
 
     __slots__ = (
         "address",

@@ -64,7 +64,6 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import CheckpointExistsError, LevelConfigError, StorageError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
-from shardkeep.io import ABANDONED
 from shardkeep.levels.nodes import NodeMap
 from shardkeep.levels.parts import NodePart, encode_node_part, manifest_identity
 from shardkeep.manifest import FileRecord, IndexRecord, Manifest, index_path
@@ -78,6 +77,7 @@ from shardkeep.storage import LocalStore, adapt_store, local_path, write_new
 from shardkeep.storage.localfs import current as current_fs
 from shardkeep.storage.localfs import fsync_directory_path, retire_and_remove, storage_error
 from shardkeep.verification import CheckpointLocation
+from shardkeep.writes import ABANDONED
 
 __all__ = ["NodeLocalSaveJob", "Sealed", "attempt_of", "node_location", "save_node_local"]
 
@@ -245,7 +245,7 @@ class NodeLocalSaveJob(SaveJob):
     def publish(self, sealed: Sealed) -> None:
         """On a node leader: complete this node's staging directory and rename it to the step's
         name (nothing on the other ranks). A rank whose writes were stopped (its
-        :class:`~shardkeep.io.WriteControl`, e.g. by a second preemption signal) refuses
+        :class:`~shardkeep.writes.WriteControl`, e.g. by a second preemption signal) refuses
         instead, so that every node removes this attempt (step 5)."""
         if self.control.stopped():
             raise StorageError(f"node {self.node}, rank {self.coordinator.rank}: {ABANDONED} before its commit")
