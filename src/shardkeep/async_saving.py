@@ -379,6 +379,6 @@ def _finish_through_store(job: SaveJob) -> Manifest:
     job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", job.write_payload, complete, job.abort)
     if committed:
         return committed[0]
-    # The manifest alone, as the coordinator returns it: a format 2.0 manifest's rank indexes
+    # The manifest alone, as the coordinator returns it: a format 2.x manifest's rank indexes
     # are not read (every rank reading every index would cost tensors x ranks).
     return read_checked_manifest(job.location, SignaturePolicy(), expand=False)

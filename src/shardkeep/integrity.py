@@ -581,7 +581,7 @@ def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
         if weak(entry.digest)
         or (entry.global_offset is not None and block_width(record, entry) == FAST_BLOCK_DIGEST_BYTES)
     ]
-    table = getattr(manifest, "indexes", None)  # format 2.0: the rank indexes' digests
+    table = getattr(manifest, "indexes", None)  # format 2.x: the rank indexes' digests
     if table is not None and table.ranks and table.algorithm not in CRYPTOGRAPHIC_DIGESTS:
         found.append("indexes")
     seal = _SEAL.search(manifest_bytes[-256:])

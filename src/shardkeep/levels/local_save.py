@@ -2,7 +2,7 @@
 ranks' data files, committed only when every node's part is durable.
 
 On each node, ``<node root>/step_<N>/`` holds the sealed ``manifest.json`` (and
-``manifest.sig``; the same bytes on every node), every rank index of format 2.0 (all of them,
+``manifest.sig``; the same bytes on every node), every rank index of format 2.x (all of them,
 on every node, so any node can plan any load), the data files of that node's ranks only, and
 ``node-part.json`` (:class:`~shardkeep.levels.parts.NodePart`: which node, which ranks and
 files, the attempt id and the digest of the sealed manifest). Copying every node's directory
@@ -46,7 +46,7 @@ Crash windows and what a later scan (:mod:`shardkeep.levels.local_catalog`) sees
   complete although no rank returned from the save;
 - after the all-gather: committed on every node.
 
-Supported: plain and format 2.0 states, one or several ranks per node, signed saves. Not
+Supported: plain and format 2.x states, one or several ranks per node, signed saves. Not
 supported (refused): tiers with a location of their own and incremental saves. An async
 node-local save is not provided: the save blocks until step 5.
 """
