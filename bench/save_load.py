@@ -589,8 +589,17 @@ def run_keyed_pairs(pairs: int, size_mib: int, scratch: str, pretouch_bytes: int
                     f"    {versions[side]}: {spread.median:.3f} s ({spread.low:.3f}-{spread.high:.3f}),"
                     f" {throughput_text(workload, spread.median)}"
                 )
+            fastest = min(times["after"]) / min(times["before"])
             print(f"    per-pair ratio {versions['after']}/{versions['before']}: {ratios.ratio_text()}", flush=True)
-            results[kind.name] = {"versions": versions, "seconds": times, "ratio_median": ratios.median}
+            print(
+                f"    fastest {versions['after']} / fastest {versions['before']}: {format_ratio(fastest)}x", flush=True
+            )
+            results[kind.name] = {
+                "versions": versions,
+                "seconds": times,
+                "ratio_median": ratios.median,
+                "fastest_ratio": fastest,
+            }
             for path in paths.values():
                 shutil.rmtree(path)
             del state, target
@@ -745,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {sys.executable} {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, safetensors {safetensors.__version__}, shardkeep {sk.__version__}")
     print(f"load average at start: {start_load}")
-    print(f"repetitions: {args.reps}, pretouch before each timed step: {pretouch_bytes / GiB:g} GiB")
+    repetitions = f"keyed pairs: {args.keyed_pairs}" if args.keyed_pairs else f"repetitions: {args.reps}"
+    print(f"{repetitions}, pretouch before each timed step: {pretouch_bytes / GiB:g} GiB")
 
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
