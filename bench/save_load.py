@@ -42,6 +42,17 @@ Run from the repository root::
     .venv/bin/python bench/save_load.py              # full size, 5 repetitions (several minutes)
     .venv/bin/python bench/save_load.py --quick --reps 2
     .venv/bin/python bench/save_load.py --dir /scratch --json results.json
+    .venv/bin/python bench/save_load.py --keyed-pairs 10    # keyed load, format 2.1 against 2.0
+
+**Keyed loads before and after** (``--keyed-pairs N``, instead of the tables): the 1 GiB mixed
+workload (``--keyed-size-mib``) is saved twice, as this version writes it and with
+``WriteOptions(block_size=0)``, which writes exactly what the previous format wrote; once as
+DTensors on a one-rank gloo group (format 2.1 against 2.0: a chunk of 2.0 carries a digest of its
+own, which a whole-file check proves in the same pass as the file's), loaded into a resident
+state of DTensors as a sharded restore does, and once as plain tensors (1.4 against 1.3), loaded
+as a new state. Each is loaded with ``digest="cryptographic"`` (what a load under a public key
+checks) in N alternating pairs; printed: each side's median (min-max) and the per-pair ratio
+after/before (median, min-max; below 1: the current format loads faster).
 """
 
 from __future__ import annotations
@@ -493,6 +504,111 @@ def warm_up_code_paths(scratch: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Keyed loads before and after format 2.1 (--keyed-pairs)
+
+
+@dataclass(frozen=True)
+class KeyedKind:
+    """One kind of state for :func:`run_keyed_pairs`: the name printed, how the state is built
+    from the workload's tensors, and the manifest versions its two saves must have."""
+
+    name: str
+    after_version: str
+    before_version: str
+
+
+KEYED_KINDS = (
+    KeyedKind("sharded (DTensors on one rank)", after_version="2.1", before_version="2.0"),
+    KeyedKind("plain tensors", after_version="1.4", before_version="1.3"),
+)
+
+
+def load_keyed(path: str, into: dict[str, Any] | None) -> float:
+    """One timed load with every cryptographic digest checked (what a load under a public key
+    checks): into ``into`` (copied into its tensors, which are resident), or as a new state
+    whose every page is touched before the clock stops."""
+    gc.collect()
+    start = time.perf_counter()
+    loaded = sk.load(path, into=into, digest="cryptographic")
+    if into is None:
+        touch_pages(loaded)
+    elapsed = time.perf_counter() - start
+    del loaded
+    return elapsed
+
+
+def run_keyed_pairs(pairs: int, size_mib: int, scratch: str, pretouch_bytes: int) -> dict[str, Any]:
+    """Alternating pairs of keyed loads (``digest="cryptographic"``) of the same state saved
+    twice: as this version writes it (format 2.1 with DTensors, 1.4 without) and with
+    ``WriteOptions(block_size=0)`` (exactly 2.0/1.3, what the previous release wrote). The two
+    take turns to go first; before each load the garbage collector runs and memory is
+    pretouched. Returns, per kind, both loads' seconds and the per-pair ratios after/before."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{scratch}/process-group", rank=0, world_size=1)
+    results: dict[str, Any] = {}
+    try:
+        workload = build_mixed_workload(size_mib * MiB)
+        mesh = init_device_mesh("cpu", (1,))
+        print(f"\nkeyed loads: {workload.label}, {workload.count} tensors, {pairs} alternating pairs", flush=True)
+        for kind in KEYED_KINDS:
+            # DTensors are loaded into a resident target, as a sharded restore does: a new state
+            # would be freshly allocated memory, whose first touch is slow on these VMs.
+            state: dict[str, Any] = workload.state
+            target: dict[str, Any] | None = None
+            if kind.after_version.startswith("2."):
+                state = {key: distribute_tensor(t, mesh, [Shard(0)]) for key, t in workload.state.items()}
+                target = {key: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for key, t in state.items()}
+            paths = {"after": os.path.join(scratch, "keyed-after"), "before": os.path.join(scratch, "keyed-before")}
+            sk.save(state, paths["after"])
+            sk.save(state, paths["before"], options=sk.WriteOptions(block_size=0))
+            versions = {side: sk.read_manifest(path).metadata_version for side, path in paths.items()}
+            expected = {"after": kind.after_version, "before": kind.before_version}
+            if versions != expected:
+                raise SystemExit(f"{kind.name}: saved formats {versions}, expected {expected}")
+            for side, path in paths.items():  # untimed warm-up, and the loaded tensors checked
+                loaded = sk.load(path, into=target, digest="cryptographic")
+                local = {key: getattr(value, "to_local", lambda value=value: value)() for key, value in loaded.items()}
+                problems = check_loaded(f"keyed {side}", workload, local)
+                del local
+                del loaded
+                if problems:
+                    raise SystemExit("; ".join(problems[:5]))
+            times: dict[str, list[float]] = {"after": [], "before": []}
+            for pair in range(pairs):
+                for side in ("after", "before") if pair % 2 == 0 else ("before", "after"):
+                    pretouch(pretouch_bytes)
+                    times[side].append(load_keyed(paths[side], target))
+            ratios = per_rep_ratios(times["after"], times["before"])
+            print(f"  {kind.name}: format {versions['after']} against {versions['before']}")
+            for side in ("after", "before"):
+                spread = Spread.of(times[side])
+                print(
+                    f"    {versions[side]}: {spread.median:.3f} s ({spread.low:.3f}-{spread.high:.3f}),"
+                    f" {throughput_text(workload, spread.median)}"
+                )
+            fastest = min(times["after"]) / min(times["before"])
+            print(f"    per-pair ratio {versions['after']}/{versions['before']}: {ratios.ratio_text()}", flush=True)
+            print(
+                f"    fastest {versions['after']} / fastest {versions['before']}: {format_ratio(fastest)}x", flush=True
+            )
+            results[kind.name] = {
+                "versions": versions,
+                "seconds": times,
+                "ratio_median": ratios.median,
+                "fastest_ratio": fastest,
+            }
+            for path in paths.values():
+                shutil.rmtree(path)
+            del state, target
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+# --------------------------------------------------------------------------------------------
 # Reporting
 
 
@@ -611,9 +727,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of every contender (default 5)")
     parser.add_argument("--dir", help="scratch directory (a fresh subdirectory is made in it and removed at the end)")
     parser.add_argument("--json", help="also write the results as JSON to this path")
+    parser.add_argument(
+        "--keyed-pairs",
+        type=int,
+        default=0,
+        help="instead of the tables: this many alternating pairs of keyed loads (digest='cryptographic'),"
+        " format 2.1/1.4 against the same state saved with block_size=0 (2.0/1.3)",
+    )
+    parser.add_argument(
+        "--keyed-size-mib", type=int, default=1024, help="the keyed loads' mixed workload (default 1024: 1 GiB)"
+    )
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if args.keyed_pairs < 0 or args.keyed_size_mib < 1:
+        parser.error("--keyed-pairs must be at least 0 and --keyed-size-mib at least 1")
     return args
 
 
@@ -626,12 +754,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {sys.executable} {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, safetensors {safetensors.__version__}, shardkeep {sk.__version__}")
     print(f"load average at start: {start_load}")
-    print(f"repetitions: {args.reps}, pretouch before each timed step: {pretouch_bytes / GiB:g} GiB")
+    repetitions = f"keyed pairs: {args.keyed_pairs}" if args.keyed_pairs else f"repetitions: {args.reps}"
+    print(f"{repetitions}, pretouch before each timed step: {pretouch_bytes / GiB:g} GiB")
 
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="shardkeep-bench-", dir=args.dir or "/tmp")
     print(f"scratch directory: {scratch}")
+    if args.keyed_pairs:
+        try:
+            keyed = run_keyed_pairs(args.keyed_pairs, args.keyed_size_mib, scratch, pretouch_bytes)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print(f"\npeak RSS: {peak_rss_mib():.0f} MiB")
+        print(f"load average at end: {load_average()}")
+        if args.json:
+            with open(args.json, "w") as file:
+                json.dump({"command": [sys.executable, *sys.argv], "keyed_pairs": keyed}, file, indent=2)
+        return 0
     runner = Runner(reps=args.reps, pretouch_bytes=pretouch_bytes, scratch=scratch)
     workloads: dict[str, Workload] = {}
     try:

@@ -17,10 +17,11 @@ import zstandard
 from shardkeep import WriteOptions
 from shardkeep.errors import StorageError
 from shardkeep.integrity import digest_bytes
-from shardkeep.io import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, _digest_view, check_shard, write_shards
+from shardkeep.io import _digest_view, check_shard
 from shardkeep.manifest import FileRecord, TensorEntry
 from shardkeep.storage.memory import MemoryStore
 from shardkeep.tensors.shardfile import build_header
+from shardkeep.writes import SMALL_TENSOR_BYTES, ByteBudget, ShardPlan, write_shards
 
 MiB = 1 << 20
 
@@ -373,17 +374,17 @@ def test_the_quick_header_comparison_agrees_with_the_full_check(
     import torch
 
     import shardkeep as sk
-    from shardkeep import io as shard_io
+    from shardkeep import writes as shard_writes
     from shardkeep.tensors.shardfile import built_header_agrees, check_header, parse_built_header
 
     plans: list[ShardPlan] = []
-    real = shard_io._refuse_disagreeing_header
+    real = shard_writes._refuse_disagreeing_header
 
     def keep(plan: ShardPlan) -> None:
         plans.append(plan)
         real(plan)
 
-    monkeypatch.setattr(shard_io, "_refuse_disagreeing_header", keep)
+    monkeypatch.setattr(shard_writes, "_refuse_disagreeing_header", keep)
     state = {
         "f32": torch.randn(3, 4),
         "c128": torch.randn(2, dtype=torch.complex128),

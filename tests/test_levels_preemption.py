@@ -31,9 +31,9 @@ import torch
 
 import shardkeep as sk
 from shardkeep.distributed.coordinator import Coordinator
-from shardkeep.io import WriteControl, stop_writes_on
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, PreemptionHandler
 from shardkeep.levels.status import level_copies
+from shardkeep.writes import WriteControl, stop_writes_on
 from tests.support.distributed_harness import free_port, results_or_raise, run_ranks
 
 REPOSITORY = Path(__file__).resolve().parents[1]

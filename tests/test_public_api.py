@@ -158,6 +158,7 @@ TORCH_FREE = [
     "shardkeep.tensors.keys",
     "shardkeep.tensors.coverage",
     "shardkeep.io",
+    "shardkeep.writes",
     "shardkeep.distributed.commit",
     "shardkeep.verification",
     "shardkeep.retention",

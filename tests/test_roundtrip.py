@@ -15,10 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardkeep as sk
-from shardkeep.io import ByteBudget
 from shardkeep.saving import SaveSettings, run_save
 from shardkeep.tensors.convert import TORCH_TO_NAME
 from shardkeep.tensors.shardfile import header_form
+from shardkeep.writes import ByteBudget
 
 ALL_TORCH_DTYPES = list(TORCH_TO_NAME)
 

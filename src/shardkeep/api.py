@@ -222,7 +222,7 @@ def load(
     checked before any tensor is built or any target modified.
 
     ``select`` (a :class:`~shardkeep.options.LoadSelection`: tiers, sections, ``extra``,
-    ``lazy``) reads a part of the checkpoint: only the files holding it (and, in format 2.0, only
+    ``lazy``) reads a part of the checkpoint: only the files holding it (and, in format 2.x, only
     the rank indexes that list its chunks). With ``into``, a partial load fills only what it read
     and leaves the rest of ``into`` as it is; keys of ``into`` that the checkpoint lacks are an
     error either way. ``tier_locations`` maps a tier name to where its files are now (a path, URL

@@ -27,7 +27,6 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.errors import RetentionError, SaveInProgressError
 from shardkeep.integrity import SignaturePolicy
-from shardkeep.io import ABANDONED
 from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
 from shardkeep.saving import SaveJob, SaveSettings, state_sections
@@ -36,6 +35,7 @@ from shardkeep.verification import (
     locate,
     read_checked_manifest,
 )
+from shardkeep.writes import ABANDONED
 
 logger = logging.getLogger("shardkeep")
 
@@ -313,7 +313,7 @@ def _register_exit_hook() -> None:
     new futures after interpreter shutdown"), and every write goes through a pool. Hooks
     registered with ``threading._register_atexit`` run in reverse order of registration at the
     start of shutdown, and ``concurrent.futures.thread`` registered its hook when it was
-    imported (``shardkeep.io`` imports it), so ours, registered later, runs first.
+    imported (``shardkeep.writes`` imports it), so ours, registered later, runs first.
     ``atexit`` would run too late: after the pools have shut down.
     """
     register = getattr(threading, "_register_atexit", None)
@@ -379,6 +379,6 @@ def _finish_through_store(job: SaveJob) -> Manifest:
     job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", job.write_payload, complete, job.abort)
     if committed:
         return committed[0]
-    # The manifest alone, as the coordinator returns it: a format 2.0 manifest's rank indexes
+    # The manifest alone, as the coordinator returns it: a format 2.x manifest's rank indexes
     # are not read (every rank reading every index would cost tensors x ranks).
     return read_checked_manifest(job.location, SignaturePolicy(), expand=False)

@@ -246,7 +246,7 @@ class CheckpointRoot:
         return store
 
     def _expanded(self, name: str, manifest: Manifest) -> Manifest:
-        """A format 2.0 manifest with its rank indexes expanded: every file of the checkpoint,
+        """A format 2.x manifest with its rank indexes expanded: every file of the checkpoint,
         for the few steps that need them (deleting it; the references of an incremental one).
         Scans and listings read the manifest alone: at a thousand ranks, the indexes of one
         checkpoint are hundreds of megabytes."""
@@ -590,7 +590,7 @@ class CheckpointRoot:
         unreadable = list(unreadable)
         if manifest is not None:
             try:
-                manifest = self._expanded(name, manifest)  # every file of it (format 2.0: in its indexes)
+                manifest = self._expanded(name, manifest)  # every file of it (format 2.x: in its indexes)
             except StorageError:
                 raise
             except ShardkeepError as exc:
@@ -770,7 +770,7 @@ class CheckpointRoot:
             for record in manifest.files:
                 if locations.get(record.tier) is None:
                     used.setdefault(record.ref or owner_name, set()).add(record.path.partition("/")[0])
-            for path in index_paths(manifest):  # format 2.0: the rank indexes sit in the attempt too
+            for path in index_paths(manifest):  # format 2.x: the rank indexes sit in the attempt too
                 used.setdefault(owner_name, set()).add(path.partition("/")[0])
         for name, info in self.store.list_dir(""):
             if step_of_name(name) is None or info.kind != "dir" or name in unreadable:

@@ -1,7 +1,7 @@
-"""The rank indexes of a format 2.0 checkpoint: encoding one, reading and checking one, which
+"""The rank indexes of a format 2.x checkpoint: encoding one, reading and checking one, which
 ranks' indexes a load needs, and the expanded view (the 1.x shape) built from them.
 
-A format 2.0 manifest (:class:`~shardkeep.manifest.IndexedManifest`) describes each regularly
+A format 2.x manifest (:class:`~shardkeep.manifest.IndexedManifest`) describes each regularly
 sharded tensor once; the files and chunk entries each rank wrote for them are in that rank's
 index, ``index/rank_NNNNN.json``, whose size and digest the manifest records. The chain of trust
 stays whole: signature -> manifest seal -> index digest -> file digests -> data.
@@ -93,7 +93,7 @@ def encode_index(rank: int, files: list[FileRecord], version: str = WRITTEN_INDE
 
 
 def index_paths(manifest: Manifest) -> list[str]:
-    """The index files of a format 2.0 manifest (none for 1.x)."""
+    """The index files of a format 2.x manifest (none for 1.x)."""
     if not isinstance(manifest, IndexedManifest):
         return []
     return [record.path for record in manifest.index_records()]
@@ -162,7 +162,7 @@ class _Layouts:
 
 
 def layouts_of(manifest: IndexedManifest) -> _Layouts:
-    """The grids and mesh coordinates of a format 2.0 manifest, to share between the
+    """The grids and mesh coordinates of a format 2.x manifest, to share between the
     :func:`read_index` calls of one reading."""
     return _Layouts(manifest)
 
@@ -453,5 +453,5 @@ def expand_all(store: ByteStore, name: str, manifest: Manifest, *, limits: Manif
 
 
 def is_partial_view(manifest: Manifest) -> bool:
-    """Whether ``manifest`` is a format 2.0 manifest without some of its indexes expanded."""
+    """Whether ``manifest`` is a format 2.x manifest without some of its indexes expanded."""
     return isinstance(manifest, IndexedManifest) and bool(manifest.index_records()) and not manifest.complete

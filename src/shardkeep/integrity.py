@@ -47,7 +47,15 @@ from shardkeep.errors import (
     UnsafePathError,
     UnsupportedValueError,
 )
-from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, FAST_DIGEST, SEAL_FIELD, FileRecord, Manifest, TensorEntry
+from shardkeep.manifest import (
+    FAST_BLOCK_DIGEST_BYTES,
+    FAST_DIGEST,
+    SEAL_FIELD,
+    STRONG_BLOCK_DIGEST_BYTES,
+    FileRecord,
+    Manifest,
+    TensorEntry,
+)
 from shardkeep.storage import localfs
 
 if TYPE_CHECKING:
@@ -57,14 +65,19 @@ __all__ = [
     "CRYPTOGRAPHIC_DIGESTS",
     "BlockDigester",
     "DualDigester",
+    "FULL_BLOCK_DIGEST_BYTES",
     "PASSPHRASE_ENV",
     "SIGNATURE_DOMAIN",
     "Digester",
     "SignaturePolicy",
     "SignatureStatus",
     "block_digests",
+    "block_width",
+    "blocks_check",
+    "blocks_strong",
     "check_signature",
     "check_signed_digests",
+    "fast_block_digests",
     "file_kind",
     "format_digest",
     "generate_key_pair",
@@ -154,6 +167,55 @@ def block_digests(view: bytes | bytearray | memoryview, block_size: int, strong:
         elif strong == "sha256":
             parts.append(hashlib.sha256(block).digest())
     return b"".join(parts)
+
+
+#: Bytes of one block digest with its strong half: 16 of xxh3-128, then 32 of the strong digest.
+FULL_BLOCK_DIGEST_BYTES = FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES
+
+
+def block_width(record: FileRecord, entry: TensorEntry) -> int:
+    """The bytes per block of ``entry.blocks``: :data:`FULL_BLOCK_DIGEST_BYTES` with a strong
+    half, ``FAST_BLOCK_DIGEST_BYTES`` fast-only, or 0 when the entry has no usable blocks (none
+    recorded, no block size, a compressed file, an empty entry, or a length that fits neither
+    width)."""
+    if not entry.blocks or record.block_size <= 0 or record.compression is not None or not entry.nbytes:
+        return 0
+    count = -(-entry.nbytes // record.block_size)
+    for width in (FULL_BLOCK_DIGEST_BYTES, FAST_BLOCK_DIGEST_BYTES):
+        if len(entry.blocks) == count * width:
+            return width
+    return 0
+
+
+def blocks_strong(record: FileRecord, entry: TensorEntry) -> str | None:
+    """The algorithm of the strong half of ``entry``'s block digests (the save's, named by the
+    file's digest), or ``None`` when its blocks are fast-only or unusable."""
+    if record.digest and block_width(record, entry) == FULL_BLOCK_DIGEST_BYTES:
+        return record.digest.partition(":")[0]
+    return None
+
+
+def blocks_check(record: FileRecord, entry: TensorEntry, *, strong: bool) -> bool:
+    """Whether ``entry``'s block digests alone can check a read of it: any usable blocks for a
+    fast check; with ``strong``, blocks with a cryptographic strong half, or fast-only blocks
+    of a save whose own digest is xxh3-128 (its blocks are then as strong as its file digest)."""
+    width = block_width(record, entry)
+    if not width or not record.digest:
+        return False
+    if not strong:
+        return True
+    algorithm = record.digest.partition(":")[0]
+    if width == FAST_BLOCK_DIGEST_BYTES:
+        return algorithm == FAST_DIGEST
+    return algorithm in CRYPTOGRAPHIC_DIGESTS
+
+
+def fast_block_digests(blocks: bytes, width: int) -> bytes:
+    """The xxh3-128 half of each block digest of ``blocks`` (``width`` bytes per block, from
+    :func:`block_width`): ``blocks`` itself when they are fast-only."""
+    if width == FAST_BLOCK_DIGEST_BYTES:
+        return blocks
+    return b"".join(blocks[start : start + FAST_BLOCK_DIGEST_BYTES] for start in range(0, len(blocks), width))
 
 
 def _one_shot(algorithm: str) -> Callable[[memoryview], bytes]:
@@ -516,24 +578,16 @@ def uncovered_digests(manifest: Manifest, manifest_bytes: bytes) -> list[str]:
     found += [
         f"{record.path}:{entry.key}"
         for record, entry in manifest.iter_tensors()
-        if weak(entry.digest) or (entry.global_offset is not None and _fast_only_blocks(record, entry))
+        if weak(entry.digest)
+        or (entry.global_offset is not None and block_width(record, entry) == FAST_BLOCK_DIGEST_BYTES)
     ]
-    table = getattr(manifest, "indexes", None)  # format 2.0: the rank indexes' digests
+    table = getattr(manifest, "indexes", None)  # format 2.x: the rank indexes' digests
     if table is not None and table.ranks and table.algorithm not in CRYPTOGRAPHIC_DIGESTS:
         found.append("indexes")
     seal = _SEAL.search(manifest_bytes[-256:])
     if seal is None or seal.group(1).decode() not in CRYPTOGRAPHIC_DIGESTS:
         found.append(SEAL_FIELD)
     return found
-
-
-def _fast_only_blocks(record: FileRecord, entry: TensorEntry) -> bool:
-    """Whether ``entry`` has blocks with no strong digest (16 bytes each): a ranged read of such
-    a chunk could be checked only with xxh3-128, which a signature cannot vouch for."""
-    if not entry.blocks or record.block_size <= 0:
-        return False
-    count = -(-entry.nbytes // record.block_size)
-    return count > 0 and len(entry.blocks) == count * FAST_BLOCK_DIGEST_BYTES
 
 
 def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey, manifest: Manifest) -> bytes:

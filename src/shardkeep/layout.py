@@ -49,7 +49,7 @@ _BLOCKS_PER_CHUNK = 32
 
 class PlannedItem:
     """One tensor (or DTensor chunk) to write: its description, and a
-    :class:`~shardkeep.io.TensorSource` over its bytes."""
+    :class:`~shardkeep.writes.TensorSource` over its bytes."""
 
     __slots__ = (
         "address",
@@ -162,7 +162,7 @@ def assign_blocks(record: FileRecord, group: list[PlannedItem], block_size: int)
 def _check_on_grid(
     key: str, layout: Layout, global_shape: list[int], offset: list[int], shape: list[int], coordinate: list[int]
 ) -> None:
-    """Refuse a chunk that is not where its placements put it: a format 2.0 manifest records
+    """Refuse a chunk that is not where its placements put it: a format 2.x manifest records
     the grid, not the chunk, so a chunk off the grid would otherwise be lost silently."""
     dims = parse_placements(layout[3], len(global_shape))
     assert dims is not None
@@ -216,7 +216,7 @@ def plan_files(
     for item in planned:
         key = item.leaf.key
         # Chunks on a regular grid go to "_sharded" files (listed in the rank's index in format
-        # 2.0); other chunks to "_chunks" files (listed in the manifest).
+        # 2.x); other chunks to "_chunks" files (listed in the manifest).
         sharded = "" if item.global_offset is None else "_sharded" if item.layout is not None else "_chunks"
         section = (sections or {}).get(key)
         if section is not None:

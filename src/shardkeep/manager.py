@@ -33,7 +33,7 @@ from shardkeep.catalog import (
     load_config_file,
     misnamed_problem,
 )
-from shardkeep.config import ManifestLimits, WriteOptions
+from shardkeep.config import LoadOptions, ManifestLimits, WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator
 from shardkeep.errors import (
     CheckpointExistsError,
@@ -693,6 +693,7 @@ class CheckpointManager:
         *,
         step: int | None = None,
         allow_fingerprint_change: bool = False,
+        digest: Literal["fast", "cryptographic"] | None = None,
     ) -> Restored:
         """Load the newest checkpoint that verifies (or checkpoint ``step``).
 
@@ -707,7 +708,21 @@ class CheckpointManager:
         from ``into``'s (or the manager's ``fingerprint``) raises
         :class:`~shardkeep.errors.FingerprintMismatchError` with a field-by-field diff, unless
         ``allow_fingerprint_change``. A resumed run takes the restored checkpoint's run id.
+
+        ``digest`` chooses which recorded digests are checked, as in :func:`shardkeep.load`:
+        ``None`` (the default) the cryptographic ones under the manager's ``public_key``, else the
+        fast ones (xxh3-128) where the checkpoints record them; ``"cryptographic"`` the save's
+        own algorithm without a key. ``"fast"`` with a ``public_key`` is a
+        :class:`~shardkeep.errors.ConfigError`, raised before anything is read. A checkpoint
+        that records no cryptographic digest (saved with ``digest="xxh3-128"``) cannot be
+        checked with ``"cryptographic"``: it is skipped like a damaged one.
         """
+        LoadOptions(digest=digest)  # a ConfigError names a value load() does not take
+        if digest == "fast" and self.signatures.public_key is not None:
+            raise ConfigError(
+                "digest='fast' with the manager's public_key: the signature covers the data only through the "
+                "cryptographic digests; use digest=None or 'cryptographic'"
+            )
         with self._lock:
             self.wait()
             if step is not None:
@@ -716,7 +731,7 @@ class CheckpointManager:
             candidates = coordinator.on_coordinator("list checkpoints", lambda: self._candidates(step))
             skipped: builtins.list[tuple[str, str]] = []
             for name in candidates:
-                kind, detail, result = self._try_load(name, into, allow_fingerprint_change)
+                kind, detail, result = self._try_load(name, into, allow_fingerprint_change, digest)
                 outcomes = coordinator.all_gather((kind, detail), label=f"restore {name}")
                 errors = [(rank, d) for rank, (k, d) in enumerate(outcomes) if k == "error"]
                 if errors:
@@ -781,7 +796,9 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"no {which}{of_run} in {self.catalog.display}")
         return names
 
-    def _try_load(self, name: str, into: Any, allow_fingerprint_change: bool) -> tuple[str, str, Any]:
+    def _try_load(
+        self, name: str, into: Any, allow_fingerprint_change: bool, digest: Literal["fast", "cryptographic"] | None
+    ) -> tuple[str, str, Any]:
         """Load ``name`` on this rank: ("ok", "", (manifest, state)), ("corrupt", why, None) to
         fall back, or ("error", why, exception) for an error that must not be skipped."""
         try:
@@ -806,20 +823,20 @@ class CheckpointManager:
                 # model_args and config, which stay the caller's (they matched, or the change
                 # was allowed).
                 target = {k: v for k, v in into.to_state().items() if k in FILLED and v is not None}
-                self._load(name, target, manifest)
+                self._load(name, target, manifest, digest)
                 into._update_from({k: v for k, v in target.items() if k not in ("model_args", "config")})
                 state: Any = into
             elif into is None and training:
-                state = TrainingCheckpoint.from_state(self._load(name, None, manifest))
+                state = TrainingCheckpoint.from_state(self._load(name, None, manifest, digest))
             else:
-                state = self._load(name, into, manifest)
+                state = self._load(name, into, manifest, digest)
         except (IntegrityError, ManifestError, CheckpointNotFoundError) as exc:
             return ("corrupt", f"{type(exc).__name__}: {exc}", None)
         except ShardkeepError as exc:
             return ("error", f"{type(exc).__name__}: {exc}", exc)
         return ("ok", "", (manifest, state))
 
-    def _load(self, name: str, into: Any, manifest: Manifest) -> Any:
+    def _load(self, name: str, into: Any, manifest: Manifest, digest: Literal["fast", "cryptographic"] | None) -> Any:
         return api.load(
             name,
             into=into,
@@ -830,6 +847,7 @@ class CheckpointManager:
             require_signature=self.signatures.required,
             limits=self.limits,
             tier_locations=self.catalog.tiers_remapped(manifest),
+            digest=digest,
         )
 
     def _check_fingerprint(self, name: str, manifest: Manifest, into: Any, allowed: bool) -> None:

@@ -97,7 +97,7 @@ POINTERS = ("last", "best")
 #: under ``<checkpoint>/attempt-<id>/``: a prefix no other attempt uses, so nothing is ever
 #: overwritten (see :mod:`shardkeep.distributed.commit`).
 ATTEMPT_PREFIX = "attempt-"
-#: The directory of the rank indexes of a format 2.0 checkpoint.
+#: The directory of the rank indexes of a format 2.x checkpoint.
 INDEX_DIRECTORY = "index/"
 #: Hugging Face folders: the previous folder during a replacement is ``.<name>.old-<id>``.
 HF_OLD_MARKER = ".old-"
@@ -253,7 +253,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def index_path(rank: int) -> str:
-    """Where the index of ``rank`` lies in a format 2.0 checkpoint."""
+    """Where the index of ``rank`` lies in a format 2.x checkpoint."""
     return f"{INDEX_DIRECTORY}rank_{rank:05d}.json"
 
 

@@ -174,7 +174,7 @@ def read_checked_manifest(
     expand: bool = True,
 ) -> Manifest:
     """Read the manifest, check its signature as ``policy`` says (before parsing), then parse
-    and validate it. A format 2.0 manifest is expanded with every rank index (checked; see
+    and validate it. A format 2.x manifest is expanded with every rank index (checked; see
     :mod:`shardkeep.indexes`) unless ``expand=False``, which returns the manifest alone (what a
     load reads before it expands only the indexes it needs)."""
     data = read_manifest_bytes(location, limits)
@@ -201,7 +201,7 @@ def read_manifest(
 ) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``. With ``public_key`` (an
     ``Ed25519PublicKey`` or the path of a PEM file), ``manifest.sig`` is checked first; see
-    :func:`verify` for ``require_signature``. A format 2.0 manifest comes with every rank index
+    :func:`verify` for ``require_signature``. A format 2.x manifest comes with every rank index
     read, checked and expanded into its ``files``, so that it reads like a 1.x manifest."""
     policy = SignaturePolicy.of(public_key, require_signature)
     return read_checked_manifest(locate(path, storage, storage_options), policy, limits)
@@ -417,7 +417,7 @@ def file_set_problems(
     if holds is not None:
         allowed |= {NODE_PART_FILENAME, *expected}
         expected = {path: record for path, record in expected.items() if record is None or path in holds}
-    # A load of a format 2.0 checkpoint expands only the indexes it needs: the files the others
+    # A load of a format 2.x checkpoint expands only the indexes it needs: the files the others
     # list are not known, so only missing files are reported.
     complete = not is_partial_view(manifest)
     problems: list[str] = []
@@ -562,7 +562,7 @@ def _verify_consistency(report: VerifyReport, manifest: Manifest, limits: Manife
 def _verify_indexes(
     report: VerifyReport, location: CheckpointLocation, manifest: IndexedManifest, limits: ManifestLimits | None
 ) -> Manifest | None:
-    """Phase 2b of :func:`verify` (format 2.0): read and check every rank index, reporting each
+    """Phase 2b of :func:`verify` (format 2.x): read and check every rank index, reporting each
     bad one, then check that all chunks together tile each tensor exactly once. Returns the
     expanded manifest, or ``None`` when a problem stops the check here."""
     parts = []

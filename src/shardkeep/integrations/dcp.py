@@ -5,7 +5,7 @@ shardkeep checkpoints.
 ``ShardkeepWriter(path)`` writes each rank's items as safetensors files under ``shards/`` of a
 staging directory that the coordinator opens in ``prepare_global_plan`` (its name reaches every
 rank in its plan's ``storage_data``), with a digest computed while writing and every file
-fsynced (:func:`shardkeep.io.write_shards`); in ``finish`` the coordinator writes the manifest
+fsynced (:func:`shardkeep.writes.write_shards`); in ``finish`` the coordinator writes the manifest
 last, optionally signs it, and commits (:class:`~shardkeep.distributed.commit.CheckpointCommit`).
 The result is an ordinary 1.x checkpoint (``metadata_version`` 1.4, or 1.3 with
 ``WriteOptions(block_size=0)``) that ``shardkeep verify`` and
@@ -74,7 +74,7 @@ from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.errors import ConfigError, IntegrityError, ManifestError, StateMismatchError, UnsupportedValueError
 from shardkeep.integrity import SignaturePolicy, load_private_key
-from shardkeep.io import ByteBudget, ShardPlan, check_shard, write_shards
+from shardkeep.io import check_shard
 from shardkeep.layout import (
     WHOLE_TENSOR_BLOCK_SIZE,
     PlannedItem,
@@ -101,6 +101,7 @@ from shardkeep.storage import LocalStore
 from shardkeep.tensors.convert import NAME_TO_TORCH, array_from_buffer
 from shardkeep.tensors.flatten import TensorLeaf, flatten_state, is_manifest_value, rebuild_state
 from shardkeep.verification import CheckpointLocation, FileResolver, locate, read_checked_manifest
+from shardkeep.writes import ByteBudget, ShardPlan, write_shards
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

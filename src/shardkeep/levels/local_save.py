@@ -2,7 +2,7 @@
 ranks' data files, committed only when every node's part is durable.
 
 On each node, ``<node root>/step_<N>/`` holds the sealed ``manifest.json`` (and
-``manifest.sig``; the same bytes on every node), every rank index of format 2.0 (all of them,
+``manifest.sig``; the same bytes on every node), every rank index of format 2.x (all of them,
 on every node, so any node can plan any load), the data files of that node's ranks only, and
 ``node-part.json`` (:class:`~shardkeep.levels.parts.NodePart`: which node, which ranks and
 files, the attempt id and the digest of the sealed manifest). Copying every node's directory
@@ -46,7 +46,7 @@ Crash windows and what a later scan (:mod:`shardkeep.levels.local_catalog`) sees
   complete although no rank returned from the save;
 - after the all-gather: committed on every node.
 
-Supported: plain and format 2.0 states, one or several ranks per node, signed saves. Not
+Supported: plain and format 2.x states, one or several ranks per node, signed saves. Not
 supported (refused): tiers with a location of their own and incremental saves. An async
 node-local save is not provided: the save blocks until step 5.
 """
@@ -64,7 +64,6 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import CheckpointExistsError, LevelConfigError, StorageError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
-from shardkeep.io import ABANDONED
 from shardkeep.levels.nodes import NodeMap
 from shardkeep.levels.parts import NodePart, encode_node_part, manifest_identity
 from shardkeep.manifest import FileRecord, IndexRecord, Manifest, index_path
@@ -78,6 +77,7 @@ from shardkeep.storage import LocalStore, adapt_store, local_path, write_new
 from shardkeep.storage.localfs import current as current_fs
 from shardkeep.storage.localfs import fsync_directory_path, retire_and_remove, storage_error
 from shardkeep.verification import CheckpointLocation
+from shardkeep.writes import ABANDONED
 
 __all__ = ["NodeLocalSaveJob", "Sealed", "attempt_of", "node_location", "save_node_local"]
 
@@ -245,7 +245,7 @@ class NodeLocalSaveJob(SaveJob):
     def publish(self, sealed: Sealed) -> None:
         """On a node leader: complete this node's staging directory and rename it to the step's
         name (nothing on the other ranks). A rank whose writes were stopped (its
-        :class:`~shardkeep.io.WriteControl`, e.g. by a second preemption signal) refuses
+        :class:`~shardkeep.writes.WriteControl`, e.g. by a second preemption signal) refuses
         instead, so that every node removes this attempt (step 5)."""
         if self.control.stopped():
             raise StorageError(f"node {self.node}, rank {self.coordinator.rank}: {ABANDONED} before its commit")

@@ -21,7 +21,7 @@ parts, in the order they run:
 4. **The emergency** (:meth:`PreemptionHandler.run_emergency`, every rank): the drains in flight
    get at most ``drain_seconds`` (default: half of what is left of ``grace_seconds``), then the
    ones still copying are abandoned (nothing committed; their staging removed); the state is
-   saved once to the fastest level, inside :func:`~shardkeep.io.stop_writes_on` the repeat event;
+   saved once to the fastest level, inside :func:`~shardkeep.writes.stop_writes_on` the repeat event;
    its peer replicas get what is left of the grace period (less :data:`EXIT_MARGIN_SECONDS`), so
    that the emergency checkpoint survives the loss of its node when time allows; then
    :class:`SystemExit` with ``exit_code`` (the save committed) or ``aborted_exit_code`` (no
@@ -46,7 +46,7 @@ from typing import NoReturn
 
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import ConfigError, PreemptionHandlerError, ShardkeepError
-from shardkeep.io import ABANDONED, stop_writes_on
+from shardkeep.writes import ABANDONED, stop_writes_on
 
 __all__ = [
     "DEBOUNCE_SECONDS",

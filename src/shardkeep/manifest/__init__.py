@@ -9,7 +9,7 @@ The package's modules, from the bottom: :mod:`~shardkeep.manifest.schema` (the s
 format's constants), :mod:`~shardkeep.manifest.codec` (encoding, the typed fast path and the
 strict decoder), :mod:`~shardkeep.manifest.coverage` (whether chunks tile their tensors),
 :mod:`~shardkeep.manifest.validate_columns` (the column pass),
-:mod:`~shardkeep.manifest.format2` (the checks of format 2.0) and
+:mod:`~shardkeep.manifest.format2` (the checks of format 2.x) and
 :mod:`~shardkeep.manifest.validate` (validation entry by entry). The names of things on disk
 (``manifest.json``, the staging marker ...) live in :mod:`shardkeep.names` and are re-exported
 here. Nothing in this package imports torch; the field-by-field description is in

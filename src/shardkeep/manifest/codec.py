@@ -294,7 +294,7 @@ _COUNT_CAP = 2**62
 
 
 def _counts(manifest: Manifest) -> tuple[int, int]:
-    """(files, tensor entries) that the limits bound: a format 2.0 manifest's rank indexes
+    """(files, tensor entries) that the limits bound: a format 2.x manifest's rank indexes
     count as files, and its described tensors, every instance of a tensor family (counted, not
     built) included, as entries."""
     files, tensors = len(manifest.files), sum(len(record.tensors) for record in manifest.files)

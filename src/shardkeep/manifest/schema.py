@@ -104,7 +104,7 @@ FAST_DIGEST = "xxh3-128"
 FAST_BLOCK_DIGEST_BYTES = 16
 STRONG_BLOCK_DIGEST_BYTES = 32
 INDEX_FORMAT = "shardkeep-index"
-#: The most ranks a format 2.0 mesh may have (its rank list is built when an index is read).
+#: The most ranks a format 2.x mesh may have (its rank list is built when an index is read).
 MAX_MESH_RANKS = 1 << 20
 #: The most (mesh coordinates x split factor) of a ``_StridedShard`` grid, whose chunks a
 #: reader works out one coordinate and one piece at a time.
@@ -462,7 +462,7 @@ _GLOBAL_OFFSET = operator.attrgetter("global_offset")
 
 
 class Mesh(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """A device mesh (format 2.0): its shape, and its global ranks in row-major order of the
+    """A device mesh (format 2.x): its shape, and its global ranks in row-major order of the
     mesh coordinates (absent: ``0, 1, ...``, the usual case)."""
 
     shape: list[int]
@@ -473,7 +473,7 @@ class Mesh(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class ShardedTensor(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """A regularly sharded tensor (format 2.0), described once: its chunks are computed from
+    """A regularly sharded tensor (format 2.x), described once: its chunks are computed from
     ``global_shape``, the mesh and the placements (``"R"``: replicated over that mesh
     dimension; ``"S<d>"``: tensor dimension ``d`` split over it, as ``torch.chunk`` splits).
     Which file holds each chunk is in the index of the rank that wrote it."""
@@ -490,7 +490,7 @@ class ShardedTensor(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class IndexRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """One rank's index file (format 2.0), ``index/rank_NNNNN.json``: its path (on an object
+    """One rank's index file (format 2.x), ``index/rank_NNNNN.json``: its path (on an object
     store, below the save attempt's prefix, as data files are), size and digest."""
 
     rank: int
@@ -502,7 +502,7 @@ class IndexRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class IndexTable(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """The rank indexes of a format 2.0 manifest, one column per field, so that each rank
+    """The rank indexes of a format 2.x manifest, one column per field, so that each rank
     costs about 80 bytes of the manifest: rank ``ranks[i]``'s index is
     ``{prefix}index/rank_NNNNN.json``, of ``sizes[i]`` bytes and digest
     ``{algorithm}:{digests[i]}``. ``prefix`` is the save attempt's directory on an object
@@ -556,7 +556,7 @@ class RankIndex(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=Fal
 
 
 class IndexedManifest(Manifest, kw_only=True, dict=True):
-    """A format 2.0 manifest: everything a 1.x manifest holds, except that the chunks of
+    """A format 2.x manifest: everything a 1.x manifest holds, except that the chunks of
     regularly sharded tensors are not listed. ``sharded`` describes each such tensor once,
     ``meshes`` the meshes they refer to, and ``indexes`` each rank's index file, which lists
     the files that rank wrote for them and their chunk entries. A reader expands the indexes it
@@ -646,7 +646,7 @@ def parse_placements(placements: Sequence[str], ndim: int) -> tuple[int | tuple[
 
 
 def stored_bytes(manifest: Manifest) -> int:
-    """Bytes on storage of a checkpoint's data files, including (format 2.0) the files that
+    """Bytes on storage of a checkpoint's data files, including (format 2.x) the files that
     the rank indexes list when ``manifest`` is the root alone."""
     total = sum(record.stored_size for record in manifest.files)
     if isinstance(manifest, IndexedManifest):

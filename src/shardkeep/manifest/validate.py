@@ -1,7 +1,7 @@
 """Manifest validation: whether a decoded manifest is internally consistent, entry by entry.
 
 :func:`validate_manifest` never raises for bad content; it returns every problem, worded, in a
-fixed order (the top-level fields, the tiers, the files and their tensors, format 2.0's
+fixed order (the top-level fields, the tiers, the files and their tensors, format 2.x's
 described tensors and rank indexes, the state tree, the run record, the containers). The
 tensor entries and the state tree's parents are first checked a column at a time
 (:mod:`shardkeep.manifest.validate_columns`); only when that finds something are they checked

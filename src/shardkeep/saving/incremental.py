@@ -12,12 +12,12 @@ from typing import Any, NamedTuple
 from shardkeep.distributed.commit import ATTEMPT_PREFIX
 from shardkeep.errors import UnsupportedValueError
 from shardkeep.indexes import expand
-from shardkeep.io import FileDigests, ShardPlan, digest_of
 from shardkeep.layout import PlannedItem, file_header
 from shardkeep.manifest import FileRecord, IndexedManifest, Manifest, Tier
 from shardkeep.storage import ByteStore
 from shardkeep.verification import CheckpointLocation, locate, parse_manifest, read_manifest_bytes
 from shardkeep.versions import KNOWN, TensorVersions, capture
+from shardkeep.writes import FileDigests, ShardPlan, digest_of
 
 __all__ = ["IncrementalLayout", "VersionProof", "base_location", "read_base"]
 

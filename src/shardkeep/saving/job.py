@@ -37,7 +37,6 @@ from shardkeep.distributed.plan import (
 from shardkeep.errors import StorageError, UnsupportedValueError
 from shardkeep.indexes import encode_index
 from shardkeep.integrity import digest_bytes, load_private_key
-from shardkeep.io import ByteBudget, ShardPlan, WriteControl, write_shards
 from shardkeep.layout import WHOLE_TENSOR_BLOCK_SIZE, PlannedItem, assign_blocks, chunk_block_size, plan_files
 from shardkeep.manifest import (
     FileRecord,
@@ -78,6 +77,7 @@ from shardkeep.tensors.keys import section_of
 from shardkeep.tiers import check_tiers
 from shardkeep.tiers import place as place_on_tiers
 from shardkeep.verification import CheckpointLocation, locate
+from shardkeep.writes import ByteBudget, ShardPlan, WriteControl, write_shards
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

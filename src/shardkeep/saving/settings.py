@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from shardkeep.config import WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT
-from shardkeep.io import ByteBudget
 from shardkeep.manifest import RunInfo, Tier
 from shardkeep.storage import StoreOperations
 from shardkeep.tiers import Placement
+from shardkeep.writes import ByteBudget
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Regrouped, Signer

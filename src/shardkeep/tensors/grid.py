@@ -3,7 +3,7 @@ under ``Shard``, ``Replicate`` and ``_StridedShard`` placements (whether each ra
 box at all, for the strided ones), which chunks overlap a region, and which rank writes each
 chunk, computed from (global shape, mesh, placements) alone.
 
-This is what lets a format 2.0 manifest describe a sharded tensor once instead of once per
+This is what lets a format 2.x manifest describe a sharded tensor once instead of once per
 chunk: a reader recomputes the chunks. The arithmetic follows
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` exactly (the
 ``torch.chunk`` split: chunks of ``ceil(n / k)`` rows, the last ones shorter or empty; an
