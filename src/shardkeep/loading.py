@@ -98,10 +98,10 @@ class LoadJob:
         #: With ``only_into`` (``load(extra="ignore")``): the saved keys ``into`` holds, the only
         #: ones read; ``None``: every key.
         self.held: set[str] | None = held_keys(into, manifest) if only_into else None
-        #: Described (format 2.0) tensors left out because ``into`` lacks them.
+        #: Described (format 2.x) tensors left out because ``into`` lacks them.
         self.unheld: list[ShardedTensor] = []
         if isinstance(manifest, IndexedManifest):
-            # Format 2.0: the regions first, then only the rank indexes holding chunks of them.
+            # Format 2.x: the regions first, then only the rank indexes holding chunks of them.
             self.wanted = wanted_regions(into, manifest) if into is not None else {}
             if self.held is not None:
                 self.unheld = [tensor for tensor in manifest.described() if tensor.key not in self.held]

@@ -29,9 +29,16 @@ from typing import NamedTuple
 import numpy
 
 from shardkeep.errors import IntegrityError, ShardkeepError
-from shardkeep.integrity import block_digests, digest_bytes, digests_equal
+from shardkeep.integrity import (
+    block_digests,
+    block_width,
+    blocks_check,
+    digest_bytes,
+    digests_equal,
+    fast_block_digests,
+)
 from shardkeep.io import DigestChoice, check_shard
-from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, FAST_DIGEST, STRONG_BLOCK_DIGEST_BYTES, FileRecord, TensorEntry
+from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, FileRecord, TensorEntry
 from shardkeep.storage.base import ByteStore, ReadHandle
 from shardkeep.tensors.ranges import block_intervals, interval_bytes
 from shardkeep.tensors.shardfile import check_header, header_length, parse_header
@@ -41,15 +48,12 @@ __all__ = [
     "WHOLE_FILE_SHARE",
     "Need",
     "Piece",
-    "block_width",
     "merge_runs",
     "plan_spans",
     "read_entries",
     "read_needs",
     "reads_blocks",
 ]
-
-_STRONG = ("blake3", "sha256")
 
 
 class Piece(NamedTuple):
@@ -59,32 +63,12 @@ class Piece(NamedTuple):
     data: memoryview
 
 
-def block_width(record: FileRecord, entry: TensorEntry) -> int:
-    """The bytes per block of ``entry.blocks`` (16 fast-only, 48 with the strong half), or 0 when
-    the entry has no usable blocks (none recorded, no block size, a compressed file, or a length
-    that fits neither width)."""
-    if not entry.blocks or record.block_size <= 0 or record.compression is not None or not entry.nbytes:
-        return 0
-    count = -(-entry.nbytes // record.block_size)
-    for width in (FAST_BLOCK_DIGEST_BYTES + STRONG_BLOCK_DIGEST_BYTES, FAST_BLOCK_DIGEST_BYTES):
-        if len(entry.blocks) == count * width:
-            return width
-    return 0
-
-
 def reads_blocks(record: FileRecord, entry: TensorEntry, choice: DigestChoice) -> bool:
-    """Whether a ranged read (:func:`read_needs`) can check ``entry`` with the digests ``choice`` names: any
-    blocks for ``"fast"``; for ``"strong"``, blocks with a strong half (or a save whose own
-    digest is xxh3-128, whose blocks are then as strong as its file digest)."""
-    width = block_width(record, entry)
-    if not width or not record.digest:
-        return False
-    algorithm = record.digest.partition(":")[0]
-    if choice == "fast":
-        return True
-    if width == FAST_BLOCK_DIGEST_BYTES:
-        return algorithm == FAST_DIGEST
-    return algorithm in _STRONG
+    """Whether a ranged read (:func:`read_needs`) can check ``entry`` with the digests
+    ``choice`` names (:func:`~shardkeep.integrity.blocks_check`: any blocks for ``"fast"``;
+    otherwise blocks with a strong half, or fast-only blocks of a save whose own digest is
+    xxh3-128)."""
+    return blocks_check(record, entry, strong=choice != "fast")
 
 
 def _check_blocks(
@@ -99,8 +83,7 @@ def _check_blocks(
     size = record.block_size
     recorded = entry.blocks[j0 * width : (j1 + 1) * width]
     if choice == "fast" or width == FAST_BLOCK_DIGEST_BYTES:
-        if width != FAST_BLOCK_DIGEST_BYTES:
-            recorded = b"".join(recorded[at : at + FAST_BLOCK_DIGEST_BYTES] for at in range(0, len(recorded), width))
+        recorded = fast_block_digests(recorded, width)
         actual = block_digests(data, size, None)
     else:
         actual = block_digests(data, size, record.digest.partition(":")[0] if record.digest else None)
