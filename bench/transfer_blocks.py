@@ -3,7 +3,8 @@ ranks (the peer replicas of a save, and the files a restore fetches from another
 
 Four forked gloo ranks on 127.0.0.1: ranks 0 and 1 each send one file of ``--mib`` MiB (random
 bytes, on ``--dir``, ``/dev/shm`` by default) to ranks 2 and 3, which write it beside, checking
-its digest on arrival (the fast one, xxh3-128, as a restore without a public key does). Each
+its digest on arrival (the fast one, xxh3-128, as a restore without a public key does; with
+``--strong``, the save's blake3, as peer replication after a save does). Each
 block size is timed ``--reps`` times, the sizes interleaved so that the machine's load falls on
 every size alike; a run's time is the slowest rank's, between two barriers. Prints the median
 and the range per size, and each against the default (:data:`WIRE_BLOCK_BYTES`).
@@ -43,7 +44,9 @@ def _record(path: Path, name: str, rank: int) -> Any:
     )
 
 
-def _rank(rank: int, world: int, base: str, mib: int, sizes: list[float], reps: int) -> dict[float, list[float]]:
+def _rank(
+    rank: int, world: int, base: str, mib: int, sizes: list[float], reps: int, fast: bool
+) -> dict[float, list[float]]:
     import numpy as np
     import torch.distributed as dist
 
@@ -63,7 +66,7 @@ def _rank(rank: int, world: int, base: str, mib: int, sizes: list[float], reps: 
             dist.barrier()
             started = time.perf_counter()
             exchange = run_exchange(
-                None, sends, receives, block_bytes=int(size * 2**20), pairs=[(0, 2), (1, 3)], fast=True
+                None, sends, receives, block_bytes=int(size * 2**20), pairs=[(0, 2), (1, 3)], fast=fast
             )
             dist.barrier()
             times[size].append(time.perf_counter() - started)
@@ -82,18 +85,24 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="MiB each of the two senders sends")
     parser.add_argument("--sizes", default="0.5,1,2,4,8", help="block sizes in MiB, comma-separated")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--strong", action="store_true", help="check arrivals with blake3, not xxh3-128")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = parser.parse_args()
     sizes = [float(size) for size in args.sizes.split(",")]
     base = tempfile.mkdtemp(prefix="shardkeep-transfer-", dir=args.dir)
     outbox = Path(tempfile.mkdtemp(prefix="shardkeep-transfer-outbox-"))
     try:
-        results = results_or_raise(run_ranks(4, _rank, base, args.mib, sizes, args.reps, outbox=outbox, timeout=900))
+        results = results_or_raise(
+            run_ranks(4, _rank, base, args.mib, sizes, args.reps, not args.strong, outbox=outbox, timeout=900)
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(outbox, ignore_errors=True)
     medians = {}
-    print(f"2 x {args.mib} MiB, rank 0 -> 2 and 1 -> 3, {args.reps} runs per block size, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"2 x {args.mib} MiB, rank 0 -> 2 and 1 -> 3, {args.reps} runs per block size, "
+        f"{'blake3' if args.strong else 'xxh3-128'} on arrival, load {os.getloadavg()[0]:.1f}"
+    )
     for size in sizes:
         runs = [max(result[size][rep] for result in results) for rep in range(args.reps)]
         medians[size] = statistics.median(runs)
