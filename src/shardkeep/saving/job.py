@@ -70,7 +70,14 @@ from shardkeep.saving.manifest_build import (
     step_of,
 )
 from shardkeep.saving.settings import SaveSettings
-from shardkeep.saving.wire import Descriptions, RankReport, decode_report, encode_report
+from shardkeep.saving.wire import (
+    Descriptions,
+    RankReport,
+    decode_committed,
+    decode_report,
+    encode_committed,
+    encode_report,
+)
 from shardkeep.storage import LocalStore, open_store, write_new
 from shardkeep.storage.localfs import makedirs_durable
 from shardkeep.tensors.flatten import FlatState, flatten_state
@@ -639,14 +646,32 @@ def run_job(job: SaveJob) -> Manifest:
             records = None if payloads is None else job.read_payloads(payloads)
         else:
             records = [job.report()]
-        # The coordinator commits; the others receive the committed manifest once (a broadcast:
-        # an all-gather would pad every rank's empty result to the manifest's size).
-        committed = coordinator.on_coordinator("commit the checkpoint", lambda: job.finish(records))
+        committed = _commit(job, records)
     except BaseException:
         job.abort()
         raise
-    assert committed is not None
     return committed
+
+
+def _commit(job: SaveJob, records: list[RankReport] | None) -> Manifest:
+    """The coordinator commits; the others receive the committed manifest once, in its compact
+    form (:func:`~shardkeep.saving.wire.encode_committed`), by a broadcast: an all-gather would
+    pad every rank's empty result to the manifest's size."""
+    coordinator = job.coordinator
+    if not coordinator.distributed:
+        manifest = job.finish(records)
+        assert manifest is not None
+        return manifest
+    kept: list[Manifest] = []
+
+    def commit() -> bytes:
+        manifest = job.finish(records)
+        assert manifest is not None
+        kept.append(manifest)
+        return encode_committed(manifest)
+
+    sent = coordinator.on_coordinator("commit the checkpoint", commit)
+    return kept[0] if kept else decode_committed(sent)
 
 
 def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:
