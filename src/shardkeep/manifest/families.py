@@ -423,16 +423,20 @@ def _key_skeleton(member: _Member) -> tuple[tuple[object, ...], list[int]] | Non
     """The key with canonical digit runs masked, the path likewise, and the expert-key length;
     with the key's canonical integers. ``None`` when the key has nothing to vary."""
     parts = _RUNS.split(member.key)  # not memoized: keys are unique
-    runs = parts[1::2]
-    values = list(map(_run_value, runs))
-    digits = [value for value in values if value is not None]
-    if not digits:
+    if len(parts) == 1:
         return None
-    texts = tuple(parts[0::2])
-    key_shape = tuple(map(_masked, runs))
-    path_shape = tuple(map(_component_shape, member.path))
+    runs = parts[1::2]
+    if all(map(_canonical, runs)):  # the usual case: every run a placeholder candidate
+        digits = list(map(int, runs))
+        key_shape: tuple[str | None, ...] = (None,) * len(runs)
+    else:
+        values = list(map(_run_value, runs))
+        digits = [value for value in values if value is not None]
+        if not digits:
+            return None
+        key_shape = tuple(map(_masked, runs))
     expert = None if member.expert_key is None else len(member.expert_key)
-    return (texts, key_shape, path_shape, member.kind, expert), digits
+    return (tuple(parts[0::2]), key_shape, tuple(map(_component_shape, member.path)), member.kind, expert), digits
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -458,8 +462,7 @@ def _skeleton(tensor: ShardedTensor) -> tuple[tuple[object, ...], list[int]] | N
     found = _key_skeleton(tensor)
     if found is None:
         return None
-    key, digits = found
-    return (*key, tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements)), digits
+    return (found[0], tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements)), found[1]
 
 
 def _entry_skeleton(entry: TensorEntry) -> tuple[tuple[object, ...], list[int]] | None:
@@ -478,8 +481,7 @@ def _entry_skeleton(entry: TensorEntry) -> tuple[tuple[object, ...], list[int]] 
     found = _key_skeleton(entry)
     if found is None:
         return None
-    key, digits = found
-    return (*key, entry.dtype, tuple(entry.shape), entry.nbytes), digits
+    return (found[0], entry.dtype, tuple(entry.shape), entry.nbytes), found[1]
 
 
 def _detect(
@@ -487,14 +489,18 @@ def _detect(
     skeleton: Callable[[Any], tuple[tuple[object, ...], list[int]] | None],
     build: Callable[[list[_Item]], Any],
 ) -> tuple[list[Any], list[Any]]:
+    """Group ``members`` by skeleton in one pass and build each group's families."""
     groups: dict[tuple[object, ...], list[_Item]] = {}
     singles: list[Any] = []
-    seen: set[str] = set()
+    keys = [member.key for member in members]
+    unique = set(keys)
     duplicates: set[str] = set()
+    if len(unique) != len(keys):
+        seen: set[str] = set()
+        for key in keys:
+            (duplicates if key in seen else seen).add(key)
     for member in members:
-        (duplicates if member.key in seen else seen).add(member.key)
-    for member in members:
-        found = None if member.key in duplicates else skeleton(member)
+        found = None if duplicates and member.key in duplicates else skeleton(member)
         if found is None:
             singles.append(member)
             continue
@@ -596,7 +602,7 @@ def _shape_of(items: list[_Item]) -> _Shape | None:
         expert = _expert_template(items, slot, columns)
     except _NoFamily:
         return None
-    positions = [tuple((d - r[0]) // r[2] for d in columns[k]) for k, r in zip(varying, ranges, strict=True)]
+    positions = [_positions(columns[k], *r) for k, r in zip(varying, ranges, strict=True)]
     found = _affine(items, positions, "order")
     if found is None:
         return None
@@ -616,6 +622,13 @@ def _shape_of(items: list[_Item]) -> _Shape | None:
     )
     joined = ".".join(_escape(str(p)) if isinstance(p, int) else p for p in shape.path)
     return shape if joined == shape.key else None
+
+
+def _positions(column: tuple[int, ...], start: int, _stop: int, step: int) -> tuple[int, ...]:
+    """Each value's position in ``range(start, _stop, step)`` (which holds them all)."""
+    if step == 1:
+        return column if start == 0 else tuple(map(operator.sub, column, itertools.repeat(start)))
+    return tuple((value - start) // step for value in column)
 
 
 def _family_of(items: list[_Item]) -> TensorFamily | None:

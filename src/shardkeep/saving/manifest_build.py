@@ -5,10 +5,12 @@ and :func:`commit_manifest`, which checks, seals, signs and commits it."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -351,10 +353,52 @@ def families_of(
     is on; else no family and ``sharded`` itself. Singletons stay in key order."""
     if not WRITE_FAMILIES or version != INDEXED_VERSION or len(sharded) < 2:
         return [], sharded
-    families, singles = detect_tensor_families(sharded)
+    families, singles = _TENSOR_DETECTION.detect(sharded, detect_tensor_families, TensorFamily)
     families.sort(key=lambda family: family.key)
     singles.sort(key=lambda tensor: tensor.key)
     return families, singles
+
+
+class _LastDetection:
+    """The input and result of the last family detections of one kind, so that a training run,
+    which saves the same tree again and again, detects the families of a tree once: an input
+    equal to one of the last ``kept`` (compared by the BLAKE2b digest of its msgpack bytes,
+    which no later change to the input objects can alter) gets that result again, as new family objects and, for
+    singletons, the members of the new input at the same positions. Thread-safe (async saves
+    commit on background threads)."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._results: dict[bytes, tuple[bytes, list[int]]] = {}
+
+    def detect(
+        self,
+        members: Sequence[Any],
+        detect: Callable[[Sequence[Any]], tuple[list[Any], list[Any]]],
+        family_type: type[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        key = hashlib.blake2b(_DETECTION_ENCODER.encode(members), digest_size=32).digest()
+        with self._lock:
+            found = self._results.get(key)
+        if found is not None:
+            encoded, positions = found
+            families = msgspec.msgpack.decode(encoded, type=list[family_type])  # type: ignore[valid-type]
+            return families, [members[position] for position in positions]
+        families, singles = detect(members)
+        position_of = {id(member): position for position, member in enumerate(members)}
+        result = (_DETECTION_ENCODER.encode(families), [position_of[id(single)] for single in singles])
+        with self._lock:
+            if len(self._results) >= self._kept:
+                self._results.pop(next(iter(self._results)))
+            self._results[key] = result
+        return families, singles
+
+
+_DETECTION_ENCODER = msgspec.msgpack.Encoder()
+_TENSOR_DETECTION = _LastDetection(kept=8)
+#: Per file: a root lists a few files of whole tensors (rank 0's), each detected alone.
+_ENTRY_DETECTION = _LastDetection(kept=64)
 
 
 def with_entry_families(manifest: Manifest) -> Manifest:
@@ -372,7 +416,7 @@ def with_entry_families(manifest: Manifest) -> Manifest:
         offsets = [entry.offset for entry in record.tensors]
         families: list[EntryFamily] = []
         if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
-            families, singles = detect_entry_families(record.tensors)
+            families, singles = _ENTRY_DETECTION.detect(record.tensors, detect_entry_families, EntryFamily)
         if families:
             changed = True
             families.sort(key=lambda family: family.offset)

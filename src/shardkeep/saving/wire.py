@@ -78,13 +78,20 @@ def merged_descriptions(reports: list[RankReport]) -> Descriptions:
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...] | None], int] = {}
     described: dict[str, ShardedTensor] = {}
     for report in reports:
+        if not report.sharded:
+            continue
+        # Each of this report's meshes numbered once, when a new tensor first uses it.
+        numbers: list[int | None] = [None] * len(report.meshes)
         for tensor in report.sharded:
             if tensor.key in described:
                 continue
-            mesh = report.meshes[tensor.mesh]
-            ident = (tuple(mesh.shape), None if mesh.ranks is None else tuple(mesh.ranks))
+            number = numbers[tensor.mesh]
+            if number is None:
+                mesh = report.meshes[tensor.mesh]
+                ident = (tuple(mesh.shape), None if mesh.ranks is None else tuple(mesh.ranks))
+                number = numbers[tensor.mesh] = meshes.setdefault(ident, len(meshes))
             # A renumbered copy: the reports stay as received (a commit may be attempted again).
-            described[tensor.key] = msgspec.structs.replace(tensor, mesh=meshes.setdefault(ident, len(meshes)))
+            described[tensor.key] = tensor if number == tensor.mesh else msgspec.structs.replace(tensor, mesh=number)
     mesh_list = [Mesh(shape=list(shape), ranks=None if ranks is None else list(ranks)) for shape, ranks in meshes]
     return Descriptions(mesh_list, sorted(described.values(), key=lambda tensor: tensor.key))
 
