@@ -86,6 +86,7 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --full                       # also wide 1M on disk
     .venv/bin/python bench/scale.py --workloads 405b-3d --ranks 1024,16384 --reps 1
     .venv/bin/python bench/scale.py --real 16,32 --json real.json  # real gloo ranks against the simulator
+    .venv/bin/python bench/scale.py --reshard 1024:768 --workloads dense-70b,moe  # bytes read when resharding
 
 ``--real N[,M]`` (``bench/scale_real.py``) saves and loads the ``tiny-*`` workloads (the layouts
 of ``dense-70b``, ``tp-fsdp-70b`` and ``moe-stacked`` with a 2-layer model of hidden size 64) on
@@ -1836,6 +1837,12 @@ def main() -> None:
         "simulator's (bench/scale_real.py; default workloads tiny-dense,tiny-tp-fsdp,tiny-moe-stacked)",
     )
     parser.add_argument("--real-timeout", type=float, default=1200.0, help="seconds a --real point may take")
+    parser.add_argument(
+        "--reshard",
+        default=None,
+        help="comma-separated R:R2: bytes each rank of R2 reads of a save by R, block reads against whole chunks "
+        "(bench/scale_reshard.py; default workloads dense-70b,moe)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--src-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1849,6 +1856,10 @@ def main() -> None:
             result = run_point(spec["workload"], spec["world"], spec["reps"], spec["format"], spec["touch_mib"])
         print(json.dumps(result))
         return
+    if args.reshard is not None:
+        import scale_reshard  # bench/ is the script's directory
+
+        sys.exit(scale_reshard.run(args, sys.modules[__name__]))
     if args.real is not None:
         import scale_real  # bench/ is the script's directory
 
