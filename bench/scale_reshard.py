@@ -139,6 +139,11 @@ def reshard_reads(scale: ModuleType, name: str, saved_world: int, loaded_world: 
         "block_max": max(block_ratio),
         "block_median": statistics.median(block_ratio),
         "block_worst_rank": ranks[block_ratio.index(max(block_ratio))],
+        "block_worst_share": share[ranks[block_ratio.index(max(block_ratio))]],
+        "block_max_full_share": max(
+            (ratio for rank, ratio in zip(ranks, block_ratio, strict=True) if share[rank] >= max(share.values()) / 2),
+            default=0.0,
+        ),
         "whole_max": max(whole_ratio),
         "whole_median": statistics.median(whole_ratio),
         "total_share": sum(share.values()),
@@ -206,12 +211,15 @@ def run(args: Any, scale: ModuleType) -> int:
                     scale.fmt_bytes(point["share_median"]),
                     ", ".join(scale.fmt_bytes(size) for size in point["block_sizes"]),
                     f"{point['block_max']:.3f}x / {point['block_median']:.3f}x",
+                    f"{scale.fmt_bytes(point['block_worst_share'])}",
+                    f"{point['block_max_full_share']:.3f}x",
                     f"{point['whole_max']:.3f}x / {point['whole_median']:.3f}x",
                     f"{point['total_blocks'] / point['total_share']:.3f}x",
                     f"{point['seconds']:.1f} s",
                 ]
             )
     headers = ["workload", "R -> R'", "share (median)", "block sizes", "block reads max / median"]
+    headers += ["share of that max's rank", "block reads max, shares >= half the largest"]
     headers += ["whole chunks max / median", "all ranks, block reads", "computed in"]
     print("reshard reads: bytes a loading rank reads / its own share (sharded tensors)")
     print(scale.table(headers, rows))

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from shardkeep.manifest import IndexedManifest, IndexTable, Manifest
+from shardkeep.saving.manifest_build import with_entry_families
 from shardkeep.saving.wire import decode_committed, encode_committed
 from shardkeep.verification import parse_manifest
 
@@ -62,3 +63,13 @@ def test_unusual_tables_travel_as_they_are() -> None:
         _same(decode_committed(encode_committed(unusual)), unusual)
     no_table = msgspec.structs.replace(root, indexes=None)
     _same(decode_committed(encode_committed(no_table)), no_table)
+
+
+def test_entry_families_travel_as_the_root_records_them() -> None:
+    root = _root("v2.1")  # decoded: entry families expanded into the files' entries
+    assert isinstance(root, IndexedManifest)
+    compact = with_entry_families(root)
+    assert any(record.families for record in compact.files)
+    sent = encode_committed(compact)
+    _same(decode_committed(sent), root)
+    assert len(sent) < len(encode_committed(root))

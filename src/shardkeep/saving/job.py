@@ -68,6 +68,7 @@ from shardkeep.saving.manifest_build import (
     require_cryptographic_digest,
     state_sections,
     step_of,
+    with_entry_families,
 )
 from shardkeep.saving.settings import SaveSettings
 from shardkeep.saving.wire import (
@@ -668,7 +669,9 @@ def _commit(job: SaveJob, records: list[RankReport] | None) -> Manifest:
         manifest = job.finish(records)
         assert manifest is not None
         kept.append(manifest)
-        return encode_committed(manifest)
+        # The files' whole tensors as the root records them (entry families, detected already
+        # for the root: the memo of manifest_build), expanded again by decode_committed.
+        return encode_committed(with_entry_families(manifest))
 
     sent = coordinator.on_coordinator("commit the checkpoint", commit)
     return kept[0] if kept else decode_committed(sent)

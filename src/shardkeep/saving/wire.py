@@ -19,6 +19,7 @@ from shardkeep.manifest import (
     Mesh,
     ShardedTensor,
 )
+from shardkeep.manifest.families import expand_entry_families
 
 __all__ = [
     "Descriptions",
@@ -145,11 +146,16 @@ def encode_committed(manifest: Manifest) -> bytes:
 
 
 def decode_committed(payload: bytes) -> Manifest:
-    """The manifest :func:`encode_committed` encoded."""
+    """The manifest :func:`encode_committed` encoded, with the entry families its files carry
+    (a manifest as the root records it: ``manifest_build.with_entry_families``) expanded, as a
+    decoded root has them."""
     committed = _COMMITTED_DECODER.decode(payload)
     if not committed.indexed:
         return _MANIFEST_DECODER.decode(committed.manifest)
     manifest = _INDEXED_DECODER.decode(committed.manifest)
+    for record in manifest.files:
+        if record.families:
+            expand_entry_families(record)
     table = manifest.indexes
     if table is not None:
         count = len(table.sizes)
