@@ -1,6 +1,7 @@
-"""Family detection's faster paths give exactly what the reference computation gives: the key
-skeleton without a call per digit run, range positions without a generator per member, and the
-coordinator's memo of the last detections (``saving.manifest_build._LastDetection``)."""
+"""Family detection's faster paths give exactly what the reference computation gives: key
+skeletons built a dot-separated component at a time (cached) instead of from the whole key's
+digit runs, range positions without a generator per member, and the coordinator's memo of the
+last detections (``saving.manifest_build._LastDetection``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from shardkeep.saving import manifest_build
 
 
 def _reference_key_skeleton(member: object) -> tuple[tuple[object, ...], list[int]] | None:
-    """The key skeleton as computed run by run (the reference for ``_key_skeleton``)."""
+    """The key skeleton from the whole key's digit runs, run by run (the reference partition for
+    ``_key_skeleton``, which builds another but equivalent grouping key)."""
     parts = fam._RUNS.split(member.key)  # type: ignore[attr-defined]
     runs = parts[1::2]
     values = [int(run) if fam._canonical(run) else None for run in runs]

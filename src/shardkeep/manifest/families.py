@@ -421,34 +421,38 @@ class _Item:
 
 def _key_skeleton(member: _Member) -> tuple[tuple[object, ...], list[int]] | None:
     """The key with canonical digit runs masked, the path likewise, and the expert-key length;
-    with the key's canonical integers. ``None`` when the key has nothing to vary."""
-    parts = _RUNS.split(member.key)  # not memoized: keys are unique
-    if len(parts) == 1:
+    with the key's canonical integers. ``None`` when the key has nothing to vary.
+
+    The key is taken a dot-separated component at a time (:func:`_component_skeleton`, cached:
+    keys are unique, their components repeat), which partitions keys exactly as masking the
+    runs of the whole key would: no run spans a dot, so the components' texts and masked runs
+    and the whole key's determine each other."""
+    found = list(map(_component_skeleton, member.key.split(".")))
+    digits = list(itertools.chain.from_iterable(map(_VALUES, found)))
+    if not digits:
         return None
-    runs = parts[1::2]
-    if all(map(_canonical, runs)):  # the usual case: every run a placeholder candidate
-        digits = list(map(int, runs))
-        key_shape: tuple[str | None, ...] = (None,) * len(runs)
-    else:
-        values = list(map(_run_value, runs))
-        digits = [value for value in values if value is not None]
-        if not digits:
-            return None
-        key_shape = tuple(map(_masked, runs))
+    key_shape = tuple(map(_SHAPE, found))
     expert = None if member.expert_key is None else len(member.expert_key)
-    return (tuple(parts[0::2]), key_shape, tuple(map(_component_shape, member.path)), member.kind, expert), digits
+    return (key_shape, tuple(map(_component_shape, member.path)), member.kind, expert), digits
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _component_skeleton(component: str) -> tuple[tuple[tuple[str, ...], tuple[str | None, ...]], tuple[int, ...]]:
+    """One dot-separated component of a key: its texts between digit runs and its runs, the
+    canonical ones masked (``None``); and the canonical runs' integers."""
+    parts = _RUNS.split(component)
+    runs = parts[1::2]
+    return (tuple(parts[0::2]), tuple(map(_masked, runs))), tuple(int(run) for run in runs if _canonical(run))
+
+
+_SHAPE = operator.itemgetter(0)
+_VALUES = operator.itemgetter(1)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _masked(run: str) -> str | None:
     """A digit run as a key skeleton has it: ``None`` where it can become a placeholder."""
     return None if _canonical(run) else run
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _run_value(run: str) -> int | None:
-    """The integer of a digit run that can become a placeholder, else ``None``."""
-    return int(run) if _canonical(run) else None
 
 
 @functools.lru_cache(maxsize=1 << 16, typed=True)
