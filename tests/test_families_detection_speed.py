@@ -77,6 +77,7 @@ def _moe(layers: int = 6, experts: int = 16) -> Iterator[ShardedTensor]:
         "v2.layer3x4.w",
         "v2.layer3x5.w",
     ]
+    odd += ["e..1.w", "e..2.w", "f.{1}.7", "f.{1}.8", "g.1.2.3", "g.1.2.4", "h.\u0661.w", "h.\u0662.w"]
     for index, key in enumerate(odd):
         yield _sharded(key, key.split(".", 1), [8], 0, 10_000 + index, False)
 
