@@ -5,7 +5,6 @@ and :func:`commit_manifest`, which checks, seals, signs and commits it."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import math
@@ -19,7 +18,7 @@ import torch
 from shardkeep.config import ManifestLimits
 from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.errors import CommitRefusedError, UnsupportedValueError
-from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manifest
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, seal_manifest, sign_manifest
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
     COMPATIBLE_INDEXED_VERSION,
@@ -362,7 +361,7 @@ def families_of(
 class _LastDetection:
     """The input and result of the last family detections of one kind, so that a training run,
     which saves the same tree again and again, detects the families of a tree once: an input
-    equal to one of the last ``kept`` (compared by the BLAKE2b digest of its msgpack bytes,
+    equal to one of the last ``kept`` (compared by the BLAKE3 digest of its msgpack bytes,
     which no later change to the input objects can alter) gets that result again, as new family objects and, for
     singletons, the members of the new input at the same positions. Thread-safe (async saves
     commit on background threads)."""
@@ -370,7 +369,7 @@ class _LastDetection:
     def __init__(self, kept: int) -> None:
         self._kept = kept
         self._lock = threading.Lock()
-        self._results: dict[bytes, tuple[bytes, list[int]]] = {}
+        self._results: dict[str, tuple[bytes, list[int]]] = {}
 
     def detect(
         self,
@@ -378,7 +377,7 @@ class _LastDetection:
         detect: Callable[[Sequence[Any]], tuple[list[Any], list[Any]]],
         family_type: type[Any],
     ) -> tuple[list[Any], list[Any]]:
-        key = hashlib.blake2b(_DETECTION_ENCODER.encode(members), digest_size=32).digest()
+        key = digest_bytes("blake3", _DETECTION_ENCODER.encode(members))
         with self._lock:
             found = self._results.get(key)
         if found is not None:
