@@ -1450,10 +1450,15 @@ def make_workload(name: str, world: int) -> Workload:
 
 
 def _forget_detections() -> None:
-    """Clear the coordinator's memo of family detections (``manifest_build._LastDetection``,
-    where the imported shardkeep has it), so that a timed commit detects from scratch."""
+    """Clear the coordinator's memo of tensor-family detections (``manifest_build._LastDetection``,
+    where the imported shardkeep has it), so that a timed commit detects them from scratch. The
+    entry families of the coordinator's own files stay remembered where the coordinator
+    detects them in its write step (``detect_entry_families_ahead``), as in a real save."""
     module = getattr(saving, "manifest_build", None)
-    for name in ("_TENSOR_DETECTION", "_ENTRY_DETECTION"):
+    names = ["_TENSOR_DETECTION"]
+    if not hasattr(module, "detect_entry_families_ahead"):
+        names.append("_ENTRY_DETECTION")
+    for name in names:
         memo = getattr(module, name, None)
         if memo is not None:
             memo._results.clear()

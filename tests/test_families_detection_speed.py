@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shardkeep.manifest import ShardedTensor, TensorEntry
+from shardkeep.manifest import INDEXED_VERSION, FileRecord, ShardedTensor, TensorEntry
 from shardkeep.manifest import families as fam
 from shardkeep.saving import manifest_build
 
@@ -138,3 +138,30 @@ def test_the_memo_gives_the_same_families_for_an_equal_tree() -> None:
 def fam_sorted(found: tuple[list[object], list[object]]) -> tuple[list[object], list[object]]:
     families, singles = found
     return sorted(families, key=lambda f: f.key), sorted(singles, key=lambda t: t.key)  # type: ignore[attr-defined]
+
+
+def test_entry_families_detected_ahead_are_the_commits() -> None:
+    entries = [
+        TensorEntry(
+            key=f"optim.state.w{i}.step",
+            path=["optim", "state", f"w{i}", "step"],
+            dtype="F32",
+            shape=[],
+            offset=8 * i,
+            nbytes=4,
+            order=i,
+        )
+        for i in range(40)
+    ]
+    record = FileRecord(
+        path="shards/rank_00000.safetensors", size=400, digest="blake3:" + "0" * 64, rank=0, tensors=entries
+    )
+    manifest_build._ENTRY_DETECTION._results.clear()
+    manifest_build.detect_entry_families_ahead([record], INDEXED_VERSION)
+    assert len(manifest_build._ENTRY_DETECTION._results) == 1
+    manifest_build.detect_entry_families_ahead([record], "2.0")  # another version: nothing detected
+    assert len(manifest_build._ENTRY_DETECTION._results) == 1
+    remembered = manifest_build._entry_families_of(record)
+    manifest_build._ENTRY_DETECTION._results.clear()
+    assert remembered == manifest_build._entry_families_of(record)
+    assert remembered[0]

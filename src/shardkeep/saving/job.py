@@ -57,6 +57,7 @@ from shardkeep.saving.manifest_build import (
     Sections,
     commit_manifest,
     describe_sharded,
+    detect_entry_families_ahead,
     indexed_manifest,
     indexed_version,
     merged_structure,
@@ -525,6 +526,10 @@ class SaveJob:
                 entry.global_offset is not None and entry.key in self.on_grid for entry in record.tensors
             )
             (indexed if on_grid else listed).append(record)
+        if self.coordinator.is_coordinator and self.coordinator.distributed and self.chunked:
+            # Its own whole tensors are the root's (SMALL_WHOLE): their entry families are
+            # detected here, while the other ranks still write, not in the commit.
+            detect_entry_families_ahead(listed, indexed_version(self.options.block_size))
         report = RankReport(files=listed)
         if indexed:
             report.index = self._write_index(indexed)

@@ -38,6 +38,7 @@ from shardkeep.manifest import (
     ShardedTensor,
     Sharding,
     StateSection,
+    TensorEntry,
     TensorFamily,
     Tier,
     Training,
@@ -63,6 +64,7 @@ __all__ = [
     "Sections",
     "commit_manifest",
     "describe_sharded",
+    "detect_entry_families_ahead",
     "families_of",
     "indexed_manifest",
     "indexed_version",
@@ -412,10 +414,7 @@ def with_entry_families(manifest: Manifest) -> Manifest:
     files: list[FileRecord] = []
     changed = False
     for record in manifest.files:
-        offsets = [entry.offset for entry in record.tensors]
-        families: list[EntryFamily] = []
-        if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
-            families, singles = _ENTRY_DETECTION.detect(record.tensors, detect_entry_families, EntryFamily)
+        families, singles = _entry_families_of(record)
         if families:
             changed = True
             families.sort(key=lambda family: family.offset)
@@ -423,6 +422,24 @@ def with_entry_families(manifest: Manifest) -> Manifest:
             record = msgspec.structs.replace(record, tensors=singles, families=families)
         files.append(record)
     return msgspec.structs.replace(manifest, files=files) if changed else manifest
+
+
+def _entry_families_of(record: FileRecord) -> tuple[list[EntryFamily], list[TensorEntry]]:
+    """The entry families of one file (none unless its entries are in strictly increasing byte
+    order) and the entries left as they are; detected once per equal list of entries."""
+    offsets = [entry.offset for entry in record.tensors]
+    if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
+        return _ENTRY_DETECTION.detect(record.tensors, detect_entry_families, EntryFamily)
+    return [], record.tensors
+
+
+def detect_entry_families_ahead(records: Iterable[FileRecord], version: str) -> None:
+    """Detect the entry families a root of ``version`` records for ``records`` ahead of the
+    commit, so that :func:`with_entry_families` finds them remembered: the coordinator runs it
+    on its own files once they are written, while other ranks still write theirs."""
+    if WRITE_FAMILIES and version == INDEXED_VERSION:
+        for record in records:
+            _entry_families_of(record)
 
 
 def merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
