@@ -7,7 +7,7 @@ arithmetic, ``scale.chunk_of``) and each saving rank's block size (the writer's 
 ``layout.chunk_block_size`` of the chunks it writes, as ``SaveJob`` picks it by default); for each
 loading rank the region its placements give it in the world of R2, and for every saved chunk that
 region overlaps, the blocks a block read fetches (``tensors.ranges.block_intervals`` and
-``interval_bytes`` on the chunk's shape and its writer's block size, what the loader reads) and
+``interval_bytes`` on the chunk's shape and its writer's block size, the intervals ``reads.read_blocks`` reads) and
 the whole chunk a whole-chunk read fetches. A rank's share is the bytes of its regions. Tensors
 of equal shape, dtype, mesh and placements are computed once. Whole tensors (not sharded) are
 left out: every rank reads them whole either way (the AdamW ``step`` scalars: kilobytes).
