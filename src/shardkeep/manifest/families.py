@@ -421,30 +421,38 @@ class _Item:
 
 def _key_skeleton(member: _Member) -> tuple[tuple[object, ...], list[int]] | None:
     """The key with canonical digit runs masked, the path likewise, and the expert-key length;
-    with the key's canonical integers. ``None`` when the key has nothing to vary."""
-    parts = _RUNS.split(member.key)  # not memoized: keys are unique
-    runs = parts[1::2]
-    values = list(map(_run_value, runs))
-    digits = [value for value in values if value is not None]
+    with the key's canonical integers. ``None`` when the key has nothing to vary.
+
+    The key is taken a dot-separated component at a time (:func:`_component_skeleton`, cached:
+    keys are unique, their components repeat), which partitions keys exactly as masking the
+    runs of the whole key would: no run spans a dot, so the components' texts and masked runs
+    and the whole key's determine each other."""
+    found = list(map(_component_skeleton, member.key.split(".")))
+    digits = list(itertools.chain.from_iterable(map(_VALUES, found)))
     if not digits:
         return None
-    texts = tuple(parts[0::2])
-    key_shape = tuple(map(_masked, runs))
-    path_shape = tuple(map(_component_shape, member.path))
+    key_shape = tuple(map(_SHAPE, found))
     expert = None if member.expert_key is None else len(member.expert_key)
-    return (texts, key_shape, path_shape, member.kind, expert), digits
+    return (key_shape, tuple(map(_component_shape, member.path)), member.kind, expert), digits
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _component_skeleton(component: str) -> tuple[tuple[tuple[str, ...], tuple[str | None, ...]], tuple[int, ...]]:
+    """One dot-separated component of a key: its texts between digit runs and its runs, the
+    canonical ones masked (``None``); and the canonical runs' integers."""
+    parts = _RUNS.split(component)
+    runs = parts[1::2]
+    return (tuple(parts[0::2]), tuple(map(_masked, runs))), tuple(int(run) for run in runs if _canonical(run))
+
+
+_SHAPE = operator.itemgetter(0)
+_VALUES = operator.itemgetter(1)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _masked(run: str) -> str | None:
     """A digit run as a key skeleton has it: ``None`` where it can become a placeholder."""
     return None if _canonical(run) else run
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _run_value(run: str) -> int | None:
-    """The integer of a digit run that can become a placeholder, else ``None``."""
-    return int(run) if _canonical(run) else None
 
 
 @functools.lru_cache(maxsize=1 << 16, typed=True)
@@ -458,8 +466,7 @@ def _skeleton(tensor: ShardedTensor) -> tuple[tuple[object, ...], list[int]] | N
     found = _key_skeleton(tensor)
     if found is None:
         return None
-    key, digits = found
-    return (*key, tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements)), digits
+    return (found[0], tensor.dtype, tuple(tensor.global_shape), tensor.mesh, tuple(tensor.placements)), found[1]
 
 
 def _entry_skeleton(entry: TensorEntry) -> tuple[tuple[object, ...], list[int]] | None:
@@ -478,8 +485,7 @@ def _entry_skeleton(entry: TensorEntry) -> tuple[tuple[object, ...], list[int]] 
     found = _key_skeleton(entry)
     if found is None:
         return None
-    key, digits = found
-    return (*key, entry.dtype, tuple(entry.shape), entry.nbytes), digits
+    return (found[0], entry.dtype, tuple(entry.shape), entry.nbytes), found[1]
 
 
 def _detect(
@@ -487,14 +493,18 @@ def _detect(
     skeleton: Callable[[Any], tuple[tuple[object, ...], list[int]] | None],
     build: Callable[[list[_Item]], Any],
 ) -> tuple[list[Any], list[Any]]:
+    """Group ``members`` by skeleton in one pass and build each group's families."""
     groups: dict[tuple[object, ...], list[_Item]] = {}
     singles: list[Any] = []
-    seen: set[str] = set()
+    keys = [member.key for member in members]
+    unique = set(keys)
     duplicates: set[str] = set()
+    if len(unique) != len(keys):
+        seen: set[str] = set()
+        for key in keys:
+            (duplicates if key in seen else seen).add(key)
     for member in members:
-        (duplicates if member.key in seen else seen).add(member.key)
-    for member in members:
-        found = None if member.key in duplicates else skeleton(member)
+        found = None if duplicates and member.key in duplicates else skeleton(member)
         if found is None:
             singles.append(member)
             continue
@@ -596,7 +606,7 @@ def _shape_of(items: list[_Item]) -> _Shape | None:
         expert = _expert_template(items, slot, columns)
     except _NoFamily:
         return None
-    positions = [tuple((d - r[0]) // r[2] for d in columns[k]) for k, r in zip(varying, ranges, strict=True)]
+    positions = [_positions(columns[k], *r) for k, r in zip(varying, ranges, strict=True)]
     found = _affine(items, positions, "order")
     if found is None:
         return None
@@ -616,6 +626,13 @@ def _shape_of(items: list[_Item]) -> _Shape | None:
     )
     joined = ".".join(_escape(str(p)) if isinstance(p, int) else p for p in shape.path)
     return shape if joined == shape.key else None
+
+
+def _positions(column: tuple[int, ...], start: int, _stop: int, step: int) -> tuple[int, ...]:
+    """Each value's position in ``range(start, _stop, step)`` (which holds them all)."""
+    if step == 1:
+        return column if start == 0 else tuple(map(operator.sub, column, itertools.repeat(start)))
+    return tuple((value - start) // step for value in column)
 
 
 def _family_of(items: list[_Item]) -> TensorFamily | None:

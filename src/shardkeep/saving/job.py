@@ -56,6 +56,7 @@ from shardkeep.saving.manifest_build import (
     Sections,
     commit_manifest,
     describe_sharded,
+    detect_entry_families_ahead,
     indexed_manifest,
     indexed_version,
     merged_structure,
@@ -67,9 +68,17 @@ from shardkeep.saving.manifest_build import (
     require_cryptographic_digest,
     state_sections,
     step_of,
+    with_entry_families,
 )
 from shardkeep.saving.settings import SaveSettings
-from shardkeep.saving.wire import Descriptions, RankReport, decode_report, encode_report
+from shardkeep.saving.wire import (
+    Descriptions,
+    RankReport,
+    decode_committed,
+    decode_report,
+    encode_committed,
+    encode_report,
+)
 from shardkeep.storage import LocalStore, open_store, write_new
 from shardkeep.storage.localfs import makedirs_durable
 from shardkeep.tensors.flatten import FlatState, flatten_state
@@ -517,6 +526,10 @@ class SaveJob:
                 entry.global_offset is not None and entry.key in self.on_grid for entry in record.tensors
             )
             (indexed if on_grid else listed).append(record)
+        if self.coordinator.is_coordinator and self.coordinator.distributed and self.chunked:
+            # Its own whole tensors are the root's (SMALL_WHOLE): their entry families are
+            # detected here, while the other ranks still write, not in the commit.
+            detect_entry_families_ahead(listed, indexed_version(self.options.block_size))
         report = RankReport(files=listed)
         if indexed:
             report.index = self._write_index(indexed)
@@ -639,14 +652,34 @@ def run_job(job: SaveJob) -> Manifest:
             records = None if payloads is None else job.read_payloads(payloads)
         else:
             records = [job.report()]
-        # The coordinator commits; the others receive the committed manifest once (a broadcast:
-        # an all-gather would pad every rank's empty result to the manifest's size).
-        committed = coordinator.on_coordinator("commit the checkpoint", lambda: job.finish(records))
+        committed = _commit(job, records)
     except BaseException:
         job.abort()
         raise
-    assert committed is not None
     return committed
+
+
+def _commit(job: SaveJob, records: list[RankReport] | None) -> Manifest:
+    """The coordinator commits; the others receive the committed manifest once, in its compact
+    form (:func:`~shardkeep.saving.wire.encode_committed`), by a broadcast: an all-gather would
+    pad every rank's empty result to the manifest's size."""
+    coordinator = job.coordinator
+    if not coordinator.distributed:
+        manifest = job.finish(records)
+        assert manifest is not None
+        return manifest
+    kept: list[Manifest] = []
+
+    def commit() -> bytes:
+        manifest = job.finish(records)
+        assert manifest is not None
+        kept.append(manifest)
+        # The files' whole tensors as the root records them (entry families, detected already
+        # for the root: the memo of manifest_build), expanded again by decode_committed.
+        return encode_committed(with_entry_families(manifest))
+
+    sent = coordinator.on_coordinator("commit the checkpoint", commit)
+    return kept[0] if kept else decode_committed(sent)
 
 
 def run_save(state: Mapping[str, Any], path: str | os.PathLike[str], settings: SaveSettings) -> Manifest:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -17,7 +18,7 @@ import torch
 from shardkeep.config import ManifestLimits
 from shardkeep.distributed.commit import CheckpointCommit
 from shardkeep.errors import CommitRefusedError, UnsupportedValueError
-from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, seal_manifest, sign_manifest
+from shardkeep.integrity import CRYPTOGRAPHIC_DIGESTS, digest_bytes, seal_manifest, sign_manifest
 from shardkeep.layout import PlannedItem, expert_key_of
 from shardkeep.manifest import (
     COMPATIBLE_INDEXED_VERSION,
@@ -37,6 +38,7 @@ from shardkeep.manifest import (
     ShardedTensor,
     Sharding,
     StateSection,
+    TensorEntry,
     TensorFamily,
     Tier,
     Training,
@@ -62,6 +64,7 @@ __all__ = [
     "Sections",
     "commit_manifest",
     "describe_sharded",
+    "detect_entry_families_ahead",
     "families_of",
     "indexed_manifest",
     "indexed_version",
@@ -351,10 +354,52 @@ def families_of(
     is on; else no family and ``sharded`` itself. Singletons stay in key order."""
     if not WRITE_FAMILIES or version != INDEXED_VERSION or len(sharded) < 2:
         return [], sharded
-    families, singles = detect_tensor_families(sharded)
+    families, singles = _TENSOR_DETECTION.detect(sharded, detect_tensor_families, TensorFamily)
     families.sort(key=lambda family: family.key)
     singles.sort(key=lambda tensor: tensor.key)
     return families, singles
+
+
+class _LastDetection:
+    """The input and result of the last family detections of one kind, so that a training run,
+    which saves the same tree again and again, detects the families of a tree once: an input
+    equal to one of the last ``kept`` (compared by the BLAKE3 digest of its msgpack bytes,
+    which no later change to the input objects can alter) gets that result again, as new family objects and, for
+    singletons, the members of the new input at the same positions. Thread-safe (async saves
+    commit on background threads)."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._results: dict[str, tuple[bytes, list[int]]] = {}
+
+    def detect(
+        self,
+        members: Sequence[Any],
+        detect: Callable[[Sequence[Any]], tuple[list[Any], list[Any]]],
+        family_type: type[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        key = digest_bytes("blake3", _DETECTION_ENCODER.encode(members))
+        with self._lock:
+            found = self._results.get(key)
+        if found is not None:
+            encoded, positions = found
+            families = msgspec.msgpack.decode(encoded, type=list[family_type])  # type: ignore[valid-type]
+            return families, [members[position] for position in positions]
+        families, singles = detect(members)
+        position_of = {id(member): position for position, member in enumerate(members)}
+        result = (_DETECTION_ENCODER.encode(families), [position_of[id(single)] for single in singles])
+        with self._lock:
+            if len(self._results) >= self._kept:
+                self._results.pop(next(iter(self._results)))
+            self._results[key] = result
+        return families, singles
+
+
+_DETECTION_ENCODER = msgspec.msgpack.Encoder()
+_TENSOR_DETECTION = _LastDetection(kept=8)
+#: Per file: a root lists a few files of whole tensors (rank 0's), each detected alone.
+_ENTRY_DETECTION = _LastDetection(kept=64)
 
 
 def with_entry_families(manifest: Manifest) -> Manifest:
@@ -369,10 +414,7 @@ def with_entry_families(manifest: Manifest) -> Manifest:
     files: list[FileRecord] = []
     changed = False
     for record in manifest.files:
-        offsets = [entry.offset for entry in record.tensors]
-        families: list[EntryFamily] = []
-        if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
-            families, singles = detect_entry_families(record.tensors)
+        families, singles = _entry_families_of(record)
         if families:
             changed = True
             families.sort(key=lambda family: family.offset)
@@ -380,6 +422,24 @@ def with_entry_families(manifest: Manifest) -> Manifest:
             record = msgspec.structs.replace(record, tensors=singles, families=families)
         files.append(record)
     return msgspec.structs.replace(manifest, files=files) if changed else manifest
+
+
+def _entry_families_of(record: FileRecord) -> tuple[list[EntryFamily], list[TensorEntry]]:
+    """The entry families of one file (none unless its entries are in strictly increasing byte
+    order) and the entries left as they are; detected once per equal list of entries."""
+    offsets = [entry.offset for entry in record.tensors]
+    if len(offsets) > 1 and all(a < b for a, b in itertools.pairwise(offsets)):
+        return _ENTRY_DETECTION.detect(record.tensors, detect_entry_families, EntryFamily)
+    return [], record.tensors
+
+
+def detect_entry_families_ahead(records: Iterable[FileRecord], version: str) -> None:
+    """Detect the entry families a root of ``version`` records for ``records`` ahead of the
+    commit, so that :func:`with_entry_families` finds them remembered: the coordinator runs it
+    on its own files once they are written, while other ranks still write theirs."""
+    if WRITE_FAMILIES and version == INDEXED_VERSION:
+        for record in records:
+            _entry_families_of(record)
 
 
 def merged_structure(own: list[ContainerEntry], others: list[list[ContainerEntry]]) -> list[ContainerEntry]:
