@@ -87,6 +87,7 @@ metric is extrapolated with the last measured growth exponent and marked '~'.
     .venv/bin/python bench/scale.py --workloads 405b-3d --ranks 1024,16384 --reps 1
     .venv/bin/python bench/scale.py --real 16,32 --json real.json  # real gloo ranks against the simulator
     .venv/bin/python bench/scale.py --reshard 1024:768 --workloads dense-70b,moe  # bytes read when resharding
+    .venv/bin/python bench/scale.py --reshard 1024:768 --workloads moe --block-kib 16  # with block_size=16 KiB
 
 ``--real N[,M]`` (``bench/scale_real.py``) saves and loads the ``tiny-*`` workloads (the layouts
 of ``dense-70b``, ``tp-fsdp-70b`` and ``moe-stacked`` with a 2-layer model of hidden size 64) on
@@ -1847,6 +1848,13 @@ def main() -> None:
         default=None,
         help="comma-separated R:R2: bytes each rank of R2 reads of a save by R, block reads against whole chunks "
         "(bench/scale_reshard.py; default workloads dense-70b,moe)",
+    )
+    parser.add_argument(
+        "--block-kib",
+        type=float,
+        default=None,
+        help="with --reshard: every saving rank's block size in KiB, as WriteOptions(block_size=...) sets it "
+        "(default: each rank's own, layout.chunk_block_size)",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--src-dir", default=None, help=argparse.SUPPRESS)

@@ -88,14 +88,20 @@ def _overlap(
     return offset, size
 
 
-def reshard_reads(scale: ModuleType, name: str, saved_world: int, loaded_world: int) -> dict[str, Any]:
-    """Per loading rank: its share, what block reads fetch and what whole-chunk reads fetch."""
+def reshard_reads(
+    scale: ModuleType, name: str, saved_world: int, loaded_world: int, block_size: int | None = None
+) -> dict[str, Any]:
+    """Per loading rank: its share, what block reads fetch and what whole-chunk reads fetch;
+    ``block_size`` (bytes) as ``WriteOptions(block_size=...)`` sets it for every saving rank,
+    else each rank's default (``layout.chunk_block_size``)."""
     started = time.perf_counter()
     saved, loaded = scale.make_workload(name, saved_world), scale.make_workload(name, loaded_world)
     classes = _classes(saved)
     if classes != _classes(loaded):
         raise Incompatible(f"{name} has other tensors (meshes) at {saved.world} and {loaded.world} ranks")
     block_of = _block_sizes(scale, saved, classes)
+    if block_size is not None:
+        block_of = dict.fromkeys(block_of, block_size)
     share: dict[int, int] = {}
     blocks: dict[int, int] = {}
     whole: dict[int, int] = {}
@@ -199,7 +205,8 @@ def run(args: Any, scale: ModuleType) -> int:
     for name in names:
         for saved_world, loaded_world in pairs:
             try:
-                point = reshard_reads(scale, name, saved_world, loaded_world)
+                block_size = int(args.block_kib * 1024) if args.block_kib else None
+                point = reshard_reads(scale, name, saved_world, loaded_world, block_size)
             except Incompatible as exc:
                 print(f"skipped: {exc}")
                 continue
