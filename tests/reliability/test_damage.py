@@ -87,6 +87,7 @@ def test_every_truncation_is_detected(tmp_path: Path, signed: bool) -> None:
     pristine = tmp_path / "pristine"
     _tiny_checkpoint(pristine, signed)
     work = tmp_path / "work"
+    shutil.copytree(pristine, work)
     undetected: list[str] = []
     truncations = 0
     for original in checkpoint_files(pristine):
@@ -94,11 +95,13 @@ def test_every_truncation_is_detected(tmp_path: Path, signed: bool) -> None:
         content = original.read_bytes()
         for length in range(len(content)):
             truncations += 1
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.copytree(pristine, work)
             (work / relative).write_bytes(content[:length])
             if _damage_detected(work, signed) != (True, True):
                 undetected.append(f"{relative} truncated to {length}")
+        (work / relative).write_bytes(content)  # restored: one file damaged at a time
+    assert sorted(p.read_bytes() for p in checkpoint_files(work)) == sorted(
+        p.read_bytes() for p in checkpoint_files(pristine)
+    )
     record(
         "truncation",
         trials=truncations,
