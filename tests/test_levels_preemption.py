@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, PreemptionHandler
 from shardkeep.levels.status import level_copies
 from shardkeep.writes import WriteControl, stop_writes_on
+from tests.support import preempt_train
 from tests.support.distributed_harness import free_port, results_or_raise, run_ranks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -299,7 +299,36 @@ def test_a_signal_on_one_rank_is_agreed_by_every_rank_at_the_same_step(tmp_path:
 
 
 # -- real signals on real processes --------------------------------------------------------------
-def _launch(root: Path, world: int, run: str, **env: Any) -> list[subprocess.Popen[bytes]]:
+class _Rank:
+    """One rank of a run: a process forked from this one that runs ``tests/support/preempt_train.py``
+    (no interpreter start and no import of torch per rank), with what of :class:`subprocess.Popen`
+    the tests use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            else:
+                time.sleep(0.01)
+        return self.returncode
+
+
+def _launch(root: Path, world: int, run: str, **env: Any) -> list[_Rank]:
     port = free_port()
     processes = []
     root.mkdir(parents=True, exist_ok=True)
@@ -314,21 +343,11 @@ def _launch(root: Path, world: int, run: str, **env: Any) -> list[subprocess.Pop
             "PREEMPT_RUN": run,
             **{key: str(value) for key, value in env.items()},
         }
-        log = (root / f"run{run}-rank{rank}.log").open("wb")
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.support.preempt_train", str(root)],
-                env=environment,
-                cwd=REPOSITORY,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-        log.close()
+        processes.append(_Rank(preempt_train.forked(root, environment, root / f"run{run}-rank{rank}.log")))
     return processes
 
 
-def _wait(processes: list[subprocess.Popen[bytes]], root: Path, run: str, timeout: float = 240) -> list[int]:
+def _wait(processes: list[_Rank], root: Path, run: str, timeout: float = 240) -> list[int]:
     deadline = time.monotonic() + timeout
     codes = []
     for process in processes:
@@ -337,6 +356,8 @@ def _wait(processes: list[subprocess.Popen[bytes]], root: Path, run: str, timeou
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
+            for other in processes:
+                other.wait(30)
             raise AssertionError(f"run {run} hung; logs:\n{_logs(root, run)}") from None
     return codes
 
@@ -358,7 +379,7 @@ def _steps_logged(root: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
 
 
-def _terminate(processes: list[subprocess.Popen[bytes]], *, twice: bool = True, only: int | None = None) -> None:
+def _terminate(processes: list[_Rank], *, twice: bool = True, only: int | None = None) -> None:
     """SIGTERM to each rank (or rank ``only``), twice at once when ``twice`` (the scheduler's and
     the launcher's), a few milliseconds apart between ranks."""
     for rank, process in enumerate(processes):
@@ -398,9 +419,19 @@ def _committed_everywhere_verifies(root: Path) -> list[str]:
 
 _REFERENCES: dict[tuple[int, str], tuple[dict[int, float], list[Any]]] = {}
 
+#: Knobs that only slow a run down, to widen the windows a signal is aimed at: the runs no signal
+#: is sent to (the uninterrupted reference and the resume) go without them. The batches, the
+#: values and the saves do not depend on them.
+WAITS = ("PREEMPT_STEP_SECONDS", "PREEMPT_SLOW_WRITE", "PREEMPT_SLOW_DRAIN")
+
+
+def _unhurried(env: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in env.items() if key not in WAITS}
+
 
 def _reference(tmp_path_factory: pytest.TempPathFactory, world: int, **env: Any) -> tuple[dict[int, float], list[Any]]:
     """The losses and final state of an uninterrupted run (computed once per world and knobs)."""
+    env = _unhurried(env)
     key = (world, json.dumps(env, sort_keys=True))
     if key not in _REFERENCES:
         root = tmp_path_factory.mktemp(f"reference{world}")
@@ -412,7 +443,7 @@ def _reference(tmp_path_factory: pytest.TempPathFactory, world: int, **env: Any)
 
 
 def _resume_and_compare(root: Path, world: int, reference: tuple[dict[int, float], list[Any]], **env: Any) -> None:
-    codes = _wait(_launch(root, world, "resume", **env), root, "resume")
+    codes = _wait(_launch(root, world, "resume", **_unhurried(env)), root, "resume")
     assert codes == [0] * world, _logs(root, "resume")
     losses, finals = reference
     assert _losses(root, world) == losses

@@ -395,15 +395,22 @@ def test_the_harness_leaves_nothing_after_a_failing_run(tmp_path: Path, failure:
 
 def test_a_torchrun_job_cut_off_at_its_deadline_leaves_nothing(tmp_path: Path) -> None:
     """Node 1 fails at once, node 0's workers wait for it: the harness kills the job at its
-    deadline, says so with both logs, and removes everything."""
+    deadline, says so with both logs, and removes everything. (The deadline is set once node
+    1's launcher has ended: the job is stuck from then on, and waiting longer only waits.)"""
     _require_namespaces()
     script = tmp_path / "stuck.py"
     script.write_text(_STUCK)
     with (
-        pytest.raises(netns.NetnsError, match="did not finish within") as raised,
+        pytest.raises(netns.NetnsError, match="did not finish within 2 s") as raised,
         netns.two_nodes(tmp_path / "nodes") as nodes,
     ):
         tag, work = nodes.tag, nodes.work
-        nodes.torchrun([str(script)], timeout=20)
+        runs = nodes.start_torchrun([str(script)])
+        deadline = time.monotonic() + 120
+        while runs[1].process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runs[1].process.returncode not in (None, 0), logs_of(runs)
+        assert runs[0].process.poll() is None, logs_of(runs)
+        nodes.wait(runs, timeout=2)
     assert "node 1 fails at once" in str(raised.value)
     _assert_nothing_left(tag, work)

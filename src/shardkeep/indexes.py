@@ -403,8 +403,15 @@ def expand(
             [f"index of rank {rank}" for rank in absent],
         )
     layouts = _Layouts(manifest)
-    with collector_paused(), ThreadPoolExecutor(max(1, min(threads, len(wanted) or 1))) as pool:
-        parts = list(pool.map(lambda rank: read_index(store, name, manifest, by_rank[rank], limits, layouts), wanted))
+    workers = max(1, min(threads, len(wanted)))
+    with collector_paused():
+        if workers == 1:  # no pool: starting its one thread costs more than reading the indexes
+            parts = [read_index(store, name, manifest, by_rank[rank], limits, layouts) for rank in wanted]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                parts = list(
+                    pool.map(lambda rank: read_index(store, name, manifest, by_rank[rank], limits, layouts), wanted)
+                )
     return merged(name, manifest, parts, complete=len(wanted) == len(by_rank))
 
 

@@ -1,5 +1,6 @@
 """A deterministic training loop with a MultiLevelManager and the preemption handler, run as a
-real process per rank (``python -m tests.support.preempt_train ROOT``), for the tests that send it
+real process per rank (``python -m tests.support.preempt_train ROOT``, or forked from the test
+process by :func:`forked`), for the tests that send it
 real signals (tests/test_levels_preemption.py).
 
 The rank and world come from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (gloo) when
@@ -28,6 +29,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,9 @@ def main() -> None:
     (root / f"final-rank{rank}.json").write_text(json.dumps(final))
 
 
-if __name__ == "__main__":
+def run_and_exit() -> None:
+    """Run :func:`main` and end the process with its exit code (the preemption's, 0, or 1 with
+    the traceback on stderr)."""
     code = 0
     try:
         main()
@@ -185,3 +189,39 @@ if __name__ == "__main__":
     # teardown sometimes aborts ("terminate called without an active exception"), with or
     # without a preemption, which would hide the exit code under test.
     os._exit(code)
+
+
+def forked(root: Path, environment: dict[str, str], log: Path) -> int:
+    """Start a rank as a child forked from the calling process (torch and shardkeep already
+    imported: no interpreter start), with ``environment`` as its whole environment and its
+    output (Python's and the C++ libraries') in ``log``; returns its pid. The child runs
+    :func:`run_and_exit` as ``python -m tests.support.preempt_train ROOT`` would."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115  # until os._exit
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        for handler in logging.root.handlers[:]:  # the parent's (pytest's capture): main() sets its own
+            logging.root.removeHandler(handler)
+        warnings.resetwarnings()  # a new interpreter's filters, not the parent's (pytest: errors)
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        os.environ.clear()
+        os.environ.update(environment)
+        sys.argv = [__file__, str(root)]
+        # A forked child inherits the parent's intra-op thread pool without its threads (see
+        # tests/support/distributed_harness.py): every operation inline.
+        torch.set_num_threads(1)
+    except BaseException:
+        os._exit(1)
+    run_and_exit()
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    run_and_exit()
