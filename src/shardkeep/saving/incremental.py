@@ -39,7 +39,7 @@ def base_location(
 
 
 def read_base(base: CheckpointLocation, rank: int) -> Manifest:
-    """The base checkpoint's manifest, as the files of ``rank`` need it (a format 2.0 base's
+    """The base checkpoint's manifest, as the files of ``rank`` need it (a format 2.x base's
     files of this rank are in its own index)."""
     manifest = parse_manifest(read_manifest_bytes(base), where=str(base))
     if isinstance(manifest, IndexedManifest):

@@ -215,7 +215,7 @@ class SaveJob:
         self.alike = True
         #: When the ranks' trees differ: the lowest rank holding the same tree as this one.
         self.class_source = 0
-        #: The keys of this rank's chunks on a regular grid (described once in format 2.0).
+        #: The keys of this rank's chunks on a regular grid (described once in format 2.x).
         self.on_grid: set[str] = set()
         #: The regularly sharded tensors this rank holds (on the coordinator, and on every rank
         #: when the ranks' trees differ).
@@ -510,7 +510,7 @@ class SaveJob:
         return list(self.manifest.files)
 
     def report(self) -> RankReport:
-        """Write this rank's files (and, in format 2.0, its index); return what the coordinator
+        """Write this rank's files (and, in format 2.x, its index); return what the coordinator
         needs: the records of the files the manifest lists, this rank's index record and the
         counts the coordinator checks, and the containers (and sharded tensors) of a rank whose
         tree differs from the coordinator's."""

@@ -1,6 +1,6 @@
 """The manifest of a save, built and committed in one way for every writer (``sk.save``,
 ``async_save`` and the DCP adapter's ``ShardkeepWriter``): the state's sections and training
-fields, metric values, the dominant precision, the sharded-tensor descriptions of format 2.0,
+fields, metric values, the dominant precision, the sharded-tensor descriptions of format 2.x,
 and :func:`commit_manifest`, which checks, seals, signs and commits it."""
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def new_manifest(
     version: str = WRITTEN_METADATA_VERSION,
 ) -> Manifest:
     """A format 1.x manifest of ``records`` (the coordinator merges every rank's records into
-    it; format 2.0 is built from it by :func:`indexed_manifest`). The sharding strategy, unless
+    it; format 2.x is built from it by :func:`indexed_manifest`). The sharding strategy, unless
     given, is ``dtensor`` with chunks, ``replicated`` on several ranks, else ``none``."""
     strategy = fields.sharding_strategy or ("dtensor" if chunked else "replicated" if world_size > 1 else "none")
     return Manifest(
@@ -310,7 +310,7 @@ def describe_sharded(planned: list[PlannedItem], tier_of: Mapping[str, str], tie
 def indexed_manifest(
     manifest: Manifest, descriptions: Descriptions | None, reports: list[RankReport], location: object
 ) -> IndexedManifest:
-    """The format 2.0 manifest: the sharded tensors described once (``descriptions``, or, when
+    """The format 2.x manifest: the sharded tensors described once (``descriptions``, or, when
     ``None`` because the ranks hold different trees, merged from every rank's report), and the
     rank indexes; refused unless the ranks' indexed chunks hold exactly the described bytes."""
     meshes, sharded = descriptions if descriptions is not None else merged_descriptions(reports)

@@ -33,7 +33,7 @@ __all__ = [
 
 
 class Descriptions(NamedTuple):
-    """The regularly sharded tensors a format 2.0 manifest describes once, and their meshes
+    """The regularly sharded tensors a format 2.x manifest describes once, and their meshes
     (each tensor's ``mesh`` indexes ``meshes``)."""
 
     meshes: list[Mesh]
@@ -46,7 +46,7 @@ class RankReport(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
     #: The records of the files the manifest lists (whole tensors, chunks off a grid).
     files: list[FileRecord]
-    #: Format 2.0: this rank's index, how many files it lists, their chunk bytes and directories.
+    #: Format 2.x: this rank's index, how many files it lists, their chunk bytes and directories.
     index: IndexRecord | None = None
     indexed_files: int = 0
     indexed_bytes: int = 0
