@@ -34,3 +34,54 @@ def test_real_ranks_run_the_collectives_the_simulator_predicts(tmp_path: Path) -
     assert ("commit the checkpoint", "broadcast") in kinds
     for row in point["save"]["steps"]:
         assert row["real"]["count"] == row["simulated"]["count"] >= 1
+
+
+def _point(tmp_path: Path, name: str, pack: bool) -> dict[str, object]:
+    output = tmp_path / f"{name}.json"
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY / "src"), "SHARDKEEP_SCALE_PACK": "1" if pack else "0"}
+    arguments = ["--src", "worktree", "--workloads", "tiny-tp-fsdp", "--ranks", "8", "--reps", "1"]
+    finished = subprocess.run(
+        [sys.executable, str(REPOSITORY / "bench" / "scale.py"), *arguments, "--json", str(output)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=280,
+        check=False,
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    text = output.read_text()
+    found = json.loads(text)
+    points = [value for value in _walk(found) if isinstance(value, dict) and "manifest_bytes" in value]
+    assert len(points) == 1, text[:2000]
+    return points[0]
+
+
+def _walk(value: object) -> list[object]:
+    found = [value]
+    if isinstance(value, dict):
+        for item in value.values():
+            found.extend(_walk(item))
+    elif isinstance(value, list):
+        for item in value:
+            found.extend(_walk(item))
+    return found
+
+
+@pytest.mark.slow
+def test_packed_indexes_change_no_figure_but_the_times(tmp_path: Path) -> None:
+    """``SHARDKEEP_SCALE_PACK=1`` (the 16,384-rank runs) keeps the simulated rank indexes
+    compressed in memory: every byte count, of the save and of the load plans, is the same."""
+    plain, packed = _point(tmp_path, "plain", False), _point(tmp_path, "packed", True)
+    assert packed["manifest_bytes"] == plain["manifest_bytes"]
+    traffic_plain, traffic_packed = plain["traffic"], packed["traffic"]
+    assert isinstance(traffic_plain, dict) and isinstance(traffic_packed, dict)
+    assert traffic_packed["msgpack"] == traffic_plain["msgpack"]
+    counted = ("label", "kind", "pickled_max", "pickled_total", "msgpack_max", "msgpack_total")
+    steps = [[{key: step[key] for key in counted} for step in t["steps"]] for t in (traffic_plain, traffic_packed)]
+    assert steps[0] == steps[1] and steps[0]
+    load_plain, load_packed = plain["load"], packed["load"]
+    assert isinstance(load_plain, dict) and isinstance(load_packed, dict) and load_plain.keys() == load_packed.keys()
+    for world, figures in load_plain.items():
+        for key in ("metadata_bytes", "files_opened", "entries", "data_bytes"):
+            assert load_packed[world][key] == figures[key], (world, key)
+        assert figures["metadata_bytes"] > 0
