@@ -72,16 +72,26 @@ def test_packed_indexes_change_no_figure_but_the_times(tmp_path: Path) -> None:
     """``SHARDKEEP_SCALE_PACK=1`` (the 16,384-rank runs) keeps the simulated rank indexes
     compressed in memory: every byte count, of the save and of the load plans, is the same."""
     plain, packed = _point(tmp_path, "plain", False), _point(tmp_path, "packed", True)
-    assert packed["manifest_bytes"] == plain["manifest_bytes"]
+    # The root records when it was saved, so two saves' roots may differ by a few bytes; the
+    # rank indexes, which packing keeps compressed, are compared exactly.
+    manifest_plain, manifest_packed = plain["manifest_bytes"], packed["manifest_bytes"]
+    assert isinstance(manifest_plain, int) and isinstance(manifest_packed, int)
+    assert abs(manifest_packed - manifest_plain) <= 16
     traffic_plain, traffic_packed = plain["traffic"], packed["traffic"]
     assert isinstance(traffic_plain, dict) and isinstance(traffic_packed, dict)
-    assert traffic_packed["msgpack"] == traffic_plain["msgpack"]
     counted = ("label", "kind", "pickled_max", "pickled_total", "msgpack_max", "msgpack_total")
     steps = [[{key: step[key] for key in counted} for step in t["steps"]] for t in (traffic_plain, traffic_packed)]
-    assert steps[0] == steps[1] and steps[0]
+    assert len(steps[0]) == len(steps[1]) > 0
+    for before, after in zip(*steps, strict=True):
+        slack = 16 if before["label"] == "commit the checkpoint" else 0  # the root, in its compact form
+        assert before["label"] == after["label"] and before["kind"] == after["kind"]
+        for key in counted[2:]:
+            assert abs(before[key] - after[key]) <= slack, (before, after)
     load_plain, load_packed = plain["load"], packed["load"]
     assert isinstance(load_plain, dict) and isinstance(load_packed, dict) and load_plain.keys() == load_packed.keys()
     for world, figures in load_plain.items():
-        for key in ("metadata_bytes", "files_opened", "entries", "data_bytes"):
+        for key in ("files_opened", "entries", "data_bytes"):
             assert load_packed[world][key] == figures[key], (world, key)
-        assert figures["metadata_bytes"] > 0
+        # What a plan read besides the root: the rank indexes (as written) and the file headers.
+        indexes_plain = figures["metadata_bytes"] - manifest_plain
+        assert load_packed[world]["metadata_bytes"] - manifest_packed == indexes_plain > 0, world
