@@ -1158,8 +1158,11 @@ def test_ddp_rank_zero_saves_do_not_hang_and_verify(tmp_path: Path) -> None:
     assert set(os.listdir(root)) == {*result["best"], "last.ckpt"}
     for name in os.listdir(root):
         assert sk.verify(root / name).ok
-    # every rank loads the checkpoint (reads only) and training goes on from it
-    env["MASTER_PORT"] = str(port + 1 if port < 65535 else port - 1)
+    # every rank loads the checkpoint (reads only) and training goes on from it, on a port the
+    # kernel says is free now (the first run's may linger in TIME_WAIT; its neighbour may be taken)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(probe.getsockname()[1])
     subprocess.run(
         [sys.executable, str(script), str(root), "3", str(root / "last.ckpt")],
         env=env,
