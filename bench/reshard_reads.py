@@ -19,12 +19,8 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing
 import os
-import pickle
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository root: examples/
 from examples.store_probes import CountingStore, kernel_read_bytes
+from tests.support.distributed_harness import results_or_raise
+from tests.support.distributed_harness import run_ranks as ranks_of
 
 import shardkeep as sk
 from common import fmt_bytes, fmt_range, table
@@ -47,49 +45,10 @@ TENSORS = 16
 LOAD_RANKS = 3
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, out: str, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        result: Any = ("ok", target(rank, world, *args))
-    except BaseException as exc:
-        result, code = ("error", f"{type(exc).__name__}: {exc}"), 1
-    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    os._exit(code)
-
-
 def run_ranks(world: int, target: Callable[..., Any], *args: Any, out: Path) -> list[Any]:
-    """``target(rank, world, *args)`` on ``world`` forked gloo ranks; each rank's result."""
-    out.mkdir(parents=True, exist_ok=True)
-    context = multiprocessing.get_context("fork")
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world, port, str(out), target, args)) for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(1200)
-    results = [pickle.loads(Path(out, f"{rank}.pkl").read_bytes()) for rank in range(world)]
-    failed = [value for status, value in results if status != "ok"]
-    if failed:
-        raise SystemExit("a rank failed: " + "; ".join(failed))
-    return [value for _, value in results]
+    """``target(rank, world, *args)`` on ``world`` forked gloo ranks (the test suite's harness);
+    each rank's result."""
+    return results_or_raise(ranks_of(world, target, *args, outbox=out, timeout=1200))
 
 
 def _tensor(index: int, rows: int) -> torch.Tensor:
