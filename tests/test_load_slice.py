@@ -7,16 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 from examples.store_probes import CountingStore as ProbeCountingStore
 
 import shardkeep as sk
-from shardkeep.indexes import encode_index
-from shardkeep.integrity import digest_bytes, generate_key_pair
+from shardkeep.integrity import generate_key_pair
 from shardkeep.manifest import RankIndex
 from shardkeep.storage import LocalStore
+from tests.support.disk import rewrite_rank_index
 from tests.support.distributed_harness import results_or_raise, run_ranks
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -222,35 +221,25 @@ def test_sharded_slices_equal_indexing(sharded: Path, key: str, index: Any) -> N
     assert torch.equal(sk.load_slice(sharded / "c", key, index), tensor[index])
 
 
-def _change_strong_half(checkpoint: Path, reseal: Callable[..., None]) -> None:
+def _change_strong_half(checkpoint: Path) -> None:
     """Flip a byte of block 0's strong digest of rank 0's ``w`` chunk; re-digest the index and
     re-seal the root, as someone who can write the directory could."""
-    index_path = checkpoint / "index" / "rank_00000.json"
-    index = msgspec.json.decode(index_path.read_bytes(), type=RankIndex)
-    record = index.files[0]
-    entry = next(t for t in record.tensors if t.key == "w")
-    blocks = bytearray(entry.blocks)
-    assert len(blocks) == 64 * 48 // 2  # 32 blocks of 16 B fast + 32 B strong
-    blocks[16] ^= 1
-    entry.blocks = bytes(blocks)
-    data = encode_index(0, index.files, index.metadata_version)
-    os.chmod(index_path, 0o644)
-    index_path.write_bytes(data)
 
-    def mutate(raw: dict[str, Any]) -> None:
-        table = raw["indexes"]
-        position = table["ranks"].index(0)
-        table["sizes"][position] = len(data)
-        table["digests"][position] = digest_bytes(table["algorithm"], data).partition(":")[2]
+    def change(index: RankIndex) -> None:
+        entry = next(t for t in index.files[0].tensors if t.key == "w")
+        blocks = bytearray(entry.blocks)
+        assert len(blocks) == 64 * 48 // 2  # 32 blocks of 16 B fast + 32 B strong
+        blocks[16] ^= 1
+        entry.blocks = bytes(blocks)
 
-    reseal(checkpoint, mutate)
+    rewrite_rank_index(checkpoint, 0, change)
 
 
 def test_a_changed_strong_block_digest_passes_a_default_slice_not_a_cryptographic_one(
-    tmp_path: Path, sharded: Path, reseal: Callable[..., None]
+    tmp_path: Path, sharded: Path
 ) -> None:
     checkpoint = _fresh(tmp_path, sharded)
-    _change_strong_half(checkpoint, reseal)
+    _change_strong_half(checkpoint)
     assert torch.equal(sk.load_slice(checkpoint, "w", slice(0, 8)), W[:8])
     with pytest.raises(sk.IntegrityError, match=r"'w'.*fails its digest"):
         sk.load_slice(checkpoint, "w", slice(0, 8), digest="cryptographic")

@@ -9,14 +9,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-import msgspec
 import pytest
 import torch
 from examples.store_probes import CountingStore
 
 import shardkeep as sk
-from shardkeep.indexes import encode_index
-from shardkeep.integrity import digest_bytes, generate_key_pair
+from shardkeep.integrity import generate_key_pair
 from shardkeep.lazy import LazyTensor
 from shardkeep.manifest import FAST_BLOCK_DIGEST_BYTES, RankIndex
 from shardkeep.reads import merge_runs
@@ -124,23 +122,14 @@ def _change_strong_half(source: Path, target: Path) -> None:
     changed, the index re-digested and the root re-sealed (as anyone who can write the
     directory could): the fast halves still match the data."""
     shutil.copytree(source, target)
-    index_path = target / "index" / "rank_00000.json"
-    index = msgspec.json.decode(index_path.read_bytes(), type=RankIndex)
-    entry = next(t for record in index.files for t in record.tensors if t.key == "t0")
-    blocks = bytearray(entry.blocks)
-    blocks[FAST_BLOCK_DIGEST_BYTES] ^= 1
-    entry.blocks = bytes(blocks)
-    data = encode_index(0, index.files, index.metadata_version)
-    os.chmod(index_path, 0o644)
-    index_path.write_bytes(data)
 
-    def mutate(raw: dict[str, Any]) -> None:
-        table = raw["indexes"]
-        position = table["ranks"].index(0)
-        table["sizes"][position] = len(data)
-        table["digests"][position] = digest_bytes(table["algorithm"], data).partition(":")[2]
+    def change(index: RankIndex) -> None:
+        entry = next(t for record in index.files for t in record.tensors if t.key == "t0")
+        blocks = bytearray(entry.blocks)
+        blocks[FAST_BLOCK_DIGEST_BYTES] ^= 1
+        entry.blocks = bytes(blocks)
 
-    disk.reseal(target, mutate)
+    disk.rewrite_rank_index(target, 0, change)
 
 
 def _run(saved_on: int, factory: pytest.TempPathFactory) -> Run:

@@ -35,6 +35,32 @@ def reseal(checkpoint: Path, mutate: Callable[[dict[str, Any]], object]) -> None
     (checkpoint / "manifest.json").write_bytes(seal_manifest(json.dumps(raw, separators=(",", ":")).encode(), "blake3"))
 
 
+def rewrite_rank_index(checkpoint: Path, rank: int, change: Callable[[Any], object]) -> None:
+    """Change rank ``rank``'s index of a format 2.x checkpoint with ``change(index)`` (a decoded
+    ``RankIndex``), write it back, and record its new size and digest in the re-sealed root, as
+    someone who can write the directory could."""
+    import msgspec
+
+    from shardkeep.indexes import encode_index
+    from shardkeep.integrity import digest_bytes
+    from shardkeep.manifest import RankIndex
+
+    index_path = checkpoint / "index" / f"rank_{rank:05d}.json"
+    index = msgspec.json.decode(index_path.read_bytes(), type=RankIndex)
+    change(index)
+    data = encode_index(rank, index.files, index.metadata_version)
+    os.chmod(index_path, 0o644)
+    index_path.write_bytes(data)
+
+    def mutate(raw: dict[str, Any]) -> None:
+        table = raw["indexes"]
+        position = table["ranks"].index(rank)
+        table["sizes"][position] = len(data)
+        table["digests"][position] = digest_bytes(table["algorithm"], data).partition(":")[2]
+
+    reseal(checkpoint, mutate)
+
+
 def tree_listing(root: Path) -> list[str]:
     """Every file and directory under ``root``, as sorted paths relative to it."""
     return sorted(
