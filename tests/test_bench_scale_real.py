@@ -7,27 +7,31 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_real_ranks_run_the_collectives_the_simulator_predicts(tmp_path: Path) -> None:
-    output = tmp_path / "real.json"
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY / "src")}
-    arguments = ["--src", "worktree", "--real", "4", "--workloads", "tiny-dense", "--real-timeout", "240"]
+def _scale(output: Path, arguments: list[str], **environment: str) -> Any:
+    """``bench/scale.py ARGUMENTS --json OUTPUT`` run to its end: what it wrote."""
     finished = subprocess.run(
         [sys.executable, str(REPOSITORY / "bench" / "scale.py"), *arguments, "--json", str(output)],
         capture_output=True,
         text=True,
-        env=environment,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY / "src"), **environment},
         timeout=280,
         check=False,
     )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    (point,) = json.loads(output.read_text())["real"]
+    return json.loads(output.read_text())
+
+
+@pytest.mark.slow
+def test_real_ranks_run_the_collectives_the_simulator_predicts(tmp_path: Path) -> None:
+    arguments = ["--src", "worktree", "--real", "4", "--workloads", "tiny-dense", "--real-timeout", "240"]
+    (point,) = _scale(tmp_path / "real.json", arguments)["real"]
     assert point["ok"] and point["save"]["counts_agree"] and point["save"]["order_agrees"]
     assert point["load"]["real_collectives"] == 0
     kinds = {(row["label"], row["kind"]) for row in point["save"]["steps"]}
@@ -37,22 +41,10 @@ def test_real_ranks_run_the_collectives_the_simulator_predicts(tmp_path: Path) -
 
 
 def _point(tmp_path: Path, name: str, pack: bool) -> dict[str, object]:
-    output = tmp_path / f"{name}.json"
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY / "src"), "SHARDKEEP_SCALE_PACK": "1" if pack else "0"}
     arguments = ["--src", "worktree", "--workloads", "tiny-tp-fsdp", "--ranks", "8", "--reps", "1"]
-    finished = subprocess.run(
-        [sys.executable, str(REPOSITORY / "bench" / "scale.py"), *arguments, "--json", str(output)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=280,
-        check=False,
-    )
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    text = output.read_text()
-    found = json.loads(text)
+    found = _scale(tmp_path / f"{name}.json", arguments, SHARDKEEP_SCALE_PACK="1" if pack else "0")
     points = [value for value in _walk(found) if isinstance(value, dict) and "manifest_bytes" in value]
-    assert len(points) == 1, text[:2000]
+    assert len(points) == 1, json.dumps(found)[:2000]
     return points[0]
 
 
