@@ -68,6 +68,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -279,6 +281,30 @@ def _attempt(
     return outcome, attempt.gated
 
 
+_released: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_releaser: threading.Thread | None = None
+_releaser_lock = threading.Lock()
+
+
+def _release_later(item: Any) -> None:
+    """Drop ``item`` (a load's file buffers, once filled into the caller's tensors) on a
+    background thread: unmapping the files a load mapped takes milliseconds per 64 MiB, which
+    the caller then spends waiting in the next agreement instead. Buffers the returned state
+    still uses stay mapped (they are only unreferenced here)."""
+    global _releaser
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():  # (a forked child has no thread yet)
+            _releaser = threading.Thread(target=_release_forever, name="shardkeep-release", daemon=True)
+            _releaser.start()
+    _released.put(item)
+
+
+def _release_forever() -> None:
+    while True:
+        item = _released.get()
+        del item
+
+
 def _log_lost(step: int, refused: list[tuple[int, int, str, str]]) -> None:
     reasons = sorted({f"{level}: {reason}" for refused_step, _, level, reason in refused if refused_step == step})
     logger.warning(
@@ -420,10 +446,12 @@ class _StepAttempt:
     ) -> tuple[Any, RestoreReport] | None:
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
-            gathered = self.agree("checking the files", self._phase(lambda: self.check(into)))
+            gathered = self.agree("checking the files", self._phase(lambda: self.check(into), ([], [])))
         healed: list[tuple[int, str, str]] = []
         if gathered is not None:
-            gathered = self._fetch_round("fetching the files", [each.payload for each in gathered], healed, first=True)
+            lacking = [each.payload[0] for each in gathered]
+            offered = [each.payload[1] for each in gathered]
+            gathered = self._fetch_round("fetching the files", lacking, healed, first=True, offered=offered)
         if gathered is not None and any(each.payload[2] for each in gathered):
             # A local file present at its size failed its digest (found while the missing files
             # were fetched): every node heals its damaged files in a second round.
@@ -431,30 +459,34 @@ class _StepAttempt:
                 "fetching the damaged files", [each.payload[2] for each in gathered], healed, first=False
             )
         if gathered is not None:
-            sources = self.agree("reading", self._phase(self.read))
-            committed = None
+            # The coordinator's outcome carries the shared levels' listing (the gate's answer).
+            offer = names.offer(self.coordinator) if names is not None else None
+            sources = self.agree("reading", self._phase(lambda: (self.read(), offer)))
             if sources is not None:
-                # The coordinator's outcome carries the shared levels' listing (the gate's answer).
-                offer = names.offer(self.coordinator) if names is not None else None
-                committed = self.agree("committing healed parts", self._phase(lambda: self.finalize(healed), offer))
-            if sources is not None and committed is not None:
+                self.finalize_quietly(healed)  # every rank has read: a rebuilt part may move
                 if names is not None:
-                    names.learn(committed[0].payload, unreachable)
+                    names.learn(sources[0].payload[1], unreachable)
                 if gate is not None and not gate(self.step):
                     self.gated = True  # not refused: the healed part stays, a newer step is looked for
                     return None
-                return self._loaded(healed, [each.payload for each in sources])
+                return self._loaded(healed, [each.payload[0] for each in sources])
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
 
     def _fetch_round(
-        self, label: str, lacking: list[list[tuple[str, int]]], healed: list[tuple[int, str, str]], *, first: bool
+        self,
+        label: str,
+        lacking: list[list[tuple[str, int]]],
+        healed: list[tuple[int, str, str]],
+        *,
+        first: bool,
+        offered: list[list[str]] | None = None,
     ) -> list[_Outcome] | None:
         """Fetch what each rank lacks (collective), then agree; ``healed`` gains what arrived.
         Each outcome's payload ends with the files this rank's digest check found damaged
         meanwhile (empty after the first round)."""
-        fetched = self.fetch(lacking, with_metadata=first)
+        fetched = self.fetch(lacking, with_metadata=first, offered=offered)
         try:
             damaged = self.damaged()
         except Exception as exc:  # the check itself failed: this rank refuses the step
@@ -493,9 +525,15 @@ class _StepAttempt:
         report.metrics = dict(manifest.metrics)
         job = self.job
         filled: list[Any] = []
+
+        def fill() -> None:
+            filled.append(job.fill(job.assemble()))
+            buffers, job.buffers = job.buffers, []
+            _release_later(buffers)  # unmapped while this rank waits for the others
+
         # One agreement after the fill: a rank whose fill fails (a value that does not fit
         # into=) fails the restore on every rank, instead of the others returning success.
-        self.coordinator.step(f"restore step {self.step}: fill", lambda: filled.append(job.fill(job.assemble())))
+        self.coordinator.step(f"restore step {self.step}: fill", fill)
         return filled[0], report
 
     def _refuse_foreign_parts(self) -> None:
@@ -683,9 +721,10 @@ class _StepAttempt:
         return manifest
 
     # -- phase: which files, and checking them ---------------------------------------------------
-    def check(self, into: Any) -> list[tuple[str, int]]:
+    def check(self, into: Any) -> tuple[list[tuple[str, int]], list[str]]:
         """Build this rank's load job, select the files it needs, and check the local copies of
-        them: the files this rank lacks, as ``(path, stored size)``."""
+        them: the files this rank lacks, as ``(path, stored size)``, and the replicas this node
+        offers to the nodes rebuilding their part (:meth:`_replicas_offered`)."""
         assert self.location is not None
         manifest = self._parse(self.location)
         shared = self.mode[self.node] == "shared"
@@ -702,7 +741,7 @@ class _StepAttempt:
             if wanted != [] and job.resolver.own_directory(record):
                 self.needed[record.path] = record
         if shared:
-            return []  # read, and verified, by the load
+            return [], []  # read, and verified, by the load
         lacking: list[tuple[str, int]] = []
         present: list[FileRecord] = []
         for path, record in sorted(self.needed.items()):
@@ -724,7 +763,24 @@ class _StepAttempt:
             # Digests are checked on a thread while the missing files are fetched.
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-check")
             self._checking = self._checker.submit(self._check_present, job, present, self.settings.fast)
-        return lacking
+        return lacking, self._replicas_offered()
+
+    def _replicas_offered(self) -> list[str]:
+        """On the leader of a node holding its part, while some node rebuilds its own: the peer
+        replicas this node holds (its ``node-part.json``), present here. They ride on the
+        check's agreement, so that the fetch needs no gathering of who holds what when they
+        cover every file the nodes lack (:meth:`fetch`)."""
+        if not self.leader or self.mode[self.node] != "local" or "rebuild" not in self.mode.values():
+            return []
+        assert self.directory is not None
+        where = os.path.join(self.directory, NODE_PART_FILENAME)
+        try:
+            with open(where, "rb") as handle:
+                part = decode_node_part(handle.read(1 << 24), where=where)
+        except (OSError, ShardkeepError):
+            return []  # the fetch gathers who holds what
+        paths = sorted({path for paths in part.replicas.values() for path in paths})
+        return [path for path in paths if os.path.isfile(os.path.join(self.directory, path))]
 
     @staticmethod
     def _check_present(job: LoadJob, records: list[FileRecord], fast: bool) -> dict[str, str]:
@@ -758,30 +814,38 @@ class _StepAttempt:
             self._checker, self._checking = None, None
 
     # -- phase: fetching what a node lacks ------------------------------------------------------
-    def fetch(self, lacking: list[list[tuple[str, int]]], *, with_metadata: bool = True) -> _Outcome:
+    def fetch(
+        self,
+        lacking: list[list[tuple[str, int]]],
+        *,
+        with_metadata: bool = True,
+        offered: list[list[str]] | None = None,
+    ) -> _Outcome:
         """Heal what this node lacks: each file by the node's lowest rank lacking it, from a
         peer node holding it (its own part or a replica), else from a shared copy. Collective
-        (one all-gather and the peers' exchanges on every rank, whatever happens here). The
-        payload: the files healed with their source, and for each file that could not be, the
-        reasons per level."""
-        mine: dict[str, int] = {}
+        (the peers' exchanges on every rank, whatever happens here, after one all-gather of who
+        holds what unless ``offered``, each rank's replicas offered with the check, covers every
+        file a node lacks). The payload: the files healed with their source, and for each file
+        that could not be, the reasons per level."""
+        claims: list[dict[str, int]] = [{} for _ in lacking]
         claimed: set[tuple[int, str]] = set()
         for rank, files in enumerate(lacking):
             for path, size in files:
                 key = (self.node_of[rank], path)
                 if key not in claimed:
                     claimed.add(key)
-                    if rank == self.rank:
-                        mine[path] = size
+                    claims[rank][path] = size
         healed: list[tuple[str, str]] = list(self.healed_metadata) if with_metadata else []
-        still = sorted(mine.items())
-        offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
-        everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
-        holders: dict[str, list[int]] = {}
-        for rank, (_, offered) in enumerate(everyone):
-            for path in offered:
-                holders.setdefault(path, []).append(self.node_of[rank])
-        pending = [(rank, path, size) for rank, (requests, _) in enumerate(everyone) for path, size in requests]
+        still = sorted(claims[self.rank].items())
+        holders = self._offered_holders(claimed, offered) if offered is not None else None
+        if holders is None:
+            offers = self._offers(claimed, lacking) if self.leader and self.mode[self.node] == "local" else []
+            everyone = self.coordinator.all_gather((still, offers), label=f"restore step {self.step}: who holds what")
+            holders = {}
+            for rank, (_, offer) in enumerate(everyone):
+                for path in offer:
+                    holders.setdefault(path, []).append(self.node_of[rank])
+        pending = [(rank, path, size) for rank, mine in enumerate(claims) for path, size in sorted(mine.items())]
         peer_reasons: dict[str, str] = {}
         for path, _ in still:
             if not [node for node in holders.get(path, []) if node != self.node]:
@@ -858,6 +922,18 @@ class _StepAttempt:
                     offered.append(path)
         return offered
 
+    def _offered_holders(self, claimed: set[tuple[int, str]], offered: list[list[str]]) -> dict[str, list[int]] | None:
+        """The nodes holding each file, from the replicas offered with the check, when some
+        other node offers every ``(node, path)`` claimed; else ``None`` (gather who holds what).
+        The same on every rank: both were gathered."""
+        holders: dict[str, list[int]] = {}
+        for rank, paths in enumerate(offered):
+            for path in paths:
+                holders.setdefault(path, []).append(self.node_of[rank])
+        if all(any(node != lacking for node in holders.get(path, [])) for lacking, path in claimed):
+            return holders
+        return None
+
     def _from_peers(
         self,
         pending: list[tuple[int, str, int]],
@@ -909,6 +985,18 @@ class _StepAttempt:
         assert self.job is not None
         self.job.read()
         return self.source_level
+
+    def finalize_quietly(self, healed: list[tuple[int, str, str]]) -> None:
+        """:meth:`finalize`, once every rank has read (no collective): a failure is logged, and
+        the step is still restored from the bytes read (the healed files stay where they are;
+        a rebuilt part left in its staging directory is rebuilt again by the next restore)."""
+        try:
+            self.finalize(healed)
+        except (OSError, ShardkeepError) as exc:
+            logger.warning(
+                "restore: node %d could not record the files it healed for step %d (%s: %s)",
+                self.node, self.step, type(exc).__name__, exc,
+            )  # fmt: skip
 
     def finalize(self, healed: list[tuple[int, str, str]]) -> None:
         """The node leader records the node's healed files in its part, or renames a rebuilt

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ DEFAULT_BLOCK_BYTES = 8 << 20
 #: (``bench/transfer_blocks.py``: 8 MiB blocks take 1.20x the time of 2 MiB blocks with blake3
 #: on arrival, 1.04x with xxh3-128; docs/performance.md).
 WIRE_BLOCK_BYTES = 2 << 20
+
+#: Receives of a file's blocks posted ahead of the one being waited for.
+_RECEIVES_AHEAD = 2
 
 _OK = 0
 _UNREADABLE = 1
@@ -249,30 +253,38 @@ def _traffic(
 
 
 def _run_round(group: Any, to_peer: int, from_peer: int, messages: Iterator[Any], stream: _Receiver | None) -> None:
-    """One round: this rank's messages to ``to_peer`` and ``stream``'s from ``from_peer``, one
-    message each way at a time."""
+    """One round: this rank's messages to ``to_peer``, one at a time, and ``stream``'s from
+    ``from_peer``, with up to :data:`_RECEIVES_AHEAD` receives of a file's blocks posted ahead.
+    Every receive a rank can post is posted before it waits on anything, so each posted send
+    meets its receive."""
     import torch.distributed as dist
 
+    posted: deque[tuple[Any, Any]] = deque()
     while True:
         outgoing = next(messages, None)
-        buffer = stream.next_buffer() if stream is not None else None
-        if outgoing is None and buffer is None:
-            return
+        arrived = None
         try:
-            works = []
+            while stream is not None and len(posted) < _RECEIVES_AHEAD:
+                buffer = stream.next_buffer(ahead=bool(posted))
+                if buffer is None:
+                    break
+                posted.append((buffer, dist.irecv(buffer, group=group, group_src=from_peer)))
+            if outgoing is None and not posted:
+                return
             if outgoing is not None:
-                works.append(dist.isend(outgoing, group=group, group_dst=to_peer))
-            if buffer is not None:
-                works.append(dist.irecv(buffer, group=group, group_src=from_peer))
-            for work in works:
+                work = dist.isend(outgoing, group=group, group_dst=to_peer)
+                if work is not None:
+                    work.wait()
+            if posted:
+                arrived, work = posted.popleft()
                 if work is not None:
                     work.wait()
         except RuntimeError as exc:  # gloo reports a dead peer and a timeout so
             raise CoordinationError(
                 f"exchanging files with ranks {to_peer} (to) and {from_peer} (from) failed: {exc}", {}
             ) from exc
-        if buffer is not None and stream is not None:
-            stream.deliver(buffer)
+        if arrived is not None and stream is not None:
+            stream.deliver(arrived)
 
 
 def _outgoing_messages(sends: list[FileSend], block_bytes: int) -> Iterator[Any]:
@@ -485,16 +497,28 @@ class _Receiver:
         self.sent: set[str] = set()
         #: Bytes of the current file received from the wire (written and digested behind).
         self.arrived = 0
-        #: The two blocks received into in turn, each with the write of its bytes in flight.
-        self.blocks: list[Any] = [None, None]
-        self.writes: list[Future[None] | None] = [None, None]
+        #: Bytes of the current file whose receive is posted (ahead of those arrived).
+        self.posted = 0
+        #: The blocks received into in turn (:data:`_RECEIVES_AHEAD` posted, one more being
+        #: written and digested), each with the write of its bytes in flight.
+        self.blocks: list[Any] = [None] * (_RECEIVES_AHEAD + 1)
+        self.writes: list[Future[None] | None] = [None] * (_RECEIVES_AHEAD + 1)
         self.turn = 0
+        #: The turns of the blocks posted and not yet delivered, oldest first.
+        self.receiving: deque[int] = deque()
         self.writer: ThreadPoolExecutor | None = None
 
-    def next_buffer(self) -> Any:
+    def next_buffer(self, *, ahead: bool = False) -> Any:
+        """The buffer the next message from the peer is received into (``None``: the stream
+        ended). With ``ahead`` (a receive is posted already and not yet delivered): the next
+        block of the current file's data, or ``None`` when the message after the posted ones
+        cannot be known yet."""
         import torch
 
-        if self.state == "count":
+        if ahead:
+            if self.state != "data" or self.current is None or self.posted >= self.current.size:
+                return None
+        elif self.state == "count":
             return torch.zeros(1, dtype=torch.int64)
         if self.state == "header":
             return torch.zeros(2, dtype=torch.int64)
@@ -502,7 +526,7 @@ class _Receiver:
             return torch.zeros(self.path_length, dtype=torch.uint8)
         if self.state == "data":
             assert self.current is not None
-            length = min(self.block_bytes, self.current.size - self.arrived)
+            length = min(self.block_bytes, self.current.size - self.posted)
             turn = self.turn
             write = self.writes[turn]
             if write is not None:
@@ -513,6 +537,9 @@ class _Receiver:
                 block = self.blocks[turn] = torch.empty(
                     min(self.block_bytes, max(length, self.current.size)), dtype=torch.uint8
                 )
+            self.posted += length
+            self.turn = (turn + 1) % len(self.blocks)
+            self.receiving.append(turn)
             return block[:length]
         if self.state == "trailer":
             return torch.zeros(1, dtype=torch.int64)
@@ -529,7 +556,7 @@ class _Receiver:
             path = bytes(buffer.numpy()).decode(errors="replace")
             self.sent.add(path)
             self.current = _Incoming(path, self.pending_size, self.expected.get(path), self.fast)
-            self.arrived = 0
+            self.arrived = self.posted = 0
             self.state = "data" if self.pending_size else "trailer"
         elif self.state == "data":
             assert self.current is not None
@@ -539,8 +566,8 @@ class _Receiver:
             if self.writer is None:
                 self.writer = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-receive")
             data = memoryview(buffer.numpy()).cast("B")
-            self.writes[self.turn] = self.writer.submit(self._take, data)
-            self.turn = 1 - self.turn
+            turn = self.receiving.popleft()
+            self.writes[turn] = self.writer.submit(self._take, data)
             if self.arrived >= self.current.size:
                 self.state = "trailer"
         elif self.state == "trailer":
