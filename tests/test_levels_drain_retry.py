@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 
 import shardkeep as sk
 from shardkeep.distributed.coordinator import Coordinator
-from shardkeep.errors import DrainError
+from shardkeep.errors import DrainError, StorageError
 from shardkeep.levels.drain import COORDINATOR_RETRY_SHARE, Drain, DrainState
 from shardkeep.names import MANIFEST_FILENAME, SIGNATURE_FILENAME
 from shardkeep.retry import RetryPolicy
@@ -45,7 +46,8 @@ class Flaky(ForwardingStore):
     """Fails the first ``failures[operation]`` calls of each operation (on a path ending with
     ``match``) with an EIO (or ``code``), then lets them through. ``lost`` names operations
     whose first call is done and then reported failed (a lost response). ``renames=False``
-    makes it an object store's protocol (create-only writes on a local directory)."""
+    makes it an object store's protocol (create-only writes on a local directory). ``fault``
+    makes the error (default: :func:`_fault` with ``code``)."""
 
     def __init__(
         self,
@@ -55,31 +57,32 @@ class Flaky(ForwardingStore):
         match: str = "",
         code: int = errno.EIO,
         lost: frozenset[str] = frozenset(),
-        renames: bool = True,
+        renames: bool | None = None,
+        fault: Callable[[str], Exception] | None = None,
     ) -> None:
         super().__init__(inner)
         self.left = dict(failures or {})
         self.match = match
-        self.code = code
         self.lost = set(lost)
         self.renames = renames
+        self.fault = fault or (lambda operation: _fault(operation, code))
         self.failed: list[str] = []
 
     @property
     def atomic_rename(self) -> bool:
-        return self.renames
+        return self._atomic_rename if self.renames is None else self.renames
 
     def _before(self, operation: str, path: str) -> None:
         if self.left.get(operation, 0) > 0 and path.endswith(self.match):
             self.left[operation] -= 1
             self.failed.append(f"{operation} {path}")
-            raise _fault(f"{operation} {path}", self.code)
+            raise self.fault(f"{operation} {path}")
 
     def _after(self, operation: str, path: str) -> None:
         if operation in self.lost and path.endswith(self.match):
             self.lost.discard(operation)
             self.failed.append(f"{operation} {path} (done, answer lost)")
-            raise _fault(f"{operation} {path}", self.code)
+            raise self.fault(f"{operation} {path}")
 
     def open_write(self, path: str) -> WriteHandle:
         self._before("open_write", path)
@@ -385,3 +388,51 @@ def test_two_ranks_commit_after_the_coordinator_retried_its_plan_and_commit(tmp_
     assert sk.verify(persistent).ok, sk.verify(persistent).problems
     assert (persistent / MANIFEST_FILENAME).read_bytes() == (base / "src" / NAME / MANIFEST_FILENAME).read_bytes()
     assert sorted(os.listdir(base / "persistent")) == [NAME]
+
+
+# --------------------------------------------------------------------------------------------
+# A real S3 server (SeaweedFS): a 503 SlowDown at the commit
+
+
+def _slow_down(operation: str) -> Exception:
+    """S3's answer to a throttled request: a real botocore ClientError, 503 SlowDown."""
+    from botocore.exceptions import ClientError
+
+    answer: Any = {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}
+    answer["ResponseMetadata"] = {"HTTPStatusCode": 503}
+    error = StorageError(f"S3 answered 503 SlowDown at {operation}")
+    error.__cause__ = ClientError(answer, "PutObject")
+    return error
+
+
+@pytest.mark.slow
+def test_a_slow_down_at_the_s3_commit_is_retried_and_commits_once(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shardkeep.storage import FsspecStore
+
+    root, options = s3_root
+    key = Ed25519PrivateKey.generate()
+    sk.save(small_state(), tmp_path / "src" / NAME, options=SMALL_FILES, signer=key)
+    split_into_nodes(tmp_path / "src" / NAME, [tmp_path / "local0"], [0])
+    # The create-only manifest is written, and its answer is a 503 (a lost response); then the
+    # signature's first write is answered 503.
+    lost = Flaky(FsspecStore(root, options), match=MANIFEST_FILENAME, lost=frozenset({"commit"}), fault=_slow_down)
+    store = Flaky(lost, {"put_atomic": 1}, match=SIGNATURE_FILENAME, fault=_slow_down)
+    with caplog.at_level(logging.WARNING, logger="shardkeep.levels.drain"):
+        state = drain_once(tmp_path / "local0", store, retry=QUICK)
+    assert state.state == "committed", (state, lost.failed, store.failed)
+    assert len(lost.failed) == 1 and len(store.failed) == 1, (lost.failed, store.failed)
+    assert len(retries_logged(caplog, "committing")) == 2, caplog.text
+    report = sk.verify(f"{root}/{NAME}", storage_options=options, public_key=key.public_key(), require_signature=True)
+    assert report.ok, report.problems
+    plain = FsspecStore(root, options)
+    for name in (MANIFEST_FILENAME, SIGNATURE_FILENAME):
+        handle = plain.open_read(f"{NAME}/{name}")
+        found = bytearray(handle.size)
+        handle.read_into(0, memoryview(found))
+        handle.close()
+        assert bytes(found) == (tmp_path / "src" / NAME / name).read_bytes(), name
+    assert not any(entry.startswith("attempt-") for entry, _ in plain.list_dir(NAME))
