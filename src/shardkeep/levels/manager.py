@@ -115,6 +115,13 @@ class MultiLevelManager:
     longest a save waits (seconds) for the peer replication of the previous local step before
     that step is skipped (see :mod:`~shardkeep.levels.replicas`). ``options``, ``fields``,
     ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
+
+    Every rank probes each shared level here (:func:`~shardkeep.levels.config.probe_level`).
+    Building the manager makes no collective: one process (or a manager built before
+    ``torch.distributed`` is initialized) raises
+    :class:`~shardkeep.errors.LevelUnreachableError` here; with several ranks, the outcomes join
+    the node map's all-gather at the first call, where every rank raises the same error naming
+    the level and the ranks that cannot reach it, before anything is written.
     """
 
     def __init__(
