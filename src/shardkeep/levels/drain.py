@@ -326,7 +326,8 @@ class Drain:
     def retry_bound(self) -> float:
         """The most seconds the retries of one plan or commit may take, from its first attempt:
         ``min(retry.deadline, COORDINATOR_RETRY_SHARE * coordinator.timeout)``, so that the
-        other ranks, waiting in the collective that follows, never reach their deadline."""
+        other ranks, waiting in the collective that follows, keep the rest of their deadline
+        for the work itself."""
         return min(self.retry.deadline, COORDINATOR_RETRY_SHARE * self.coordinator.timeout)
 
     def _with_retries(self, what: str, attempt: Callable[[], T]) -> T:
