@@ -190,7 +190,8 @@ def _train_failing_persistent(rank: int, world_size: int, tmp: str, required: bo
             required=True,
         )
     try:
-        sk.MultiLevelManager(levels, node_of=_node_of, timeout=60)
+        manager = sk.MultiLevelManager(levels, node_of=_node_of, timeout=60)
+        manager.should_save(0)  # several ranks agree on the probes at the first call
     except sk.LevelUnreachableError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}

@@ -30,7 +30,10 @@ the level(s):
 committed local step is drained; ``retention=None`` keeps every step.
 
 :func:`probe_level` opens a persistent level's store and lists it (creating a local root), and
-raises :class:`~shardkeep.errors.LevelUnreachableError` naming the level and the reason; a
+raises :class:`~shardkeep.errors.LevelUnreachableError` naming the level and the reason. When
+several ranks probe (:func:`distributed_now`), each rank's outcome is gathered and
+:func:`refuse_unreachable` gives every rank the same error, naming the level and each rank (and
+node) that could not reach it with its reason; a
 node-local level on a network filesystem is warned about (:class:`~shardkeep.errors.LevelWarning`)
 by :func:`warn_if_network_filesystem`, from the filesystem type the ledger's lock reads.
 """
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardkeep.cadence import SavePolicy
+from shardkeep.config import LOCAL
 from shardkeep.errors import LevelConfigError, LevelUnreachableError, LevelWarning, ShardkeepError
 from shardkeep.ledger.lock import NETWORK_FILESYSTEMS, filesystem_type
 from shardkeep.retention import RetentionPolicy
@@ -55,8 +59,10 @@ __all__ = [
     "Level",
     "LevelRoot",
     "check_levels",
+    "distributed_now",
     "normalized_root",
     "probe_level",
+    "refuse_unreachable",
     "replica_holders",
     "warn_if_network_filesystem",
 ]
@@ -305,6 +311,46 @@ def probe_level(level: Level, node: int = 0) -> ByteStore:
             f"level {level.name!r} at {root!r} is unreachable: {type(exc).__name__}: {exc}"
         ) from exc
     return store
+
+
+def distributed_now(process_group: Any = None) -> bool:
+    """Whether this process is one of several ranks of ``process_group`` (``None``: the default
+    group) now: ``torch.distributed`` is initialized and the group has more than one rank. No
+    collective; ``False`` without torch, before ``init_process_group``, and for ``LOCAL``."""
+    if isinstance(process_group, str) and process_group == LOCAL:
+        return False
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    return int(dist.get_world_size(process_group)) > 1
+
+
+def refuse_unreachable(reports: Sequence[Mapping[str, str]], node_of: Sequence[int]) -> None:
+    """Raise the same :class:`~shardkeep.errors.LevelUnreachableError` on every rank when any
+    rank could not reach a shared level. ``reports[rank]`` maps the name of each level that
+    rank could not reach to the reason it gave (:func:`probe_level`'s message), as gathered
+    from every rank, in rank order; ``node_of[rank]`` is its node. The message names each such
+    level, the ranks and nodes that could not reach it and each one's reason."""
+    failed: dict[str, list[tuple[int, str]]] = {}
+    for rank, report in enumerate(reports):
+        for name, reason in report.items():
+            failed.setdefault(name, []).append((rank, reason))
+    if not failed:
+        return
+    parts = []
+    for name, where in sorted(failed.items()):
+        ranks = [rank for rank, _ in where]
+        nodes = sorted({node_of[rank] for rank in ranks})
+        reasons = "; ".join(f"rank {rank} (node {node_of[rank]}): {reason}" for rank, reason in where)
+        parts.append(
+            f"level {name!r} is unreachable from rank(s) {ranks} on node(s) {nodes} of {len(reports)} ranks ({reasons})"
+        )
+    raise LevelUnreachableError(
+        "; ".join(parts) + "; nothing was written: make the level reachable from every rank, or leave it out"
+    )
 
 
 def warn_if_network_filesystem(level: Level, node: int = 0, *, mountinfo: str | None = None) -> bool:

@@ -55,6 +55,35 @@ Crash windows and what recovery sees:
   committed. :func:`recover_drains` reports it as persisted; a new drain of it finds the same
   manifest there and reports it committed without copying.
 
+Retries on the coordinator. A transient failure (:func:`~shardkeep.retry.is_transient`) of the
+plan or of the commit is retried on the coordinator under the drain's ``retry`` policy, each
+retry logged (what failed, attempt k of n, the wait); a :class:`DrainError` or a permanent error
+never is. The other ranks wait in the broadcast that follows, so no vote is needed, and the
+retries of one plan or one commit end once the next wait would pass
+``min(retry.deadline, COORDINATOR_RETRY_SHARE * coordinator.timeout)`` (half the collective
+deadline) after its first attempt (:meth:`Drain.retry_bound`). Each node's leader retries the
+reading of its node's part the same way. What each retry sees:
+
+- planning (the local manifest and indexes, the persistent manifest's stat and read, clearing
+  an object store's leftovers, ``begin``): retried whole. Nothing of the drain is on the
+  persistent level yet; each attempt opens a fresh commit (``begin`` writes nothing), and
+  clearing leftovers without a manifest is idempotent.
+- commit, before the manifest write (the local manifest and signature, the visibility checks,
+  ``add_data_file``): retried whole; nothing was written.
+- commit, the manifest write attempted and failed: the next attempt first reads the manifest
+  under the final name (a failure there is itself retried, never guessed). None there: on a
+  store that renames, the entries the failed write left at the top of the unpublished staging
+  directory (signature, manifest, its temporary; never a copied file) are removed and the commit
+  runs again with a fresh write; on an object store the create-only write runs again. Another
+  attempt's manifest: the commit refuses it (not retried) and the drain aborts what it wrote.
+- commit, past the commit point (the manifest there is this drain's: a lost response, a failed
+  signature write or fsync after it): never committed a second time; only what follows the
+  commit point is done again (the fsync of the root after the final rename; on an object store
+  the signature, or the removal of a stale one). When that keeps failing the step is reported
+  committed, with a warning, as above.
+- retries exhausted before the commit point: the drain fails, the coordinator removes what it
+  wrote (the staging, or the drain's objects), and the manager skips it with the reason.
+
 The local copy is only ever read: a drain cut off anywhere leaves it intact.
 
 Bounds: a rank's copying threads hold one buffer each, together at most half the byte budget
@@ -63,7 +92,9 @@ upload part of its own, and a compressed file adds zstd's window); they run at a
 priority (``nice``) and drop the local files they read from the page cache
 (``POSIX_FADV_DONTNEED``). A failed copy of one file is retried under the ``retry`` policy on
 the copying thread (transient errors only: the thread waits and copies the file again; no
-vote, no collective). :meth:`Drain.wait` returns after its timeout plus one collective.
+vote, no collective). :meth:`Drain.wait` returns after its timeout plus one collective;
+:meth:`Drain.start` and the :meth:`Drain.poll` that commits take at most
+:meth:`Drain.retry_bound` seconds of retries on the coordinator, besides the work itself.
 """
 
 from __future__ import annotations
@@ -74,9 +105,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from shardkeep.config import ManifestLimits, WriteOptions
 from shardkeep.distributed.commit import CheckpointCommit
@@ -100,7 +131,7 @@ from shardkeep.retry import RetryPolicy, is_transient
 from shardkeep.storage import ByteStore, LocalStore, StoreOperations, adapt_store, open_store
 from shardkeep.verification import parse_manifest
 
-__all__ = ["CopyTask", "Drain", "DrainPlan", "DrainRecovery", "DrainState", "recover_drains"]
+__all__ = ["COORDINATOR_RETRY_SHARE", "CopyTask", "Drain", "DrainPlan", "DrainRecovery", "DrainState", "recover_drains"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +140,12 @@ MiB = 1 << 20
 MAX_BLOCK = 16 * MiB
 #: What a rank's small files are capped at when read whole (node part, signature).
 _SMALL_FILE_LIMIT = 1 * MiB
+
+#: The share of the coordinator's collective ``timeout`` that the retries of one plan or one
+#: commit may take, from its first attempt (the other ranks wait for it in a collective).
+COORDINATOR_RETRY_SHARE = 0.5
+
+T = TypeVar("T")
 
 PersistentLocation = str | os.PathLike[str] | StoreOperations
 
@@ -185,7 +222,8 @@ class Drain:
     ``node_of[rank]`` is each rank's node (every rank of the coordinator's group); every rank
     passes its own node's ``local_root``. ``options`` gives the byte budget and the digest
     algorithm is the manifest's; ``retry`` (default: no retry) governs a failed file copy on
-    the copying threads (up to ``options.io_threads`` per rank, sharing the byte budget).
+    the copying threads (up to ``options.io_threads`` per rank, sharing the byte budget), and
+    the plan and the commit on the coordinator, within :meth:`retry_bound` seconds each.
     ``nice`` lowers the copying threads' CPU priority by that much on Linux (0: unchanged), so
     the drain yields to training. Every method but :meth:`state` is collective (see the module
     docstring).
@@ -266,39 +304,101 @@ class Drain:
 
     def _holdings(self) -> tuple[int, str | None, list[str], str]:
         """(node, the part's manifest digest, data files present, why none) of this rank's
-        node, reported by the node's leader only (other ranks report nothing)."""
+        node, reported by the node's leader only (other ranks report nothing); a transient
+        failure reading them is retried (:meth:`_with_retries`)."""
         if self.coordinator.rank != self.node_of.index(self.node):
             return self.node, None, [], ""
         try:
-            raw = read_small(self.local, f"{self.name}/{NODE_PART_FILENAME}", _SMALL_FILE_LIMIT, DrainError)
-            part = decode_node_part(raw, where=f"{self.local_root}/{self.name}/{NODE_PART_FILENAME}")
-            present = [
-                path for path in dict.fromkeys([*part.files, *part.healed]) if self.local.stat(f"{self.name}/{path}")
-            ]
+            digest, present = self._with_retries(f"reading node {self.node}'s part", self._read_holdings)
         except ShardkeepError as exc:
             return self.node, None, [], f"{type(exc).__name__}: {exc}"
-        return self.node, part.manifest_digest, present, ""
+        return self.node, digest, present, ""
+
+    def _read_holdings(self) -> tuple[str, list[str]]:
+        raw = read_small(self.local, f"{self.name}/{NODE_PART_FILENAME}", _SMALL_FILE_LIMIT, DrainError)
+        part = decode_node_part(raw, where=f"{self.local_root}/{self.name}/{NODE_PART_FILENAME}")
+        present = [
+            path for path in dict.fromkeys([*part.files, *part.healed]) if self.local.stat(f"{self.name}/{path}")
+        ]
+        return part.manifest_digest, present
+
+    # -- the coordinator's retries -----------------------------------------------------------
+    def retry_bound(self) -> float:
+        """The most seconds the retries of one plan or commit may take, from its first attempt:
+        ``min(retry.deadline, COORDINATOR_RETRY_SHARE * coordinator.timeout)``, so that the
+        other ranks, waiting in the collective that follows, keep the rest of their deadline
+        for the work itself."""
+        return min(self.retry.deadline, COORDINATOR_RETRY_SHARE * self.coordinator.timeout)
+
+    def _with_retries(self, what: str, attempt: Callable[[], T]) -> T:
+        """``attempt()``, run again after each transient failure (:func:`~shardkeep.retry.is_transient`)
+        under the drain's policy, each retry logged (what failed, attempt k of n, the wait); no
+        retry whose wait would end more than :meth:`retry_bound` seconds after the first attempt
+        started. A :class:`DrainError` or a permanent error is raised at once, as it is; a
+        transient one that ends the retries as a :class:`DrainError` saying how many attempts
+        were made and why there was no other."""
+        started = time.monotonic()
+        bound = self.retry_bound()
+        number = 1
+        while True:
+            try:
+                return attempt()
+            except DrainError:
+                raise
+            except Exception as exc:
+                if self.retry.attempts == 1 or not is_transient(exc):
+                    raise
+                wait = self.retry.backoff(number) if number < self.retry.attempts else None
+                elapsed = time.monotonic() - started
+                if wait is None or elapsed + wait > bound:
+                    why = (
+                        f"all {self.retry.attempts} attempts were made"
+                        if wait is None
+                        else f"a {wait:.1f} s wait would pass the {bound:g} s bound (retry.deadline, or "
+                        f"{COORDINATOR_RETRY_SHARE:g} of the coordinator's {self.coordinator.timeout:g} s timeout)"
+                    )
+                    raise DrainError(
+                        f"draining {self.name}: {what} failed on attempt {number} of {self.retry.attempts} "
+                        f"({type(exc).__name__}: {exc}); no retry: {why}"
+                    ) from exc
+                logger.warning(
+                    "drain of %s: %s failed (%s), attempt %d of %d; retrying in %.1f s",
+                    self.name,
+                    what,
+                    exc,
+                    number,
+                    self.retry.attempts,
+                    wait,
+                )
+                time.sleep(wait)
+                number += 1
 
     def _planned(self, holdings: list[tuple[int, str | None, list[str], str]]) -> tuple[str, DrainPlan | str]:
-        """The coordinator's plan, or why there is none (``("error", message)``). Nothing is
-        written on the persistent level before the plan is made (on an object store, the
-        leftovers of an earlier drain of this name without a manifest are removed first)."""
+        """The coordinator's plan, or why there is none (``("error", message)``), the plan
+        retried whole after a transient failure (:meth:`_with_retries`). Nothing is written on
+        the persistent level before the plan is made (on an object store, the leftovers of an
+        earlier drain of this name without a manifest are removed first)."""
         try:
-            sealed, manifest = self._local_manifest()
-            identity = manifest_identity(sealed)
-            if self._already_persisted(identity):
-                return "ok", DrainPlan(staging="", tasks={}, manifest_digest=identity, persisted=True)
-            tasks = self._assign(manifest, identity, holdings)
-            commit = CheckpointCommit(self.store, self.name)
-            if not self.store.atomic_rename:
-                _clear_object_leftovers(self.store, self.name)
-            commit.begin()
-            self._commit = commit
-            staging = commit.staging if self.store.atomic_rename else self.name
-            return "ok", DrainPlan(staging=staging, tasks=tasks, manifest_digest=identity)
+            return "ok", self._with_retries("planning", lambda: self._plan(holdings))
         except Exception as exc:  # every rank waits for the plan: any failure goes to all of them
             message = str(exc) if isinstance(exc, DrainError) else f"draining {self.name}: {type(exc).__name__}: {exc}"
             return "error", message
+
+    def _plan(self, holdings: list[tuple[int, str | None, list[str], str]]) -> DrainPlan:
+        """One attempt at the plan: each attempt reads again and opens a fresh commit (its
+        ``begin`` writes nothing; clearing an object store's leftovers is idempotent)."""
+        sealed, manifest = self._local_manifest()
+        identity = manifest_identity(sealed)
+        if self._already_persisted(identity):
+            return DrainPlan(staging="", tasks={}, manifest_digest=identity, persisted=True)
+        tasks = self._assign(manifest, identity, holdings)
+        commit = CheckpointCommit(self.store, self.name)
+        if not self.store.atomic_rename:
+            _clear_object_leftovers(self.store, self.name)
+        commit.begin()
+        self._commit = commit
+        staging = commit.staging if self.store.atomic_rename else self.name
+        return DrainPlan(staging=staging, tasks=tasks, manifest_digest=identity)
 
     def _local_manifest(self) -> tuple[bytes, Manifest]:
         where = f"{self.local_root}/{self.name}"
@@ -516,22 +616,11 @@ class Drain:
 
     def _committed(self) -> str:
         """The coordinator's commit with the local step's sealed manifest (and signature):
-        ``""``, or why it failed (after aborting what the drain wrote)."""
+        ``""``, or why it failed (after aborting what the drain wrote). Retried after a
+        transient failure (:meth:`_commit_once`, :meth:`_with_retries`)."""
         assert self.plan is not None and self._commit is not None
         try:
-            sealed = read_small(self.local, f"{self.name}/{MANIFEST_FILENAME}", self.limits.max_bytes, DrainError)
-            unseal_manifest(sealed)
-            if manifest_identity(sealed) != self.plan.manifest_digest:
-                raise DrainError(f"draining {self.name}: the local step's manifest changed during the drain")
-            signature = None
-            if self.local.stat(f"{self.name}/{SIGNATURE_FILENAME}") is not None:
-                signature = read_small(self.local, f"{self.name}/{SIGNATURE_FILENAME}", _SMALL_FILE_LIMIT, DrainError)
-            for rank, tasks in self.plan.tasks.items():
-                for task in tasks:
-                    if self.store.atomic_rename:
-                        self._check_visible(task, rank)
-                    self._commit.add_data_file(task.path)
-            self._commit.commit(sealed, signature)
+            self._with_retries("committing", self._commit_once)
         except Exception as exc:  # every rank waits for the outcome: any failure goes to all of them
             if self._commit.sealed is not None and self._commit.committed():
                 # Past the commit point (the manifest is ours; a later step failed, or its
@@ -541,6 +630,66 @@ class Drain:
             self._abort_quietly()
             return str(exc) if isinstance(exc, DrainError) else f"draining {self.name}: committing failed: {exc}"
         return ""
+
+    def _commit_once(self) -> None:
+        """One attempt at the commit. Once an earlier attempt reached the manifest write, it
+        first reads the manifest under the final name: this drain's (past the commit point),
+        only what follows the commit point is done again (:meth:`_complete_commit`); none, what
+        the failed write left at the top of the staging directory is removed and the commit
+        runs again; another manifest: the commit refuses it (not retried)."""
+        assert self.plan is not None and self._commit is not None
+        sealed = read_small(self.local, f"{self.name}/{MANIFEST_FILENAME}", self.limits.max_bytes, DrainError)
+        unseal_manifest(sealed)
+        if manifest_identity(sealed) != self.plan.manifest_digest:
+            raise DrainError(f"draining {self.name}: the local step's manifest changed during the drain")
+        signature = None
+        if self.local.stat(f"{self.name}/{SIGNATURE_FILENAME}") is not None:
+            signature = read_small(self.local, f"{self.name}/{SIGNATURE_FILENAME}", _SMALL_FILE_LIMIT, DrainError)
+        if self._commit.sealed is not None:  # an earlier attempt reached the manifest write
+            if self._manifest_is(sealed):
+                self._complete_commit(signature)
+                return
+            self._clear_manifest_write()
+        for rank, tasks in self.plan.tasks.items():
+            for task in tasks:
+                if self.store.atomic_rename:
+                    self._check_visible(task, rank)
+                self._commit.add_data_file(task.path)
+        self._commit.commit(sealed, signature)
+
+    def _manifest_is(self, sealed: bytes) -> bool:
+        """Whether the manifest under the final name is ``sealed`` (a store error is raised as
+        it is, to be retried when transient: the outcome is never guessed)."""
+        path = f"{self.name}/{MANIFEST_FILENAME}"
+        if self.store.stat(path) is None:
+            return False
+        return read_small(self.store, path, self.limits.max_bytes, DrainError) == sealed
+
+    def _clear_manifest_write(self) -> None:
+        """Before committing again on a store that renames: remove what a failed manifest write
+        left at the top of the unpublished staging directory (the signature, the manifest, its
+        temporary: every entry that holds no copied file), so that the commit writes them anew."""
+        if not self.store.atomic_rename:
+            return  # the create-only manifest was not written: nothing of it to remove
+        assert self.plan is not None
+        kept = {task.path.partition("/")[0] for tasks in self.plan.tasks.values() for task in tasks}
+        for entry, _ in self.store.list_dir(self.plan.staging):
+            if entry not in kept:
+                self.store.remove_file(f"{self.plan.staging}/{entry}")
+
+    def _complete_commit(self, signature: bytes | None) -> None:
+        """What follows the commit point, done again after it failed: on a store that renames,
+        the fsync of the root that makes the final rename durable; on an object store, the
+        signature (written again, replacing any) or, unsigned, the removal of an earlier
+        attempt's leftover signature."""
+        if self.store.atomic_rename:
+            self.store.sync_dir("")
+            return
+        path = f"{self.name}/{SIGNATURE_FILENAME}"
+        if signature is not None:
+            self.store.put_atomic(path, signature)
+        elif self.store.stat(path) is not None:
+            self.store.remove_tree(path)
 
     def _check_visible(self, task: CopyTask, rank: int) -> None:
         """On a shared filesystem, refuse to commit unless the coordinator sees the file rank

@@ -37,30 +37,35 @@ from shardkeep.cadence import SaveSchedule
 from shardkeep.catalog import DEFAULT_LEASE
 from shardkeep.config import WriteOptions
 from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator, group_broken
-from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
-from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
+from shardkeep.errors import ConfigError, LevelUnreachableError, NoCompleteStepError, ShardkeepError
+from shardkeep.levels.config import (
+    Level,
+    check_levels,
+    distributed_now,
+    probe_level,
+    refuse_unreachable,
+    warn_if_network_filesystem,
+)
 from shardkeep.levels.drain import Drain
 from shardkeep.levels.group_loss import GroupLoss
 from shardkeep.levels.local_catalog import collect_leftovers, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
-from shardkeep.levels.nodes import NodeMap, node_map
+from shardkeep.levels.nodes import NodeMap, node_map_with
 from shardkeep.levels.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_ABORTED, Preemption, PreemptionHandler
 from shardkeep.levels.replicas import Replication
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.levels.shared_level import (
     DrainRecovery,
     SharedLevel,
-    keep_every_step,
     local_step_info,
     training_state,
 )
 from shardkeep.levels.status import LevelCopy, level_copies
-from shardkeep.manager import CheckpointManager
 from shardkeep.manager_setup import manager_groups, new_run_id
 from shardkeep.manifest import RetentionRecord, RunInfo
 from shardkeep.names import checkpoint_name, step_of_checkpoint
 from shardkeep.options import ManifestFields
-from shardkeep.retention import RetentionPolicy, decide
+from shardkeep.retention import decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
 from shardkeep.training import TrainingCheckpoint
@@ -110,6 +115,13 @@ class MultiLevelManager:
     longest a save waits (seconds) for the peer replication of the previous local step before
     that step is skipped (see :mod:`~shardkeep.levels.replicas`). ``options``, ``fields``,
     ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
+
+    Every rank probes each shared level here (:func:`~shardkeep.levels.config.probe_level`).
+    Building the manager makes no collective: one process (or a manager built before
+    ``torch.distributed`` is initialized) raises
+    :class:`~shardkeep.errors.LevelUnreachableError` here; with several ranks, the outcomes join
+    the node map's all-gather at the first call, where every rank raises the same error naming
+    the level and the ranks that cannot reach it, before anything is written.
     """
 
     def __init__(
@@ -168,19 +180,25 @@ class MultiLevelManager:
         self._recovery: DrainRecovery | None = None
         #: The newest step this process committed on the fastest level (an emergency save skips it).
         self._fastest_step: int | None = None
+        # Several ranks agree on the shared levels' probes at the first call's node map
+        # (_coordinator), so that every rank raises the same error; one process raises here.
+        self._agree_probes = distributed_now(process_group)
+        self._unreachable: dict[str, str] = {}  # this rank's failed probes: level -> reason
+        self._refused: LevelUnreachableError | None = None
         for level in self.levels:
             if level.node_local:
                 continue
-            probe = probe_level(level)
-            policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=keep_every_step)
-            manager = CheckpointManager(
-                level.root_of(),
-                keep_last=policy.keep_last,
-                keep_best=policy.keep_best,
-                metric=policy.metric,
-                mode=policy.mode,
+            try:
+                probe = probe_level(level)
+            except LevelUnreachableError as exc:
+                if not self._agree_probes:
+                    raise
+                self._unreachable[level.name] = str(exc)
+                continue
+            self._shared[level.name] = SharedLevel.opened(
+                level,
+                probe,
                 run_id=run_id,
-                storage_options=level.storage_options,
                 process_group=process_group,
                 timeout=timeout,
                 options=self.options,
@@ -188,20 +206,21 @@ class MultiLevelManager:
                 signer=signer,
                 retry=retry,
                 progress=progress,
-                # A drain checks every digest while copying: retention after it need not read
-                # the newest checkpoint back on the training thread.
-                verify_newest=level.source == "save",
             )
-            manager.policy = policy
-            self._shared[level.name] = SharedLevel(level, manager)
-            self._shared[level.name].probed = probe  # opened and listed: a restore lists through it
 
     def __repr__(self) -> str:
         return f"MultiLevelManager({[level.name for level in self.levels]!r}, run_id={self._run_id!r})"
 
     # -- helpers -------------------------------------------------------------------------------
     def _coordinator(self) -> Coordinator:
-        return Coordinator(self.process_group, timeout=self.timeout)
+        """The coordinator of a call; with several ranks, the first call's agrees on the node
+        map and the shared levels' probes first (:meth:`_node_map`), before anything is written."""
+        if self._refused is not None:
+            raise LevelUnreachableError(str(self._refused))
+        coordinator = Coordinator(self.process_group, timeout=self.timeout)
+        if self._agree_probes and self._nodes is None:
+            self._node_map(coordinator)
+        return coordinator
 
     @contextlib.contextmanager
     def _guard(self, call: str) -> Iterator[None]:
@@ -229,7 +248,12 @@ class MultiLevelManager:
 
     def _node_map(self, coordinator: Coordinator) -> NodeMap:
         if self._nodes is None:
-            nodes = node_map(coordinator, self._node_of)
+            nodes, unreachable = node_map_with(coordinator, self._node_of, self._unreachable)
+            try:
+                refuse_unreachable(unreachable, nodes.node_of)
+            except LevelUnreachableError as exc:
+                self._refused = exc
+                raise
             check_levels(self.levels, node_count=nodes.node_count)
             if self.local is not None:
                 node = nodes.node_of[coordinator.rank]
@@ -634,7 +658,7 @@ class MultiLevelManager:
         returns at once; when it breaks during ``close``, it raises after that."""
         with self._lock:
             try:
-                if self._loss.error is None:
+                if self._loss.error is None and self._refused is None:  # refused: nothing in flight
                     with self._guard("close()"):
                         self._close_in_flight(wait=wait, timeout=timeout)
             finally:

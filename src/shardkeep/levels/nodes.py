@@ -21,14 +21,17 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.errors import LevelConfigError
 
-__all__ = ["NODE_ENVIRONMENT", "NodeMap", "NodeOf", "check_hosts", "node_map"]
+__all__ = ["NODE_ENVIRONMENT", "NodeMap", "NodeOf", "check_hosts", "node_map", "node_map_with"]
 
 #: The environment variable naming this process's node id (an integer).
 NODE_ENVIRONMENT = "SHARDKEEP_NODE"
+T = TypeVar("T")
+
 #: What ``torchrun`` sets to the node's index.
 _GROUP_RANK = "GROUP_RANK"
 
@@ -162,8 +165,15 @@ def node_map(coordinator: Coordinator, node_of: NodeOf | None = None) -> NodeMap
     """The node map of the job (collective: every rank calls it, in the same order as its other
     collectives). See the module docstring for the sources of the ids and their checks; ranks
     given one node id on different hosts are refused (:func:`check_hosts`)."""
+    return node_map_with(coordinator, node_of, None)[0]
+
+
+def node_map_with(coordinator: Coordinator, node_of: NodeOf | None, extra: T) -> tuple[NodeMap, list[T]]:
+    """:func:`node_map`, and every rank's ``extra`` (picklable, small), gathered in the same
+    collective, in rank order: what the ranks must agree on at the same point (each rank's
+    probe of the shared levels) joins the node map instead of adding a collective."""
     source, value = _own_id(coordinator.rank, node_of)
-    gathered = coordinator.all_gather((source, value, socket.gethostname()), label="gather the node map")
-    nodes = resolve([(str(source), value) for source, value, _ in gathered])
-    check_hosts(nodes, [str(host) for _, _, host in gathered])
-    return nodes
+    gathered = coordinator.all_gather((source, value, socket.gethostname(), extra), label="gather the node map")
+    nodes = resolve([(str(source), value) for source, value, _, _ in gathered])
+    check_hosts(nodes, [str(host) for _, _, host, _ in gathered])
+    return nodes, [item for _, _, _, item in gathered]

@@ -16,7 +16,7 @@ from shardkeep.levels.config import Level
 from shardkeep.levels.drain import Drain, recover_drains
 from shardkeep.levels.local_catalog import LocalStep, read_part
 from shardkeep.manager import CheckpointManager
-from shardkeep.retention import CheckpointInfo
+from shardkeep.retention import CheckpointInfo, RetentionPolicy
 from shardkeep.training import TRAINING_CHECKPOINT_SCHEMA, TrainingCheckpoint
 
 if TYPE_CHECKING:
@@ -41,6 +41,30 @@ class SharedLevel:
         #: On the coordinator: the level's retention after a drain committed, running.
         self.pruning: threading.Thread | None = None
         self.probed: ByteStore | None = None
+
+    @classmethod
+    def opened(cls, level: Level, probe: ByteStore, **manager_options: Any) -> SharedLevel:
+        """The shared level ``level``, whose store ``probe`` was opened and listed (a restore
+        lists through it), with its :class:`~shardkeep.manager.CheckpointManager` on its root:
+        the level's retention (default: every step kept; the manager applies it) and storage
+        options, and ``manager_options`` (``run_id``, ``process_group``, ``retry`` ...)."""
+        policy = level.retention or RetentionPolicy(keep_last=1, keep_best=0, keep_fn=keep_every_step)
+        manager = CheckpointManager(
+            level.root_of(),
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            metric=policy.metric,
+            mode=policy.mode,
+            storage_options=level.storage_options,
+            # A drain checks every digest while copying: retention after it need not read
+            # the newest checkpoint back on the training thread.
+            verify_newest=level.source == "save",
+            **manager_options,
+        )
+        manager.policy = policy
+        shared = cls(level, manager)
+        shared.probed = probe
+        return shared
 
     def prune_later(self, coordinator: Coordinator) -> None:
         """Apply the level's retention on a background thread of the coordinator (a prune is
