@@ -158,6 +158,7 @@ class MultiLevelManager:
         self.progress = progress
         self._node_of = node_of
         self._nodes: NodeMap | None = None
+        self._local_opened = False
         self._run_id = run_id
         self._lock = threading.RLock()
         self._loss = GroupLoss()
@@ -255,14 +256,22 @@ class MultiLevelManager:
                 self._refused = exc
                 raise
             check_levels(self.levels, node_count=nodes.node_count)
-            if self.local is not None:
-                node = nodes.node_of[coordinator.rank]
-                leader = nodes.is_leader(coordinator.rank)
-                coordinator.step(
-                    f"open the local level {self.local.name!r}", lambda: self._open_local(node) if leader else None
-                )
             self._nodes = nodes
         return self._nodes
+
+    def _open_local_level(self, coordinator: Coordinator) -> None:
+        """Before the first node-local save (collective, once): each node's leader creates and
+        probes its local root, and warns when it is on a network filesystem. A restore reads
+        the local roots without it: its listing reports a root that cannot be read."""
+        if self._local_opened or self.local is None:
+            return
+        nodes = self._node_map(coordinator)
+        node = nodes.node_of[coordinator.rank]
+        leader = nodes.is_leader(coordinator.rank)
+        coordinator.step(
+            f"open the local level {self.local.name!r}", lambda: self._open_local(node) if leader else None
+        )
+        self._local_opened = True
 
     def _open_local(self, node: int) -> None:
         assert self.local is not None
@@ -322,6 +331,7 @@ class MultiLevelManager:
             raise ConfigError(f"state must be a TrainingCheckpoint or a mapping, got {type(state).__name__}")
         with self._lock, self._guard(f"save(step={step})"):
             coordinator = self._coordinator()
+            self._open_local_level(coordinator)
             preempted = self._preempted_at(step, coordinator)
             if preempted is not None:
                 self._emergency(preempted, payload, metrics, coordinator)
@@ -425,6 +435,7 @@ class MultiLevelManager:
         assert self.local is not None
         level = self.local
         name = checkpoint_name(step)
+        self._open_local_level(coordinator)
         root = self._local_root(coordinator)
         nodes = self._node_map(coordinator)
         # The manifest is drained byte for byte: it records the policy of the level it will be

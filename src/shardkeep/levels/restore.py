@@ -37,22 +37,27 @@ where each file came from and why each step was refused.
    (:class:`~shardkeep.loading.LoadJob`, resharding included: every node holds every rank
    index) and checks each in its node's directory: present at its size at once, its digest on
    a thread while the missing files are fetched; a file damaged there is healed in a second
-   round of fetching. A file missing or damaged there comes, in this order, from: a peer node holding it, in its own part or as a
-   replica (sent over the process group; a copy refused on arrival is asked of the next node
-   holding the file, in node order; the plan of each exchange is known to every rank, so it
-   gathers nothing more), then the shared copy of the same step (when its record
-   has the same digest). Each
-   arrives checked and is written atomically with identical bytes; the node part records it
-   in ``healed``. One rank of a node fetches each file the node lacks.
+   round of fetching. A file missing or damaged there comes, in this order, from: a peer node
+   holding it, in its own part or as a replica (sent over the process group; a copy refused on
+   arrival is asked of the next node holding the file, in node order; the plan of each
+   exchange is known to every rank, so it gathers nothing more), then the shared copy of the
+   same step (when its record has the same digest). Who holds what: while some node rebuilds
+   its part, each holding node's leader offers the peer replicas its ``node-part.json`` lists
+   with the check's outcome; when they cover every file a node lacks, the fetch starts at
+   once, else one all-gather asks every holding node which of the lacking files it has. Each
+   file arrives checked and is written atomically with identical bytes; the node part records
+   it in ``healed``. One rank of a node fetches each file the node lacks.
 4. **Agreement.** Each phase ends with an all-gather of every rank's outcome: all ranks go on
    with the step, or all move on to the next candidate (a rebuild's staging is removed), and
    each rank's reasons go to the report as ``(step, rank, level, reason)``: every rank that
    needed a file its node could not heal is named, with the reason per level.
 5. **Load.** Each rank reads its files with the ordinary load path (verified when read from a
    shared copy; the local ones were just checked, so they are read without their digests a
-   second time), the ranks agree once more, the node leaders record healed files in their
-   ``node-part.json`` (a rebuilt part is renamed into place), and then every rank fills
-   ``into`` (all or nothing) or returns the state.
+   second time) and the ranks agree once more. Then the node leaders record healed files in
+   their ``node-part.json`` (a rebuilt part is renamed into place; every rank has read by
+   then, and a failure there is logged, never a refusal of the step read), and every rank
+   fills ``into`` (all or nothing) or returns the state. The files a load mapped are unmapped
+   on a background thread while the ranks agree on the fill.
 
 No candidate left: :class:`~shardkeep.errors.NoCompleteStepError` with every refusal.
 

@@ -15,12 +15,14 @@ disagree on the list of files (a file nobody asked for is read and dropped; a fi
 and not sent is reported).
 
 Order: after one all-gather of who sends to whom, the pairs run in rounds ``d = 1 .. W-1``;
-in round ``d`` rank ``r`` sends to ``r + d`` and receives from ``r - d`` (mod ``W``), one
-message each way at a time (``isend`` and ``irecv`` posted together, then both awaited). Each
-rank's incoming stream in a round is exactly its sender's outgoing stream, so every posted send
-meets its receive and no cycle of waits can form. Every wait draws on the group's timeout: a
-dead peer is an error, never a hang. Memory per rank: three blocks (one sent; two received
-into in turn, the bytes of one written and digested on a thread while the next arrives).
+in round ``d`` rank ``r`` sends to ``r + d`` and receives from ``r - d`` (mod ``W``): one
+message out at a time, and up to two receives posted (the next block of a file's data is
+posted before the current one is awaited; a header, a path or a trailer is posted alone, as
+what follows it is known only once it arrives). Every receive a rank can post is posted before
+it waits, and each rank's incoming stream in a round is exactly its sender's outgoing stream,
+so every posted send meets its receive and no cycle of waits can form. Every wait draws on the
+group's timeout: a dead peer is an error, never a hang. Memory per rank: four blocks (one sent;
+three received into in turn: two posted, the bytes of one written and digested on a thread).
 
 On arrival a file is written to a temporary sibling (``.NAME.tmp-<id>``), its digest computed
 while it streams in (over the decompressed bytes for a compressed file, as the manifest
