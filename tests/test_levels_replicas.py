@@ -234,11 +234,24 @@ def _train(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[s
 
 
 def _restore(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[str, Any]:
+    from shardkeep.distributed.coordinator import Coordinator
+
     manager = sk.MultiLevelManager(
         _levels(tmp, spec), node_of=functools.partial(_node_of, spec.get("per_node", 2)), timeout=60
     )
     state = _state(0, zeros=True)
-    restored = manager.restore(into=state)
+    gathers: list[str] = []  # the labels of the all-gathers the restore makes, in order
+    all_gather = Coordinator.all_gather
+
+    def counted(self: Coordinator, value: Any, *, label: str = "") -> Any:
+        gathers.append(label)
+        return all_gather(self, value, label=label)
+
+    Coordinator.all_gather = counted  # type: ignore[method-assign]
+    try:
+        restored = manager.restore(into=state)
+    finally:
+        Coordinator.all_gather = all_gather  # type: ignore[method-assign]
     manager.close()
     assert restored is not None
     return {
@@ -248,6 +261,7 @@ def _restore(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict
         "healed": list(restored.report.healed),
         "refused": list(restored.report.refused),
         "levels_read": list(restored.report.levels_read),
+        "gathers": gathers,
     }
 
 
@@ -288,6 +302,10 @@ def test_a_lost_node_resumes_at_the_newest_local_step_from_the_replicas(tmp_path
     report = restore(tmp_path, 4, "after-loss")
     assert report["step"] == 6, report
     assert report["levels_read"] == ["local"], report
+    # node 0's replicas ride on the check's agreement: no gathering of who holds what, and
+    # one agreement per phase (the node map, the listing, metadata, check, fetch, read, fill)
+    assert not any("who holds what" in label for label in report["gathers"]), report["gathers"]
+    assert len(report["gathers"]) == 7, report["gathers"]
     assert {source for _, _, source in report["healed"]} == {"local@node0"}, report
     healed_files = {file for _, file, _ in report["healed"] if file.startswith("shards/")}
     assert healed_files == set(_part(tmp_path / "node0", 6)["replicas"]["1"])

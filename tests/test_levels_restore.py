@@ -5,10 +5,14 @@ mixing attempts, resharding from every level, and an unreachable level."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
+import os
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ from shardkeep.errors import NoCompleteStepError
 from shardkeep.integrity import SignaturePolicy, generate_key_pair
 from shardkeep.levels.restore import LevelView, RestoreReport, restore_best
 from shardkeep.names import NODE_PART_FILENAME, checkpoint_name
+from shardkeep.storage import localfs
 from tests.support.distributed_harness import results_or_raise, run_ranks
 from tests.support.node_parts import split_into_nodes
 
@@ -80,6 +85,8 @@ class Setup:
     local: bool = True
     options: dict[str, Any] | None = None
     public_key: str | None = None
+    #: Fail the rename of a rebuilt part into place (EIO), and return the warnings logged.
+    fail_rename: bool = False
 
 
 def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
@@ -94,9 +101,11 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
         levels.append(LevelView("persistent", setup.persistent, storage_options=setup.options))
     into = sharded_state(world_size, 0, fill=False)
     nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
+    warnings: list[str] = []
     try:
         signatures = SignaturePolicy.of(setup.public_key) if setup.public_key is not None else None
-        _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100, signatures=signatures)
+        with _renames_failing(warnings) if setup.fail_rename else contextlib.nullcontext():
+            _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100, signatures=signatures)
     except NoCompleteStepError as exc:
         return {"error": str(exc), "refusals": exc.refusals}
     full = full_state(setup.seed)
@@ -104,7 +113,30 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
         key: torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, full[key])
         for key, value in into["model"].items()
     }
-    return {"report": report, "same": same}
+    return {"report": report, "same": same, "warnings": warnings}
+
+
+@contextlib.contextmanager
+def _renames_failing(warnings: list[str]) -> Iterator[None]:
+    """Renaming a step directory into place fails with EIO; the warnings logged are collected."""
+
+    class FailingRename(localfs.LocalFS):
+        def rename_noreplace(self, source: str, destination: str) -> None:
+            if os.path.basename(destination).startswith("step_"):
+                raise OSError(errno.EIO, "injected", destination)
+            super().rename_noreplace(source, destination)
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("shardkeep").addHandler(handler)
+    try:
+        with localfs.using(FailingRename()):
+            yield
+    finally:
+        logging.getLogger("shardkeep").removeHandler(handler)
 
 
 def restore(tmp_path: Path, world_size: int, setup: Setup, label: str) -> list[dict[str, Any]]:
@@ -207,6 +239,23 @@ def test_a_wiped_node_is_rebuilt_from_the_persistent_copy(tmp_path: Path) -> Non
     part = json.loads((rebuilt / NODE_PART_FILENAME).read_bytes())
     assert part["files"] == [] and RANK2_FILE in part["healed"] and part["ranks"] == [2, 3]
     assert [p.name for p in Path(setup.node_roots[1]).iterdir()] == [saved.name]  # no staging left
+
+
+def test_a_rebuilt_part_that_cannot_be_renamed_into_place_is_logged_and_the_step_still_restored(
+    tmp_path: Path,
+) -> None:
+    saved = save_step(tmp_path, 5, seed=7)
+    setup = two_nodes(tmp_path, saved)
+    shutil.rmtree(setup.node_roots[1])
+    results = restore(tmp_path, 4, replace(setup, fail_rename=True), "rename-fails")
+    report = the_report(results)  # every rank restored step 5, byte for byte
+    assert report.step == 5 and report.refused == []
+    assert any("node 1 could not record the files it healed for step 5" in w for w in results[2]["warnings"])
+    left = [p.name for p in Path(setup.node_roots[1]).iterdir()]
+    assert left and saved.name not in left  # the rebuilt part stayed in its staging directory
+    # the next restore rebuilds it and renames it into place
+    report = the_report(restore(tmp_path, 4, setup, "rename-again"))
+    assert report.step == 5 and [p.name for p in Path(setup.node_roots[1]).iterdir()] == [saved.name]
 
 
 def test_a_wiped_node_is_rebuilt_from_a_peer_without_a_persistent_copy(tmp_path: Path) -> None:
