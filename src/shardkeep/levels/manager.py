@@ -40,6 +40,7 @@ from shardkeep.distributed.coordinator import DEFAULT_TIMEOUT, Coordinator, grou
 from shardkeep.errors import ConfigError, NoCompleteStepError, ShardkeepError
 from shardkeep.levels.config import Level, check_levels, probe_level, warn_if_network_filesystem
 from shardkeep.levels.drain import Drain
+from shardkeep.levels.fingerprints import agree_fingerprint_check, fingerprint_source, run_fingerprint
 from shardkeep.levels.group_loss import GroupLoss
 from shardkeep.levels.local_catalog import collect_leftovers, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
@@ -63,7 +64,7 @@ from shardkeep.options import ManifestFields
 from shardkeep.retention import RetentionPolicy, decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
-from shardkeep.training import TrainingCheckpoint
+from shardkeep.training import TrainingCheckpoint, json_mapping
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
@@ -109,7 +110,9 @@ class MultiLevelManager:
     node of each rank (see :func:`~shardkeep.levels.nodes.node_map`). ``replicate_wait``: the
     longest a save waits (seconds) for the peer replication of the previous local step before
     that step is skipped (see :mod:`~shardkeep.levels.replicas`). ``options``, ``fields``,
-    ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
+    ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`. ``fingerprint``: the
+    model args and config of a plain-mapping state, recorded by every save and checked by
+    :meth:`restore` (a ``TrainingCheckpoint`` brings its own), as for ``CheckpointManager``.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class MultiLevelManager:
         run_id: str | None = None,
         progress: bool = False,
         staging_lease: float = DEFAULT_LEASE,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         check_levels(levels)
         self.levels = list(levels)
@@ -147,6 +151,7 @@ class MultiLevelManager:
         self._node_of = node_of
         self._nodes: NodeMap | None = None
         self._run_id = run_id
+        self._fingerprint = json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
         self._lock = threading.RLock()
         self._loss = GroupLoss()
         self.local: Level | None = next((level for level in self.levels if level.node_local), None)
@@ -188,6 +193,7 @@ class MultiLevelManager:
                 signer=signer,
                 retry=retry,
                 progress=progress,
+                fingerprint=self._fingerprint,
                 # A drain checks every digest while copying: retention after it need not read
                 # the newest checkpoint back on the training thread.
                 verify_newest=level.source == "save",
@@ -300,7 +306,7 @@ class MultiLevelManager:
             coordinator = self._coordinator()
             preempted = self._preempted_at(step, coordinator)
             if preempted is not None:
-                self._emergency(preempted, payload, metrics, coordinator)
+                self._emergency(preempted, state, metrics, coordinator)
             result = LevelsSaveResult(step=step)
             self._settle_recovery(coordinator)
             self._settle_drains(coordinator, result, wait=0.0)
@@ -315,12 +321,12 @@ class MultiLevelManager:
             self._check_metrics(wanted, metrics)
             self._ensure_run_id(coordinator)
             if self.local is not None and self.local.name in wanted:
-                self._save_local(payload, step, metrics, coordinator, result)
+                self._save_local(state, step, metrics, coordinator, result)
             local_name = self.local.name if self.local is not None else None
             for name, shared in self._shared.items():
                 if shared.level.source == "save":
                     if name in wanted:
-                        self._save_shared(shared, payload, step, metrics, result)
+                        self._save_shared(shared, state, step, metrics, result)
                     continue
                 # A drain level due at a step the local level did not save drains the next
                 # local step that commits (a time or function rule: the newest local step).
@@ -333,7 +339,7 @@ class MultiLevelManager:
                     # local level does not stop persisting.
                     logger.warning("level %r: the local save of step %d failed; saving it directly", name, step)
                     shared.drain_due = False
-                    self._save_shared(shared, payload, step, metrics, result)
+                    self._save_shared(shared, state, step, metrics, result)
             if (self.local or self.levels[0]).name in result.committed:
                 self._fastest_step = step
             result.blocked_seconds = time.perf_counter() - started
@@ -392,7 +398,7 @@ class MultiLevelManager:
 
     def _save_local(
         self,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         step: int,
         metrics: Mapping[str, Any] | None,
         coordinator: Coordinator,
@@ -401,6 +407,8 @@ class MultiLevelManager:
         assert self.local is not None
         level = self.local
         name = checkpoint_name(step)
+        payload = state.to_state() if isinstance(state, TrainingCheckpoint) else state
+        fingerprint, fingerprint_fields = run_fingerprint(fingerprint_source(state, self._fingerprint))
         root = self._local_root(coordinator)
         nodes = self._node_map(coordinator)
         # The manifest is drained byte for byte: it records the policy of the level it will be
@@ -410,6 +418,8 @@ class MultiLevelManager:
         policy = drained[0] if drained and drained[0] is not None else level.retention
         run = RunInfo(
             run_id=self._run_id or "",
+            fingerprint=fingerprint,
+            fingerprint_fields=fingerprint_fields,
             retention=RetentionRecord(
                 keep_last=policy.keep_last if policy else 1,
                 keep_best=policy.keep_best if policy else 1,
@@ -491,13 +501,13 @@ class MultiLevelManager:
     def _save_shared(
         self,
         shared: SharedLevel,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         step: int,
         metrics: Mapping[str, Any] | None,
         result: LevelsSaveResult,
     ) -> None:
         try:
-            entry = shared.manager.save(payload, step=step, metrics=metrics)
+            entry = shared.manager.save(state, step=step, metrics=metrics)
         except ShardkeepError as exc:
             self._fail(shared.level, f"the save of step {step}", exc, result)
             return
@@ -705,7 +715,7 @@ class MultiLevelManager:
     def _emergency(
         self,
         decision: Preemption,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         coordinator: Coordinator,
     ) -> None:
@@ -734,9 +744,9 @@ class MultiLevelManager:
             result = LevelsSaveResult(step=step)
             self._ensure_run_id(coordinator)
             if fastest.node_local:
-                self._save_local(payload, step, metrics, coordinator, result)
+                self._save_local(state, step, metrics, coordinator, result)
             else:
-                self._save_shared(self._shared[fastest.name], payload, step, metrics, result)
+                self._save_shared(self._shared[fastest.name], state, step, metrics, result)
             if fastest.name not in result.committed:
                 raise ShardkeepError(result.skipped.get(fastest.name, f"step {step} was not saved"))
             return result.committed[fastest.name]
@@ -782,7 +792,7 @@ class MultiLevelManager:
         return found
 
     # -- restoring -----------------------------------------------------------------------------
-    def restore(self, into: Any = None) -> LevelsRestored | None:
+    def restore(self, into: Any = None, *, allow_fingerprint_change: bool = False) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
         (see docs/levels.md); ``None`` when no level holds any step. A drain in flight is
         waited for first; the clean-up of drains a crash cut off starts after the load.
@@ -793,7 +803,13 @@ class MultiLevelManager:
         modules, optimizer, EMA and scheduler are filled in place, its plain fields (iteration,
         best_val_loss, data_position, rng) are taken from the checkpoint (``model_args`` and
         ``config`` stay the caller's), and with ``track_rng`` the RNG states the checkpoint holds
-        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
+        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one.
+
+        A step whose recorded model args or config differ from ``into``'s (or the manager's
+        ``fingerprint``) raises :class:`~shardkeep.errors.FingerprintMismatchError` on every
+        rank, naming the step, its levels and the fields, unless ``allow_fingerprint_change``;
+        as ``CheckpointManager.restore`` does, the restore never falls back past such a step
+        (see :mod:`~shardkeep.levels.fingerprints`)."""
         with self._lock, self._guard("restore()"):
             coordinator = self._coordinator()
             # A drain still in flight is finished first: recovery must not take its staging
@@ -803,11 +819,22 @@ class MultiLevelManager:
             for shared in self._shared.values():
                 shared.join_prune()
             views = self._views(coordinator)
-            training = isinstance(into, TrainingCheckpoint)
-            target = into.load_target() if training else into
+            nodes = self._node_map(coordinator)
+            check = agree_fingerprint_check(
+                views,
+                coordinator,
+                leader=nodes.is_leader(coordinator.rank),
+                source=fingerprint_source(into, self._fingerprint),
+                allowed=allow_fingerprint_change,
+            )
+            if check.floor is not None:  # the steps a restore may reach before the one that differs
+                views = [replace(view, newer_than=check.floor) for view in views]
+            target = into.load_target() if isinstance(into, TrainingCheckpoint) else into
             try:
-                state, report = restore_best(views, target, coordinator, self._node_map(coordinator))
+                state, report = restore_best(views, target, coordinator, nodes)
             except NoCompleteStepError as exc:
+                if check.floor is not None:
+                    raise check.error(", and no newer step can be completed") from exc
                 if exc.refusals:
                     raise
                 return None  # no level holds any step: a fresh run
