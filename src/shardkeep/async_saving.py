@@ -443,7 +443,7 @@ def _finish_with_retries(job: SaveJob, handle: SaveHandle, retry: BackgroundRetr
             return earlier
         again = SaveJob(job.state, job.location, job.settings, voters, sections=job.sections)
         again.blocked_seconds = job.blocked_seconds
-        handle._job = again  # the exit abandons this attempt's writers
+        again.control = job.control  # one control for every attempt: the exit's progress and abandon
         return run_job(again)
 
     def free_space() -> bool:
