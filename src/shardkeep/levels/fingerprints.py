@@ -112,7 +112,7 @@ def agree_fingerprint_check(
                 listed += _records(view.name, LocalStore(view.root), current, limits)
             elif not view.node_local and view.root is not None and coordinator.is_coordinator:
                 listed += _records(view.name, shared_store(view), current, limits)
-        except (OSError, ShardkeepError):
+        except Exception:  # any error: this rank must still reach the all-gather below
             continue  # an unreadable level: the restore names it unreachable; its steps are not checked
     offer = (allowed, current, fields if checks else {}, listed)
     gathered = coordinator.all_gather(offer, label="the fingerprints to restore with")
