@@ -11,6 +11,15 @@ it while it makes progress, and logs whether it committed or failed. A save that
 for its ``timeout=`` (twice that on a rank that waits for the coordinator's commit), or a Ctrl-C
 during the wait, abandons it: its writers stop at their next buffer (a buffer being written is
 finished first) and the staging directory is removed; the log says which happened. The background thread is a daemon, joined once its save has finished.
+
+With a :class:`BackgroundRetry`, a save whose write or commit fails is retried on the
+background thread, from the staged copy, under the manager's :class:`~shardkeep.retry.RetryPolicy`
+(:func:`~shardkeep.retry.run_with_retries`: the same vote, backoff, deadline and log line as a
+synchronous save). Every collective of the vote and of a retried attempt runs on a group of
+their own (:func:`background_group`, made on the caller's thread by the first such save), never
+on the group the caller's thread uses. The failed attempt's staging directory is removed by the
+coordinator (the commit barrier's abort), and before a retry the coordinator looks for a commit
+the failed attempt made after all (kept, not saved again), as the synchronous save does.
 """
 
 from __future__ import annotations
@@ -20,16 +29,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
+from shardkeep.config import LOCAL
 from shardkeep.distributed.coordinator import Coordinator
 from shardkeep.distributed.plan import ItemDescriptor
-from shardkeep.errors import RetentionError, SaveInProgressError
+from shardkeep.errors import CoordinationError, RetentionError, SaveInProgressError
 from shardkeep.integrity import SignaturePolicy
 from shardkeep.manifest import Manifest
 from shardkeep.progress import collector_paused
-from shardkeep.saving import SaveJob, SaveSettings, state_sections
+from shardkeep.retry import RetryPolicy, run_with_retries
+from shardkeep.saving import SaveJob, SaveSettings, run_job, state_sections
 from shardkeep.snapshot import StagingArena, snapshot_state
 from shardkeep.verification import (
     locate,
@@ -42,6 +54,48 @@ logger = logging.getLogger("shardkeep")
 #: How long the exit waits, after a Ctrl-C abandoned a save, for its writers to stop and its
 #: staging directory to be removed.
 ABANDON_SECONDS = 30.0
+
+#: The groups of the background retries, by (process group, timeout): made once per process.
+_background_groups: dict[tuple[int, float], Any] = {}
+_background_groups_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class BackgroundRetry:
+    """How the background thread retries a failed async save: ``policy``; ``what`` (the save,
+    as each retry's log line names it); ``group``, the process group of the vote and of the
+    retried attempts (:func:`background_group`; ``None`` for a single process); and two calls
+    the coordinator makes on that group: ``committed`` (the manifest the failed attempt committed
+    after all, or ``None``) and ``free_space`` (apply retention before retrying a full disk;
+    whether it deleted anything)."""
+
+    policy: RetryPolicy
+    what: str
+    group: Any
+    committed: Callable[[], Manifest | None]
+    free_space: Callable[[], bool]
+
+
+def background_group(process_group: Any, timeout: float) -> Any:
+    """A gloo group of the ranks of ``process_group`` (the default group when ``None``) for the
+    collectives of async saves' retries, made on the first call (a collective: call it on the
+    caller's thread, on every rank, in the same order) and reused."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    key = (id(group), float(timeout))
+    with _background_groups_lock:
+        found = _background_groups.get(key)
+        if found is None:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            found = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=timeout),
+                use_local_synchronization=ranks is not None,
+            )
+            _background_groups[key] = found
+        return found
 
 
 class SaveHandle:
@@ -224,16 +278,17 @@ class AsyncSaver:
         wait: bool = True,
         staging_budget: int | None = None,
         after_commit: Callable[[Manifest], None] | None = None,
+        retry: BackgroundRetry | None = None,
     ) -> SaveHandle:
         """The body of :func:`~shardkeep.async_save`: one save stages at a time, from the
         snapshot until its handle is registered (two threads must never stage into the shared
-        arena together)."""
+        arena together). ``retry``: retry a failed write or commit in the background."""
         if settings.started is None:
             settings = replace(settings, started=time.perf_counter())
         if not self.lock.acquire(blocking=wait, timeout=settings.timeout if wait else -1):
             raise SaveInProgressError("another async_save is staging in this process; pass wait=True to queue")
         try:
-            return self._submit(state, path, settings, wait, staging_budget, after_commit)
+            return self._submit(state, path, settings, wait, staging_budget, after_commit, retry)
         finally:
             self.lock.release()
 
@@ -245,6 +300,7 @@ class AsyncSaver:
         wait: bool,
         staging_budget: int | None,
         after_commit: Callable[[Manifest], None] | None,
+        retry: BackgroundRetry | None = None,
     ) -> SaveHandle:
         """Wait for the save in flight, stage the state, prepare the job (collectives) and
         start the background thread; called while holding the lock."""
@@ -288,7 +344,7 @@ class AsyncSaver:
         started = threading.Event()
         worker = threading.Thread(
             target=_finish_in_background,
-            args=(job, handle, after_commit, started),
+            args=(job, handle, after_commit, started, retry),
             name="shardkeep-async-save",
             daemon=True,  # the exit hook, not the interpreter's join, bounds the wait for it
         )
@@ -339,23 +395,18 @@ def _finish_in_background(
     handle: SaveHandle,
     after_commit: Callable[[Manifest], None] | None = None,
     started: threading.Event | None = None,
+    retry: BackgroundRetry | None = None,
 ) -> None:
-    """Write this rank's files and complete the commit without any collective, then run
-    ``after_commit``. The handle is always completed, even when cleaning up after a failure
-    fails too. ``started`` is set once the caller has recorded how long it was blocked."""
+    """Write this rank's files and complete the commit without any collective (retrying under
+    ``retry``), then run ``after_commit``. The handle is always completed, even when cleaning
+    up after a failure fails too. ``started`` is set once the caller has recorded how long it
+    was blocked."""
     manifest: Manifest | None = None
     error: BaseException | None = None
     if started is not None:
         started.wait()
     try:
-        if job.coordinator.distributed:
-            manifest = _finish_through_store(job)
-        else:
-            try:
-                manifest = job.finish([job.report()])
-            except BaseException:
-                job.abort()
-                raise
+        manifest = _finish(job) if retry is None else _finish_with_retries(job, handle, retry)
         if after_commit is not None:
             assert manifest is not None
             after_commit(manifest)
@@ -365,18 +416,73 @@ def _finish_in_background(
         handle._complete(manifest, error)
 
 
+def _finish(job: SaveJob) -> Manifest:
+    """Write and commit the prepared ``job``, without a collective; the staging directory is
+    removed on failure."""
+    if job.coordinator.distributed:
+        return _finish_through_store(job)
+    try:
+        manifest = job.finish([job.report()])
+    except BaseException:
+        job.abort()
+        raise
+    assert manifest is not None
+    return manifest
+
+
+def _finish_with_retries(job: SaveJob, handle: SaveHandle, retry: BackgroundRetry) -> Manifest:
+    """:func:`_finish`, then, after a failure every rank agrees is transient, a fresh attempt
+    from the staged copy (its own plan, staging directory and commit), all on ``retry.group``."""
+    voters = Coordinator(retry.group if job.coordinator.distributed else LOCAL, timeout=job.coordinator.timeout)
+
+    def attempt(number: int) -> Manifest:
+        if number == 1:
+            return _finish(job)
+        earlier = voters.on_coordinator("find a commit", retry.committed)
+        if earlier is not None:  # the failed attempt failed after its commit point
+            return earlier
+        again = SaveJob(job.state, job.location, job.settings, voters, sections=job.sections)
+        again.blocked_seconds = job.blocked_seconds
+        again.control = job.control  # one control for every attempt: the exit's progress and abandon
+        return run_job(again)
+
+    def free_space() -> bool:
+        return bool(voters.on_coordinator("free space to retry the save", retry.free_space))
+
+    return run_with_retries(attempt, retry.policy, voters=voters, free_space=free_space, what=retry.what)
+
+
 def _finish_through_store(job: SaveJob) -> Manifest:
     """Exchange each rank's file records through the coordinator's store barrier (JSON, no
-    pickle); the coordinator commits, the other ranks read the committed manifest."""
+    pickle); the coordinator commits, the other ranks read the committed manifest. A failure is
+    a :class:`~shardkeep.errors.CoordinationError` on every rank; on the rank where it happened,
+    its cause is that rank's own error (the evidence a retry vote reads)."""
     assert job.commit is not None
     committed: list[Manifest] = []
+    own: list[BaseException] = []
+
+    def write() -> bytes:
+        try:
+            return job.write_payload()
+        except Exception as exc:
+            own.append(exc)
+            raise
 
     def complete(payloads: list[bytes]) -> None:
-        manifest = job.finish(job.read_payloads(payloads))
+        try:
+            manifest = job.finish(job.read_payloads(payloads))
+        except Exception as exc:
+            own.append(exc)
+            raise
         assert manifest is not None
         committed.append(manifest)
 
-    job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", job.write_payload, complete, job.abort)
+    try:
+        job.coordinator.finish_through_store(f"shardkeep/{job.commit.staging}", write, complete, job.abort)
+    except CoordinationError as exc:
+        if own and exc.__cause__ is None:
+            raise exc from own[0]
+        raise
     if committed:
         return committed[0]
     # The manifest alone, as the coordinator returns it: a format 2.x manifest's rank indexes

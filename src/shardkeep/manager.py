@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import shardkeep.api as api
-from shardkeep.async_saving import AsyncSaver
+from shardkeep.async_saving import AsyncSaver, BackgroundRetry, background_group
 from shardkeep.cadence import SavePolicy, SaveSchedule
 from shardkeep.catalog import (
     DEFAULT_LEASE,
@@ -164,8 +164,9 @@ class CheckpointManager:
     - ``save_policy``: a :class:`~shardkeep.cadence.SavePolicy` that :meth:`should_save`
       follows (every N steps, every T seconds, a function); without one, every step is due.
       :meth:`save` itself saves whatever it is given.
-    - ``retry``: a :class:`~shardkeep.retry.RetryPolicy`; a :meth:`save` that fails with a
-      transient storage error is tried again, every rank together (default: no retry).
+    - ``retry``: a :class:`~shardkeep.retry.RetryPolicy`; a :meth:`save` (or the background
+      part of an :meth:`async_save`) that fails with a transient storage error is tried again,
+      every rank together (default: no retry).
     - ``save_options``: the keyword spellings of the previous release (``digest=`` ...), folded
       into their group with a :class:`DeprecationWarning`.
     """
@@ -359,7 +360,9 @@ class CheckpointManager:
     ) -> PendingSave:
         """Snapshot ``state`` and return at once; writing, commit and then retention run in the
         background. A previous pending save is waited for first. ``result()`` on the returned
-        :class:`PendingSave` gives the entry."""
+        :class:`PendingSave` gives the entry. With ``retry=``, a transient failure of the write
+        or commit is retried in the background from the snapshot, every rank together (see
+        :mod:`shardkeep.async_saving`); the error that ends the retries is ``result()``'s."""
         started = time.perf_counter()
         self._refuse_if_read_only("save")
         with self._lock:
@@ -373,7 +376,16 @@ class CheckpointManager:
                     self._retain(name)
 
             settings = replace(self._settings_for(step, metrics, run, started), progress=False)
-            handle = AsyncSaver.default().save(payload, name, settings, after_commit=after_commit)
+            retry = None
+            if self.retry is not None and self.retry.attempts > 1:
+                retry = BackgroundRetry(
+                    self.retry,
+                    f"the async save of step {step} to {self.catalog.display}",
+                    background_group(self.process_group, self.timeout) if coordinator.distributed else None,
+                    committed=lambda: self._committed(step),
+                    free_space=lambda: bool(self._prune_here()),
+                )
+            handle = AsyncSaver.default().save(payload, name, settings, after_commit=after_commit, retry=retry)
             self._pending = PendingSave(self, handle, name)
             if self._schedule is not None:  # the cadence counts from the snapshot
                 self._schedule.saved(step)
@@ -672,6 +684,11 @@ class CheckpointManager:
         coordinator = self._coordinator()
         if not coordinator.is_coordinator:
             return []
+        return self._prune_here()
+
+    def _prune_here(self) -> builtins.list[str]:
+        """:meth:`prune`'s work, on the coordinator, without waiting for a pending save (a
+        background retry frees space with it)."""
         found = self.catalog.scan()
         scope = self._scope(found)
         if self._run_id is None and scope is not None and not self.allow_other_runs:

@@ -47,6 +47,7 @@ from shardkeep.levels.config import (
     warn_if_network_filesystem,
 )
 from shardkeep.levels.drain import Drain
+from shardkeep.levels.fingerprints import agree_fingerprint_check, fingerprint_source, run_fingerprint
 from shardkeep.levels.group_loss import GroupLoss
 from shardkeep.levels.local_catalog import collect_leftovers, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
@@ -68,7 +69,7 @@ from shardkeep.options import ManifestFields
 from shardkeep.retention import decide
 from shardkeep.retry import RetryPolicy, run_with_retries
 from shardkeep.saving import SaveSettings
-from shardkeep.training import TrainingCheckpoint
+from shardkeep.training import TrainingCheckpoint, json_mapping
 
 if TYPE_CHECKING:
     from shardkeep.options import Group, Signer
@@ -114,7 +115,9 @@ class MultiLevelManager:
     node of each rank (see :func:`~shardkeep.levels.nodes.node_map`). ``replicate_wait``: the
     longest a save waits (seconds) for the peer replication of the previous local step before
     that step is skipped (see :mod:`~shardkeep.levels.replicas`). ``options``, ``fields``,
-    ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`.
+    ``signer``: as for :class:`~shardkeep.manager.CheckpointManager`. ``fingerprint``: the
+    model args and config of a plain-mapping state, recorded by every save and checked by
+    :meth:`restore` (a ``TrainingCheckpoint`` brings its own), as for ``CheckpointManager``.
 
     Every rank probes each shared level here (:func:`~shardkeep.levels.config.probe_level`).
     Building the manager makes no collective: one process (or a manager built before
@@ -140,6 +143,7 @@ class MultiLevelManager:
         run_id: str | None = None,
         progress: bool = False,
         staging_lease: float = DEFAULT_LEASE,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         check_levels(levels)
         self.levels = list(levels)
@@ -160,6 +164,7 @@ class MultiLevelManager:
         self._nodes: NodeMap | None = None
         self._local_opened = False
         self._run_id = run_id
+        self._fingerprint = json_mapping("fingerprint", fingerprint) if fingerprint is not None else None
         self._lock = threading.RLock()
         self._loss = GroupLoss()
         self.local: Level | None = next((level for level in self.levels if level.node_local), None)
@@ -207,6 +212,7 @@ class MultiLevelManager:
                 signer=signer,
                 retry=retry,
                 progress=progress,
+                fingerprint=self._fingerprint,
             )
 
     def __repr__(self) -> str:
@@ -334,7 +340,7 @@ class MultiLevelManager:
             self._open_local_level(coordinator)
             preempted = self._preempted_at(step, coordinator)
             if preempted is not None:
-                self._emergency(preempted, payload, metrics, coordinator)
+                self._emergency(preempted, state, metrics, coordinator)
             result = LevelsSaveResult(step=step)
             self._settle_recovery(coordinator)
             self._settle_drains(coordinator, result, wait=0.0)
@@ -349,12 +355,12 @@ class MultiLevelManager:
             self._check_metrics(wanted, metrics)
             self._ensure_run_id(coordinator)
             if self.local is not None and self.local.name in wanted:
-                self._save_local(payload, step, metrics, coordinator, result)
+                self._save_local(state, step, metrics, coordinator, result)
             local_name = self.local.name if self.local is not None else None
             for name, shared in self._shared.items():
                 if shared.level.source == "save":
                     if name in wanted:
-                        self._save_shared(shared, payload, step, metrics, result)
+                        self._save_shared(shared, state, step, metrics, result)
                     continue
                 # A drain level due at a step the local level did not save drains the next
                 # local step that commits (a time or function rule: the newest local step).
@@ -367,7 +373,7 @@ class MultiLevelManager:
                     # local level does not stop persisting.
                     logger.warning("level %r: the local save of step %d failed; saving it directly", name, step)
                     shared.drain_due = False
-                    self._save_shared(shared, payload, step, metrics, result)
+                    self._save_shared(shared, state, step, metrics, result)
             if (self.local or self.levels[0]).name in result.committed:
                 self._fastest_step = step
             result.blocked_seconds = time.perf_counter() - started
@@ -426,7 +432,7 @@ class MultiLevelManager:
 
     def _save_local(
         self,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         step: int,
         metrics: Mapping[str, Any] | None,
         coordinator: Coordinator,
@@ -436,6 +442,8 @@ class MultiLevelManager:
         level = self.local
         name = checkpoint_name(step)
         self._open_local_level(coordinator)
+        payload = state.to_state() if isinstance(state, TrainingCheckpoint) else state
+        fingerprint, fingerprint_fields = run_fingerprint(fingerprint_source(state, self._fingerprint))
         root = self._local_root(coordinator)
         nodes = self._node_map(coordinator)
         # The manifest is drained byte for byte: it records the policy of the level it will be
@@ -445,6 +453,8 @@ class MultiLevelManager:
         policy = drained[0] if drained and drained[0] is not None else level.retention
         run = RunInfo(
             run_id=self._run_id or "",
+            fingerprint=fingerprint,
+            fingerprint_fields=fingerprint_fields,
             retention=RetentionRecord(
                 keep_last=policy.keep_last if policy else 1,
                 keep_best=policy.keep_best if policy else 1,
@@ -526,13 +536,13 @@ class MultiLevelManager:
     def _save_shared(
         self,
         shared: SharedLevel,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         step: int,
         metrics: Mapping[str, Any] | None,
         result: LevelsSaveResult,
     ) -> None:
         try:
-            entry = shared.manager.save(payload, step=step, metrics=metrics)
+            entry = shared.manager.save(state, step=step, metrics=metrics)
         except ShardkeepError as exc:
             self._fail(shared.level, f"the save of step {step}", exc, result)
             return
@@ -740,7 +750,7 @@ class MultiLevelManager:
     def _emergency(
         self,
         decision: Preemption,
-        payload: Mapping[str, Any],
+        state: TrainingCheckpoint | Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         coordinator: Coordinator,
     ) -> None:
@@ -769,9 +779,9 @@ class MultiLevelManager:
             result = LevelsSaveResult(step=step)
             self._ensure_run_id(coordinator)
             if fastest.node_local:
-                self._save_local(payload, step, metrics, coordinator, result)
+                self._save_local(state, step, metrics, coordinator, result)
             else:
-                self._save_shared(self._shared[fastest.name], payload, step, metrics, result)
+                self._save_shared(self._shared[fastest.name], state, step, metrics, result)
             if fastest.name not in result.committed:
                 raise ShardkeepError(result.skipped.get(fastest.name, f"step {step} was not saved"))
             return result.committed[fastest.name]
@@ -817,7 +827,7 @@ class MultiLevelManager:
         return found
 
     # -- restoring -----------------------------------------------------------------------------
-    def restore(self, into: Any = None) -> LevelsRestored | None:
+    def restore(self, into: Any = None, *, allow_fingerprint_change: bool = False) -> LevelsRestored | None:
         """Restore the newest step that can be completed from any level's verified copies
         (see docs/levels.md); ``None`` when no level holds any step. A drain in flight is
         waited for first; the clean-up of drains a crash cut off starts after the load.
@@ -828,7 +838,13 @@ class MultiLevelManager:
         modules, optimizer, EMA and scheduler are filled in place, its plain fields (iteration,
         best_val_loss, data_position, rng) are taken from the checkpoint (``model_args`` and
         ``config`` stay the caller's), and with ``track_rng`` the RNG states the checkpoint holds
-        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one."""
+        are put back. Without ``into``, a saved ``TrainingCheckpoint`` comes back as one.
+
+        A step whose recorded model args or config differ from ``into``'s (or the manager's
+        ``fingerprint``) raises :class:`~shardkeep.errors.FingerprintMismatchError` on every
+        rank, naming the step, its levels and the fields, unless ``allow_fingerprint_change``;
+        as ``CheckpointManager.restore`` does, the restore never falls back past such a step
+        (see :mod:`~shardkeep.levels.fingerprints`)."""
         with self._lock, self._guard("restore()"):
             coordinator = self._coordinator()
             # A drain still in flight is finished first: recovery must not take its staging
@@ -838,11 +854,22 @@ class MultiLevelManager:
             for shared in self._shared.values():
                 shared.join_prune()
             views = self._views(coordinator)
-            training = isinstance(into, TrainingCheckpoint)
-            target = into.load_target() if training else into
+            nodes = self._node_map(coordinator)
+            check = agree_fingerprint_check(
+                views,
+                coordinator,
+                leader=nodes.is_leader(coordinator.rank),
+                source=fingerprint_source(into, self._fingerprint),
+                allowed=allow_fingerprint_change,
+            )
+            if check.floor is not None:  # the steps a restore may reach before the one that differs
+                views = [replace(view, newer_than=check.floor) for view in views]
+            target = into.load_target() if isinstance(into, TrainingCheckpoint) else into
             try:
-                state, report = restore_best(views, target, coordinator, self._node_map(coordinator))
+                state, report = restore_best(views, target, coordinator, nodes)
             except NoCompleteStepError as exc:
+                if check.floor is not None:
+                    raise check.error(", and no newer step can be completed") from exc
                 if exc.refusals:
                     raise
                 return None  # no level holds any step: a fresh run
