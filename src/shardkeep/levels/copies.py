@@ -52,20 +52,13 @@ class LevelView:
     """One level as a restore sees it from this rank: its ``name``; ``root``, this node's local
     root for a ``node_local`` level, else the shared root (a path or URL); ``None`` when this
     node has no root for it. ``store``: a shared level's store already open on ``root``, to
-    list and read it through (else one is opened). ``newer_than``: only steps newer than it
-    are copies (older ones are neither listed nor named; see
-    :mod:`~shardkeep.levels.fingerprints`)."""
+    list and read it through (else one is opened)."""
 
     name: str
     root: str | None
     node_local: bool = False
     storage_options: Mapping[str, Any] | None = None
     store: ByteStore | None = None
-    newer_than: int | None = None
-
-    def holds(self, step: int) -> bool:
-        """Whether a copy of ``step`` is one of this view's."""
-        return self.newer_than is None or step > self.newer_than
 
 
 @dataclass(frozen=True)
@@ -191,7 +184,7 @@ def newest_named(views: Sequence[LevelView]) -> tuple[dict[str, int | None], dic
         except Exception as exc:  # on a thread: any error makes the level unreachable, named
             failed[view.name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ShardkeepError) else str(exc)
             continue
-        steps = [step for step in (step_of_name(name) for name, _ in entries) if step is not None and view.holds(step)]
+        steps = [step for step in (step_of_name(name) for name, _ in entries) if step is not None]
         named[view.name] = max(steps, default=None)
     return named, failed
 
@@ -248,7 +241,7 @@ def list_node_parts(view: LevelView, node: int, limits: ManifestLimits | None) -
     found: list[StepCopy] = []
     for name in sorted(os.listdir(view.root)):
         step = step_of_name(name)
-        if step is None or not view.holds(step) or not os.path.isdir(os.path.join(view.root, name)):
+        if step is None or not os.path.isdir(os.path.join(view.root, name)):
             continue
         try:
             sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)
@@ -290,7 +283,7 @@ def list_shared(view: LevelView, limits: ManifestLimits | None) -> list[StepCopy
     found: list[StepCopy] = []
     for name, _ in store.list_dir(""):
         step = step_of_name(name)
-        if step is None or not view.holds(step):
+        if step is None:
             continue
         try:
             sealed = read_manifest_bytes(CheckpointLocation(store, name), limits)

@@ -47,7 +47,7 @@ from shardkeep.levels.config import (
     warn_if_network_filesystem,
 )
 from shardkeep.levels.drain import Drain
-from shardkeep.levels.fingerprints import agree_fingerprint_check, fingerprint_source, run_fingerprint
+from shardkeep.levels.fingerprints import FingerprintRule, fingerprint_source, run_fingerprint
 from shardkeep.levels.group_loss import GroupLoss
 from shardkeep.levels.local_catalog import collect_leftovers, remove_step, scan
 from shardkeep.levels.local_save import save_node_local
@@ -854,22 +854,11 @@ class MultiLevelManager:
             for shared in self._shared.values():
                 shared.join_prune()
             views = self._views(coordinator)
-            nodes = self._node_map(coordinator)
-            check = agree_fingerprint_check(
-                views,
-                coordinator,
-                leader=nodes.is_leader(coordinator.rank),
-                source=fingerprint_source(into, self._fingerprint),
-                allowed=allow_fingerprint_change,
-            )
-            if check.floor is not None:  # the steps a restore may reach before the one that differs
-                views = [replace(view, newer_than=check.floor) for view in views]
+            rule = FingerprintRule.of(fingerprint_source(into, self._fingerprint), allow_fingerprint_change)
             target = into.load_target() if isinstance(into, TrainingCheckpoint) else into
             try:
-                state, report = restore_best(views, target, coordinator, nodes)
+                state, report = restore_best(views, target, coordinator, self._node_map(coordinator), fingerprint=rule)
             except NoCompleteStepError as exc:
-                if check.floor is not None:
-                    raise check.error(", and no newer step can be completed") from exc
                 if exc.refusals:
                     raise
                 return None  # no level holds any step: a fresh run

@@ -96,6 +96,7 @@ from shardkeep.levels.copies import (
     newest_named,
     shared_store,
 )
+from shardkeep.levels.fingerprints import FingerprintRule, mismatch_error, refuse_disagreement
 from shardkeep.levels.parts import NodePart, decode_node_part, encode_node_part, manifest_identity
 from shardkeep.levels.transfer import (
     DEFAULT_BLOCK_BYTES,
@@ -172,6 +173,7 @@ class _Settings:
     limits: ManifestLimits | None
     block_bytes: int
     io_threads: int
+    fingerprint: FingerprintRule
 
     @property
     def wire_bytes(self) -> int:
@@ -196,13 +198,19 @@ def restore_best(
     limits: ManifestLimits | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     io_threads: int = LoadOptions.io_threads,
+    fingerprint: FingerprintRule | None = None,
 ) -> tuple[Any, RestoreReport]:
     """Load the newest step every rank can complete from ``levels`` (collective; see the module
     docstring). Returns the loaded state (``into``, filled, when given) and the report; raises
-    :class:`~shardkeep.errors.NoCompleteStepError` naming every refusal when no step is left."""
+    :class:`~shardkeep.errors.NoCompleteStepError` naming every refusal when no step is left.
+    ``fingerprint``: this rank's model args and config to check each step against
+    (:mod:`~shardkeep.levels.fingerprints`): the first step whose manifest records others
+    raises :class:`~shardkeep.errors.FingerprintMismatchError` on every rank."""
     if len(nodes.node_of) != coordinator.world_size:
         raise ShardkeepError(f"the node map covers {len(nodes.node_of)} ranks, the group has {coordinator.world_size}")
-    settings = _Settings(signatures or SignaturePolicy(), limits, block_bytes, io_threads)
+    settings = _Settings(
+        signatures or SignaturePolicy(), limits, block_bytes, io_threads, fingerprint or FingerprintRule()
+    )
     shared = [view for view in levels if not view.node_local and view.root is not None]
     with ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-listing") as pool:
         # The coordinator lists the shared levels' names on a thread while the node-local
@@ -280,7 +288,8 @@ def _attempt(
     outcome, and whether ``gate`` (asked, collectively, before the state is filled) stopped it.
     ``names``, not yet known: learned with the last agreement before the fill (no collective
     of its own), failures added to ``unreachable``."""
-    attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable)
+    newer_failed = any(entry[0] > step for entry in refused)
+    attempt = _StepAttempt(levels, coordinator, nodes, settings, copies, step, identity, unusable, newer_failed)
     outcome = attempt.run(into, gate, names, unreachable)
     refused.extend(entry for entry in attempt.refused if entry not in refused)
     return outcome, attempt.gated
@@ -355,6 +364,7 @@ class _StepAttempt:
         step: int,
         identity: str,
         unusable: set[tuple[str, int]],
+        newer_failed: bool = False,
     ) -> None:
         self.coordinator, self.settings, self.step, self.identity = coordinator, settings, step, identity
         self.rank = coordinator.rank
@@ -365,6 +375,11 @@ class _StepAttempt:
         self.refused: list[tuple[int, int, str, str]] = []
         #: Whether the gate of :meth:`run` stopped this attempt before the fill.
         self.gated = False
+        #: Whether a newer candidate was refused before this one (said when this one's
+        #: fingerprint differs).
+        self.newer_failed = newer_failed
+        #: How this step's recorded fingerprint differs from this rank's (:meth:`check`).
+        self.differences: list[tuple[str, str, str]] | None = None
         self.views = {view.name: view for view in levels}
         home = next((view for view in levels if view.node_local), None)
         self.home = home
@@ -421,7 +436,13 @@ class _StepAttempt:
 
     def agree(self, label: str, outcome: _Outcome) -> list[_Outcome] | None:
         """All-gather the ranks' outcomes; ``None`` (and the refusals recorded) when any failed."""
-        everyone = self.coordinator.all_gather(outcome, label=f"restore step {self.step}: {label}")
+        return self.agreed(self.gather(label, outcome))
+
+    def gather(self, label: str, outcome: _Outcome) -> list[_Outcome]:
+        return self.coordinator.all_gather(outcome, label=f"restore step {self.step}: {label}")
+
+    def agreed(self, everyone: list[_Outcome]) -> list[_Outcome] | None:
+        """The gathered outcomes when every rank succeeded; else ``None``, the refusals recorded."""
         if all(not each.reasons for each in everyone):
             return everyone
         for rank, each in enumerate(everyone):
@@ -451,7 +472,16 @@ class _StepAttempt:
     ) -> tuple[Any, RestoreReport] | None:
         gathered = self.agree("metadata", self.metadata())
         if gathered is not None:
-            gathered = self.agree("checking the files", self._phase(lambda: self.check(into), ([], [])))
+            checked = self._phase(lambda: self.check(into))
+            if checked.reasons:  # the verdict on the manifest still counts (a changed model may not load)
+                checked.payload = ([], [], self.settings.fingerprint, self.differences)
+            everyone = self.gather("checking the files", checked)
+            if self._judge_fingerprints(everyone, gate, names, unreachable):
+                self.gated = True  # a shared level names a newer step: it is looked at first
+                with contextlib.suppress(OSError, ShardkeepError):
+                    self.discard()
+                return None
+            gathered = self.agreed(everyone)
         healed: list[tuple[int, str, str]] = []
         if gathered is not None:
             lacking = [each.payload[0] for each in gathered]
@@ -478,6 +508,32 @@ class _StepAttempt:
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
+
+    def _judge_fingerprints(
+        self,
+        everyone: list[_Outcome],
+        gate: Callable[[int], bool] | None,
+        names: SharedNames | None,
+        unreachable: dict[str, str] | None,
+    ) -> bool:
+        """After the check, on every rank alike: a :class:`ConfigError` when the ranks restore
+        with different model args or config, a :class:`FingerprintMismatchError` when this
+        step's manifest records others (unless a shared level names a newer step, which is
+        then looked at first: ``True``, the attempt gated); ``False`` when nothing differs."""
+        refuse_disagreement([each.payload[2] for each in everyone])
+        differences = next((each.payload[3] for each in everyone if each.payload[3]), None)
+        if differences is None:
+            return False
+        if gate is not None and not gate(self.step):
+            return True
+        with contextlib.suppress(OSError, ShardkeepError):
+            self.discard()
+        levels = [self.home.name] if self.home is not None and self.holders else []
+        levels += [copy.level for copy in self.exact_shared if copy.level not in levels]
+        if names is not None and names.known:
+            levels += sorted(name for name, newest in names.named.items() if newest == self.step and name not in levels)
+        why = ", and no newer step can be completed" if self.newer_failed else ""
+        raise mismatch_error(self.step, levels, differences, why)
 
     def _fetch_round(
         self,
@@ -726,12 +782,17 @@ class _StepAttempt:
         return manifest
 
     # -- phase: which files, and checking them ---------------------------------------------------
-    def check(self, into: Any) -> tuple[list[tuple[str, int]], list[str]]:
+    def check(self, into: Any) -> tuple[list[tuple[str, int]], list[str], FingerprintRule, Any]:
         """Build this rank's load job, select the files it needs, and check the local copies of
-        them: the files this rank lacks, as ``(path, stored size)``, and the replicas this node
-        offers to the nodes rebuilding their part (:meth:`_replicas_offered`)."""
+        them: the files this rank lacks, as ``(path, stored size)``, the replicas this node
+        offers to the nodes rebuilding their part (:meth:`_replicas_offered`), this rank's
+        fingerprint rule, and how the manifest's recorded fingerprint differs from it."""
         assert self.location is not None
         manifest = self._parse(self.location)
+        rule = self.settings.fingerprint
+        self.differences = differences = rule.differences(manifest)
+        if differences:
+            return [], [], rule, differences  # refused on every rank after the agreement
         shared = self.mode[self.node] == "shared"
         digest: Literal["fast", "cryptographic"] = "fast" if self.settings.fast else "cryptographic"
         options = LoadOptions(verify=shared, io_threads=self.settings.io_threads, digest=digest if shared else None)
@@ -746,7 +807,7 @@ class _StepAttempt:
             if wanted != [] and job.resolver.own_directory(record):
                 self.needed[record.path] = record
         if shared:
-            return [], []  # read, and verified, by the load
+            return [], [], rule, differences  # read, and verified, by the load
         lacking: list[tuple[str, int]] = []
         present: list[FileRecord] = []
         for path, record in sorted(self.needed.items()):
@@ -768,7 +829,7 @@ class _StepAttempt:
             # Digests are checked on a thread while the missing files are fetched.
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="shardkeep-restore-check")
             self._checking = self._checker.submit(self._check_present, job, present, self.settings.fast)
-        return lacking, self._replicas_offered()
+        return lacking, self._replicas_offered(), rule, differences
 
     def _replicas_offered(self) -> list[str]:
         """On the leader of a node holding its part, while some node rebuilds its own: the peer
