@@ -302,10 +302,11 @@ def test_a_lost_node_resumes_at_the_newest_local_step_from_the_replicas(tmp_path
     report = restore(tmp_path, 4, "after-loss")
     assert report["step"] == 6, report
     assert report["levels_read"] == ["local"], report
-    # node 0's replicas ride on the check's agreement: no gathering of who holds what, and
-    # one agreement per phase (the node map, the listing, metadata, check, fetch, read, fill)
+    # node 0's replicas ride on the check's agreement: no gathering of who holds what; each
+    # rank reads once its own files are in, so one agreement ends the fetch and the read: the
+    # node map, the listing, metadata, check, fetch and read, fill
     assert not any("who holds what" in label for label in report["gathers"]), report["gathers"]
-    assert len(report["gathers"]) == 7, report["gathers"]
+    assert len(report["gathers"]) == 6, report["gathers"]
     assert {source for _, _, source in report["healed"]} == {"local@node0"}, report
     healed_files = {file for _, file, _ in report["healed"] if file.startswith("shards/")}
     assert healed_files == set(_part(tmp_path / "node0", 6)["replicas"]["1"])

@@ -53,7 +53,9 @@ where each file came from and why each step was refused.
    needed a file its node could not heal is named, with the reason per level.
 5. **Load.** Each rank reads its files with the ordinary load path (verified when read from a
    shared copy; the local ones were just checked, so they are read without their digests a
-   second time) and the ranks agree once more. Then the node leaders record healed files in
+   second time) and the ranks agree once more. When no file a node lacks is lacked by two of
+   its ranks (each rank fetches what it lacks itself), a rank reads as soon as its own files
+   are in and checked, and the fetch's agreement is also the reading's. Then the node leaders record healed files in
    their ``node-part.json`` (a rebuilt part is renamed into place; every rank has read by
    then, and a failure there is logged, never a refusal of the step read), and every rank
    fills ``into`` (all or nothing) or returns the state. The files a load mapped are unmapped
@@ -295,6 +297,18 @@ def _attempt(
     return outcome, attempt.gated
 
 
+def _fetched_alone(lacking: list[list[tuple[str, int]]], node_of: Sequence[int]) -> bool:
+    """Whether each file a node lacks is lacked by one of its ranks only: each rank then
+    fetches every file it lacks itself (no node-mate fetches one for it)."""
+    seen: set[tuple[int, str]] = set()
+    for rank, files in enumerate(lacking):
+        for path, _ in files:
+            if (node_of[rank], path) in seen:
+                return False
+            seen.add((node_of[rank], path))
+    return True
+
+
 _released: queue.SimpleQueue[Any] = queue.SimpleQueue()
 _releaser: threading.Thread | None = None
 _releaser_lock = threading.Lock()
@@ -483,28 +497,38 @@ class _StepAttempt:
                 return None
             gathered = self.agreed(everyone)
         healed: list[tuple[int, str, str]] = []
+        read: list[tuple[str, Any]] | None = None  # each rank's source level, and the listing offered
         if gathered is not None:
             lacking = [each.payload[0] for each in gathered]
             offered = [each.payload[1] for each in gathered]
-            gathered = self._fetch_round("fetching the files", lacking, healed, first=True, offered=offered)
-        if gathered is not None and any(each.payload[2] for each in gathered):
+            # When no rank needs a file a node-mate fetches, each rank reads once its own files
+            # are in: the fetch's agreement is then also the reading's.
+            alone = _fetched_alone(lacking, self.node_of)
+            offer = names.offer(self.coordinator) if names is not None and alone else None
+            gathered = self._fetch_round(
+                "fetching the files", lacking, healed, first=True, offered=offered, read=alone, offer=offer
+            )
+            if gathered is not None and all(each.payload[3] is not None for each in gathered):
+                read = [(each.payload[3], each.payload[4]) for each in gathered]
+        if gathered is not None and read is None and any(each.payload[2] for each in gathered):
             # A local file present at its size failed its digest (found while the missing files
             # were fetched): every node heals its damaged files in a second round.
             gathered = self._fetch_round(
                 "fetching the damaged files", [each.payload[2] for each in gathered], healed, first=False
             )
-        if gathered is not None:
+        if gathered is not None and read is None:
             # The coordinator's outcome carries the shared levels' listing (the gate's answer).
             offer = names.offer(self.coordinator) if names is not None else None
             sources = self.agree("reading", self._phase(lambda: (self.read(), offer)))
-            if sources is not None:
-                self.finalize_quietly(healed)  # every rank has read: a rebuilt part may move
-                if names is not None:
-                    names.learn(sources[0].payload[1], unreachable)
-                if gate is not None and not gate(self.step):
-                    self.gated = True  # not refused: the healed part stays, a newer step is looked for
-                    return None
-                return self._loaded(healed, [each.payload[0] for each in sources])
+            read = [each.payload for each in sources] if sources is not None else None
+        if read is not None:
+            self.finalize_quietly(healed)  # every rank has read: a rebuilt part may move
+            if names is not None:
+                names.learn(read[0][1], unreachable)
+            if gate is not None and not gate(self.step):
+                self.gated = True  # not refused: the healed part stays, a newer step is looked for
+                return None
+            return self._loaded(healed, [source for source, _ in read])
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
@@ -543,17 +567,26 @@ class _StepAttempt:
         *,
         first: bool,
         offered: list[list[str]] | None = None,
+        read: bool = False,
+        offer: Any = None,
     ) -> list[_Outcome] | None:
         """Fetch what each rank lacks (collective), then agree; ``healed`` gains what arrived.
-        Each outcome's payload ends with the files this rank's digest check found damaged
-        meanwhile (empty after the first round)."""
+        Each outcome's payload: the files healed, the reasons of those that could not be, the
+        files this rank's digest check found damaged meanwhile (empty after the first round),
+        and with ``read``, the level this rank read its files from once every one of them was
+        in and checked (``None``: not read), with ``offer``."""
         fetched = self.fetch(lacking, with_metadata=first, offered=offered)
         try:
             damaged = self.damaged()
         except Exception as exc:  # the check itself failed: this rank refuses the step
             fetched.reasons.append((self._level_name(), f"checking the local files: {type(exc).__name__}: {exc}"))
             damaged = []
-        gathered = self.agree(label, _Outcome(fetched.reasons, (*fetched.payload, damaged)))
+        source = None
+        if read and not fetched.reasons and not fetched.payload[1] and not damaged:
+            done = self._phase(self.read)
+            fetched.reasons.extend(done.reasons)
+            source = done.payload if not done.reasons else None
+        gathered = self.agree(label, _Outcome(fetched.reasons, (*fetched.payload, damaged, source, offer)))
         if gathered is not None and self._refuse_unhealed(lacking, gathered):
             return None
         if gathered is not None:
