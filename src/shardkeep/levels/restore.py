@@ -522,13 +522,21 @@ class _StepAttempt:
             sources = self.agree("reading", self._phase(lambda: (self.read(), offer)))
             read = [each.payload for each in sources] if sources is not None else None
         if read is not None:
-            self.finalize_quietly(healed)  # every rank has read: a rebuilt part may move
-            if names is not None:
-                names.learn(read[0][1], unreachable)
-            if gate is not None and not gate(self.step):
-                self.gated = True  # not refused: the healed part stays, a newer step is looked for
-                return None
-            return self._loaded(healed, [source for source, _ in read])
+            # Every rank has read: a rebuilt part may move. Its leader records it on a thread
+            # while the state is filled (the files read are mapped already).
+            recording = threading.Thread(
+                target=self.finalize_quietly, args=(healed,), name="shardkeep-restore-record", daemon=True
+            )
+            recording.start()
+            try:
+                if names is not None:
+                    names.learn(read[0][1], unreachable)
+                if gate is not None and not gate(self.step):
+                    self.gated = True  # not refused: the healed part stays, a newer step is looked for
+                    return None
+                return self._loaded(healed, [source for source, _ in read], recording)
+            finally:
+                recording.join()
         with contextlib.suppress(OSError, ShardkeepError):
             self.discard()
         return None
@@ -610,7 +618,9 @@ class _StepAttempt:
                     refused = True
         return refused
 
-    def _loaded(self, healed: list[tuple[int, str, str]], sources: list[str]) -> tuple[Any, RestoreReport]:
+    def _loaded(
+        self, healed: list[tuple[int, str, str]], sources: list[str], recording: threading.Thread
+    ) -> tuple[Any, RestoreReport]:
         assert self.job is not None
         report = RestoreReport(self.step, dict(enumerate(sources)), healed)
         report.levels_read = sorted({*sources, *(source.partition("@")[0] for _, _, source in healed)})
@@ -624,6 +634,7 @@ class _StepAttempt:
             filled.append(job.fill(job.assemble()))
             buffers, job.buffers = job.buffers, []
             _release_later(buffers)  # unmapped while this rank waits for the others
+            recording.join()  # the healed part is recorded before the ranks agree
 
         # One agreement after the fill: a rank whose fill fails (a value that does not fit
         # into=) fails the restore on every rank, instead of the others returning success.
