@@ -55,11 +55,12 @@ where each file came from and why each step was refused.
    shared copy; the local ones were just checked, so they are read without their digests a
    second time) and the ranks agree once more. When no file a node lacks is lacked by two of
    its ranks (each rank fetches what it lacks itself), a rank reads as soon as its own files
-   are in and checked, and the fetch's agreement is also the reading's. Then the node leaders record healed files in
-   their ``node-part.json`` (a rebuilt part is renamed into place; every rank has read by
-   then, and a failure there is logged, never a refusal of the step read), and every rank
-   fills ``into`` (all or nothing) or returns the state. The files a load mapped are unmapped
-   on a background thread while the ranks agree on the fill.
+   are in and checked, and the fetch's agreement is also the reading's. Then, on a thread
+   while every rank fills ``into`` (all or nothing) or returns the state, the node leaders
+   record healed files in their ``node-part.json`` (a rebuilt part is renamed into place:
+   every rank has read by then; a failure there is logged, never a refusal of the step read),
+   and the ranks agree on the fill once that record is done. The files a load mapped are
+   unmapped on a background thread meanwhile.
 
 No candidate left: :class:`~shardkeep.errors.NoCompleteStepError` with every refusal.
 
