@@ -37,8 +37,8 @@ class _Events:
     and the fill of the state."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, persistent: Path) -> None:
+        import shardkeep.levels.attempt as attempt_module
         import shardkeep.levels.copies as copies_module
-        import shardkeep.levels.restore as restore_module
         import shardkeep.levels.shared_level as shared_level_module
         from shardkeep.loading import LoadJob
 
@@ -78,7 +78,7 @@ class _Events:
         # the manager opens (and probes) the persistent level's store once and a restore lists
         # through it; a store a restore opens itself counts too
         monkeypatch.setattr(copies_module, "LocalStore", CountingStore)
-        monkeypatch.setattr(restore_module, "LocalStore", CountingStore)
+        monkeypatch.setattr(attempt_module, "LocalStore", CountingStore)
         monkeypatch.setattr(config_module, "open_store", lambda root, options=None: CountingStore(str(root)))
         monkeypatch.setattr(shared_level_module, "recover_drains", recover)
         monkeypatch.setattr(LoadJob, "fill", fill)
