@@ -102,18 +102,28 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
     into = sharded_state(world_size, 0, fill=False)
     nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
     warnings: list[str] = []
+    gathers: list[str] = []  # the labels of the restore's all-gathers
+    all_gather = Coordinator.all_gather
+
+    def counted(self: Coordinator, value: Any, *, label: str = "") -> Any:
+        gathers.append(label)
+        return all_gather(self, value, label=label)
+
+    Coordinator.all_gather = counted  # type: ignore[method-assign]
     try:
         signatures = SignaturePolicy.of(setup.public_key) if setup.public_key is not None else None
         with _renames_failing(warnings) if setup.fail_rename else contextlib.nullcontext():
             _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100, signatures=signatures)
     except NoCompleteStepError as exc:
         return {"error": str(exc), "refusals": exc.refusals}
+    finally:
+        Coordinator.all_gather = all_gather  # type: ignore[method-assign]
     full = full_state(setup.seed)
     same = {
         key: torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, full[key])
         for key, value in into["model"].items()
     }
-    return {"report": report, "same": same, "warnings": warnings}
+    return {"report": report, "same": same, "warnings": warnings, "gathers": gathers}
 
 
 @contextlib.contextmanager
@@ -302,8 +312,12 @@ def test_a_peer_copy_refused_on_arrival_is_asked_of_the_next_node(tmp_path: Path
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
     setup = Setup([str(root) for root in roots], None, lambda r: r, seed=19)
-    report = the_report(restore(tmp_path, 3, setup, "next-peer"))
+    results = restore(tmp_path, 3, setup, "next-peer")
+    report = the_report(results)
     assert report.step == 5 and (2, RANK2_FILE, "local@node1") in report.healed
+    # nodes 0 and 1 offered every file they hold with the check: no gathering of who holds
+    # what, and node 0's damaged copy was asked of node 1 next
+    assert not any("who holds what" in label for label in results[0]["gathers"]), results[0]["gathers"]
     assert (roots[2] / saved.name / RANK2_FILE).read_bytes() == (saved / RANK2_FILE).read_bytes()
 
 

@@ -239,9 +239,8 @@ class StepAttempt(PeerFetch):
             # When no rank needs a file a node-mate fetches, each rank reads once its own files
             # are in: the fetch's agreement is then also the reading's.
             alone = fetched_alone(lacking, self.node_of)
-            offer = names.offer(self.coordinator) if names is not None and alone else None
             gathered = self._fetch_round(
-                "fetching the files", lacking, healed, first=True, offered=offered, read=alone, offer=offer
+                "fetching the files", lacking, healed, first=True, offered=offered, read=alone, names=names
             )
             if gathered is not None and all(each.payload[3] is not None for each in gathered):
                 read = [(each.payload[3], each.payload[4]) for each in gathered]
@@ -253,8 +252,9 @@ class StepAttempt(PeerFetch):
             )
         if gathered is not None and read is None:
             # The coordinator's outcome carries the shared levels' listing (the gate's answer).
-            offer = names.offer(self.coordinator) if names is not None else None
-            sources = self.agree("reading", self._phase(lambda: (self.read(), offer)))
+            # (the coordinator waits for its listing only once this rank's read is done)
+            offer = names.offer if names is not None else (lambda _: None)
+            sources = self.agree("reading", self._phase(lambda: (self.read(), offer(self.coordinator))))
             read = [each.payload for each in sources] if sources is not None else None
         if read is not None:
             # Every rank has read: a rebuilt part may move. Its leader records it on a thread
@@ -287,7 +287,12 @@ class StepAttempt(PeerFetch):
         with different model args or config, a :class:`FingerprintMismatchError` when this
         step's manifest records others (unless a shared level names a newer step, which is
         then looked at first: ``True``, the attempt gated); ``False`` when nothing differs."""
-        refuse_disagreement([each.payload[2] for each in everyone])
+        try:
+            refuse_disagreement([each.payload[2] for each in everyone])
+        except ShardkeepError:
+            with contextlib.suppress(OSError, ShardkeepError):
+                self.discard()
+            raise
         differences = next((each.payload[3] for each in everyone if each.payload[3]), None)
         if differences is None:
             return False
@@ -311,13 +316,13 @@ class StepAttempt(PeerFetch):
         first: bool,
         offered: list[list[str]] | None = None,
         read: bool = False,
-        offer: Any = None,
+        names: SharedNames | None = None,
     ) -> list[Outcome] | None:
         """Fetch what each rank lacks (collective), then agree; ``healed`` gains what arrived.
         Each outcome's payload: the files healed, the reasons of those that could not be, the
         files this rank's digest check found damaged meanwhile (empty after the first round),
         and with ``read``, the level this rank read its files from once every one of them was
-        in and checked (``None``: not read), with ``offer``."""
+        in and checked (``None``: not read), with the coordinator's listing of ``names``."""
         fetched = self.fetch(lacking, with_metadata=first, offered=offered)
         try:
             damaged = self.damaged()
@@ -329,6 +334,7 @@ class StepAttempt(PeerFetch):
             done = self._phase(self.read)
             fetched.reasons.extend(done.reasons)
             source = done.payload if not done.reasons else None
+        offer = names.offer(self.coordinator) if names is not None and read else None
         gathered = self.agree(label, Outcome(fetched.reasons, (*fetched.payload, damaged, source, offer)))
         if gathered is not None and self._refuse_unhealed(lacking, gathered):
             return None
@@ -611,10 +617,11 @@ class StepAttempt(PeerFetch):
         return lacking, self._replicas_offered(), rule, differences
 
     def _replicas_offered(self) -> list[str]:
-        """On the leader of a node holding its part, while some node rebuilds its own: the peer
-        replicas this node holds (its ``node-part.json``), present here. They ride on the
-        check's agreement, so that the fetch needs no gathering of who holds what when they
-        cover every file the nodes lack (:meth:`fetch`)."""
+        """On the leader of a node holding its part, while some node rebuilds its own: every
+        data file this node's ``node-part.json`` says it holds (its own, healed ones and peer
+        replicas) that is a file here. They ride on the check's agreement, so that the fetch
+        needs no gathering of who holds what when they cover every file the nodes lack
+        (:meth:`fetch`); a copy refused on arrival is asked of the next node offering it."""
         if not self.leader or self.mode[self.node] != "local" or "rebuild" not in self.mode.values():
             return []
         assert self.directory is not None
@@ -624,8 +631,7 @@ class StepAttempt(PeerFetch):
                 part = decode_node_part(handle.read(1 << 24), where=where)
         except (OSError, ShardkeepError):
             return []  # the fetch gathers who holds what
-        paths = sorted({path for paths in part.replicas.values() for path in paths})
-        return [path for path in paths if os.path.isfile(os.path.join(self.directory, path))]
+        return [path for path in sorted(part.holds()) if os.path.isfile(os.path.join(self.directory, path))]
 
     @staticmethod
     def _check_present(job: LoadJob, records: list[FileRecord], fast: bool) -> dict[str, str]:

@@ -166,13 +166,16 @@ class PeerFetch:
         return offered
 
     def _offered_holders(self, claimed: set[tuple[int, str]], offered: list[list[str]]) -> dict[str, list[int]] | None:
-        """The nodes holding each file, from the replicas offered with the check, when some
-        other node offers every ``(node, path)`` claimed; else ``None`` (gather who holds what).
-        The same on every rank: both were gathered."""
+        """The nodes holding each file, from the files offered with the check (a node's offer of
+        a file it lacks itself left out), when some other node offers every ``(node, path)``
+        claimed; else ``None`` (gather who holds what). The same on every rank: both were
+        gathered."""
         holders: dict[str, list[int]] = {}
         for rank, paths in enumerate(offered):
+            node = self.node_of[rank]
             for path in paths:
-                holders.setdefault(path, []).append(self.node_of[rank])
+                if (node, path) not in claimed:
+                    holders.setdefault(path, []).append(node)
         if all(any(node != lacking for node in holders.get(path, [])) for lacking, path in claimed):
             return holders
         return None

@@ -17,7 +17,10 @@ rank): a disagreement is a :class:`~shardkeep.errors.ConfigError` on every rank
 a :class:`~shardkeep.errors.FingerprintMismatchError` on every rank, before anything is filled
 into ``into``, as ``CheckpointManager.restore`` decides: the steps are tried newest first, and
 there is no fall back past a differing step. A step recording no fingerprint is not checked (as
-``CheckpointManager`` does).
+``CheckpointManager`` does). The check comes with the check of a step's files, so a newer step
+whose manifest no rank can place (its metadata phase fails: no copy of it where it is needed)
+is refused as incomplete without a verdict, as ``CheckpointManager`` passes over a checkpoint
+whose manifest it cannot read.
 """
 
 from __future__ import annotations
