@@ -18,6 +18,7 @@ import shardkeep as sk
 from shardkeep.storage.local import LocalStore
 from shardkeep.testing import FaultInjectingStore, InjectedFault
 from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.observe import logged_messages
 from tests.test_retry import QUICK, FailingWrites, LostCommitAnswer, committed
 
 torch = pytest.importorskip("torch")
@@ -101,14 +102,7 @@ def test_without_a_policy_an_async_save_fails_at_once(tmp_path: Path) -> None:
 
 
 def _retry_log() -> list[str]:
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
-    return messages
+    return logged_messages("shardkeep.retry")
 
 
 def _rank_state(rank: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from shardkeep.levels.replicas import plan_replicas
 from shardkeep.levels.status import level_copies
 from shardkeep.manifest import FileRecord
 from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.observe import counted_all_gathers
 from tests.support.states import full_rows, row_sharded
 
 # -- placement and configuration ------------------------------------------------------------------
@@ -234,24 +235,12 @@ def _train(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[s
 
 
 def _restore(rank: int, world_size: int, tmp: str, spec: dict[str, Any]) -> dict[str, Any]:
-    from shardkeep.distributed.coordinator import Coordinator
-
     manager = sk.MultiLevelManager(
         _levels(tmp, spec), node_of=functools.partial(_node_of, spec.get("per_node", 2)), timeout=60
     )
     state = _state(0, zeros=True)
-    gathers: list[str] = []  # the labels of the all-gathers the restore makes, in order
-    all_gather = Coordinator.all_gather
-
-    def counted(self: Coordinator, value: Any, *, label: str = "") -> Any:
-        gathers.append(label)
-        return all_gather(self, value, label=label)
-
-    Coordinator.all_gather = counted  # type: ignore[method-assign]
-    try:
+    with counted_all_gathers() as gathers:  # the labels of the restore's all-gathers, in order
         restored = manager.restore(into=state)
-    finally:
-        Coordinator.all_gather = all_gather  # type: ignore[method-assign]
     manager.close()
     assert restored is not None
     return {

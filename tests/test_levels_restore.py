@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from shardkeep.names import NODE_PART_FILENAME, checkpoint_name
 from shardkeep.storage import localfs
 from tests.support.distributed_harness import results_or_raise, run_ranks
 from tests.support.node_parts import split_into_nodes
+from tests.support.observe import counted_all_gathers, logged_messages
 
 torch = pytest.importorskip("torch")
 
@@ -101,23 +101,13 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
         levels.append(LevelView("persistent", setup.persistent, storage_options=setup.options))
     into = sharded_state(world_size, 0, fill=False)
     nodes = Nodes(tuple(setup.node_of(r) for r in range(world_size)))
-    warnings: list[str] = []
-    gathers: list[str] = []  # the labels of the restore's all-gathers
-    all_gather = Coordinator.all_gather
-
-    def counted(self: Coordinator, value: Any, *, label: str = "") -> Any:
-        gathers.append(label)
-        return all_gather(self, value, label=label)
-
-    Coordinator.all_gather = counted  # type: ignore[method-assign]
+    warnings = logged_messages("shardkeep") if setup.fail_rename else []
     try:
         signatures = SignaturePolicy.of(setup.public_key) if setup.public_key is not None else None
-        with _renames_failing(warnings) if setup.fail_rename else contextlib.nullcontext():
+        with counted_all_gathers() as gathers, _renames_failing() if setup.fail_rename else contextlib.nullcontext():
             _, report = restore_best(levels, into, Coordinator(), nodes, block_bytes=100, signatures=signatures)
     except NoCompleteStepError as exc:
         return {"error": str(exc), "refusals": exc.refusals}
-    finally:
-        Coordinator.all_gather = all_gather  # type: ignore[method-assign]
     full = full_state(setup.seed)
     same = {
         key: torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, full[key])
@@ -127,8 +117,8 @@ def _restore(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _renames_failing(warnings: list[str]) -> Iterator[None]:
-    """Renaming a step directory into place fails with EIO; the warnings logged are collected."""
+def _renames_failing() -> Iterator[None]:
+    """Renaming a step directory into place fails with EIO."""
 
     class FailingRename(localfs.LocalFS):
         def rename_noreplace(self, source: str, destination: str) -> None:
@@ -136,17 +126,8 @@ def _renames_failing(warnings: list[str]) -> Iterator[None]:
                 raise OSError(errno.EIO, "injected", destination)
             super().rename_noreplace(source, destination)
 
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warnings.append(record.getMessage())
-
-    handler = Collect(logging.WARNING)
-    logging.getLogger("shardkeep").addHandler(handler)
-    try:
-        with localfs.using(FailingRename()):
-            yield
-    finally:
-        logging.getLogger("shardkeep").removeHandler(handler)
+    with localfs.using(FailingRename()):
+        yield
 
 
 def restore(tmp_path: Path, world_size: int, setup: Setup, label: str) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from shardkeep.retry import agreed_kind, failure_kind, is_transient, run_with_re
 from shardkeep.storage.local import LocalStore
 from shardkeep.testing import FaultInjectingStore, InjectedFault
 from tests.support.distributed_harness import results_or_raise, run_ranks
+from tests.support.observe import logged_messages
 
 torch = pytest.importorskip("torch")
 
@@ -506,14 +507,7 @@ def test_retry_must_be_a_policy(tmp_path: Path) -> None:
 
 def _retry_log() -> list[str]:
     """The messages this process logs on ``shardkeep.retry`` from now on (a warning per retry)."""
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("shardkeep.retry").addHandler(Collect(logging.WARNING))
-    return messages
+    return logged_messages("shardkeep.retry")
 
 
 def _save_with_faults(rank: int, world_size: int, root: str, codes: dict[int, int], after: int = 0) -> dict[str, Any]:
