@@ -771,6 +771,9 @@ class MultiLevelManager:
                     report.append(f"{name}: the drain of step {shared.drain_step} was abandoned")
                     shared.drain.abandon()
                     shared.drain = None
+                # a retention after a drain committed finishes before the process exits (its
+                # pointer files are written through a temporary sibling)
+                shared.join_prune()
             return report
 
         def save() -> str:
