@@ -3,7 +3,7 @@ S3 server. The helpers themselves live in :mod:`tests.support`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture
-def s3_root(s3_server: Any) -> tuple[str, dict[str, Any]]:
-    """A fresh bucket on the session's S3 server: (``s3://bucket/root``, storage options)."""
-    bucket = s3_server.new_bucket()
-    return f"s3://{bucket}/root", s3_server.storage_options
+def s3_root(s3_server: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh bucket on the session's S3 server: (``s3://bucket/root``, storage options).
+    The bucket is removed after the test."""
+    with s3_server.bucket() as bucket:
+        yield f"s3://{bucket}/root", s3_server.storage_options

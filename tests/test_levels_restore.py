@@ -392,10 +392,13 @@ def test_no_complete_step_raises_with_the_refusals(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_wiped_node_is_rebuilt_from_a_persistent_copy_on_s3(tmp_path: Path, s3_server: Any) -> None:
+def test_a_wiped_node_is_rebuilt_from_a_persistent_copy_on_s3(
+    tmp_path: Path, s3_server: Any, request: pytest.FixtureRequest
+) -> None:
     saved = save_step(tmp_path, 5, seed=17)
     setup = two_nodes(tmp_path, saved, persistent=False)
     bucket = s3_server.new_bucket()
+    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
     s3_server.filesystem().put(str(saved), f"{bucket}/root/{saved.name}", recursive=True)
     shutil.rmtree(setup.node_roots[1])
     setup = Setup(setup.node_roots, f"s3://{bucket}/root", setup.node_of, setup.seed, options=s3_server.storage_options)

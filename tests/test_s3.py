@@ -348,3 +348,24 @@ def test_leftover_collection_keeps_an_attempt_that_holds_only_rank_indexes(
     assert catalog.collect_leftovers(lease=0) == []
     assert sk.verify(url, storage_options=options).ok
     assert torch.equal(sk.load(url, storage_options=options)["w"], torch.arange(40.0).reshape(10, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# The session's server itself. A CI run once failed three late S3 tests with "InternalError:
+# no free volumes left": every test's bucket is a SeaweedFS collection with volumes of its own,
+# no bucket was removed, and weed's own limit was 30 volumes.
+
+
+def test_the_session_server_has_room_for_many_more_buckets_than_a_suite_keeps(s3_server: Any) -> None:
+    most, free = s3_server.volumes()
+    assert most >= 1000, f"weed may hold only {most} volumes"
+    assert free > most - 100, f"{most - free} volumes in use: buckets are left behind"
+
+
+def test_a_tests_bucket_goes_with_its_volumes(s3_server: Any) -> None:
+    _, free_before = s3_server.volumes()
+    with s3_server.bucket("gone") as bucket:
+        s3_server.filesystem().pipe(f"{bucket}/root/object", b"x" * 1000)
+        assert s3_server.volumes()[1] < free_before
+    assert bucket not in {entry.rstrip("/") for entry in s3_server.filesystem().ls("")}
+    assert s3_server.volumes()[1] == free_before

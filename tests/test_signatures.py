@@ -326,11 +326,15 @@ def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519Pr
     assert report.ok and report.signature.startswith("valid")
 
 
-def test_two_coordinators_racing_on_s3_leave_the_winner_signed(s3_server: Any, key: Ed25519PrivateKey) -> None:
+def test_two_coordinators_racing_on_s3_leave_the_winner_signed(
+    s3_server: Any, key: Ed25519PrivateKey, request: pytest.FixtureRequest
+) -> None:
     from shardkeep.distributed.commit import CheckpointCommit
     from shardkeep.storage import FsspecStore
 
-    store = FsspecStore(f"s3://{s3_server.new_bucket('race')}/root", s3_server.storage_options)
+    bucket = s3_server.new_bucket("race")
+    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
+    store = FsspecStore(f"s3://{bucket}/root", s3_server.storage_options)
     winner, loser = CheckpointCommit(store, "step_1"), CheckpointCommit(store, "step_1")
     winner.begin()
     loser.begin()
@@ -345,10 +349,14 @@ def test_two_coordinators_racing_on_s3_leave_the_winner_signed(s3_server: Any, k
     assert bytes(found) == b"signature A\n"
 
 
-def test_a_leftover_signature_never_sticks_to_a_later_checkpoint(s3_server: Any, key: Ed25519PrivateKey) -> None:
+def test_a_leftover_signature_never_sticks_to_a_later_checkpoint(
+    s3_server: Any, key: Ed25519PrivateKey, request: pytest.FixtureRequest
+) -> None:
     from shardkeep.storage import FsspecStore
 
-    store = FsspecStore(f"s3://{s3_server.new_bucket('stale')}/root", s3_server.storage_options)
+    bucket = s3_server.new_bucket("stale")
+    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
+    store = FsspecStore(f"s3://{bucket}/root", s3_server.storage_options)
     other = Ed25519PrivateKey.generate()
     # A signed attempt that died after writing its signature but before its manifest (the
     # old order), or whose manifest was removed by retention first.

@@ -43,6 +43,7 @@ def _memory(tmp_path: Path) -> StoreUnderTest:
 def _s3(request: pytest.FixtureRequest) -> StoreUnderTest:
     server = request.getfixturevalue("s3_server")
     bucket = server.new_bucket("conf")
+    request.addfinalizer(lambda: server.remove_bucket(bucket))
     return StoreUnderTest(FsspecStore(f"s3://{bucket}/root", server.storage_options), None)
 
 

@@ -96,7 +96,9 @@ class Cluster:
     ) -> list[netns.NodeRun]:
         """Start the training script on ``nodes`` (2 ranks each), the local level on each node's
         disk under ``variant``, the persistent level in the variant's bucket."""
-        bucket = self.buckets.setdefault(variant, self.server.new_bucket(variant))
+        if variant not in self.buckets:
+            self.buckets[variant] = self.server.new_bucket(variant)
+        bucket = self.buckets[variant]
         env = dict(os.environ)
         env.update(self.server.environment)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])

@@ -53,6 +53,16 @@ class S3Server:
     endpoint: str
     process: subprocess.Popen[bytes]
     directory: Path
+    master: str = ""  # the SeaweedFS master's HTTP address, for its /dir/status
+
+    def volumes(self) -> tuple[int, int]:
+        """(volumes the server may hold, volumes still free), from the master's status."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.master}/dir/status", timeout=10) as answer:
+            topology = json.load(answer)["Topology"]
+        return int(topology["Max"]), int(topology["Free"])
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -77,6 +87,21 @@ class S3Server:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
         self.filesystem().mkdir(name)
         return name
+
+    def remove_bucket(self, name: str) -> None:
+        """Remove a bucket and everything in it, which frees its SeaweedFS collection's volumes."""
+        fs = self.filesystem()
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(name, recursive=True)
+
+    @contextlib.contextmanager
+    def bucket(self, prefix: str = "sk") -> Iterator[str]:
+        """A fresh bucket for the block, removed after it."""
+        name = self.new_bucket(prefix)
+        try:
+            yield name
+        finally:
+            self.remove_bucket(name)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -122,6 +147,10 @@ def start(directory: Path, *, timeout: float = 90.0, ip: str = "127.0.0.1") -> S
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-webdav=false",
+        # Each bucket is a SeaweedFS collection with volumes of its own, and the limit weed
+        # works out from the free disk was 30 volumes here: a session past 30 live buckets got
+        # "InternalError: no free volumes left" on PutObject. Volumes are sparse files.
+        "-volume.max=2000",
         "-admin.ui=false",
         f"-admin.port={admin}",
         f"-admin.port.grpc={admin_grpc}",
@@ -131,7 +160,9 @@ def start(directory: Path, *, timeout: float = 90.0, ip: str = "127.0.0.1") -> S
         command, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=directory, start_new_session=True
     )
     log.close()
-    server = S3Server(endpoint=f"http://{ip}:{s3}", process=process, directory=directory)
+    server = S3Server(
+        endpoint=f"http://{ip}:{s3}", process=process, directory=directory, master=f"http://{ip}:{master}"
+    )
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
