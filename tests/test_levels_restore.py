@@ -429,3 +429,50 @@ def test_one_process_restores_the_newest_step_and_returns_the_state(tmp_path: Pa
     assert report.step == 3 and loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
     assert [(step, rank, level) for step, rank, level, _ in report.refused] == [(7, 0, "local"), (7, 0, "persistent")]
     assert "size is 7 bytes" in report.refused[0][3]
+
+
+def test_a_local_file_is_read_once_the_bytes_checked_are_the_bytes_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest check of the local files keeps each one's bytes for the load: no second
+    reading of a file that passed, and a file that failed is healed and read from its new copy."""
+    import shardkeep.io
+    import shardkeep.levels.attempt
+    import shardkeep.loading
+    from shardkeep.distributed.coordinator import Coordinator
+
+    state = {"w": torch.arange(1000.0), "b": torch.ones(3), "step": 4}
+    sk.save(state, tmp_path / "saved" / checkpoint_name(4))
+    split_into_nodes(tmp_path / "saved" / checkpoint_name(4), [tmp_path / "local"], lambda r: 0, 1)
+    opened: dict[str, list[str]] = {"check": [], "load": []}
+    original = shardkeep.io.check_shard
+
+    def counting(by: str) -> Callable[..., Any]:
+        def check_shard(store: Any, path: str, record: Any, **kwargs: Any) -> Any:
+            if record.path.endswith(".safetensors"):
+                opened[by].append(record.path)
+            return original(store, path, record, **kwargs)
+
+        return check_shard
+
+    monkeypatch.setattr(shardkeep.levels.attempt, "check_shard", counting("check"))
+    monkeypatch.setattr(shardkeep.loading, "check_shard", counting("load"))
+    levels = [LevelView("local", str(tmp_path / "local"), node_local=True)]
+    loaded, report = restore_best(levels, None, Coordinator(), Nodes((0,)))
+    assert report.step == 4 and torch.equal(loaded["w"], state["w"]) and loaded["step"] == 4
+    data = opened["check"]
+    assert data and sorted(data) == sorted(set(data)) and opened["load"] == [], opened
+
+    # A flipped file: refused by the check, healed from the persistent copy, and read by the
+    # load from that copy (the bytes that failed are never used).
+    shutil.copytree(tmp_path / "saved" / checkpoint_name(4), tmp_path / "persistent" / checkpoint_name(4))
+    target = Path(tmp_path, "local", checkpoint_name(4), data[0])
+    flipped = bytearray(target.read_bytes())
+    flipped[-1] ^= 0xFF
+    target.write_bytes(bytes(flipped))
+    opened = {"check": [], "load": []}
+    levels.append(LevelView("persistent", str(tmp_path / "persistent")))
+    loaded, report = restore_best(levels, None, Coordinator(), Nodes((0,)))
+    assert report.step == 4 and torch.equal(loaded["w"], state["w"])
+    assert (0, data[0], "persistent") in report.healed
+    assert opened["load"] == [data[0]], opened

@@ -168,8 +168,12 @@ class LoadJob:
                     boxes[position] = box
             self.boxes.append(boxes)
 
-    def read(self) -> None:
+    def read(self, checked: Mapping[str, memoryview] | None = None) -> None:
+        """Read (and with ``verify``, check) every file this rank needs into ``buffers``.
+        ``checked``: files the caller has read and checked already (their digests and headers,
+        against this manifest's records), by path: their bytes are used as they are."""
         manifest, needed, options = self.manifest, self.needed, self.options
+        checked = checked or {}
         problems: list[str] = []
         if options.verify:
             problems.extend(file_set_problems(self.location, manifest, resolver=self.resolver))
@@ -183,6 +187,10 @@ class LoadJob:
             record = manifest.files[index]
             if needed[index] == []:
                 return None, []  # not selected, or nothing in it overlaps what this rank loads
+            if record.path in checked:
+                if update is not None:
+                    update(record.size)
+                return checked[record.path], []
             store, where = self.resolver(record)
             if needed[index] is not None or self.boxes[index]:
                 pieces, found = self._read_ranges(index, update)

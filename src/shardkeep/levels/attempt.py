@@ -164,7 +164,9 @@ class StepAttempt(PeerFetch):
         self.stores: dict[str, ByteStore] = {}
         #: The digest check of the present local files, running while the missing ones arrive.
         self._checker: ThreadPoolExecutor | None = None
-        self._checking: Future[dict[str, str]] | None = None
+        self._checking: Future[tuple[dict[str, str], dict[str, memoryview]]] | None = None
+        #: The local files the check passed, by path: their bytes, which the load reads from.
+        self.checked: dict[str, memoryview] = {}
 
     def _mode_of(self, node: int) -> str:
         """``local`` (the node holds the part), ``rebuild`` (its local level has nothing of the
@@ -634,27 +636,36 @@ class StepAttempt(PeerFetch):
         return [path for path in sorted(part.holds()) if os.path.isfile(os.path.join(self.directory, path))]
 
     @staticmethod
-    def _check_present(job: LoadJob, records: list[FileRecord], fast: bool) -> dict[str, str]:
+    def _check_present(
+        job: LoadJob, records: list[FileRecord], fast: bool
+    ) -> tuple[dict[str, str], dict[str, memoryview]]:
         """Check the digests of the local files present at their size (the fast ones with
-        ``fast``): the problems by path."""
+        ``fast``): the problems by path, and the bytes of each file that passed, as the load
+        keeps them (a private memory map, or a copy without ``mmap``), so that :meth:`read`
+        reads none of them again."""
         problems: dict[str, str] = {}
+        kept: dict[str, memoryview] = {}
         chosen: DigestChoice = "fast" if fast else "strong"
         for record in records:
             try:
                 store, where = job.resolver(record)
-                _, found = check_shard(store, where, record, verify=True, keep=False, digest=chosen)
+                data, found = check_shard(
+                    store, where, record, verify=True, keep=True, use_mmap=job.options.mmap, digest=chosen
+                )
             except (OSError, ShardkeepError) as exc:
-                found = [f"{record.path}: {exc}"]
+                data, found = None, [f"{record.path}: {exc}"]
             if found:
                 problems[record.path] = found[0].removeprefix(f"{record.path}: ")
-        return problems
+            elif data is not None:
+                kept[record.path] = data
+        return problems, kept
 
     def damaged(self) -> list[tuple[str, int]]:
         """Wait for the digest check :meth:`check` started: the present files that failed it,
         as ``(path, stored size)`` (their reasons go to ``local_problems``)."""
         if self._checking is None:
             return []
-        problems = self._checking.result()
+        problems, self.checked = self._checking.result()
         self._checking = None
         self.local_problems.update(problems)
         return [(path, self.needed[path].stored_size) for path in sorted(problems)]
@@ -669,7 +680,8 @@ class StepAttempt(PeerFetch):
         """Read this rank's files (verified when read from a shared copy; the local ones were
         checked or arrived checked); the level they were read from."""
         assert self.job is not None
-        self.job.read()
+        checked, self.checked = self.checked, {}
+        self.job.read(checked)
         return self.source_level
 
     def finalize_quietly(self, healed: list[tuple[int, str, str]]) -> None:
