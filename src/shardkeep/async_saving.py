@@ -35,6 +35,7 @@ from typing import Any
 
 from shardkeep.config import LOCAL
 from shardkeep.distributed.coordinator import Coordinator
+from shardkeep.distributed.groups import GroupCache
 from shardkeep.distributed.plan import ItemDescriptor
 from shardkeep.errors import CoordinationError, RetentionError, SaveInProgressError
 from shardkeep.integrity import SignaturePolicy
@@ -56,8 +57,7 @@ logger = logging.getLogger("shardkeep")
 ABANDON_SECONDS = 30.0
 
 #: The groups of the background retries, by (process group, timeout): made once per process.
-_background_groups: dict[tuple[int, float], Any] = {}
-_background_groups_lock = threading.Lock()
+_background_groups = GroupCache()
 
 
 @dataclass(frozen=True)
@@ -83,19 +83,16 @@ def background_group(process_group: Any, timeout: float) -> Any:
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD
-    key = (id(group), float(timeout))
-    with _background_groups_lock:
-        found = _background_groups.get(key)
-        if found is None:
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            found = dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                timeout=timedelta(seconds=timeout),
-                use_local_synchronization=ranks is not None,
-            )
-            _background_groups[key] = found
-        return found
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return _background_groups.get(
+        (id(group), float(timeout)),
+        lambda: dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout),
+            use_local_synchronization=ranks is not None,
+        ),
+    )
 
 
 class SaveHandle:

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from shardkeep.config import LOCAL
+from shardkeep.distributed.groups import GroupCache
 from shardkeep.errors import CoordinationError, ShardkeepError, same_error
 
 __all__ = [
@@ -66,8 +67,8 @@ DEFAULT_TIMEOUT = 300.0
 #: group broke (one small store read each).
 BROKEN_POLL = 0.25
 
-_groups: dict[tuple[int, float], Any] = {}
-_groups_lock = threading.RLock()
+#: The dedicated checkpoint groups, by (default group, timeout): see :mod:`.groups`.
+_groups = GroupCache()
 
 
 class GroupBrokenError(CoordinationError):
@@ -220,25 +221,19 @@ class Coordinator:
 
     def _dedicated_group(self) -> Any:
         dist = self._dist
-        key = (id(dist.group.WORLD), self.timeout)
-        with _groups_lock:
-            group = _groups.get(key)
-            if group is None:
-                # new_group is itself a collective: every rank reaches this line in the same order.
-                group = self._collective(
-                    "creating the checkpoint process group",
-                    lambda: dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=self.timeout)),
-                )
-                _groups[key] = group
-            return group
+        # new_group is itself a collective: every rank reaches this line in the same order.
+        return _groups.get(
+            (id(dist.group.WORLD), self.timeout),
+            lambda: self._collective(
+                "creating the checkpoint process group",
+                lambda: dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=self.timeout)),
+            ),
+        )
 
     def _forget_group(self) -> None:
         """A gloo group that timed out stays broken: drop it so the next save makes a new one.
         Every rank gets the same error and drops it too, so all create the next one together."""
-        with _groups_lock:
-            for key, group in list(_groups.items()):
-                if group is self.group:
-                    del _groups[key]
+        _groups.forget(self.group)
 
     @property
     def distributed(self) -> bool:
