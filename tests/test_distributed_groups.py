@@ -94,3 +94,32 @@ def test_the_exit_hook_destroys_the_checkpoint_group_before_the_interpreter_goes
     assert done.returncode == 0, done.stderr[-2000:]
     assert "before exit: known True" in done.stdout
     assert "after the hook: known False" in done.stdout, done.stdout
+
+
+def _replicated(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed import distributed_c10d
+
+    import shardkeep as sk
+    from shardkeep.levels import replicas
+
+    level = sk.Level("local", tmp + "/node{node}", node_local=True, replicas=1)
+    manager = sk.MultiLevelManager([level], node_of=lambda r: r, timeout=60)
+    manager.save({"w": torch.full((4,), float(rank))}, step=1)
+    assert manager.wait_for_replicas() == 1  # step 1 is protected
+    replication = manager.replication
+    assert replication is not None and replication.replicator is not None
+    group = replication.replicator.group
+    known_before = group in distributed_c10d._world.pg_map
+    manager.close()
+    return {
+        "known_before": known_before,
+        "known_after": group in distributed_c10d._world.pg_map,
+        "cached_after": group in replicas._replication_groups,
+    }
+
+
+def test_a_managers_replication_group_is_destroyed_by_its_close(tmp_path: Path) -> None:
+    results = results_or_raise(run_ranks(2, _replicated, str(tmp_path), outbox=tmp_path / "out"))
+    for result in results:
+        assert result == {"known_before": True, "known_after": False, "cached_after": False}

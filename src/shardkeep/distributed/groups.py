@@ -1,6 +1,7 @@
 """The gloo process groups shardkeep makes for itself (the checkpoint group of
-:class:`~shardkeep.distributed.coordinator.Coordinator`, the group of async saves' background
-retries), each made once per key and reused.
+:class:`~shardkeep.distributed.coordinator.Coordinator` and the group of async saves'
+background retries, each made once per key and reused; the group of a node-local level's peer
+replication, made per manager and destroyed by its ``close``).
 
 A cached group must not outlive what torch knows of it:
 
@@ -66,6 +67,12 @@ class GroupCache:
                 if cached is group:
                     del self._groups[key]
 
+    def destroy(self, group: Any) -> None:
+        """Drop ``group`` and destroy it, when torch still knows it (no collective: a gloo group
+        is destroyed on each rank alone). Call it only once nothing uses the group."""
+        self.forget(group)
+        _destroy(group)
+
     def __contains__(self, group: Any) -> bool:
         with self._lock:
             return any(cached is group for cached in self._groups.values())
@@ -76,13 +83,17 @@ class GroupCache:
         with self._lock:
             groups, self._groups = list(self._groups.values()), {}
         for group in groups:
-            if _known_to_torch(group):
-                try:
-                    import torch.distributed as dist
+            _destroy(group)
 
-                    dist.destroy_process_group(group)
-                except Exception:  # at exit: what cannot be destroyed is at least not held
-                    pass
+
+def _destroy(group: Any) -> None:
+    if _known_to_torch(group):
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+        except Exception:  # what cannot be destroyed is at least not held
+            pass
 
 
 def release_all() -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import queue
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeep.distributed.coordinator import Coordinator, group_broken
+from shardkeep.distributed.groups import GroupCache
 from shardkeep.errors import ShardkeepError
 from shardkeep.indexes import expand_all
 from shardkeep.levels.config import Level, replica_holders
@@ -251,6 +253,9 @@ class Replicator:
         with contextlib.suppress(RuntimeError):
             self._thread.join(timeout=timeout)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -338,7 +343,15 @@ def new_replication_group(process_group: Any, timeout: float) -> Any:
     import torch.distributed as dist
 
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    # Kept in a cache of its own, so that one never destroyed by close is destroyed at exit.
+    return _replication_groups.get(
+        next(_made), lambda: dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    )
+
+
+#: The replication groups not yet destroyed (each under its own number).
+_replication_groups = GroupCache()
+_made = itertools.count()
 
 
 class Replication:
@@ -496,4 +509,6 @@ class Replication:
             self.settle(root, coordinator, nodes, wait=timeout)
         self.replicator.stop()
         self.replicator.join(1.0)
+        if not self.replicator.alive():
+            _replication_groups.destroy(self.replicator.group)  # else at exit
         self.replicator = None
