@@ -123,3 +123,26 @@ def test_a_managers_replication_group_is_destroyed_by_its_close(tmp_path: Path) 
     results = results_or_raise(run_ranks(2, _replicated, str(tmp_path), outbox=tmp_path / "out"))
     for result in results:
         assert result == {"known_before": True, "known_after": False, "cached_after": False}
+
+
+def _creation_fails(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from shardkeep.distributed.coordinator import Coordinator, GroupBrokenError
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("wait timeout after 3000ms")  # what a peer that never came gives
+
+    dist.new_group = failing  # type: ignore[assignment]  # this forked rank only
+    try:
+        Coordinator(timeout=3)
+    except GroupBrokenError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_checkpoint_group_that_cannot_be_created_is_a_group_broken_error(tmp_path: Path) -> None:
+    """(A CI run: a rank that hung while the group was made gave an AttributeError instead.)"""
+    [result] = results_or_raise(run_ranks(1, _creation_fails, outbox=tmp_path / "out"))
+    assert result.startswith("GroupBrokenError: creating the checkpoint process group"), result
+    assert "wait timeout after 3000ms" in result

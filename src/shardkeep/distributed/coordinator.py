@@ -233,7 +233,9 @@ class Coordinator:
     def _forget_group(self) -> None:
         """A gloo group that timed out stays broken: drop it so the next save makes a new one.
         Every rank gets the same error and drops it too, so all create the next one together."""
-        _groups.forget(self.group)
+        group = getattr(self, "group", None)  # unset while the group is being created
+        if group is not None:
+            _groups.forget(group)
 
     @property
     def distributed(self) -> bool:
