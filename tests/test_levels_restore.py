@@ -393,15 +393,14 @@ def test_no_complete_step_raises_with_the_refusals(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_wiped_node_is_rebuilt_from_a_persistent_copy_on_s3(
-    tmp_path: Path, s3_server: Any, request: pytest.FixtureRequest
+    tmp_path: Path, s3_server: Any, s3_root: tuple[str, dict[str, Any]]
 ) -> None:
     saved = save_step(tmp_path, 5, seed=17)
     setup = two_nodes(tmp_path, saved, persistent=False)
-    bucket = s3_server.new_bucket()
-    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
-    s3_server.filesystem().put(str(saved), f"{bucket}/root/{saved.name}", recursive=True)
+    root, options = s3_root
+    s3_server.filesystem().put(str(saved), f"{root.removeprefix('s3://')}/{saved.name}", recursive=True)
     shutil.rmtree(setup.node_roots[1])
-    setup = Setup(setup.node_roots, f"s3://{bucket}/root", setup.node_of, setup.seed, options=s3_server.storage_options)
+    setup = Setup(setup.node_roots, root, setup.node_of, setup.seed, options=options)
     report = the_report(restore(tmp_path, 4, setup, "s3"))
     assert report.step == 5 and report.source == {0: "local", 1: "local", 2: "local", 3: "local"}
     assert (2, RANK2_FILE, "persistent") in report.healed

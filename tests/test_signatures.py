@@ -327,14 +327,12 @@ def test_a_signed_save_to_s3(s3_root: tuple[str, dict[str, Any]], key: Ed25519Pr
 
 
 def test_two_coordinators_racing_on_s3_leave_the_winner_signed(
-    s3_server: Any, key: Ed25519PrivateKey, request: pytest.FixtureRequest
+    s3_root: tuple[str, dict[str, Any]], key: Ed25519PrivateKey
 ) -> None:
     from shardkeep.distributed.commit import CheckpointCommit
     from shardkeep.storage import FsspecStore
 
-    bucket = s3_server.new_bucket("race")
-    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
-    store = FsspecStore(f"s3://{bucket}/root", s3_server.storage_options)
+    store = FsspecStore(*s3_root)
     winner, loser = CheckpointCommit(store, "step_1"), CheckpointCommit(store, "step_1")
     winner.begin()
     loser.begin()
@@ -350,13 +348,11 @@ def test_two_coordinators_racing_on_s3_leave_the_winner_signed(
 
 
 def test_a_leftover_signature_never_sticks_to_a_later_checkpoint(
-    s3_server: Any, key: Ed25519PrivateKey, request: pytest.FixtureRequest
+    s3_root: tuple[str, dict[str, Any]], key: Ed25519PrivateKey
 ) -> None:
     from shardkeep.storage import FsspecStore
 
-    bucket = s3_server.new_bucket("stale")
-    request.addfinalizer(lambda: s3_server.remove_bucket(bucket))
-    store = FsspecStore(f"s3://{bucket}/root", s3_server.storage_options)
+    store = FsspecStore(*s3_root)
     other = Ed25519PrivateKey.generate()
     # A signed attempt that died after writing its signature but before its manifest (the
     # old order), or whose manifest was removed by retention first.

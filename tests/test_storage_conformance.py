@@ -41,10 +41,8 @@ def _memory(tmp_path: Path) -> StoreUnderTest:
 
 
 def _s3(request: pytest.FixtureRequest) -> StoreUnderTest:
-    server = request.getfixturevalue("s3_server")
-    bucket = server.new_bucket("conf")
-    request.addfinalizer(lambda: server.remove_bucket(bucket))
-    return StoreUnderTest(FsspecStore(f"s3://{bucket}/root", server.storage_options), None)
+    root, options = request.getfixturevalue("s3_root")  # a fresh bucket, removed after the test
+    return StoreUnderTest(FsspecStore(root, options), None)
 
 
 BACKENDS = {"local": _local, "memory": _memory, "s3": _s3}
